@@ -1,0 +1,10 @@
+//! volring: a node agent for Kubernetes storage nodes.
+//!
+//! See `DESIGN.md` beside the repository for the architecture. Each module is
+//! one concern: `sys` (raw syscalls), `ring` (the io_uring reactor), `mounts`
+//! (the mount-table engine), `agent` (wiring).
+
+pub mod agent;
+pub mod mounts;
+pub mod ring;
+pub mod sys;

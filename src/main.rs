@@ -1,0 +1,155 @@
+//! The `volring` command.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+
+use volring::mounts::{self, MountWatcher, WatchConfig, WatchMode};
+use volring::ring::BackendChoice;
+
+#[derive(Parser)]
+#[command(name = "volring", version, about = "Node agent for Kubernetes storage nodes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node agent (foreground; stops on SIGINT/SIGTERM).
+    Node {
+        #[command(flatten)]
+        watch: WatchArgs,
+        /// Log every mount event, not only summaries.
+        #[arg(long)]
+        log_events: bool,
+    },
+    /// Print the mount table like `findmnt --raw`, or stream changes.
+    Mounts {
+        /// One JSON document (`{"filesystems": [...]}`), or JSON lines with --watch.
+        #[arg(long)]
+        json: bool,
+        /// Stream change events as JSON lines until Ctrl-C.
+        #[arg(long)]
+        watch: bool,
+        #[command(flatten)]
+        watch_args: WatchArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct WatchArgs {
+    /// How to watch mounts: fanotify+statmount, or re-reading mountinfo.
+    #[arg(long, value_enum, default_value = "auto")]
+    mount_watch: ModeArg,
+    /// I/O engine of the ring threads.
+    #[arg(long, value_enum, default_value = "auto")]
+    io: IoArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Auto,
+    Fanotify,
+    Reparse,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum IoArg {
+    Auto,
+    Uring,
+    Epoll,
+}
+
+impl WatchArgs {
+    fn config(&self) -> WatchConfig {
+        WatchConfig {
+            mode: match self.mount_watch {
+                ModeArg::Auto => WatchMode::Auto,
+                ModeArg::Fanotify => WatchMode::Fanotify,
+                ModeArg::Reparse => WatchMode::Reparse,
+            },
+            backend: match self.io {
+                IoArg::Auto => BackendChoice::Auto,
+                IoArg::Uring => BackendChoice::IoUring,
+                IoArg::Epoll => BackendChoice::Epoll,
+            },
+            ..WatchConfig::default()
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Node { watch, log_events } => runtime()?.block_on(volring::agent::run(volring::agent::AgentConfig { mounts: watch.config(), log_events })),
+        Command::Mounts { json, watch: false, watch_args } => quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse))),
+        Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
+    }
+}
+
+/// `volring mounts | head` is not an error.
+fn quiet_on_closed_pipe(r: anyhow::Result<()>) -> anyhow::Result<()> {
+    match r {
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => Ok(()),
+        other => other,
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
+}
+
+fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
+    let (table, errors) = mounts::load(statmount)?;
+    for e in &errors {
+        tracing::warn!("{e}");
+    }
+    let rows = table.sorted();
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows })).map_err(std::io::Error::from)?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "TARGET SOURCE FSTYPE OPTIONS")?;
+        let mut line = String::new();
+        for m in rows {
+            line.clear();
+            for (i, field) in [m.mount_point(), m.source(), m.fs_type(), m.merged_options().as_bytes()].into_iter().enumerate() {
+                if i > 0 {
+                    line.push(' ');
+                }
+                mounts::escape_raw(field, &mut line);
+            }
+            writeln!(out, "{line}")?;
+        }
+    }
+    Ok(())
+}
+
+async fn stream(config: WatchConfig) -> anyhow::Result<()> {
+    let (watcher, _initial, events) = MountWatcher::start(config)?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        tokio::select! {
+            ev = events.recv() => {
+                let Some(ev) = ev else { break };
+                let mut out = std::io::stdout().lock();
+                serde_json::to_writer(&mut out, &ev)?;
+                writeln!(out)?;
+                if out.flush().is_err() {
+                    break; // reader went away
+                }
+            }
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+        }
+    }
+    watcher.stop()?;
+    Ok(())
+}

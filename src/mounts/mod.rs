@@ -1,0 +1,39 @@
+//! The mount-table engine: parse, index, diff and watch the mount table.
+//!
+//! Pure parts (`parse`, `statmount`, `fanotify`, `diff`) work over bytes and
+//! tables; the I/O is in `source` and `watcher`.
+
+mod devname;
+mod diff;
+mod escape;
+mod event;
+pub mod fanotify;
+mod mount;
+pub mod parse;
+mod source;
+pub mod statmount;
+mod table;
+mod watcher;
+
+pub use devname::{block_device, devices_of};
+pub use diff::diff;
+pub use escape::{escape_raw, unescape};
+pub use event::{BlockDevice, Changes, EventKind, MountEvent, ResyncReason, WatchEvent};
+pub use mount::{DevNum, Mount, MountId, Propagation};
+pub use parse::{LineError, LineFault, RawMount};
+pub use source::{load, read_mountinfo, Statmounter};
+pub use table::MountTable;
+pub use watcher::{MountWatcher, WatchConfig, WatchMode, WatcherStats};
+
+/// Errors of the mount-table engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Line(#[from] LineError),
+    #[error("statmount reply: {0}")]
+    Statmount(&'static str),
+    #[error("fanotify event: {0}")]
+    Fanotify(&'static str),
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] std::io::Error),
+}

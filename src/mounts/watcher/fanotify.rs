@@ -1,0 +1,273 @@
+//! The fanotify + statmount strategy.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::emitter::Emitter;
+use super::{Command, WatchConfig};
+use crate::mounts::diff::diff;
+use crate::mounts::event::{MountEvent, ResyncReason};
+use crate::mounts::fanotify::{events, FanEvent};
+use crate::mounts::source::Statmounter;
+use crate::mounts::table::MountTable;
+use crate::mounts::Error;
+use crate::ring::{self, Completion, Driver, Flow, Reactor};
+
+const FAN_READY: ring::Token = 1;
+const FAN_READ: ring::Token = 2;
+const TABLE_CHANGED: ring::Token = 3;
+const GRACE: ring::Token = 4;
+const PERIODIC: ring::Token = 5;
+const RETRY: ring::Token = 6;
+
+/// One read takes up to this many bytes of events (about 1,600 events).
+const READ_SIZE: usize = 64 * 1024;
+
+/// True when this kernel can watch mounts with fanotify and statmount.
+pub(super) fn available() -> bool {
+    Statmounter::supported() && crate::sys::fanotify::watch_mount_namespace().is_ok()
+}
+
+pub(super) struct FanotifyDriver {
+    fan: Arc<OwnedFd>,
+    mountinfo: Arc<OwnedFd>,
+    kernel: Statmounter,
+    table: MountTable,
+    emitter: Emitter,
+    read_buf: Option<Vec<u8>>,
+    /// Ids touched by the batch being handled, in first-seen order, with the
+    /// union of their attach/detach bits.
+    batch: Vec<(u64, bool, bool)>,
+    batch_index: HashMap<u64, usize>,
+    /// Counts fanotify batches handled: a POLLPRI is explained when this
+    /// moves on after it.
+    fan_epoch: u64,
+    /// The epoch at the latest unexplained POLLPRI.
+    pri_epoch: Option<u64>,
+    grace_armed: bool,
+    grace: Duration,
+    resync_interval: Option<Duration>,
+}
+
+impl FanotifyDriver {
+    /// Opens the fanotify group before taking the snapshot, so no change can
+    /// fall between the two: one seen twice is a no-op.
+    pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
+        let fan = crate::sys::fanotify::watch_mount_namespace().map_err(|e| Error::Io("fanotify mount watch", e))?;
+        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
+        let mut kernel = Statmounter::new();
+        let table = kernel.snapshot()?;
+        Ok(Self {
+            fan: Arc::new(fan),
+            mountinfo: Arc::new(mountinfo),
+            kernel,
+            table,
+            emitter,
+            read_buf: Some(vec![0; READ_SIZE]),
+            batch: Vec::new(),
+            batch_index: HashMap::new(),
+            fan_epoch: 0,
+            pri_epoch: None,
+            grace_armed: false,
+            grace: config.remount_grace,
+            resync_interval: config.resync_interval,
+        })
+    }
+
+    pub(super) fn table(&self) -> &MountTable {
+        &self.table
+    }
+
+    fn read(&mut self, ring: &mut Reactor) {
+        if let Some(mut buf) = self.read_buf.take() {
+            buf.resize(READ_SIZE, 0);
+            if let Err(e) = ring.read(FAN_READ, self.fan.clone(), buf, None) {
+                tracing::error!(error = %e, "cannot queue a fanotify read");
+                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                self.read_buf = Some(vec![0; READ_SIZE]);
+            }
+        }
+    }
+
+    /// Folds one read's events into the batch; true on overflow.
+    fn collect(&mut self, buf: &[u8]) -> bool {
+        let mut overflow = false;
+        for ev in events(buf) {
+            match ev {
+                Ok(FanEvent::Mount { id, attach, detach }) => {
+                    self.emitter.counters().fanotify_events.fetch_add(1, Ordering::Relaxed);
+                    match self.batch_index.get(&id) {
+                        Some(&i) => {
+                            self.batch[i].1 |= attach;
+                            self.batch[i].2 |= detach;
+                        }
+                        None => {
+                            self.batch_index.insert(id, self.batch.len());
+                            self.batch.push((id, attach, detach));
+                        }
+                    }
+                }
+                Ok(FanEvent::Overflow) => overflow = true,
+                Err(e) => {
+                    // The rest of this read cannot be trusted: resync instead.
+                    tracing::warn!(error = %e, "malformed fanotify data; resyncing");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    overflow = true;
+                }
+            }
+        }
+        overflow
+    }
+
+    /// Looks at each id of the batch once, in the order first seen.
+    fn apply_batch(&mut self, ring: &mut Reactor) {
+        let batch = std::mem::take(&mut self.batch);
+        self.batch_index.clear();
+        for &(id, attach, _detach) in &batch {
+            self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
+            match self.kernel.stat(id) {
+                Ok(Some(m)) => {
+                    let m = Arc::new(m);
+                    match self.table.insert(m.clone()) {
+                        Some(old) => {
+                            if let Some(e) = MountEvent::between(&old, &m) {
+                                self.emitter.emit(e, ring, RETRY);
+                            }
+                        }
+                        None => self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY),
+                    }
+                }
+                Ok(None) => match self.table.remove(id) {
+                    Some(old) => self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY),
+                    None => {
+                        // Came and went before we could look: still say both.
+                        if attach {
+                            self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
+                        }
+                        self.emitter.emit(MountEvent::detached(id, None), ring, RETRY);
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(mount_id = id, error = %e, "statmount failed");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.batch = batch;
+        self.batch.clear();
+    }
+
+    /// Re-reads the whole table and reports the difference.
+    fn resync(&mut self, reason: Option<ResyncReason>, ring: &mut Reactor) {
+        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
+        let new = match self.kernel.snapshot() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(error = %e, "mount table resync failed");
+                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        let changes = diff(&self.table, &new);
+        self.table = new;
+        match reason {
+            Some(reason) => self.emitter.emit_resync(reason, changes, ring, RETRY),
+            None => changes.into_iter().for_each(|e| self.emitter.emit(e, ring, RETRY)),
+        }
+    }
+
+    fn on_read(&mut self, c: Completion, ring: &mut Reactor) {
+        let buf = c.buf.unwrap_or_default();
+        match c.result {
+            Ok(n) if n > 0 => {
+                let overflow = self.collect(&buf);
+                self.read_buf = Some(buf);
+                self.fan_epoch += 1;
+                if overflow {
+                    self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
+                    self.batch.clear();
+                    self.batch_index.clear();
+                    self.resync(Some(ResyncReason::Overflow), ring);
+                } else {
+                    self.apply_batch(ring);
+                }
+                // More may be queued: read until the group says EAGAIN.
+                self.read(ring);
+            }
+            Ok(_) => self.read_buf = Some(buf),
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    tracing::warn!(error = %e, "fanotify read failed");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                }
+                self.read_buf = Some(if buf.capacity() >= READ_SIZE { buf } else { vec![0; READ_SIZE] });
+            }
+        }
+    }
+}
+
+impl Driver for FanotifyDriver {
+    type Command = Command;
+
+    fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
+        ring.poll(FAN_READY, self.fan.clone(), ring::events::IN)?;
+        ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::events::PRI)?;
+        if let Some(every) = self.resync_interval {
+            ring.timeout(PERIODIC, every)?;
+        }
+        // Anything queued between the mark and the first poll.
+        self.read(ring);
+        Ok(())
+    }
+
+    fn on_command(&mut self, cmd: Command, ring: &mut Reactor) -> Flow {
+        match cmd {
+            Command::Resync => self.resync(None, ring),
+        }
+        self.flow()
+    }
+
+    fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
+        match c.token {
+            FAN_READY => self.read(ring),
+            FAN_READ => self.on_read(c, ring),
+            TABLE_CHANGED => {
+                self.pri_epoch = Some(self.fan_epoch);
+                if !self.grace_armed {
+                    self.grace_armed = ring.timeout(GRACE, self.grace).is_ok();
+                }
+            }
+            GRACE => {
+                self.grace_armed = false;
+                match self.pri_epoch.take() {
+                    // No fanotify event since the table changed: a remount
+                    // (or another change fanotify does not report).
+                    Some(epoch) if epoch == self.fan_epoch => self.resync(None, ring),
+                    Some(_) | None => {}
+                }
+            }
+            PERIODIC => {
+                self.resync(None, ring);
+                if let Some(every) = self.resync_interval {
+                    let _ = ring.timeout(PERIODIC, every);
+                }
+            }
+            RETRY => self.emitter.retry(ring, RETRY),
+            _ => {}
+        }
+        self.flow()
+    }
+}
+
+impl FanotifyDriver {
+    fn flow(&self) -> Flow {
+        if self.emitter.closed() {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Bounded, lock-free hand-off from a ring thread to its consumers.
+//!
+//! The producer never blocks: [`Sender::try_send`] gives the item back when
+//! the queue is full, and the producer decides what to do with it (the mount
+//! watcher folds it into a coalesced diff; nothing is dropped silently).
+//! Consumers wait either asynchronously or on a thread, with no lock on the
+//! fast path: an `ArrayQueue` plus an `event_listener::Event` for wakeups.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use event_listener::{Event, Listener};
+
+struct Shared<T> {
+    queue: ArrayQueue<T>,
+    ready: Event,
+    closed: AtomicBool,
+}
+
+/// The producing end; owned by a ring thread.
+pub struct Sender<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// The consuming end.
+pub struct Receiver<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// A queue that holds at most `capacity` items.
+pub fn bounded<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
+    let shared = Arc::new(Shared { queue: ArrayQueue::new(capacity.max(1)), ready: Event::new(), closed: AtomicBool::new(false) });
+    (Sender { shared: shared.clone() }, Receiver { shared })
+}
+
+impl<T> Sender<T> {
+    /// Enqueues without blocking; returns the item when the queue is full.
+    pub fn try_send(&self, item: T) -> Result<(), T> {
+        self.shared.queue.push(item)?;
+        self.shared.ready.notify_additional(1);
+        Ok(())
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.shared.queue.is_full()
+    }
+
+    /// True once the receiver is gone: nobody will read what is sent.
+    pub fn is_closed(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.ready.notify(usize::MAX);
+    }
+}
+
+impl<T> Receiver<T> {
+    pub fn try_recv(&self) -> Option<T> {
+        self.shared.queue.pop()
+    }
+
+    pub fn len(&self) -> usize {
+        self.shared.queue.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.queue.is_empty()
+    }
+
+    fn closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// Waits for the next item; `None` once the sender is gone and the queue
+    /// is drained.
+    pub async fn recv(&self) -> Option<T> {
+        loop {
+            if let Some(item) = self.try_recv() {
+                return Some(item);
+            }
+            if self.closed() {
+                return self.try_recv();
+            }
+            let listener = self.shared.ready.listen();
+            // Re-check after registering so a push in between is not missed.
+            if let Some(item) = self.try_recv() {
+                return Some(item);
+            }
+            if self.closed() {
+                return self.try_recv();
+            }
+            listener.await;
+        }
+    }
+
+    /// Blocks the calling thread for at most `timeout`; `None` on timeout or
+    /// when the sender is gone and the queue is drained.
+    pub fn recv_timeout(&self, timeout: Duration) -> Option<T> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(item) = self.try_recv() {
+                return Some(item);
+            }
+            if self.closed() {
+                return self.try_recv();
+            }
+            let listener = self.shared.ready.listen();
+            if let Some(item) = self.try_recv() {
+                return Some(item);
+            }
+            if self.closed() {
+                return self.try_recv();
+            }
+            listener.wait_deadline(deadline)?;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_queue_gives_the_item_back() {
+        let (tx, rx) = bounded(2);
+        assert!(tx.try_send(1).is_ok());
+        assert!(tx.try_send(2).is_ok());
+        assert_eq!(tx.try_send(3), Err(3));
+        assert_eq!(rx.try_recv(), Some(1));
+        assert!(tx.try_send(3).is_ok());
+        assert_eq!(rx.recv_timeout(Duration::from_millis(1)), Some(2));
+        assert_eq!(rx.recv_timeout(Duration::from_millis(1)), Some(3));
+        assert_eq!(rx.recv_timeout(Duration::from_millis(1)), None);
+    }
+
+    #[test]
+    fn wakes_a_blocked_consumer_and_reports_close() {
+        let (tx, rx) = bounded::<u32>(4);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.try_send(7).unwrap();
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Some(7));
+        t.join().unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), None);
+    }
+}

@@ -1,0 +1,117 @@
+//! `listmount(2)` and `statmount(2)` (Linux 6.8+).
+//!
+//! The installed headers predate these calls, so the request layout and the
+//! syscall numbers are defined here from the kernel's UAPI. The reply of
+//! `statmount` is returned as raw bytes; decoding it is a pure function in
+//! `mounts::statmount` so that it can be fuzzed.
+
+use std::io;
+
+/// x86_64 syscall numbers (include/uapi/asm-generic/unistd.h, arch/x86 table).
+#[cfg(target_arch = "x86_64")]
+const SYS_STATMOUNT: libc::c_long = 457;
+#[cfg(target_arch = "x86_64")]
+const SYS_LISTMOUNT: libc::c_long = 458;
+#[cfg(target_arch = "aarch64")]
+const SYS_STATMOUNT: libc::c_long = 457;
+#[cfg(target_arch = "aarch64")]
+const SYS_LISTMOUNT: libc::c_long = 458;
+
+/// `LSMT_ROOT`: list from the root of the caller's mount namespace.
+pub const LSMT_ROOT: u64 = u64::MAX;
+
+/// `STATMOUNT_*` request bits.
+pub mod mask {
+    pub const SB_BASIC: u64 = 0x1;
+    pub const MNT_BASIC: u64 = 0x2;
+    pub const PROPAGATE_FROM: u64 = 0x4;
+    pub const MNT_ROOT: u64 = 0x8;
+    pub const MNT_POINT: u64 = 0x10;
+    pub const FS_TYPE: u64 = 0x20;
+    pub const MNT_NS_ID: u64 = 0x40;
+    pub const MNT_OPTS: u64 = 0x80;
+    pub const FS_SUBTYPE: u64 = 0x100;
+    pub const SB_SOURCE: u64 = 0x200;
+}
+
+/// `struct mnt_id_req`, first published size (24 bytes).
+#[repr(C)]
+struct MntIdReq {
+    size: u32,
+    spare: u32,
+    mnt_id: u64,
+    param: u64,
+}
+
+impl MntIdReq {
+    fn new(mnt_id: u64, param: u64) -> Self {
+        Self { size: std::mem::size_of::<Self>() as u32, spare: 0, mnt_id, param }
+    }
+}
+
+/// Lists the unique ids of every mount in the caller's namespace, in id order.
+///
+/// `out` is cleared and refilled; its capacity is reused across calls so a
+/// periodic resync does not reallocate.
+pub fn listmount_all(out: &mut Vec<u64>) -> io::Result<()> {
+    const CHUNK: usize = 4096;
+    out.clear();
+    let mut last = 0u64;
+    loop {
+        let req = MntIdReq::new(LSMT_ROOT, last);
+        out.reserve(CHUNK);
+        let spare = out.spare_capacity_mut();
+        // SAFETY: `req` is a valid, initialised mnt_id_req of the size it states;
+        // the kernel writes at most CHUNK (<= spare.len()) u64 values into
+        // `spare`, which is uninitialised capacity owned by `out`.
+        let n = unsafe { libc::syscall(SYS_LISTMOUNT, &req as *const MntIdReq, spare.as_mut_ptr(), CHUNK, 0u32) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = (n as usize).min(CHUNK);
+        let len = out.len();
+        // SAFETY: the kernel initialised the first `n` elements of the spare capacity.
+        unsafe { out.set_len(len + n) };
+        // A short reply is the end of the list; a full one may have more after `last`.
+        match out.last() {
+            Some(&id) if n == CHUNK => last = id,
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Fills `buf` with the `struct statmount` reply for `mnt_id`, growing it when
+/// the kernel says the strings do not fit (EOVERFLOW). ENOENT means the mount is
+/// no longer in this namespace.
+pub fn statmount(mnt_id: u64, mask: u64, buf: &mut Vec<u8>) -> io::Result<()> {
+    const MAX: usize = 1 << 20;
+    if buf.capacity() < 4096 {
+        buf.reserve(4096 - buf.len());
+    }
+    loop {
+        buf.clear();
+        let req = MntIdReq::new(mnt_id, mask);
+        let cap = buf.capacity();
+        // SAFETY: `req` is a valid mnt_id_req; the kernel writes at most `cap`
+        // bytes into the allocation of `buf`, which has that capacity.
+        let rc = unsafe {
+            libc::syscall(SYS_STATMOUNT, &req as *const MntIdReq, buf.as_mut_ptr(), cap, 0u32)
+        };
+        if rc == 0 {
+            // The reply states its own size in its first u32; never trust it
+            // beyond the capacity we gave.
+            // SAFETY: the kernel wrote at least the fixed header (it succeeded)
+            // and at most `cap` bytes; we expose only what it reported, capped.
+            let reported = unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const u32) } as usize;
+            // SAFETY: bytes up to min(reported, cap) were written by the kernel.
+            unsafe { buf.set_len(reported.min(cap)) };
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EOVERFLOW) && cap < MAX {
+            buf.reserve(cap * 2);
+            continue;
+        }
+        return Err(err);
+    }
+}
