@@ -1,1 +1,632 @@
-fn main() {}
+//! The mount watcher against the real kernel, in a private mount namespace.
+//!
+//! Every scenario runs for both strategies (fanotify+statmount, and the
+//! mountinfo re-parse fallback) on both ring engines (io_uring, epoll), and
+//! asserts the exact events emitted.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{tmpfs_at, umount, LoopDevice, Scratch};
+use libtest_mimic::{Failed, Trial};
+use rustix::mount::{
+    mount_bind, mount_change, mount_move, mount_remount, unmount, MountFlags,
+    MountPropagationFlags, UnmountFlags,
+};
+use volring::mounts::{
+    Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig,
+    WatchEvent, WatchMode,
+};
+use volring::ring::{queue::Receiver, BackendChoice};
+
+struct Watch {
+    watcher: Option<MountWatcher>,
+    rx: Receiver<WatchEvent>,
+    table: MountTable,
+    scope: Vec<u8>,
+}
+
+impl Watch {
+    fn start(mode: WatchMode, backend: BackendChoice, scratch: &Scratch) -> Self {
+        Self::with(
+            WatchConfig {
+                mode,
+                backend,
+                resync_interval: None,
+                ..WatchConfig::default()
+            },
+            scratch,
+        )
+    }
+
+    fn with(config: WatchConfig, scratch: &Scratch) -> Self {
+        let mode = config.mode;
+        let (watcher, table, rx) = MountWatcher::start(config).expect("watcher starts");
+        assert_eq!(watcher.mode(), mode);
+        Self {
+            watcher: Some(watcher),
+            rx,
+            table,
+            scope: scratch.path().as_os_str().as_encoded_bytes().to_vec(),
+        }
+    }
+
+    fn watcher(&self) -> &MountWatcher {
+        self.watcher.as_ref().expect("running")
+    }
+
+    fn in_scope(&self, e: &MountEvent) -> bool {
+        e.subject()
+            .is_none_or(|m| m.mount_point().starts_with(&self.scope))
+    }
+
+    /// Takes deliveries until `n` events in scope arrived (5 s at most), then
+    /// keeps listening 150 ms to catch any extra. Applies all to the table.
+    fn take(&mut self, n: usize) -> Vec<MountEvent> {
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut quiet_until: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            let until = match quiet_until {
+                Some(q) => q,
+                None if got.len() >= n => *quiet_until.insert(now + Duration::from_millis(150)),
+                None => deadline,
+            };
+            if now >= until {
+                break;
+            }
+            let Some(d) = self.rx.recv_timeout(until - now) else {
+                continue;
+            };
+            for e in d.changes() {
+                self.table.apply(e);
+                if self.in_scope(e) {
+                    got.push(e.clone());
+                }
+            }
+        }
+        got
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(w) = self.watcher.take() {
+            let _ = w.stop();
+        }
+    }
+}
+
+fn target(e: &MountEvent) -> String {
+    e.subject()
+        .map(|m| m.mount_point_path().display().to_string())
+        .unwrap_or_default()
+}
+
+/// The events as (kind, path relative to the scratch dir), sorted.
+fn summary(events: &[MountEvent], scratch: &Scratch) -> Vec<(EventKind, String)> {
+    let root = scratch.path().display().to_string();
+    let mut v: Vec<_> = events
+        .iter()
+        .map(|e| {
+            (
+                e.kind,
+                target(e).strip_prefix(&root).unwrap_or("?").to_string(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn expect(
+    events: &[MountEvent],
+    scratch: &Scratch,
+    want: &[(EventKind, &str)],
+) -> Result<(), Failed> {
+    let got = summary(events, scratch);
+    let mut want: Vec<_> = want.iter().map(|(k, p)| (*k, p.to_string())).collect();
+    want.sort();
+    if got != want {
+        return Err(format!("events differ\n  got:  {got:?}\n  want: {want:?}").into());
+    }
+    Ok(())
+}
+
+fn check(cond: bool, what: impl std::fmt::Display) -> Result<(), Failed> {
+    if cond {
+        Ok(())
+    } else {
+        Err(what.to_string().into())
+    }
+}
+
+use EventKind::*;
+
+fn tmpfs_attach_detach(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let mut w = Watch::start(mode, backend, &s);
+    let a = s.tmpfs("a");
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Attached, "/a")])?;
+    let m = ev[0].mount.as_ref().expect("attached mount is read");
+    check(
+        m.fs_type() == b"tmpfs" && m.source() == b"tmpfs",
+        format!("{m:?}"),
+    )?;
+    check(ev[0].devices.is_empty(), "tmpfs has no block device")?;
+    umount(&a);
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Detached, "/a")])?;
+    check(ev[0].id == m.id, "detach names the same mount id")
+}
+
+fn bind_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let src = s.tmpfs("src");
+    std::fs::create_dir(src.join("sub"))?;
+    let mut w = Watch::start(mode, backend, &s);
+    mount_bind(&src, s.dir("dst"))?;
+    mount_bind(src.join("sub"), s.dir("dst2"))?;
+    let ev = w.take(2);
+    expect(&ev, &s, &[(Attached, "/dst"), (Attached, "/dst2")])?;
+    let root = |p: &str| {
+        ev.iter()
+            .find(|e| target(e).ends_with(p))
+            .and_then(|e| e.mount.clone())
+            .map(|m| m.root().to_vec())
+    };
+    check(
+        root("/dst") == Some(b"/".to_vec()),
+        "bind of the root has root /",
+    )?;
+    check(
+        root("/dst2") == Some(b"/sub".to_vec()),
+        "bind of a subtree names it as root",
+    )
+}
+
+fn loop_ext4_with_space(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let dev = LoopDevice::new(64 << 20);
+    dev.mkfs("ext4");
+    let mut w = Watch::start(mode, backend, &s);
+    let p = s.dir("vol with space");
+    rustix::mount::mount(dev.path.as_str(), &p, "ext4", MountFlags::empty(), None)?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Attached, "/vol with space")])?;
+    let m = ev[0].mount.as_ref().expect("read");
+    check(m.fs_type() == b"ext4", "ext4")?;
+    check(
+        m.source() == dev.path.as_bytes(),
+        format!("source {:?}", String::from_utf8_lossy(m.source())),
+    )?;
+    check(ev[0].devices.len() == 1, "one device")?;
+    let d = &ev[0].devices[0];
+    check(
+        d.name.as_deref() == Some(dev.name()) && d.path.as_deref() == Some(dev.path.as_str()),
+        format!("device {d:?}"),
+    )?;
+    check(d.dev == m.dev && d.dev.major == 7, "loop major")?;
+    umount(&p);
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Detached, "/vol with space")])?;
+    check(
+        ev[0].devices.first().and_then(|d| d.name.as_deref()) == Some(dev.name()),
+        "detach names the device too",
+    )
+}
+
+fn move_mount(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let m1 = s.tmpfs("m1");
+    let mut w = Watch::start(mode, backend, &s);
+    mount_move(&m1, s.dir("m2"))?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Moved, "/m2")])?;
+    let prev = ev[0].previous.as_ref().expect("previous state");
+    check(prev.mount_point_path() == m1, "previous target")?;
+    check(
+        ev[0].changes.contains(Changes::MOUNT_POINT),
+        "changes say the mount point",
+    )
+}
+
+fn remount_read_only(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let r = s.tmpfs("r");
+    let mut w = Watch::start(mode, backend, &s);
+    // Per-mount flag: a bind remount.
+    mount_remount(&r, MountFlags::BIND | MountFlags::RDONLY, "")?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Changed, "/r")])?;
+    check(
+        ev[0].mount.as_ref().is_some_and(|m| m.read_only()),
+        "now ro",
+    )?;
+    check(
+        ev[0].changes == Changes::OPTIONS,
+        format!("changes {:?}", ev[0].changes),
+    )?;
+    // Superblock: a plain remount with new fs options.
+    mount_remount(&r, MountFlags::RDONLY, "size=2m")?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Changed, "/r")])?;
+    let sup =
+        String::from_utf8_lossy(ev[0].mount.as_ref().expect("read").super_options()).into_owned();
+    check(
+        sup.starts_with("ro,") && sup.contains("size=2048k"),
+        format!("super options {sup}"),
+    )?;
+    check(
+        ev[0].changes.contains(Changes::SUPER_OPTIONS),
+        "super options changed",
+    )
+}
+
+fn propagation(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let p = s.tmpfs("p");
+    std::fs::create_dir_all(p.join("x"))?;
+    std::fs::create_dir_all(p.join("y"))?;
+    let mut w = Watch::start(mode, backend, &s);
+    // Neither fanotify nor mountinfo's poll reports a propagation change alone:
+    // a resync does.
+    mount_change(&p, MountPropagationFlags::SHARED)?;
+    check(w.take(0).is_empty(), "make-shared is silent in the kernel")?;
+    check(w.watcher().resync(), "resync queued")?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Changed, "/p")])?;
+    let group = ev[0]
+        .mount
+        .as_ref()
+        .and_then(|m| m.propagation.shared)
+        .ok_or("shared:N")?;
+    check(
+        ev[0].changes == Changes::PROPAGATION,
+        "only propagation changed",
+    )?;
+
+    // A bind of a shared mount joins its peer group.
+    let q = s.dir("q");
+    mount_bind(&p, &q)?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Attached, "/q")])?;
+    check(
+        ev[0].mount.as_ref().and_then(|m| m.propagation.shared) == Some(group),
+        "bind is a peer",
+    )?;
+
+    // A mount under one peer propagates to the other: two attaches.
+    tmpfs_at(&p.join("x"));
+    let ev = w.take(2);
+    expect(&ev, &s, &[(Attached, "/p/x"), (Attached, "/q/x")])?;
+
+    // Make q a slave of p's group; a new mount under p reaches q as a slave copy.
+    mount_change(&q, MountPropagationFlags::DOWNSTREAM)?;
+    check(w.watcher().resync(), "resync queued")?;
+    let ev = w.take(1);
+    expect(&ev, &s, &[(Changed, "/q")])?;
+    check(
+        ev[0]
+            .mount
+            .as_ref()
+            .is_some_and(|m| m.propagation.master == Some(group) && m.propagation.shared.is_none()),
+        format!("{:?}", ev[0].mount),
+    )?;
+    tmpfs_at(&p.join("y"));
+    let ev = w.take(2);
+    expect(&ev, &s, &[(Attached, "/p/y"), (Attached, "/q/y")])?;
+    let qy = ev
+        .iter()
+        .find(|e| target(e).ends_with("/q/y"))
+        .and_then(|e| e.mount.clone())
+        .ok_or("q/y read")?;
+    check(
+        qy.propagation.master.is_some(),
+        "copy under a slave receives from a master",
+    )
+}
+
+fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let t = s.tmpfs("t");
+    for sub in ["t/a", "t/a/b", "t/c"] {
+        s.tmpfs(sub);
+    }
+    let mut w = Watch::start(mode, backend, &s);
+    unmount(&t, UnmountFlags::DETACH)?;
+    let ev = w.take(4);
+    expect(
+        &ev,
+        &s,
+        &[
+            (Detached, "/t"),
+            (Detached, "/t/a"),
+            (Detached, "/t/a/b"),
+            (Detached, "/t/c"),
+        ],
+    )
+}
+
+/// After any burst the consumer's table equals the kernel's, and with
+/// fanotify every short-lived mount is reported (attach and detach).
+fn short_lived_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let d = s.dir("burst");
+    let mut w = Watch::start(mode, backend, &s);
+    for _ in 0..50 {
+        tmpfs_at(&d);
+        umount(&d);
+    }
+    let keep = s.tmpfs("keep");
+    let ev = w.take(if mode == WatchMode::Fanotify { 101 } else { 1 });
+    if mode == WatchMode::Fanotify {
+        let attached = ev.iter().filter(|e| e.kind == Attached).count();
+        let detached = ev.iter().filter(|e| e.kind == Detached).count();
+        check(
+            attached == 51 && detached == 50,
+            format!("attached {attached}, detached {detached}"),
+        )?;
+    }
+    check(
+        w.table
+            .top_at(keep.as_os_str().as_encoded_bytes())
+            .is_some(),
+        "last mount is in the table",
+    )?;
+    same_as_kernel(&w.table, mode)
+}
+
+fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
+    let (fresh, _) = volring::mounts::load(mode == WatchMode::Fanotify)?;
+    let key = |t: &MountTable| {
+        let mut v: Vec<_> = t
+            .iter()
+            .map(|m| {
+                (
+                    m.id,
+                    m.mount_point().to_vec(),
+                    m.options().to_vec(),
+                    m.propagation.tags(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    check(
+        key(table) == key(&fresh),
+        "consumer's table matches the kernel's",
+    )
+}
+
+/// A consumer that does not read gets one coalesced diff, not a gap.
+fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let mut w = Watch::with(
+        WatchConfig {
+            mode,
+            backend,
+            queue_capacity: 2,
+            resync_interval: None,
+            ..WatchConfig::default()
+        },
+        &s,
+    );
+    let mut paths = Vec::new();
+    for i in 0..20 {
+        let p = s.tmpfs(&format!("l{i}"));
+        // Give the watcher time to see each one separately.
+        std::thread::sleep(Duration::from_millis(2));
+        paths.push(p);
+    }
+    for p in &paths[..5] {
+        umount(p);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut lagged = 0;
+    let mut attached = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && attached.len() < 15 {
+        let Some(d) = w.rx.recv_timeout(Duration::from_millis(200)) else {
+            continue;
+        };
+        if let WatchEvent::Resync { reason, .. } = &d {
+            check(*reason == ResyncReason::ConsumerLagged, "lag reason")?;
+            lagged += 1;
+        }
+        for e in d.changes() {
+            w.table.apply(e);
+        }
+        attached = paths
+            .iter()
+            .filter(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_some())
+            .map(|p| p.clone())
+            .collect();
+    }
+    check(lagged >= 1, "a coalesced resync was delivered")?;
+    check(
+        attached.len() == 15,
+        format!("{} of 15 live mounts known", attached.len()),
+    )?;
+    check(
+        paths[..5]
+            .iter()
+            .all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none()),
+        "unmounted ones are gone",
+    )?;
+    same_as_kernel(&w.table, mode)
+}
+
+/// A fanotify queue overflow is answered with one `resync` delivery. The
+/// kernel's per-group queue limit is read once, at group creation, so it is
+/// lowered only around the watcher's start.
+fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
+    const KNOB: &str = "/proc/sys/fs/fanotify/max_queued_events";
+    let s = Scratch::new();
+    let d = s.dir("o");
+    let old = std::fs::read_to_string(KNOB)?;
+    std::fs::write(KNOB, "2")?;
+    let started = std::panic::catch_unwind(|| Watch::start(WatchMode::Fanotify, backend, &s));
+    std::fs::write(KNOB, old.trim())?;
+    let mut w = started.map_err(|_| "watcher start panicked")?;
+    let mut overflowed = false;
+    for _ in 0..200 {
+        for _ in 0..20 {
+            tmpfs_at(&d);
+            umount(&d);
+        }
+        tmpfs_at(&d);
+        while let Some(ev) = w.rx.recv_timeout(Duration::from_millis(50)) {
+            overflowed |= matches!(
+                ev,
+                WatchEvent::Resync {
+                    reason: ResyncReason::Overflow,
+                    ..
+                }
+            );
+            ev.changes().iter().for_each(|e| w.table.apply(e));
+        }
+        umount(&d);
+        if overflowed {
+            break;
+        }
+    }
+    while let Some(ev) = w.rx.recv_timeout(Duration::from_millis(100)) {
+        ev.changes().iter().for_each(|e| w.table.apply(e));
+    }
+    check(overflowed, "an overflow resync was delivered")?;
+    check(w.watcher().stats().overflows >= 1, "overflow counted")?;
+    same_as_kernel(&w.table, WatchMode::Fanotify)
+}
+
+fn cli_prints_the_table_like_findmnt() -> Result<(), Failed> {
+    let s = Scratch::new();
+    s.tmpfs("with space");
+    let ours = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+        .arg("mounts")
+        .output()?;
+    check(ours.status.success(), "volring mounts exits 0")?;
+    let theirs = std::process::Command::new("findmnt")
+        .args(["--raw", "-n", "-o", "TARGET"])
+        .output()?;
+    let mut a: Vec<String> = String::from_utf8(ours.stdout)?
+        .lines()
+        .skip(1)
+        .map(|l| l.split(' ').next().unwrap_or("").to_string())
+        .collect();
+    let mut b: Vec<String> = String::from_utf8(theirs.stdout)?
+        .lines()
+        .map(str::to_string)
+        .collect();
+    a.sort();
+    b.sort();
+    check(a == b, format!("targets differ:\n{a:?}\n{b:?}"))?;
+    check(
+        a.iter().any(|t| t.ends_with("/with\\x20space")),
+        "space escaped like findmnt",
+    )?;
+    let json = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["mounts", "--json"])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout)?;
+    check(
+        v["filesystems"].as_array().map(|a| a.len()) == Some(b.len()),
+        "json lists every mount",
+    )
+}
+
+fn cli_watch_streams_json_lines() -> Result<(), Failed> {
+    use std::io::BufRead;
+    let s = Scratch::new();
+    let d = s.dir("w");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["mounts", "--watch"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or("stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // The child needs a moment to start watching; retry the mount until seen.
+    let mut seen = None;
+    for _ in 0..50 {
+        tmpfs_at(&d);
+        umount(&d);
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
+            seen = Some(line);
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+    let line = seen.ok_or("no event line")?;
+    let v: serde_json::Value = serde_json::from_str(&line)?;
+    check(
+        v["event"] == "attached" || v["event"] == "detached",
+        format!("line {line}"),
+    )
+}
+
+fn main() {
+    type Scenario = fn(WatchMode, BackendChoice) -> Result<(), Failed>;
+    let scenarios: &[(&str, Scenario)] = &[
+        ("tmpfs_attach_detach", tmpfs_attach_detach),
+        ("bind_mounts", bind_mounts),
+        ("loop_ext4_with_space", loop_ext4_with_space),
+        ("move_mount", move_mount),
+        ("remount_read_only", remount_read_only),
+        ("propagation", propagation),
+        ("unmount_tree", unmount_tree),
+        ("short_lived_mounts", short_lived_mounts),
+        ("lagging_consumer", lagging_consumer),
+    ];
+    let mut trials = Vec::new();
+    for (mode_name, mode) in [
+        ("fanotify", WatchMode::Fanotify),
+        ("reparse", WatchMode::Reparse),
+    ] {
+        for (backend_name, backend) in [
+            ("uring", BackendChoice::IoUring),
+            ("epoll", BackendChoice::Epoll),
+        ] {
+            for &(name, f) in scenarios {
+                trials.push(Trial::test(
+                    format!("{mode_name}::{backend_name}::{name}"),
+                    move || f(mode, backend),
+                ));
+            }
+        }
+    }
+    for (backend_name, backend) in [
+        ("uring", BackendChoice::IoUring),
+        ("epoll", BackendChoice::Epoll),
+    ] {
+        trials.push(Trial::test(
+            format!("fanotify::{backend_name}::overflow_resync"),
+            move || fanotify_overflow(backend),
+        ));
+    }
+    trials.push(Trial::test(
+        "cli::mounts_like_findmnt",
+        cli_prints_the_table_like_findmnt,
+    ));
+    trials.push(Trial::test(
+        "cli::watch_streams_json_lines",
+        cli_watch_streams_json_lines,
+    ));
+    common::run_in_private_namespace(trials)
+}

@@ -11,7 +11,15 @@ use super::Error;
 use crate::sys::mount_api::mask;
 
 /// Everything the watcher asks for: all that a mountinfo line holds.
-pub const FULL_MASK: u64 = mask::SB_BASIC | mask::MNT_BASIC | mask::PROPAGATE_FROM | mask::MNT_ROOT | mask::MNT_POINT | mask::FS_TYPE | mask::MNT_OPTS | mask::FS_SUBTYPE | mask::SB_SOURCE;
+pub const FULL_MASK: u64 = mask::SB_BASIC
+    | mask::MNT_BASIC
+    | mask::PROPAGATE_FROM
+    | mask::MNT_ROOT
+    | mask::MNT_POINT
+    | mask::FS_TYPE
+    | mask::MNT_OPTS
+    | mask::FS_SUBTYPE
+    | mask::SB_SOURCE;
 
 const FIXED: usize = 512;
 
@@ -36,11 +44,15 @@ const SB_DIRSYNC: u32 = 0x80;
 const SB_LAZYTIME: u32 = 1 << 25;
 
 fn u32_at(b: &[u8], off: usize) -> Result<u32, Error> {
-    b.get(off..off + 4).map(|s| u32::from_ne_bytes(s.try_into().expect("4 bytes"))).ok_or(Error::Statmount("reply shorter than its fixed part"))
+    b.get(off..off + 4)
+        .map(|s| u32::from_ne_bytes(s.try_into().expect("4 bytes")))
+        .ok_or(Error::Statmount("reply shorter than its fixed part"))
 }
 
 fn u64_at(b: &[u8], off: usize) -> Result<u64, Error> {
-    b.get(off..off + 8).map(|s| u64::from_ne_bytes(s.try_into().expect("8 bytes"))).ok_or(Error::Statmount("reply shorter than its fixed part"))
+    b.get(off..off + 8)
+        .map(|s| u64::from_ne_bytes(s.try_into().expect("8 bytes")))
+        .ok_or(Error::Statmount("reply shorter than its fixed part"))
 }
 
 /// The string at `str_off` (offset into the string area), or empty when the
@@ -50,14 +62,23 @@ fn string(b: &[u8], got: u64, bit: u64, str_off_at: usize) -> Result<&[u8], Erro
         return Ok(b"");
     }
     let off = FIXED + u32_at(b, str_off_at)? as usize;
-    let area = b.get(off..).ok_or(Error::Statmount("string offset past the end"))?;
-    let end = area.iter().position(|&c| c == 0).ok_or(Error::Statmount("string not terminated"))?;
+    let area = b
+        .get(off..)
+        .ok_or(Error::Statmount("string offset past the end"))?;
+    let end = area
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or(Error::Statmount("string not terminated"))?;
     Ok(&area[..end])
 }
 
 /// Per-mount options as mountinfo's `show_mnt_opts` writes them.
 fn mount_options(attr: u64) -> String {
-    let mut s = String::from(if attr & MOUNT_ATTR_RDONLY != 0 { "ro" } else { "rw" });
+    let mut s = String::from(if attr & MOUNT_ATTR_RDONLY != 0 {
+        "ro"
+    } else {
+        "rw"
+    });
     let atime = attr & MOUNT_ATTR_ATIME;
     for (on, name) in [
         (attr & MOUNT_ATTR_NOSUID != 0, ",nosuid"),
@@ -85,7 +106,10 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     if got & mask::MNT_BASIC == 0 {
         return Err(Error::Statmount("no basic mount information"));
     }
-    let dev = DevNum { major: u32_at(buf, 16)?, minor: u32_at(buf, 20)? };
+    let dev = DevNum {
+        major: u32_at(buf, 16)?,
+        minor: u32_at(buf, 20)?,
+    };
     let sb_flags = u32_at(buf, 32)?;
     let id = u64_at(buf, 40)?;
     let parent = u64_at(buf, 48)?;
@@ -97,7 +121,8 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     let propagation = Propagation {
         shared: (prop & MS_SHARED != 0).then_some(u64_at(buf, 80)?),
         master,
-        propagate_from: (got & mask::PROPAGATE_FROM != 0 && from != 0 && Some(from) != master).then_some(from),
+        propagate_from: (got & mask::PROPAGATE_FROM != 0 && from != 0 && Some(from) != master)
+            .then_some(from),
         unbindable: prop & MS_UNBINDABLE != 0,
     };
     let root = unescape(string(buf, got, mask::MNT_ROOT, 104)?);
@@ -108,14 +133,32 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     let fs_opts = unescape(string(buf, got, mask::MNT_OPTS, 4)?);
     let options = mount_options(attr);
 
-    let mut sup = String::from(if sb_flags & SB_RDONLY != 0 { "ro" } else { "rw" });
-    for (bit, name) in [(SB_SYNCHRONOUS, ",sync"), (SB_DIRSYNC, ",dirsync"), (SB_LAZYTIME, ",lazytime")] {
+    let mut sup = String::from(if sb_flags & SB_RDONLY != 0 {
+        "ro"
+    } else {
+        "rw"
+    });
+    for (bit, name) in [
+        (SB_SYNCHRONOUS, ",sync"),
+        (SB_DIRSYNC, ",dirsync"),
+        (SB_LAZYTIME, ",lazytime"),
+    ] {
         if sb_flags & bit != 0 {
             sup.push_str(name);
         }
     }
 
-    let mut b = MountBuilder::with_capacity(root.len() + point.len() + options.len() + fs_type.len() + subtype.len() + source.len() + sup.len() + fs_opts.len() + 3);
+    let mut b = MountBuilder::with_capacity(
+        root.len()
+            + point.len()
+            + options.len()
+            + fs_type.len()
+            + subtype.len()
+            + source.len()
+            + sup.len()
+            + fs_opts.len()
+            + 3,
+    );
     b.push(Field::Root, &root);
     b.push(Field::MountPoint, &point);
     b.push(Field::Options, options.as_bytes());
@@ -124,7 +167,14 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
         b.extend_last(b".");
         b.extend_last(subtype);
     }
-    b.push(Field::Source, if got & mask::SB_SOURCE != 0 && !source.is_empty() { &source } else { b"none" });
+    b.push(
+        Field::Source,
+        if got & mask::SB_SOURCE != 0 && !source.is_empty() {
+            &source
+        } else {
+            b"none"
+        },
+    );
     b.push(Field::SuperOptions, sup.as_bytes());
     if !fs_opts.is_empty() {
         b.extend_last(b",");
@@ -138,7 +188,14 @@ pub(crate) mod tests {
     use super::*;
 
     /// Builds a reply the way the kernel lays it out.
-    pub(crate) fn reply(id: u64, point: &str, attr: u64, prop: u64, peer: u64, opts: &str) -> Vec<u8> {
+    pub(crate) fn reply(
+        id: u64,
+        point: &str,
+        attr: u64,
+        prop: u64,
+        peer: u64,
+        opts: &str,
+    ) -> Vec<u8> {
         let mut b = vec![0u8; FIXED];
         let mut strs = Vec::new();
         let mut put = |b: &mut Vec<u8>, at: usize, s: &str| {
@@ -169,7 +226,14 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_a_reply_like_mountinfo_would_show_it() {
-        let r = reply(0x8000_0040, "/mnt/a\\040b", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, MS_SHARED, 5, "errors=remount-ro");
+        let r = reply(
+            0x8000_0040,
+            "/mnt/a\\040b",
+            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID,
+            MS_SHARED,
+            5,
+            "errors=remount-ro",
+        );
         let m = decode(&r).unwrap();
         assert_eq!(m.id, 0x8000_0040);
         assert_eq!(m.info_id, Some(33));

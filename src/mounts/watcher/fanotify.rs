@@ -56,8 +56,11 @@ impl FanotifyDriver {
     /// Opens the fanotify group before taking the snapshot, so no change can
     /// fall between the two: one seen twice is a no-op.
     pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
-        let fan = crate::sys::fanotify::watch_mount_namespace().map_err(|e| Error::Io("fanotify mount watch", e))?;
-        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
+        let fan = crate::sys::fanotify::watch_mount_namespace()
+            .map_err(|e| Error::Io("fanotify mount watch", e))?;
+        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo")
+            .map_err(|e| Error::Io("open mountinfo", e))?
+            .into();
         let mut kernel = Statmounter::new();
         let table = kernel.snapshot()?;
         Ok(Self {
@@ -86,7 +89,10 @@ impl FanotifyDriver {
             buf.resize(READ_SIZE, 0);
             if let Err(e) = ring.read(FAN_READ, self.fan.clone(), buf, None) {
                 tracing::error!(error = %e, "cannot queue a fanotify read");
-                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                self.emitter
+                    .counters()
+                    .errors
+                    .fetch_add(1, Ordering::Relaxed);
                 self.read_buf = Some(vec![0; READ_SIZE]);
             }
         }
@@ -98,7 +104,10 @@ impl FanotifyDriver {
         for ev in events(buf) {
             match ev {
                 Ok(FanEvent::Mount { id, attach, detach }) => {
-                    self.emitter.counters().fanotify_events.fetch_add(1, Ordering::Relaxed);
+                    self.emitter
+                        .counters()
+                        .fanotify_events
+                        .fetch_add(1, Ordering::Relaxed);
                     match self.batch_index.get(&id) {
                         Some(&i) => {
                             self.batch[i].1 |= attach;
@@ -114,7 +123,10 @@ impl FanotifyDriver {
                 Err(e) => {
                     // The rest of this read cannot be trusted: resync instead.
                     tracing::warn!(error = %e, "malformed fanotify data; resyncing");
-                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    self.emitter
+                        .counters()
+                        .errors
+                        .fetch_add(1, Ordering::Relaxed);
                     overflow = true;
                 }
             }
@@ -127,7 +139,10 @@ impl FanotifyDriver {
         let batch = std::mem::take(&mut self.batch);
         self.batch_index.clear();
         for &(id, attach, _detach) in &batch {
-            self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
+            self.emitter
+                .counters()
+                .statmount_calls
+                .fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
                     let m = Arc::new(m);
@@ -137,22 +152,32 @@ impl FanotifyDriver {
                                 self.emitter.emit(e, ring, RETRY);
                             }
                         }
-                        None => self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY),
+                        None => self
+                            .emitter
+                            .emit(MountEvent::attached(id, Some(m)), ring, RETRY),
                     }
                 }
                 Ok(None) => match self.table.remove(id) {
-                    Some(old) => self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY),
+                    Some(old) => {
+                        self.emitter
+                            .emit(MountEvent::detached(id, Some(old)), ring, RETRY)
+                    }
                     None => {
                         // Came and went before we could look: still say both.
                         if attach {
-                            self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
+                            self.emitter
+                                .emit(MountEvent::attached(id, None), ring, RETRY);
                         }
-                        self.emitter.emit(MountEvent::detached(id, None), ring, RETRY);
+                        self.emitter
+                            .emit(MountEvent::detached(id, None), ring, RETRY);
                     }
                 },
                 Err(e) => {
                     tracing::warn!(mount_id = id, error = %e, "statmount failed");
-                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    self.emitter
+                        .counters()
+                        .errors
+                        .fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -162,12 +187,18 @@ impl FanotifyDriver {
 
     /// Re-reads the whole table and reports the difference.
     fn resync(&mut self, reason: Option<ResyncReason>, ring: &mut Reactor) {
-        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
+        self.emitter
+            .counters()
+            .resyncs
+            .fetch_add(1, Ordering::Relaxed);
         let new = match self.kernel.snapshot() {
             Ok(t) => t,
             Err(e) => {
                 tracing::error!(error = %e, "mount table resync failed");
-                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                self.emitter
+                    .counters()
+                    .errors
+                    .fetch_add(1, Ordering::Relaxed);
                 return;
             }
         };
@@ -175,7 +206,9 @@ impl FanotifyDriver {
         self.table = new;
         match reason {
             Some(reason) => self.emitter.emit_resync(reason, changes, ring, RETRY),
-            None => changes.into_iter().for_each(|e| self.emitter.emit(e, ring, RETRY)),
+            None => changes
+                .into_iter()
+                .for_each(|e| self.emitter.emit(e, ring, RETRY)),
         }
     }
 
@@ -187,7 +220,10 @@ impl FanotifyDriver {
                 self.read_buf = Some(buf);
                 self.fan_epoch += 1;
                 if overflow {
-                    self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
+                    self.emitter
+                        .counters()
+                        .overflows
+                        .fetch_add(1, Ordering::Relaxed);
                     self.batch.clear();
                     self.batch_index.clear();
                     self.resync(Some(ResyncReason::Overflow), ring);
@@ -201,9 +237,16 @@ impl FanotifyDriver {
             Err(e) => {
                 if e.kind() != std::io::ErrorKind::WouldBlock {
                     tracing::warn!(error = %e, "fanotify read failed");
-                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    self.emitter
+                        .counters()
+                        .errors
+                        .fetch_add(1, Ordering::Relaxed);
                 }
-                self.read_buf = Some(if buf.capacity() >= READ_SIZE { buf } else { vec![0; READ_SIZE] });
+                self.read_buf = Some(if buf.capacity() >= READ_SIZE {
+                    buf
+                } else {
+                    vec![0; READ_SIZE]
+                });
             }
         }
     }

@@ -122,7 +122,9 @@ pub struct MountWatcher {
 impl MountWatcher {
     /// Starts watching this thread's mount namespace. Returns the table as it
     /// was when watching began, and the queue every later change arrives on.
-    pub fn start(config: WatchConfig) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
+    pub fn start(
+        config: WatchConfig,
+    ) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
         let counters = Arc::new(Counters::default());
         let (tx, rx) = queue::bounded(config.queue_capacity);
         let emitter = emitter::Emitter::new(tx, counters.clone(), config.resolve_devices);
@@ -135,14 +137,26 @@ impl MountWatcher {
         let (thread, initial) = if use_fanotify {
             let driver = fanotify::FanotifyDriver::new(&config, emitter)?;
             let initial = driver.table().clone();
-            (Thread::Fanotify(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
+            (
+                Thread::Fanotify(
+                    RingThread::spawn("volring-mounts", driver, config.backend, 16)
+                        .map_err(spawn_err)?,
+                ),
+                initial,
+            )
         } else {
             if config.mode == WatchMode::Auto {
                 tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
             }
             let driver = reparse::ReparseDriver::new(emitter)?;
             let initial = driver.table().clone();
-            (Thread::Reparse(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
+            (
+                Thread::Reparse(
+                    RingThread::spawn("volring-mounts", driver, config.backend, 16)
+                        .map_err(spawn_err)?,
+                ),
+                initial,
+            )
         };
         Ok((Self { thread, counters }, initial, rx))
     }

@@ -1,0 +1,166 @@
+//! Helpers for tests that need the real kernel. Everything made here is
+//! removed on drop, so also when a test panics.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
+
+/// A scratch directory; every mount below it is lazily unmounted on drop,
+/// deepest (newest) first, before the directory is removed.
+pub struct Scratch {
+    dir: Option<tempfile::TempDir>,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        Self {
+            dir: Some(
+                tempfile::Builder::new()
+                    .prefix("volring-test-")
+                    .tempdir()
+                    .expect("tempdir"),
+            ),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.as_ref().expect("live").path()
+    }
+
+    /// A directory `name` inside the scratch dir (created).
+    pub fn dir(&self, name: &str) -> PathBuf {
+        let p = self.path().join(name);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        p
+    }
+
+    /// Mounts a small tmpfs at `name`.
+    pub fn tmpfs(&self, name: &str) -> PathBuf {
+        let p = self.dir(name);
+        tmpfs_at(&p);
+        p
+    }
+}
+
+pub fn tmpfs_at(p: &Path) {
+    mount("tmpfs", p, "tmpfs", MountFlags::empty(), Some(c"size=1m"))
+        .unwrap_or_else(|e| panic!("mount tmpfs {}: {e}", p.display()));
+}
+
+pub fn umount(p: &Path) {
+    unmount(p, UnmountFlags::empty()).unwrap_or_else(|e| panic!("umount {}: {e}", p.display()));
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let Some(dir) = self.dir.take() else { return };
+        let root = dir.path().as_os_str().as_encoded_bytes().to_vec();
+        let mut prefix = root.clone();
+        prefix.push(b'/');
+        // Bounded: each pass removes at least one mount or stops.
+        for _ in 0..10_000 {
+            let info = std::fs::read("/proc/self/mountinfo").unwrap_or_default();
+            let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
+            let mut under: Vec<_> = table
+                .iter()
+                .filter(|m| {
+                    m.mount_point() == root.as_slice() || m.mount_point().starts_with(&prefix)
+                })
+                .map(|m| (m.id, m.mount_point_path().to_path_buf()))
+                .collect();
+            if under.is_empty() {
+                break;
+            }
+            under.sort();
+            let (_, p) = under.pop().expect("non-empty");
+            if unmount(&p, UnmountFlags::DETACH).is_err() {
+                break;
+            }
+        }
+        let _ = dir.close();
+    }
+}
+
+/// A loop device over a sparse file; detached on drop.
+pub struct LoopDevice {
+    pub path: String,
+    _file: tempfile::NamedTempFile,
+}
+
+impl LoopDevice {
+    pub fn new(size: u64) -> Self {
+        let file = tempfile::Builder::new()
+            .prefix("volring-img-")
+            .tempfile()
+            .expect("image file");
+        file.as_file().set_len(size).expect("truncate");
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(file.path())
+            .output()
+            .expect("losetup");
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = String::from_utf8(out.stdout)
+            .expect("utf8")
+            .trim()
+            .to_string();
+        Self { path, _file: file }
+    }
+
+    pub fn name(&self) -> &str {
+        self.path.trim_start_matches("/dev/")
+    }
+
+    pub fn mkfs(&self, fs: &str) {
+        let out = Command::new(format!("mkfs.{fs}"))
+            .args(if fs == "xfs" {
+                vec!["-q", "-f"]
+            } else {
+                vec!["-q", "-F"]
+            })
+            .arg(&self.path)
+            .output()
+            .expect("mkfs");
+        assert!(
+            out.status.success(),
+            "mkfs.{fs}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        // A lazily unmounted filesystem may hold the device for a moment.
+        for _ in 0..50 {
+            if Command::new("losetup")
+                .arg("-d")
+                .arg(&self.path)
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false)
+            {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        eprintln!("warning: could not detach {}", self.path);
+    }
+}
+
+/// Runs libtest-mimic trials inside a private mount namespace, one at a time
+/// (they share the namespace, so their events must not interleave).
+pub fn run_in_private_namespace(trials: Vec<libtest_mimic::Trial>) -> ! {
+    volring::sys::ns::enter_private_mount_namespace()
+        .expect("private mount namespace (run as root)");
+    let mut args = libtest_mimic::Arguments::from_args();
+    args.test_threads = Some(1);
+    libtest_mimic::run(&args, trials).exit()
+}
