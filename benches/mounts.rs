@@ -1,1 +1,83 @@
-fn main() {}
+//! criterion: parsing mountinfo, diffing tables, and a statmount snapshot.
+//!
+//! `cargo bench --bench mounts` (root: the snapshot group mounts tmpfs and
+//! binds in a private mount namespace entered before criterion starts).
+
+mod support;
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use volring::mounts::{diff, parse, read_mountinfo, MountTable, Statmounter};
+
+const SIZES: [usize; 4] = [1_000, 5_000, 10_000, 20_000];
+
+fn parse_group(c: &mut Criterion) {
+    let mut g = c.benchmark_group("mountinfo_parse");
+    for n in SIZES {
+        let text = support::kubelet_mountinfo(n);
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::new("zero_copy_lines", n), &text, |b, t| {
+            b.iter(|| parse::parse(black_box(t)).filter(|l| l.is_ok()).count())
+        });
+        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| {
+            b.iter(|| parse::parse(black_box(t)).filter_map(Result::ok).map(|r| r.to_mount()).collect::<Vec<_>>())
+        });
+        g.bench_with_input(BenchmarkId::new("indexed_table", n), &text, |b, t| b.iter(|| MountTable::from_mountinfo(black_box(t))));
+    }
+    g.finish();
+}
+
+fn diff_group(c: &mut Criterion) {
+    let mut g = c.benchmark_group("mount_table_diff");
+    let text = support::kubelet_mountinfo(10_000);
+    let (old, _) = MountTable::from_mountinfo(&text);
+    // The same table re-read (fresh allocations, as a resync makes), with one
+    // mount's options changed.
+    let (mut new, _) = MountTable::from_mountinfo(&text);
+    let victim = new.sorted()[5_000].clone();
+    let changed = String::from_utf8_lossy(&text).lines().find(|l| l.starts_with(&format!("{} ", victim.id))).unwrap().replacen(
+        " rw,relatime ",
+        " ro,relatime ",
+        1,
+    );
+    let (one, _) = MountTable::from_mountinfo(changed.as_bytes());
+    new.insert(Arc::clone(one.get(victim.id).unwrap()));
+    assert_eq!(diff(&old, &new).len(), 1);
+    g.throughput(Throughput::Elements(10_000));
+    g.bench_function("10k_vs_10k_one_change", |b| b.iter(|| diff(black_box(&old), black_box(&new))));
+    g.finish();
+}
+
+fn snapshot_group(c: &mut Criterion, farm: &mut support::MountFarm) {
+    let mut g = c.benchmark_group("mount_table_snapshot");
+    g.sample_size(10);
+    let mut sm = Statmounter::new();
+    let info = std::fs::File::open("/proc/self/mountinfo").expect("mountinfo");
+    let mut buf = Vec::new();
+    for n in SIZES {
+        farm.grow_to(n);
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(BenchmarkId::new("listmount_statmount", n), |b| b.iter(|| sm.snapshot().expect("snapshot")));
+        g.bench_function(BenchmarkId::new("mountinfo_read_parse", n), |b| {
+            b.iter(|| {
+                read_mountinfo(&info, &mut buf).expect("read");
+                MountTable::from_mountinfo(&buf)
+            })
+        });
+    }
+    g.finish();
+}
+
+fn main() {
+    let private = volring::sys::ns::enter_private_mount_namespace();
+    let mut c = Criterion::default().configure_from_args();
+    parse_group(&mut c);
+    diff_group(&mut c);
+    match private {
+        Ok(()) => snapshot_group(&mut c, &mut support::MountFarm::new()),
+        Err(e) => eprintln!("skipping mount_table_snapshot: no private mount namespace ({e}); run as root"),
+    }
+    c.final_summary();
+}

@@ -39,28 +39,18 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
     }
     let stats = watcher.stop()?;
-    tracing::info!(
-        events = stats.mount_events,
-        resyncs = stats.resyncs,
-        cpu_ms = stats.cpu.as_millis() as u64,
-        "stopped"
-    );
+    tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     Ok(())
 }
 
 fn apply(table: &mut MountTable, ev: &WatchEvent, log: bool) {
-    if let WatchEvent::Resync {
-        reason, changes, ..
-    } = ev
-    {
+    if let WatchEvent::Resync { reason, changes, .. } = ev {
         tracing::warn!(?reason, changes = changes.len(), "mount table resync");
     }
     for e in ev.changes() {
         table.apply(e);
         if log {
-            let target = e
-                .subject()
-                .map(|m| m.mount_point_path().display().to_string());
+            let target = e.subject().map(|m| m.mount_point_path().display().to_string());
             let devices: Vec<_> = e.devices.iter().filter_map(|d| d.path.clone()).collect();
             tracing::info!(kind = ?e.kind, id = e.id, target, ?devices, "mount");
         }

@@ -9,11 +9,7 @@ use volring::mounts::{self, MountWatcher, WatchConfig, WatchMode};
 use volring::ring::BackendChoice;
 
 #[derive(Parser)]
-#[command(
-    name = "volring",
-    version,
-    about = "Node agent for Kubernetes storage nodes"
-)]
+#[command(name = "volring", version, about = "Node agent for Kubernetes storage nodes")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -87,53 +83,30 @@ impl WatchArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
         Command::Node { watch, log_events } => {
-            runtime()?.block_on(volring::agent::run(volring::agent::AgentConfig {
-                mounts: watch.config(),
-                log_events,
-            }))
+            runtime()?.block_on(volring::agent::run(volring::agent::AgentConfig { mounts: watch.config(), log_events }))
         }
-        Command::Mounts {
-            json,
-            watch: false,
-            watch_args,
-        } => quiet_on_closed_pipe(print_table(
-            json,
-            !matches!(watch_args.mount_watch, ModeArg::Reparse),
-        )),
-        Command::Mounts {
-            watch: true,
-            watch_args,
-            ..
-        } => runtime()?.block_on(stream(watch_args.config())),
+        Command::Mounts { json, watch: false, watch_args } => {
+            quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)))
+        }
+        Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
     }
 }
 
 /// `volring mounts | head` is not an error.
 fn quiet_on_closed_pipe(r: anyhow::Result<()>) -> anyhow::Result<()> {
     match r {
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            Ok(())
-        }
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => Ok(()),
         other => other,
     }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("tokio runtime")
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
 }
 
 fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
@@ -144,23 +117,14 @@ fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
     let rows = table.sorted();
     let mut out = std::io::stdout().lock();
     if json {
-        serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows }))
-            .map_err(std::io::Error::from)?;
+        serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows })).map_err(std::io::Error::from)?;
         writeln!(out)?;
     } else {
         writeln!(out, "TARGET SOURCE FSTYPE OPTIONS")?;
         let mut line = String::new();
         for m in rows {
             line.clear();
-            for (i, field) in [
-                m.mount_point(),
-                m.source(),
-                m.fs_type(),
-                m.merged_options().as_bytes(),
-            ]
-            .into_iter()
-            .enumerate()
-            {
+            for (i, field) in [m.mount_point(), m.source(), m.fs_type(), m.merged_options().as_bytes()].into_iter().enumerate() {
                 if i > 0 {
                     line.push(' ');
                 }

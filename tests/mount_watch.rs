@@ -10,14 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{tmpfs_at, umount, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use rustix::mount::{
-    mount_bind, mount_change, mount_move, mount_remount, unmount, MountFlags,
-    MountPropagationFlags, UnmountFlags,
-};
-use volring::mounts::{
-    Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig,
-    WatchEvent, WatchMode,
-};
+use rustix::mount::{mount_bind, mount_change, mount_move, mount_remount, unmount, MountFlags, MountPropagationFlags, UnmountFlags};
+use volring::mounts::{Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig, WatchEvent, WatchMode};
 use volring::ring::{queue::Receiver, BackendChoice};
 
 struct Watch {
@@ -29,27 +23,14 @@ struct Watch {
 
 impl Watch {
     fn start(mode: WatchMode, backend: BackendChoice, scratch: &Scratch) -> Self {
-        Self::with(
-            WatchConfig {
-                mode,
-                backend,
-                resync_interval: None,
-                ..WatchConfig::default()
-            },
-            scratch,
-        )
+        Self::with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() }, scratch)
     }
 
     fn with(config: WatchConfig, scratch: &Scratch) -> Self {
         let mode = config.mode;
         let (watcher, table, rx) = MountWatcher::start(config).expect("watcher starts");
         assert_eq!(watcher.mode(), mode);
-        Self {
-            watcher: Some(watcher),
-            rx,
-            table,
-            scope: scratch.path().as_os_str().as_encoded_bytes().to_vec(),
-        }
+        Self { watcher: Some(watcher), rx, table, scope: scratch.path().as_os_str().as_encoded_bytes().to_vec() }
     }
 
     fn watcher(&self) -> &MountWatcher {
@@ -57,8 +38,7 @@ impl Watch {
     }
 
     fn in_scope(&self, e: &MountEvent) -> bool {
-        e.subject()
-            .is_none_or(|m| m.mount_point().starts_with(&self.scope))
+        e.subject().is_none_or(|m| m.mount_point().starts_with(&self.scope))
     }
 
     /// Takes deliveries until `n` events in scope arrived (5 s at most), then
@@ -100,32 +80,18 @@ impl Drop for Watch {
 }
 
 fn target(e: &MountEvent) -> String {
-    e.subject()
-        .map(|m| m.mount_point_path().display().to_string())
-        .unwrap_or_default()
+    e.subject().map(|m| m.mount_point_path().display().to_string()).unwrap_or_default()
 }
 
 /// The events as (kind, path relative to the scratch dir), sorted.
 fn summary(events: &[MountEvent], scratch: &Scratch) -> Vec<(EventKind, String)> {
     let root = scratch.path().display().to_string();
-    let mut v: Vec<_> = events
-        .iter()
-        .map(|e| {
-            (
-                e.kind,
-                target(e).strip_prefix(&root).unwrap_or("?").to_string(),
-            )
-        })
-        .collect();
+    let mut v: Vec<_> = events.iter().map(|e| (e.kind, target(e).strip_prefix(&root).unwrap_or("?").to_string())).collect();
     v.sort();
     v
 }
 
-fn expect(
-    events: &[MountEvent],
-    scratch: &Scratch,
-    want: &[(EventKind, &str)],
-) -> Result<(), Failed> {
+fn expect(events: &[MountEvent], scratch: &Scratch, want: &[(EventKind, &str)]) -> Result<(), Failed> {
     let got = summary(events, scratch);
     let mut want: Vec<_> = want.iter().map(|(k, p)| (*k, p.to_string())).collect();
     want.sort();
@@ -152,10 +118,7 @@ fn tmpfs_attach_detach(mode: WatchMode, backend: BackendChoice) -> Result<(), Fa
     let ev = w.take(1);
     expect(&ev, &s, &[(Attached, "/a")])?;
     let m = ev[0].mount.as_ref().expect("attached mount is read");
-    check(
-        m.fs_type() == b"tmpfs" && m.source() == b"tmpfs",
-        format!("{m:?}"),
-    )?;
+    check(m.fs_type() == b"tmpfs" && m.source() == b"tmpfs", format!("{m:?}"))?;
     check(ev[0].devices.is_empty(), "tmpfs has no block device")?;
     umount(&a);
     let ev = w.take(1);
@@ -172,20 +135,9 @@ fn bind_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     mount_bind(src.join("sub"), s.dir("dst2"))?;
     let ev = w.take(2);
     expect(&ev, &s, &[(Attached, "/dst"), (Attached, "/dst2")])?;
-    let root = |p: &str| {
-        ev.iter()
-            .find(|e| target(e).ends_with(p))
-            .and_then(|e| e.mount.clone())
-            .map(|m| m.root().to_vec())
-    };
-    check(
-        root("/dst") == Some(b"/".to_vec()),
-        "bind of the root has root /",
-    )?;
-    check(
-        root("/dst2") == Some(b"/sub".to_vec()),
-        "bind of a subtree names it as root",
-    )
+    let root = |p: &str| ev.iter().find(|e| target(e).ends_with(p)).and_then(|e| e.mount.clone()).map(|m| m.root().to_vec());
+    check(root("/dst") == Some(b"/".to_vec()), "bind of the root has root /")?;
+    check(root("/dst2") == Some(b"/sub".to_vec()), "bind of a subtree names it as root")
 }
 
 fn loop_ext4_with_space(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
@@ -199,24 +151,15 @@ fn loop_ext4_with_space(mode: WatchMode, backend: BackendChoice) -> Result<(), F
     expect(&ev, &s, &[(Attached, "/vol with space")])?;
     let m = ev[0].mount.as_ref().expect("read");
     check(m.fs_type() == b"ext4", "ext4")?;
-    check(
-        m.source() == dev.path.as_bytes(),
-        format!("source {:?}", String::from_utf8_lossy(m.source())),
-    )?;
+    check(m.source() == dev.path.as_bytes(), format!("source {:?}", String::from_utf8_lossy(m.source())))?;
     check(ev[0].devices.len() == 1, "one device")?;
     let d = &ev[0].devices[0];
-    check(
-        d.name.as_deref() == Some(dev.name()) && d.path.as_deref() == Some(dev.path.as_str()),
-        format!("device {d:?}"),
-    )?;
+    check(d.name.as_deref() == Some(dev.name()) && d.path.as_deref() == Some(dev.path.as_str()), format!("device {d:?}"))?;
     check(d.dev == m.dev && d.dev.major == 7, "loop major")?;
     umount(&p);
     let ev = w.take(1);
     expect(&ev, &s, &[(Detached, "/vol with space")])?;
-    check(
-        ev[0].devices.first().and_then(|d| d.name.as_deref()) == Some(dev.name()),
-        "detach names the device too",
-    )
+    check(ev[0].devices.first().and_then(|d| d.name.as_deref()) == Some(dev.name()), "detach names the device too")
 }
 
 fn move_mount(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
@@ -228,10 +171,7 @@ fn move_mount(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     expect(&ev, &s, &[(Moved, "/m2")])?;
     let prev = ev[0].previous.as_ref().expect("previous state");
     check(prev.mount_point_path() == m1, "previous target")?;
-    check(
-        ev[0].changes.contains(Changes::MOUNT_POINT),
-        "changes say the mount point",
-    )
+    check(ev[0].changes.contains(Changes::MOUNT_POINT), "changes say the mount point")
 }
 
 fn remount_read_only(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
@@ -242,28 +182,15 @@ fn remount_read_only(mode: WatchMode, backend: BackendChoice) -> Result<(), Fail
     mount_remount(&r, MountFlags::BIND | MountFlags::RDONLY, "")?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/r")])?;
-    check(
-        ev[0].mount.as_ref().is_some_and(|m| m.read_only()),
-        "now ro",
-    )?;
-    check(
-        ev[0].changes == Changes::OPTIONS,
-        format!("changes {:?}", ev[0].changes),
-    )?;
+    check(ev[0].mount.as_ref().is_some_and(|m| m.read_only()), "now ro")?;
+    check(ev[0].changes == Changes::OPTIONS, format!("changes {:?}", ev[0].changes))?;
     // Superblock: a plain remount with new fs options.
     mount_remount(&r, MountFlags::RDONLY, "size=2m")?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/r")])?;
-    let sup =
-        String::from_utf8_lossy(ev[0].mount.as_ref().expect("read").super_options()).into_owned();
-    check(
-        sup.starts_with("ro,") && sup.contains("size=2048k"),
-        format!("super options {sup}"),
-    )?;
-    check(
-        ev[0].changes.contains(Changes::SUPER_OPTIONS),
-        "super options changed",
-    )
+    let sup = String::from_utf8_lossy(ev[0].mount.as_ref().expect("read").super_options()).into_owned();
+    check(sup.starts_with("ro,") && sup.contains("size=2048k"), format!("super options {sup}"))?;
+    check(ev[0].changes.contains(Changes::SUPER_OPTIONS), "super options changed")
 }
 
 fn propagation(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
@@ -279,25 +206,15 @@ fn propagation(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     check(w.watcher().resync(), "resync queued")?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/p")])?;
-    let group = ev[0]
-        .mount
-        .as_ref()
-        .and_then(|m| m.propagation.shared)
-        .ok_or("shared:N")?;
-    check(
-        ev[0].changes == Changes::PROPAGATION,
-        "only propagation changed",
-    )?;
+    let group = ev[0].mount.as_ref().and_then(|m| m.propagation.shared).ok_or("shared:N")?;
+    check(ev[0].changes == Changes::PROPAGATION, "only propagation changed")?;
 
     // A bind of a shared mount joins its peer group.
     let q = s.dir("q");
     mount_bind(&p, &q)?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Attached, "/q")])?;
-    check(
-        ev[0].mount.as_ref().and_then(|m| m.propagation.shared) == Some(group),
-        "bind is a peer",
-    )?;
+    check(ev[0].mount.as_ref().and_then(|m| m.propagation.shared) == Some(group), "bind is a peer")?;
 
     // A mount under one peer propagates to the other: two attaches.
     tmpfs_at(&p.join("x"));
@@ -310,24 +227,14 @@ fn propagation(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/q")])?;
     check(
-        ev[0]
-            .mount
-            .as_ref()
-            .is_some_and(|m| m.propagation.master == Some(group) && m.propagation.shared.is_none()),
+        ev[0].mount.as_ref().is_some_and(|m| m.propagation.master == Some(group) && m.propagation.shared.is_none()),
         format!("{:?}", ev[0].mount),
     )?;
     tmpfs_at(&p.join("y"));
     let ev = w.take(2);
     expect(&ev, &s, &[(Attached, "/p/y"), (Attached, "/q/y")])?;
-    let qy = ev
-        .iter()
-        .find(|e| target(e).ends_with("/q/y"))
-        .and_then(|e| e.mount.clone())
-        .ok_or("q/y read")?;
-    check(
-        qy.propagation.master.is_some(),
-        "copy under a slave receives from a master",
-    )
+    let qy = ev.iter().find(|e| target(e).ends_with("/q/y")).and_then(|e| e.mount.clone()).ok_or("q/y read")?;
+    check(qy.propagation.master.is_some(), "copy under a slave receives from a master")
 }
 
 fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
@@ -339,16 +246,7 @@ fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     let mut w = Watch::start(mode, backend, &s);
     unmount(&t, UnmountFlags::DETACH)?;
     let ev = w.take(4);
-    expect(
-        &ev,
-        &s,
-        &[
-            (Detached, "/t"),
-            (Detached, "/t/a"),
-            (Detached, "/t/a/b"),
-            (Detached, "/t/c"),
-        ],
-    )
+    expect(&ev, &s, &[(Detached, "/t"), (Detached, "/t/a"), (Detached, "/t/a/b"), (Detached, "/t/c")])
 }
 
 /// After any burst the consumer's table equals the kernel's, and with
@@ -366,56 +264,26 @@ fn short_lived_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Fai
     if mode == WatchMode::Fanotify {
         let attached = ev.iter().filter(|e| e.kind == Attached).count();
         let detached = ev.iter().filter(|e| e.kind == Detached).count();
-        check(
-            attached == 51 && detached == 50,
-            format!("attached {attached}, detached {detached}"),
-        )?;
+        check(attached == 51 && detached == 50, format!("attached {attached}, detached {detached}"))?;
     }
-    check(
-        w.table
-            .top_at(keep.as_os_str().as_encoded_bytes())
-            .is_some(),
-        "last mount is in the table",
-    )?;
+    check(w.table.top_at(keep.as_os_str().as_encoded_bytes()).is_some(), "last mount is in the table")?;
     same_as_kernel(&w.table, mode)
 }
 
 fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
     let (fresh, _) = volring::mounts::load(mode == WatchMode::Fanotify)?;
     let key = |t: &MountTable| {
-        let mut v: Vec<_> = t
-            .iter()
-            .map(|m| {
-                (
-                    m.id,
-                    m.mount_point().to_vec(),
-                    m.options().to_vec(),
-                    m.propagation.tags(),
-                )
-            })
-            .collect();
+        let mut v: Vec<_> = t.iter().map(|m| (m.id, m.mount_point().to_vec(), m.options().to_vec(), m.propagation.tags())).collect();
         v.sort();
         v
     };
-    check(
-        key(table) == key(&fresh),
-        "consumer's table matches the kernel's",
-    )
+    check(key(table) == key(&fresh), "consumer's table matches the kernel's")
 }
 
 /// A consumer that does not read gets one coalesced diff, not a gap.
 fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     let s = Scratch::new();
-    let mut w = Watch::with(
-        WatchConfig {
-            mode,
-            backend,
-            queue_capacity: 2,
-            resync_interval: None,
-            ..WatchConfig::default()
-        },
-        &s,
-    );
+    let mut w = Watch::with(WatchConfig { mode, backend, queue_capacity: 2, resync_interval: None, ..WatchConfig::default() }, &s);
     let mut paths = Vec::new();
     for i in 0..20 {
         let p = s.tmpfs(&format!("l{i}"));
@@ -441,23 +309,11 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
         for e in d.changes() {
             w.table.apply(e);
         }
-        attached = paths
-            .iter()
-            .filter(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_some())
-            .map(|p| p.clone())
-            .collect();
+        attached = paths.iter().filter(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_some()).map(|p| p.clone()).collect();
     }
     check(lagged >= 1, "a coalesced resync was delivered")?;
-    check(
-        attached.len() == 15,
-        format!("{} of 15 live mounts known", attached.len()),
-    )?;
-    check(
-        paths[..5]
-            .iter()
-            .all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none()),
-        "unmounted ones are gone",
-    )?;
+    check(attached.len() == 15, format!("{} of 15 live mounts known", attached.len()))?;
+    check(paths[..5].iter().all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none()), "unmounted ones are gone")?;
     same_as_kernel(&w.table, mode)
 }
 
@@ -481,13 +337,7 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
         }
         tmpfs_at(&d);
         while let Some(ev) = w.rx.recv_timeout(Duration::from_millis(50)) {
-            overflowed |= matches!(
-                ev,
-                WatchEvent::Resync {
-                    reason: ResyncReason::Overflow,
-                    ..
-                }
-            );
+            overflowed |= matches!(ev, WatchEvent::Resync { reason: ResyncReason::Overflow, .. });
             ev.changes().iter().for_each(|e| w.table.apply(e));
         }
         umount(&d);
@@ -506,37 +356,19 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
 fn cli_prints_the_table_like_findmnt() -> Result<(), Failed> {
     let s = Scratch::new();
     s.tmpfs("with space");
-    let ours = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
-        .arg("mounts")
-        .output()?;
+    let ours = std::process::Command::new(env!("CARGO_BIN_EXE_volring")).arg("mounts").output()?;
     check(ours.status.success(), "volring mounts exits 0")?;
-    let theirs = std::process::Command::new("findmnt")
-        .args(["--raw", "-n", "-o", "TARGET"])
-        .output()?;
-    let mut a: Vec<String> = String::from_utf8(ours.stdout)?
-        .lines()
-        .skip(1)
-        .map(|l| l.split(' ').next().unwrap_or("").to_string())
-        .collect();
-    let mut b: Vec<String> = String::from_utf8(theirs.stdout)?
-        .lines()
-        .map(str::to_string)
-        .collect();
+    let theirs = std::process::Command::new("findmnt").args(["--raw", "-n", "-o", "TARGET"]).output()?;
+    let mut a: Vec<String> =
+        String::from_utf8(ours.stdout)?.lines().skip(1).map(|l| l.split(' ').next().unwrap_or("").to_string()).collect();
+    let mut b: Vec<String> = String::from_utf8(theirs.stdout)?.lines().map(str::to_string).collect();
     a.sort();
     b.sort();
     check(a == b, format!("targets differ:\n{a:?}\n{b:?}"))?;
-    check(
-        a.iter().any(|t| t.ends_with("/with\\x20space")),
-        "space escaped like findmnt",
-    )?;
-    let json = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
-        .args(["mounts", "--json"])
-        .output()?;
+    check(a.iter().any(|t| t.ends_with("/with\\x20space")), "space escaped like findmnt")?;
+    let json = std::process::Command::new(env!("CARGO_BIN_EXE_volring")).args(["mounts", "--json"]).output()?;
     let v: serde_json::Value = serde_json::from_slice(&json.stdout)?;
-    check(
-        v["filesystems"].as_array().map(|a| a.len()) == Some(b.len()),
-        "json lists every mount",
-    )
+    check(v["filesystems"].as_array().map(|a| a.len()) == Some(b.len()), "json lists every mount")
 }
 
 fn cli_watch_streams_json_lines() -> Result<(), Failed> {
@@ -551,10 +383,7 @@ fn cli_watch_streams_json_lines() -> Result<(), Failed> {
     let stdout = child.stdout.take().ok_or("stdout")?;
     let (tx, rx) = std::sync::mpsc::channel();
     let reader = std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
             if tx.send(line).is_err() {
                 break;
             }
@@ -575,10 +404,7 @@ fn cli_watch_streams_json_lines() -> Result<(), Failed> {
     let _ = reader.join();
     let line = seen.ok_or("no event line")?;
     let v: serde_json::Value = serde_json::from_str(&line)?;
-    check(
-        v["event"] == "attached" || v["event"] == "detached",
-        format!("line {line}"),
-    )
+    check(v["event"] == "attached" || v["event"] == "detached", format!("line {line}"))
 }
 
 fn main() {
@@ -595,38 +421,17 @@ fn main() {
         ("lagging_consumer", lagging_consumer),
     ];
     let mut trials = Vec::new();
-    for (mode_name, mode) in [
-        ("fanotify", WatchMode::Fanotify),
-        ("reparse", WatchMode::Reparse),
-    ] {
-        for (backend_name, backend) in [
-            ("uring", BackendChoice::IoUring),
-            ("epoll", BackendChoice::Epoll),
-        ] {
+    for (mode_name, mode) in [("fanotify", WatchMode::Fanotify), ("reparse", WatchMode::Reparse)] {
+        for (backend_name, backend) in [("uring", BackendChoice::IoUring), ("epoll", BackendChoice::Epoll)] {
             for &(name, f) in scenarios {
-                trials.push(Trial::test(
-                    format!("{mode_name}::{backend_name}::{name}"),
-                    move || f(mode, backend),
-                ));
+                trials.push(Trial::test(format!("{mode_name}::{backend_name}::{name}"), move || f(mode, backend)));
             }
         }
     }
-    for (backend_name, backend) in [
-        ("uring", BackendChoice::IoUring),
-        ("epoll", BackendChoice::Epoll),
-    ] {
-        trials.push(Trial::test(
-            format!("fanotify::{backend_name}::overflow_resync"),
-            move || fanotify_overflow(backend),
-        ));
+    for (backend_name, backend) in [("uring", BackendChoice::IoUring), ("epoll", BackendChoice::Epoll)] {
+        trials.push(Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend)));
     }
-    trials.push(Trial::test(
-        "cli::mounts_like_findmnt",
-        cli_prints_the_table_like_findmnt,
-    ));
-    trials.push(Trial::test(
-        "cli::watch_streams_json_lines",
-        cli_watch_streams_json_lines,
-    ));
+    trials.push(Trial::test("cli::mounts_like_findmnt", cli_prints_the_table_like_findmnt));
+    trials.push(Trial::test("cli::watch_streams_json_lines", cli_watch_streams_json_lines));
     common::run_in_private_namespace(trials)
 }

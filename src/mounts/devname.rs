@@ -10,9 +10,7 @@ use super::mount::{DevNum, Mount};
 /// last component.
 pub fn block_device(dev: DevNum) -> BlockDevice {
     let link = format!("/sys/dev/block/{}:{}", dev.major, dev.minor);
-    let name = std::fs::read_link(link)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let name = std::fs::read_link(link).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
     let path = name.as_ref().map(|n| format!("/dev/{n}"));
     BlockDevice { dev, name, path }
 }
@@ -27,12 +25,8 @@ pub fn devices_of(m: &Mount) -> Vec<BlockDevice> {
     let src = m.source();
     if src.starts_with(b"/dev/") {
         if let Ok(st) = rustix::fs::stat(std::ffi::OsStr::from_bytes(src)) {
-            if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::BlockDevice
-            {
-                let dev = DevNum {
-                    major: rustix::fs::major(st.st_rdev),
-                    minor: rustix::fs::minor(st.st_rdev),
-                };
+            if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::BlockDevice {
+                let dev = DevNum { major: rustix::fs::major(st.st_rdev), minor: rustix::fs::minor(st.st_rdev) };
                 return vec![block_device(dev)];
             }
         }

@@ -57,20 +57,9 @@ mod tests {
         );
         let d = diff(&old, &new);
         let kinds: Vec<_> = d.iter().map(|e| (e.kind, e.id)).collect();
-        assert_eq!(
-            kinds,
-            vec![
-                (EventKind::Detached, 2),
-                (EventKind::Moved, 3),
-                (EventKind::Changed, 4),
-                (EventKind::Attached, 6)
-            ]
-        );
+        assert_eq!(kinds, vec![(EventKind::Detached, 2), (EventKind::Moved, 3), (EventKind::Changed, 4), (EventKind::Attached, 6)]);
         assert_eq!(d[1].changes, Changes::MOUNT_POINT);
-        assert_eq!(
-            d[2].changes,
-            Changes::OPTIONS | Changes::SUPER_OPTIONS | Changes::PROPAGATION
-        );
+        assert_eq!(d[2].changes, Changes::OPTIONS | Changes::SUPER_OPTIONS | Changes::PROPAGATION);
         assert_eq!(d[1].previous.as_ref().unwrap().mount_point(), b"/b");
         assert!(diff(&new, &new).is_empty());
     }

@@ -39,10 +39,7 @@ impl Changes {
         c.set(Changes::MOUNT_POINT, a.mount_point() != b.mount_point());
         c.set(Changes::PARENT, a.parent != b.parent);
         c.set(Changes::OPTIONS, a.options() != b.options());
-        c.set(
-            Changes::SUPER_OPTIONS,
-            a.super_options() != b.super_options(),
-        );
+        c.set(Changes::SUPER_OPTIONS, a.super_options() != b.super_options());
         c.set(Changes::PROPAGATION, a.propagation != b.propagation);
         c.set(Changes::SOURCE, a.source() != b.source());
         c.set(Changes::ROOT, a.root() != b.root());
@@ -92,25 +89,11 @@ pub struct MountEvent {
 
 impl MountEvent {
     pub fn attached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
-        Self {
-            kind: EventKind::Attached,
-            id,
-            mount,
-            previous: None,
-            changes: Changes::empty(),
-            devices: Vec::new(),
-        }
+        Self { kind: EventKind::Attached, id, mount, previous: None, changes: Changes::empty(), devices: Vec::new() }
     }
 
     pub fn detached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
-        Self {
-            kind: EventKind::Detached,
-            id,
-            mount,
-            previous: None,
-            changes: Changes::empty(),
-            devices: Vec::new(),
-        }
+        Self { kind: EventKind::Detached, id, mount, previous: None, changes: Changes::empty(), devices: Vec::new() }
     }
 
     /// The event that takes `old` to `new`, or `None` when nothing differs.
@@ -164,11 +147,7 @@ pub enum ResyncTag {
 
 impl WatchEvent {
     pub fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
-        WatchEvent::Resync {
-            kind: ResyncTag::Resync,
-            reason,
-            changes,
-        }
+        WatchEvent::Resync { kind: ResyncTag::Resync, reason, changes }
     }
 
     /// The single events this delivery stands for.

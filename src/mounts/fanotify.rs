@@ -6,9 +6,7 @@
 //! `FAN_EVENT_INFO_TYPE_MNT` record whose u64 mount id sits 8 bytes in.
 
 use super::Error;
-use crate::sys::fanotify::{
-    FAN_EVENT_INFO_TYPE_MNT, FAN_MNT_ATTACH, FAN_MNT_DETACH, FAN_Q_OVERFLOW,
-};
+use crate::sys::fanotify::{FAN_EVENT_INFO_TYPE_MNT, FAN_MNT_ATTACH, FAN_MNT_DETACH, FAN_Q_OVERFLOW};
 
 const METADATA_LEN: usize = 24;
 
@@ -51,11 +49,7 @@ fn next_event(b: &[u8]) -> Result<(usize, Option<FanEvent>), Error> {
     let event_len = u32::from_ne_bytes(b[0..4].try_into().expect("4")) as usize;
     let meta_len = u16::from_ne_bytes(b[6..8].try_into().expect("2")) as usize;
     let mask = u64::from_ne_bytes(b[8..16].try_into().expect("8"));
-    if event_len < METADATA_LEN
-        || event_len > b.len()
-        || meta_len < METADATA_LEN
-        || meta_len > event_len
-    {
+    if event_len < METADATA_LEN || event_len > b.len() || meta_len < METADATA_LEN || meta_len > event_len {
         return Err(Error::Fanotify("event length out of bounds"));
     }
     if mask & FAN_Q_OVERFLOW != 0 {
@@ -72,9 +66,7 @@ fn next_event(b: &[u8]) -> Result<(usize, Option<FanEvent>), Error> {
             return Err(Error::Fanotify("info record length out of bounds"));
         }
         if info[0] == FAN_EVENT_INFO_TYPE_MNT {
-            let v = info
-                .get(8..16)
-                .ok_or(Error::Fanotify("mount info record too short"))?;
+            let v = info.get(8..16).ok_or(Error::Fanotify("mount info record too short"))?;
             if len < 16 {
                 return Err(Error::Fanotify("mount info record too short"));
             }
@@ -83,11 +75,7 @@ fn next_event(b: &[u8]) -> Result<(usize, Option<FanEvent>), Error> {
         info = &info[len..];
     }
     let (attach, detach) = (mask & FAN_MNT_ATTACH != 0, mask & FAN_MNT_DETACH != 0);
-    Ok((
-        event_len,
-        id.filter(|_| attach || detach)
-            .map(|id| FanEvent::Mount { id, attach, detach }),
-    ))
+    Ok((event_len, id.filter(|_| attach || detach).map(|id| FanEvent::Mount { id, attach, detach })))
 }
 
 #[cfg(test)]
@@ -122,22 +110,10 @@ pub(crate) mod tests {
         assert_eq!(
             got,
             vec![
-                FanEvent::Mount {
-                    id: 10,
-                    attach: true,
-                    detach: false
-                },
-                FanEvent::Mount {
-                    id: 11,
-                    attach: true,
-                    detach: true
-                },
+                FanEvent::Mount { id: 10, attach: true, detach: false },
+                FanEvent::Mount { id: 11, attach: true, detach: true },
                 FanEvent::Overflow,
-                FanEvent::Mount {
-                    id: 10,
-                    attach: false,
-                    detach: true
-                },
+                FanEvent::Mount { id: 10, attach: false, detach: true },
             ]
         );
     }

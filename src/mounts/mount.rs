@@ -100,11 +100,7 @@ pub(crate) struct MountBuilder {
 
 impl MountBuilder {
     pub(crate) fn with_capacity(n: usize) -> Self {
-        Self {
-            text: Vec::with_capacity(n),
-            ends: [0; 6],
-            next: 0,
-        }
+        Self { text: Vec::with_capacity(n), ends: [0; 6], next: 0 }
     }
 
     pub(crate) fn push(&mut self, field: Field, bytes: &[u8]) {
@@ -120,24 +116,9 @@ impl MountBuilder {
         self.ends[self.next - 1] = self.text.len() as u32;
     }
 
-    pub(crate) fn finish(
-        self,
-        id: MountId,
-        parent: MountId,
-        info_id: Option<u32>,
-        dev: DevNum,
-        propagation: Propagation,
-    ) -> Mount {
+    pub(crate) fn finish(self, id: MountId, parent: MountId, info_id: Option<u32>, dev: DevNum, propagation: Propagation) -> Mount {
         debug_assert_eq!(self.next, 6);
-        Mount {
-            id,
-            parent,
-            info_id,
-            dev,
-            propagation,
-            text: self.text.into_boxed_slice(),
-            ends: self.ends,
-        }
+        Mount { id, parent, info_id, dev, propagation, text: self.text.into_boxed_slice(), ends: self.ends }
     }
 }
 

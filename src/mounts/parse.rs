@@ -54,11 +54,7 @@ pub struct LineError {
 impl LineError {
     fn new(line: usize, text: &[u8], fault: LineFault) -> Self {
         let cut = &text[..text.len().min(120)];
-        Self {
-            line,
-            fault,
-            excerpt: String::from_utf8_lossy(cut).into_owned(),
-        }
+        Self { line, fault, excerpt: String::from_utf8_lossy(cut).into_owned() }
     }
 }
 
@@ -96,10 +92,7 @@ fn number(field: &[u8], name: &'static str) -> Result<u64, LineFault> {
         if !b.is_ascii_digit() {
             return Err(LineFault::BadNumber(name));
         }
-        v = v
-            .checked_mul(10)
-            .and_then(|v| v.checked_add((b - b'0') as u64))
-            .ok_or(LineFault::BadNumber(name))?;
+        v = v.checked_mul(10).and_then(|v| v.checked_add((b - b'0') as u64)).ok_or(LineFault::BadNumber(name))?;
     }
     Ok(v)
 }
@@ -109,10 +102,7 @@ fn number32(field: &[u8], name: &'static str) -> Result<u32, LineFault> {
 }
 
 fn device(field: &[u8]) -> Result<DevNum, LineFault> {
-    let colon = field
-        .iter()
-        .position(|&b| b == b':')
-        .ok_or(LineFault::BadDevice)?;
+    let colon = field.iter().position(|&b| b == b':').ok_or(LineFault::BadDevice)?;
     let major = number32(&field[..colon], "major").map_err(|_| LineFault::BadDevice)?;
     let minor = number32(&field[colon + 1..], "minor").map_err(|_| LineFault::BadDevice)?;
     Ok(DevNum { major, minor })
@@ -141,10 +131,7 @@ fn optional(tag: &[u8], p: &mut Propagation) -> Result<(), LineFault> {
 
 /// Parses one line (without its newline).
 pub fn parse_line(line: &[u8]) -> Result<RawMount<'_>, LineFault> {
-    let mut f = Fields {
-        rest: line,
-        done: false,
-    };
+    let mut f = Fields { rest: line, done: false };
     let id = number32(f.next_field("mount id")?, "mount id")?;
     let parent = number32(f.next_field("parent id")?, "parent id")?;
     let dev = device(f.next_field("major:minor")?)?;
@@ -153,9 +140,7 @@ pub fn parse_line(line: &[u8]) -> Result<RawMount<'_>, LineFault> {
     let options = f.next_field("options")?;
     let mut propagation = Propagation::default();
     loop {
-        let tag = f
-            .next_field("separator")
-            .map_err(|_| LineFault::NoSeparator)?;
+        let tag = f.next_field("separator").map_err(|_| LineFault::NoSeparator)?;
         if tag == b"-" {
             break;
         }
@@ -179,18 +164,7 @@ pub fn parse_line(line: &[u8]) -> Result<RawMount<'_>, LineFault> {
             "fs type"
         }));
     }
-    Ok(RawMount {
-        id,
-        parent,
-        dev,
-        root,
-        mount_point,
-        options,
-        propagation,
-        fs_type,
-        source,
-        super_options,
-    })
+    Ok(RawMount { id, parent, dev, root, mount_point, options, propagation, fs_type, source, super_options })
 }
 
 /// Iterates the lines of a mountinfo buffer; blank lines are skipped.
@@ -217,13 +191,7 @@ impl RawMount<'_> {
         b.push(Field::FsType, &unescape(self.fs_type));
         b.push(Field::Source, &unescape(self.source));
         b.push(Field::SuperOptions, &unescape(self.super_options));
-        b.finish(
-            self.id as u64,
-            self.parent as u64,
-            Some(self.id),
-            self.dev,
-            self.propagation,
-        )
+        b.finish(self.id as u64, self.parent as u64, Some(self.id), self.dev, self.propagation)
     }
 }
 
@@ -242,46 +210,16 @@ mod tests {
         let all: Vec<_> = parse(SAMPLE).collect::<Result<_, _>>().unwrap();
         assert_eq!(all.len(), 4);
         let m = &all[1];
-        assert_eq!(
-            (m.id, m.parent, m.dev),
-            (
-                36,
-                35,
-                DevNum {
-                    major: 98,
-                    minor: 0
-                }
-            )
-        );
+        assert_eq!((m.id, m.parent, m.dev), (36, 35, DevNum { major: 98, minor: 0 }));
         assert_eq!(m.root, b"/mnt1");
         assert_eq!(m.options, b"rw,noatime");
-        assert_eq!(
-            m.propagation,
-            Propagation {
-                master: Some(1),
-                ..Default::default()
-            }
-        );
-        assert_eq!(
-            (m.fs_type, m.source, m.super_options),
-            (&b"ext3"[..], &b"/dev/root"[..], &b"rw,errors=continue"[..])
-        );
+        assert_eq!(m.propagation, Propagation { master: Some(1), ..Default::default() });
+        assert_eq!((m.fs_type, m.source, m.super_options), (&b"ext3"[..], &b"/dev/root"[..], &b"rw,errors=continue"[..]));
         let k = all[2].to_mount();
         assert_eq!(k.mount_point(), b"/var/lib/kubelet/pods/a b/vol");
         assert!(k.read_only());
-        assert_eq!(
-            k.propagation,
-            Propagation {
-                shared: Some(40),
-                master: Some(12),
-                propagate_from: Some(3),
-                unbindable: true
-            }
-        );
-        assert_eq!(
-            k.propagation.tags(),
-            "shared:40 master:12 propagate_from:3 unbindable"
-        );
+        assert_eq!(k.propagation, Propagation { shared: Some(40), master: Some(12), propagate_from: Some(3), unbindable: true });
+        assert_eq!(k.propagation.tags(), "shared:40 master:12 propagate_from:3 unbindable");
         let f = all[3].to_mount();
         assert_eq!(f.fs_type(), b"fuse.sshfs");
         assert_eq!(f.source(), b"user@host:/a\\b");
@@ -296,10 +234,7 @@ mod tests {
         assert!(res[0].is_ok() && res[3].is_ok());
         let e = res[1].as_ref().unwrap_err();
         assert_eq!((e.line, e.fault), (2, LineFault::BadNumber("mount id")));
-        assert_eq!(
-            res[2].as_ref().unwrap_err().fault,
-            LineFault::BadOptional("shared")
-        );
+        assert_eq!(res[2].as_ref().unwrap_err().fault, LineFault::BadOptional("shared"));
         assert_eq!(res[4].as_ref().unwrap_err().fault, LineFault::NoSeparator);
         assert!(e.to_string().contains("line 2"));
     }
@@ -313,23 +248,12 @@ mod tests {
             (b"1 2 3:x / / rw - t s o", LineFault::BadDevice),
             (b"1 2 3:4 / / rw - t s", LineFault::Missing("super options")),
             (b"1 2 3:4 / / rw - t s o extra", LineFault::Trailing),
-            (
-                b"99999999999 2 3:4 / / rw - t s o",
-                LineFault::BadNumber("mount id"),
-            ),
+            (b"99999999999 2 3:4 / / rw - t s o", LineFault::BadNumber("mount id")),
             (b"1 2 3:4  / rw - t s o", LineFault::Missing("root")),
-            (
-                b"1 2 3:4 / / rw master:99999999999999999999999 - t s o",
-                LineFault::BadOptional("master"),
-            ),
+            (b"1 2 3:4 / / rw master:99999999999999999999999 - t s o", LineFault::BadOptional("master")),
         ];
         for (line, fault) in cases {
-            assert_eq!(
-                parse_line(line),
-                Err(*fault),
-                "{:?}",
-                String::from_utf8_lossy(line)
-            );
+            assert_eq!(parse_line(line), Err(*fault), "{:?}", String::from_utf8_lossy(line));
         }
     }
 

@@ -75,8 +75,7 @@ pub fn load(prefer_statmount: bool) -> Result<(MountTable, Vec<super::parse::Lin
     if prefer_statmount && Statmounter::supported() {
         return Ok((Statmounter::new().snapshot()?, Vec::new()));
     }
-    let f =
-        std::fs::File::open("/proc/self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?;
+    let f = std::fs::File::open("/proc/self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?;
     let mut buf = Vec::new();
     read_mountinfo(&f, &mut buf).map_err(|e| Error::Io("read mountinfo", e))?;
     Ok(MountTable::from_mountinfo(&buf))

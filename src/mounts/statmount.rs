@@ -62,23 +62,14 @@ fn string(b: &[u8], got: u64, bit: u64, str_off_at: usize) -> Result<&[u8], Erro
         return Ok(b"");
     }
     let off = FIXED + u32_at(b, str_off_at)? as usize;
-    let area = b
-        .get(off..)
-        .ok_or(Error::Statmount("string offset past the end"))?;
-    let end = area
-        .iter()
-        .position(|&c| c == 0)
-        .ok_or(Error::Statmount("string not terminated"))?;
+    let area = b.get(off..).ok_or(Error::Statmount("string offset past the end"))?;
+    let end = area.iter().position(|&c| c == 0).ok_or(Error::Statmount("string not terminated"))?;
     Ok(&area[..end])
 }
 
 /// Per-mount options as mountinfo's `show_mnt_opts` writes them.
 fn mount_options(attr: u64) -> String {
-    let mut s = String::from(if attr & MOUNT_ATTR_RDONLY != 0 {
-        "ro"
-    } else {
-        "rw"
-    });
+    let mut s = String::from(if attr & MOUNT_ATTR_RDONLY != 0 { "ro" } else { "rw" });
     let atime = attr & MOUNT_ATTR_ATIME;
     for (on, name) in [
         (attr & MOUNT_ATTR_NOSUID != 0, ",nosuid"),
@@ -106,10 +97,7 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     if got & mask::MNT_BASIC == 0 {
         return Err(Error::Statmount("no basic mount information"));
     }
-    let dev = DevNum {
-        major: u32_at(buf, 16)?,
-        minor: u32_at(buf, 20)?,
-    };
+    let dev = DevNum { major: u32_at(buf, 16)?, minor: u32_at(buf, 20)? };
     let sb_flags = u32_at(buf, 32)?;
     let id = u64_at(buf, 40)?;
     let parent = u64_at(buf, 48)?;
@@ -121,8 +109,7 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     let propagation = Propagation {
         shared: (prop & MS_SHARED != 0).then_some(u64_at(buf, 80)?),
         master,
-        propagate_from: (got & mask::PROPAGATE_FROM != 0 && from != 0 && Some(from) != master)
-            .then_some(from),
+        propagate_from: (got & mask::PROPAGATE_FROM != 0 && from != 0 && Some(from) != master).then_some(from),
         unbindable: prop & MS_UNBINDABLE != 0,
     };
     let root = unescape(string(buf, got, mask::MNT_ROOT, 104)?);
@@ -133,31 +120,15 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     let fs_opts = unescape(string(buf, got, mask::MNT_OPTS, 4)?);
     let options = mount_options(attr);
 
-    let mut sup = String::from(if sb_flags & SB_RDONLY != 0 {
-        "ro"
-    } else {
-        "rw"
-    });
-    for (bit, name) in [
-        (SB_SYNCHRONOUS, ",sync"),
-        (SB_DIRSYNC, ",dirsync"),
-        (SB_LAZYTIME, ",lazytime"),
-    ] {
+    let mut sup = String::from(if sb_flags & SB_RDONLY != 0 { "ro" } else { "rw" });
+    for (bit, name) in [(SB_SYNCHRONOUS, ",sync"), (SB_DIRSYNC, ",dirsync"), (SB_LAZYTIME, ",lazytime")] {
         if sb_flags & bit != 0 {
             sup.push_str(name);
         }
     }
 
     let mut b = MountBuilder::with_capacity(
-        root.len()
-            + point.len()
-            + options.len()
-            + fs_type.len()
-            + subtype.len()
-            + source.len()
-            + sup.len()
-            + fs_opts.len()
-            + 3,
+        root.len() + point.len() + options.len() + fs_type.len() + subtype.len() + source.len() + sup.len() + fs_opts.len() + 3,
     );
     b.push(Field::Root, &root);
     b.push(Field::MountPoint, &point);
@@ -167,14 +138,7 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
         b.extend_last(b".");
         b.extend_last(subtype);
     }
-    b.push(
-        Field::Source,
-        if got & mask::SB_SOURCE != 0 && !source.is_empty() {
-            &source
-        } else {
-            b"none"
-        },
-    );
+    b.push(Field::Source, if got & mask::SB_SOURCE != 0 && !source.is_empty() { &source } else { b"none" });
     b.push(Field::SuperOptions, sup.as_bytes());
     if !fs_opts.is_empty() {
         b.extend_last(b",");
@@ -188,14 +152,7 @@ pub(crate) mod tests {
     use super::*;
 
     /// Builds a reply the way the kernel lays it out.
-    pub(crate) fn reply(
-        id: u64,
-        point: &str,
-        attr: u64,
-        prop: u64,
-        peer: u64,
-        opts: &str,
-    ) -> Vec<u8> {
+    pub(crate) fn reply(id: u64, point: &str, attr: u64, prop: u64, peer: u64, opts: &str) -> Vec<u8> {
         let mut b = vec![0u8; FIXED];
         let mut strs = Vec::new();
         let mut put = |b: &mut Vec<u8>, at: usize, s: &str| {
@@ -226,14 +183,7 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_a_reply_like_mountinfo_would_show_it() {
-        let r = reply(
-            0x8000_0040,
-            "/mnt/a\\040b",
-            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID,
-            MS_SHARED,
-            5,
-            "errors=remount-ro",
-        );
+        let r = reply(0x8000_0040, "/mnt/a\\040b", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, MS_SHARED, 5, "errors=remount-ro");
         let m = decode(&r).unwrap();
         assert_eq!(m.id, 0x8000_0040);
         assert_eq!(m.info_id, Some(33));

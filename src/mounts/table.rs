@@ -30,11 +30,7 @@ impl MountTable {
     }
 
     pub fn with_capacity(n: usize) -> Self {
-        Self {
-            by_id: HashMap::with_capacity(n),
-            by_point: HashMap::with_capacity(n),
-            by_dev: HashMap::with_capacity(n / 4),
-        }
+        Self { by_id: HashMap::with_capacity(n), by_point: HashMap::with_capacity(n), by_dev: HashMap::with_capacity(n / 4) }
     }
 
     /// Builds a table from mountinfo bytes. Malformed lines are returned
@@ -67,11 +63,7 @@ impl MountTable {
 
     /// Mounts stacked on `point`, bottom first.
     pub fn at(&self, point: &[u8]) -> impl Iterator<Item = &Arc<Mount>> + '_ {
-        self.by_point
-            .get(point)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.by_id.get(id))
+        self.by_point.get(point).into_iter().flatten().filter_map(|id| self.by_id.get(id))
     }
 
     /// The visible (topmost) mount on `point`.
@@ -81,11 +73,7 @@ impl MountTable {
 
     /// Every mount of device `dev`, in id order.
     pub fn on_device(&self, dev: DevNum) -> impl Iterator<Item = &Arc<Mount>> + '_ {
-        self.by_dev
-            .get(&dev)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.by_id.get(id))
+        self.by_dev.get(&dev).into_iter().flatten().filter_map(|id| self.by_id.get(id))
     }
 
     /// All mounts in no particular order.
@@ -162,19 +150,13 @@ mod tests {
         assert_eq!(t.at(b"/data").map(|m| m.id).collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(t.top_at(b"/data").unwrap().id, 3);
         let loop0 = DevNum { major: 7, minor: 0 };
-        assert_eq!(
-            t.on_device(loop0).map(|m| m.id).collect::<Vec<_>>(),
-            vec![2, 4]
-        );
+        assert_eq!(t.on_device(loop0).map(|m| m.id).collect::<Vec<_>>(), vec![2, 4]);
         let mut t2 = t.clone();
         t2.remove(3);
         assert_eq!(t2.top_at(b"/data").unwrap().id, 2);
         t2.remove(2);
         assert!(t2.top_at(b"/data").is_none());
         assert_eq!(t2.on_device(loop0).count(), 1);
-        assert_eq!(
-            t2.sorted().iter().map(|m| m.id).collect::<Vec<_>>(),
-            vec![1, 4]
-        );
+        assert_eq!(t2.sorted().iter().map(|m| m.id).collect::<Vec<_>>(), vec![1, 4]);
     }
 }

@@ -51,39 +51,18 @@ fn from_epoll(f: epoll::EventFlags) -> u32 {
 impl EpollEngine {
     pub(super) fn new(wake: &Arc<OwnedFd>) -> io::Result<Self> {
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        epoll::add(
-            &epoll,
-            wake.as_fd(),
-            epoll::EventData::new_u64(WAKE_SLOT),
-            epoll::EventFlags::IN,
-        )?;
-        Ok(Self {
-            epoll,
-            _wake: wake.clone(),
-            ready: Vec::new(),
-            timers: Vec::new(),
-        })
+        epoll::add(&epoll, wake.as_fd(), epoll::EventData::new_u64(WAKE_SLOT), epoll::EventFlags::IN)?;
+        Ok(Self { epoll, _wake: wake.clone(), ready: Vec::new(), timers: Vec::new() })
     }
 
     /// Level-triggered: the fd is reported for as long as it is ready, which is
     /// what a multishot poll that the driver drains amounts to.
     pub(super) fn poll(&mut self, slot: u64, fd: BorrowedFd<'_>, events: u32) -> io::Result<()> {
-        epoll::add(
-            &self.epoll,
-            fd,
-            epoll::EventData::new_u64(slot),
-            to_epoll(events),
-        )?;
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(slot), to_epoll(events))?;
         Ok(())
     }
 
-    pub(super) fn read(
-        &mut self,
-        slot: u64,
-        fd: BorrowedFd<'_>,
-        buf: &mut [u8],
-        offset: Option<u64>,
-    ) {
+    pub(super) fn read(&mut self, slot: u64, fd: BorrowedFd<'_>, buf: &mut [u8], offset: Option<u64>) {
         let r = match offset {
             Some(off) => rustix::io::pread(fd, buf, off),
             None => rustix::io::read(fd, buf),
@@ -92,11 +71,7 @@ impl EpollEngine {
             Ok(n) => n.min(i32::MAX as usize) as i32,
             Err(e) => -e.raw_os_error(),
         };
-        self.ready.push(RawCompletion {
-            slot,
-            res,
-            more: false,
-        });
+        self.ready.push(RawCompletion { slot, res, more: false });
     }
 
     pub(super) fn timeout(&mut self, slot: u64, after: Duration) {
@@ -105,45 +80,27 @@ impl EpollEngine {
 
     pub(super) fn wait(&mut self, out: &mut Vec<RawCompletion>) -> io::Result<()> {
         let timeout = if !self.ready.is_empty() {
-            Some(rustix::time::Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            })
+            Some(rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })
         } else {
             self.timers.iter().map(|(t, _)| *t).min().map(|t| {
                 let d = t.saturating_duration_since(Instant::now());
-                rustix::time::Timespec {
-                    tv_sec: d.as_secs() as i64,
-                    tv_nsec: d.subsec_nanos() as i64,
-                }
+                rustix::time::Timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 }
             })
         };
         let mut events = Vec::with_capacity(64);
-        match epoll::wait(
-            &self.epoll,
-            rustix::buffer::spare_capacity(&mut events),
-            timeout.as_ref(),
-        ) {
+        match epoll::wait(&self.epoll, rustix::buffer::spare_capacity(&mut events), timeout.as_ref()) {
             Ok(_) => {}
             Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(e.into()),
         }
         for ev in &events {
-            out.push(RawCompletion {
-                slot: ev.data.u64(),
-                res: from_epoll(ev.flags) as i32,
-                more: true,
-            });
+            out.push(RawCompletion { slot: ev.data.u64(), res: from_epoll(ev.flags) as i32, more: true });
         }
         out.append(&mut self.ready);
         let now = Instant::now();
         self.timers.retain(|&(t, slot)| {
             if t <= now {
-                out.push(RawCompletion {
-                    slot,
-                    res: 0,
-                    more: false,
-                });
+                out.push(RawCompletion { slot, res: 0, more: false });
                 false
             } else {
                 true

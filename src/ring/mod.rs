@@ -85,15 +85,8 @@ pub trait Driver: Send + 'static {
 /// An operation the ring holds until its last completion: the fd stays open
 /// and the buffer stays alive for exactly that long.
 enum Pending {
-    Poll {
-        fd: Arc<OwnedFd>,
-        events: u32,
-    },
-    Read {
-        fd: Arc<OwnedFd>,
-        buf: Vec<u8>,
-        offset: Option<u64>,
-    },
+    Poll { fd: Arc<OwnedFd>, events: u32 },
+    Read { fd: Arc<OwnedFd>, buf: Vec<u8>, offset: Option<u64> },
     Timeout,
 }
 
@@ -126,18 +119,14 @@ impl Reactor {
                 Ok(e) => Engine::Uring(e),
                 Err(err) => {
                     static ONCE: Once = Once::new();
-                    ONCE.call_once(|| {
-                        tracing::warn!(error = %err, "io_uring unavailable; ring threads fall back to epoll and plain syscalls")
-                    });
+                    ONCE.call_once(
+                        || tracing::warn!(error = %err, "io_uring unavailable; ring threads fall back to epoll and plain syscalls"),
+                    );
                     Engine::Epoll(epoll::EpollEngine::new(wake)?)
                 }
             },
         };
-        Ok(Self {
-            engine,
-            inflight: HashMap::new(),
-            next_slot: 0,
-        })
+        Ok(Self { engine, inflight: HashMap::new(), next_slot: 0 })
     }
 
     pub fn backend(&self) -> Backend {
@@ -163,13 +152,7 @@ impl Reactor {
 
     /// Reads into `buf` (its whole length) at `offset`, or at the file
     /// position when `offset` is `None`.
-    pub fn read(
-        &mut self,
-        token: Token,
-        fd: Arc<OwnedFd>,
-        buf: Vec<u8>,
-        offset: Option<u64>,
-    ) -> io::Result<()> {
+    pub fn read(&mut self, token: Token, fd: Arc<OwnedFd>, buf: Vec<u8>, offset: Option<u64>) -> io::Result<()> {
         let slot = self.slot(token, Pending::Read { fd, buf, offset });
         self.arm(slot)
     }
@@ -201,9 +184,7 @@ impl Reactor {
         };
         let r = match (&mut self.engine, &mut entry.op) {
             (Engine::Uring(e), Pending::Poll { fd, events }) => e.poll(slot, fd.as_fd(), *events),
-            (Engine::Uring(e), Pending::Read { fd, buf, offset }) => {
-                e.read(slot, fd.as_fd(), buf, *offset)
-            }
+            (Engine::Uring(e), Pending::Read { fd, buf, offset }) => e.read(slot, fd.as_fd(), buf, *offset),
             (Engine::Epoll(e), Pending::Poll { fd, events }) => e.poll(slot, fd.as_fd(), *events),
             (Engine::Epoll(e), Pending::Read { fd, buf, offset }) => {
                 e.read(slot, fd.as_fd(), buf, *offset);
@@ -239,11 +220,7 @@ impl Reactor {
         let Some(entry) = self.inflight.get(&r.slot) else {
             return Ok(());
         };
-        let result = if r.res < 0 {
-            Err(io::Error::from_raw_os_error(-r.res))
-        } else {
-            Ok(r.res as u32)
-        };
+        let result = if r.res < 0 { Err(io::Error::from_raw_os_error(-r.res)) } else { Ok(r.res as u32) };
         match &entry.op {
             Pending::Poll { .. } => {
                 let token = entry.token;
@@ -256,23 +233,13 @@ impl Reactor {
                     }
                     Ok(_) => {}
                 }
-                out.push(Completion {
-                    token,
-                    result,
-                    buf: None,
-                });
+                out.push(Completion { token, result, buf: None });
             }
             Pending::Read { .. } => {
                 let entry = self.inflight.remove(&r.slot).expect("looked up above");
-                let Pending::Read { mut buf, .. } = entry.op else {
-                    unreachable!()
-                };
+                let Pending::Read { mut buf, .. } = entry.op else { unreachable!() };
                 buf.truncate(*result.as_ref().unwrap_or(&0) as usize);
-                out.push(Completion {
-                    token: entry.token,
-                    result,
-                    buf: Some(buf),
-                });
+                out.push(Completion { token: entry.token, result, buf: Some(buf) });
             }
             Pending::Timeout => {
                 let entry = self.inflight.remove(&r.slot).expect("looked up above");
@@ -280,11 +247,7 @@ impl Reactor {
                     Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(0),
                     other => other,
                 };
-                out.push(Completion {
-                    token: entry.token,
-                    result,
-                    buf: None,
-                });
+                out.push(Completion { token: entry.token, result, buf: None });
             }
         }
         Ok(())
@@ -340,33 +303,16 @@ pub struct RingThread<D: Driver> {
 impl<D: Driver> RingThread<D> {
     /// Starts `driver` on a new thread named `name`. Returns once the driver's
     /// `start` has run, with its error if it failed.
-    pub fn spawn(
-        name: &str,
-        driver: D,
-        choice: BackendChoice,
-        command_capacity: usize,
-    ) -> io::Result<Self> {
+    pub fn spawn(name: &str, driver: D, choice: BackendChoice, command_capacity: usize) -> io::Result<Self> {
         let commands = Arc::new(ArrayQueue::new(command_capacity.max(1)));
-        let wake = Arc::new(rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-        )?);
+        let wake = Arc::new(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?);
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(RingStats::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (q, w, s, st) = (commands.clone(), wake.clone(), stop.clone(), stats.clone());
-        let join = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(move || run(driver, choice, q, w, s, st, ready_tx))?;
+        let join = std::thread::Builder::new().name(name.to_string()).spawn(move || run(driver, choice, q, w, s, st, ready_tx))?;
         match ready_rx.recv() {
-            Ok(Ok(backend)) => Ok(Self {
-                commands,
-                wake,
-                stop,
-                stats,
-                backend,
-                join: Some(join),
-            }),
+            Ok(Ok(backend)) => Ok(Self { commands, wake, stop, stats, backend, join: Some(join) }),
             Ok(Err(e)) => {
                 let _ = join.join();
                 Err(e)
@@ -455,9 +401,7 @@ fn run<D: Driver>(
                 return Err(e);
             }
         }
-        stats
-            .completions
-            .fetch_add(completions.len() as u64, Ordering::Relaxed);
+        stats.completions.fetch_add(completions.len() as u64, Ordering::Relaxed);
         for c in completions.drain(..) {
             if driver.on_completion(c, &mut reactor) == Flow::Stop {
                 flow = Flow::Stop;
@@ -473,10 +417,7 @@ fn run<D: Driver>(
                 flow = driver.on_command(cmd, &mut reactor);
             }
         }
-        stats.cpu_ns.store(
-            crate::sys::thread_cpu_time().as_nanos() as u64,
-            Ordering::Relaxed,
-        );
+        stats.cpu_ns.store(crate::sys::thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
     }
     reactor.shutdown();
     Ok(driver)

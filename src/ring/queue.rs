@@ -31,17 +31,8 @@ pub struct Receiver<T> {
 
 /// A queue that holds at most `capacity` items.
 pub fn bounded<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
-    let shared = Arc::new(Shared {
-        queue: ArrayQueue::new(capacity.max(1)),
-        ready: Event::new(),
-        closed: AtomicBool::new(false),
-    });
-    (
-        Sender {
-            shared: shared.clone(),
-        },
-        Receiver { shared },
-    )
+    let shared = Arc::new(Shared { queue: ArrayQueue::new(capacity.max(1)), ready: Event::new(), closed: AtomicBool::new(false) });
+    (Sender { shared: shared.clone() }, Receiver { shared })
 }
 
 impl<T> Sender<T> {

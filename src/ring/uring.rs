@@ -20,11 +20,7 @@ pub(super) struct UringEngine {
 impl UringEngine {
     pub(super) fn new(wake: &Arc<OwnedFd>) -> io::Result<Self> {
         let ring = IoUring::builder().setup_clamp().build(256)?;
-        let mut e = Self {
-            ring,
-            wake: wake.clone(),
-            timespecs: Default::default(),
-        };
+        let mut e = Self { ring, wake: wake.clone(), timespecs: Default::default() };
         // Probe that multishot poll works (5.13+), on the eventfd we need anyway.
         e.arm_wake()?;
         e.ring.submit()?;
@@ -45,33 +41,20 @@ impl UringEngine {
     }
 
     pub(super) fn poll(&mut self, slot: u64, fd: BorrowedFd<'_>, events: u32) -> io::Result<()> {
-        let sqe = opcode::PollAdd::new(types::Fd(fd.as_raw_fd()), events)
-            .multi(true)
-            .build()
-            .user_data(slot);
+        let sqe = opcode::PollAdd::new(types::Fd(fd.as_raw_fd()), events).multi(true).build().user_data(slot);
         self.push(sqe)
     }
 
-    pub(super) fn read(
-        &mut self,
-        slot: u64,
-        fd: BorrowedFd<'_>,
-        buf: &mut Vec<u8>,
-        offset: Option<u64>,
-    ) -> io::Result<()> {
+    pub(super) fn read(&mut self, slot: u64, fd: BorrowedFd<'_>, buf: &mut Vec<u8>, offset: Option<u64>) -> io::Result<()> {
         let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
-        let sqe = opcode::Read::new(types::Fd(fd.as_raw_fd()), buf.as_mut_ptr(), len)
-            .offset(offset.unwrap_or(u64::MAX))
-            .build()
-            .user_data(slot);
+        let sqe =
+            opcode::Read::new(types::Fd(fd.as_raw_fd()), buf.as_mut_ptr(), len).offset(offset.unwrap_or(u64::MAX)).build().user_data(slot);
         self.push(sqe)
     }
 
     pub(super) fn timeout(&mut self, slot: u64, after: Duration) -> io::Result<()> {
         let ts = Box::new(types::Timespec::from(after));
-        let sqe = opcode::Timeout::new(&*ts as *const types::Timespec)
-            .build()
-            .user_data(slot);
+        let sqe = opcode::Timeout::new(&*ts as *const types::Timespec).build().user_data(slot);
         self.timespecs.insert(slot, ts);
         self.push(sqe)
     }
@@ -93,23 +76,14 @@ impl UringEngine {
                 // Re-arm the command wakeup; the reactor never sees this slot's end.
                 self.arm_wake()?;
             }
-            out.push(RawCompletion {
-                slot,
-                res: cqe.result(),
-                more,
-            });
+            out.push(RawCompletion { slot, res: cqe.result(), more });
         }
         Ok(())
     }
 
     fn arm_wake(&mut self) -> io::Result<()> {
         let fd = types::Fd(self.wake.as_raw_fd());
-        self.push(
-            opcode::PollAdd::new(fd, libc::POLLIN as u32)
-                .multi(true)
-                .build()
-                .user_data(WAKE_SLOT),
-        )
+        self.push(opcode::PollAdd::new(fd, libc::POLLIN as u32).multi(true).build().user_data(WAKE_SLOT))
     }
 
     /// Cancels `slots` and waits briefly for their final completions. Returns
@@ -117,9 +91,7 @@ impl UringEngine {
     pub(super) fn cancel_all(&mut self, slots: &[u64]) -> Vec<u64> {
         let mut left: std::collections::HashSet<u64> = slots.iter().copied().collect();
         for &slot in slots {
-            let sqe = opcode::AsyncCancel::new(slot)
-                .build()
-                .user_data(WAKE_SLOT - 1);
+            let sqe = opcode::AsyncCancel::new(slot).build().user_data(WAKE_SLOT - 1);
             if self.push(sqe).is_err() {
                 return left.into_iter().collect();
             }

@@ -27,12 +27,7 @@ pub const FAN_EVENT_INFO_TYPE_MNT: u8 = 7;
 /// mount in the caller's current mount namespace.
 pub fn watch_mount_namespace() -> io::Result<OwnedFd> {
     // SAFETY: plain syscall with integer flags; returns a new fd or -1.
-    let fd = unsafe {
-        libc::fanotify_init(
-            FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_MNT,
-            libc::O_RDONLY as libc::c_uint,
-        )
-    };
+    let fd = unsafe { libc::fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_MNT, libc::O_RDONLY as libc::c_uint) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }

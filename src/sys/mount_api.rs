@@ -45,12 +45,7 @@ struct MntIdReq {
 
 impl MntIdReq {
     fn new(mnt_id: u64, param: u64) -> Self {
-        Self {
-            size: std::mem::size_of::<Self>() as u32,
-            spare: 0,
-            mnt_id,
-            param,
-        }
+        Self { size: std::mem::size_of::<Self>() as u32, spare: 0, mnt_id, param }
     }
 }
 
@@ -69,15 +64,7 @@ pub fn listmount_all(out: &mut Vec<u64>) -> io::Result<()> {
         // SAFETY: `req` is a valid, initialised mnt_id_req of the size it states;
         // the kernel writes at most CHUNK (<= spare.len()) u64 values into
         // `spare`, which is uninitialised capacity owned by `out`.
-        let n = unsafe {
-            libc::syscall(
-                SYS_LISTMOUNT,
-                &req as *const MntIdReq,
-                spare.as_mut_ptr(),
-                CHUNK,
-                0u32,
-            )
-        };
+        let n = unsafe { libc::syscall(SYS_LISTMOUNT, &req as *const MntIdReq, spare.as_mut_ptr(), CHUNK, 0u32) };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -107,15 +94,7 @@ pub fn statmount(mnt_id: u64, mask: u64, buf: &mut Vec<u8>) -> io::Result<()> {
         let cap = buf.capacity();
         // SAFETY: `req` is a valid mnt_id_req; the kernel writes at most `cap`
         // bytes into the allocation of `buf`, which has that capacity.
-        let rc = unsafe {
-            libc::syscall(
-                SYS_STATMOUNT,
-                &req as *const MntIdReq,
-                buf.as_mut_ptr(),
-                cap,
-                0u32,
-            )
-        };
+        let rc = unsafe { libc::syscall(SYS_STATMOUNT, &req as *const MntIdReq, buf.as_mut_ptr(), cap, 0u32) };
         if rc == 0 {
             // The reply states its own size in its first u32; never trust it
             // beyond the capacity we gave.

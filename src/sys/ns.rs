@@ -11,9 +11,6 @@ pub fn enter_private_mount_namespace() -> io::Result<()> {
     // SAFETY: CLONE_NEWNS touches no memory of ours; unsharing the mount
     // namespace (and with it the fs struct) cannot invalidate Rust invariants.
     unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }?;
-    rustix::mount::mount_change(
-        "/",
-        rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC,
-    )?;
+    rustix::mount::mount_change("/", rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC)?;
     Ok(())
 }

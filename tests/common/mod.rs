@@ -16,14 +16,7 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new() -> Self {
-        Self {
-            dir: Some(
-                tempfile::Builder::new()
-                    .prefix("volring-test-")
-                    .tempdir()
-                    .expect("tempdir"),
-            ),
-        }
+        Self { dir: Some(tempfile::Builder::new().prefix("volring-test-").tempdir().expect("tempdir")) }
     }
 
     pub fn path(&self) -> &Path {
@@ -46,8 +39,7 @@ impl Scratch {
 }
 
 pub fn tmpfs_at(p: &Path) {
-    mount("tmpfs", p, "tmpfs", MountFlags::empty(), Some(c"size=1m"))
-        .unwrap_or_else(|e| panic!("mount tmpfs {}: {e}", p.display()));
+    mount("tmpfs", p, "tmpfs", MountFlags::empty(), Some(c"size=1m")).unwrap_or_else(|e| panic!("mount tmpfs {}: {e}", p.display()));
 }
 
 pub fn umount(p: &Path) {
@@ -66,9 +58,7 @@ impl Drop for Scratch {
             let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
             let mut under: Vec<_> = table
                 .iter()
-                .filter(|m| {
-                    m.mount_point() == root.as_slice() || m.mount_point().starts_with(&prefix)
-                })
+                .filter(|m| m.mount_point() == root.as_slice() || m.mount_point().starts_with(&prefix))
                 .map(|m| (m.id, m.mount_point_path().to_path_buf()))
                 .collect();
             if under.is_empty() {
@@ -92,25 +82,11 @@ pub struct LoopDevice {
 
 impl LoopDevice {
     pub fn new(size: u64) -> Self {
-        let file = tempfile::Builder::new()
-            .prefix("volring-img-")
-            .tempfile()
-            .expect("image file");
+        let file = tempfile::Builder::new().prefix("volring-img-").tempfile().expect("image file");
         file.as_file().set_len(size).expect("truncate");
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(file.path())
-            .output()
-            .expect("losetup");
-        assert!(
-            out.status.success(),
-            "losetup: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let path = String::from_utf8(out.stdout)
-            .expect("utf8")
-            .trim()
-            .to_string();
+        let out = Command::new("losetup").args(["--find", "--show"]).arg(file.path()).output().expect("losetup");
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        let path = String::from_utf8(out.stdout).expect("utf8").trim().to_string();
         Self { path, _file: file }
     }
 
@@ -120,19 +96,11 @@ impl LoopDevice {
 
     pub fn mkfs(&self, fs: &str) {
         let out = Command::new(format!("mkfs.{fs}"))
-            .args(if fs == "xfs" {
-                vec!["-q", "-f"]
-            } else {
-                vec!["-q", "-F"]
-            })
+            .args(if fs == "xfs" { vec!["-q", "-f"] } else { vec!["-q", "-F"] })
             .arg(&self.path)
             .output()
             .expect("mkfs");
-        assert!(
-            out.status.success(),
-            "mkfs.{fs}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "mkfs.{fs}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
 
@@ -140,13 +108,7 @@ impl Drop for LoopDevice {
     fn drop(&mut self) {
         // A lazily unmounted filesystem may hold the device for a moment.
         for _ in 0..50 {
-            if Command::new("losetup")
-                .arg("-d")
-                .arg(&self.path)
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false)
-            {
+            if Command::new("losetup").arg("-d").arg(&self.path).status().map(|s| s.success()).unwrap_or(false) {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
@@ -158,8 +120,7 @@ impl Drop for LoopDevice {
 /// Runs libtest-mimic trials inside a private mount namespace, one at a time
 /// (they share the namespace, so their events must not interleave).
 pub fn run_in_private_namespace(trials: Vec<libtest_mimic::Trial>) -> ! {
-    volring::sys::ns::enter_private_mount_namespace()
-        .expect("private mount namespace (run as root)");
+    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
     libtest_mimic::run(&args, trials).exit()

@@ -37,10 +37,7 @@ impl Backlog {
                 EventKind::Detached => Some(e.mount.clone()),
                 EventKind::Moved | EventKind::Changed => Some(e.previous.clone()),
             };
-            Entry {
-                now: before.clone(),
-                before,
-            }
+            Entry { now: before.clone(), before }
         });
         entry.now = match e.kind {
             EventKind::Detached => None,
@@ -81,9 +78,7 @@ mod tests {
 
     #[test]
     fn nets_out_transient_mounts_and_folds_changes() {
-        let (t, _) = MountTable::from_mountinfo(
-            b"2 1 0:20 / /a rw - tmpfs tmpfs rw\n3 1 0:21 / /b rw - tmpfs tmpfs rw\n",
-        );
+        let (t, _) = MountTable::from_mountinfo(b"2 1 0:20 / /a rw - tmpfs tmpfs rw\n3 1 0:21 / /b rw - tmpfs tmpfs rw\n");
         let (t2, _) = MountTable::from_mountinfo(b"2 1 0:20 / /a2 ro - tmpfs tmpfs ro\n");
         let a = t.get(2).unwrap().clone();
         let a2 = t2.get(2).unwrap().clone();
@@ -99,14 +94,7 @@ mod tests {
         assert!(bl.order.len() < 100, "transient ids are compacted away");
         let net = bl.take();
         let kinds: Vec<_> = net.iter().map(|e| (e.kind, e.id)).collect();
-        assert_eq!(
-            kinds,
-            vec![
-                (EventKind::Moved, 2),
-                (EventKind::Detached, 3),
-                (EventKind::Attached, 9)
-            ]
-        );
+        assert_eq!(kinds, vec![(EventKind::Moved, 2), (EventKind::Detached, 3), (EventKind::Attached, 9)]);
         assert!(bl.is_empty());
     }
 }

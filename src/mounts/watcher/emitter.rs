@@ -25,11 +25,7 @@ pub(super) struct Emitter {
 }
 
 impl Emitter {
-    pub(super) fn new(
-        tx: queue::Sender<WatchEvent>,
-        counters: Arc<Counters>,
-        resolve_devices: bool,
-    ) -> Self {
+    pub(super) fn new(tx: queue::Sender<WatchEvent>, counters: Arc<Counters>, resolve_devices: bool) -> Self {
         Self {
             tx,
             backlog: Backlog::default(),
@@ -78,16 +74,8 @@ impl Emitter {
     }
 
     /// Sends a resync batch, or folds it into the backlog.
-    pub(super) fn emit_resync(
-        &mut self,
-        reason: ResyncReason,
-        mut changes: Vec<MountEvent>,
-        ring: &mut Reactor,
-        retry: Token,
-    ) {
-        self.counters
-            .mount_events
-            .fetch_add(changes.len() as u64, Ordering::Relaxed);
+    pub(super) fn emit_resync(&mut self, reason: ResyncReason, mut changes: Vec<MountEvent>, ring: &mut Reactor, retry: Token) {
+        self.counters.mount_events.fetch_add(changes.len() as u64, Ordering::Relaxed);
         if self.backlog.is_empty() {
             changes.iter_mut().for_each(|e| self.resolve(e));
             match self.tx.try_send(WatchEvent::resync(reason, changes)) {

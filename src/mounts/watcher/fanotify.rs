@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::emitter::Emitter;
+use super::remount::{RemountDetector, Verdict};
 use super::{Command, WatchConfig};
 use crate::mounts::diff::diff;
 use crate::mounts::event::{MountEvent, ResyncReason};
@@ -19,7 +20,7 @@ use crate::ring::{self, Completion, Driver, Flow, Reactor};
 const FAN_READY: ring::Token = 1;
 const FAN_READ: ring::Token = 2;
 const TABLE_CHANGED: ring::Token = 3;
-const GRACE: ring::Token = 4;
+const REMOUNT_CHECK: ring::Token = 4;
 const PERIODIC: ring::Token = 5;
 const RETRY: ring::Token = 6;
 
@@ -42,13 +43,8 @@ pub(super) struct FanotifyDriver {
     /// union of their attach/detach bits.
     batch: Vec<(u64, bool, bool)>,
     batch_index: HashMap<u64, usize>,
-    /// Counts fanotify batches handled: a POLLPRI is explained when this
-    /// moves on after it.
-    fan_epoch: u64,
-    /// The epoch at the latest unexplained POLLPRI.
-    pri_epoch: Option<u64>,
-    grace_armed: bool,
-    grace: Duration,
+    remounts: RemountDetector,
+    check_armed: bool,
     resync_interval: Option<Duration>,
 }
 
@@ -56,11 +52,8 @@ impl FanotifyDriver {
     /// Opens the fanotify group before taking the snapshot, so no change can
     /// fall between the two: one seen twice is a no-op.
     pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
-        let fan = crate::sys::fanotify::watch_mount_namespace()
-            .map_err(|e| Error::Io("fanotify mount watch", e))?;
-        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo")
-            .map_err(|e| Error::Io("open mountinfo", e))?
-            .into();
+        let fan = crate::sys::fanotify::watch_mount_namespace().map_err(|e| Error::Io("fanotify mount watch", e))?;
+        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
         let mut kernel = Statmounter::new();
         let table = kernel.snapshot()?;
         Ok(Self {
@@ -72,10 +65,8 @@ impl FanotifyDriver {
             read_buf: Some(vec![0; READ_SIZE]),
             batch: Vec::new(),
             batch_index: HashMap::new(),
-            fan_epoch: 0,
-            pri_epoch: None,
-            grace_armed: false,
-            grace: config.remount_grace,
+            remounts: RemountDetector::new(config.remount_grace, std::time::Instant::now()),
+            check_armed: false,
             resync_interval: config.resync_interval,
         })
     }
@@ -89,10 +80,7 @@ impl FanotifyDriver {
             buf.resize(READ_SIZE, 0);
             if let Err(e) = ring.read(FAN_READ, self.fan.clone(), buf, None) {
                 tracing::error!(error = %e, "cannot queue a fanotify read");
-                self.emitter
-                    .counters()
-                    .errors
-                    .fetch_add(1, Ordering::Relaxed);
+                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 self.read_buf = Some(vec![0; READ_SIZE]);
             }
         }
@@ -101,13 +89,11 @@ impl FanotifyDriver {
     /// Folds one read's events into the batch; true on overflow.
     fn collect(&mut self, buf: &[u8]) -> bool {
         let mut overflow = false;
+        let mut n = 0;
         for ev in events(buf) {
             match ev {
                 Ok(FanEvent::Mount { id, attach, detach }) => {
-                    self.emitter
-                        .counters()
-                        .fanotify_events
-                        .fetch_add(1, Ordering::Relaxed);
+                    n += 1;
                     match self.batch_index.get(&id) {
                         Some(&i) => {
                             self.batch[i].1 |= attach;
@@ -123,15 +109,26 @@ impl FanotifyDriver {
                 Err(e) => {
                     // The rest of this read cannot be trusted: resync instead.
                     tracing::warn!(error = %e, "malformed fanotify data; resyncing");
-                    self.emitter
-                        .counters()
-                        .errors
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                     overflow = true;
                 }
             }
         }
+        self.emitter.counters().fanotify_events.fetch_add(n, Ordering::Relaxed);
+        self.remounts.fanotify(n, std::time::Instant::now());
         overflow
+    }
+
+    fn act(&mut self, v: Verdict, ring: &mut Reactor) {
+        match v {
+            Verdict::Nothing => {}
+            Verdict::CheckAfter(d) => {
+                if !self.check_armed {
+                    self.check_armed = ring.timeout(REMOUNT_CHECK, d).is_ok();
+                }
+            }
+            Verdict::Resync => self.resync(None, ring),
+        }
     }
 
     /// Looks at each id of the batch once, in the order first seen.
@@ -139,10 +136,7 @@ impl FanotifyDriver {
         let batch = std::mem::take(&mut self.batch);
         self.batch_index.clear();
         for &(id, attach, _detach) in &batch {
-            self.emitter
-                .counters()
-                .statmount_calls
-                .fetch_add(1, Ordering::Relaxed);
+            self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
                     let m = Arc::new(m);
@@ -152,32 +146,22 @@ impl FanotifyDriver {
                                 self.emitter.emit(e, ring, RETRY);
                             }
                         }
-                        None => self
-                            .emitter
-                            .emit(MountEvent::attached(id, Some(m)), ring, RETRY),
+                        None => self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY),
                     }
                 }
                 Ok(None) => match self.table.remove(id) {
-                    Some(old) => {
-                        self.emitter
-                            .emit(MountEvent::detached(id, Some(old)), ring, RETRY)
-                    }
+                    Some(old) => self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY),
                     None => {
                         // Came and went before we could look: still say both.
                         if attach {
-                            self.emitter
-                                .emit(MountEvent::attached(id, None), ring, RETRY);
+                            self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
                         }
-                        self.emitter
-                            .emit(MountEvent::detached(id, None), ring, RETRY);
+                        self.emitter.emit(MountEvent::detached(id, None), ring, RETRY);
                     }
                 },
                 Err(e) => {
                     tracing::warn!(mount_id = id, error = %e, "statmount failed");
-                    self.emitter
-                        .counters()
-                        .errors
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -187,18 +171,12 @@ impl FanotifyDriver {
 
     /// Re-reads the whole table and reports the difference.
     fn resync(&mut self, reason: Option<ResyncReason>, ring: &mut Reactor) {
-        self.emitter
-            .counters()
-            .resyncs
-            .fetch_add(1, Ordering::Relaxed);
+        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
         let new = match self.kernel.snapshot() {
             Ok(t) => t,
             Err(e) => {
                 tracing::error!(error = %e, "mount table resync failed");
-                self.emitter
-                    .counters()
-                    .errors
-                    .fetch_add(1, Ordering::Relaxed);
+                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 return;
             }
         };
@@ -206,9 +184,7 @@ impl FanotifyDriver {
         self.table = new;
         match reason {
             Some(reason) => self.emitter.emit_resync(reason, changes, ring, RETRY),
-            None => changes
-                .into_iter()
-                .for_each(|e| self.emitter.emit(e, ring, RETRY)),
+            None => changes.into_iter().for_each(|e| self.emitter.emit(e, ring, RETRY)),
         }
     }
 
@@ -218,12 +194,8 @@ impl FanotifyDriver {
             Ok(n) if n > 0 => {
                 let overflow = self.collect(&buf);
                 self.read_buf = Some(buf);
-                self.fan_epoch += 1;
                 if overflow {
-                    self.emitter
-                        .counters()
-                        .overflows
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
                     self.batch.clear();
                     self.batch_index.clear();
                     self.resync(Some(ResyncReason::Overflow), ring);
@@ -237,16 +209,9 @@ impl FanotifyDriver {
             Err(e) => {
                 if e.kind() != std::io::ErrorKind::WouldBlock {
                     tracing::warn!(error = %e, "fanotify read failed");
-                    self.emitter
-                        .counters()
-                        .errors
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 }
-                self.read_buf = Some(if buf.capacity() >= READ_SIZE {
-                    buf
-                } else {
-                    vec![0; READ_SIZE]
-                });
+                self.read_buf = Some(if buf.capacity() >= READ_SIZE { buf } else { vec![0; READ_SIZE] });
             }
         }
     }
@@ -278,19 +243,13 @@ impl Driver for FanotifyDriver {
             FAN_READY => self.read(ring),
             FAN_READ => self.on_read(c, ring),
             TABLE_CHANGED => {
-                self.pri_epoch = Some(self.fan_epoch);
-                if !self.grace_armed {
-                    self.grace_armed = ring.timeout(GRACE, self.grace).is_ok();
-                }
+                let v = self.remounts.table_changed(std::time::Instant::now());
+                self.act(v, ring);
             }
-            GRACE => {
-                self.grace_armed = false;
-                match self.pri_epoch.take() {
-                    // No fanotify event since the table changed: a remount
-                    // (or another change fanotify does not report).
-                    Some(epoch) if epoch == self.fan_epoch => self.resync(None, ring),
-                    Some(_) | None => {}
-                }
+            REMOUNT_CHECK => {
+                self.check_armed = false;
+                let v = self.remounts.expire(std::time::Instant::now());
+                self.act(v, ring);
             }
             PERIODIC => {
                 self.resync(None, ring);

@@ -18,6 +18,7 @@
 mod backlog;
 mod emitter;
 mod fanotify;
+mod remount;
 mod reparse;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -122,9 +123,7 @@ pub struct MountWatcher {
 impl MountWatcher {
     /// Starts watching this thread's mount namespace. Returns the table as it
     /// was when watching began, and the queue every later change arrives on.
-    pub fn start(
-        config: WatchConfig,
-    ) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
+    pub fn start(config: WatchConfig) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
         let counters = Arc::new(Counters::default());
         let (tx, rx) = queue::bounded(config.queue_capacity);
         let emitter = emitter::Emitter::new(tx, counters.clone(), config.resolve_devices);
@@ -137,26 +136,14 @@ impl MountWatcher {
         let (thread, initial) = if use_fanotify {
             let driver = fanotify::FanotifyDriver::new(&config, emitter)?;
             let initial = driver.table().clone();
-            (
-                Thread::Fanotify(
-                    RingThread::spawn("volring-mounts", driver, config.backend, 16)
-                        .map_err(spawn_err)?,
-                ),
-                initial,
-            )
+            (Thread::Fanotify(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
         } else {
             if config.mode == WatchMode::Auto {
                 tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
             }
             let driver = reparse::ReparseDriver::new(emitter)?;
             let initial = driver.table().clone();
-            (
-                Thread::Reparse(
-                    RingThread::spawn("volring-mounts", driver, config.backend, 16)
-                        .map_err(spawn_err)?,
-                ),
-                initial,
-            )
+            (Thread::Reparse(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
         };
         Ok((Self { thread, counters }, initial, rx))
     }

@@ -28,15 +28,8 @@ pub(super) struct ReparseDriver {
 
 impl ReparseDriver {
     pub(super) fn new(emitter: Emitter) -> Result<Self, Error> {
-        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo")
-            .map_err(|e| Error::Io("open mountinfo", e))?
-            .into();
-        let mut d = Self {
-            mountinfo: Arc::new(mountinfo),
-            buf: Vec::new(),
-            table: MountTable::new(),
-            emitter,
-        };
+        let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
+        let mut d = Self { mountinfo: Arc::new(mountinfo), buf: Vec::new(), table: MountTable::new(), emitter };
         d.table = d.read_table()?;
         Ok(d)
     }
@@ -46,38 +39,26 @@ impl ReparseDriver {
     }
 
     fn read_table(&mut self) -> Result<MountTable, Error> {
-        read_mountinfo(&*self.mountinfo, &mut self.buf)
-            .map_err(|e| Error::Io("read mountinfo", e))?;
+        read_mountinfo(&*self.mountinfo, &mut self.buf).map_err(|e| Error::Io("read mountinfo", e))?;
         let (table, errors) = MountTable::from_mountinfo(&self.buf);
         if let Some(first) = errors.first() {
-            self.emitter
-                .counters()
-                .parse_errors
-                .fetch_add(errors.len() as u64, Ordering::Relaxed);
+            self.emitter.counters().parse_errors.fetch_add(errors.len() as u64, Ordering::Relaxed);
             tracing::warn!(count = errors.len(), first = %first, "malformed mountinfo lines skipped");
         }
         Ok(table)
     }
 
     fn reparse(&mut self, ring: &mut Reactor) {
-        self.emitter
-            .counters()
-            .resyncs
-            .fetch_add(1, Ordering::Relaxed);
+        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
         match self.read_table() {
             Ok(new) => {
                 let changes = diff(&self.table, &new);
                 self.table = new;
-                changes
-                    .into_iter()
-                    .for_each(|e| self.emitter.emit(e, ring, RETRY));
+                changes.into_iter().for_each(|e| self.emitter.emit(e, ring, RETRY));
             }
             Err(e) => {
                 tracing::error!(error = %e, "mountinfo re-read failed");
-                self.emitter
-                    .counters()
-                    .errors
-                    .fetch_add(1, Ordering::Relaxed);
+                self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
             }
         }
     }

@@ -1,0 +1,10 @@
+//! Bytes as read from a fanotify group → events. Never panics, always ends.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use volring::mounts::fanotify::events;
+
+fuzz_target!(|data: &[u8]| {
+    // Each event is at least 24 bytes, so this bounds the iteration.
+    assert!(events(data).count() <= data.len() / 24 + 1);
+});
