@@ -46,6 +46,10 @@ struct WatchArgs {
     /// I/O engine of the ring threads.
     #[arg(long, value_enum, default_value = "auto")]
     io: IoArg,
+    /// Watch another mount namespace, e.g. the host's (`/proc/1/ns/mnt`)
+    /// from a container with hostPID.
+    #[arg(long, value_name = "PATH")]
+    mount_namespace: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -75,6 +79,7 @@ impl WatchArgs {
                 IoArg::Uring => BackendChoice::IoUring,
                 IoArg::Epoll => BackendChoice::Epoll,
             },
+            namespace: self.mount_namespace.clone(),
             ..WatchConfig::default()
         }
     }

@@ -353,6 +353,50 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
     same_as_kernel(&w.table, WatchMode::Fanotify)
 }
 
+/// The watcher can watch a namespace other than its caller's (the host's,
+/// from a DaemonSet pod): only its ring thread joins it.
+fn other_namespace(mode: WatchMode) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let d = s.dir("elsewhere");
+    let mut holder = std::process::Command::new("unshare").args(["-m", "--propagation", "private", "sleep", "60"]).spawn()?;
+    let pid = holder.id();
+    let result = (|| -> Result<(), Failed> {
+        let ns = std::path::PathBuf::from(format!("/proc/{pid}/ns/mnt"));
+        // Wait (bounded) until the holder has its own namespace.
+        for _ in 0..100 {
+            if std::fs::read_link(&ns)? != std::fs::read_link("/proc/self/ns/mnt")? {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (watcher, table, rx) =
+            MountWatcher::start(WatchConfig { mode, namespace: Some(ns), resync_interval: None, ..WatchConfig::default() })?;
+        check(table.len() > 0, "initial table of the other namespace")?;
+        let st = std::process::Command::new("nsenter")
+            .arg("-t")
+            .arg(pid.to_string())
+            .args(["-m", "mount", "-t", "tmpfs", "tmpfs"])
+            .arg(&d)
+            .status()?;
+        check(st.success(), "mount inside the other namespace")?;
+        let mut found = false;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !found && Instant::now() < deadline {
+            if let Some(ev) = rx.recv_timeout(Duration::from_millis(100)) {
+                found = ev.changes().iter().any(|e| e.kind == Attached && e.subject().is_some_and(|m| m.mount_point_path() == d));
+            }
+        }
+        watcher.stop()?;
+        check(found, "attach in the other namespace reported")?;
+        // And nothing reached ours.
+        let (here, _) = volring::mounts::load(false)?;
+        check(here.top_at(d.as_os_str().as_encoded_bytes()).is_none(), "our namespace untouched")
+    })();
+    let _ = holder.kill();
+    let _ = holder.wait();
+    result
+}
+
 fn cli_prints_the_table_like_findmnt() -> Result<(), Failed> {
     let s = Scratch::new();
     s.tmpfs("with space");
@@ -431,6 +475,8 @@ fn main() {
     for (backend_name, backend) in [("uring", BackendChoice::IoUring), ("epoll", BackendChoice::Epoll)] {
         trials.push(Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend)));
     }
+    trials.push(Trial::test("fanotify::other_namespace", || other_namespace(WatchMode::Fanotify)));
+    trials.push(Trial::test("reparse::other_namespace", || other_namespace(WatchMode::Reparse)));
     trials.push(Trial::test("cli::mounts_like_findmnt", cli_prints_the_table_like_findmnt));
     trials.push(Trial::test("cli::watch_streams_json_lines", cli_watch_streams_json_lines));
     common::run_in_private_namespace(trials)

@@ -304,22 +304,29 @@ impl<D: Driver> RingThread<D> {
     /// Starts `driver` on a new thread named `name`. Returns once the driver's
     /// `start` has run, with its error if it failed.
     pub fn spawn(name: &str, driver: D, choice: BackendChoice, command_capacity: usize) -> io::Result<Self> {
+        Self::spawn_with(name, move || Ok(driver), choice, command_capacity)
+    }
+
+    /// Like `spawn`, but builds the driver on the ring thread itself, for
+    /// drivers that must be made where they run (in another namespace, say).
+    pub fn spawn_with<F>(name: &str, make: F, choice: BackendChoice, command_capacity: usize) -> io::Result<Self>
+    where
+        F: FnOnce() -> io::Result<D> + Send + 'static,
+    {
         let commands = Arc::new(ArrayQueue::new(command_capacity.max(1)));
         let wake = Arc::new(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?);
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(RingStats::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (q, w, s, st) = (commands.clone(), wake.clone(), stop.clone(), stats.clone());
-        let join = std::thread::Builder::new().name(name.to_string()).spawn(move || run(driver, choice, q, w, s, st, ready_tx))?;
+        let join = std::thread::Builder::new().name(name.to_string()).spawn(move || run(make, choice, q, w, s, st, ready_tx))?;
         match ready_rx.recv() {
-            Ok(Ok(backend)) => Ok(Self { commands, wake, stop, stats, backend, join: Some(join) }),
-            Ok(Err(e)) => {
-                let _ = join.join();
-                Err(e)
-            }
+            Ok(backend) => Ok(Self { commands, wake, stop, stats, backend, join: Some(join) }),
+            // The thread ended during start: its result holds the original error.
             Err(_) => Err(match join.join() {
                 Ok(Err(e)) => e,
-                _ => io::Error::other("ring thread died during start"),
+                Ok(Ok(_)) => io::Error::other("ring thread ended during start"),
+                Err(_) => io::Error::other("ring thread panicked during start"),
             }),
         }
     }
@@ -367,29 +374,22 @@ fn wake(fd: &OwnedFd) {
 }
 
 fn run<D: Driver>(
-    mut driver: D,
+    make: impl FnOnce() -> io::Result<D>,
     choice: BackendChoice,
     commands: Arc<ArrayQueue<D::Command>>,
     wake_fd: Arc<OwnedFd>,
     stop: Arc<AtomicBool>,
     stats: Arc<RingStats>,
-    ready: std::sync::mpsc::SyncSender<io::Result<Backend>>,
+    ready: std::sync::mpsc::SyncSender<Backend>,
 ) -> io::Result<D> {
     let started = (|| {
+        let mut driver = make()?;
         let mut reactor = Reactor::new(choice, &wake_fd)?;
         driver.start(&mut reactor)?;
-        Ok::<_, io::Error>(reactor)
+        Ok::<_, io::Error>((driver, reactor))
     })();
-    let mut reactor = match started {
-        Ok(r) => {
-            let _ = ready.send(Ok(r.backend()));
-            r
-        }
-        Err(e) => {
-            let _ = ready.send(Err(io::Error::new(e.kind(), e.to_string())));
-            return Err(e);
-        }
-    };
+    let (mut driver, mut reactor) = started?;
+    let _ = ready.send(reactor.backend());
     let mut completions = Vec::with_capacity(256);
     let mut flow = Flow::Continue;
     while flow == Flow::Continue && !stop.load(Ordering::Acquire) {

@@ -77,25 +77,34 @@ impl<T> Receiver<T> {
         self.shared.closed.load(Ordering::Acquire)
     }
 
+    /// `Some(item)`, or `Some(None)` at the end of the stream; `None` when
+    /// the caller has to wait.
+    fn ready_or_closed(&self) -> Option<Option<T>> {
+        if let Some(item) = self.try_recv() {
+            return Some(Some(item));
+        }
+        self.closed().then(|| self.try_recv())
+    }
+
+    /// What `ready_or_closed` says, or a listener to wait on. The second look
+    /// comes after the listener is registered, so a push in between is never
+    /// missed.
+    fn next_or_listen(&self) -> Result<Option<T>, event_listener::EventListener> {
+        if let Some(r) = self.ready_or_closed() {
+            return Ok(r);
+        }
+        let listener = self.shared.ready.listen();
+        self.ready_or_closed().ok_or(listener)
+    }
+
     /// Waits for the next item; `None` once the sender is gone and the queue
     /// is drained.
     pub async fn recv(&self) -> Option<T> {
         loop {
-            if let Some(item) = self.try_recv() {
-                return Some(item);
+            match self.next_or_listen() {
+                Ok(r) => return r,
+                Err(listener) => listener.await,
             }
-            if self.closed() {
-                return self.try_recv();
-            }
-            let listener = self.shared.ready.listen();
-            // Re-check after registering so a push in between is not missed.
-            if let Some(item) = self.try_recv() {
-                return Some(item);
-            }
-            if self.closed() {
-                return self.try_recv();
-            }
-            listener.await;
         }
     }
 
@@ -104,20 +113,10 @@ impl<T> Receiver<T> {
     pub fn recv_timeout(&self, timeout: Duration) -> Option<T> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(item) = self.try_recv() {
-                return Some(item);
+            match self.next_or_listen() {
+                Ok(r) => return r,
+                Err(listener) => listener.wait_deadline(deadline)?,
             }
-            if self.closed() {
-                return self.try_recv();
-            }
-            let listener = self.shared.ready.listen();
-            if let Some(item) = self.try_recv() {
-                return Some(item);
-            }
-            if self.closed() {
-                return self.try_recv();
-            }
-            listener.wait_deadline(deadline)?;
         }
     }
 }

@@ -14,3 +14,19 @@ pub fn enter_private_mount_namespace() -> io::Result<()> {
     rustix::mount::mount_change("/", rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC)?;
     Ok(())
 }
+
+/// Moves the calling thread (only) into the mount namespace at `path`
+/// (`/proc/1/ns/mnt` for the host's, from a container with hostPID).
+///
+/// A thread shares its fs struct with its siblings, and the kernel refuses a
+/// mount namespace switch while it is shared, so the thread takes its own
+/// copy first. Only this thread sees the other namespace afterwards.
+pub fn join_mount_namespace_on_this_thread(path: &std::path::Path) -> io::Result<()> {
+    use std::os::fd::AsFd;
+    let ns = std::fs::File::open(path)?;
+    // SAFETY: CLONE_FS gives this thread its own cwd/root/umask; no memory of
+    // ours depends on them being shared.
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS) }?;
+    rustix::thread::move_into_link_name_space(ns.as_fd(), Some(rustix::thread::LinkNameSpaceType::Mount))?;
+    Ok(())
+}

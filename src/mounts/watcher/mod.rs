@@ -56,6 +56,9 @@ pub struct WatchConfig {
     pub resync_interval: Option<Duration>,
     /// Resolve each event's block devices through sysfs.
     pub resolve_devices: bool,
+    /// Watch this mount namespace (e.g. `/proc/1/ns/mnt`) instead of the
+    /// caller's. Only the ring thread joins it.
+    pub namespace: Option<std::path::PathBuf>,
 }
 
 impl Default for WatchConfig {
@@ -67,6 +70,7 @@ impl Default for WatchConfig {
             remount_grace: Duration::from_millis(2),
             resync_interval: Some(Duration::from_secs(30)),
             resolve_devices: true,
+            namespace: None,
         }
     }
 }
@@ -109,70 +113,116 @@ pub enum Command {
     Resync,
 }
 
-enum Thread {
-    Fanotify(RingThread<fanotify::FanotifyDriver>),
-    Reparse(RingThread<reparse::ReparseDriver>),
+/// The driver on the ring thread: one of the two strategies, chosen there,
+/// inside the namespace it watches.
+enum Strategy {
+    Fanotify(fanotify::FanotifyDriver),
+    Reparse(reparse::ReparseDriver),
 }
 
-/// A running watcher.
-pub struct MountWatcher {
-    thread: Thread,
-    counters: Arc<Counters>,
-}
-
-impl MountWatcher {
-    /// Starts watching this thread's mount namespace. Returns the table as it
-    /// was when watching began, and the queue every later change arrives on.
-    pub fn start(config: WatchConfig) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
-        let counters = Arc::new(Counters::default());
-        let (tx, rx) = queue::bounded(config.queue_capacity);
-        let emitter = emitter::Emitter::new(tx, counters.clone(), config.resolve_devices);
+impl Strategy {
+    /// Joins the namespace if asked, picks the strategy, takes the snapshot.
+    fn make(config: &WatchConfig, emitter: emitter::Emitter) -> Result<Self, Error> {
+        if let Some(ns) = &config.namespace {
+            crate::sys::ns::join_mount_namespace_on_this_thread(ns).map_err(|e| Error::Io("join mount namespace", e))?;
+        }
         let use_fanotify = match config.mode {
             WatchMode::Fanotify => true,
             WatchMode::Reparse => false,
             WatchMode::Auto => fanotify::available(),
         };
-        let spawn_err = |e| Error::Io("start mount watcher", e);
-        let (thread, initial) = if use_fanotify {
-            let driver = fanotify::FanotifyDriver::new(&config, emitter)?;
-            let initial = driver.table().clone();
-            (Thread::Fanotify(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
-        } else {
-            if config.mode == WatchMode::Auto {
-                tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
-            }
-            let driver = reparse::ReparseDriver::new(emitter)?;
-            let initial = driver.table().clone();
-            (Thread::Reparse(RingThread::spawn("volring-mounts", driver, config.backend, 16).map_err(spawn_err)?), initial)
+        if use_fanotify {
+            return Ok(Strategy::Fanotify(fanotify::FanotifyDriver::new(config, emitter)?));
+        }
+        if config.mode == WatchMode::Auto {
+            tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
+        }
+        Ok(Strategy::Reparse(reparse::ReparseDriver::new(emitter)?))
+    }
+
+    fn mode(&self) -> WatchMode {
+        match self {
+            Strategy::Fanotify(_) => WatchMode::Fanotify,
+            Strategy::Reparse(_) => WatchMode::Reparse,
+        }
+    }
+
+    fn table(&self) -> &MountTable {
+        match self {
+            Strategy::Fanotify(d) => d.table(),
+            Strategy::Reparse(d) => d.table(),
+        }
+    }
+}
+
+impl ring::Driver for Strategy {
+    type Command = Command;
+
+    fn start(&mut self, ring: &mut ring::Reactor) -> std::io::Result<()> {
+        match self {
+            Strategy::Fanotify(d) => d.start(ring),
+            Strategy::Reparse(d) => d.start(ring),
+        }
+    }
+
+    fn on_command(&mut self, cmd: Command, ring: &mut ring::Reactor) -> ring::Flow {
+        match self {
+            Strategy::Fanotify(d) => d.on_command(cmd, ring),
+            Strategy::Reparse(d) => d.on_command(cmd, ring),
+        }
+    }
+
+    fn on_completion(&mut self, c: ring::Completion, ring: &mut ring::Reactor) -> ring::Flow {
+        match self {
+            Strategy::Fanotify(d) => d.on_completion(c, ring),
+            Strategy::Reparse(d) => d.on_completion(c, ring),
+        }
+    }
+}
+
+/// A running watcher.
+pub struct MountWatcher {
+    thread: RingThread<Strategy>,
+    mode: WatchMode,
+    counters: Arc<Counters>,
+}
+
+impl MountWatcher {
+    /// Starts watching (this thread's mount namespace, or
+    /// `config.namespace`). Returns the table as it was when watching began,
+    /// and the queue every later change arrives on.
+    pub fn start(config: WatchConfig) -> Result<(Self, MountTable, queue::Receiver<WatchEvent>), Error> {
+        let counters = Arc::new(Counters::default());
+        let (tx, rx) = queue::bounded(config.queue_capacity);
+        let emitter = emitter::Emitter::new(tx, counters.clone(), config.resolve_devices);
+        let (made_tx, made_rx) = std::sync::mpsc::sync_channel(1);
+        let backend = config.backend;
+        let make = move || {
+            let s = Strategy::make(&config, emitter).map_err(std::io::Error::other)?;
+            let _ = made_tx.send((s.mode(), s.table().clone()));
+            Ok(s)
         };
-        Ok((Self { thread, counters }, initial, rx))
+        let thread = RingThread::spawn_with("volring-mounts", make, backend, 16).map_err(|e| match e.downcast::<Error>() {
+            Ok(inner) => inner,
+            Err(e) => Error::Io("start mount watcher", e),
+        })?;
+        let (mode, initial) = made_rx.recv().map_err(|_| Error::Io("start mount watcher", std::io::Error::other("no initial table")))?;
+        Ok((Self { thread, mode, counters }, initial, rx))
     }
 
+    /// The strategy in use (never `Auto`).
     pub fn mode(&self) -> WatchMode {
-        match self.thread {
-            Thread::Fanotify(_) => WatchMode::Fanotify,
-            Thread::Reparse(_) => WatchMode::Reparse,
-        }
-    }
-
-    fn ring_stats(&self) -> (&Arc<ring::RingStats>, ring::Backend) {
-        match &self.thread {
-            Thread::Fanotify(t) => (t.stats(), t.backend()),
-            Thread::Reparse(t) => (t.stats(), t.backend()),
-        }
+        self.mode
     }
 
     /// Asks for a full resync; false when the command queue is full (one is
     /// already pending then, which serves the same purpose).
     pub fn resync(&self) -> bool {
-        match &self.thread {
-            Thread::Fanotify(t) => t.send(Command::Resync).is_ok(),
-            Thread::Reparse(t) => t.send(Command::Resync).is_ok(),
-        }
+        self.thread.send(Command::Resync).is_ok()
     }
 
     pub fn stats(&self) -> WatcherStats {
-        let (ring, backend) = self.ring_stats();
+        let (ring, backend) = (self.thread.stats(), self.thread.backend());
         let c = &*self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         WatcherStats {
@@ -194,11 +244,7 @@ impl MountWatcher {
     /// Stops the ring thread and returns the final counters.
     pub fn stop(self) -> Result<WatcherStats, Error> {
         let stats = self.stats();
-        let r = match self.thread {
-            Thread::Fanotify(t) => t.stop().map(|_| ()),
-            Thread::Reparse(t) => t.stop().map(|_| ()),
-        };
-        r.map_err(|e| Error::Io("mount watcher thread", e))?;
+        self.thread.stop().map_err(|e| Error::Io("mount watcher thread", e))?;
         Ok(stats)
     }
 }
