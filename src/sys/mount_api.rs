@@ -7,14 +7,9 @@
 
 use std::io;
 
-/// x86_64 syscall numbers (include/uapi/asm-generic/unistd.h, arch/x86 table).
-#[cfg(target_arch = "x86_64")]
+/// Syscall numbers. Calls added since 5.x share one number on every
+/// architecture (include/uapi/asm-generic/unistd.h), so no per-arch table.
 const SYS_STATMOUNT: libc::c_long = 457;
-#[cfg(target_arch = "x86_64")]
-const SYS_LISTMOUNT: libc::c_long = 458;
-#[cfg(target_arch = "aarch64")]
-const SYS_STATMOUNT: libc::c_long = 457;
-#[cfg(target_arch = "aarch64")]
 const SYS_LISTMOUNT: libc::c_long = 458;
 
 /// `LSMT_ROOT`: list from the root of the caller's mount namespace.
