@@ -6,7 +6,7 @@
 //! attaches it reported, its ring thread's CPU time for the storm, and the
 //! latency from mount(2) returning to the event reaching a consumer thread.
 //!
-//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000]` (root)
+//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse]` (root)
 
 mod support;
 
@@ -114,6 +114,7 @@ fn main() {
     }
     let sizes = arg_list(&args, "--sizes", &[1_000, 10_000, 20_000]);
     let pairs = arg_list(&args, "--pairs", &[1_000])[0];
+    let only = args.iter().position(|a| a == "--watcher").and_then(|i| args.get(i + 1)).cloned();
     volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
@@ -138,10 +139,11 @@ fn main() {
                 o.storm.as_secs_f64() * 1e3
             )
         };
-        let ours = storm(WatchMode::Fanotify, &dirs);
-        row("volring", &ours);
-        let base = storm(WatchMode::Reparse, &dirs);
-        row("reparse", &base);
+        let ours = (only.as_deref() != Some("reparse")).then(|| storm(WatchMode::Fanotify, &dirs));
+        ours.iter().for_each(|o| row("volring", o));
+        let base = (only.as_deref() != Some("volring")).then(|| storm(WatchMode::Reparse, &dirs));
+        base.iter().for_each(|o| row("reparse", o));
+        let (Some(ours), Some(base)) = (ours, base) else { continue };
         println!(
             "{:>7} ratio: volring sees {:.1}x the events for {:.3}x the CPU of a re-parse watcher",
             n,

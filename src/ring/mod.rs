@@ -61,7 +61,9 @@ pub struct Completion {
     pub token: Token,
     /// Poll: the ready events. Read: bytes read. Timeout: 0.
     pub result: io::Result<u32>,
-    /// The buffer of a read, truncated to what was read.
+    /// The buffer of a read, handed back whole: `result` says how many bytes
+    /// of it were read. (Not truncated, so the driver can reuse it without
+    /// growing and zeroing it again.)
     pub buf: Option<Vec<u8>>,
 }
 
@@ -237,8 +239,7 @@ impl Reactor {
             }
             Pending::Read { .. } => {
                 let entry = self.inflight.remove(&r.slot).expect("looked up above");
-                let Pending::Read { mut buf, .. } = entry.op else { unreachable!() };
-                buf.truncate(*result.as_ref().unwrap_or(&0) as usize);
+                let Pending::Read { buf, .. } = entry.op else { unreachable!() };
                 out.push(Completion { token: entry.token, result, buf: Some(buf) });
             }
             Pending::Timeout => {
@@ -389,6 +390,7 @@ fn run<D: Driver>(
         Ok::<_, io::Error>((driver, reactor))
     })();
     let (mut driver, mut reactor) = started?;
+    stats.cpu_ns.store(crate::sys::thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
     let _ = ready.send(reactor.backend());
     let mut completions = Vec::with_capacity(256);
     let mut flow = Flow::Continue;

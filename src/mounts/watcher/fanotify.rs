@@ -26,6 +26,8 @@ const RETRY: ring::Token = 6;
 
 /// One read takes up to this many bytes of events (about 1,600 events).
 const READ_SIZE: usize = 64 * 1024;
+/// More than any one event; fanotify copies only whole events.
+const SHORT_READ_MARGIN: usize = 4096;
 
 /// True when this kernel can watch mounts with fanotify and statmount.
 pub(super) fn available() -> bool {
@@ -76,8 +78,7 @@ impl FanotifyDriver {
     }
 
     fn read(&mut self, ring: &mut Reactor) {
-        if let Some(mut buf) = self.read_buf.take() {
-            buf.resize(READ_SIZE, 0);
+        if let Some(buf) = self.read_buf.take() {
             if let Err(e) = ring.read(FAN_READ, self.fan.clone(), buf, None) {
                 tracing::error!(error = %e, "cannot queue a fanotify read");
                 self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
@@ -192,7 +193,7 @@ impl FanotifyDriver {
         let buf = c.buf.unwrap_or_default();
         match c.result {
             Ok(n) if n > 0 => {
-                let overflow = self.collect(&buf);
+                let overflow = self.collect(&buf[..(n as usize).min(buf.len())]);
                 self.read_buf = Some(buf);
                 if overflow {
                     self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
@@ -202,8 +203,12 @@ impl FanotifyDriver {
                 } else {
                     self.apply_batch(ring);
                 }
-                // More may be queued: read until the group says EAGAIN.
-                self.read(ring);
+                // A read that nearly filled the buffer may have left events
+                // behind: read on. A short one emptied the queue, and the
+                // multishot POLLIN reports whatever comes next.
+                if n as usize + SHORT_READ_MARGIN > READ_SIZE {
+                    self.read(ring);
+                }
             }
             Ok(_) => self.read_buf = Some(buf),
             Err(e) => {
@@ -211,7 +216,7 @@ impl FanotifyDriver {
                     tracing::warn!(error = %e, "fanotify read failed");
                     self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 }
-                self.read_buf = Some(if buf.capacity() >= READ_SIZE { buf } else { vec![0; READ_SIZE] });
+                self.read_buf = Some(if buf.len() == READ_SIZE { buf } else { vec![0; READ_SIZE] });
             }
         }
     }
