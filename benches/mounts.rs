@@ -21,9 +21,7 @@ fn parse_group(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("zero_copy_lines", n), &text, |b, t| {
             b.iter(|| parse::parse(black_box(t)).filter(|l| l.is_ok()).count())
         });
-        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| {
-            b.iter(|| parse::parse(black_box(t)).filter_map(Result::ok).map(|r| r.to_mount()).collect::<Vec<_>>())
-        });
+        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| b.iter(|| parse::mounts(black_box(t))));
         g.bench_with_input(BenchmarkId::new("indexed_table", n), &text, |b, t| b.iter(|| MountTable::from_mountinfo(black_box(t))));
     }
     g.finish();

@@ -1,11 +1,14 @@
 //! volring's mountinfo parser against util-linux libmount, on the same bytes,
 //! interleaved in one run; prints medians and ratios.
 //!
-//! `cargo bench --features libmount-peer --bench parse_vs_libmount`
+//! `cargo bench --features libmount-peer --bench parse_vs_libmount [-- --sizes 1000,20000]`
 //!
 //! Both sides read the same file from tmpfs and build a table: libmount its
 //! list of `libmnt_fs` (every field unescaped and copied), volring either the
-//! owned `Mount`s (the like-for-like row) or the indexed `MountTable`.
+//! owned `Mount`s (the like-for-like row) or the indexed `MountTable`. Each
+//! table is freed after its timer stops, on both sides, and the heap is
+//! settled (`malloc_trim`) before each timer starts, so neither side pays
+//! for the other's frees.
 
 mod support;
 
@@ -32,24 +35,34 @@ fn main() {
         "{:>7} {:>10} {:>14} {:>14} {:>16} {:>16}",
         "lines", "libmount", "volring_owned", "volring_table", "ratio_owned", "ratio_table"
     );
-    for n in [1_000usize, 5_000, 10_000, 20_000] {
+    let args: Vec<String> = std::env::args().collect();
+    let sizes: Vec<usize> = args
+        .iter()
+        .position(|a| a == "--sizes")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1_000, 5_000, 10_000, 20_000]);
+    for n in sizes {
         let path = dir.path().join(format!("mountinfo-{n}"));
         std::fs::write(&path, support::kubelet_mountinfo(n)).expect("write");
         let file = std::fs::File::open(&path).expect("open");
         let mut buf = Vec::new();
         let (mut lm, mut owned, mut table) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
+            libmount::settle_heap();
             let t = Instant::now();
-            let got = libmount::parse_table_file(&path).expect("libmount");
+            let got = libmount::Table::parse_file(&path).expect("libmount");
             lm.push(t.elapsed().as_secs_f64() * 1e3);
-            assert_eq!(got, n);
+            assert_eq!(black_box(got).len(), n);
 
+            libmount::settle_heap();
             let t = Instant::now();
             read_mountinfo(&file, &mut buf).expect("read");
-            let v: Vec<_> = parse::parse(&buf).filter_map(Result::ok).map(|r| r.to_mount()).collect();
+            let (v, errors) = parse::mounts(&buf);
             owned.push(t.elapsed().as_secs_f64() * 1e3);
-            assert_eq!(black_box(v).len(), n);
+            assert!(errors.is_empty() && black_box(v).len() == n);
 
+            libmount::settle_heap();
             let t = Instant::now();
             read_mountinfo(&file, &mut buf).expect("read");
             let (tb, errors) = MountTable::from_mountinfo(&buf);

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 /// nearly always. A backslash not followed by three octal digits is kept as
 /// is: the kernel never writes one, and guessing would corrupt paths.
 pub fn unescape(raw: &[u8]) -> Cow<'_, [u8]> {
-    let Some(first) = raw.iter().position(|&b| b == b'\\') else {
+    let Some(first) = memchr::memchr(b'\\', raw) else {
         return Cow::Borrowed(raw);
     };
     let mut out = Vec::with_capacity(raw.len());

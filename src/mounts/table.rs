@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::event::{EventKind, MountEvent};
 use super::mount::{DevNum, Mount, MountId};
-use super::parse::{parse, LineError};
+use super::parse::LineError;
 
 /// All mounts of one namespace, from one source (mountinfo or statmount).
 ///
@@ -36,15 +36,10 @@ impl MountTable {
     /// Builds a table from mountinfo bytes. Malformed lines are returned
     /// beside the table, not fatal: one bad line must not hide the others.
     pub fn from_mountinfo(buf: &[u8]) -> (Self, Vec<LineError>) {
-        let mut t = Self::with_capacity(buf.len() / 100);
-        let mut errors = Vec::new();
-        for line in parse(buf) {
-            match line {
-                Ok(raw) => {
-                    t.insert(Arc::new(raw.to_mount()));
-                }
-                Err(e) => errors.push(e),
-            }
+        let (mounts, errors) = super::parse::mounts(buf);
+        let mut t = Self::with_capacity(mounts.len());
+        for m in mounts {
+            t.insert(Arc::new(m));
         }
         (t, errors)
     }

@@ -12,23 +12,50 @@ extern "C" {
     fn mnt_table_get_nents(tb: *mut c_void) -> c_int;
 }
 
-/// Parses a mountinfo-format file into a libmount table and returns how many
-/// entries it holds.
-pub fn parse_table_file(path: &std::path::Path) -> io::Result<usize> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
-    // SAFETY: mnt_new_table has no preconditions; it returns NULL on ENOMEM.
-    let tb = unsafe { mnt_new_table() };
-    if tb.is_null() {
-        return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+/// A parsed libmount table; freed on drop, so a bench can time parsing and
+/// teardown separately, as it does for volring's tables.
+pub struct Table(*mut c_void);
+
+impl Table {
+    /// Parses a mountinfo-format file.
+    pub fn parse_file(path: &std::path::Path) -> io::Result<Self> {
+        let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+        // SAFETY: mnt_new_table has no preconditions; it returns NULL on ENOMEM.
+        let tb = unsafe { mnt_new_table() };
+        if tb.is_null() {
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
+        let table = Table(tb);
+        // SAFETY: `tb` is a live table, `c` a NUL-terminated path alive for the call.
+        let rc = unsafe { mnt_table_parse_file(tb, c.as_ptr()) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(-rc));
+        }
+        Ok(table)
     }
-    // SAFETY: `tb` is a live table, `c` a NUL-terminated path alive for the call.
-    let rc = unsafe { mnt_table_parse_file(tb, c.as_ptr()) };
-    // SAFETY: `tb` is live until the unref below.
-    let n = unsafe { mnt_table_get_nents(tb) };
-    // SAFETY: drops the only reference we hold; `tb` is not used afterwards.
-    unsafe { mnt_unref_table(tb) };
-    if rc != 0 {
-        return Err(io::Error::from_raw_os_error(-rc));
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        // SAFETY: self.0 is a live table until drop.
+        unsafe { mnt_table_get_nents(self.0) }.max(0) as usize
     }
-    Ok(n.max(0) as usize)
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: drops the only reference; self.0 is not used afterwards.
+        unsafe { mnt_unref_table(self.0) };
+    }
+}
+
+/// Makes glibc consolidate and return freed memory now, so the frees of one
+/// timed run are not paid for by the next run's first large allocation.
+pub fn settle_heap() {
+    // SAFETY: malloc_trim only walks glibc's own heap state; no pointer of
+    // ours is involved.
+    unsafe { libc::malloc_trim(0) };
 }
