@@ -23,8 +23,7 @@ impl Statmounter {
 
     /// True when this kernel has `listmount` and `statmount` (6.8+).
     pub fn supported() -> bool {
-        let mut ids = Vec::new();
-        mount_api::listmount_all(&mut ids).is_ok()
+        mount_api::listmount_available()
     }
 
     /// One mount by unique id; `None` when it has left the namespace.

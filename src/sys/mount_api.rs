@@ -75,6 +75,15 @@ pub fn listmount_all(out: &mut Vec<u64>) -> io::Result<()> {
     }
 }
 
+/// True when the kernel has `listmount` (and so `statmount`): asks for one id.
+pub fn listmount_available() -> bool {
+    let req = MntIdReq::new(LSMT_ROOT, 0);
+    let mut one = [0u64; 1];
+    // SAFETY: `req` is valid; the kernel writes at most one u64 into `one`.
+    let n = unsafe { libc::syscall(SYS_LISTMOUNT, &req as *const MntIdReq, one.as_mut_ptr(), 1usize, 0u32) };
+    n >= 0
+}
+
 /// Fills `buf` with the `struct statmount` reply for `mnt_id`, growing it when
 /// the kernel says the strings do not fit (EOVERFLOW). ENOENT means the mount is
 /// no longer in this namespace.
