@@ -1,6 +1,8 @@
 //! The mount table, indexed by mount id, by mount point and by device.
 
+use std::collections::hash_map::{Entry, RandomState};
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use super::event::{EventKind, MountEvent};
@@ -12,16 +14,84 @@ use super::parse::LineError;
 /// Mounts are shared (`Arc`) so events and snapshots can hold them without
 /// copying. A mount point may carry a stack of mounts; the index keeps them
 /// in id order, so the top of a stack (the newest) is last.
+///
+/// The secondary indexes allocate nothing for the common case: the mount
+/// point index is keyed by a 64-bit hash of the path (lookups check the path
+/// itself), and each entry holds one id inline, spilling to a vector only for
+/// stacks and collisions. Building the index this way is what keeps a
+/// 20,000-mount resync from being dominated by allocation.
 #[derive(Debug, Clone, Default)]
 pub struct MountTable {
     by_id: HashMap<MountId, Arc<Mount>>,
-    by_point: HashMap<Box<[u8]>, Vec<MountId>>,
-    by_dev: HashMap<DevNum, Vec<MountId>>,
+    by_point: HashMap<u64, Ids>,
+    by_dev: HashMap<DevNum, Ids>,
+    hasher: RandomState,
 }
 
-fn unlink(index: &mut Vec<MountId>, id: MountId) -> bool {
-    index.retain(|&x| x != id);
-    index.is_empty()
+/// The ids under one index key, in id order.
+#[derive(Debug, Clone)]
+enum Ids {
+    One(MountId),
+    Many(Vec<MountId>),
+}
+
+impl Ids {
+    fn as_slice(&self) -> &[MountId] {
+        match self {
+            Ids::One(id) => std::slice::from_ref(id),
+            Ids::Many(v) => v,
+        }
+    }
+
+    fn add(&mut self, id: MountId) {
+        match self {
+            Ids::One(first) => {
+                let mut v = vec![*first];
+                let at = v.partition_point(|&x| x < id);
+                v.insert(at, id);
+                *self = Ids::Many(v);
+            }
+            Ids::Many(v) => {
+                let at = v.partition_point(|&x| x < id);
+                v.insert(at, id);
+            }
+        }
+    }
+
+    /// Removes `id`; true when nothing is left.
+    fn remove(&mut self, id: MountId) -> bool {
+        match self {
+            Ids::One(x) => *x == id,
+            Ids::Many(v) => {
+                v.retain(|&x| x != id);
+                match v[..] {
+                    [] => true,
+                    [only] => {
+                        *self = Ids::One(only);
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+}
+
+fn index_add<K: std::hash::Hash + Eq>(index: &mut HashMap<K, Ids>, key: K, id: MountId) {
+    match index.entry(key) {
+        Entry::Occupied(mut e) => e.get_mut().add(id),
+        Entry::Vacant(e) => {
+            e.insert(Ids::One(id));
+        }
+    }
+}
+
+fn index_remove<K: std::hash::Hash + Eq>(index: &mut HashMap<K, Ids>, key: K, id: MountId) {
+    if let Entry::Occupied(mut e) = index.entry(key) {
+        if e.get_mut().remove(id) {
+            e.remove();
+        }
+    }
 }
 
 impl MountTable {
@@ -30,7 +100,16 @@ impl MountTable {
     }
 
     pub fn with_capacity(n: usize) -> Self {
-        Self { by_id: HashMap::with_capacity(n), by_point: HashMap::with_capacity(n), by_dev: HashMap::with_capacity(n / 4) }
+        Self {
+            by_id: HashMap::with_capacity(n),
+            by_point: HashMap::with_capacity(n),
+            by_dev: HashMap::with_capacity(n / 4),
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn point_key(&self, point: &[u8]) -> u64 {
+        self.hasher.hash_one(point)
     }
 
     /// Builds a table from mountinfo bytes. Malformed lines are returned
@@ -57,18 +136,19 @@ impl MountTable {
     }
 
     /// Mounts stacked on `point`, bottom first.
-    pub fn at(&self, point: &[u8]) -> impl Iterator<Item = &Arc<Mount>> + '_ {
-        self.by_point.get(point).into_iter().flatten().filter_map(|id| self.by_id.get(id))
+    pub fn at<'a>(&'a self, point: &'a [u8]) -> impl Iterator<Item = &'a Arc<Mount>> + 'a {
+        let ids = self.by_point.get(&self.point_key(point)).map(Ids::as_slice).unwrap_or(&[]);
+        ids.iter().filter_map(|id| self.by_id.get(id)).filter(move |m| m.mount_point() == point)
     }
 
     /// The visible (topmost) mount on `point`.
-    pub fn top_at(&self, point: &[u8]) -> Option<&Arc<Mount>> {
+    pub fn top_at<'a>(&'a self, point: &'a [u8]) -> Option<&'a Arc<Mount>> {
         self.at(point).last()
     }
 
     /// Every mount of device `dev`, in id order.
     pub fn on_device(&self, dev: DevNum) -> impl Iterator<Item = &Arc<Mount>> + '_ {
-        self.by_dev.get(&dev).into_iter().flatten().filter_map(|id| self.by_id.get(id))
+        self.by_dev.get(&dev).map(Ids::as_slice).unwrap_or(&[]).iter().filter_map(|id| self.by_id.get(id))
     }
 
     /// All mounts in no particular order.
@@ -86,28 +166,18 @@ impl MountTable {
     /// Inserts or replaces a mount; returns the one it replaced.
     pub fn insert(&mut self, m: Arc<Mount>) -> Option<Arc<Mount>> {
         let old = self.remove(m.id);
-        let ids = self.by_point.entry(m.mount_point().into()).or_default();
-        let at = ids.partition_point(|&x| x < m.id);
-        ids.insert(at, m.id);
-        let ids = self.by_dev.entry(m.dev).or_default();
-        let at = ids.partition_point(|&x| x < m.id);
-        ids.insert(at, m.id);
+        let key = self.point_key(m.mount_point());
+        index_add(&mut self.by_point, key, m.id);
+        index_add(&mut self.by_dev, m.dev, m.id);
         self.by_id.insert(m.id, m);
         old
     }
 
     pub fn remove(&mut self, id: MountId) -> Option<Arc<Mount>> {
         let m = self.by_id.remove(&id)?;
-        if let Some(ids) = self.by_point.get_mut(m.mount_point()) {
-            if unlink(ids, id) {
-                self.by_point.remove(m.mount_point());
-            }
-        }
-        if let Some(ids) = self.by_dev.get_mut(&m.dev) {
-            if unlink(ids, id) {
-                self.by_dev.remove(&m.dev);
-            }
-        }
+        let key = self.point_key(m.mount_point());
+        index_remove(&mut self.by_point, key, id);
+        index_remove(&mut self.by_dev, m.dev, id);
         Some(m)
     }
 
@@ -153,5 +223,28 @@ mod tests {
         assert!(t2.top_at(b"/data").is_none());
         assert_eq!(t2.on_device(loop0).count(), 1);
         assert_eq!(t2.sorted().iter().map(|m| m.id).collect::<Vec<_>>(), vec![1, 4]);
+    }
+
+    #[test]
+    fn stacks_grow_and_shrink_back() {
+        let (mut t, _) = MountTable::from_mountinfo(
+            b"5 1 0:30 / /s rw - tmpfs a rw\n7 1 0:31 / /s rw - tmpfs b rw\n6 1 0:32 / /s rw - tmpfs c rw\n8 1 0:33 / /other rw - tmpfs d rw\n",
+        );
+        let ids = |t: &MountTable| t.at(b"/s").map(|m| m.id).collect::<Vec<_>>();
+        assert_eq!(ids(&t), vec![5, 6, 7]);
+        assert_eq!(t.top_at(b"/s").unwrap().id, 7);
+        t.remove(6);
+        t.remove(7);
+        assert_eq!(ids(&t), vec![5]);
+        t.remove(5);
+        assert!(ids(&t).is_empty() && t.top_at(b"/s").is_none());
+        assert_eq!(t.top_at(b"/other").unwrap().id, 8);
+        assert!(t.at(b"/nowhere").next().is_none());
+        // Re-inserting a mount under the same id moves it between stacks.
+        let moved = t.get(8).unwrap().clone();
+        let (again, _) = MountTable::from_mountinfo(b"8 1 0:33 / /s rw - tmpfs d rw\n");
+        t.insert(again.get(8).unwrap().clone());
+        assert!(t.top_at(b"/other").is_none());
+        assert_eq!(t.top_at(b"/s").unwrap().id, moved.id);
     }
 }
