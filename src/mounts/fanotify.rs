@@ -79,10 +79,10 @@ fn next_event(b: &[u8]) -> Result<(usize, Option<FanEvent>), Error> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    pub(crate) fn event(mask: u64, id: u64) -> Vec<u8> {
+    fn event(mask: u64, id: u64) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(&40u32.to_ne_bytes());
         b.extend_from_slice(&[3, 0]);

@@ -148,11 +148,11 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     /// Builds a reply the way the kernel lays it out.
-    pub(crate) fn reply(id: u64, point: &str, attr: u64, prop: u64, peer: u64, opts: &str) -> Vec<u8> {
+    fn reply(id: u64, point: &str, attr: u64, prop: u64, peer: u64, opts: &str) -> Vec<u8> {
         let mut b = vec![0u8; FIXED];
         let mut strs = Vec::new();
         let mut put = |b: &mut Vec<u8>, at: usize, s: &str| {

@@ -8,7 +8,7 @@ use super::backlog::Backlog;
 use super::Counters;
 use crate::mounts::devname::devices_of;
 use crate::mounts::event::{MountEvent, ResyncReason, WatchEvent};
-use crate::ring::{queue, Reactor, Token};
+use crate::ring::{queue, Flow, Reactor, Token};
 
 /// How soon to retry handing a backlog to a consumer that was full.
 const RETRY: Duration = Duration::from_millis(5);
@@ -40,9 +40,13 @@ impl Emitter {
         &self.counters
     }
 
-    /// True once the consumer is gone.
-    pub(super) fn closed(&self) -> bool {
-        self.tx.is_closed()
+    /// Keep running while someone reads; stop once the consumer is gone.
+    pub(super) fn flow(&self) -> Flow {
+        if self.tx.is_closed() {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
     }
 
     fn resolve(&self, e: &mut MountEvent) {

@@ -240,7 +240,7 @@ impl Driver for FanotifyDriver {
         match cmd {
             Command::Resync => self.resync(None, ring),
         }
-        self.flow()
+        self.emitter.flow()
     }
 
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
@@ -265,16 +265,6 @@ impl Driver for FanotifyDriver {
             RETRY => self.emitter.retry(ring, RETRY),
             _ => {}
         }
-        self.flow()
-    }
-}
-
-impl FanotifyDriver {
-    fn flow(&self) -> Flow {
-        if self.emitter.closed() {
-            Flow::Stop
-        } else {
-            Flow::Continue
-        }
+        self.emitter.flow()
     }
 }

@@ -75,11 +75,7 @@ impl Driver for ReparseDriver {
         match cmd {
             Command::Resync => self.reparse(ring),
         }
-        if self.emitter.closed() {
-            Flow::Stop
-        } else {
-            Flow::Continue
-        }
+        self.emitter.flow()
     }
 
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
@@ -88,10 +84,6 @@ impl Driver for ReparseDriver {
             RETRY => self.emitter.retry(ring, RETRY),
             _ => {}
         }
-        if self.emitter.closed() {
-            Flow::Stop
-        } else {
-            Flow::Continue
-        }
+        self.emitter.flow()
     }
 }
