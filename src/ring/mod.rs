@@ -82,6 +82,11 @@ pub trait Driver: Send + 'static {
     fn start(&mut self, ring: &mut Reactor) -> io::Result<()>;
     fn on_command(&mut self, cmd: Self::Command, ring: &mut Reactor) -> Flow;
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow;
+    /// Called after each batch of completions and commands, before the ring
+    /// waits again: the place to do once what several completions asked for.
+    fn end_of_batch(&mut self, _ring: &mut Reactor) -> Flow {
+        Flow::Continue
+    }
 }
 
 /// An operation the ring holds until its last completion: the fd stays open
@@ -173,11 +178,6 @@ impl Reactor {
             self.inflight.remove(&slot);
         }
         r
-    }
-
-    /// Number of operations the ring still holds.
-    pub fn in_flight(&self) -> usize {
-        self.inflight.len()
     }
 
     fn arm(&mut self, slot: u64) -> io::Result<()> {
@@ -419,8 +419,12 @@ fn run<D: Driver>(
                 flow = driver.on_command(cmd, &mut reactor);
             }
         }
+        if flow == Flow::Continue {
+            flow = driver.end_of_batch(&mut reactor);
+        }
         stats.cpu_ns.store(crate::sys::thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
     }
     reactor.shutdown();
+    stats.cpu_ns.store(crate::sys::thread_cpu_time().as_nanos() as u64, Ordering::Relaxed);
     Ok(driver)
 }

@@ -5,8 +5,8 @@
 //! - **fanotify** (6.15+): `FAN_MNT_ATTACH`/`FAN_MNT_DETACH` on the mount
 //!   namespace name the ids that changed; `statmount` reads only those. A
 //!   multishot POLLPRI on mountinfo catches what fanotify does not report
-//!   (remounts): a POLLPRI that no fanotify event follows within a short grace
-//!   period triggers a resync. Queue overflow triggers a resync sent as one
+//!   (remounts): a POLLPRI that no fanotify event pairs with (see `remount`)
+//!   triggers a resync. Queue overflow triggers a resync sent as one
 //!   `resync` event.
 //! - **reparse**: POLLPRI on mountinfo, re-read and diff the whole table —
 //!   for kernels without these APIs, and as the baseline the benches beat.
@@ -77,7 +77,7 @@ impl Default for WatchConfig {
 
 /// Counters of one watcher, shared with metrics.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(super) struct Counters {
     pub deliveries: AtomicU64,
     pub mount_events: AtomicU64,
     pub fanotify_events: AtomicU64,
@@ -178,6 +178,13 @@ impl ring::Driver for Strategy {
             Strategy::Reparse(d) => d.on_completion(c, ring),
         }
     }
+
+    fn end_of_batch(&mut self, ring: &mut ring::Reactor) -> ring::Flow {
+        match self {
+            Strategy::Fanotify(d) => d.end_of_batch(ring),
+            Strategy::Reparse(d) => d.end_of_batch(ring),
+        }
+    }
 }
 
 /// A running watcher.
@@ -222,29 +229,32 @@ impl MountWatcher {
     }
 
     pub fn stats(&self) -> WatcherStats {
-        let (ring, backend) = (self.thread.stats(), self.thread.backend());
-        let c = &*self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        WatcherStats {
-            mode: self.mode(),
-            backend,
-            cpu: Duration::from_nanos(get(&ring.cpu_ns)),
-            deliveries: get(&c.deliveries),
-            mount_events: get(&c.mount_events),
-            fanotify_events: get(&c.fanotify_events),
-            statmount_calls: get(&c.statmount_calls),
-            resyncs: get(&c.resyncs),
-            overflows: get(&c.overflows),
-            lagged_batches: get(&c.lagged_batches),
-            parse_errors: get(&c.parse_errors),
-            errors: get(&c.errors),
-        }
+        snapshot(self.mode, self.thread.backend(), self.thread.stats(), &self.counters)
     }
 
-    /// Stops the ring thread and returns the final counters.
+    /// Stops the ring thread and returns the final counters, read after the
+    /// thread has ended so they include its last turns.
     pub fn stop(self) -> Result<WatcherStats, Error> {
-        let stats = self.stats();
+        let (ring, backend) = (self.thread.stats().clone(), self.thread.backend());
         self.thread.stop().map_err(|e| Error::Io("mount watcher thread", e))?;
-        Ok(stats)
+        Ok(snapshot(self.mode, backend, &ring, &self.counters))
+    }
+}
+
+fn snapshot(mode: WatchMode, backend: ring::Backend, ring: &ring::RingStats, c: &Counters) -> WatcherStats {
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    WatcherStats {
+        mode,
+        backend,
+        cpu: Duration::from_nanos(get(&ring.cpu_ns)),
+        deliveries: get(&c.deliveries),
+        mount_events: get(&c.mount_events),
+        fanotify_events: get(&c.fanotify_events),
+        statmount_calls: get(&c.statmount_calls),
+        resyncs: get(&c.resyncs),
+        overflows: get(&c.overflows),
+        lagged_batches: get(&c.lagged_batches),
+        parse_errors: get(&c.parse_errors),
+        errors: get(&c.errors),
     }
 }
