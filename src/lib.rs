@@ -5,6 +5,7 @@
 //! (the mount-table engine), `agent` (wiring).
 
 pub mod agent;
+pub mod devices;
 pub mod mounts;
 pub mod ring;
 pub mod sys;

@@ -5,6 +5,7 @@ use std::io::Write;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 
+use volring::devices::{report, CollectorConfig, DeviceFilter, Inventory, ScanConfig, StatCollector, StatMethod};
 use volring::mounts::{self, MountWatcher, WatchConfig, WatchMode};
 use volring::ring::BackendChoice;
 
@@ -36,6 +37,69 @@ enum Command {
         #[command(flatten)]
         watch_args: WatchArgs,
     },
+    /// List block devices like `lsblk`: type, filesystem, mounts, ids.
+    Devices {
+        /// One JSON document (`{"blockdevices": [...]}`).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        scan: ScanArgs,
+    },
+    /// A live iostat-like view of every device, refreshed each interval.
+    Stats {
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many samples (default: until Ctrl-C).
+        #[arg(long)]
+        count: Option<u64>,
+        /// How counters are read (`auto` times the others and takes the fastest).
+        #[arg(long, value_enum, default_value = "auto")]
+        method: StatMethod,
+        /// Show idle devices too.
+        #[arg(long)]
+        all: bool,
+        /// JSON lines, one snapshot per sample.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        scan: ScanArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct ScanArgs {
+    /// Keep only devices whose /dev path starts with this (repeatable).
+    #[arg(long = "include", value_name = "PREFIX")]
+    include: Vec<String>,
+    /// Leave out devices whose /dev path starts with this (repeatable).
+    #[arg(long = "exclude", value_name = "PREFIX")]
+    exclude: Vec<String>,
+    /// Leave out the disk behind `/`.
+    #[arg(long)]
+    exclude_os_disk: bool,
+    /// Also list empty devices (unattached loop devices).
+    #[arg(long)]
+    empty: bool,
+    /// Do not read devices' first blocks for signatures.
+    #[arg(long)]
+    no_probe: bool,
+}
+
+impl ScanArgs {
+    fn config(&self) -> ScanConfig {
+        ScanConfig {
+            filter: DeviceFilter {
+                include_paths: self.include.clone(),
+                exclude_paths: self.exclude.clone(),
+                exclude_os_disk: self.exclude_os_disk,
+                include_empty: self.empty,
+                ..DeviceFilter::default()
+            },
+            probe: !self.no_probe,
+            ..ScanConfig::default()
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -99,6 +163,12 @@ fn main() -> anyhow::Result<()> {
             quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)))
         }
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
+        Command::Devices { json, scan } => quiet_on_closed_pipe(print_devices(json, &scan.config())),
+        Command::Stats { interval, count, method, all, json, scan } => {
+            let cfg =
+                CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
+            quiet_on_closed_pipe(runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() })))
+        }
     }
 }
 
@@ -161,4 +231,68 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     }
     watcher.stop()?;
     Ok(())
+}
+
+fn print_devices(json: bool, cfg: &ScanConfig) -> anyhow::Result<()> {
+    let (table, _) = mounts::load(true)?;
+    let inv = Inventory::scan(cfg, &table)?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        let devices: Vec<_> = inv.devices.values().collect();
+        serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "blockdevices": devices, "errors": inv.errors }))
+            .map_err(std::io::Error::from)?;
+        writeln!(out)?;
+    } else {
+        out.write_all(report::device_table(&inv).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Samples until Ctrl-C (or `count`). On a terminal each sample replaces
+/// the last; into a pipe or file, samples follow each other.
+async fn watch_stats(cfg: CollectorConfig, count: Option<u64>, all: bool, json: bool, scan: ScanConfig) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let (table, _) = mounts::load(true)?;
+    let inv = Inventory::scan(&scan, &table)?;
+    let devices = inv.devices.values().map(|d| (d.dev, std::sync::Arc::from(d.name.as_str()))).collect();
+    let interval = cfg.interval;
+    let collector = StatCollector::start(cfg, devices)?;
+    let reader = collector.reader();
+    let tty = std::io::stdout().is_terminal();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut tick = tokio::time::interval(interval / 4);
+    let (mut last, mut shown) = (0, 0u64);
+    let result = loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::signal::ctrl_c() => break Ok(()),
+            _ = term.recv() => break Ok(()),
+        }
+        let snap = reader.latest();
+        // The first sample has no rates yet: wait for the second.
+        if snap.generation == last || snap.generation < 2 {
+            continue;
+        }
+        last = snap.generation;
+        let mut out = std::io::stdout().lock();
+        let written = if json {
+            serde_json::to_writer(&mut out, &*snap).map_err(std::io::Error::from).and_then(|_| writeln!(out))
+        } else {
+            let text = report::stats_table(&snap, !all);
+            if tty {
+                write!(out, "\x1b[H\x1b[2J{text}")
+            } else {
+                writeln!(out, "{text}")
+            }
+        };
+        if let Err(e) = written.and_then(|_| out.flush()) {
+            break Err(e.into());
+        }
+        shown += 1;
+        if count.is_some_and(|c| shown >= c) {
+            break Ok(());
+        }
+    };
+    collector.stop()?;
+    result
 }

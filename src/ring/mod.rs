@@ -12,6 +12,7 @@
 //! saying so once in the log. Drivers cannot tell the two apart except by
 //! [`Reactor::backend`].
 
+pub mod batch;
 mod epoll;
 pub mod queue;
 mod uring;

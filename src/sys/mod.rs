@@ -7,7 +7,9 @@
 pub mod fanotify;
 #[cfg(feature = "libmount-peer")]
 pub mod libmount;
+pub mod loopdev;
 pub mod mount_api;
+pub mod netlink;
 pub mod ns;
 
 use std::time::Duration;

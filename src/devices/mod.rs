@@ -1,0 +1,42 @@
+//! Block devices: discovery, signature probes, stats, hot-plug.
+//!
+//! The job of node-disk-manager's daemon, done in-process: [`Inventory`]
+//! knows every block device (sysfs), what is on it ([`probe`], from its
+//! first blocks, read through the ring), who uses it (the mount table and
+//! holders) and a [`stable_id`] for it; [`DeviceWatcher`] follows kernel
+//! uevents; [`StatCollector`] samples I/O counters on a ring thread and
+//! publishes each [`StatSnapshot`] for lock-free readers.
+
+mod collect;
+mod collector;
+mod device;
+mod filter;
+mod hotplug;
+mod inventory;
+pub mod probe;
+pub mod report;
+pub mod stats;
+pub mod sysfs;
+pub mod uevent;
+
+pub use collect::{Sample, StatMethod, StatSource};
+pub use collector::{CollectorConfig, StatCollector, StatsReader};
+pub use device::{stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
+pub use filter::DeviceFilter;
+pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
+pub use inventory::{describe, node_name, probe_all, Inventory, ScanConfig};
+pub use stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
+
+/// Errors of device discovery.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The device went away while it was being read.
+    #[error("device {0} vanished")]
+    Vanished(String),
+    #[error("{0:?} is not a block device name")]
+    BadName(String),
+    #[error("device {0}: attribute {1}")]
+    Attribute(String, String),
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] std::io::Error),
+}

@@ -1,0 +1,365 @@
+//! What is on a device, from its first blocks: filesystem and
+//! partition-table signatures.
+//!
+//! Pure over a byte buffer holding the device's first [`PROBE_LEN`] bytes
+//! (shorter for a smaller device), so it can be fuzzed. It only ever reads:
+//! unlike node-disk-manager, nothing is written to a bare disk to give it an
+//! id. Offsets and magics are those of the on-disk formats (ext4, XFS,
+//! btrfs, swap v1, LUKS1/2, MBR, GPT).
+
+use serde::Serialize;
+
+/// How much of a device the probe reads: up to the end of btrfs's superblock
+/// at 64 KiB, which also covers a swap header on 64 KiB pages and GPT entries
+/// on 4 KiB sectors.
+pub const PROBE_LEN: usize = 0x10000 + 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FsType {
+    Ext2,
+    Ext3,
+    Ext4,
+    Xfs,
+    Btrfs,
+    Swap,
+    /// `crypto_LUKS` in blkid's words.
+    Luks,
+}
+
+impl FsType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext2 => "ext2",
+            FsType::Ext3 => "ext3",
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+            FsType::Btrfs => "btrfs",
+            FsType::Swap => "swap",
+            FsType::Luks => "crypto_LUKS",
+        }
+    }
+}
+
+/// A filesystem (or swap, or LUKS) signature.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Filesystem {
+    #[serde(rename = "type")]
+    pub fstype: FsType,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TableType {
+    Gpt,
+    Mbr,
+}
+
+/// One partition as the table describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PartitionEntry {
+    /// 1-based, as the kernel numbers partitions.
+    pub number: u32,
+    pub start_lba: u64,
+    pub sectors: u64,
+    /// GPT: the type GUID; MBR: the type byte as `0x83`.
+    pub type_id: String,
+    /// GPT only: the partition's unique GUID (blkid's PARTUUID).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PartitionTable {
+    #[serde(rename = "type")]
+    pub table: TableType,
+    /// GPT: the disk GUID; MBR: the 32-bit disk signature in hex.
+    pub id: String,
+    pub partitions: Vec<PartitionEntry>,
+}
+
+/// What the first blocks of a device hold.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Content {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<Filesystem>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table: Option<PartitionTable>,
+}
+
+/// Probes `buf`, the first bytes of a device whose logical block size is
+/// `logical_block` (where a GPT header lives).
+pub fn probe(buf: &[u8], logical_block: u32) -> Content {
+    let filesystem = luks(buf).or_else(|| xfs(buf)).or_else(|| ext(buf)).or_else(|| btrfs(buf)).or_else(|| swap(buf));
+    let table = gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| mbr(buf));
+    Content { filesystem, table }
+}
+
+fn bytes<const N: usize>(buf: &[u8], at: usize) -> Option<[u8; N]> {
+    buf.get(at..at.checked_add(N)?)?.try_into().ok()
+}
+fn le16(buf: &[u8], at: usize) -> Option<u16> {
+    bytes(buf, at).map(u16::from_le_bytes)
+}
+fn le32(buf: &[u8], at: usize) -> Option<u32> {
+    bytes(buf, at).map(u32::from_le_bytes)
+}
+fn le64(buf: &[u8], at: usize) -> Option<u64> {
+    bytes(buf, at).map(u64::from_le_bytes)
+}
+fn be16(buf: &[u8], at: usize) -> Option<u16> {
+    bytes(buf, at).map(u16::from_be_bytes)
+}
+
+/// A NUL-padded label; `None` when empty.
+fn label(raw: &[u8]) -> Option<String> {
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    let s = String::from_utf8_lossy(&raw[..end]).trim_end().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+/// A UUID in the usual text form, bytes in on-disk order; `None` if all zero.
+fn uuid(raw: [u8; 16]) -> Option<String> {
+    if raw == [0; 16] {
+        return None;
+    }
+    let h: Vec<String> = raw.iter().map(|b| format!("{b:02x}")).collect();
+    Some(format!("{}-{}-{}-{}-{}", h[0..4].concat(), h[4..6].concat(), h[6..8].concat(), h[8..10].concat(), h[10..16].concat()))
+}
+
+/// A GUID as GPT stores it: the first three fields little-endian.
+fn guid(raw: [u8; 16]) -> Option<String> {
+    let mut b = raw;
+    b[0..4].reverse();
+    b[4..6].reverse();
+    b[6..8].reverse();
+    uuid(b)
+}
+
+fn ext(buf: &[u8]) -> Option<Filesystem> {
+    const SB: usize = 1024;
+    if le16(buf, SB + 0x38)? != 0xEF53 {
+        return None;
+    }
+    let compat = le32(buf, SB + 0x5C)?;
+    let incompat = le32(buf, SB + 0x60)?;
+    let ro_compat = le32(buf, SB + 0x64)?;
+    // Features ext3 lacks: extents, 64bit, flex_bg, mmp, inline data, csum seed
+    // (incompat); huge_file, gdt_csum, dir_nlink, extra_isize, metadata_csum
+    // (ro_compat). Journal (compat 0x4) marks ext3.
+    let fstype = if incompat & (0x40 | 0x80 | 0x100 | 0x200 | 0x2000 | 0x8000) != 0 || ro_compat & (0x8 | 0x10 | 0x20 | 0x40 | 0x400) != 0 {
+        FsType::Ext4
+    } else if compat & 0x4 != 0 {
+        FsType::Ext3
+    } else {
+        FsType::Ext2
+    };
+    Some(Filesystem { fstype, uuid: uuid(bytes(buf, SB + 0x68)?), label: label(buf.get(SB + 0x78..SB + 0x88)?) })
+}
+
+fn xfs(buf: &[u8]) -> Option<Filesystem> {
+    if buf.get(0..4)? != b"XFSB" {
+        return None;
+    }
+    Some(Filesystem { fstype: FsType::Xfs, uuid: uuid(bytes(buf, 32)?), label: label(buf.get(108..120)?) })
+}
+
+fn btrfs(buf: &[u8]) -> Option<Filesystem> {
+    const SB: usize = 0x10000;
+    if buf.get(SB + 0x40..SB + 0x48)? != b"_BHRfS_M" {
+        return None;
+    }
+    Some(Filesystem { fstype: FsType::Btrfs, uuid: uuid(bytes(buf, SB + 0x20)?), label: label(buf.get(SB + 0x12B..SB + 0x22B)?) })
+}
+
+fn swap(buf: &[u8]) -> Option<Filesystem> {
+    // The magic ends the first page; the page size is the writer's.
+    let page =
+        [4096usize, 8192, 16384, 65536].into_iter().find(|&p| matches!(buf.get(p - 10..p), Some(b"SWAPSPACE2") | Some(b"SWAP-SPACE")))?;
+    let v1 = buf.get(page - 10..page) == Some(b"SWAPSPACE2");
+    let (uuid_, label_) = if v1 { (uuid(bytes(buf, 1036)?), label(buf.get(1052..1068)?)) } else { (None, None) };
+    Some(Filesystem { fstype: FsType::Swap, uuid: uuid_, label: label_ })
+}
+
+fn luks(buf: &[u8]) -> Option<Filesystem> {
+    if buf.get(0..6)? != b"LUKS\xba\xbe" {
+        return None;
+    }
+    let version = be16(buf, 6)?;
+    let uuid_ = label(buf.get(168..208)?);
+    let label_ = if version == 2 { label(buf.get(24..72)?) } else { None };
+    Some(Filesystem { fstype: FsType::Luks, uuid: uuid_, label: label_ })
+}
+
+/// Most entries a GPT may declare before the probe calls it hostile; real
+/// tables have 128.
+const GPT_MAX_ENTRIES: u32 = 4096;
+
+fn gpt(buf: &[u8], lb: u32) -> Option<PartitionTable> {
+    if !matches!(lb, 512 | 1024 | 2048 | 4096) {
+        return None;
+    }
+    let h = lb as usize;
+    if buf.get(h..h + 8)? != b"EFI PART" {
+        return None;
+    }
+    let header_size = le32(buf, h + 12)? as usize;
+    if !(92..=lb as usize).contains(&header_size) {
+        return None;
+    }
+    let mut header = buf.get(h..h + header_size)?.to_vec();
+    let crc = le32(&header, 16)?;
+    header[16..20].fill(0);
+    if crc32fast::hash(&header) != crc || le64(buf, h + 24)? != 1 {
+        return None;
+    }
+    let entries_lba = le64(buf, h + 72)?;
+    let count = le32(buf, h + 80)?;
+    let entry_size = le32(buf, h + 84)? as usize;
+    if count > GPT_MAX_ENTRIES || !(128..=4096).contains(&entry_size) || entry_size % 8 != 0 {
+        return None;
+    }
+    let mut partitions = Vec::new();
+    // Entries beyond what was read are left out rather than guessed.
+    let start = usize::try_from(entries_lba).ok().and_then(|l| l.checked_mul(h));
+    if let Some(start) = start {
+        for i in 0..count as usize {
+            let at = start + i * entry_size;
+            let Some(e) = buf.get(at..at + entry_size) else { break };
+            let type_guid: [u8; 16] = e[0..16].try_into().ok()?;
+            if type_guid == [0; 16] {
+                continue;
+            }
+            let first = le64(e, 32)?;
+            let last = le64(e, 40)?;
+            let name: Vec<u16> = e[56..128].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).take_while(|&u| u != 0).collect();
+            let name = String::from_utf16_lossy(&name);
+            partitions.push(PartitionEntry {
+                number: i as u32 + 1,
+                start_lba: first,
+                sectors: last.saturating_sub(first).saturating_add(1),
+                type_id: guid(type_guid)?,
+                uuid: guid(e[16..32].try_into().ok()?),
+                name: (!name.is_empty()).then_some(name),
+            });
+        }
+    }
+    Some(PartitionTable { table: TableType::Gpt, id: guid(bytes(buf, h + 56)?).unwrap_or_default(), partitions })
+}
+
+fn mbr(buf: &[u8]) -> Option<PartitionTable> {
+    if buf.get(510..512)? != [0x55, 0xAA] {
+        return None;
+    }
+    let mut partitions = Vec::new();
+    for i in 0..4 {
+        let e = buf.get(446 + i * 16..446 + (i + 1) * 16)?;
+        // A boot flag other than 0x00/0x80 means this is a boot sector of a
+        // filesystem (FAT), not a partition table.
+        if e[0] != 0 && e[0] != 0x80 {
+            return None;
+        }
+        let kind = e[4];
+        let sectors = u64::from(le32(e, 12)?);
+        if kind == 0 || sectors == 0 {
+            continue;
+        }
+        partitions.push(PartitionEntry {
+            number: i as u32 + 1,
+            start_lba: u64::from(le32(e, 8)?),
+            sectors,
+            type_id: format!("0x{kind:02x}"),
+            uuid: None,
+            name: None,
+        });
+    }
+    // A protective MBR whose GPT did not verify is not an MBR table either.
+    if partitions.iter().any(|p| p.type_id == "0xee") {
+        return None;
+    }
+    Some(PartitionTable { table: TableType::Mbr, id: format!("{:08x}", le32(buf, 440)?), partitions })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ext4_image() -> Vec<u8> {
+        let mut b = vec![0u8; 4096];
+        b[1024 + 0x38..1024 + 0x3A].copy_from_slice(&0xEF53u16.to_le_bytes());
+        b[1024 + 0x60..1024 + 0x64].copy_from_slice(&0x2C2u32.to_le_bytes());
+        b[1024 + 0x68..1024 + 0x78].copy_from_slice(&[0x12; 16]);
+        b[1024 + 0x78..1024 + 0x7D].copy_from_slice(b"data1");
+        b
+    }
+
+    #[test]
+    fn ext4_with_uuid_and_label() {
+        let c = probe(&ext4_image(), 512);
+        let fs = c.filesystem.unwrap();
+        assert_eq!(fs.fstype, FsType::Ext4);
+        assert_eq!(fs.uuid.as_deref(), Some("12121212-1212-1212-1212-121212121212"));
+        assert_eq!(fs.label.as_deref(), Some("data1"));
+        assert_eq!(c.table, None);
+    }
+
+    #[test]
+    fn truncated_and_garbage_buffers_probe_to_nothing() {
+        let img = ext4_image();
+        for len in [0, 1, 511, 1024 + 0x39, 1024 + 0x70] {
+            assert_eq!(probe(&img[..len], 512).filesystem, None, "len {len}");
+        }
+        let noise: Vec<u8> = (0..PROBE_LEN).map(|i| (i * 2654435761usize >> 7) as u8).collect();
+        assert_eq!(probe(&noise, 512), Content::default());
+    }
+
+    #[test]
+    fn gpt_with_a_bad_crc_is_ignored_and_its_protective_mbr_too() {
+        let mut b = vec![0u8; 34 * 512];
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        b[446 + 4] = 0xEE;
+        b[446 + 12..446 + 16].copy_from_slice(&100u32.to_le_bytes());
+        b[512..520].copy_from_slice(b"EFI PART");
+        b[512 + 12..512 + 16].copy_from_slice(&92u32.to_le_bytes());
+        b[512 + 24..512 + 32].copy_from_slice(&1u64.to_le_bytes());
+        b[512 + 72..512 + 80].copy_from_slice(&2u64.to_le_bytes());
+        b[512 + 80..512 + 84].copy_from_slice(&128u32.to_le_bytes());
+        b[512 + 84..512 + 88].copy_from_slice(&128u32.to_le_bytes());
+        // One entry.
+        b[1024..1040].copy_from_slice(&[0xAB; 16]);
+        b[1024 + 16..1024 + 32].copy_from_slice(&[0xCD; 16]);
+        b[1024 + 32..1024 + 40].copy_from_slice(&2048u64.to_le_bytes());
+        b[1024 + 40..1024 + 48].copy_from_slice(&4095u64.to_le_bytes());
+        assert_eq!(probe(&b, 512).table, None, "no CRC yet");
+        let crc = crc32fast::hash(&b[512..512 + 92]);
+        b[512 + 16..512 + 20].copy_from_slice(&crc.to_le_bytes());
+        let t = probe(&b, 512).table.unwrap();
+        assert_eq!(t.table, TableType::Gpt);
+        assert_eq!(t.partitions.len(), 1);
+        assert_eq!((t.partitions[0].number, t.partitions[0].start_lba, t.partitions[0].sectors), (1, 2048, 2048));
+        assert_eq!(t.partitions[0].uuid.as_deref(), Some("cdcdcdcd-cdcd-cdcd-cdcd-cdcdcdcdcdcd"));
+    }
+
+    #[test]
+    fn mbr_entries_and_fat_boot_sector() {
+        let mut b = vec![0u8; 512];
+        b[440..444].copy_from_slice(&0xDEADBEEFu32.to_le_bytes());
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        b[446 + 16 + 4] = 0x83;
+        b[446 + 16 + 8..446 + 16 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        b[446 + 16 + 12..446 + 16 + 16].copy_from_slice(&1000u32.to_le_bytes());
+        let t = probe(&b, 512).table.unwrap();
+        assert_eq!((t.table, t.id.as_str()), (TableType::Mbr, "deadbeef"));
+        assert_eq!((t.partitions[0].number, t.partitions[0].type_id.as_str()), (2, "0x83"));
+        b[446] = 0x29; // not a boot flag
+        assert_eq!(probe(&b, 512).table, None);
+    }
+}
