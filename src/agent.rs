@@ -1,58 +1,164 @@
 //! `volring node`: wires the ring threads to the async side and runs until
 //! told to stop.
 //!
-//! Today the agent watches the mount table and logs what changes; later
-//! subsystems (devices, NBD, CSI, the CR updater) hang off the same runtime.
+//! Three ring threads feed one async loop: the mount watcher, the hot-plug
+//! listener and the stat collector. The loop owns the mount table and the
+//! device inventory, joins them (which device is mounted where), tells the
+//! collector which devices to sample, and publishes the inventory for
+//! `/metrics` (later: CSI and the CR updater) to read without locks.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+
+use crate::devices::{CollectorConfig, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector};
 use crate::mounts::{MountTable, MountWatcher, WatchConfig, WatchEvent};
 
 /// What `volring node` was asked to do.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub mounts: WatchConfig,
-    /// Log a line per mount event (they are always counted).
+    pub devices: ScanConfig,
+    pub stats: CollectorConfig,
+    /// Where `/metrics` is served; `None`: not served.
+    pub metrics: Option<SocketAddr>,
+    /// Log a line per mount and device event (they are always counted).
     pub log_events: bool,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            mounts: WatchConfig::default(),
+            devices: ScanConfig::default(),
+            stats: CollectorConfig::default(),
+            metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9477))),
+            log_events: false,
+        }
+    }
 }
 
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
-    let (watcher, mut table, events) = MountWatcher::start(config.mounts.clone())?;
+    let (watcher, mut table, mount_events) = MountWatcher::start(config.mounts.clone())?;
     tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
+
+    // Listen before scanning, so nothing plugged in between is missed (an
+    // event for a device the scan already has is just a change).
+    let (hotplug, device_events) = DeviceWatcher::start(config.devices.clone(), 4096)?;
+    let mut inventory = Inventory::scan(&config.devices, &table)?;
+    tracing::info!(devices = inventory.len(), "block device inventory");
+    let collector = StatCollector::start(config.stats.clone(), tracked(&inventory))?;
+    let published = Arc::new(ArcSwap::from_pointee(inventory.clone()));
+    let mount_stats = Arc::new(ArcSwap::from_pointee(watcher.stats()));
+
+    let sources = crate::metrics::Sources {
+        stats: collector.reader(),
+        inventory: published.clone(),
+        hotplug: hotplug.stats().clone(),
+        rings: vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug.ring_stats().clone())],
+        mounts: mount_stats.clone(),
+    };
+    let server = match config.metrics {
+        Some(addr) => Some(tokio::spawn(crate::metrics::serve(addr, sources))),
+        None => None,
+    };
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut report = tokio::time::interval(Duration::from_secs(60));
+    let mut relink = tokio::time::interval(Duration::from_millis(250));
     report.tick().await;
+    // Mount changes on block devices are joined in at most every 250 ms.
+    let mut dirty = false;
     loop {
         tokio::select! {
-            ev = events.recv() => match ev {
-                Some(ev) => apply(&mut table, &ev, config.log_events),
+            ev = mount_events.recv() => match ev {
+                Some(ev) => dirty |= apply_mounts(&mut table, &ev, config.log_events),
                 None => anyhow::bail!("mount watcher stopped"),
             },
+            ev = device_events.recv() => match ev {
+                Some(ev) => {
+                    apply_device(&mut inventory, ev, &table, &config, &collector);
+                    published.store(Arc::new(inventory.clone()));
+                }
+                None => anyhow::bail!("hot-plug listener stopped"),
+            },
+            _ = relink.tick(), if dirty => {
+                dirty = false;
+                inventory.link(&table, &config.devices.node_name);
+                published.store(Arc::new(inventory.clone()));
+                mount_stats.store(Arc::new(watcher.stats()));
+            }
             _ = report.tick() => {
                 let s = watcher.stats();
-                tracing::info!(mounts = table.len(), events = s.mount_events, resyncs = s.resyncs, cpu_ms = s.cpu.as_millis() as u64, "mount watcher");
+                let snap = collector.reader().latest();
+                tracing::info!(mounts = table.len(), events = s.mount_events, resyncs = s.resyncs, cpu_ms = s.cpu.as_millis() as u64,
+                    devices = inventory.len(), stat_method = snap.method, stat_cost_us = snap.cost.as_micros() as u64, "status");
+                mount_stats.store(Arc::new(s));
             }
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
         }
     }
+    if let Some(s) = server {
+        s.abort();
+    }
+    collector.stop()?;
+    hotplug.stop()?;
     let stats = watcher.stop()?;
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     Ok(())
 }
 
-fn apply(table: &mut MountTable, ev: &WatchEvent, log: bool) {
+/// The devices the collector samples.
+fn tracked(inv: &Inventory) -> Vec<(crate::mounts::DevNum, Arc<str>)> {
+    inv.devices.values().map(|d| (d.dev, Arc::from(d.name.as_str()))).collect()
+}
+
+/// Applies mount events; true when one touched a block device.
+fn apply_mounts(table: &mut MountTable, ev: &WatchEvent, log: bool) -> bool {
     if let WatchEvent::Resync { reason, changes, .. } = ev {
         tracing::warn!(?reason, changes = changes.len(), "mount table resync");
     }
+    let mut devices = false;
     for e in ev.changes() {
         table.apply(e);
+        devices |= !e.devices.is_empty();
         if log {
             let target = e.subject().map(|m| m.mount_point_path().display().to_string());
             let devices: Vec<_> = e.devices.iter().filter_map(|d| d.path.clone()).collect();
             tracing::info!(kind = ?e.kind, id = e.id, target, ?devices, "mount");
         }
+    }
+    devices
+}
+
+fn apply_device(inv: &mut Inventory, ev: DeviceEvent, table: &MountTable, cfg: &AgentConfig, collector: &StatCollector) {
+    let before: Vec<_> = inv.devices.keys().copied().collect();
+    match ev {
+        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
+            if cfg.log_events {
+                tracing::info!(device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
+            }
+            inv.upsert(*device, table, &cfg.devices);
+        }
+        DeviceEvent::Removed { name, .. } => {
+            if cfg.log_events {
+                tracing::info!(device = %name, "device removed");
+            }
+            inv.remove_named(&name);
+        }
+        DeviceEvent::Rescan { reason } => {
+            tracing::warn!(reason, "device events lost; rescanning");
+            match Inventory::scan(&cfg.devices, table) {
+                Ok(fresh) => *inv = fresh,
+                Err(e) => tracing::error!(error = %e, "device rescan failed"),
+            }
+        }
+    }
+    if !inv.devices.keys().copied().eq(before) && !collector.track(tracked(inv)) {
+        tracing::warn!("stat collector busy; the device set is passed with the next change");
     }
 }

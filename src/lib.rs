@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod devices;
+pub mod metrics;
 pub mod mounts;
 pub mod ring;
 pub mod sys;

@@ -22,9 +22,20 @@ enum Command {
     Node {
         #[command(flatten)]
         watch: WatchArgs,
-        /// Log every mount event, not only summaries.
+        /// Log every mount and device event, not only summaries.
         #[arg(long)]
         log_events: bool,
+        /// Serve Prometheus metrics at http://ADDR/metrics ("off" to disable).
+        #[arg(long, default_value = "127.0.0.1:9477")]
+        metrics_addr: String,
+        /// Seconds between device stat samples.
+        #[arg(long, default_value_t = 1.0)]
+        stats_interval: f64,
+        /// How device counters are read.
+        #[arg(long, value_enum, default_value = "auto")]
+        stats_method: StatMethod,
+        #[command(flatten)]
+        scan: ScanArgs,
     },
     /// Print the mount table like `findmnt --raw`, or stream changes.
     Mounts {
@@ -156,8 +167,23 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Node { watch, log_events } => {
-            runtime()?.block_on(volring::agent::run(volring::agent::AgentConfig { mounts: watch.config(), log_events }))
+        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan } => {
+            let metrics = match metrics_addr.as_str() {
+                "off" => None,
+                a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
+            };
+            let config = volring::agent::AgentConfig {
+                mounts: watch.config(),
+                devices: ScanConfig { io: watch.config().backend, ..scan.config() },
+                stats: CollectorConfig {
+                    interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),
+                    method: stats_method,
+                    ..CollectorConfig::default()
+                },
+                metrics,
+                log_events,
+            };
+            runtime()?.block_on(volring::agent::run(config))
         }
         Command::Mounts { json, watch: false, watch_args } => {
             quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)))

@@ -61,15 +61,17 @@ pub struct DeviceWatcher {
 }
 
 impl DeviceWatcher {
-    /// Starts listening. `present` are the devices the caller's inventory
-    /// holds now (name → device number), so the first events are relative to it.
-    pub fn start(cfg: ScanConfig, present: HashMap<String, DevNum>, capacity: usize) -> io::Result<(Self, Receiver<DeviceEvent>)> {
+    /// Starts listening. Events are relative to the devices that have a size
+    /// once the socket is open: start it before scanning, and nothing
+    /// plugged in between is missed.
+    pub fn start(cfg: ScanConfig, capacity: usize) -> io::Result<(Self, Receiver<DeviceEvent>)> {
         let (tx, rx) = queue::bounded(capacity);
         let stats = Arc::new(HotplugStats::default());
         let st = stats.clone();
         let io = cfg.io;
         let make = move || {
             let sock = Arc::new(crate::sys::netlink::uevent_socket(4 << 20)?);
+            let present = sized_devices(&cfg.sys);
             Ok(HotplugDriver { cfg, sock, tx, present, stats: st, buf: vec![0; MAX_UEVENT], lost: false })
         };
         let ring = RingThread::spawn_with("volring-hotplug", make, io, 16)?;
@@ -87,6 +89,20 @@ impl DeviceWatcher {
     pub fn stop(self) -> io::Result<()> {
         self.ring.stop().map(|_| ())
     }
+}
+
+/// The devices with a non-zero size now, by name.
+fn sized_devices(sys: &std::path::Path) -> HashMap<String, DevNum> {
+    let names = super::sysfs::list(sys).unwrap_or_default();
+    names
+        .into_iter()
+        .filter_map(|n| {
+            let dir = sys.join("class/block").join(&n);
+            let size: u64 = std::fs::read_to_string(dir.join("size")).ok()?.trim().parse().ok()?;
+            let dev = super::sysfs::parse_devnum(&std::fs::read_to_string(dir.join("dev")).ok()?)?;
+            (size > 0).then_some((n, dev))
+        })
+        .collect()
 }
 
 struct HotplugDriver {

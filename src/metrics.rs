@@ -1,0 +1,184 @@
+//! `/metrics`: Prometheus (OpenMetrics) exposition of what the agent knows.
+//!
+//! Nothing is copied into metric objects as it changes: on each scrape the
+//! encoder reads the latest [`StatSnapshot`](crate::devices::StatSnapshot)
+//! and the counters the ring threads keep, so thousands of devices cost
+//! nothing between scrapes.
+
+use std::fmt::Error as FmtError;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::devices::{HotplugStats, Inventory, StatsReader};
+use crate::mounts::WatcherStats;
+use crate::ring::RingStats;
+
+/// Everything `/metrics` reads from.
+#[derive(Clone)]
+pub struct Sources {
+    pub stats: StatsReader,
+    pub inventory: Arc<ArcSwap<Inventory>>,
+    pub hotplug: Arc<HotplugStats>,
+    /// Ring threads by name.
+    pub rings: Vec<(&'static str, Arc<RingStats>)>,
+    /// The mount watcher's counters, refreshed by the agent.
+    pub mounts: Arc<ArcSwap<WatcherStats>>,
+}
+
+impl std::fmt::Debug for Sources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("metrics::Sources")
+    }
+}
+
+fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Result<(), FmtError> {
+    ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
+}
+
+fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: f64) -> Result<(), FmtError> {
+    ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+/// One family, one series per device.
+fn per_device<T: Copy>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    rows: &[(&str, T)],
+    encode: impl Fn(T, prometheus_client::encoding::MetricEncoder<'_>) -> Result<(), FmtError>,
+) -> Result<(), FmtError> {
+    let mut fam = e.encode_descriptor(name, help, None, kind)?;
+    for &(device, v) in rows {
+        let labels = [("device", device)];
+        encode(v, fam.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for Sources {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
+        let snap = self.stats.latest();
+        let inv = self.inventory.load();
+        gauge(&mut e, "volring_devices", "Block devices in the inventory", inv.len() as f64)?;
+        gauge(
+            &mut e,
+            "volring_devices_in_use",
+            "Devices mounted, held or serving a volume",
+            inv.devices.values().filter(|d| d.in_use()).count() as f64,
+        )?;
+        gauge(&mut e, "volring_stat_collection_seconds", "Cost of the latest counter collection", snap.cost.as_secs_f64())?;
+        counter(&mut e, "volring_stat_samples", "Counter collections so far", snap.generation)?;
+        let mut fam = e.encode_descriptor("volring_stat_method", "Collection method in use (1)", None, MetricType::Gauge)?;
+        ConstGauge::new(1i64).encode(fam.encode_family(&[("method", snap.method)])?)?;
+
+        let c: Vec<(&str, &crate::devices::IoCounters)> = snap.devices.iter().map(|d| (&*d.name, &d.counters)).collect();
+        let total = |name: &str, help: &str, f: &dyn Fn(&crate::devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+            let rows: Vec<(&str, u64)> = c.iter().map(|(n, c)| (*n, f(c))).collect();
+            per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
+        };
+        let seconds = |name: &str, help: &str, f: &dyn Fn(&crate::devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+            let rows: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, f(c) as f64 / 1000.0)).collect();
+            per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
+        };
+        total("volring_device_reads_completed", "Reads completed", &|c| c.reads, &mut e)?;
+        total("volring_device_writes_completed", "Writes completed", &|c| c.writes, &mut e)?;
+        total("volring_device_read_bytes", "Bytes read", &|c| c.read_sectors * 512, &mut e)?;
+        total("volring_device_written_bytes", "Bytes written", &|c| c.write_sectors * 512, &mut e)?;
+        total("volring_device_discards_completed", "Discards completed", &|c| c.discards, &mut e)?;
+        total("volring_device_flushes_completed", "Flushes completed", &|c| c.flushes, &mut e)?;
+        seconds("volring_device_read_time_seconds", "Time spent reading", &|c| c.read_ticks, &mut e)?;
+        seconds("volring_device_write_time_seconds", "Time spent writing", &|c| c.write_ticks, &mut e)?;
+        seconds("volring_device_io_time_seconds", "Time with I/O in flight", &|c| c.io_ticks, &mut e)?;
+        let in_flight: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, c.in_flight as f64)).collect();
+        per_device(&mut e, "volring_device_io_in_flight", "I/Os in flight now", MetricType::Gauge, &in_flight, |v, m| {
+            ConstGauge::new(v).encode(m)
+        })?;
+
+        let rates: Vec<(&str, crate::devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
+        type RateFn = fn(&crate::devices::IoRates) -> f64;
+        let rate_families: [(&str, &str, RateFn); 7] = [
+            ("volring_device_read_iops", "Reads per second over the last interval", |r| r.reads_per_sec),
+            ("volring_device_write_iops", "Writes per second over the last interval", |r| r.writes_per_sec),
+            ("volring_device_read_bytes_per_second", "Read throughput over the last interval", |r| r.read_kib_per_sec * 1024.0),
+            ("volring_device_write_bytes_per_second", "Write throughput over the last interval", |r| r.write_kib_per_sec * 1024.0),
+            ("volring_device_read_await_seconds", "Mean read latency over the last interval", |r| r.read_await_ms / 1000.0),
+            ("volring_device_write_await_seconds", "Mean write latency over the last interval", |r| r.write_await_ms / 1000.0),
+            ("volring_device_utilization_ratio", "Share of the last interval with I/O in flight", |r| r.util_pct / 100.0),
+        ];
+        for (name, help, f) in rate_families {
+            let rows: Vec<(&str, f64)> = rates.iter().map(|(n, r)| (*n, f(r))).collect();
+            per_device(&mut e, name, help, MetricType::Gauge, &rows, |v, m| ConstGauge::new(v).encode(m))?;
+        }
+
+        for (help, name, v) in [
+            ("Kernel uevents received", "volring_hotplug_uevents", &self.hotplug.uevents),
+            ("Uevents refused as malformed", "volring_hotplug_refused", &self.hotplug.refused),
+            ("Device events delivered", "volring_hotplug_events", &self.hotplug.emitted),
+            ("Device events dropped on a full queue (a rescan follows)", "volring_hotplug_dropped", &self.hotplug.dropped),
+        ] {
+            counter(&mut e, name, help, v.load(Ordering::Relaxed))?;
+        }
+        let m = self.mounts.load();
+        counter(&mut e, "volring_mount_events", "Mount events delivered", m.mount_events)?;
+        counter(&mut e, "volring_mount_resyncs", "Full mount-table resyncs", m.resyncs)?;
+
+        for (family, help, pick) in [
+            ("volring_ring_cpu_seconds", "CPU time of each ring thread", 0),
+            ("volring_ring_completions", "Completions reaped by each ring thread", 1),
+            ("volring_ring_wakeups", "Command wakeups of each ring thread", 2),
+        ] {
+            let mut fam = e.encode_descriptor(family, help, None, MetricType::Counter)?;
+            for (ring, s) in &self.rings {
+                let labels = [("ring", *ring)];
+                let m = fam.encode_family(&labels)?;
+                match pick {
+                    0 => ConstCounter::new(s.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9).encode(m)?,
+                    1 => ConstCounter::new(s.completions.load(Ordering::Relaxed)).encode(m)?,
+                    _ => ConstCounter::new(s.wakeups.load(Ordering::Relaxed)).encode(m)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Renders the exposition text.
+pub fn render(sources: &Sources) -> Result<String, FmtError> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(sources.clone()));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+/// Serves `/metrics` on `addr` until the future is dropped.
+pub async fn serve(addr: SocketAddr, sources: Sources) -> std::io::Result<()> {
+    use axum::http::{header, StatusCode};
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving /metrics");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let sources = sources.clone();
+            async move {
+                match render(&sources) {
+                    Ok(body) => {
+                        (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+                    }
+                    Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string()),
+                }
+            }
+        }),
+    );
+    axum::serve(listener, app).await
+}
