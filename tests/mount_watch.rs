@@ -146,15 +146,15 @@ fn loop_ext4_with_space(mode: WatchMode, backend: BackendChoice) -> Result<(), F
     dev.mkfs("ext4");
     let mut w = Watch::start(mode, backend, &s);
     let p = s.dir("vol with space");
-    rustix::mount::mount(dev.path.as_str(), &p, "ext4", MountFlags::empty(), None)?;
+    rustix::mount::mount(dev.path(), &p, "ext4", MountFlags::empty(), None)?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Attached, "/vol with space")])?;
     let m = ev[0].mount.as_ref().expect("read");
     check(m.fs_type() == b"ext4", "ext4")?;
-    check(m.source() == dev.path.as_bytes(), format!("source {:?}", String::from_utf8_lossy(m.source())))?;
+    check(m.source() == dev.path().as_bytes(), format!("source {:?}", String::from_utf8_lossy(m.source())))?;
     check(ev[0].devices.len() == 1, "one device")?;
     let d = &ev[0].devices[0];
-    check(d.name.as_deref() == Some(dev.name()) && d.path.as_deref() == Some(dev.path.as_str()), format!("device {d:?}"))?;
+    check(d.name.as_deref() == Some(dev.name()) && d.path.as_deref() == Some(dev.path()), format!("device {d:?}"))?;
     check(d.dev == m.dev && d.dev.major == 7, "loop major")?;
     umount(&p);
     let ev = w.take(1);

@@ -76,44 +76,68 @@ impl Drop for Scratch {
 
 /// A loop device over a sparse file; detached on drop.
 pub struct LoopDevice {
-    pub path: String,
+    dev: Option<volring::sys::loopdev::LoopDevice>,
+    path: String,
     _file: tempfile::NamedTempFile,
 }
 
 impl LoopDevice {
+    /// A loop device over a sparse file of `size` bytes, attached with
+    /// autoclear: it goes away when the test is done with it, even if the
+    /// test process is killed.
     pub fn new(size: u64) -> Self {
+        Self::with_partscan(size, false)
+    }
+
+    /// With `partscan`, the kernel makes partition devices for a table.
+    pub fn with_partscan(size: u64, partscan: bool) -> Self {
+        use std::os::fd::AsFd;
         let file = tempfile::Builder::new().prefix("volring-img-").tempfile().expect("image file");
         file.as_file().set_len(size).expect("truncate");
-        let out = Command::new("losetup").args(["--find", "--show"]).arg(file.path()).output().expect("losetup");
-        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
-        let path = String::from_utf8(out.stdout).expect("utf8").trim().to_string();
-        Self { path, _file: file }
+        let opts = volring::sys::loopdev::LoopOptions { autoclear: true, partscan, ..Default::default() };
+        let dev = volring::sys::loopdev::LoopDevice::attach(file.as_file().as_fd(), &opts).expect("attach loop device");
+        Self { path: dev.path().display().to_string(), dev: Some(dev), _file: file }
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
     }
 
     pub fn name(&self) -> &str {
         self.path.trim_start_matches("/dev/")
     }
 
+    /// Detaches now (the device stays busy while something else holds it).
+    pub fn detach(mut self) {
+        if let Some(d) = self.dev.take() {
+            d.detach().expect("detach");
+        }
+    }
+
     pub fn mkfs(&self, fs: &str) {
-        let out = Command::new(format!("mkfs.{fs}"))
-            .args(if fs == "xfs" { vec!["-q", "-f"] } else { vec!["-q", "-F"] })
-            .arg(&self.path)
-            .output()
-            .expect("mkfs");
-        assert!(out.status.success(), "mkfs.{fs}: {}", String::from_utf8_lossy(&out.stderr));
+        self.mkfs_with(fs, &[]);
+    }
+
+    pub fn mkfs_with(&self, fs: &str, extra: &[&str]) {
+        let mut args: Vec<&str> = match fs {
+            "xfs" | "btrfs" => vec!["-q", "-f"],
+            "swap" => vec![],
+            _ => vec!["-q", "-F"],
+        };
+        args.extend_from_slice(extra);
+        let prog = if fs == "swap" { "mkswap".to_string() } else { format!("mkfs.{fs}") };
+        let out = Command::new(&prog).args(&args).arg(&self.path).output().expect("mkfs");
+        assert!(out.status.success(), "{prog}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
 
 impl Drop for LoopDevice {
     fn drop(&mut self) {
-        // A lazily unmounted filesystem may hold the device for a moment.
-        for _ in 0..50 {
-            if Command::new("losetup").arg("-d").arg(&self.path).status().map(|s| s.success()).unwrap_or(false) {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        // Autoclear detaches once the last user is gone; detaching
+        // explicitly as well covers a holder that closes later.
+        if let Some(d) = self.dev.take() {
+            let _ = d.detach();
         }
-        eprintln!("warning: could not detach {}", self.path);
     }
 }
 
