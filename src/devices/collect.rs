@@ -1,13 +1,15 @@
 //! The ways to read every tracked device's counters, side by side so the
 //! collector (and the bench) can time them against each other.
 //!
-//! Measured on the development machine (2 cores, 6.18; see the closing note
-//! of the block-device issue and `cargo bench --bench device_stats`):
-//! sysfs `stat` files are kernfs files without non-blocking reads, so every
-//! io_uring read of one is punted to an io-wq worker thread; the batch is one
-//! syscall but costs more than plain `pread`s. `/proc/diskstats` formats all
-//! devices in one read and wins until the system has thousands of devices;
-//! `pread` on kept-open fds wins when only a few of many are tracked. So the
+//! Measured on the development machine (2 cores, 6.18;
+//! `cargo bench --bench device_stats`): a sysfs `stat` read costs the same
+//! kernfs work through the ring as through `pread`, plus the ring's own
+//! per-request overhead, so the io_uring batch (one syscall, registered or
+//! not, with DEFER_TASKRUN) is 1.5–3× slower than a `pread` loop.
+//! `/proc/diskstats` formats all devices in one read and wins at 1,000
+//! devices, but it restarts its walk of the device list every page of
+//! output, so at 4,096 it is level with `pread`; and `pread` wins whenever
+//! only a few of many devices are tracked. So the
 //! collector times the candidates on the live system and uses the fastest.
 
 use std::collections::HashMap;
