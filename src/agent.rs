@@ -70,7 +70,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let mut report = tokio::time::interval(Duration::from_secs(60));
     let mut relink = tokio::time::interval(Duration::from_millis(250));
     report.tick().await;
-    // Mount changes on block devices are joined in at most every 250 ms.
+    // Mount and device changes are joined in at most every 250 ms.
     let mut dirty = false;
     loop {
         tokio::select! {
@@ -80,14 +80,21 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             },
             ev = device_events.recv() => match ev {
                 Some(ev) => {
-                    apply_device(&mut inventory, ev, &table, &config, &collector);
-                    published.store(Arc::new(inventory.clone()));
+                    apply_device(&mut inventory, ev, &table, &config);
+                    dirty = true;
                 }
                 None => anyhow::bail!("hot-plug listener stopped"),
             },
+            // A burst of thousands of events is joined, published and handed
+            // to the collector once, not once per event.
             _ = relink.tick(), if dirty => {
                 dirty = false;
+                let before: Vec<_> = published.load().devices.keys().copied().collect();
                 inventory.link(&table, &config.devices.node_name);
+                inventory.devices.retain(|_, d| config.devices.filter.admits(d));
+                if !inventory.devices.keys().copied().eq(before) && !collector.track(tracked(&inventory)) {
+                    tracing::warn!("stat collector busy; the device set is passed with the next change");
+                }
                 published.store(Arc::new(inventory.clone()));
                 mount_stats.store(Arc::new(watcher.stats()));
             }
@@ -135,14 +142,15 @@ fn apply_mounts(table: &mut MountTable, ev: &WatchEvent, log: bool) -> bool {
     devices
 }
 
-fn apply_device(inv: &mut Inventory, ev: DeviceEvent, table: &MountTable, cfg: &AgentConfig, collector: &StatCollector) {
-    let before: Vec<_> = inv.devices.keys().copied().collect();
+/// Applies a device event; joining with the mount table and the filter
+/// happen on the next relink.
+fn apply_device(inv: &mut Inventory, ev: DeviceEvent, table: &MountTable, cfg: &AgentConfig) {
     match ev {
         DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
             if cfg.log_events {
                 tracing::info!(device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
             }
-            inv.upsert(*device, table, &cfg.devices);
+            inv.insert(*device);
         }
         DeviceEvent::Removed { name, .. } => {
             if cfg.log_events {
@@ -157,8 +165,5 @@ fn apply_device(inv: &mut Inventory, ev: DeviceEvent, table: &MountTable, cfg: &
                 Err(e) => tracing::error!(error = %e, "device rescan failed"),
             }
         }
-    }
-    if !inv.devices.keys().copied().eq(before) && !collector.track(tracked(inv)) {
-        tracing::warn!("stat collector busy; the device set is passed with the next change");
     }
 }

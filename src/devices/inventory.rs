@@ -95,15 +95,12 @@ impl Inventory {
         Ok(inv)
     }
 
-    /// Puts a device (from [`describe`]) in, relinking everything with
-    /// `mounts`. `false` if the filter keeps it out.
-    pub fn upsert(&mut self, device: Device, mounts: &MountTable, cfg: &ScanConfig) -> bool {
+    /// Puts a device (from [`describe`]) in, replacing one of the same
+    /// name. Mount points, uses, the id and the filter are applied by the
+    /// next [`Inventory::link`].
+    pub fn insert(&mut self, device: Device) {
         self.devices.retain(|_, d| d.name != device.name);
-        let dev = device.dev;
-        self.devices.insert(dev, device);
-        self.link(mounts, &cfg.node_name);
-        self.devices.retain(|_, d| cfg.filter.admits(d));
-        self.devices.contains_key(&dev)
+        self.devices.insert(device.dev, device);
     }
 
     pub fn remove_named(&mut self, name: &str) -> Option<Device> {
