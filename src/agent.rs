@@ -61,10 +61,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         rings: vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug.ring_stats().clone())],
         mounts: mount_stats.clone(),
     };
-    let server = match config.metrics {
-        Some(addr) => Some(tokio::spawn(crate::metrics::serve(addr, sources))),
-        None => None,
-    };
+    let server = config.metrics.map(|addr| tokio::spawn(crate::metrics::serve(addr, sources)));
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut report = tokio::time::interval(Duration::from_secs(60));

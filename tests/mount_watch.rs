@@ -309,7 +309,7 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
         for e in d.changes() {
             w.table.apply(e);
         }
-        attached = paths.iter().filter(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_some()).map(|p| p.clone()).collect();
+        attached = paths.iter().filter(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_some()).cloned().collect();
     }
     check(lagged >= 1, "a coalesced resync was delivered")?;
     check(attached.len() == 15, format!("{} of 15 live mounts known", attached.len()))?;
@@ -371,7 +371,7 @@ fn other_namespace(mode: WatchMode) -> Result<(), Failed> {
         }
         let (watcher, table, rx) =
             MountWatcher::start(WatchConfig { mode, namespace: Some(ns), resync_interval: None, ..WatchConfig::default() })?;
-        check(table.len() > 0, "initial table of the other namespace")?;
+        check(!table.is_empty(), "initial table of the other namespace")?;
         let st = std::process::Command::new("nsenter")
             .arg("-t")
             .arg(pid.to_string())

@@ -315,7 +315,7 @@ mod tests {
         for len in [0, 1, 511, 1024 + 0x39, 1024 + 0x70] {
             assert_eq!(probe(&img[..len], 512).filesystem, None, "len {len}");
         }
-        let noise: Vec<u8> = (0..PROBE_LEN).map(|i| (i * 2654435761usize >> 7) as u8).collect();
+        let noise: Vec<u8> = (0..PROBE_LEN).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
         assert_eq!(probe(&noise, 512), Content::default());
     }
 
