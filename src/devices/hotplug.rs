@@ -208,6 +208,9 @@ impl Driver for HotplugDriver {
                 Ok(None) => break,
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     tracing::warn!("uevent socket overflowed; asking for a rescan");
+                    // Lost events leave `present` stale too: re-read it, or the
+                    // next events would be classified against a wrong set.
+                    self.present = sized_devices(&self.cfg.sys);
                     self.emit(DeviceEvent::Rescan { reason: "uevent socket overflowed" });
                 }
                 Err(e) => {

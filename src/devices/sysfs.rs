@@ -94,11 +94,11 @@ pub fn list(sys: &Path) -> Result<Vec<String>, Error> {
     Ok(names)
 }
 
-fn kind_of(name: &str, a: &mut Attrs<'_>, is_partition: bool) -> DeviceKind {
+fn kind_of(name: &str, dir: &Path, is_partition: bool) -> DeviceKind {
     if is_partition {
         return DeviceKind::Partition;
     }
-    let has = |sub: &str| a.dir.join(sub).exists();
+    let has = |sub: &str| dir.join(sub).exists();
     if has("loop") || name.starts_with("loop") {
         DeviceKind::Loop
     } else if has("dm") {
@@ -143,7 +143,7 @@ pub fn read(sys: &Path, name: &str) -> Result<Device, Error> {
     let parent = partition_no.and_then(|_| dir.parent()?.file_name().map(|n| n.to_string_lossy().into_owned()));
     // Partitions have no queue/ or device/ of their own: use the disk's.
     let disk_dir: PathBuf = if partition_no.is_some() { dir.parent().map(Path::to_path_buf).unwrap_or(dir.clone()) } else { dir.clone() };
-    let kind = kind_of(name, &mut a, partition_no.is_some());
+    let kind = kind_of(name, &dir, partition_no.is_some());
     let size_bytes = a.number("size").unwrap_or(0).saturating_mul(512);
     let read_only = a.flag("ro");
     let holders = a.names("holders");
