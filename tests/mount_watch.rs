@@ -252,9 +252,39 @@ fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
 /// After any burst the consumer's table equals the kernel's, and with
 /// fanotify every short-lived mount is reported (attach and detach).
 fn short_lived_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    short_lived_mounts_with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() })
+}
+
+/// Every table change is taken for a remount at once, so resyncs race the
+/// fanotify events of the same mounts (what a starved watcher thread sees):
+/// each mount must still be reported attached once and detached once.
+fn short_lived_mounts_racing_resyncs(backend: BackendChoice) -> Result<(), Failed> {
+    short_lived_mounts_with(WatchConfig {
+        mode: WatchMode::Fanotify,
+        backend,
+        resync_interval: None,
+        remount_grace: Duration::ZERO,
+        ..WatchConfig::default()
+    })
+}
+
+/// Counts every event, including those of mounts gone before they could be
+/// read (which name no path, so cannot be told apart from other tests'
+/// mounts): runs on a thread with a mount namespace of its own.
+fn short_lived_mounts_with(config: WatchConfig) -> Result<(), Failed> {
+    std::thread::spawn(move || {
+        volring::sys::ns::enter_private_mount_namespace_on_this_thread()?;
+        short_lived_mounts_alone(config)
+    })
+    .join()
+    .map_err(|_| Failed::from("scenario thread panicked"))?
+}
+
+fn short_lived_mounts_alone(config: WatchConfig) -> Result<(), Failed> {
+    let mode = config.mode;
     let s = Scratch::new();
     let d = s.dir("burst");
-    let mut w = Watch::start(mode, backend, &s);
+    let mut w = Watch::with(config, &s);
     for _ in 0..50 {
         tmpfs_at(&d);
         umount(&d);
@@ -474,6 +504,9 @@ fn main() {
     }
     for (backend_name, backend) in [("uring", BackendChoice::IoUring), ("epoll", BackendChoice::Epoll)] {
         trials.push(Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend)));
+        trials.push(Trial::test(format!("fanotify::{backend_name}::short_lived_mounts_racing_resyncs"), move || {
+            short_lived_mounts_racing_resyncs(backend)
+        }));
     }
     trials.push(Trial::test("fanotify::other_namespace", || other_namespace(WatchMode::Fanotify)));
     trials.push(Trial::test("reparse::other_namespace", || other_namespace(WatchMode::Reparse)));

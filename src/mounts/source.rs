@@ -69,12 +69,12 @@ pub fn read_mountinfo(fd: impl AsFd, buf: &mut Vec<u8>) -> io::Result<()> {
     }
 }
 
-/// The mount table of this process's namespace, from the best source.
+/// The mount table of the calling thread's namespace, from the best source.
 pub fn load(prefer_statmount: bool) -> Result<(MountTable, Vec<super::parse::LineError>), Error> {
     if prefer_statmount && Statmounter::supported() {
         return Ok((Statmounter::new().snapshot()?, Vec::new()));
     }
-    let f = std::fs::File::open("/proc/self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?;
+    let f = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?;
     let mut buf = Vec::new();
     read_mountinfo(&f, &mut buf).map_err(|e| Error::Io("read mountinfo", e))?;
     Ok(MountTable::from_mountinfo(&buf))

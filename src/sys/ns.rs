@@ -15,6 +15,17 @@ pub fn enter_private_mount_namespace() -> io::Result<()> {
     Ok(())
 }
 
+/// Gives the calling thread (only) a new private mount namespace; threads it
+/// starts afterwards inherit it. Lets one thread of a busy process mount and
+/// watch without its siblings' mounts showing up.
+pub fn enter_private_mount_namespace_on_this_thread() -> io::Result<()> {
+    // SAFETY: CLONE_FS gives this thread its own cwd/root/umask and CLONE_NEWNS
+    // its own mount namespace; no memory of ours depends on either.
+    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS | rustix::thread::UnshareFlags::NEWNS) }?;
+    rustix::mount::mount_change("/", rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC)?;
+    Ok(())
+}
+
 /// Moves the calling thread (only) into the mount namespace at `path`
 /// (`/proc/1/ns/mnt` for the host's, from a container with hostPID).
 ///

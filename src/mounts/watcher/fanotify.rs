@@ -1,6 +1,6 @@
 //! The fanotify + statmount strategy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,7 +10,7 @@ use super::emitter::Emitter;
 use super::remount::{RemountDetector, Verdict};
 use super::{Command, WatchConfig};
 use crate::mounts::diff::diff;
-use crate::mounts::event::{MountEvent, ResyncReason};
+use crate::mounts::event::{EventKind, MountEvent, ResyncReason};
 use crate::mounts::fanotify::{events, FanEvent};
 use crate::mounts::source::Statmounter;
 use crate::mounts::table::MountTable;
@@ -48,6 +48,41 @@ pub(super) struct FanotifyDriver {
     remounts: RemountDetector,
     check_armed: bool,
     resync_interval: Option<Duration>,
+    /// Mounts already reported detached whose own fanotify events may still
+    /// be queued (a resync found them gone, or an attach event came too late
+    /// to see them): those events must not report them again.
+    reported_gone: RecentIds,
+}
+
+/// A bounded set of recent mount ids, oldest dropped first. Mount ids are
+/// 64-bit and never reused, so a hit is always the same mount.
+struct RecentIds {
+    ids: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+impl RecentIds {
+    /// More than one fanotify queue's worth (16,384 events) is never pending.
+    const CAPACITY: usize = 16_384;
+
+    fn new() -> Self {
+        Self { ids: HashSet::new(), order: VecDeque::new() }
+    }
+
+    fn insert(&mut self, id: u64) {
+        if self.ids.insert(id) {
+            if self.order.len() == Self::CAPACITY {
+                if let Some(old) = self.order.pop_front() {
+                    self.ids.remove(&old);
+                }
+            }
+            self.order.push_back(id);
+        }
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.ids.contains(&id)
+    }
 }
 
 impl FanotifyDriver {
@@ -70,6 +105,7 @@ impl FanotifyDriver {
             remounts: RemountDetector::new(config.remount_grace, std::time::Instant::now()),
             check_armed: false,
             resync_interval: config.resync_interval,
+            reported_gone: RecentIds::new(),
         })
     }
 
@@ -151,9 +187,14 @@ impl FanotifyDriver {
                     }
                 }
                 Ok(None) => match self.table.remove(id) {
-                    Some(old) => self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY),
+                    Some(old) => {
+                        self.reported_gone.insert(id);
+                        self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY);
+                    }
+                    None if self.reported_gone.contains(id) => {}
                     None => {
                         // Came and went before we could look: still say both.
+                        self.reported_gone.insert(id);
                         if attach {
                             self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
                         }
@@ -182,6 +223,9 @@ impl FanotifyDriver {
             }
         };
         let changes = diff(&self.table, &new);
+        for e in changes.iter().filter(|e| e.kind == EventKind::Detached) {
+            self.reported_gone.insert(e.id);
+        }
         self.table = new;
         match reason {
             Some(reason) => self.emitter.emit_resync(reason, changes, ring, RETRY),
