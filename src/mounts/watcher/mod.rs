@@ -116,7 +116,7 @@ pub enum Command {
 /// The driver on the ring thread: one of the two strategies, chosen there,
 /// inside the namespace it watches.
 enum Strategy {
-    Fanotify(fanotify::FanotifyDriver),
+    Fanotify(Box<fanotify::FanotifyDriver>),
     Reparse(reparse::ReparseDriver),
 }
 
@@ -132,7 +132,7 @@ impl Strategy {
             WatchMode::Auto => fanotify::available(),
         };
         if use_fanotify {
-            return Ok(Strategy::Fanotify(fanotify::FanotifyDriver::new(config, emitter)?));
+            return Ok(Strategy::Fanotify(Box::new(fanotify::FanotifyDriver::new(config, emitter)?)));
         }
         if config.mode == WatchMode::Auto {
             tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
