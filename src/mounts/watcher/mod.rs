@@ -117,7 +117,7 @@ pub enum Command {
 /// inside the namespace it watches.
 enum Strategy {
     Fanotify(Box<fanotify::FanotifyDriver>),
-    Reparse(reparse::ReparseDriver),
+    Reparse(Box<reparse::ReparseDriver>),
 }
 
 impl Strategy {
@@ -137,7 +137,7 @@ impl Strategy {
         if config.mode == WatchMode::Auto {
             tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
         }
-        Ok(Strategy::Reparse(reparse::ReparseDriver::new(emitter)?))
+        Ok(Strategy::Reparse(Box::new(reparse::ReparseDriver::new(emitter)?)))
     }
 
     fn mode(&self) -> WatchMode {
