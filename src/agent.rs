@@ -5,10 +5,12 @@
 //! listener and the stat collector. The loop owns the mount table and the
 //! device inventory, joins them (which device is mounted where), tells the
 //! collector which devices to sample, and publishes the inventory for
-//! `/metrics` (later: CSI and the CR updater) to read without locks.
+//! `/metrics` (later: the CR updater) to read without locks. The mount
+//! table is shared with the CSI driver behind a read-write lock: the loop
+//! writes each batch of events, NodeGetVolumeStats reads one entry.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -26,6 +28,8 @@ pub struct AgentConfig {
     pub metrics: Option<SocketAddr>,
     /// Log a line per mount and device event (they are always counted).
     pub log_events: bool,
+    /// The CSI driver's settings; `None`: no CSI socket.
+    pub csi: Option<crate::csi::CsiConfig>,
 }
 
 impl Default for AgentConfig {
@@ -36,19 +40,32 @@ impl Default for AgentConfig {
             stats: CollectorConfig::default(),
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9477))),
             log_events: false,
+            csi: None,
         }
     }
 }
 
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
-    let (watcher, mut table, mount_events) = MountWatcher::start(config.mounts.clone())?;
+    let (watcher, table, mount_events) = MountWatcher::start(config.mounts.clone())?;
     tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
+    let table = Arc::new(RwLock::new(table));
+    let ready = crate::csi::Readiness::default();
+    let (csi_stop, csi_stopped) = tokio::sync::oneshot::channel::<()>();
+    let csi = match &config.csi {
+        Some(c) => {
+            let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
+            Some(tokio::spawn(crate::csi::server::serve(driver, async {
+                let _ = csi_stopped.await;
+            })))
+        }
+        None => None,
+    };
 
     // Listen before scanning, so nothing plugged in between is missed (an
     // event for a device the scan already has is just a change).
     let (hotplug, device_events) = DeviceWatcher::start(config.devices.clone(), 4096)?;
-    let mut inventory = Inventory::scan(&config.devices, &table)?;
+    let mut inventory = Inventory::scan(&config.devices, &read(&table))?;
     tracing::info!(devices = inventory.len(), "block device inventory");
     let collector = StatCollector::start(config.stats.clone(), tracked(&inventory))?;
     let published = Arc::new(ArcSwap::from_pointee(inventory.clone()));
@@ -62,6 +79,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mounts: mount_stats.clone(),
     };
     let server = config.metrics.map(|addr| tokio::spawn(crate::metrics::serve(addr, sources)));
+    ready.set(true);
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut report = tokio::time::interval(Duration::from_secs(60));
@@ -72,12 +90,12 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     loop {
         tokio::select! {
             ev = mount_events.recv() => match ev {
-                Some(ev) => dirty |= apply_mounts(&mut table, &ev, config.log_events),
+                Some(ev) => dirty |= apply_mounts(&mut table.write().unwrap_or_else(|e| e.into_inner()), &ev, config.log_events),
                 None => anyhow::bail!("mount watcher stopped"),
             },
             ev = device_events.recv() => match ev {
                 Some(ev) => {
-                    apply_device(&mut inventory, ev, &table, &config);
+                    apply_device(&mut inventory, ev, &read(&table), &config);
                     dirty = true;
                 }
                 None => anyhow::bail!("hot-plug listener stopped"),
@@ -87,7 +105,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             _ = relink.tick(), if dirty => {
                 dirty = false;
                 let before: Vec<_> = published.load().devices.keys().copied().collect();
-                inventory.link(&table, &config.devices.node_name);
+                inventory.link(&read(&table), &config.devices.node_name);
                 inventory.devices.retain(|_, d| config.devices.filter.admits(d));
                 if !inventory.devices.keys().copied().eq(before) && !collector.track(tracked(&inventory)) {
                     tracing::warn!("stat collector busy; the device set is passed with the next change");
@@ -98,7 +116,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             _ = report.tick() => {
                 let s = watcher.stats();
                 let snap = collector.reader().latest();
-                tracing::info!(mounts = table.len(), events = s.mount_events, resyncs = s.resyncs, cpu_ms = s.cpu.as_millis() as u64,
+                tracing::info!(mounts = read(&table).len(), events = s.mount_events, resyncs = s.resyncs, cpu_ms = s.cpu.as_millis() as u64,
                     devices = inventory.len(), stat_method = snap.method, stat_cost_us = snap.cost.as_micros() as u64, "status");
                 mount_stats.store(Arc::new(s));
             }
@@ -106,14 +124,27 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             _ = term.recv() => break,
         }
     }
+    ready.set(false);
     if let Some(s) = server {
         s.abort();
+    }
+    if let Some(csi) = csi {
+        let _ = csi_stop.send(());
+        match tokio::time::timeout(Duration::from_secs(10), csi).await {
+            Ok(Ok(Err(e))) => tracing::error!(error = %e, "CSI server"),
+            Err(_) => tracing::warn!("CSI calls still running after 10 s; stopping anyway"),
+            _ => {}
+        }
     }
     collector.stop()?;
     hotplug.stop()?;
     let stats = watcher.stop()?;
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     Ok(())
+}
+
+fn read(t: &RwLock<MountTable>) -> std::sync::RwLockReadGuard<'_, MountTable> {
+    t.read().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The devices the collector samples.

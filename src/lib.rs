@@ -5,8 +5,10 @@
 //! (the mount-table engine), `agent` (wiring).
 
 pub mod agent;
+pub mod csi;
 pub mod devices;
 pub mod metrics;
 pub mod mounts;
 pub mod ring;
 pub mod sys;
+pub mod volumes;

@@ -36,6 +36,16 @@ enum Command {
         stats_method: StatMethod,
         #[command(flatten)]
         scan: ScanArgs,
+        #[command(flatten)]
+        csi: CsiArgs,
+    },
+    /// Call one CSI RPC on a running driver and print the reply as JSON.
+    Csi {
+        /// The driver's socket.
+        #[arg(long, default_value = DEFAULT_CSI_ENDPOINT)]
+        endpoint: String,
+        #[command(subcommand)]
+        call: volring::csi::client::Call,
     },
     /// Print the mount table like `findmnt --raw`, or stream changes.
     Mounts {
@@ -76,6 +86,50 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
     },
+}
+
+const DEFAULT_CSI_ENDPOINT: &str = "unix:///var/lib/kubelet/plugins/volring.csi.io/csi.sock";
+
+#[derive(clap::Args)]
+struct CsiArgs {
+    /// Serve the CSI driver on this unix socket ("off" to disable).
+    #[arg(long, default_value = DEFAULT_CSI_ENDPOINT)]
+    csi_endpoint: String,
+    /// Staging and target paths must lie under this directory.
+    #[arg(long, default_value = "/var/lib/kubelet")]
+    kubelet_root: std::path::PathBuf,
+    /// The agent's state: volume images under pool/, staged records under staged/.
+    #[arg(long, default_value = "/var/lib/volring")]
+    state_dir: std::path::PathBuf,
+    /// Where volume images live (default: STATE_DIR/pool).
+    #[arg(long)]
+    pool_dir: Option<std::path::PathBuf>,
+    /// The node id reported to the CO (default: NODE_NAME or the hostname).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// The most volumes the CO may put on this node (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    max_volumes: i64,
+    /// Attach loop devices with buffered I/O even when direct I/O works.
+    #[arg(long)]
+    no_direct_io: bool,
+}
+
+impl CsiArgs {
+    fn config(&self) -> anyhow::Result<Option<volring::csi::CsiConfig>> {
+        if self.csi_endpoint == "off" {
+            return Ok(None);
+        }
+        let endpoint = volring::csi::server::parse_endpoint(&self.csi_endpoint).map_err(anyhow::Error::msg)?;
+        let node = self.node_id.clone().unwrap_or_else(volring::devices::node_name);
+        let mut c = volring::csi::CsiConfig::new(endpoint, node);
+        c.kubelet_root = self.kubelet_root.clone();
+        c.pool_dir = self.pool_dir.clone().unwrap_or_else(|| self.state_dir.join("pool"));
+        c.state_dir = self.state_dir.join("staged");
+        c.max_volumes = self.max_volumes;
+        c.direct_io = !self.no_direct_io;
+        Ok(Some(c))
+    }
 }
 
 #[derive(clap::Args)]
@@ -167,7 +221,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan } => {
+        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi } => {
             let metrics = match metrics_addr.as_str() {
                 "off" => None,
                 a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
@@ -182,9 +236,11 @@ fn main() -> anyhow::Result<()> {
                 },
                 metrics,
                 log_events,
+                csi: csi.config()?,
             };
             runtime()?.block_on(volring::agent::run(config))
         }
+        Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args } => {
             quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)))
         }
@@ -194,6 +250,24 @@ fn main() -> anyhow::Result<()> {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
             quiet_on_closed_pipe(runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() })))
+        }
+    }
+}
+
+/// Prints the reply as JSON; a gRPC error goes to stderr with its code and
+/// the exit status is 1.
+async fn csi_call(endpoint: &str, call: volring::csi::client::Call) -> anyhow::Result<()> {
+    let path = volring::csi::server::parse_endpoint(endpoint).map_err(anyhow::Error::msg)?;
+    let mut clients =
+        volring::csi::client::Clients::connect(path.clone()).await.with_context(|| format!("connect to {}", path.display()))?;
+    match volring::csi::client::call(&mut clients, call).await {
+        Ok(v) => {
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            Ok(())
+        }
+        Err(status) => {
+            eprintln!("{:?}: {}", status.code(), status.message());
+            std::process::exit(1);
         }
     }
 }

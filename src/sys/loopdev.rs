@@ -107,6 +107,13 @@ impl LoopDevice {
         Err(last)
     }
 
+    /// Opens the existing device `/dev/loop<number>` (attached or not), to
+    /// resize or detach a device attached by an earlier process.
+    pub fn open(number: u32) -> io::Result<Self> {
+        let dev = OpenOptions::new().read(true).write(true).open(format!("/dev/loop{number}"))?;
+        Ok(Self { number, fd: dev.into() })
+    }
+
     pub fn number(&self) -> u32 {
         self.number
     }

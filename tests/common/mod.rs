@@ -54,7 +54,7 @@ impl Drop for Scratch {
         prefix.push(b'/');
         // Bounded: each pass removes at least one mount or stops.
         for _ in 0..10_000 {
-            let info = std::fs::read("/proc/self/mountinfo").unwrap_or_default();
+            let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
             let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
             let mut under: Vec<_> = table
                 .iter()

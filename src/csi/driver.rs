@@ -1,0 +1,130 @@
+//! The state every CSI service shares: the pool, the staged records, the
+//! volume locks and the mount table the agent keeps current.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::proto::Topology;
+use super::{Error, Result, VolumeGuard, VolumeLocks, TOPOLOGY_KEY};
+use crate::mounts::MountTable;
+use crate::volumes::{ImagePool, StagedRecords};
+
+#[derive(Debug, Clone)]
+pub struct CsiConfig {
+    /// The unix socket to serve on.
+    pub endpoint: PathBuf,
+    /// Every staging and target path must lie inside this directory.
+    pub kubelet_root: PathBuf,
+    /// Where the volume images live.
+    pub pool_dir: PathBuf,
+    /// Where the staged records live.
+    pub state_dir: PathBuf,
+    pub node_id: String,
+    /// Reported by NodeGetInfo; 0 means no limit.
+    pub max_volumes: i64,
+    /// Attach loop devices with direct I/O when the pool allows it.
+    pub direct_io: bool,
+}
+
+impl CsiConfig {
+    /// Defaults for a node: kubelet's root, the agent's state directory.
+    pub fn new(endpoint: PathBuf, node_id: String) -> Self {
+        Self {
+            endpoint,
+            kubelet_root: PathBuf::from("/var/lib/kubelet"),
+            pool_dir: PathBuf::from("/var/lib/volring/pool"),
+            state_dir: PathBuf::from("/var/lib/volring/staged"),
+            node_id,
+            max_volumes: 0,
+            direct_io: true,
+        }
+    }
+}
+
+/// Whether the agent's subsystems are up; Probe reports it.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Release);
+    }
+
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+pub struct Driver {
+    pub(super) config: CsiConfig,
+    /// `kubelet_root` as the kernel resolves it (it may be a symlink).
+    pub(super) real_root: PathBuf,
+    pub(super) pool: ImagePool,
+    pub(super) records: StagedRecords,
+    pub(super) locks: VolumeLocks,
+    /// Kept current by the agent from the mount watcher's events.
+    pub(super) mounts: Arc<RwLock<MountTable>>,
+    pub(super) ready: Readiness,
+}
+
+impl Driver {
+    pub fn new(mut config: CsiConfig, mounts: Arc<RwLock<MountTable>>, ready: Readiness) -> Result<Arc<Self>> {
+        let root = config.kubelet_root.to_string_lossy().to_string();
+        config.kubelet_root = super::validate::absolute(&root, "kubelet root")?;
+        std::fs::create_dir_all(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
+        let real_root = std::fs::canonicalize(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
+        let pool = ImagePool::open(&config.pool_dir)?;
+        let records = StagedRecords::open(&config.state_dir)?;
+        tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
+            "CSI volume pool");
+        Ok(Arc::new(Self { config, real_root, pool, records, locks: VolumeLocks::new(), mounts, ready }))
+    }
+
+    pub fn config(&self) -> &CsiConfig {
+        &self.config
+    }
+
+    pub fn locks(&self) -> &VolumeLocks {
+        &self.locks
+    }
+
+    /// Takes the volume's lock or answers Aborted.
+    pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {
+        self.locks.try_lock(id).ok_or_else(|| Error::Aborted(id.to_string()))
+    }
+
+    /// Checks a validated path against symlinks: its deepest existing
+    /// ancestor, resolved by the kernel, must still be inside the root.
+    pub(super) fn contained(&self, p: &Path) -> Result<()> {
+        let mut probe = p;
+        loop {
+            match std::fs::canonicalize(probe) {
+                Ok(real) if real.starts_with(&self.real_root) => return Ok(()),
+                Ok(real) => {
+                    return Err(Error::InvalidArgument(format!("{} resolves to {}, outside the kubelet root", p.display(), real.display())))
+                }
+                Err(_) => match probe.parent() {
+                    Some(parent) => probe = parent,
+                    None => return Err(Error::InvalidArgument(format!("{} is not inside the kubelet root", p.display()))),
+                },
+            }
+        }
+    }
+
+    pub(super) fn path(&self, p: &str, what: &str) -> Result<PathBuf> {
+        let p = super::validate::path_under(p, &self.config.kubelet_root, what)?;
+        self.contained(&p)?;
+        Ok(p)
+    }
+
+    pub(super) fn topology(&self) -> Topology {
+        Topology { segments: HashMap::from([(TOPOLOGY_KEY.to_string(), self.config.node_id.clone())]) }
+    }
+
+    /// True when `t` names this node (and nothing this node lacks).
+    pub(super) fn is_here(&self, t: &Topology) -> bool {
+        t.segments.iter().all(|(k, v)| k == TOPOLOGY_KEY && *v == self.config.node_id)
+    }
+}

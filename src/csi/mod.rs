@@ -1,0 +1,88 @@
+//! The CSI driver: Identity, Controller (node-local image volumes) and Node
+//! services over gRPC on a unix socket.
+//!
+//! `validate` checks every request field before anything touches the
+//! machine (pure, fuzzed); `VolumeLocks` keeps two calls from working on one
+//! volume at once; `controller` and `node` do the work with `volumes`;
+//! `service` adapts them to the generated tonic traits and is the one place
+//! where errors become gRPC codes; `server` runs it all on the socket.
+
+pub mod client;
+mod controller;
+mod driver;
+mod identity;
+mod locks;
+mod node;
+pub mod proto;
+pub mod server;
+mod service;
+pub mod validate;
+
+pub use driver::{CsiConfig, Driver, Readiness};
+pub use locks::{VolumeGuard, VolumeLocks};
+
+/// The plugin name reported by GetPluginInfo (and used by CSIDriver objects).
+pub const DRIVER_NAME: &str = "volring.csi.io";
+/// The topology key naming the node a volume lives on.
+pub const TOPOLOGY_KEY: &str = "topology.volring.csi.io/node";
+
+/// Why a CSI call failed; each variant is one gRPC code, chosen by the CSI
+/// specification's error tables.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("an operation on volume {0} is already in progress")]
+    Aborted(String),
+    #[error("{0}")]
+    OutOfRange(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0} is not implemented by volring")]
+    Unimplemented(&'static str),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            Error::InvalidArgument(_) => tonic::Code::InvalidArgument,
+            Error::NotFound(_) => tonic::Code::NotFound,
+            Error::AlreadyExists(_) => tonic::Code::AlreadyExists,
+            Error::FailedPrecondition(_) => tonic::Code::FailedPrecondition,
+            Error::Aborted(_) => tonic::Code::Aborted,
+            Error::OutOfRange(_) => tonic::Code::OutOfRange,
+            Error::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
+            Error::Unimplemented(_) => tonic::Code::Unimplemented,
+            Error::Internal(_) => tonic::Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+impl From<crate::volumes::Error> for Error {
+    fn from(e: crate::volumes::Error) -> Self {
+        use crate::volumes::Error as V;
+        match e {
+            V::NotFound(id) => Error::NotFound(format!("volume {id} does not exist")),
+            e @ V::Conflict { .. } => Error::AlreadyExists(e.to_string()),
+            V::OutOfRange(m) => Error::OutOfRange(m),
+            V::Precondition(m) => Error::FailedPrecondition(m),
+            e @ (V::Io { .. } | V::Command { .. } | V::Corrupt { .. }) => Error::Internal(e.to_string()),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

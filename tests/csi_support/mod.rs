@@ -1,0 +1,277 @@
+//! A running `volring node` with its CSI socket in a scratch directory, and
+//! a client connected to it. Dropping it stops the agent (by PID), unmounts
+//! everything under the scratch directory and detaches every loop device
+//! whose image lives there, so a failing test leaves nothing behind.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::{Code, Status};
+use volring::csi::client::{capability, Clients};
+use volring::csi::proto::volume_capability::access_mode::Mode;
+use volring::csi::proto::*;
+
+use crate::common::Scratch;
+
+pub const MIB: i64 = 1 << 20;
+
+pub struct Agent {
+    pub scratch: Scratch,
+    pub kubelet: PathBuf,
+    pub state: PathBuf,
+    pub socket: PathBuf,
+    child: Option<Child>,
+    pub rt: tokio::runtime::Runtime,
+    pub c: Clients,
+}
+
+impl Agent {
+    pub fn start() -> Self {
+        let scratch = Scratch::new();
+        let kubelet = scratch.dir("kubelet");
+        let state = scratch.dir("state");
+        let socket = scratch.path().join("csi.sock");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let child = spawn(&kubelet, &state, &socket);
+        let c = rt.block_on(connect(&socket));
+        Self { scratch, kubelet, state, socket, child: Some(child), rt, c }
+    }
+
+    /// Stops the agent (SIGTERM, then wait) and starts a new one on the same
+    /// state, as after an upgrade or a crash loop.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
+        self.c = self.rt.block_on(connect(&self.socket));
+    }
+
+    /// Kills the agent with SIGKILL: no chance to clean anything up.
+    pub fn kill_hard(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn respawn(&mut self) {
+        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
+        self.c = self.rt.block_on(connect(&self.socket));
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = rustix::process::kill_process(rustix::process::Pid::from_child(&c), rustix::process::Signal::TERM);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn k(&self, rel: &str) -> String {
+        self.kubelet.join(rel).to_string_lossy().into_owned()
+    }
+
+    pub fn image(&self, id: &str) -> PathBuf {
+        self.state.join("pool").join(format!("{id}.img"))
+    }
+
+    pub fn run<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        self.rt.block_on(f)
+    }
+
+    // ---- calls, each returning the reply or the status ----
+
+    pub fn create(&self, name: &str, size: i64, fs: &str) -> Result<Volume, Status> {
+        let mut c = self.c.controller.clone();
+        let mut params = std::collections::HashMap::new();
+        if !fs.is_empty() {
+            params.insert("fsType".to_string(), fs.to_string());
+        }
+        let r = self.run(c.create_volume(CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange { required_bytes: size, limit_bytes: 0 }),
+            volume_capabilities: vec![mount_cap(fs)],
+            parameters: params,
+            ..Default::default()
+        }))?;
+        Ok(r.into_inner().volume.expect("volume"))
+    }
+
+    pub fn delete(&self, id: &str) -> Result<(), Status> {
+        let mut c = self.c.controller.clone();
+        self.run(c.delete_volume(DeleteVolumeRequest { volume_id: id.into(), ..Default::default() })).map(drop)
+    }
+
+    pub fn stage(&self, id: &str, staging: &str, cap: VolumeCapability) -> Result<(), Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_stage_volume(NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            volume_capability: Some(cap),
+            ..Default::default()
+        }))
+        .map(drop)
+    }
+
+    pub fn unstage(&self, id: &str, staging: &str) -> Result<(), Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: id.into(), staging_target_path: staging.into() })).map(drop)
+    }
+
+    pub fn publish(&self, id: &str, staging: &str, target: &str, cap: VolumeCapability, readonly: bool) -> Result<(), Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_publish_volume(NodePublishVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            target_path: target.into(),
+            volume_capability: Some(cap),
+            readonly,
+            ..Default::default()
+        }))
+        .map(drop)
+    }
+
+    pub fn unpublish(&self, id: &str, target: &str) -> Result<(), Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_unpublish_volume(NodeUnpublishVolumeRequest { volume_id: id.into(), target_path: target.into() })).map(drop)
+    }
+
+    pub fn stats(&self, id: &str, path: &str) -> Result<NodeGetVolumeStatsResponse, Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_get_volume_stats(NodeGetVolumeStatsRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            staging_target_path: String::new(),
+        }))
+        .map(|r| r.into_inner())
+    }
+
+    pub fn expand(&self, id: &str, size: i64, cap: VolumeCapability) -> Result<ControllerExpandVolumeResponse, Status> {
+        let mut c = self.c.controller.clone();
+        self.run(c.controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: id.into(),
+            capacity_range: Some(CapacityRange { required_bytes: size, limit_bytes: 0 }),
+            volume_capability: Some(cap),
+            ..Default::default()
+        }))
+        .map(|r| r.into_inner())
+    }
+
+    pub fn node_expand(&self, id: &str, path: &str, size: i64) -> Result<i64, Status> {
+        let mut c = self.c.node.clone();
+        self.run(c.node_expand_volume(NodeExpandVolumeRequest {
+            volume_id: id.into(),
+            volume_path: path.into(),
+            capacity_range: Some(CapacityRange { required_bytes: size, limit_bytes: 0 }),
+            ..Default::default()
+        }))
+        .map(|r| r.into_inner().capacity_bytes)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop();
+        unmount_under(self.scratch.path());
+        detach_loops_under(self.scratch.path());
+    }
+}
+
+pub fn mount_cap(fs: &str) -> VolumeCapability {
+    capability(false, fs, &[], Mode::SingleNodeWriter)
+}
+
+pub fn block_cap() -> VolumeCapability {
+    capability(true, "", &[], Mode::SingleNodeWriter)
+}
+
+pub fn code<T>(r: Result<T, Status>) -> Option<Code> {
+    r.err().map(|s| s.code())
+}
+
+fn spawn(kubelet: &Path, state: &Path, socket: &Path) -> Child {
+    let _ = std::fs::remove_file(socket.with_extension("ready"));
+    let child = Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["node", "--metrics-addr", "off", "--node-id", "test-node", "--stats-interval", "5"])
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", socket.display()))
+        .arg("--kubelet-root")
+        .arg(kubelet)
+        .arg("--state-dir")
+        .arg(state)
+        .env("RUST_LOG", "volring=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(match std::env::var_os("VOLRING_TEST_LOG") {
+            Some(_) => Stdio::inherit(),
+            None => Stdio::null(),
+        })
+        .spawn()
+        .expect("start volring node");
+    child
+}
+
+async fn connect(socket: &Path) -> Clients {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if socket.exists() {
+            if let Ok(mut c) = Clients::connect(socket.to_path_buf()).await {
+                if let Ok(r) = c.identity.probe(ProbeRequest {}).await {
+                    if r.into_inner().ready == Some(true) {
+                        return c;
+                    }
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Every mount point below `dir`, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
+    let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
+    let mut v: Vec<_> = table.iter().map(|m| m.mount_point_path().to_path_buf()).filter(|p| p.starts_with(dir)).collect();
+    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    v
+}
+
+fn unmount_under(dir: &Path) {
+    for _ in 0..64 {
+        let v = mounts_under(dir);
+        if v.is_empty() {
+            return;
+        }
+        for p in v {
+            let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+/// Loop devices whose backing file lies below `dir`.
+pub fn loops_under(dir: &Path) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/sys/block") else { return Vec::new() };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
+        .filter(|n| {
+            std::fs::read_to_string(format!("/sys/block/loop{n}/loop/backing_file")).is_ok_and(|b| Path::new(b.trim_end()).starts_with(dir))
+        })
+        .collect()
+}
+
+fn detach_loops_under(dir: &Path) {
+    for n in loops_under(dir) {
+        if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
+            let _ = d.detach();
+        }
+    }
+}
