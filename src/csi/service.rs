@@ -154,3 +154,27 @@ service!(NodeService: Node {
         |d, r| Ok(d.node_capabilities());
     node_get_info, "NodeGetInfo", Query, NodeGetInfoRequest => NodeGetInfoResponse, |d, r| Ok(d.node_info());
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_becomes_internal_and_the_next_call_works() {
+        let r = call("Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| -> Result<ProbeResponse> { panic!("handler bug") }).await;
+        let s = r.expect_err("panicked");
+        assert_eq!(s.code(), tonic::Code::Internal);
+        assert!(s.message().contains("handler bug"), "{}", s.message());
+        let ok = call("Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| Ok(ProbeResponse { ready: Some(true) })).await;
+        assert_eq!(ok.unwrap().into_inner().ready, Some(true));
+    }
+
+    #[tokio::test]
+    async fn errors_keep_their_codes() {
+        let r = call("NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), |_r| -> Result<()> {
+            Err(Error::Aborted("v".into()))
+        })
+        .await;
+        assert_eq!(r.unwrap_err().code(), tonic::Code::Aborted);
+    }
+}
