@@ -65,6 +65,15 @@ pub fn find_backed_by(image: &Path) -> Vec<Attachment> {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok()).filter_map(|n| existing(n, image)).collect()
 }
 
+/// Numbers of loop devices whose backing file lies below `dir` (cleanup of
+/// test and bench runs).
+pub fn find_backed_by_prefix(dir: &Path) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/sys/block") else { return Vec::new() };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
+        .filter(|&n| backing_file(n).is_some_and(|b| b.starts_with(dir)))
+        .collect()
+}
+
 /// Detaches `/dev/loop<number>` if it is still attached to `image`; a device
 /// already detached (or reused for something else) is left alone.
 pub fn detach(number: u32, image: &Path) -> Result<(), Error> {
