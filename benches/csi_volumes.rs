@@ -159,9 +159,8 @@ async fn run(agent: &Agent, socket: &Path, volumes: usize, publish: usize, clien
     .await;
 
     // Stats: random volumes, at their target when published, else staging.
-    let paths: Arc<Vec<(String, String)>> = Arc::new(
-        ids.iter().enumerate().map(|(i, id)| (id.clone(), if i < publish { target(id) } else { staging(id) })).collect(),
-    );
+    let paths: Arc<Vec<(String, String)>> =
+        Arc::new(ids.iter().enumerate().map(|(i, id)| (id.clone(), if i < publish { target(id) } else { staging(id) })).collect());
     let scan = mountinfo_scan_cost();
     let mut single_p50 = 0;
     for callers in [1, callers] {
@@ -202,7 +201,12 @@ async fn run(agent: &Agent, socket: &Path, volumes: usize, publish: usize, clien
 }
 
 /// `callers` tasks calling NodeGetVolumeStats on random volumes.
-async fn stats_phase(node: &NodeClient<Channel>, paths: &Arc<Vec<(String, String)>>, callers: usize, calls: usize) -> (Histogram<u64>, Duration) {
+async fn stats_phase(
+    node: &NodeClient<Channel>,
+    paths: &Arc<Vec<(String, String)>>,
+    callers: usize,
+    calls: usize,
+) -> (Histogram<u64>, Duration) {
     let per = calls / callers;
     let t = Instant::now();
     let mut tasks = Vec::new();
@@ -218,7 +222,11 @@ async fn stats_phase(node: &NodeClient<Channel>, paths: &Arc<Vec<(String, String
                 let (id, path) = &paths[(x % paths.len() as u64) as usize];
                 let s = Instant::now();
                 let r = n
-                    .node_get_volume_stats(NodeGetVolumeStatsRequest { volume_id: id.clone(), volume_path: path.clone(), ..Default::default() })
+                    .node_get_volume_stats(NodeGetVolumeStatsRequest {
+                        volume_id: id.clone(),
+                        volume_path: path.clone(),
+                        ..Default::default()
+                    })
                     .await
                     .expect("stats");
                 h.record(s.elapsed().as_micros().max(1) as u64).expect("record");

@@ -30,7 +30,7 @@ impl MountOptions {
         }
         let mut o = MountOptions { flags: MountFlags::empty(), data: String::new() };
         let mut data = Vec::new();
-        for opt in entries.iter().flat_map(|e| e.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+        for opt in entries.iter().flat_map(|e| e.split(',')).filter(|s| !s.is_empty()) {
             if let Some(bad) = opt.chars().find(|c| !c.is_ascii_graphic() || *c == '\\') {
                 return Err(format!("mount flag {opt:?} has the character {bad:?}"));
             }

@@ -260,12 +260,7 @@ fn unmount_under(dir: &Path) {
 
 /// Loop devices whose backing file lies below `dir`.
 pub fn loops_under(dir: &Path) -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir("/sys/block") else { return Vec::new() };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
-        .filter(|n| {
-            std::fs::read_to_string(format!("/sys/block/loop{n}/loop/backing_file")).is_ok_and(|b| Path::new(b.trim_end()).starts_with(dir))
-        })
-        .collect()
+    volring::volumes::attach::find_backed_by_prefix(dir)
 }
 
 fn detach_loops_under(dir: &Path) {
