@@ -55,9 +55,10 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let csi = match &config.csi {
         Some(c) => {
             let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
-            Some(tokio::spawn(crate::csi::server::serve(driver, async {
+            let server = tokio::spawn(crate::csi::server::serve(driver.clone(), async {
                 let _ = csi_stopped.await;
-            })))
+            }));
+            Some((driver, server))
         }
         None => None,
     };
@@ -128,19 +129,38 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     if let Some(s) = server {
         s.abort();
     }
-    if let Some(csi) = csi {
-        let _ = csi_stop.send(());
-        match tokio::time::timeout(Duration::from_secs(10), csi).await {
-            Ok(Ok(Err(e))) => tracing::error!(error = %e, "CSI server"),
-            Err(_) => tracing::warn!("CSI calls still running after 10 s; stopping anyway"),
-            _ => {}
-        }
+    if let Some((driver, server)) = csi {
+        stop_csi(&driver, server, csi_stop).await;
     }
     collector.stop()?;
     hotplug.stop()?;
     let stats = watcher.stop()?;
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     Ok(())
+}
+
+/// Stops accepting CSI calls, lets the running ones finish (kubelet keeps
+/// its connection open forever, so idle connections are not waited for),
+/// then drops the server and its socket.
+async fn stop_csi(
+    driver: &crate::csi::Driver,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+) {
+    let _ = stop.send(());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while driver.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if driver.in_flight() > 0 {
+        tracing::warn!(
+            calls = driver.in_flight(),
+            "CSI calls still running after 30 s; stopping anyway (their records let a restart finish them)"
+        );
+    }
+    server.abort();
+    let _ = server.await;
+    let _ = std::fs::remove_file(&driver.config().endpoint);
 }
 
 fn read(t: &RwLock<MountTable>) -> std::sync::RwLockReadGuard<'_, MountTable> {

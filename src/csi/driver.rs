@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::proto::Topology;
@@ -67,6 +67,9 @@ pub struct Driver {
     /// Kept current by the agent from the mount watcher's events.
     pub(super) mounts: Arc<RwLock<MountTable>>,
     pub(super) ready: Readiness,
+    /// Calls running now; a stopping agent waits for them, not for idle
+    /// connections (kubelet never closes its own).
+    pub(super) in_flight: AtomicUsize,
 }
 
 impl Driver {
@@ -79,11 +82,16 @@ impl Driver {
         let records = StagedRecords::open(&config.state_dir)?;
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
-        Ok(Arc::new(Self { config, real_root, pool, records, locks: VolumeLocks::new(), mounts, ready }))
+        Ok(Arc::new(Self { config, real_root, pool, records, locks: VolumeLocks::new(), mounts, ready, in_flight: AtomicUsize::new(0) }))
     }
 
     pub fn config(&self) -> &CsiConfig {
         &self.config
+    }
+
+    /// How many calls are running.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
     }
 
     pub fn locks(&self) -> &VolumeLocks {

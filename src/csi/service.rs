@@ -58,6 +58,22 @@ impl Subject for ListSnapshotsRequest {}
 impl Subject for NodeGetCapabilitiesRequest {}
 impl Subject for NodeGetInfoRequest {}
 
+/// Counts a call as running until dropped (also when its future is).
+struct InFlight(Arc<Driver>);
+
+impl InFlight {
+    fn new(d: &Arc<Driver>) -> Self {
+        d.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(d.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 async fn call<Q, T>(
     rpc: &'static str,
     kind: Kind,
@@ -99,6 +115,7 @@ macro_rules! service {
         impl $tr for $svc {
             $(
                 async fn $method(&self, request: Request<$req>) -> std::result::Result<Response<$resp>, Status> {
+                    let _running = InFlight::new(&self.0);
                     let $d = self.0.clone();
                     call($name, Kind::$kind, request, move |$r: $req| {
                         let _ = (&$d, &$r);
