@@ -351,6 +351,37 @@ fn restart_between_stage_and_unstage() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// An agent killed between attaching a loop device and recording its
+/// number: the next stage adopts that device (no second one), and an unstage
+/// without a stage finds it by its image.
+fn crash_mid_attach() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    for id in ["pvc-adopt", "pvc-orphan"] {
+        a.create(id, 32 * MIB, "")?;
+    }
+    a.kill_hard();
+    let mut loops = Vec::new();
+    for id in ["pvc-adopt", "pvc-orphan"] {
+        let staging = a.k(&format!("plugins/stage/{id}"));
+        let record = serde_json::json!({
+            "volume_id": id, "image": a.image(id), "staging_path": staging,
+            "access": {"kind": "mount", "fs_type": "", "flags": []},
+            "read_only": false, "phase": "attaching",
+        });
+        std::fs::write(a.state.join("staged").join(format!("{id}.json")), record.to_string())?;
+        let out = std::process::Command::new("losetup").arg("-f").arg("--show").arg(a.image(id)).output()?;
+        check(out.status.success(), "losetup")?;
+        loops.push(String::from_utf8(out.stdout)?.trim().to_string());
+    }
+    a.respawn();
+    a.stage("pvc-adopt", &a.k("plugins/stage/pvc-adopt"), mount_cap(""))?;
+    let adopted = loops_under(&a.state.join("pool").join("pvc-adopt.img"));
+    check(adopted.len() == 1 && loops[0] == format!("/dev/loop{}", adopted[0]), format!("adopted {loops:?} -> {adopted:?}"))?;
+    a.unstage("pvc-adopt", &a.k("plugins/stage/pvc-adopt"))?;
+    a.unstage("pvc-orphan", &a.k("plugins/stage/pvc-orphan"))?;
+    all_gone(&a)
+}
+
 /// A volume whose mount vanished behind the driver's back is reported
 /// abnormal, and staging it again repairs it.
 fn condition_and_repair() -> Result<(), Failed> {
@@ -468,6 +499,7 @@ fn main() {
         Trial::test("csi::concurrent_calls_on_one_volume", concurrent_calls_on_one_volume),
         Trial::test("csi::restart_between_stage_and_unstage", restart_between_stage_and_unstage),
         Trial::test("csi::condition_and_repair", condition_and_repair),
+        Trial::test("csi::crash_mid_attach", crash_mid_attach),
         Trial::test("csi::identity_controller_and_listing", identity_controller_and_listing),
         Trial::test("csi::stale_socket_and_cli", stale_socket_and_cli),
     ];

@@ -76,9 +76,14 @@ impl Driver {
     /// The stage proper. Each step records its intent first, so a crash at
     /// any point leaves a record saying what may need undoing.
     fn stage_steps(&self, rec: &mut StagedVolume, access: &Access, requested_fs: Option<&str>, undo: &mut Rollback) -> Result<()> {
+        // A record still `Attaching` with no number is a stage that crashed
+        // mid-attach: the device it may have made is found by its image
+        // (a scan of every loop device, so only in that case).
+        let leftover = rec.phase == StagePhase::Attaching && rec.loop_number.is_none() && self.records.contains(&rec.volume_id);
         rec.phase = StagePhase::Attaching;
         self.records.put(rec)?;
-        let att = match rec.loop_number.and_then(|n| attach::existing(n, &rec.image)) {
+        let known = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let att = match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
             Some(a) => a,
             None => {
                 let a = attach::attach(&rec.image, rec.read_only, self.config.direct_io && self.pool.direct_io())?;
@@ -174,13 +179,15 @@ impl Driver {
         if matches!(rec.access, AccessKind::Block) {
             remove_path(&at)?;
         }
-        if let Some(n) = rec.loop_number {
-            attach::detach(n, &rec.image)?;
-        }
-        // A crash between attaching and recording the number leaves a device
-        // only the image path can find.
-        for a in attach::find_backed_by(&rec.image) {
-            attach::detach(a.number, &rec.image)?;
+        match rec.loop_number {
+            Some(n) => attach::detach(n, &rec.image)?,
+            // A crash between attaching and recording the number leaves a
+            // device only the image path can find.
+            None => {
+                for a in attach::find_backed_by(&rec.image) {
+                    attach::detach(a.number, &rec.image)?;
+                }
+            }
         }
         self.records.remove(id)?;
         tracing::info!(volume = id, "unstaged");
