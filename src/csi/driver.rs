@@ -100,7 +100,7 @@ impl Driver {
 
     /// Takes the volume's lock or answers Aborted.
     pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {
-        self.locks.try_lock(id).ok_or_else(|| Error::Aborted(id.to_string()))
+        self.locks.try_lock(id).ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
     }
 
     /// Checks a validated path against symlinks: its deepest existing

@@ -38,7 +38,9 @@ pub enum Error {
     AlreadyExists(String),
     #[error("{0}")]
     FailedPrecondition(String),
-    #[error("an operation on volume {0} is already in progress")]
+    /// Another operation on the volume is running, or a list token is not
+    /// one volring issued: the CO retries or restarts.
+    #[error("{0}")]
     Aborted(String),
     #[error("{0}")]
     OutOfRange(String),

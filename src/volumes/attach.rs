@@ -61,17 +61,21 @@ pub fn existing(number: u32, image: &Path) -> Option<Attachment> {
 /// Every loop device attached to `image` (normally none or one; more only
 /// after a crash between attaching and recording the number).
 pub fn find_backed_by(image: &Path) -> Vec<Attachment> {
-    let Ok(dir) = std::fs::read_dir("/sys/block") else { return Vec::new() };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok()).filter_map(|n| existing(n, image)).collect()
+    loop_numbers().filter_map(|n| existing(n, image)).collect()
 }
 
 /// Numbers of loop devices whose backing file lies below `dir` (cleanup of
 /// test and bench runs).
 pub fn find_backed_by_prefix(dir: &Path) -> Vec<u32> {
-    let Ok(rd) = std::fs::read_dir("/sys/block") else { return Vec::new() };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
-        .filter(|&n| backing_file(n).is_some_and(|b| b.starts_with(dir)))
-        .collect()
+    loop_numbers().filter(|&n| backing_file(n).is_some_and(|b| b.starts_with(dir))).collect()
+}
+
+/// The numbers of every loop device the kernel has (attached or not).
+fn loop_numbers() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
 }
 
 /// Detaches `/dev/loop<number>` if it is still attached to `image`; a device
