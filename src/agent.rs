@@ -30,6 +30,15 @@ pub struct AgentConfig {
     pub log_events: bool,
     /// The CSI driver's settings; `None`: no CSI socket.
     pub csi: Option<crate::csi::CsiConfig>,
+    /// The NBD server's settings; `None`: no NBD server.
+    pub nbd: Option<NbdConfig>,
+}
+
+/// The node's NBD server: where it listens and what it exports at start.
+#[derive(Debug, Clone)]
+pub struct NbdConfig {
+    pub server: crate::nbd::ServerConfig,
+    pub exports: Vec<crate::nbd::ExportSpec>,
 }
 
 impl Default for AgentConfig {
@@ -41,6 +50,7 @@ impl Default for AgentConfig {
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9477))),
             log_events: false,
             csi: None,
+            nbd: None,
         }
     }
 }
@@ -63,6 +73,17 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         None => None,
     };
 
+    let nbd = match &config.nbd {
+        Some(c) => {
+            let server = crate::nbd::NbdServer::start(c.server.clone(), Arc::new(crate::nbd::Exports::new()))?;
+            for spec in &c.exports {
+                server.add_export(spec)?;
+            }
+            Some(server)
+        }
+        None => None,
+    };
+
     // Listen before scanning, so nothing plugged in between is missed (an
     // event for a device the scan already has is just a change).
     let (hotplug, device_events) = DeviceWatcher::start(config.devices.clone(), 4096)?;
@@ -78,6 +99,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         hotplug: hotplug.stats().clone(),
         rings: vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug.ring_stats().clone())],
         mounts: mount_stats.clone(),
+        nbd: nbd.as_ref().map(|s| s.exports().clone()),
     };
     let server = config.metrics.map(|addr| tokio::spawn(crate::metrics::serve(addr, sources)));
     ready.set(true);
@@ -131,6 +153,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     if let Some((driver, server)) = csi {
         stop_csi(&driver, server, csi_stop).await;
+    }
+    if let Some(server) = nbd {
+        server.stop();
     }
     collector.stop()?;
     hotplug.stop()?;

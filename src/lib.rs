@@ -9,6 +9,7 @@ pub mod csi;
 pub mod devices;
 pub mod metrics;
 pub mod mounts;
+pub mod nbd;
 pub mod ring;
 pub mod sys;
 pub mod volumes;

@@ -38,6 +38,13 @@ enum Command {
         scan: ScanArgs,
         #[command(flatten)]
         csi: CsiArgs,
+        #[command(flatten)]
+        nbd: NodeNbdArgs,
+    },
+    /// Serve exports over NBD.
+    Nbd {
+        #[command(subcommand)]
+        command: NbdCommand,
     },
     /// Call one CSI RPC on a running driver and print the reply as JSON.
     Csi {
@@ -86,6 +93,80 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
     },
+}
+
+#[derive(Subcommand)]
+enum NbdCommand {
+    /// Serve image files and block devices until SIGINT/SIGTERM; SIGHUP
+    /// re-reads --exports-file (adding and removing exports).
+    Serve {
+        /// NAME=PATH[,ro][,direct][,limit=N][,description=TEXT] (repeatable).
+        #[arg(long = "export", value_name = "SPEC")]
+        exports: Vec<String>,
+        /// A file of export specs, one per line (# comments).
+        #[arg(long)]
+        exports_file: Option<std::path::PathBuf>,
+        /// Listen on this unix socket (repeatable).
+        #[arg(long = "unix", value_name = "PATH")]
+        unix: Vec<std::path::PathBuf>,
+        /// Listen on this TCP address, e.g. 127.0.0.1:10809 (repeatable).
+        #[arg(long = "tcp", value_name = "ADDR")]
+        tcp: Vec<std::net::SocketAddr>,
+        #[command(flatten)]
+        tuning: NbdTuning,
+        /// Print every export's counters as a JSON line this often (seconds; 0: only at exit).
+        #[arg(long, default_value_t = 0.0)]
+        stats_interval: f64,
+    },
+}
+
+#[derive(clap::Args)]
+struct NbdTuning {
+    /// Ring threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    nbd_threads: usize,
+    /// Seconds a client has to finish the handshake.
+    #[arg(long, default_value_t = 10.0)]
+    handshake_timeout: f64,
+    /// Close connections idle this many seconds (0: never).
+    #[arg(long, default_value_t = 0.0)]
+    idle_timeout: f64,
+}
+
+impl NbdTuning {
+    fn config(&self, listen: Vec<volring::nbd::Listen>) -> volring::nbd::ServerConfig {
+        volring::nbd::ServerConfig {
+            listen,
+            threads: self.nbd_threads,
+            handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
+            idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct NodeNbdArgs {
+    /// Serve NBD here: HOST:PORT or unix:PATH (repeatable; none: no NBD server).
+    #[arg(long = "nbd-listen", value_name = "ADDR")]
+    nbd_listen: Vec<String>,
+    /// An export of the node's NBD server (repeatable; see `nbd serve --export`).
+    #[arg(long = "nbd-export", value_name = "SPEC")]
+    nbd_export: Vec<String>,
+    #[command(flatten)]
+    tuning: NbdTuning,
+}
+
+impl NodeNbdArgs {
+    fn config(&self) -> anyhow::Result<Option<volring::agent::NbdConfig>> {
+        if self.nbd_listen.is_empty() {
+            anyhow::ensure!(self.nbd_export.is_empty(), "--nbd-export needs --nbd-listen");
+            return Ok(None);
+        }
+        let listen = self.nbd_listen.iter().map(|l| l.parse()).collect::<Result<Vec<_>, _>>()?;
+        let exports = self.nbd_export.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(volring::agent::NbdConfig { server: self.tuning.config(listen), exports }))
+    }
 }
 
 const DEFAULT_CSI_ENDPOINT: &str = "unix:///var/lib/kubelet/plugins/volring.csi.io/csi.sock";
@@ -221,7 +302,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi } => {
+        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd } => {
             let metrics = match metrics_addr.as_str() {
                 "off" => None,
                 a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
@@ -237,8 +318,14 @@ fn main() -> anyhow::Result<()> {
                 metrics,
                 log_events,
                 csi: csi.config()?,
+                nbd: nbd.config()?,
             };
             runtime()?.block_on(volring::agent::run(config))
+        }
+        Command::Nbd { command: NbdCommand::Serve { exports, exports_file, unix, tcp, tuning, stats_interval } } => {
+            let listen = unix.into_iter().map(volring::nbd::Listen::Unix).chain(tcp.into_iter().map(volring::nbd::Listen::Tcp)).collect();
+            let specs = exports.iter().map(|e| e.parse()).collect::<Result<Vec<volring::nbd::ExportSpec>, _>>()?;
+            runtime()?.block_on(nbd_serve(tuning.config(listen), specs, exports_file, stats_interval))
         }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args } => {
@@ -270,6 +357,82 @@ async fn csi_call(endpoint: &str, call: volring::csi::client::Call) -> anyhow::R
             std::process::exit(1);
         }
     }
+}
+
+/// Reads an exports file: one spec per line, blank lines and `#` comments skipped.
+fn read_exports_file(path: &std::path::Path) -> anyhow::Result<Vec<volring::nbd::ExportSpec>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    let specs =
+        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(|l| l.parse()).collect::<Result<Vec<_>, _>>()?;
+    Ok(specs)
+}
+
+async fn nbd_serve(
+    config: volring::nbd::ServerConfig,
+    specs: Vec<volring::nbd::ExportSpec>,
+    exports_file: Option<std::path::PathBuf>,
+    stats_interval: f64,
+) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let exports = std::sync::Arc::new(volring::nbd::Exports::new());
+    let server = volring::nbd::NbdServer::start(config, exports)?;
+    let from_file = match &exports_file {
+        Some(p) => read_exports_file(p)?,
+        None => Vec::new(),
+    };
+    for spec in specs.iter().chain(&from_file) {
+        server.add_export(spec)?;
+    }
+    // Tests and scripts wait for this line: the server accepts from here on.
+    println!(
+        "{}",
+        serde_json::json!({ "listening": server.addresses(), "exports": server.exports().all().iter().map(|e| &e.name).collect::<Vec<_>>() })
+    );
+    std::io::stdout().flush()?;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    let period =
+        if stats_interval > 0.0 { std::time::Duration::from_secs_f64(stats_interval) } else { std::time::Duration::from_secs(86_400) };
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            _ = tick.tick() => print_nbd_stats(&server),
+            _ = hup.recv() => {
+                let Some(path) = &exports_file else { continue };
+                match read_exports_file(path) {
+                    Ok(wanted) => reconcile_exports(&server, &specs, &wanted),
+                    Err(e) => tracing::warn!(error = %e, "exports file not re-read"),
+                }
+            }
+        }
+    }
+    print_nbd_stats(&server);
+    server.stop();
+    Ok(())
+}
+
+/// Makes the served set match the command line plus the exports file.
+fn reconcile_exports(server: &volring::nbd::NbdServer, fixed: &[volring::nbd::ExportSpec], wanted: &[volring::nbd::ExportSpec]) {
+    let keep: std::collections::HashSet<&str> = fixed.iter().chain(wanted).map(|s| s.name.as_str()).collect();
+    for e in server.exports().all() {
+        if !keep.contains(e.name.as_str()) {
+            let _ = server.remove_export(&e.name);
+        }
+    }
+    for spec in wanted {
+        if server.exports().get(&spec.name).is_none() {
+            if let Err(e) = server.add_export(spec) {
+                tracing::warn!(error = %e, "export not added");
+            }
+        }
+    }
+}
+
+fn print_nbd_stats(server: &volring::nbd::NbdServer) {
+    let snaps = server.exports().snapshots();
+    println!("{}", serde_json::json!({ "exports": snaps }));
 }
 
 /// `volring mounts | head` is not an error.

@@ -32,6 +32,8 @@ pub struct Sources {
     pub rings: Vec<(&'static str, Arc<RingStats>)>,
     /// The mount watcher's counters, refreshed by the agent.
     pub mounts: Arc<ArcSwap<WatcherStats>>,
+    /// The NBD server's exports, when it runs.
+    pub nbd: Option<Arc<crate::nbd::Exports>>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -148,8 +150,48 @@ impl Collector for Sources {
                 }
             }
         }
+        if let Some(exports) = &self.nbd {
+            encode_nbd(&mut e, &exports.snapshots())?;
+        }
         Ok(())
     }
+}
+
+/// One series per export for each NBD counter, and latency quantiles.
+fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[crate::nbd::stats::ExportSnapshot]) -> Result<(), FmtError> {
+    type Pick = fn(&crate::nbd::stats::ExportSnapshot) -> u64;
+    let counters: [(&str, &str, Pick); 11] = [
+        ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
+        ("volring_nbd_reads", "READ requests answered", |s| s.reads),
+        ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
+        ("volring_nbd_read_bytes", "Bytes read by clients", |s| s.read_bytes),
+        ("volring_nbd_written_bytes", "Bytes written by clients", |s| s.write_bytes),
+        ("volring_nbd_flushes", "FLUSH requests answered", |s| s.flushes),
+        ("volring_nbd_trims", "TRIM requests answered", |s| s.trims),
+        ("volring_nbd_write_zeroes", "WRITE_ZEROES requests answered", |s| s.zeroes),
+        ("volring_nbd_other_requests", "CACHE and BLOCK_STATUS requests answered", |s| s.other),
+        ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
+        ("volring_nbd_latency_samples", "Requests in the latency histogram", |s| s.latency_count),
+    ];
+    for (name, help, pick) in counters {
+        let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for s in snaps {
+            ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+        }
+    }
+    let gauges: [(&str, &str, fn(&crate::nbd::stats::ExportSnapshot) -> f64); 4] = [
+        ("volring_nbd_connections", "Connections open now", |s| s.connections as f64),
+        ("volring_nbd_latency_p50_seconds", "Median request latency since start", |s| s.latency_p50_us as f64 / 1e6),
+        ("volring_nbd_latency_p99_seconds", "99th percentile request latency since start", |s| s.latency_p99_us as f64 / 1e6),
+        ("volring_nbd_latency_max_seconds", "Slowest request since start", |s| s.latency_max_us as f64 / 1e6),
+    ];
+    for (name, help, pick) in gauges {
+        let mut fam = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for s in snaps {
+            ConstGauge::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+        }
+    }
+    Ok(())
 }
 
 /// Renders the exposition text.

@@ -13,7 +13,9 @@
 //! [`Reactor::backend`].
 
 pub mod batch;
+pub mod buffers;
 mod epoll;
+pub mod io_ring;
 pub mod queue;
 mod uring;
 

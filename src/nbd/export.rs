@@ -1,0 +1,293 @@
+//! What the server serves: image files and block devices, by name.
+//!
+//! An export opens its file once; every connection on every ring thread
+//! uses that one open file, which is what makes CAN_MULTI_CONN true (a
+//! flush through any connection syncs the inode all of them write to).
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::handshake::{Catalog, ExportInfo};
+use super::stats::{ExportSnapshot, ExportStats};
+use super::Error;
+
+/// Largest request payload: what qemu and the kernel client use.
+pub const MAX_BLOCK: u32 = 32 << 20;
+/// Alignment O_DIRECT needs of offsets, lengths and memory; requests that
+/// do not meet it go through the export's buffered descriptor.
+pub const DIRECT_ALIGN: u64 = 4096;
+
+/// `NAME=PATH[,ro][,direct][,limit=N][,description=TEXT]`, as on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub name: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub direct_io: bool,
+    /// Connections at once; 0 means no limit.
+    pub max_connections: u32,
+    pub description: String,
+}
+
+impl FromStr for ExportSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = |why: &str| Error::Spec { spec: s.to_string(), why: why.to_string() };
+        let (name, rest) = s.split_once('=').ok_or_else(|| bad("expected NAME=PATH"))?;
+        if name.is_empty() || name.len() > 4096 || name.chars().any(|c| c.is_control()) {
+            return Err(bad("a name is 1 to 4096 printable characters"));
+        }
+        let mut parts = rest.split(',');
+        let path = parts.next().filter(|p| !p.is_empty()).ok_or_else(|| bad("missing PATH"))?;
+        let mut spec = ExportSpec {
+            name: name.to_string(),
+            path: PathBuf::from(path),
+            read_only: false,
+            direct_io: false,
+            max_connections: 0,
+            description: String::new(),
+        };
+        for opt in parts {
+            match opt.split_once('=') {
+                None if opt == "ro" => spec.read_only = true,
+                None if opt == "rw" => spec.read_only = false,
+                None if opt == "direct" => spec.direct_io = true,
+                Some(("limit", n)) => spec.max_connections = n.parse().map_err(|_| bad("limit=N takes a number"))?,
+                Some(("description", d)) => spec.description = d.to_string(),
+                _ => return Err(bad(&format!("unknown option {opt:?} (ro, rw, direct, limit=N, description=TEXT)"))),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// One served file or device.
+pub struct Export {
+    /// Unique for the life of the process (names can be reused).
+    pub id: u64,
+    pub name: String,
+    pub path: PathBuf,
+    pub size: u64,
+    pub read_only: bool,
+    pub block_device: bool,
+    pub description: String,
+    pub max_connections: u32,
+    /// The descriptor requests use: O_DIRECT when asked for and supported.
+    file: OwnedFd,
+    /// A buffered descriptor for requests O_DIRECT cannot take (unaligned),
+    /// and for SEEK_DATA; `None` when `file` is buffered already.
+    buffered: Option<OwnedFd>,
+    removed: AtomicBool,
+    pub stats: ExportStats,
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export").field("name", &self.name).field("path", &self.path).field("size", &self.size).finish_non_exhaustive()
+    }
+}
+
+fn open(path: &Path, read_only: bool, direct: bool) -> std::io::Result<std::fs::File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(!read_only);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+impl Export {
+    fn open(spec: &ExportSpec, id: u64) -> Result<Self, Error> {
+        let err = |source| Error::Open { path: spec.path.clone(), source };
+        let buffered = open(&spec.path, spec.read_only, false).map_err(err)?;
+        let meta = buffered.metadata().map_err(err)?;
+        let block_device = meta.file_type().is_block_device();
+        if !block_device && !meta.is_file() {
+            return Err(Error::Spec { spec: spec.path.display().to_string(), why: "not a regular file or block device".into() });
+        }
+        // A block device reports its size through lseek, a file through stat.
+        let size = rustix::fs::seek(&buffered, rustix::fs::SeekFrom::End(0)).map_err(|e| err(e.into()))?;
+        let (file, extra) = if spec.direct_io {
+            match open(&spec.path, spec.read_only, true) {
+                Ok(d) => (OwnedFd::from(d), Some(OwnedFd::from(buffered))),
+                // tmpfs and friends refuse O_DIRECT: serve buffered, say so.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(export = %spec.name, path = %spec.path.display(), "O_DIRECT not supported here; serving buffered");
+                    (OwnedFd::from(buffered), None)
+                }
+                Err(e) => return Err(err(e)),
+            }
+        } else {
+            (OwnedFd::from(buffered), None)
+        };
+        Ok(Export {
+            id,
+            name: spec.name.clone(),
+            path: spec.path.clone(),
+            size,
+            read_only: spec.read_only,
+            block_device,
+            description: spec.description.clone(),
+            max_connections: spec.max_connections,
+            file,
+            buffered: extra,
+            removed: AtomicBool::new(false),
+            stats: ExportStats::default(),
+        })
+    }
+
+    /// The descriptor for aligned requests (O_DIRECT when enabled).
+    pub fn file(&self) -> &OwnedFd {
+        &self.file
+    }
+
+    /// The buffered descriptor, when `file` is O_DIRECT.
+    pub fn buffered(&self) -> Option<&OwnedFd> {
+        self.buffered.as_ref()
+    }
+
+    pub fn direct_io(&self) -> bool {
+        self.buffered.is_some()
+    }
+
+    /// A descriptor that supports lseek(SEEK_DATA) and fadvise.
+    pub fn any_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.buffered.as_ref().unwrap_or(&self.file).as_fd()
+    }
+
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
+    }
+
+    pub fn info(&self) -> ExportInfo {
+        ExportInfo { size: self.size, read_only: self.read_only, description: self.description.clone(), block_sizes: (1, 4096, MAX_BLOCK) }
+    }
+
+    /// Takes a connection slot; false when the limit is reached or the export is gone.
+    pub fn admit(&self) -> bool {
+        if self.is_removed() {
+            return false;
+        }
+        let limit = if self.max_connections == 0 { u64::MAX } else { u64::from(self.max_connections) };
+        let taken = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).is_ok();
+        if taken {
+            self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    /// Gives a connection slot back.
+    pub fn release(&self) {
+        let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
+/// The exports of one server, by name; shared by the ring threads and
+/// whoever adds and removes exports.
+#[derive(Default)]
+pub struct Exports {
+    map: RwLock<BTreeMap<String, Arc<Export>>>,
+    next_id: AtomicU64,
+}
+
+impl Exports {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Opens and adds an export; the name must be free.
+    pub fn add(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
+        if self.get(&spec.name).is_some() {
+            return Err(Error::Exists(spec.name.clone()));
+        }
+        let export = Arc::new(Export::open(spec, self.next_id.fetch_add(1, Ordering::Relaxed))?);
+        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
+        if map.contains_key(&spec.name) {
+            return Err(Error::Exists(spec.name.clone()));
+        }
+        map.insert(spec.name.clone(), export.clone());
+        Ok(export)
+    }
+
+    /// Takes an export out: new connections are refused at once; the server
+    /// closes the existing ones (see `NbdServer::remove_export`).
+    pub fn remove(&self, name: &str) -> Result<Arc<Export>, Error> {
+        let export =
+            self.map.write().unwrap_or_else(|p| p.into_inner()).remove(name).ok_or_else(|| Error::NoSuchExport(name.to_string()))?;
+        export.removed.store(true, Ordering::Release);
+        Ok(export)
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Export>> {
+        self.map.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Export>> {
+        self.map.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
+    pub fn snapshots(&self) -> Vec<ExportSnapshot> {
+        self.all().iter().map(|e| e.stats.snapshot(&e.name)).collect()
+    }
+}
+
+impl Catalog for Exports {
+    type Handle = Arc<Export>;
+
+    fn find(&self, name: &str) -> Option<(Arc<Export>, ExportInfo)> {
+        let e = self.get(name)?;
+        let info = e.info();
+        Some((e, info))
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.map.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+
+    fn admit(&self, export: &Arc<Export>) -> bool {
+        export.admit()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_refuse_nonsense() {
+        let s: ExportSpec = "vol1=/srv/a.img,ro,limit=4,direct".parse().unwrap();
+        assert_eq!((s.name.as_str(), s.read_only, s.direct_io, s.max_connections), ("vol1", true, true, 4));
+        assert_eq!(s.path, PathBuf::from("/srv/a.img"));
+        for bad in ["noequals", "=x", "a=", "a=/x,limit=many", "a=/x,bogus"] {
+            assert!(bad.parse::<ExportSpec>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn limit_admits_up_to_n_and_removal_refuses_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let exports = Exports::new();
+        let spec =
+            ExportSpec { name: "a".into(), path, read_only: false, direct_io: false, max_connections: 2, description: String::new() };
+        let e = exports.add(&spec).unwrap();
+        assert_eq!(e.size, 8192);
+        assert!(matches!(exports.add(&spec), Err(Error::Exists(_))));
+        assert!(e.admit() && e.admit());
+        assert!(!e.admit());
+        e.release();
+        assert!(e.admit());
+        exports.remove("a").unwrap();
+        e.release();
+        assert!(!e.admit(), "a removed export takes no new connections");
+        assert!(exports.find("a").is_none());
+    }
+}

@@ -1,0 +1,46 @@
+//! Serving volumes over NBD.
+//!
+//! - [`wire`] and [`handshake`]: the protocol as pure code over bytes (fuzzed);
+//! - [`export`]: what is served (image files and block devices), added and
+//!   removed at run time, with per-export metrics;
+//! - [`server`]: ring threads that own the sockets and the files and drive
+//!   both through io_uring, replying out of order as requests complete.
+
+pub mod export;
+pub mod handshake;
+pub mod server;
+pub mod stats;
+pub mod wire;
+
+pub use export::{Export, ExportSpec, Exports};
+pub use server::{Listen, NbdServer, ServerConfig};
+
+/// Everything that can go wrong in this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("bad request magic {0:#010x}")]
+    BadMagic(u32),
+    #[error("bad option magic {0:#018x}")]
+    OptionMagic(u64),
+    #[error("unknown client flags {0:#x}")]
+    ClientFlags(u32),
+    #[error("protocol violation: {0}")]
+    Protocol(&'static str),
+    #[error("invalid export spec {spec:?}: {why}")]
+    Spec { spec: String, why: String },
+    #[error("export {0:?} already exists")]
+    Exists(String),
+    #[error("no export named {0:?}")]
+    NoSuchExport(String),
+    #[error("{path}: {source}")]
+    Open { path: std::path::PathBuf, source: std::io::Error },
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+}
+
+impl Error {
+    pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+        let what = what.into();
+        move |source| Error::Io { what, source }
+    }
+}

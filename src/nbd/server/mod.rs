@@ -1,0 +1,266 @@
+//! The NBD server: ring threads (one per core by default), each owning its
+//! connections, their sockets and its registered view of the exports.
+//!
+//! Ring 0 holds a multishot accept on every listener and deals accepted
+//! sockets out round-robin; a ring registers the socket as a fixed file and
+//! from then on receives, sends and touches the image only through its own
+//! io_uring. Requests on a connection run concurrently and are answered as
+//! they complete; replies that are ready together leave in one sendmsg.
+
+mod conn;
+mod requests;
+mod worker;
+
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+
+use super::export::{Export, ExportSpec, Exports};
+use super::Error;
+use crate::ring::io_ring::IoRingConfig;
+
+/// Where the server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            return Ok(Listen::Unix(PathBuf::from(path)));
+        }
+        s.parse().map(Listen::Tcp).map_err(|_| Error::Spec { spec: s.to_string(), why: "expected HOST:PORT or unix:PATH".into() })
+    }
+}
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: Vec<Listen>,
+    /// Ring threads; 0 means one per core.
+    pub threads: usize,
+    /// A client that has not finished negotiating by then is dropped.
+    pub handshake_timeout: Duration,
+    /// A connection with nothing in flight and no traffic for this long is
+    /// closed; `None` keeps idle connections (mounted filesystems idle).
+    pub idle_timeout: Option<Duration>,
+    /// A connection whose replies make no progress (the client stopped
+    /// reading) for this long is closed.
+    pub stall_timeout: Duration,
+    /// Bytes of replies and request buffers one connection may hold before
+    /// the server stops reading from it.
+    pub max_queued_bytes: usize,
+    /// Requests one connection may have in flight before the server stops
+    /// reading from it.
+    pub max_requests: u32,
+    pub ring: IoRingConfig,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: Vec::new(),
+            threads: 0,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
+            stall_timeout: Duration::from_secs(60),
+            max_queued_bytes: 96 << 20,
+            max_requests: 512,
+            ring: IoRingConfig::default(),
+        }
+    }
+}
+
+/// Messages to a ring thread.
+enum Command {
+    /// An accepted socket for this ring to serve.
+    Adopt(OwnedFd, bool),
+    /// Close this export's connections (it was removed).
+    DropExport(u64),
+    Stop,
+}
+
+/// The way into one ring thread.
+struct Mailbox {
+    queue: ArrayQueue<Command>,
+    wake: OwnedFd,
+}
+
+impl Mailbox {
+    fn send(&self, mut cmd: Command) -> bool {
+        // A full queue means the ring is far behind: wait for it briefly
+        // rather than lose a connection or a removal.
+        for _ in 0..1000 {
+            match self.queue.push(cmd) {
+                Ok(()) => {
+                    let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+                    return true;
+                }
+                Err(back) => {
+                    cmd = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        false
+    }
+}
+
+/// A bound listener, kept open for the server's life.
+struct Listener {
+    fd: OwnedFd,
+    tcp: bool,
+    path: Option<PathBuf>,
+}
+
+/// A running server.
+pub struct NbdServer {
+    exports: Arc<Exports>,
+    mailboxes: Arc<Vec<Mailbox>>,
+    threads: Vec<JoinHandle<()>>,
+    listeners: Vec<Listener>,
+    addrs: Vec<String>,
+}
+
+fn bind(l: &Listen) -> Result<(Listener, String), Error> {
+    match l {
+        Listen::Tcp(addr) => {
+            let s = std::net::TcpListener::bind(addr).map_err(Error::io(format!("bind {addr}")))?;
+            // Accepted sockets inherit TCP_NODELAY: replies leave at once.
+            rustix::net::sockopt::set_tcp_nodelay(&s, true).map_err(|e| Error::io("TCP_NODELAY")(e.into()))?;
+            let local = s.local_addr().map_err(Error::io("local_addr"))?;
+            Ok((Listener { fd: OwnedFd::from(s), tcp: true, path: None }, local.to_string()))
+        }
+        Listen::Unix(path) => {
+            remove_stale_socket(path)?;
+            let s = std::os::unix::net::UnixListener::bind(path).map_err(Error::io(format!("bind {}", path.display())))?;
+            Ok((Listener { fd: OwnedFd::from(s), tcp: false, path: Some(path.clone()) }, format!("unix:{}", path.display())))
+        }
+    }
+}
+
+/// A socket left by a server that died is removed; anything else at the
+/// path, or a socket something still listens on, is refused.
+fn remove_stale_socket(path: &std::path::Path) -> Result<(), Error> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else { return Ok(()) };
+    if !meta.file_type().is_socket() {
+        return Err(Error::Spec { spec: path.display().to_string(), why: "exists and is not a socket".into() });
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(Error::Spec { spec: path.display().to_string(), why: "another server is listening there".into() });
+    }
+    std::fs::remove_file(path).map_err(Error::io(format!("remove stale {}", path.display())))
+}
+
+impl NbdServer {
+    /// Binds every listener and starts the ring threads.
+    pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
+        if config.listen.is_empty() {
+            return Err(Error::Spec { spec: String::new(), why: "no address to listen on".into() });
+        }
+        let mut listeners = Vec::new();
+        let mut addrs = Vec::new();
+        for l in &config.listen {
+            let (listener, addr) = bind(l)?;
+            listeners.push(listener);
+            addrs.push(addr);
+        }
+        let threads = if config.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { config.threads };
+        let mut boxes = Vec::with_capacity(threads);
+        for _ in 0..threads {
+            let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::io("eventfd")(e.into()))?;
+            boxes.push(Mailbox { queue: ArrayQueue::new(4096), wake });
+        }
+        let mailboxes = Arc::new(boxes);
+        let accept: Vec<(i32, bool)> = listeners.iter().map(|l| (l.fd.as_raw_fd(), l.tcp)).collect();
+        let mut handles = Vec::with_capacity(threads);
+        for id in 0..threads {
+            let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+            let ctx = worker::Context {
+                id,
+                config: config.clone(),
+                exports: exports.clone(),
+                mailboxes: mailboxes.clone(),
+                listeners: if id == 0 { accept.clone() } else { Vec::new() },
+            };
+            let h = std::thread::Builder::new()
+                .name(format!("nbd-ring-{id}"))
+                .spawn(move || worker::run(ctx, ready_tx))
+                .map_err(Error::io("spawn ring thread"))?;
+            match ready_rx.recv() {
+                Ok(Ok(())) => handles.push(h),
+                Ok(Err(e)) => {
+                    let _ = h.join();
+                    let server = NbdServer { exports, mailboxes, threads: handles, listeners, addrs };
+                    drop(server);
+                    return Err(Error::Io { what: "NBD ring (needs io_uring with multishot receive, Linux 6.0+)".into(), source: e });
+                }
+                Err(_) => return Err(Error::Protocol("ring thread died during start")),
+            }
+        }
+        tracing::info!(addrs = ?addrs, threads, "NBD server listening");
+        Ok(NbdServer { exports, mailboxes, threads: handles, listeners, addrs })
+    }
+
+    /// What the listeners are bound to (TCP with the real port).
+    pub fn addresses(&self) -> &[String] {
+        &self.addrs
+    }
+
+    pub fn exports(&self) -> &Arc<Exports> {
+        &self.exports
+    }
+
+    pub fn add_export(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
+        let e = self.exports.add(spec)?;
+        tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
+        Ok(e)
+    }
+
+    /// Removes an export: new connections are refused at once, and every
+    /// ring closes its connections to it once their requests are answered.
+    pub fn remove_export(&self, name: &str) -> Result<(), Error> {
+        let e = self.exports.remove(name)?;
+        for m in self.mailboxes.iter() {
+            m.send(Command::DropExport(e.id));
+        }
+        tracing::info!(export = %name, "export removed");
+        Ok(())
+    }
+
+    /// Stops accepting, answers what is in flight, closes every connection
+    /// and joins the ring threads.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        for m in self.mailboxes.iter() {
+            m.send(Command::Stop);
+        }
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+        for l in self.listeners.drain(..) {
+            if let Some(p) = &l.path {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,391 @@
+//! Memory the kernel reads and writes while operations are in flight.
+//!
+//! [`Buffers`] hands out page-aligned buffers by id: small ones from an
+//! arena registered with the ring (so reads and writes of the image use
+//! READ_FIXED/WRITE_FIXED and skip the per-call page pinning), larger ones
+//! from a size-class cache on the heap. A buffer that an operation still
+//! uses cannot be borrowed and is only released after its last completion,
+//! so freeing early is safe. [`RecvPool`] is the provided-buffer ring that
+//! multishot receives pick from: idle connections hold no memory at all.
+
+use std::alloc::Layout;
+use std::io;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, Ordering};
+
+use io_uring::types::BufRingEntry;
+
+const PAGE: usize = 4096;
+/// Heap classes are powers of two from 4 KiB up to 64 MiB.
+const CLASSES: usize = 15;
+
+/// A buffer's handle; only meaningful to the [`Buffers`] that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufId(pub(super) u32);
+
+enum Mem {
+    Arena(u32),
+    Heap { ptr: NonNull<u8>, class: usize },
+}
+
+struct Slot {
+    mem: Mem,
+    len: usize,
+    /// Operations that still use this buffer.
+    busy: u32,
+    /// Freed by its owner while busy: release at the last completion.
+    orphan: bool,
+}
+
+/// An anonymous mapping, unmapped on drop.
+pub(super) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    pub(super) fn new(len: usize) -> io::Result<Self> {
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )?
+        };
+        Ok(Self { ptr: NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap returned null"))?, len })
+    }
+
+    pub(super) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by `new` with this length and is not
+        // used after drop (owners leak it instead while the kernel may hold it).
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Buffers by id, for one ring.
+pub struct Buffers {
+    slots: Vec<Option<Slot>>,
+    free_ids: Vec<u32>,
+    arena: Mapping,
+    arena_slot: usize,
+    arena_free: Vec<u32>,
+    cache: [Vec<NonNull<u8>>; CLASSES],
+    cached_bytes: usize,
+    cache_limit: usize,
+}
+
+fn class_of(len: usize) -> Option<usize> {
+    let size = len.max(PAGE).next_power_of_two();
+    let class = (size.trailing_zeros() - PAGE.trailing_zeros()) as usize;
+    (class < CLASSES).then_some(class)
+}
+
+fn class_layout(class: usize) -> Layout {
+    Layout::from_size_align(PAGE << class, PAGE).expect("valid layout")
+}
+
+impl Buffers {
+    /// `arena_slots` buffers of `arena_slot` bytes (a multiple of 4 KiB) for
+    /// registration; heap buffers beyond that, with up to `cache_limit` bytes
+    /// of freed ones kept for reuse.
+    pub(super) fn new(arena_slots: u32, arena_slot: usize, cache_limit: usize) -> io::Result<Self> {
+        let arena_slot = arena_slot.max(PAGE).next_multiple_of(PAGE);
+        let arena = Mapping::new(arena_slot * arena_slots.max(1) as usize)?;
+        Ok(Self {
+            slots: Vec::new(),
+            free_ids: Vec::new(),
+            arena,
+            arena_slot,
+            arena_free: (0..arena_slots).rev().collect(),
+            cache: Default::default(),
+            cached_bytes: 0,
+            cache_limit,
+        })
+    }
+
+    /// The arena as iovecs, one per slot, in slot order (for registration).
+    pub(super) fn arena_iovecs(&self) -> Vec<libc::iovec> {
+        let n = self.arena.len / self.arena_slot;
+        // SAFETY (pointer arithmetic only): every offset stays inside the arena mapping.
+        (0..n)
+            .map(|i| libc::iovec { iov_base: unsafe { self.arena.as_ptr().add(i * self.arena_slot) }.cast(), iov_len: self.arena_slot })
+            .collect()
+    }
+
+    /// A buffer of `len` bytes, page-aligned. Its contents are whatever the
+    /// last user left (never uninitialised memory).
+    pub fn alloc(&mut self, len: usize) -> BufId {
+        let mem = match self.arena_free.pop() {
+            Some(i) if len <= self.arena_slot => Mem::Arena(i),
+            other => {
+                if let Some(i) = other {
+                    self.arena_free.push(i);
+                }
+                let class = class_of(len).unwrap_or(CLASSES - 1);
+                let ptr = match self.cache[class].pop() {
+                    Some(p) => {
+                        self.cached_bytes -= PAGE << class;
+                        p
+                    }
+                    None => {
+                        // SAFETY: the layout has a non-zero size.
+                        let p = unsafe { std::alloc::alloc_zeroed(class_layout(class)) };
+                        NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(class_layout(class)))
+                    }
+                };
+                Mem::Heap { ptr, class }
+            }
+        };
+        let len = match &mem {
+            Mem::Arena(_) => len.min(self.arena_slot),
+            Mem::Heap { class, .. } => len.min(PAGE << class),
+        };
+        let slot = Slot { mem, len, busy: 0, orphan: false };
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(slot);
+                BufId(id)
+            }
+            None => {
+                self.slots.push(Some(slot));
+                BufId(self.slots.len() as u32 - 1)
+            }
+        }
+    }
+
+    /// Largest length `alloc` can give.
+    pub fn max_len(&self) -> usize {
+        PAGE << (CLASSES - 1)
+    }
+
+    fn slot(&self, id: BufId) -> Option<&Slot> {
+        self.slots.get(id.0 as usize)?.as_ref()
+    }
+
+    fn ptr(&self, mem: &Mem) -> *mut u8 {
+        match mem {
+            // SAFETY (pointer arithmetic only): slot index < number of arena slots.
+            Mem::Arena(i) => unsafe { self.arena.as_ptr().add(*i as usize * self.arena_slot) },
+            Mem::Heap { ptr, .. } => ptr.as_ptr(),
+        }
+    }
+
+    /// The buffer's bytes, unless an operation is using it.
+    pub fn get(&self, id: BufId) -> Option<&[u8]> {
+        let s = self.slot(id).filter(|s| s.busy == 0)?;
+        // SAFETY: the memory is initialised, `len` bytes long, owned by this
+        // slot, and no kernel operation uses it (busy == 0).
+        Some(unsafe { std::slice::from_raw_parts(self.ptr(&s.mem), s.len) })
+    }
+
+    /// The buffer's bytes for writing, unless an operation is using it.
+    pub fn get_mut(&mut self, id: BufId) -> Option<&mut [u8]> {
+        let s = self.slot(id).filter(|s| s.busy == 0)?;
+        let (p, len) = (self.ptr(&s.mem), s.len);
+        // SAFETY: as in `get`, and `&mut self` makes the borrow unique.
+        Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
+    }
+
+    pub fn len(&self, id: BufId) -> usize {
+        self.slot(id).map_or(0, |s| s.len)
+    }
+
+    /// Gives the buffer back; if an operation still uses it, that happens at
+    /// its last completion.
+    pub fn free(&mut self, id: BufId) {
+        let Some(Some(s)) = self.slots.get_mut(id.0 as usize) else { return };
+        if s.busy > 0 {
+            s.orphan = true;
+            return;
+        }
+        self.release(id);
+    }
+
+    fn release(&mut self, id: BufId) {
+        let Some(s) = self.slots[id.0 as usize].take() else { return };
+        self.free_ids.push(id.0);
+        match s.mem {
+            Mem::Arena(i) => self.arena_free.push(i),
+            Mem::Heap { ptr, class } => {
+                if self.cached_bytes + (PAGE << class) <= self.cache_limit {
+                    self.cached_bytes += PAGE << class;
+                    self.cache[class].push(ptr);
+                } else {
+                    // SAFETY: allocated by `alloc` with this class's layout.
+                    unsafe { std::alloc::dealloc(ptr.as_ptr(), class_layout(class)) };
+                }
+            }
+        }
+    }
+
+    /// Pointer, length and registered index (arena slots) of a range of the
+    /// buffer, marking it busy. `None` when the id is stale or the range is
+    /// outside the buffer.
+    pub(super) fn lend(&mut self, id: BufId, start: usize, end: usize) -> Option<(*mut u8, u32, Option<u16>)> {
+        let s = self.slots.get_mut(id.0 as usize)?.as_mut()?;
+        if start > end || end > s.len {
+            return None;
+        }
+        s.busy += 1;
+        let index = match s.mem {
+            Mem::Arena(i) => u16::try_from(i).ok(),
+            Mem::Heap { .. } => None,
+        };
+        let mem_ptr = match &s.mem {
+            Mem::Arena(i) => Mem::Arena(*i),
+            Mem::Heap { ptr, class } => Mem::Heap { ptr: *ptr, class: *class },
+        };
+        // SAFETY (pointer arithmetic only): start <= len of this buffer.
+        let p = unsafe { self.ptr(&mem_ptr).add(start) };
+        Some((p, (end - start) as u32, index))
+    }
+
+    /// An operation that used the buffer has ended.
+    pub(super) fn give_back(&mut self, id: BufId) {
+        let Some(Some(s)) = self.slots.get_mut(id.0 as usize) else { return };
+        s.busy = s.busy.saturating_sub(1);
+        if s.busy == 0 && s.orphan {
+            self.release(id);
+        }
+    }
+
+    /// Bytes held: arena, live heap buffers, cache.
+    pub fn footprint(&self) -> usize {
+        let live: usize = self.slots.iter().flatten().map(|s| if let Mem::Heap { class, .. } = s.mem { PAGE << class } else { 0 }).sum();
+        self.arena.len + live + self.cached_bytes
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        for s in self.slots.drain(..).flatten() {
+            if let Mem::Heap { ptr, class } = s.mem {
+                // SAFETY: allocated by `alloc` with this class's layout; the
+                // ring that used it has ended every operation (or leaked us).
+                unsafe { std::alloc::dealloc(ptr.as_ptr(), class_layout(class)) };
+            }
+        }
+        for (class, list) in self.cache.iter_mut().enumerate() {
+            for p in list.drain(..) {
+                // SAFETY: cached blocks were allocated with this class's layout.
+                unsafe { std::alloc::dealloc(p.as_ptr(), class_layout(class)) };
+            }
+        }
+    }
+}
+
+/// A provided-buffer ring: the kernel picks a buffer for each multishot
+/// receive completion and the driver gives it back with [`RecvPool::recycle`].
+pub(super) struct RecvPool {
+    ring: Mapping,
+    data: Mapping,
+    entries: u16,
+    size: usize,
+    tail: u16,
+    pub(super) group: u16,
+}
+
+impl RecvPool {
+    pub(super) fn new(entries: u16, size: usize, group: u16) -> io::Result<Self> {
+        if !entries.is_power_of_two() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "provided buffer count must be a power of two"));
+        }
+        let ring = Mapping::new((usize::from(entries) * std::mem::size_of::<BufRingEntry>()).next_multiple_of(PAGE))?;
+        let data = Mapping::new(usize::from(entries) * size)?;
+        let mut pool = Self { ring, data, entries, size, tail: 0, group };
+        for bid in 0..entries {
+            pool.push(bid);
+        }
+        pool.publish();
+        Ok(pool)
+    }
+
+    pub(super) fn ring_addr(&self) -> u64 {
+        self.ring.as_ptr() as u64
+    }
+
+    pub(super) fn entries(&self) -> u16 {
+        self.entries
+    }
+
+    fn push(&mut self, bid: u16) {
+        let base = self.ring.as_ptr().cast::<BufRingEntry>();
+        let idx = usize::from(self.tail & (self.entries - 1));
+        // SAFETY: idx < entries, inside the ring mapping; the kernel only reads
+        // entries between its head and the published tail, and this one is past it.
+        let entry = unsafe { &mut *base.add(idx) };
+        // SAFETY (pointer arithmetic only): bid < entries, inside the data mapping.
+        entry.set_addr(unsafe { self.data.as_ptr().add(usize::from(bid) * self.size) } as u64);
+        entry.set_len(self.size as u32);
+        entry.set_bid(bid);
+        self.tail = self.tail.wrapping_add(1);
+    }
+
+    fn publish(&self) {
+        // SAFETY: the tail field lives in the first entry of our mapping and
+        // the kernel reads it atomically; u16 alignment holds.
+        let tail = unsafe { &*BufRingEntry::tail(self.ring.as_ptr().cast::<BufRingEntry>()).cast::<AtomicU16>() };
+        tail.store(self.tail, Ordering::Release);
+    }
+
+    /// The first `len` bytes the kernel wrote into buffer `bid`.
+    pub(super) fn data(&self, bid: u16, len: usize) -> &[u8] {
+        let bid = bid % self.entries;
+        // SAFETY: the kernel finished writing this buffer (its completion was
+        // reaped) and does not reuse it until `recycle`; len is clamped.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().add(usize::from(bid) * self.size), len.min(self.size)) }
+    }
+
+    pub(super) fn recycle(&mut self, bid: u16) {
+        self.push(bid % self.entries);
+        self.publish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freeing_a_busy_buffer_waits_for_its_operation() {
+        let mut b = Buffers::new(2, 8192, 1 << 20).unwrap();
+        let id = b.alloc(100);
+        b.get_mut(id).unwrap()[0] = 7;
+        let (_, len, index) = b.lend(id, 0, 100).unwrap();
+        assert_eq!((len, index.is_some()), (100, true));
+        assert!(b.get(id).is_none(), "busy buffers are not readable");
+        b.free(id);
+        let other = b.alloc(100);
+        assert_ne!(other, id, "an orphan keeps its id until its operation ends");
+        b.give_back(id);
+        let again = b.alloc(100);
+        assert_eq!(again, id);
+    }
+
+    #[test]
+    fn large_buffers_come_from_the_heap_cache() {
+        let mut b = Buffers::new(1, 4096, 4 << 20).unwrap();
+        let big = b.alloc(1 << 20);
+        assert_eq!(b.len(big), 1 << 20);
+        assert_eq!(b.get(big).unwrap().as_ptr() as usize % PAGE, 0);
+        let (_, _, index) = b.lend(big, 0, 10).unwrap();
+        assert!(index.is_none());
+        b.give_back(big);
+        b.free(big);
+        assert_eq!(b.cached_bytes, 1 << 20);
+        let again = b.alloc(700_000);
+        assert_eq!(b.cached_bytes, 0);
+        assert_eq!(b.len(again), 700_000);
+        assert!(b.lend(again, 0, 800_000).is_none(), "ranges are bounds-checked");
+    }
+}
