@@ -179,7 +179,8 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[crate::nbd::stats::ExportS
             ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
         }
     }
-    let gauges: [(&str, &str, fn(&crate::nbd::stats::ExportSnapshot) -> f64); 4] = [
+    type Level = fn(&crate::nbd::stats::ExportSnapshot) -> f64;
+    let gauges: [(&str, &str, Level); 4] = [
         ("volring_nbd_connections", "Connections open now", |s| s.connections as f64),
         ("volring_nbd_latency_p50_seconds", "Median request latency since start", |s| s.latency_p50_us as f64 / 1e6),
         ("volring_nbd_latency_p99_seconds", "99th percentile request latency since start", |s| s.latency_p99_us as f64 / 1e6),

@@ -260,7 +260,7 @@ pub struct ReplyHeader {
 }
 
 impl ReplyHeader {
-    pub fn len(&self) -> usize {
+    pub fn size(&self) -> usize {
         match self.style {
             HeaderStyle::Simple => SIMPLE_REPLY_LEN,
             HeaderStyle::Structured => STRUCTURED_REPLY_LEN,
@@ -270,7 +270,7 @@ impl ReplyHeader {
 
     /// Writes the header into the last `self.len()` bytes of `dst`.
     pub fn write_before(&self, dst: &mut [u8]) -> usize {
-        let n = self.len();
+        let n = self.size();
         let start = dst.len() - n;
         let h = &mut dst[start..];
         match self.style {
@@ -338,7 +338,7 @@ pub fn encode_small_reply(style: HeaderStyle, cookie: u64, offset: u64, body: Re
     let style_payload = if style == HeaderStyle::Simple { 0 } else { payload.len() as u64 };
     let h = ReplyHeader { style, cookie, offset, chunk_type, flags: chunk::FLAG_DONE, error, payload: style_payload };
     let start = out.len();
-    out.resize(start + h.len(), 0);
+    out.resize(start + h.size(), 0);
     h.write_before(&mut out[start..]);
     if style != HeaderStyle::Simple {
         out.extend_from_slice(&payload);
@@ -391,6 +391,7 @@ mod tests {
     fn wrong_magic_is_an_error_not_a_guess() {
         let mut b = Vec::new();
         encode_request(&Request { flags: 0, kind: 0, cookie: 1, offset: 0, length: 1 }, HeaderStyle::Simple, &mut b);
+        b.extend_from_slice(&[0; 4]); // as long as an extended header
         assert!(matches!(parse_request(&b, HeaderStyle::Extended), Err(Error::BadMagic(REQUEST_MAGIC))));
         b[0] = 0;
         assert!(parse_request(&b, HeaderStyle::Simple).is_err());

@@ -19,6 +19,9 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use super::buffers::{BufId, Buffers, RecvPool};
 
+/// A byte range of a buffer: id, start, end.
+pub type BufSlice = (BufId, usize, usize);
+
 /// A submitted operation, for cancelling it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpId(u32);
@@ -75,9 +78,22 @@ impl Default for IoRingConfig {
     }
 }
 
+/// A pipe for splicing file pages into a socket without copying them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipeId(u32);
+
+struct Pipe {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+    busy: u32,
+    /// Given back while busy: closed (if dirty) or pooled at the last completion.
+    returned: Option<bool>,
+}
+
 /// What an operation holds until its last completion.
 enum Held {
     Nothing,
+    Pipe(u32),
     Buf(BufId),
     Send {
         bufs: Vec<BufId>,
@@ -113,8 +129,13 @@ pub struct IoRing {
     spare_iov: Vec<Vec<libc::iovec>>,
     spare_bufs: Vec<Vec<BufId>>,
     cqes: Vec<cqueue::Entry>,
+    pipes: Vec<Option<Pipe>>,
+    idle_pipes: Vec<u32>,
     in_flight: usize,
 }
+
+/// Capacity asked of each splice pipe (the unprivileged maximum).
+pub const PIPE_SIZE: usize = 1 << 20;
 
 impl IoRing {
     pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
@@ -149,6 +170,8 @@ impl IoRing {
             spare_iov: Vec::new(),
             spare_bufs: Vec::new(),
             cqes: Vec::with_capacity(1024),
+            pipes: Vec::new(),
+            idle_pipes: Vec::new(),
             in_flight: 0,
         })
     }
@@ -255,7 +278,7 @@ impl IoRing {
     }
 
     /// Sends `parts` (buffer, start, end) in order with one sendmsg.
-    pub fn send(&mut self, token: u64, socket: u32, parts: &[(BufId, usize, usize)]) -> io::Result<OpId> {
+    pub fn send(&mut self, token: u64, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
         let mut iov = self.spare_iov.pop().unwrap_or_default();
         let mut bufs = self.spare_bufs.pop().unwrap_or_default();
         iov.clear();
@@ -281,7 +304,7 @@ impl IoRing {
     }
 
     /// Reads `file` at `offset` into `buf[start..end]`.
-    pub fn read(&mut self, token: u64, file: u32, buf: BufId, start: usize, end: usize, offset: u64) -> io::Result<OpId> {
+    pub fn read(&mut self, token: u64, file: u32, (buf, start, end): BufSlice, offset: u64) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| match index {
             Some(i) => opcode::ReadFixed::new(types::Fixed(file), ptr, len, i).offset(offset).build().user_data(ud),
@@ -291,7 +314,7 @@ impl IoRing {
 
     /// Writes `buf[start..end]` to `file` at `offset`; `dsync` makes it
     /// durable before it completes (RWF_DSYNC: the FUA of a file).
-    pub fn write(&mut self, token: u64, file: u32, buf: BufId, start: usize, end: usize, offset: u64, dsync: bool) -> io::Result<OpId> {
+    pub fn write(&mut self, token: u64, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         let flags = if dsync { libc::RWF_DSYNC } else { 0 };
         self.start(token, Held::Buf(buf), |ud| match index {
@@ -333,6 +356,64 @@ impl IoRing {
         let ts = Box::new(types::Timespec::from(after));
         let p: *const types::Timespec = &*ts;
         self.start(token, Held::Timeout(ts), |ud| opcode::Timeout::new(p).build().user_data(ud))
+    }
+
+    /// An empty pipe for one splice sequence; give it back with `put_pipe`.
+    pub fn take_pipe(&mut self) -> io::Result<PipeId> {
+        if let Some(i) = self.idle_pipes.pop() {
+            return Ok(PipeId(i));
+        }
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        // A larger pipe moves a whole 1 MiB read in one splice; if the
+        // system refuses, the default size only means more splices.
+        let _ = rustix::pipe::fcntl_setpipe_size(&write, PIPE_SIZE);
+        self.pipes.push(Some(Pipe { read, write, busy: 0, returned: None }));
+        Ok(PipeId(self.pipes.len() as u32 - 1))
+    }
+
+    /// Returns a pipe; `empty` says whether everything put in it was
+    /// spliced out (a pipe with leftovers is closed, never reused).
+    pub fn put_pipe(&mut self, pipe: PipeId, empty: bool) {
+        let Some(Some(p)) = self.pipes.get_mut(pipe.0 as usize) else { return };
+        if p.busy > 0 {
+            p.returned = Some(empty);
+            return;
+        }
+        self.retire_pipe(pipe.0, empty);
+    }
+
+    fn retire_pipe(&mut self, i: u32, empty: bool) {
+        if empty {
+            if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
+                p.returned = None;
+            }
+            self.idle_pipes.push(i);
+        } else {
+            self.pipes[i as usize] = None;
+        }
+    }
+
+    fn pipe_fd(&mut self, pipe: PipeId, write_end: bool) -> io::Result<RawFd> {
+        let p = self.pipes.get_mut(pipe.0 as usize).and_then(Option::as_mut).ok_or_else(stale)?;
+        p.busy += 1;
+        Ok(if write_end { p.write.as_raw_fd() } else { p.read.as_raw_fd() })
+    }
+
+    /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
+    /// references, no copy, for files in the page cache).
+    pub fn splice_in(&mut self, token: u64, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
+        let fd = self.pipe_fd(pipe, true)?;
+        self.start(token, Held::Pipe(pipe.0), |ud| {
+            opcode::Splice::new(types::Fixed(file), offset as i64, types::Fd(fd), -1, len).build().user_data(ud)
+        })
+    }
+
+    /// Moves up to `len` bytes from `pipe` into a fixed socket.
+    pub fn splice_out(&mut self, token: u64, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
+        let fd = self.pipe_fd(pipe, false)?;
+        self.start(token, Held::Pipe(pipe.0), |ud| {
+            opcode::Splice::new(types::Fd(fd), -1, types::Fixed(socket), -1, len).build().user_data(ud)
+        })
     }
 
     /// Asks the kernel to end `op` (its completion still arrives).
@@ -403,6 +484,14 @@ impl IoRing {
                 self.spare_bufs.push(bufs);
             }
             Held::Close(file) => self.free_files.push(file),
+            Held::Pipe(i) => {
+                if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
+                    p.busy -= 1;
+                    if let (0, Some(empty)) = (p.busy, p.returned) {
+                        self.retire_pipe(i, empty);
+                    }
+                }
+            }
         }
         self.free_ops.push(slot);
     }

@@ -54,6 +54,26 @@ pub(super) struct Payload {
     pub started: Instant,
 }
 
+/// One piece of the outgoing stream.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Part {
+    /// Bytes of a buffer.
+    Buf(BufId, usize, usize),
+    /// A range of a file, spliced into the socket without a copy.
+    Splice { file: u32, offset: u64, len: u64 },
+}
+
+/// A splice sequence in progress: file → pipe → socket, a pipeful at a time.
+pub(super) struct Splicing {
+    pub pipe: crate::ring::io_ring::PipeId,
+    pub file: u32,
+    pub offset: u64,
+    /// Bytes still to move from the file.
+    pub left: u64,
+    /// Bytes in the pipe not yet in the socket.
+    pub in_pipe: u32,
+}
+
 /// What the byte splitter found, for the worker to act on.
 pub(super) enum Parsed {
     /// A request with no payload (or a WRITE whose payload is complete).
@@ -72,7 +92,8 @@ pub(super) struct Conn {
     /// Payload bytes of a refused WRITE still to read past.
     pub discard: u64,
     /// Reply parts waiting for the next send.
-    pub out: Vec<(BufId, usize, usize)>,
+    pub out: Vec<Part>,
+    pub splice: Option<Splicing>,
     /// Parts of the send in flight.
     pub sending: Vec<(BufId, usize, usize)>,
     pub send_in_flight: bool,
@@ -107,6 +128,7 @@ impl Conn {
             payload: None,
             discard: 0,
             out: Vec::new(),
+            splice: None,
             sending: Vec::new(),
             send_in_flight: false,
             recv_op: None,

@@ -12,6 +12,9 @@ use crate::ring::buffers::BufId;
 /// Reads at least this long ask the file whether the range is a hole first,
 /// and answer a hole with one chunk and no data.
 const HOLE_CHECK_MIN: u64 = 64 * 1024;
+/// Reads at least this long from a buffered descriptor are spliced from the
+/// page cache into the socket instead of copied twice through a buffer.
+const SPLICE_MIN: u64 = 64 * 1024;
 /// Most extents one BLOCK_STATUS reply carries (the spec lets it cover less).
 const MAX_EXTENTS: usize = 1024;
 /// Chunk of zeroes written when the file cannot zero a range by itself.
@@ -113,6 +116,9 @@ impl Worker {
                     let body = ReplyBody::Hole { offset: req.offset, length: req.length as u32 };
                     return self.reply_small(ci, &req, body, at);
                 }
+                if req.length >= SPLICE_MIN && read_off == super::conn::DATA_OFFSET {
+                    return self.reply_spliced(ci, &req, read_file, style, at);
+                }
                 let buf = self.ring.buffers_mut().alloc(read_off + req.length as usize);
                 let ri = self.new_req(ci, req, read_file, Some(buf), read_off, at);
                 self.submit_io(ri);
@@ -174,16 +180,16 @@ impl Worker {
             (_, Step::Sync) | (cmd::FLUSH, _) => self.ring.fsync(t, r.file, true),
             (cmd::READ, _) => {
                 let (b, start) = (r.buf.expect("reads own a buffer"), r.data_off + done as usize);
-                self.ring.read(t, r.file, b, start, r.data_off + len as usize, off + done)
+                self.ring.read(t, r.file, (b, start, r.data_off + len as usize), off + done)
             }
             (cmd::WRITE, _) => {
                 let (b, start, fua) = (r.buf.expect("writes own a buffer"), r.data_off + done as usize, r.req.has(cf::FUA));
-                self.ring.write(t, r.file, b, start, r.data_off + len as usize, off + done, fua)
+                self.ring.write(t, r.file, (b, start, r.data_off + len as usize), off + done, fua)
             }
             (cmd::WRITE_ZEROES, Step::ZeroFill) => {
                 let b = r.buf.expect("zero fill owns a buffer");
                 let n = (len - done).min(ZERO_CHUNK as u64) as usize;
-                self.ring.write(t, r.file, b, 0, n, off + done, false)
+                self.ring.write(t, r.file, (b, 0, n), off + done, false)
             }
             (cmd::TRIM, _) => self.ring.fallocate(t, r.file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len),
             (cmd::WRITE_ZEROES, _) => {
@@ -295,6 +301,38 @@ impl Worker {
         self.record(r.conn, Kind::Read, len as u64, true, r.started);
         self.queue(r.conn, b, start, r.data_off + len);
         self.request_ended(r.conn, None);
+    }
+
+    /// Queues a READ's header, then the file range itself as a splice.
+    /// A failure of the splice can no longer be reported (the header has
+    /// promised the data), so it drops the connection; page-cache reads
+    /// fail only on I/O errors of the backing device.
+    fn reply_spliced(&mut self, ci: u32, req: &Request, file: u32, style: HeaderStyle, at: Instant) {
+        let len = req.length;
+        let h = if style == HeaderStyle::Simple {
+            ReplyHeader { style, cookie: req.cookie, offset: 0, chunk_type: 0, flags: 0, error: 0, payload: 0 }
+        } else {
+            ReplyHeader {
+                style,
+                cookie: req.cookie,
+                offset: req.offset,
+                chunk_type: chunk::OFFSET_DATA,
+                flags: chunk::FLAG_DONE,
+                error: 0,
+                payload: 8 + len,
+            }
+        };
+        let extra = if style == HeaderStyle::Simple { 0 } else { 8 };
+        self.scratch.clear();
+        self.scratch.resize(h.size() + extra, 0);
+        h.write_before(&mut self.scratch[..h.size()]);
+        if extra > 0 {
+            let at = h.size();
+            self.scratch[at..].copy_from_slice(&req.offset.to_be_bytes());
+        }
+        self.record(ci, Kind::Read, len, true, at);
+        self.queue_scratch(ci);
+        self.queue_splice(ci, file, req.offset, len);
     }
 
     fn succeed(&mut self, ri: u32) {

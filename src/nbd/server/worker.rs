@@ -7,7 +7,7 @@ use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::conn::{Attached, Conn, Parsed, Phase};
+use super::conn::{Attached, Conn, Parsed, Part, Phase, Splicing};
 use super::requests::Req;
 use super::{Command, Mailbox, ServerConfig};
 use crate::nbd::export::{Export, Exports};
@@ -23,6 +23,8 @@ pub(super) const K_SEND: u64 = 5;
 pub(super) const K_REQ: u64 = 6;
 pub(super) const K_SHUTDOWN: u64 = 7;
 pub(super) const K_CLOSE: u64 = 8;
+pub(super) const K_SPLICE_IN: u64 = 9;
+pub(super) const K_SPLICE_OUT: u64 = 10;
 
 pub(super) fn token(kind: u64, index: u32) -> u64 {
     kind << 56 | u64::from(index)
@@ -176,6 +178,7 @@ impl Worker {
                 self.mark(index);
             }
             K_CLOSE => self.on_closed(index),
+            K_SPLICE_IN | K_SPLICE_OUT => self.on_splice(index, kind == K_SPLICE_IN, c.result),
             _ => {}
         }
     }
@@ -278,10 +281,68 @@ impl Worker {
     /// Queues a reply part for the next send of connection `ci`.
     pub(super) fn queue(&mut self, ci: u32, buf: crate::ring::buffers::BufId, start: usize, end: usize) {
         match self.conns[ci as usize].as_mut() {
-            Some(c) if !c.broken => c.out.push((buf, start, end)),
+            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
             _ => self.ring.buffers_mut().free(buf),
         }
         self.mark(ci);
+    }
+
+    /// Queues a file range to be spliced into connection `ci`'s stream; it
+    /// counts as held bytes until it is in the socket.
+    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64) {
+        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
+            c.out.push(Part::Splice { file, offset, len });
+            c.held_bytes += len as usize;
+        }
+        self.mark(ci);
+    }
+
+    fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        c.socket_ops -= 1;
+        let Some(sp) = c.splice.as_mut() else { return };
+        if res <= 0 || c.broken {
+            // The header promised these bytes: without them the stream is lost.
+            if res < 0 && !c.broken {
+                tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
+            }
+            let sp = c.splice.take().expect("checked above");
+            self.ring.put_pipe(sp.pipe, false);
+            return self.break_conn(ci);
+        }
+        let n = res as u32;
+        if into_pipe {
+            sp.in_pipe += n;
+            sp.left -= u64::from(n);
+            sp.offset += u64::from(n);
+        } else {
+            sp.in_pipe -= n;
+            c.held_bytes = c.held_bytes.saturating_sub(n as usize);
+            c.last_send_progress = self.now;
+        }
+        let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
+        let next = if in_pipe > 0 {
+            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
+        } else if left > 0 {
+            let chunk = left.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
+            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
+        } else {
+            let c = self.conns[ci as usize].as_mut().expect("checked above");
+            c.splice = None;
+            self.ring.put_pipe(pipe, true);
+            self.mark(ci);
+            return;
+        };
+        let c = self.conns[ci as usize].as_mut().expect("checked above");
+        match next {
+            Ok(_) => c.socket_ops += 1,
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD splice could not be submitted");
+                c.splice = None;
+                self.ring.put_pipe(pipe, in_pipe == 0);
+                self.break_conn(ci);
+            }
+        }
     }
 
     pub(super) fn mark(&mut self, ci: u32) {
@@ -442,7 +503,7 @@ impl Worker {
             conn.last_send_progress = self.now;
         }
         let bufs = self.ring.buffers_mut();
-        let mut keep = Vec::new();
+        let mut keep: Vec<Part> = Vec::new();
         for (b, start, end) in conn.sending.drain(..) {
             let len = end - start;
             if res < 0 {
@@ -453,7 +514,7 @@ impl Worker {
                 conn.held_bytes = conn.held_bytes.saturating_sub(bufs.len(b));
                 bufs.free(b);
             } else {
-                keep.push((b, start + sent, end));
+                keep.push(Part::Buf(b, start + sent, end));
                 sent = 0;
             }
         }
@@ -481,11 +542,7 @@ impl Worker {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.closing = true;
         c.broken = true;
-        let bufs = self.ring.buffers_mut();
-        for (b, _, _) in c.out.drain(..) {
-            c.held_bytes = c.held_bytes.saturating_sub(bufs.len(b));
-            bufs.free(b);
-        }
+        drop_parts(c, self.ring.buffers_mut());
         self.mark(ci);
     }
 
@@ -531,31 +588,56 @@ impl Worker {
             }
             _ => {}
         }
-        if !c.send_in_flight && !c.out.is_empty() && !c.broken {
-            let n = c.out.len().min(MAX_SEND_PARTS);
-            c.sending.extend(c.out.drain(..n));
-            match self.ring.send(token(K_SEND, ci), c.socket, &c.sending) {
-                Ok(_) => {
-                    c.send_in_flight = true;
-                    c.socket_ops += 1;
-                    c.last_send_progress = self.now;
+        if !c.send_in_flight && c.splice.is_none() && !c.out.is_empty() && !c.broken {
+            if let Part::Splice { file, offset, len } = c.out[0] {
+                c.out.remove(0);
+                let started = self.ring.take_pipe().and_then(|pipe| {
+                    let chunk = len.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
+                    match self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk) {
+                        Ok(_) => Ok(pipe),
+                        Err(e) => {
+                            self.ring.put_pipe(pipe, true);
+                            Err(e)
+                        }
+                    }
+                });
+                match started {
+                    Ok(pipe) => {
+                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0 });
+                        c.socket_ops += 1;
+                        c.last_send_progress = self.now;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NBD splice could not start");
+                        c.broken = true;
+                        c.closing = true;
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "NBD send could not be submitted");
-                    let parts: Vec<_> = c.sending.drain(..).collect();
-                    c.out.splice(0..0, parts);
-                    c.broken = true;
+            } else {
+                let n = c.out.iter().take(MAX_SEND_PARTS).take_while(|p| matches!(p, Part::Buf(..))).count();
+                c.sending.extend(c.out.drain(..n).map(|p| match p {
+                    Part::Buf(b, s, e) => (b, s, e),
+                    Part::Splice { .. } => unreachable!("counted only buffers"),
+                }));
+                match self.ring.send(token(K_SEND, ci), c.socket, &c.sending) {
+                    Ok(_) => {
+                        c.send_in_flight = true;
+                        c.socket_ops += 1;
+                        c.last_send_progress = self.now;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NBD send could not be submitted");
+                        let parts: Vec<_> = c.sending.drain(..).map(|(b, s, e)| Part::Buf(b, s, e)).collect();
+                        c.out.splice(0..0, parts);
+                        c.broken = true;
+                    }
                 }
             }
         }
         if c.broken && !c.out.is_empty() {
-            let bufs = self.ring.buffers_mut();
-            for (b, _, _) in c.out.drain(..) {
-                c.held_bytes = c.held_bytes.saturating_sub(bufs.len(b));
-                bufs.free(b);
-            }
+            drop_parts(c, self.ring.buffers_mut());
         }
-        let drained = c.requests == 0 && (c.broken || (c.out.is_empty() && !c.send_in_flight));
+        let drained = c.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
         if c.closing && drained && !c.shutdown_sent {
             c.shutdown_sent = true;
             if let Some(op) = c.recv_op {
@@ -581,6 +663,7 @@ impl Worker {
         if let Some(p) = c.payload.take() {
             self.ring.buffers_mut().free(p.buf);
         }
+        drop_parts(&mut c, self.ring.buffers_mut());
         if let Phase::Serving { attached, .. } = &c.phase {
             let export = attached.export.clone();
             export.release();
@@ -598,7 +681,7 @@ impl Worker {
         for i in 0..self.conns.len() {
             let Some(c) = self.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
-            let stalled = (c.send_in_flight || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
+            let stalled = (c.send_in_flight || c.splice.is_some() || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
                 tracing::debug!(handshaking, stalled, "NBD connection timed out");
@@ -606,6 +689,19 @@ impl Worker {
             } else if idle_out {
                 self.begin_close(i as u32);
             }
+        }
+    }
+}
+
+/// Frees every queued part of a connection that will send no more.
+fn drop_parts(c: &mut Conn, bufs: &mut crate::ring::buffers::Buffers) {
+    for p in c.out.drain(..) {
+        match p {
+            Part::Buf(b, _, _) => {
+                c.held_bytes = c.held_bytes.saturating_sub(bufs.len(b));
+                bufs.free(b);
+            }
+            Part::Splice { len, .. } => c.held_bytes = c.held_bytes.saturating_sub(len as usize),
         }
     }
 }
