@@ -247,8 +247,8 @@ impl Catalog for Exports {
         Some((e, info))
     }
 
-    fn names(&self) -> Vec<String> {
-        self.map.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    fn names(&self) -> Vec<(String, String)> {
+        self.map.read().unwrap_or_else(|p| p.into_inner()).values().map(|e| (e.name.clone(), e.description.clone())).collect()
     }
 
     fn admit(&self, export: &Arc<Export>) -> bool {

@@ -30,7 +30,8 @@ pub trait Catalog {
     /// What the server keeps for a chosen export (an `Arc<Export>`).
     type Handle;
     fn find(&self, name: &str) -> Option<(Self::Handle, ExportInfo)>;
-    fn names(&self) -> Vec<String>;
+    /// Every export's name and description, for NBD_OPT_LIST.
+    fn names(&self) -> Vec<(String, String)>;
     /// Takes a connection slot on the export; false when it is full.
     fn admit(&self, export: &Self::Handle) -> bool;
 }
@@ -242,10 +243,12 @@ impl Handshake {
                 if !data.is_empty() {
                     option_error(out, option, rep::ERR_INVALID, "NBD_OPT_LIST takes no data");
                 } else {
-                    for name in catalog.names() {
-                        let mut d = Vec::with_capacity(4 + name.len());
+                    for (name, description) in catalog.names() {
+                        // The rest of an NBD_REP_SERVER after the name is for humans.
+                        let mut d = Vec::with_capacity(4 + name.len() + description.len());
                         d.extend_from_slice(&(name.len() as u32).to_be_bytes());
                         d.extend_from_slice(name.as_bytes());
+                        d.extend_from_slice(&description.as_bytes()[..description.len().min(4096)]);
                         option_reply(out, option, rep::SERVER, &d);
                     }
                     option_reply(out, option, rep::ACK, &[]);
@@ -422,8 +425,8 @@ mod tests {
             (name == "disk")
                 .then(|| ((), ExportInfo { size: 1 << 20, read_only: false, description: "d".into(), block_sizes: (1, 4096, 1 << 25) }))
         }
-        fn names(&self) -> Vec<String> {
-            vec!["disk".into()]
+        fn names(&self) -> Vec<(String, String)> {
+            vec![("disk".into(), "d".into())]
         }
         fn admit(&self, _: &()) -> bool {
             !self.full.get()

@@ -95,6 +95,9 @@ impl Worker {
         if req.flags & !allowed != 0 || (req.has(cf::DF) && !style.structured()) {
             return refuse(self, errno::EINVAL, "unsupported command flags");
         }
+        if req.kind == cmd::READ && req.length > u64::from(MAX_BLOCK) {
+            return refuse(self, errno::EOVERFLOW, "READ longer than the maximum block size");
+        }
         if req.kind != cmd::FLUSH {
             if req.length == 0 {
                 return refuse(self, errno::EINVAL, "zero-length request");
@@ -109,9 +112,6 @@ impl Worker {
         }
         match req.kind {
             cmd::READ => {
-                if req.length > u64::from(MAX_BLOCK) {
-                    return refuse(self, errno::EOVERFLOW, "READ longer than the maximum block size");
-                }
                 if style.structured() && !export.block_device && req.length >= HOLE_CHECK_MIN && is_hole(&export, req.offset, req.length) {
                     let body = ReplyBody::Hole { offset: req.offset, length: req.length as u32 };
                     return self.reply_small(ci, &req, body, at);
@@ -370,7 +370,7 @@ impl Worker {
     /// Encodes a reply without bulk data and queues it.
     pub(super) fn reply_small(&mut self, ci: u32, req: &Request, body: ReplyBody<'_>, started: Instant) {
         let ok = matches!(body, ReplyBody::Ack | ReplyBody::Extents { .. } | ReplyBody::Hole { .. });
-        let bytes = if req.kind == cmd::READ && ok { req.length } else { 0 };
+        let bytes = if matches!(req.kind, cmd::READ | cmd::WRITE) && ok { req.length } else { 0 };
         self.record(ci, kind_of(req.kind), bytes, ok, started);
         let style = self.style_of(ci);
         self.scratch.clear();
