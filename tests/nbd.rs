@@ -137,7 +137,7 @@ fn random_workload_then_compare() -> Result<(), Failed> {
             // else waits for the queue to drain.
             let overlaps = pending.iter().any(|&(o, l)| o < off + len && off < o + l);
             if kind != cmd::WRITE || overlaps || pending.len() >= 8 {
-                while let Some(_) = pending.pop_front() {
+                while pending.pop_front().is_some() {
                     let r = c.reply(None)?;
                     check(r.error == 0, format!("{style:?}: error {}", r.error))?;
                 }
@@ -327,7 +327,9 @@ fn hostile_requests_get_errors() -> Result<(), Failed> {
     let s = Served::new(&[("disk", size, false), ("ro", MIB, true)]);
     for style in [HeaderStyle::Simple, HeaderStyle::Structured, HeaderStyle::Extended] {
         let mut c = RawClient::connect(&s.socket, "disk", style, false)?;
-        let cases: Vec<(&str, u16, u16, u64, u64, Vec<u8>, u32)> = vec![
+        // (what, command, flags, offset, length, payload, expected errno)
+        type Case = (&'static str, u16, u16, u64, u64, Vec<u8>, u32);
+        let cases: Vec<Case> = vec![
             ("read past the end", cmd::READ, 0, size - 10, 20, vec![], errno::EINVAL),
             ("offset overflow", cmd::READ, 0, u64::MAX - 5, 10, vec![], errno::EINVAL),
             ("zero-length read", cmd::READ, 0, 0, 0, vec![], errno::EINVAL),

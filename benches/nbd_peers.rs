@@ -1,0 +1,254 @@
+//! volring's NBD server against nbdkit and qemu-nbd on the same image,
+//! driven by the same client (fio's nbd engine, libnbd), interleaved round
+//! by round, printing medians and the ratios; then 10,000 idle connections
+//! held by volring and its resident memory.
+//!
+//! Placement is the same for every server: the server on CPU 1, fio on
+//! CPU 0 (on 2 cores, unpinned runs measure the scheduler as much as the
+//! servers: client and server land on one core in some runs and not others).
+//!
+//! `cargo bench --bench nbd_peers` (VOLRING_BENCH_SECS per run, default 5;
+//! VOLRING_BENCH_ROUNDS, default 3).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const IMAGE: u64 = 1 << 30;
+
+struct Peer {
+    name: &'static str,
+    socket: PathBuf,
+    child: Child,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh").args(["-c", &format!("command -v {tool}")]).stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+fn wait_for(socket: &Path) {
+    let start = Instant::now();
+    while UnixStream::connect(socket).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "{} never came up", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
+    let socket = dir.join(format!("{name}.sock"));
+    let img = img.to_str().expect("utf-8 path");
+    let sock = socket.to_str().expect("utf-8 path");
+    let volring = env!("CARGO_BIN_EXE_volring");
+    let spec = format!("disk={img}");
+    let args: Vec<&str> = match name {
+        "volring" => vec![volring, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
+        "nbdkit" => vec!["nbdkit", "-f", "-U", sock, "-t", "16", "file", img],
+        "qemu-nbd-uring" => vec!["qemu-nbd", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img],
+        _ => vec!["qemu-nbd", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", img],
+    };
+    let child = Command::new("taskset")
+        .arg("-c")
+        .arg(cpus)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    wait_for(&socket);
+    Peer { name, socket, child }
+}
+
+struct Workload {
+    label: &'static str,
+    rw: &'static str,
+    bs: &'static str,
+    depth: u32,
+    jobs: u32,
+    /// Report bytes per second instead of IOPS.
+    bandwidth: bool,
+}
+
+const WORKLOADS: [Workload; 4] = [
+    Workload { label: "4 KiB random read, QD32, 1 connection", rw: "randread", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
+    Workload { label: "4 KiB random read, 4 connections x QD8", rw: "randread", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
+    Workload { label: "1 MiB sequential read, QD8", rw: "read", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
+    Workload { label: "4 KiB random write, QD32, 1 connection", rw: "randwrite", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
+];
+
+/// One fio run; IOPS or bytes per second.
+fn fio(peer: &Peer, w: &Workload, secs: u64) -> f64 {
+    let uri = format!("nbd+unix:///disk?socket={}", peer.socket.display());
+    let out = Command::new("taskset")
+        .args(["-c", "0", "fio", "--name=bench", "--ioengine=nbd", "--output-format=json", "--time_based", "--group_reporting"])
+        .arg(format!("--uri={uri}"))
+        .arg(format!("--rw={}", w.rw))
+        .arg(format!("--bs={}", w.bs))
+        .arg(format!("--iodepth={}", w.depth))
+        .arg(format!("--numjobs={}", w.jobs))
+        .arg(format!("--runtime={secs}"))
+        .arg(format!("--size={IMAGE}"))
+        .output()
+        .expect("fio");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fio output ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+    let dir = if w.rw.contains("write") { "write" } else { "read" };
+    let job = &v["jobs"][0][dir];
+    if w.bandwidth {
+        job["bw_bytes"].as_f64().unwrap_or(0.0)
+    } else {
+        job["iops"].as_f64().unwrap_or(0.0)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn show(v: f64, bandwidth: bool) -> String {
+    if bandwidth {
+        format!("{:.2} GB/s", v / 1e9)
+    } else {
+        format!("{:.1}k IOPS", v / 1e3)
+    }
+}
+
+/// Negotiates one connection into transmission (GO on "disk") and keeps it.
+fn idle_connection(socket: &Path) -> std::io::Result<UnixStream> {
+    let mut s = UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting)?;
+    let mut msg = 3u32.to_be_bytes().to_vec();
+    msg.extend_from_slice(&0x4948_4156_454f_5054u64.to_be_bytes());
+    msg.extend_from_slice(&7u32.to_be_bytes());
+    msg.extend_from_slice(&10u32.to_be_bytes());
+    msg.extend_from_slice(&4u32.to_be_bytes());
+    msg.extend_from_slice(b"disk");
+    msg.extend_from_slice(&0u16.to_be_bytes());
+    s.write_all(&msg)?;
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h)?;
+        let kind = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+        let mut d = vec![0u8; u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize];
+        s.read_exact(&mut d)?;
+        match kind {
+            1 => return Ok(s),
+            3 => continue,
+            k => return Err(std::io::Error::other(format!("GO refused: {k:#x}"))),
+        }
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn idle_connections(dir: &Path, img: &Path, n: usize) {
+    let limit = rustix::process::Rlimit { current: Some(n as u64 + 1024), maximum: Some(n as u64 + 1024) };
+    if rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).is_err() {
+        println!("idle connections: cannot raise RLIMIT_NOFILE; skipped");
+        return;
+    }
+    let peer = start("volring", dir, img, "0-1");
+    let before = rss_kib(peer.child.id());
+    let started = Instant::now();
+    let mut conns = Vec::with_capacity(n);
+    for i in 0..n {
+        match idle_connection(&peer.socket) {
+            Ok(c) => conns.push(c),
+            Err(e) => {
+                println!("idle connections: connection {i} failed: {e}");
+                break;
+            }
+        }
+    }
+    let took = started.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = rss_kib(peer.child.id());
+    // Still serving: one more client reads through all of this.
+    let alive = idle_connection(&peer.socket).is_ok();
+    println!(
+        "{} idle connections (each through GO): volring RSS {:.1} MiB (was {:.1} MiB with none; {:.2} KiB per connection); set up in {:.2} s; new clients still served: {alive}",
+        conns.len(),
+        after as f64 / 1024.0,
+        before as f64 / 1024.0,
+        (after.saturating_sub(before)) as f64 / conns.len().max(1) as f64,
+        took.as_secs_f64()
+    );
+    println!("target: <= 256 MiB -> {}", if after <= 256 * 1024 { "met" } else { "NOT met" });
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` passes nothing we need.
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let missing: Vec<&str> = ["fio", "nbdkit", "qemu-nbd", "taskset"].into_iter().filter(|t| !have(t)).collect();
+    if !missing.is_empty() {
+        println!("nbd_peers: skipped, missing {missing:?} (apt-get install fio nbdkit qemu-utils util-linux)");
+        return;
+    }
+    let secs: u64 = std::env::var("VOLRING_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = std::env::var("VOLRING_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let dir = tempfile::Builder::new().prefix("volring-nbd-bench-").tempdir().expect("tempdir");
+    let img = dir.path().join("disk.img");
+    {
+        // Random contents, written once and read once so every server reads
+        // from the page cache.
+        let mut f = std::fs::File::create(&img).expect("image");
+        let mut block = vec![0u8; 1 << 20];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..(IMAGE >> 20) {
+            for b in block.chunks_exact_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+            f.write_all(&block).expect("write image");
+        }
+        f.sync_all().expect("sync");
+        let _ = std::fs::read(&img);
+    }
+    let names = ["volring", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    let peers: Vec<Peer> = names.iter().map(|n| start(n, dir.path(), &img, "1")).collect();
+    println!("NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
+    for w in &WORKLOADS {
+        let mut results: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
+        for round in 0..rounds {
+            // Rotate the order so no server always runs first or last.
+            for k in 0..peers.len() {
+                let i = (k + round) % peers.len();
+                results[i].push(fio(&peers[i], w, secs));
+            }
+        }
+        let med: Vec<f64> = results.into_iter().map(median).collect();
+        println!("{}:", w.label);
+        for (p, m) in peers.iter().zip(&med) {
+            println!("  {:<16} {}", p.name, show(*m, w.bandwidth));
+        }
+        println!(
+            "  volring/nbdkit {:.2}x   volring/qemu-nbd(io_uring) {:.2}x   volring/qemu-nbd {:.2}x",
+            med[0] / med[1],
+            med[0] / med[2],
+            med[0] / med[3]
+        );
+    }
+    drop(peers);
+    idle_connections(dir.path(), &img, 10_000);
+}

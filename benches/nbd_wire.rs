@@ -1,0 +1,84 @@
+//! The NBD codec's per-request cost: parsing a pipelined burst of request
+//! headers and encoding small replies (the server's CPU per request is what
+//! decides IOPS on a 2-core node).
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use volring::nbd::wire::{self, cmd, encode_request, encode_small_reply, parse_request, HeaderStyle, ReplyBody, Request};
+
+fn burst(style: HeaderStyle, n: u64) -> Vec<u8> {
+    let mut b = Vec::new();
+    for i in 0..n {
+        encode_request(&Request { flags: 0, kind: cmd::READ, cookie: i, offset: (i * 7919) << 12, length: 4096 }, style, &mut b);
+    }
+    b
+}
+
+fn parse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("nbd_wire");
+    for style in [HeaderStyle::Structured, HeaderStyle::Extended] {
+        let bytes = burst(style, 32);
+        g.throughput(Throughput::Elements(32));
+        g.bench_function(format!("parse 32 requests ({style:?})"), |b| {
+            b.iter(|| {
+                let mut rest = &bytes[..];
+                let mut n = 0u64;
+                while let Ok(Some(r)) = parse_request(rest, style) {
+                    n += r.cookie;
+                    rest = &rest[style.request_len()..];
+                }
+                n
+            })
+        });
+        g.bench_function(format!("encode 32 acks ({style:?})"), |b| {
+            b.iter_batched_ref(
+                || Vec::with_capacity(32 * 32),
+                |out| {
+                    for i in 0..32u64 {
+                        encode_small_reply(style, i, 0, ReplyBody::Ack, out);
+                    }
+                },
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("handshake to GO", |b| {
+        use volring::nbd::handshake::{Catalog, ExportInfo, Handshake, Outcome};
+        struct One;
+        impl Catalog for One {
+            type Handle = ();
+            fn find(&self, _: &str) -> Option<((), ExportInfo)> {
+                Some(((), ExportInfo { size: 1 << 30, read_only: false, description: String::new(), block_sizes: (1, 4096, 1 << 25) }))
+            }
+            fn names(&self) -> Vec<(String, String)> {
+                Vec::new()
+            }
+            fn admit(&self, _: &()) -> bool {
+                true
+            }
+        }
+        let mut input = 3u32.to_be_bytes().to_vec();
+        for (code, data) in [(wire::opt::STRUCTURED_REPLY, Vec::new()), (wire::opt::GO, vec![0, 0, 0, 4, b'd', b'i', b's', b'k', 0, 0])] {
+            input.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
+            input.extend_from_slice(&code.to_be_bytes());
+            input.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            input.extend_from_slice(&data);
+        }
+        b.iter(|| {
+            let mut hs = Handshake::new();
+            let mut out = Vec::new();
+            let mut pos = 0;
+            loop {
+                let (used, o) = hs.step(&input[pos..], &One, &mut out).expect("valid");
+                pos += used;
+                if matches!(o, Outcome::Enter(_)) {
+                    break out.len();
+                }
+            }
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, parse);
+criterion_main!(benches);
