@@ -52,8 +52,10 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
     let args: Vec<&str> = match name {
         "volring" => vec![volring, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
         "nbdkit" => vec!["nbdkit", "-f", "-U", sock, "-t", "16", "file", img],
-        "qemu-nbd-uring" => vec!["qemu-nbd", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img],
-        _ => vec!["qemu-nbd", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", img],
+        "qemu-nbd-uring" => {
+            vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img]
+        }
+        _ => vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", img],
     };
     let child = Command::new("taskset")
         .arg("-c")
@@ -99,8 +101,11 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> f64 {
         .arg(format!("--size={IMAGE}"))
         .output()
         .expect("fio");
+    // fio may print notes before its JSON document.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let json = if text.starts_with('{') { &text[..] } else { text.find("\n{").map_or(&text[..], |i| &text[i + 1..]) };
     let v: serde_json::Value =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("fio output ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("fio output ({e}): {text}\n{}", String::from_utf8_lossy(&out.stderr)));
     let dir = if w.rw.contains("write") { "write" } else { "read" };
     let job = &v["jobs"][0][dir];
     if w.bandwidth {
@@ -159,7 +164,8 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn idle_connections(dir: &Path, img: &Path, n: usize) {
-    let limit = rustix::process::Rlimit { current: Some(n as u64 + 1024), maximum: Some(n as u64 + 1024) };
+    // Room for the client ends here; the server raises its own limit.
+    let limit = rustix::process::Rlimit { current: Some(2 * n as u64 + 1024), maximum: Some(2 * n as u64 + 1024) };
     if rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).is_err() {
         println!("idle connections: cannot raise RLIMIT_NOFILE; skipped");
         return;

@@ -560,6 +560,33 @@ fn direct_io_export() -> Result<(), Failed> {
     check(ok && out.contains("identical"), format!("qemu-img compare: {out}{err}"))
 }
 
+/// `volring nbd serve --exports-file`: SIGHUP adds what the file gained
+/// and removes what it lost.
+fn exports_file_reloads_on_sighup() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-hup-").tempdir()?;
+    for n in ["a", "b"] {
+        std::fs::File::create(dir.path().join(format!("{n}.img")))?.set_len(MIB)?;
+    }
+    let list = dir.path().join("exports");
+    std::fs::write(&list, format!("# served volumes\na={}\n", dir.path().join("a.img").display()))?;
+    let sock = dir.path().join("nbd.sock");
+    let server = ServeProcess::start_with(&sock, &["--exports-file".into(), list.display().to_string()]);
+    let names = || -> Vec<String> {
+        let (_, out, _) = run("nbdinfo", &["--list", "--json", &format!("nbd+unix://?socket={}", sock.display())], T);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        v["exports"].as_array().into_iter().flatten().filter_map(|e| e["export-name"].as_str().map(String::from)).collect()
+    };
+    check(names() == ["a"], "the file's export is served")?;
+    std::fs::write(&list, format!("b={},ro\n", dir.path().join("b.img").display()))?;
+    rustix::process::kill_process(rustix::process::Pid::from_raw(server.child.id() as i32).expect("pid"), rustix::process::Signal::HUP)?;
+    let start = Instant::now();
+    while names() != ["b"] {
+        check(start.elapsed() < Duration::from_secs(10), format!("after SIGHUP: {:?}", names()))?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 /// TCP on 127.0.0.1 with a kernel-chosen port.
 fn tcp_listener() -> Result<(), Failed> {
     let dir = tempfile::tempdir()?;
@@ -595,6 +622,7 @@ fn main() {
         Trial::test("nbd::write_zeroes_without_filesystem_help", write_zeroes_without_filesystem_help),
         Trial::test("nbd::direct_io_export", direct_io_export),
         Trial::test("nbd::tcp_listener", tcp_listener),
+        Trial::test("nbd::exports_file_reloads_on_sighup", exports_file_reloads_on_sighup),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -124,11 +124,14 @@ pub struct ServeProcess {
 
 impl ServeProcess {
     pub fn start(socket: &Path, exports: &[String]) -> Self {
+        let args: Vec<String> = exports.iter().flat_map(|e| ["--export".to_string(), e.clone()]).collect();
+        Self::start_with(socket, &args)
+    }
+
+    /// `volring nbd serve --unix SOCKET --nbd-threads 2 ARGS...`
+    pub fn start_with(socket: &Path, args: &[String]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_volring"));
-        cmd.args(["nbd", "serve", "--unix"]).arg(socket).args(["--nbd-threads", "2"]);
-        for e in exports {
-            cmd.args(["--export", e]);
-        }
+        cmd.args(["nbd", "serve", "--unix"]).arg(socket).args(["--nbd-threads", "2"]).args(args);
         let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn volring nbd serve");
         let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
         let mut line = String::new();

@@ -98,6 +98,8 @@ pub(super) struct Conn {
     pub sending: Vec<(BufId, usize, usize)>,
     pub send_in_flight: bool,
     pub recv_op: Option<OpId>,
+    /// A cancel of `recv_op` is on its way.
+    pub recv_cancelled: bool,
     /// Socket operations not finished: receive, send, shutdown.
     pub socket_ops: u32,
     /// Requests taken and not yet answered.
@@ -132,6 +134,7 @@ impl Conn {
             sending: Vec::new(),
             send_in_flight: false,
             recv_op: None,
+            recv_cancelled: false,
             socket_ops: 0,
             requests: 0,
             held_bytes: 0,

