@@ -87,8 +87,20 @@ const WORKLOADS: [Workload; 4] = [
     Workload { label: "4 KiB random write, QD32, 1 connection", rw: "randwrite", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
 ];
 
-/// One fio run; IOPS or bytes per second.
-fn fio(peer: &Peer, w: &Workload, secs: u64) -> f64 {
+/// CPU time (user + system, all threads) a process has used, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at ") ".
+    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let ticks = 100.0; // USER_HZ on Linux
+                       // utime and stime are fields 14 and 15 of the line, 12 and 13 after ") ".
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / ticks
+}
+
+/// One fio run: (IOPS or bytes per second, server CPU seconds per operation).
+fn fio(peer: &Peer, w: &Workload, secs: u64) -> (f64, f64) {
+    let cpu_before = cpu_seconds(peer.child.id());
     let uri = format!("nbd+unix:///disk?socket={}", peer.socket.display());
     let out = Command::new("taskset")
         .args(["-c", "0", "fio", "--name=bench", "--ioengine=nbd", "--output-format=json", "--time_based", "--group_reporting"])
@@ -106,13 +118,12 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> f64 {
     let json = if text.starts_with('{') { &text[..] } else { text.find("\n{").map_or(&text[..], |i| &text[i + 1..]) };
     let v: serde_json::Value =
         serde_json::from_str(json).unwrap_or_else(|e| panic!("fio output ({e}): {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    let cpu = cpu_seconds(peer.child.id()) - cpu_before;
     let dir = if w.rw.contains("write") { "write" } else { "read" };
     let job = &v["jobs"][0][dir];
-    if w.bandwidth {
-        job["bw_bytes"].as_f64().unwrap_or(0.0)
-    } else {
-        job["iops"].as_f64().unwrap_or(0.0)
-    }
+    let ops = job["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
+    let rate = if w.bandwidth { job["bw_bytes"].as_f64().unwrap_or(0.0) } else { job["iops"].as_f64().unwrap_or(0.0) };
+    (rate, cpu / ops)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -164,10 +175,17 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn idle_connections(dir: &Path, img: &Path, n: usize) {
-    // Room for the client ends here; the server raises its own limit.
-    let limit = rustix::process::Rlimit { current: Some(2 * n as u64 + 1024), maximum: Some(2 * n as u64 + 1024) };
-    if rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).is_err() {
-        println!("idle connections: cannot raise RLIMIT_NOFILE; skipped");
+    // Room for the client ends here (the server raises its own limit); the
+    // hard limit may not be raisable (no CAP_SYS_RESOURCE), so stay under it.
+    let mut limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let want = n as u64 + 512;
+    if limit.maximum.is_some_and(|m| m < want) {
+        println!("idle connections: RLIMIT_NOFILE hard limit {:?} < {want}; skipped", limit.maximum);
+        return;
+    }
+    limit.current = Some(want.max(limit.current.unwrap_or(0)));
+    if let Err(e) = rustix::process::setrlimit(rustix::process::Resource::Nofile, limit) {
+        println!("idle connections: cannot raise RLIMIT_NOFILE ({e}); skipped");
         return;
     }
     let peer = start("volring", dir, img, "0-1");
@@ -236,17 +254,21 @@ fn main() {
     println!("NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
     for w in &WORKLOADS {
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
+        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
         for round in 0..rounds {
             // Rotate the order so no server always runs first or last.
             for k in 0..peers.len() {
                 let i = (k + round) % peers.len();
-                results[i].push(fio(&peers[i], w, secs));
+                let (rate, per_op) = fio(&peers[i], w, secs);
+                results[i].push(rate);
+                cpu[i].push(per_op);
             }
         }
         let med: Vec<f64> = results.into_iter().map(median).collect();
+        let cpu: Vec<f64> = cpu.into_iter().map(median).collect();
         println!("{}:", w.label);
-        for (p, m) in peers.iter().zip(&med) {
-            println!("  {:<16} {}", p.name, show(*m, w.bandwidth));
+        for ((p, m), c) in peers.iter().zip(&med).zip(&cpu) {
+            println!("  {:<16} {:<16} server CPU {:.2} µs/op", p.name, show(*m, w.bandwidth), c * 1e6);
         }
         println!(
             "  volring/nbdkit {:.2}x   volring/qemu-nbd(io_uring) {:.2}x   volring/qemu-nbd {:.2}x",
@@ -254,6 +276,7 @@ fn main() {
             med[0] / med[2],
             med[0] / med[3]
         );
+        println!("  server CPU per op: nbdkit/volring {:.2}x", cpu[1] / cpu[0]);
     }
     drop(peers);
     idle_connections(dir.path(), &img, 10_000);

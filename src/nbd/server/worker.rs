@@ -32,6 +32,8 @@ pub(super) fn token(kind: u64, index: u32) -> u64 {
 
 /// Most parts one sendmsg carries (IOV_MAX).
 const MAX_SEND_PARTS: usize = 1024;
+/// Send buffer asked for each connection.
+const SEND_BUFFER: usize = 4 << 20;
 /// Completions a busy ring waits for (at most `batch_wait`) before a turn.
 const BATCH: usize = 8;
 /// A turn with at least this many completions counts as busy.
@@ -251,6 +253,12 @@ impl Worker {
     fn adopt(&mut self, fd: OwnedFd, _tcp: bool) {
         if self.stop_at.is_some() {
             return;
+        }
+        // A deep send buffer lets a large read reach the client in fewer,
+        // larger pieces (the default is about 200 KiB); without the
+        // privilege to force it, the ordinary limit applies.
+        if rustix::net::sockopt::set_socket_send_buffer_size_force(&fd, SEND_BUFFER).is_err() {
+            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&fd, SEND_BUFFER);
         }
         let socket = match self.ring.register_file(fd.as_raw_fd()) {
             Ok(s) => s,
@@ -499,6 +507,12 @@ impl Worker {
         let Some(r) = self.registered.get_mut(&export.id) else { return };
         r.users -= 1;
         if r.users == 0 {
+            // Nothing of this export stays on this ring: not its counters
+            // (folded now), not its descriptors (a removed export's file
+            // must not be held open here).
+            if let Some((e, mut pending)) = self.stats.remove(&export.id) {
+                e.stats.fold(&mut pending);
+            }
             let r = self.registered.remove(&export.id).expect("present");
             let _ = self.ring.unregister_file(r.file);
             if let Some(b) = r.buffered {
