@@ -8,7 +8,8 @@
 //! servers: client and server land on one core in some runs and not others).
 //!
 //! `cargo bench --bench nbd_peers` (VOLRING_BENCH_SECS per run, default 5;
-//! VOLRING_BENCH_ROUNDS, default 3).
+//! VOLRING_BENCH_ROUNDS, default 3; VOLRING_BENCH_IDLE_ONLY=1 for just the
+//! idle connections).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -57,15 +58,21 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
         }
         _ => vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", img],
     };
-    let child = Command::new("taskset")
+    let mut child = Command::new("taskset")
         .arg("-c")
         .arg(cpus)
         .args(&args)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(if name == "volring" { Stdio::piped() } else { Stdio::null() })
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{name}: {e}"));
+    if let Some(out) = child.stdout.take() {
+        // volring says so once its exports are in place.
+        let mut line = String::new();
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        assert!(line.contains("listening"), "volring said {line:?}");
+    }
     wait_for(&socket);
     Peer { name, socket, child }
 }
@@ -92,7 +99,7 @@ fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start at ") ".
     let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
     let ticks = 100.0; // USER_HZ on Linux
                        // utime and stime are fields 14 and 15 of the line, 12 and 13 after ") ".
     (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / ticks
@@ -250,6 +257,10 @@ fn main() {
         let _ = std::fs::read(&img);
     }
     let names = ["volring", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
+        idle_connections(dir.path(), &img, 10_000);
+        return;
+    }
     let peers: Vec<Peer> = names.iter().map(|n| start(n, dir.path(), &img, "1")).collect();
     println!("NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
     for w in &WORKLOADS {

@@ -8,20 +8,13 @@ mod csi_support;
 use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 
+use common::check;
 use csi_support::{block_cap, code, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
 use volring::csi::client::capability;
 use volring::csi::proto::volume_capability::access_mode::Mode;
 use volring::csi::proto::*;
-
-fn check(ok: bool, what: impl Into<String>) -> Result<(), Failed> {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.into().into())
-    }
-}
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
     match r {

@@ -11,20 +11,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{LoopDevice, Scratch};
+use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
 use volring::devices::probe::{FsType, TableType};
 use volring::devices::{describe, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector, StatMethod, StatSource, Use};
 use volring::mounts::MountTable;
 use volring::ring::BackendChoice;
-
-fn check(ok: bool, what: impl Into<String>) -> Result<(), Failed> {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.into().into())
-    }
-}
 
 /// `blkid -p -o export` of a device: what the probe must agree with.
 fn blkid(path: &str) -> BTreeMap<String, String> {

@@ -9,19 +9,12 @@ use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
+use common::check;
 use libtest_mimic::{Failed, Trial};
 use nbd_support::{pattern, run, RawClient, Rng, ServeProcess, Served, MIB};
 use volring::nbd::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
 
 const T: Duration = Duration::from_secs(60);
-
-fn check(ok: bool, what: impl Into<String>) -> Result<(), Failed> {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.into().into())
-    }
-}
 
 fn nbdinfo_shows_every_feature() -> Result<(), Failed> {
     let s = Served::new(&[("disk", 64 * MIB, false), ("golden", 8 * MIB, true)]);

@@ -245,10 +245,11 @@ pub fn encode_request(req: &Request, style: HeaderStyle, out: &mut Vec<u8>) {
     }
 }
 
-/// Writes a reply header ending exactly at `dst.len()` and returns its
-/// length. `payload` is the number of bytes that follow it. Simple style
-/// ignores `chunk_type`, `flags` and `payload` (a simple reply's data has
-/// no length field); `error` is only used by simple replies.
+/// One reply header (simple, structured chunk or extended chunk), written
+/// right in front of the payload already in a buffer, so header and data
+/// leave in one piece. `payload` is the number of bytes that follow it;
+/// simple replies ignore `chunk_type`, `flags` and `payload` (their data
+/// has no length field) and only they use `error`.
 pub struct ReplyHeader {
     pub style: HeaderStyle,
     pub cookie: u64,
@@ -268,7 +269,8 @@ impl ReplyHeader {
         }
     }
 
-    /// Writes the header into the last `self.len()` bytes of `dst`.
+    /// Writes the header into the last `self.size()` bytes of `dst` and
+    /// returns its length.
     pub fn write_before(&self, dst: &mut [u8]) -> usize {
         let n = self.size();
         let start = dst.len() - n;

@@ -8,6 +8,15 @@ use std::process::Command;
 
 use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
 
+/// `Ok` when `ok`, else a test failure saying `what`.
+pub fn check(ok: bool, what: impl Into<String>) -> Result<(), libtest_mimic::Failed> {
+    if ok {
+        Ok(())
+    } else {
+        Err(what.into().into())
+    }
+}
+
 /// A scratch directory; every mount below it is lazily unmounted on drop,
 /// deepest (newest) first, before the directory is removed.
 pub struct Scratch {
