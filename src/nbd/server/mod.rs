@@ -88,7 +88,7 @@ impl Default for ServerConfig {
 /// Messages to a ring thread.
 enum Command {
     /// An accepted socket for this ring to serve.
-    Adopt(OwnedFd, bool),
+    Adopt(OwnedFd),
     /// Close this export's connections (it was removed).
     DropExport(u64),
     Stop,
@@ -123,7 +123,6 @@ impl Mailbox {
 /// A bound listener, kept open for the server's life.
 struct Listener {
     fd: OwnedFd,
-    tcp: bool,
     path: Option<PathBuf>,
 }
 
@@ -143,12 +142,12 @@ fn bind(l: &Listen) -> Result<(Listener, String), Error> {
             // Accepted sockets inherit TCP_NODELAY: replies leave at once.
             rustix::net::sockopt::set_tcp_nodelay(&s, true).map_err(|e| Error::io("TCP_NODELAY")(e.into()))?;
             let local = s.local_addr().map_err(Error::io("local_addr"))?;
-            Ok((Listener { fd: OwnedFd::from(s), tcp: true, path: None }, local.to_string()))
+            Ok((Listener { fd: OwnedFd::from(s), path: None }, local.to_string()))
         }
         Listen::Unix(path) => {
             remove_stale_socket(path)?;
             let s = std::os::unix::net::UnixListener::bind(path).map_err(Error::io(format!("bind {}", path.display())))?;
-            Ok((Listener { fd: OwnedFd::from(s), tcp: false, path: Some(path.clone()) }, format!("unix:{}", path.display())))
+            Ok((Listener { fd: OwnedFd::from(s), path: Some(path.clone()) }, format!("unix:{}", path.display())))
         }
     }
 }
@@ -188,7 +187,7 @@ impl NbdServer {
             boxes.push(Mailbox { queue: ArrayQueue::new(4096), wake });
         }
         let mailboxes = Arc::new(boxes);
-        let accept: Vec<(i32, bool)> = listeners.iter().map(|l| (l.fd.as_raw_fd(), l.tcp)).collect();
+        let accept: Vec<i32> = listeners.iter().map(|l| l.fd.as_raw_fd()).collect();
         let mut handles = Vec::with_capacity(threads);
         for id in 0..threads {
             let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);

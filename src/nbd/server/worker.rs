@@ -46,8 +46,8 @@ pub(super) struct Context {
     pub config: ServerConfig,
     pub exports: Arc<Exports>,
     pub mailboxes: Arc<Vec<Mailbox>>,
-    /// Listeners this ring accepts on (ring 0 only): fd and whether TCP.
-    pub listeners: Vec<(i32, bool)>,
+    /// Listeners this ring accepts on (ring 0 only).
+    pub listeners: Vec<i32>,
 }
 
 /// An export's descriptors as registered in this ring.
@@ -63,7 +63,7 @@ pub(super) struct Worker {
     pub(super) ring: IoRing,
     exports: Arc<Exports>,
     mailboxes: Arc<Vec<Mailbox>>,
-    listeners: Vec<(i32, bool)>,
+    listeners: Vec<i32>,
     accepts: Vec<Option<OpId>>,
     pub(super) conns: Vec<Option<Conn>>,
     free_conns: Vec<u32>,
@@ -131,7 +131,7 @@ impl Worker {
     }
 
     fn arm_accept(&mut self, i: usize) -> io::Result<()> {
-        let fd = self.listeners[i].0;
+        let fd = self.listeners[i];
         self.accepts[i] = Some(self.ring.accept_multi(token(K_ACCEPT, i as u32), fd)?);
         Ok(())
     }
@@ -199,7 +199,7 @@ impl Worker {
 
     fn on_command(&mut self, cmd: Command) {
         match cmd {
-            Command::Adopt(fd, tcp) => self.adopt(fd, tcp),
+            Command::Adopt(fd) => self.adopt(fd),
             Command::DropExport(id) => {
                 for i in 0..self.conns.len() {
                     let hit = self.conns[i].as_ref().and_then(|c| c.attached()).is_some_and(|a| a.export.id == id);
@@ -237,12 +237,11 @@ impl Worker {
             }
             return;
         };
-        let tcp = self.listeners[li].1;
         let target = self.next_ring % self.mailboxes.len();
         self.next_ring = self.next_ring.wrapping_add(1);
         if target == self.id {
-            self.adopt(fd, tcp);
-        } else if !self.mailboxes[target].send(Command::Adopt(fd, tcp)) {
+            self.adopt(fd);
+        } else if !self.mailboxes[target].send(Command::Adopt(fd)) {
             // The socket went down with the command: the client sees a reset, never a hang.
             tracing::warn!(ring = target, "NBD ring too busy to take a connection");
         }
@@ -250,7 +249,7 @@ impl Worker {
 
     /// Takes a socket into this ring: registered as a fixed file, greeted,
     /// and read from.
-    fn adopt(&mut self, fd: OwnedFd, _tcp: bool) {
+    fn adopt(&mut self, fd: OwnedFd) {
         if self.stop_at.is_some() {
             return;
         }
