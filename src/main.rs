@@ -391,14 +391,13 @@ async fn nbd_serve(
     std::io::stdout().flush()?;
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
-    let period =
-        if stats_interval > 0.0 { std::time::Duration::from_secs_f64(stats_interval) } else { std::time::Duration::from_secs(86_400) };
+    let period = std::time::Duration::from_secs_f64(stats_interval.max(0.01));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
-            _ = tick.tick() => print_nbd_stats(&server),
+            _ = tick.tick(), if stats_interval > 0.0 => print_nbd_stats(&server),
             _ = hup.recv() => {
                 let Some(path) = &exports_file else { continue };
                 match read_exports_file(path) {

@@ -91,8 +91,10 @@ impl ExportStats {
                 h.saturating_record(u64::from(us).max(1));
             }
         }
-        *p = Pending { latencies_us: std::mem::take(&mut p.latencies_us), ..Default::default() };
-        p.latencies_us.clear();
+        // Keep the latency vector's allocation for the next batch.
+        let mut latencies = std::mem::take(&mut p.latencies_us);
+        latencies.clear();
+        *p = Pending { latencies_us: latencies, ..Default::default() };
     }
 
     pub fn snapshot(&self, name: &str) -> ExportSnapshot {

@@ -23,6 +23,7 @@ const CLASSES: usize = 15;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BufId(pub(super) u32);
 
+#[derive(Clone, Copy)]
 enum Mem {
     Arena(u32),
     Heap { ptr: NonNull<u8>, class: usize },
@@ -172,10 +173,10 @@ impl Buffers {
         self.slots.get(id.0 as usize)?.as_ref()
     }
 
-    fn ptr(&self, mem: &Mem) -> *mut u8 {
+    fn ptr(&self, mem: Mem) -> *mut u8 {
         match mem {
             // SAFETY (pointer arithmetic only): slot index < number of arena slots.
-            Mem::Arena(i) => unsafe { self.arena.as_ptr().add(*i as usize * self.arena_slot) },
+            Mem::Arena(i) => unsafe { self.arena.as_ptr().add(i as usize * self.arena_slot) },
             Mem::Heap { ptr, .. } => ptr.as_ptr(),
         }
     }
@@ -185,13 +186,13 @@ impl Buffers {
         let s = self.slot(id).filter(|s| s.busy == 0)?;
         // SAFETY: the memory is initialised, `len` bytes long, owned by this
         // slot, and no kernel operation uses it (busy == 0).
-        Some(unsafe { std::slice::from_raw_parts(self.ptr(&s.mem), s.len) })
+        Some(unsafe { std::slice::from_raw_parts(self.ptr(s.mem), s.len) })
     }
 
     /// The buffer's bytes for writing, unless an operation is using it.
     pub fn get_mut(&mut self, id: BufId) -> Option<&mut [u8]> {
         let s = self.slot(id).filter(|s| s.busy == 0)?;
-        let (p, len) = (self.ptr(&s.mem), s.len);
+        let (p, len) = (self.ptr(s.mem), s.len);
         // SAFETY: as in `get`, and `&mut self` makes the borrow unique.
         Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
     }
@@ -241,12 +242,9 @@ impl Buffers {
             Mem::Arena(i) => u16::try_from(i).ok(),
             Mem::Heap { .. } => None,
         };
-        let mem_ptr = match &s.mem {
-            Mem::Arena(i) => Mem::Arena(*i),
-            Mem::Heap { ptr, class } => Mem::Heap { ptr: *ptr, class: *class },
-        };
+        let mem = s.mem;
         // SAFETY (pointer arithmetic only): start <= len of this buffer.
-        let p = unsafe { self.ptr(&mem_ptr).add(start) };
+        let p = unsafe { self.ptr(mem).add(start) };
         Some((p, (end - start) as u32, index))
     }
 

@@ -131,6 +131,8 @@ pub struct IoRing {
     cqes: Vec<cqueue::Entry>,
     pipes: Vec<Option<Pipe>>,
     idle_pipes: Vec<u32>,
+    /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
+    no_min_wait: bool,
     in_flight: usize,
 }
 
@@ -175,6 +177,7 @@ impl IoRing {
             cqes: Vec::with_capacity(1024),
             pipes: Vec::new(),
             idle_pipes: Vec::new(),
+            no_min_wait: false,
             in_flight: 0,
         })
     }
@@ -447,14 +450,20 @@ impl IoRing {
 
     /// Submits, then waits for `want` completions for at most `min_wait`
     /// (and for the first one as long as it takes): gathers a burst of
-    /// requests into one loop turn when traffic is heavy (Linux 6.12+;
-    /// older kernels ignore the bound and return at the first completion).
+    /// requests into one loop turn when traffic is heavy (Linux 6.12+; on
+    /// older kernels it waits for the first completion only).
     pub fn submit_and_wait_batch(&mut self, want: usize, min_wait: Duration) -> io::Result<()> {
+        if self.no_min_wait {
+            return self.submit_and_wait(1, None);
+        }
         let args = types::SubmitArgs::new().min_wait_usec(min_wait.as_micros().min(u128::from(u32::MAX)) as u32);
         match self.ring.submitter().submit_with_args(want, &args) {
             Ok(_) => Ok(()),
             Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.submit_and_wait(1, None),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.no_min_wait = true;
+                self.submit_and_wait(1, None)
+            }
             Err(e) => Err(e),
         }
     }

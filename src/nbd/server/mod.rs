@@ -101,15 +101,21 @@ struct Mailbox {
 }
 
 impl Mailbox {
+    /// Hands `cmd` over without blocking; gives it back when the queue is full.
+    fn try_send(&self, cmd: Command) -> Result<(), Command> {
+        self.queue.push(cmd)?;
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        Ok(())
+    }
+
+    /// For callers off the rings (export removal, stop): waits briefly on a
+    /// full queue rather than lose the command.
     fn send(&self, mut cmd: Command) -> bool {
         // A full queue means the ring is far behind: wait for it briefly
         // rather than lose a connection or a removal.
         for _ in 0..1000 {
-            match self.queue.push(cmd) {
-                Ok(()) => {
-                    let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-                    return true;
-                }
+            match self.try_send(cmd) {
+                Ok(()) => return true,
                 Err(back) => {
                     cmd = back;
                     std::thread::sleep(Duration::from_millis(1));

@@ -241,9 +241,9 @@ impl Worker {
         self.next_ring = self.next_ring.wrapping_add(1);
         if target == self.id {
             self.adopt(fd);
-        } else if !self.mailboxes[target].send(Command::Adopt(fd)) {
-            // The socket went down with the command: the client sees a reset, never a hang.
-            tracing::warn!(ring = target, "NBD ring too busy to take a connection");
+        } else if let Err(Command::Adopt(fd)) = self.mailboxes[target].try_send(Command::Adopt(fd)) {
+            // That ring is far behind: this one serves the client (a ring never waits).
+            self.adopt(fd);
         }
     }
 
