@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod csi;
 pub mod devices;
+pub mod fault;
 pub mod metrics;
 pub mod mounts;
 pub mod nbd;
