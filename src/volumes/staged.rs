@@ -31,6 +31,11 @@ pub enum AccessKind {
 pub enum StagePhase {
     /// About to attach a loop device (the number may not be recorded yet).
     Attaching,
+    /// Attached and found blank; the agent's own mkfs is about to run (or
+    /// was running when the agent died). Whatever the device holds now was
+    /// written by that mkfs, so a retry may format it again; a device in any
+    /// other phase is never formatted unless it is all zeros.
+    Formatting,
     /// Attached; the filesystem or device node is being set up.
     Mounting,
     /// Complete.
