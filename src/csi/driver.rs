@@ -9,6 +9,7 @@ use std::sync::{Arc, RwLock};
 use super::proto::Topology;
 use super::{Error, Result, VolumeGuard, VolumeLocks, TOPOLOGY_KEY};
 use crate::mounts::MountTable;
+use crate::volumes::beneath::Beneath;
 use crate::volumes::{ImagePool, StagedRecords};
 
 #[derive(Debug, Clone)]
@@ -61,6 +62,9 @@ pub struct Driver {
     pub(super) config: CsiConfig,
     /// `kubelet_root` as the kernel resolves it (it may be a symlink).
     pub(super) real_root: PathBuf,
+    /// The kubelet root held open: every path from a request is resolved
+    /// beneath it, once, and acted on through the descriptor.
+    pub(super) beneath: Beneath,
     pub(super) pool: ImagePool,
     pub(super) records: StagedRecords,
     pub(super) locks: VolumeLocks,
@@ -78,11 +82,23 @@ impl Driver {
         config.kubelet_root = super::validate::absolute(&root, "kubelet root")?;
         std::fs::create_dir_all(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
         let real_root = std::fs::canonicalize(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
+        let beneath = Beneath::open(&config.kubelet_root)
+            .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
-        Ok(Arc::new(Self { config, real_root, pool, records, locks: VolumeLocks::new(), mounts, ready, in_flight: AtomicUsize::new(0) }))
+        Ok(Arc::new(Self {
+            config,
+            real_root,
+            beneath,
+            pool,
+            records,
+            locks: VolumeLocks::new(),
+            mounts,
+            ready,
+            in_flight: AtomicUsize::new(0),
+        }))
     }
 
     pub fn config(&self) -> &CsiConfig {

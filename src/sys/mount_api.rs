@@ -117,3 +117,41 @@ pub fn statmount(mnt_id: u64, mask: u64, buf: &mut Vec<u8>) -> io::Result<()> {
         return Err(err);
     }
 }
+
+const SYS_MOUNT_SETATTR: libc::c_long = 442;
+
+/// `struct mount_attr` (first published size, 32 bytes).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, attr_clr})` (Linux 5.12+):
+/// changes the per-mount flags (`MOUNT_ATTR_*`) of the mount `fd` refers to —
+/// typically a detached tree from `open_tree(OPEN_TREE_CLONE)`, so a bind
+/// mount is read-only before it is ever attached (no window in which it is
+/// writable, as a bind followed by a remount has).
+pub fn mount_setattr(fd: std::os::fd::BorrowedFd<'_>, attr_set: u64, attr_clr: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let attr = MountAttr { attr_set, attr_clr, propagation: 0, userns_fd: 0 };
+    // SAFETY: `fd` is a live descriptor for the duration of the call, the path
+    // is a NUL-terminated empty string, and `attr` is a valid, initialised
+    // mount_attr whose size is passed with it; the kernel only reads both.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_MOUNT_SETATTR,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

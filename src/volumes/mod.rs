@@ -9,6 +9,7 @@
 //! writes state writes it crash-safe ([`persist`]).
 
 pub mod attach;
+pub mod beneath;
 pub mod filesystem;
 pub mod mounting;
 pub mod persist;

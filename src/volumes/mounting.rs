@@ -1,4 +1,5 @@
-//! CSI mount flags to mount(2), and the few mount operations staging needs.
+//! CSI mount flags to mount attributes, and the few mount operations staging
+//! needs — all through descriptors (see `volumes::beneath`), none by path.
 //!
 //! Mount flags come from the CO (a StorageClass's `mountOptions`), so they
 //! are parsed, not passed through: the generic ones become `MS_*` bits, the
@@ -6,9 +7,13 @@
 //! what kind of mount is made (`bind`, `remount`, `move`...) are refused.
 
 use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use rustix::mount::{MountFlags, UnmountFlags};
+use rustix::mount::{
+    fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, move_mount, open_tree, FsMountFlags, FsOpenFlags,
+    MountAttrFlags, MountFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+};
 
 /// The spec's limit for all mount flags together.
 pub const MAX_FLAGS_LEN: usize = 4096;
@@ -85,32 +90,109 @@ impl MountOptions {
     }
 }
 
-pub fn mount_filesystem(device: &Path, target: &Path, fs_type: &str, o: &MountOptions) -> io::Result<()> {
-    let data = std::ffi::CString::new(o.data.as_str()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    rustix::mount::mount(device, target, fs_type, o.flags, Some(data.as_c_str()))?;
+/// Mounts `fs_type` from `device` onto the directory `target` refers to,
+/// with the new mount API: the superblock is configured on an fs context
+/// (each data option one `fsconfig` call, so an option cannot smuggle
+/// another), made into a detached mount with its per-mount flags already
+/// set, and only then attached to `target` by descriptor. The kernel's own
+/// message for a refused option or a damaged filesystem is returned with
+/// the error.
+pub fn mount_filesystem(device: &Path, target: BorrowedFd<'_>, fs_type: &str, o: &MountOptions) -> io::Result<()> {
+    let fs = fsopen(fs_type, FsOpenFlags::FSOPEN_CLOEXEC)?;
+    let configured = (|| -> io::Result<()> {
+        fsconfig_set_string(&fs, "source", device)?;
+        for (bit, name) in [
+            (MountFlags::RDONLY, "ro"),
+            (MountFlags::SYNCHRONOUS, "sync"),
+            (MountFlags::DIRSYNC, "dirsync"),
+            (MountFlags::LAZYTIME, "lazytime"),
+        ] {
+            if o.flags.contains(bit) {
+                fsconfig_set_flag(&fs, name)?;
+            }
+        }
+        for opt in o.data.split(',').filter(|s| !s.is_empty()) {
+            match opt.split_once('=') {
+                Some((k, v)) => fsconfig_set_string(&fs, k, v)?,
+                None => fsconfig_set_flag(&fs, opt)?,
+            }
+        }
+        fsconfig_create(&fs)?;
+        Ok(())
+    })();
+    if let Err(e) = configured {
+        return Err(with_kernel_message(e, &fs));
+    }
+    let (set, _) = attributes(o.flags);
+    let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::from_bits_retain(set as u32))?;
+    move_mount(&mnt, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
     Ok(())
 }
 
-/// Bind-mounts `source` on `target`, then applies `flags` (read-only and the
-/// like) with a remount: a bind mount ignores them when first made.
-pub fn bind(source: &Path, target: &Path, flags: MountFlags) -> io::Result<()> {
-    rustix::mount::mount_bind(source, target)?;
-    if !flags.is_empty() {
-        if let Err(e) = rustix::mount::mount_remount(target, MountFlags::BIND | flags, "") {
-            let _ = rustix::mount::unmount(target, UnmountFlags::empty());
-            return Err(e.into());
+/// Bind-mounts what `source` refers to (a mount's root, or a device node)
+/// onto what `target` refers to. The clone is made detached, gets `flags`
+/// (read-only and the like) while still detached, and is attached last, so
+/// it is never visible with the wrong flags.
+pub fn bind(source: BorrowedFd<'_>, target: BorrowedFd<'_>, flags: MountFlags) -> io::Result<()> {
+    let tree = open_tree(source, "", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)?;
+    let (set, clear) = attributes(flags);
+    if set != 0 || clear != 0 {
+        crate::sys::mount_api::mount_setattr(tree.as_fd(), set, clear)?;
+    }
+    move_mount(&tree, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
+    Ok(())
+}
+
+/// Unmounts what is mounted on entry `name` of the open directory `parent`
+/// (the top mount there). The parent was resolved once, beneath the root;
+/// the kernel walks only `name` from it, without following a symlink. The
+/// caller judges the entry with `beneath::stat_entry(parent, name)` first
+/// and holds no descriptor inside the mount (that would keep it busy).
+pub fn unmount_entry(parent: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<()> {
+    let mut path = std::path::PathBuf::from(format!("/proc/self/fd/{}", parent.as_raw_fd()));
+    path.push(name);
+    rustix::mount::unmount(&path, UnmountFlags::NOFOLLOW)?;
+    Ok(())
+}
+
+/// `MS_*` per-mount flags as `MOUNT_ATTR_*` bits to set and to clear (an
+/// atime mode replaces the old one, so the atime field is cleared first).
+fn attributes(flags: MountFlags) -> (u64, u64) {
+    let mut set = MountAttrFlags::empty();
+    for (bit, attr) in [
+        (MountFlags::RDONLY, MountAttrFlags::MOUNT_ATTR_RDONLY),
+        (MountFlags::NOSUID, MountAttrFlags::MOUNT_ATTR_NOSUID),
+        (MountFlags::NODEV, MountAttrFlags::MOUNT_ATTR_NODEV),
+        (MountFlags::NOEXEC, MountAttrFlags::MOUNT_ATTR_NOEXEC),
+        (MountFlags::NODIRATIME, MountAttrFlags::MOUNT_ATTR_NODIRATIME),
+        (MountFlags::NOATIME, MountAttrFlags::MOUNT_ATTR_NOATIME),
+        (MountFlags::STRICTATIME, MountAttrFlags::MOUNT_ATTR_STRICTATIME),
+    ] {
+        if flags.contains(bit) {
+            set |= attr;
         }
     }
-    Ok(())
+    let atime = flags.intersects(MountFlags::NOATIME | MountFlags::STRICTATIME | MountFlags::RELATIME);
+    let clear = if atime { MountAttrFlags::MOUNT_ATTR__ATIME } else { MountAttrFlags::empty() };
+    (set.bits() as u64, clear.bits() as u64)
 }
 
-/// Unmounts `target`; false when nothing was mounted there.
-pub fn unmount(target: &Path) -> io::Result<bool> {
-    match rustix::mount::unmount(target, UnmountFlags::NOFOLLOW) {
-        Ok(()) => Ok(true),
-        Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => Ok(false),
-        Err(e) => Err(e.into()),
+/// Adds the fs context's log (the kernel's reason, e.g. "Structure needs
+/// cleaning" or an unknown option's name) to an error.
+fn with_kernel_message(e: io::Error, fs: &OwnedFd) -> io::Error {
+    let mut buf = [0u8; 512];
+    let mut said = Vec::new();
+    // The log holds at most a few messages; each read returns one.
+    for _ in 0..4 {
+        match rustix::io::read(fs, &mut buf) {
+            Ok(n) if n > 0 => said.push(String::from_utf8_lossy(&buf[..n]).trim().to_string()),
+            _ => break,
+        }
     }
+    if said.is_empty() {
+        return e;
+    }
+    io::Error::new(e.kind(), format!("{e} ({})", said.join("; ")))
 }
 
 /// True when `path` is the root of a mount (asks the kernel about this one

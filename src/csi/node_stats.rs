@@ -1,0 +1,154 @@
+//! Node service, the questions about a staged volume: its usage and
+//! condition, growing its filesystem, and the node's own identity.
+//!
+//! Stats are answered from one descriptor of the path: `statx` proves it is
+//! the root of the volume's own mount (and the watcher's table, when it has
+//! that mount, must agree), and `fstatvfs` on the same descriptor measures
+//! it. After an unmount the path shows the parent filesystem; that is
+//! reported as the volume being gone, never measured as the volume.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use super::owned::{Expect, Found};
+use super::proto::*;
+use super::validate;
+use super::{Driver, Error, Result};
+use crate::volumes::beneath::Node;
+use crate::volumes::filesystem;
+use crate::volumes::{attach, AccessKind, StagedVolume};
+
+impl Driver {
+    pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let id = req.volume_id.as_str();
+        self.known(id)?;
+        let path = self.path(&req.volume_path, "volume_path")?;
+        let rec = self.located(id, &path)?;
+        let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
+        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let mut usage = Vec::new();
+        let problem = match att {
+            None => Some("the loop device behind the volume is gone".to_string()),
+            Some(a) => {
+                let expect = Expect::of(&rec, &a);
+                match self.look(&checked, Some(expect))? {
+                    Found::Missing => Some(format!("{} does not exist", checked.display())),
+                    Found::Unmounted => Some(format!("the volume is not mounted at {}", checked.display())),
+                    Found::Foreign(n) => Some(format!("{} holds device {}, not the volume's {}", checked.display(), n.dev, a.dev)),
+                    Found::Ours(fd) => match self.table_disagrees(&checked, &fd) {
+                        Some(why) => Some(why),
+                        None => match &rec.access {
+                            AccessKind::Block => {
+                                let size = attach::size_bytes(a.number)?;
+                                usage.push(bytes_usage(size, 0, size));
+                                None
+                            }
+                            AccessKind::Mount { .. } => match rustix::fs::fstatvfs(&fd) {
+                                Ok(s) => {
+                                    let (f, blocks) = (s.f_frsize, s.f_blocks);
+                                    usage.push(bytes_usage(blocks * f, s.f_bavail * f, (blocks - s.f_bfree.min(blocks)) * f));
+                                    usage.push(VolumeUsage {
+                                        total: s.f_files as i64,
+                                        available: s.f_ffree as i64,
+                                        used: s.f_files.saturating_sub(s.f_ffree) as i64,
+                                        unit: volume_usage::Unit::Inodes as i32,
+                                    });
+                                    None
+                                }
+                                Err(e) => Some(format!("statfs {}: {e}", checked.display())),
+                            },
+                        },
+                    },
+                }
+            }
+        };
+        let volume_condition = Some(VolumeCondition { abnormal: problem.is_some(), message: problem.unwrap_or_else(|| "healthy".into()) });
+        Ok(NodeGetVolumeStatsResponse { usage, volume_condition })
+    }
+
+    /// The watcher's table, where it knows the mount `fd` is the root of
+    /// (same mount id), must agree with the descriptor about the device that
+    /// mount is of. (It may not know it yet: a mount made a moment ago is
+    /// proven by the descriptor alone.)
+    fn table_disagrees(&self, path: &Path, fd: &std::os::fd::OwnedFd) -> Option<String> {
+        let node: Node = crate::volumes::beneath::stat(fd.as_fd()).ok()?;
+        let table = self.mounts.read().unwrap_or_else(|e| e.into_inner());
+        let m = table.top_at(path.as_os_str().as_encoded_bytes())?;
+        (m.info_id.map(u64::from) == Some(node.mnt_id) && m.dev != node.dev)
+            .then(|| format!("the mount table says mount {} at {} is of device {}, not {}", node.mnt_id, path.display(), m.dev, node.dev))
+    }
+
+    pub(super) fn node_expand(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let id = req.volume_id.as_str();
+        self.known(id)?;
+        let path = self.path(&req.volume_path, "volume_path")?;
+        if !req.staging_target_path.is_empty() {
+            self.path(&req.staging_target_path, "staging_target_path")?;
+        }
+        if let Some(c) = &req.volume_capability {
+            validate::capability(Some(c))?;
+        }
+        let _guard = self.lock(id)?;
+        let rec = self.located(id, &path)?;
+        let att = rec
+            .loop_number
+            .and_then(|n| attach::existing(n, &rec.image))
+            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no loop device; stage it again")))?;
+        let size = attach::refresh_capacity(&att)?;
+        let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes.max(0) as u64);
+        if required > size {
+            return Err(Error::OutOfRange(format!("volume {id} has {size} bytes; grow it with ControllerExpandVolume first")));
+        }
+        if let AccessKind::Mount { fs_type, .. } = &rec.access {
+            if rec.read_only {
+                return Err(Error::FailedPrecondition(format!("volume {id} is staged read-only; its filesystem cannot grow")));
+            }
+            // Grow only what is provably the volume's own staging mount.
+            if !matches!(self.look(&rec.staged_at(), Some(Expect::of(&rec, &att)))?, Found::Ours(_)) {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {id} is not mounted at {}; stage it again",
+                    rec.staging_path.display()
+                )));
+            }
+            filesystem::grow(fs_type, &att.path(), &rec.staging_path)?;
+        }
+        tracing::info!(volume = id, bytes = size, "expanded on the node");
+        Ok(NodeExpandVolumeResponse { capacity_bytes: size as i64 })
+    }
+
+    pub(super) fn node_info(&self) -> NodeGetInfoResponse {
+        NodeGetInfoResponse {
+            node_id: self.config.node_id.clone(),
+            max_volumes_per_node: self.config.max_volumes,
+            accessible_topology: Some(self.topology()),
+        }
+    }
+
+    /// NotFound for a volume this node has never heard of — answered before
+    /// any other field is judged, as the spec's tables order it.
+    fn known(&self, id: &str) -> Result<()> {
+        if self.pool.get(id).is_none() && !self.records.contains(id) {
+            return Err(Error::NotFound(format!("volume {id} does not exist")));
+        }
+        Ok(())
+    }
+
+    /// The staged record of `id`, if `path` is its staging path or one of
+    /// its targets; NotFound otherwise (unknown volume, or not there).
+    fn located(&self, id: &str, path: &Path) -> Result<StagedVolume> {
+        let rec = self.records.get(id).ok_or_else(|| match self.pool.get(id) {
+            None => Error::NotFound(format!("volume {id} does not exist")),
+            Some(_) => Error::NotFound(format!("volume {id} is not staged on this node")),
+        })?;
+        if rec.staging_path != path && !rec.published.contains_key(path) {
+            return Err(Error::NotFound(format!("volume {id} is not at {}", path.display())));
+        }
+        Ok(rec)
+    }
+}
+
+fn bytes_usage(total: u64, available: u64, used: u64) -> VolumeUsage {
+    VolumeUsage { total: total as i64, available: available as i64, used: used as i64, unit: volume_usage::Unit::Bytes as i32 }
+}

@@ -1,0 +1,111 @@
+//! Node service, publish and unpublish: the staged volume bound onto a pod's
+//! target, and taken off it again — only ever the volume's own mount.
+
+use std::os::fd::AsFd;
+
+use rustix::mount::MountFlags;
+
+use super::owned::{path_error, Expect, Found};
+use super::proto::*;
+use super::validate::{self, AccessType};
+use super::{Driver, Error, Result};
+use crate::volumes::{attach, mounting, AccessKind, StagePhase};
+
+impl Driver {
+    pub(super) fn node_publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let staging = self.path(&req.staging_target_path, "staging_target_path")?;
+        let target = self.path(&req.target_path, "target_path")?;
+        let access = validate::capability(req.volume_capability.as_ref())?;
+        let id = req.volume_id.as_str();
+        let _guard = self.lock(id)?;
+        if self.pool.get(id).is_none() {
+            return Err(Error::NotFound(format!("volume {id} does not exist")));
+        }
+        let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
+        let mut rec = self.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
+        if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
+            return Err(Error::FailedPrecondition(format!("volume {id} was staged for {} access", kind_name(&rec.access))));
+        }
+        if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
+            return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
+        }
+        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image)).ok_or_else(not_staged)?;
+        let expect = Expect::of(&rec, &att);
+        let read_only = req.readonly || access.read_only() || rec.read_only;
+        // The source is the volume's own staging mount, proven so on the
+        // descriptor the bind is made from.
+        let source = match self.look(&rec.staged_at(), Some(expect))? {
+            Found::Ours(fd) => fd,
+            _ => {
+                return Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display())))
+            }
+        };
+        let target_fd = match rec.access {
+            AccessKind::Mount { .. } => self.beneath.create_dirs(&target),
+            AccessKind::Block => self.beneath.create_file(&target),
+        }
+        .map_err(|e| path_error(e, &target))?;
+        let node =
+            crate::volumes::beneath::stat(target_fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
+        if node.mount_root {
+            return match rec.published.get(&target) {
+                Some(&was) if expect.holds(&node) && was == read_only => Ok(NodePublishVolumeResponse {}),
+                Some(&was) if expect.holds(&node) => {
+                    Err(Error::AlreadyExists(format!("volume {id} is published at {} with readonly={was}", target.display())))
+                }
+                _ => Err(Error::AlreadyExists(format!("something else is mounted at {}", target.display()))),
+            };
+        }
+        rec.published.insert(target.clone(), read_only);
+        self.records.put(&rec)?;
+        crate::fault::point("publish:bind");
+        let flags = match &access.access {
+            AccessType::Mount { options, .. } => options.per_mount(),
+            AccessType::Block => MountFlags::empty(),
+        } | if read_only { MountFlags::RDONLY } else { MountFlags::empty() };
+        if let Err(e) = mounting::bind(source.as_fd(), target_fd.as_fd(), flags) {
+            rec.published.remove(&target);
+            let _ = self.records.put(&rec);
+            return Err(Error::Internal(format!("bind on {}: {e}", target.display())));
+        }
+        tracing::info!(volume = id, target = %target.display(), read_only, "published");
+        Ok(NodePublishVolumeResponse {})
+    }
+
+    /// Takes the volume's own mounts off a target it was published at, then
+    /// the target itself. A path the volume was never published at is not
+    /// touched: NotFound when something is mounted there (another volume's
+    /// target), OK when nothing is (a repeated call).
+    pub(super) fn node_unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<NodeUnpublishVolumeResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let target = self.path(&req.target_path, "target_path")?;
+        let id = req.volume_id.as_str();
+        let _guard = self.lock(id)?;
+        let rec = self.records.get(id);
+        if rec.is_none() && self.pool.get(id).is_none() {
+            return Err(Error::NotFound(format!("volume {id} does not exist")));
+        }
+        let Some(mut rec) = rec.filter(|r| r.published.contains_key(&target)) else {
+            return match self.look(&target, None)? {
+                Found::Missing | Found::Unmounted => Ok(NodeUnpublishVolumeResponse {}),
+                Found::Ours(_) | Found::Foreign(_) => Err(Error::NotFound(format!("volume {id} is not published at {}", target.display()))),
+            };
+        };
+        let expect = rec.loop_number.and_then(|n| attach::existing(n, &rec.image)).map(|a| Expect::of(&rec, &a));
+        self.unmount_ours(id, &target, expect)?;
+        crate::fault::point("unpublish:unmounted");
+        self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        rec.published.remove(&target);
+        self.records.put(&rec)?;
+        tracing::info!(volume = id, target = %target.display(), "unpublished");
+        Ok(NodeUnpublishVolumeResponse {})
+    }
+}
+
+fn kind_name(k: &AccessKind) -> &'static str {
+    match k {
+        AccessKind::Block => "block",
+        AccessKind::Mount { .. } => "mount",
+    }
+}
