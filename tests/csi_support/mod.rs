@@ -76,6 +76,11 @@ impl Agent {
         }
     }
 
+    /// The running agent's PID (0 when none runs).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
     pub fn k(&self, rel: &str) -> String {
         self.kubelet.join(rel).to_string_lossy().into_owned()
     }
