@@ -11,6 +11,9 @@ pub mod fault;
 pub mod metrics;
 pub mod mounts;
 pub mod nbd;
+// The two homes of `unsafe` (see Cargo.toml's [lints]).
+#[allow(unsafe_code)]
 pub mod ring;
+#[allow(unsafe_code)]
 pub mod sys;
 pub mod volumes;
