@@ -86,8 +86,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     };
     let nbd = match &config.nbd {
         Some(c) => {
+            // The NBD error's text already carries its cause.
             let server = crate::nbd::NbdServer::start(c.server.clone(), Arc::new(crate::nbd::Exports::new()))
-                .context("cannot start the NBD server")?;
+                .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
             for spec in &c.exports {
                 server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;
             }

@@ -297,16 +297,21 @@ impl WatchArgs {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
         // `volring mounts --watch | head -1` is not an error.
-        Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => Ok(()),
-        other => other,
+        Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
+            let _ = writeln!(std::io::stderr(), "Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 
