@@ -10,10 +10,14 @@
 //! writes each batch of events, NodeGetVolumeStats reads one entry.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use anyhow::Context;
 use arc_swap::ArcSwap;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinHandle;
 
 use crate::devices::{CollectorConfig, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector};
 use crate::mounts::{MountTable, MountWatcher, WatchConfig, WatchEvent};
@@ -28,6 +32,8 @@ pub struct AgentConfig {
     pub metrics: Option<SocketAddr>,
     /// Log a line per mount and device event (they are always counted).
     pub log_events: bool,
+    /// The agent's state directory; one agent at a time may use it.
+    pub state_dir: PathBuf,
     /// The CSI driver's settings; `None`: no CSI socket.
     pub csi: Option<crate::csi::CsiConfig>,
     /// The NBD server's settings; `None`: no NBD server.
@@ -49,45 +55,68 @@ impl Default for AgentConfig {
             stats: CollectorConfig::default(),
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9477))),
             log_events: false,
+            state_dir: PathBuf::from("/var/lib/volring"),
             csi: None,
             nbd: None,
         }
     }
 }
 
-/// Runs the agent until SIGINT or SIGTERM.
+/// The name of the lock file in the state directory.
+const LOCK_FILE: &str = "agent.lock";
+
+/// Runs the agent until SIGINT or SIGTERM; SIGHUP is logged and ignored
+/// (nothing of `volring node` is reloadable).
+///
+/// Everything that can make a second agent on the node harmful is taken
+/// first, and failing to take it is fatal: the state directory's lock, the
+/// CSI socket, the metrics address and the NBD listeners. Only then do the
+/// rings and servers start.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
-    let (watcher, table, mount_events) = MountWatcher::start(config.mounts.clone())?;
-    tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
-    let table = Arc::new(RwLock::new(table));
-    let ready = crate::csi::Readiness::default();
-    let (csi_stop, csi_stopped) = tokio::sync::oneshot::channel::<()>();
-    let csi = match &config.csi {
-        Some(c) => {
-            let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
-            let server = tokio::spawn(crate::csi::server::serve(driver.clone(), async {
-                let _ = csi_stopped.await;
-            }));
-            Some((driver, server))
-        }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    lock_state_dir(&config.state_dir)?;
+    let csi_socket = match &config.csi {
+        Some(c) => Some(crate::csi::server::bind(&c.endpoint).with_context(|| format!("cannot bind CSI socket {}", c.endpoint.display()))?),
         None => None,
     };
-
+    let metrics_listener = match config.metrics {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind the metrics address {addr}"))?),
+        None => None,
+    };
     let nbd = match &config.nbd {
         Some(c) => {
-            let server = crate::nbd::NbdServer::start(c.server.clone(), Arc::new(crate::nbd::Exports::new()))?;
+            // The NBD error's text already carries its cause.
+            let server = crate::nbd::NbdServer::start(c.server.clone(), Arc::new(crate::nbd::Exports::new()))
+                .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
             for spec in &c.exports {
-                server.add_export(spec)?;
+                server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;
             }
             Some(server)
         }
         None => None,
     };
 
+    let (watcher, table, mount_events) = MountWatcher::start(config.mounts.clone())?;
+    tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
+    let table = Arc::new(RwLock::new(table));
+    let ready = crate::csi::Readiness::default();
+    let (csi_stop, csi_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut csi = match (&config.csi, csi_socket) {
+        (Some(c), Some((listener, socket))) => {
+            let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
+            let server = tokio::spawn(crate::csi::server::serve(driver.clone(), listener, async {
+                let _ = csi_stopped.await;
+            }));
+            Some(Csi { driver, server, socket })
+        }
+        _ => None,
+    };
+
     // Listen before scanning, so nothing plugged in between is missed (an
     // event for a device the scan already has is just a change).
     let (hotplug, device_events) = DeviceWatcher::start(config.devices.clone(), 4096)?;
-    let mut inventory = Inventory::scan(&config.devices, &read(&table))?;
+    let mut inventory = scan(&config.devices, &table).await??;
     tracing::info!(devices = inventory.len(), "block device inventory");
     let collector = StatCollector::start(config.stats.clone(), tracked(&inventory))?;
     let published = Arc::new(ArcSwap::from_pointee(inventory.clone()));
@@ -101,28 +130,43 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mounts: mount_stats.clone(),
         nbd: nbd.as_ref().map(|s| s.exports().clone()),
     };
-    let server = config.metrics.map(|addr| tokio::spawn(crate::metrics::serve(addr, sources)));
+    let mut metrics = metrics_listener.map(|l| tokio::spawn(serve_metrics(l, sources)));
     ready.set(true);
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut report = tokio::time::interval(Duration::from_secs(60));
     let mut relink = tokio::time::interval(Duration::from_millis(250));
     report.tick().await;
     // Mount and device changes are joined in at most every 250 ms.
     let mut dirty = false;
-    loop {
+    // A full rescan runs on the blocking pool; device events wait in their
+    // queue meanwhile, so they apply after it, in order, as they always did.
+    let mut rescan: Option<JoinHandle<Result<Inventory, crate::devices::Error>>> = None;
+    let result = loop {
         tokio::select! {
             ev = mount_events.recv() => match ev {
                 Some(ev) => dirty |= apply_mounts(&mut table.write().unwrap_or_else(|e| e.into_inner()), &ev, config.log_events),
-                None => anyhow::bail!("mount watcher stopped"),
+                None => break Err(anyhow::anyhow!("mount watcher stopped")),
             },
-            ev = device_events.recv() => match ev {
+            ev = device_events.recv(), if rescan.is_none() => match ev {
+                Some(DeviceEvent::Rescan { reason }) => {
+                    tracing::warn!(reason, "device events lost; rescanning");
+                    rescan = Some(scan(&config.devices, &table));
+                }
                 Some(ev) => {
-                    apply_device(&mut inventory, ev, &read(&table), &config);
+                    apply_device(&mut inventory, ev, config.log_events);
                     dirty = true;
                 }
-                None => anyhow::bail!("hot-plug listener stopped"),
+                None => break Err(anyhow::anyhow!("hot-plug listener stopped")),
             },
+            done = finished(&mut rescan) => {
+                rescan = None;
+                match done {
+                    Ok(Ok(fresh)) => inventory = fresh,
+                    Ok(Err(e)) => tracing::error!(error = %e, "device rescan failed"),
+                    Err(e) => tracing::error!(error = %e, "device rescan did not finish"),
+                }
+                dirty = true;
+            }
             // A burst of thousands of events is joined, published and handed
             // to the collector once, not once per event.
             _ = relink.tick(), if dirty => {
@@ -143,16 +187,21 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
                     devices = inventory.len(), stat_method = snap.method, stat_cost_us = snap.cost.as_micros() as u64, "status");
                 mount_stats.store(Arc::new(s));
             }
-            _ = tokio::signal::ctrl_c() => break,
-            _ = term.recv() => break,
+            // A server that stops on its own leaves the node without it:
+            // exit (non-zero) so the DaemonSet restarts the agent.
+            r = finished(&mut metrics) => break Err(server_ended("metrics", r)),
+            r = finished_csi(&mut csi) => break Err(server_ended("CSI", r)),
+            _ = hup.recv() => tracing::info!("SIGHUP: volring node has nothing to reload; ignored"),
+            _ = tokio::signal::ctrl_c() => break Ok(()),
+            _ = term.recv() => break Ok(()),
         }
-    }
+    };
     ready.set(false);
-    if let Some(s) = server {
+    if let Some(s) = metrics {
         s.abort();
     }
-    if let Some((driver, server)) = csi {
-        stop_csi(&driver, server, csi_stop).await;
+    if let Some(c) = csi {
+        stop_csi(c, csi_stop).await;
     }
     if let Some(server) = nbd {
         server.stop();
@@ -161,19 +210,118 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     hotplug.stop()?;
     let stats = watcher.stop()?;
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
+    result
+}
+
+/// The running CSI driver, its server task and the socket it bound.
+struct Csi {
+    driver: Arc<crate::csi::Driver>,
+    server: JoinHandle<std::io::Result<()>>,
+    socket: crate::csi::server::BoundSocket,
+}
+
+/// Takes the state directory for this process: an exclusive `flock` on
+/// `STATE_DIR/agent.lock`, which then holds the holder's pid. The lock is
+/// held until the process exits (its descriptor is never closed), also
+/// past `run` while the runtime waits for blocking work to end, so a
+/// restarted agent cannot start while the old one still touches the state.
+fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::IntoRawFd;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create the state directory {}", dir.display()))?;
+    let path = dir.join(LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut held_by = String::new();
+            let _ = file.read_to_string(&mut held_by);
+            let pid = match held_by.trim() {
+                "" => "unknown".to_string(),
+                p => p.chars().take(20).collect(),
+            };
+            anyhow::bail!("another volring agent holds {} (pid {pid})", dir.display());
+        }
+        Err(e) => return Err(std::io::Error::from(e)).with_context(|| format!("cannot lock {}", path.display())),
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    writeln!(file, "{}", std::process::id())?;
+    // Kept open on purpose until exit: closing it would release the lock.
+    let _ = file.into_raw_fd();
+    tracing::debug!(state_dir = %dir.display(), "state directory locked");
     Ok(())
+}
+
+/// Serves `/metrics` on a listener the agent bound at start.
+async fn serve_metrics(listener: tokio::net::TcpListener, sources: crate::metrics::Sources) -> std::io::Result<()> {
+    use axum::http::{header, StatusCode};
+    tracing::info!(addr = ?listener.local_addr().ok(), "serving /metrics");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let sources = sources.clone();
+            async move {
+                match crate::metrics::render(&sources) {
+                    Ok(body) => {
+                        (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+                    }
+                    Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string()),
+                }
+            }
+        }),
+    );
+    axum::serve(listener, app).await
+}
+
+/// Scans the devices on the blocking pool (a full scan reads sysfs and the
+/// first blocks of every device), against a copy of the mount table.
+fn scan(cfg: &ScanConfig, table: &RwLock<MountTable>) -> JoinHandle<Result<Inventory, crate::devices::Error>> {
+    let (cfg, table) = (cfg.clone(), read(table).clone());
+    tokio::task::spawn_blocking(move || Inventory::scan(&cfg, &table))
+}
+
+/// Waits for the task in `slot`; never completes when there is none.
+async fn finished<T>(slot: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
+    match slot {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn finished_csi(csi: &mut Option<Csi>) -> Result<std::io::Result<()>, tokio::task::JoinError> {
+    match csi {
+        Some(c) => (&mut c.server).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn server_ended(what: &str, r: Result<std::io::Result<()>, tokio::task::JoinError>) -> anyhow::Error {
+    match r {
+        Ok(Ok(())) => anyhow::anyhow!("the {what} server stopped"),
+        Ok(Err(e)) => anyhow::anyhow!("the {what} server failed: {e}"),
+        Err(e) => anyhow::anyhow!("the {what} server task ended: {e}"),
+    }
 }
 
 /// Stops accepting CSI calls, lets the running ones finish (kubelet keeps
 /// its connection open forever, so idle connections are not waited for),
-/// then drops the server and its socket.
-async fn stop_csi(
-    driver: &crate::csi::Driver,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-    stop: tokio::sync::oneshot::Sender<()>,
-) {
+/// then drops the server and removes the socket if it is still this
+/// agent's. A call counts as running until its blocking work returns, also
+/// when kubelet gave up on it.
+async fn stop_csi(csi: Csi, stop: tokio::sync::oneshot::Sender<()>) {
+    let Csi { driver, server, socket } = csi;
     let _ = stop.send(());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    if driver.in_flight() > 0 {
+        tracing::info!(calls = driver.in_flight(), "waiting for running CSI calls");
+    }
     while driver.in_flight() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -185,7 +333,7 @@ async fn stop_csi(
     }
     server.abort();
     let _ = server.await;
-    let _ = std::fs::remove_file(&driver.config().endpoint);
+    drop(socket);
 }
 
 fn read(t: &RwLock<MountTable>) -> std::sync::RwLockReadGuard<'_, MountTable> {
@@ -215,28 +363,23 @@ fn apply_mounts(table: &mut MountTable, ev: &WatchEvent, log: bool) -> bool {
     devices
 }
 
-/// Applies a device event; joining with the mount table and the filter
-/// happen on the next relink.
-fn apply_device(inv: &mut Inventory, ev: DeviceEvent, table: &MountTable, cfg: &AgentConfig) {
+/// Applies a device event other than a rescan (the loop runs those);
+/// joining with the mount table and the filter happen on the next relink.
+fn apply_device(inv: &mut Inventory, ev: DeviceEvent, log: bool) {
     match ev {
         DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
-            if cfg.log_events {
+            if log {
                 tracing::info!(device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
             }
             inv.insert(*device);
         }
         DeviceEvent::Removed { name, .. } => {
-            if cfg.log_events {
+            if log {
                 tracing::info!(device = %name, "device removed");
             }
             inv.remove_named(&name);
         }
-        DeviceEvent::Rescan { reason } => {
-            tracing::warn!(reason, "device events lost; rescanning");
-            match Inventory::scan(&cfg.devices, table) {
-                Ok(fresh) => *inv = fresh,
-                Err(e) => tracing::error!(error = %e, "device rescan failed"),
-            }
-        }
+        // The loop runs rescans itself, off the runtime; none comes here.
+        DeviceEvent::Rescan { .. } => {}
     }
 }

@@ -18,7 +18,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the node agent (foreground; stops on SIGINT/SIGTERM).
+    /// Run the node agent (foreground; stops on SIGINT/SIGTERM; SIGHUP is
+    /// ignored). One agent per state directory.
     Node {
         #[command(flatten)]
         watch: WatchArgs,
@@ -179,7 +180,8 @@ struct CsiArgs {
     /// Staging and target paths must lie under this directory.
     #[arg(long, default_value = "/var/lib/kubelet")]
     kubelet_root: std::path::PathBuf,
-    /// The agent's state: volume images under pool/, staged records under staged/.
+    /// The agent's state: volume images under pool/, staged records under
+    /// staged/, and agent.lock (one agent at a time).
     #[arg(long, default_value = "/var/lib/volring")]
     state_dir: std::path::PathBuf,
     /// Where volume images live (default: STATE_DIR/pool).
@@ -295,12 +297,25 @@ impl WatchArgs {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // `volring mounts --watch | head -1` is not an error.
+        Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
+            let _ = writeln!(std::io::stderr(), "Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd } => {
             let metrics = match metrics_addr.as_str() {
@@ -317,6 +332,7 @@ fn main() -> anyhow::Result<()> {
                 },
                 metrics,
                 log_events,
+                state_dir: csi.state_dir.clone(),
                 csi: csi.config()?,
                 nbd: nbd.config()?,
             };
@@ -328,15 +344,13 @@ fn main() -> anyhow::Result<()> {
             runtime()?.block_on(nbd_serve(tuning.config(listen), specs, exports_file, stats_interval))
         }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
-        Command::Mounts { json, watch: false, watch_args } => {
-            quiet_on_closed_pipe(print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)))
-        }
+        Command::Mounts { json, watch: false, watch_args } => print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)),
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
-        Command::Devices { json, scan } => quiet_on_closed_pipe(print_devices(json, &scan.config())),
+        Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
-            quiet_on_closed_pipe(runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() })))
+            runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() }))
         }
     }
 }
@@ -349,11 +363,12 @@ async fn csi_call(endpoint: &str, call: volring::csi::client::Call) -> anyhow::R
         volring::csi::client::Clients::connect(path.clone()).await.with_context(|| format!("connect to {}", path.display()))?;
     match volring::csi::client::call(&mut clients, call).await {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v)?);
-            Ok(())
+            let text = serde_json::to_string_pretty(&v)?;
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{text}").and_then(|_| out.flush()).map_err(stdout_error)
         }
         Err(status) => {
-            eprintln!("{:?}: {}", status.code(), status.message());
+            let _ = writeln!(std::io::stderr(), "{:?}: {}", status.code(), status.message());
             std::process::exit(1);
         }
     }
@@ -375,7 +390,7 @@ async fn nbd_serve(
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let exports = std::sync::Arc::new(volring::nbd::Exports::new());
-    let server = volring::nbd::NbdServer::start(config, exports)?;
+    let server = std::sync::Arc::new(volring::nbd::NbdServer::start(config, exports)?);
     let from_file = match &exports_file {
         Some(p) => read_exports_file(p)?,
         None => Vec::new(),
@@ -384,32 +399,67 @@ async fn nbd_serve(
         server.add_export(spec)?;
     }
     // Tests and scripts wait for this line: the server accepts from here on.
-    println!(
-        "{}",
-        serde_json::json!({ "listening": server.addresses(), "exports": server.exports().all().iter().map(|e| &e.name).collect::<Vec<_>>() })
-    );
-    std::io::stdout().flush()?;
+    // A closed stdout does not stop the server; it stops the printing.
+    let listening = serde_json::json!({
+        "listening": server.addresses(),
+        "exports": server.exports().all().iter().map(|e| &e.name).collect::<Vec<_>>()
+    });
+    let mut printing = print_line(&listening);
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
     let period = std::time::Duration::from_secs_f64(stats_interval.max(0.01));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    // A reload runs on the blocking pool (removing an export waits for its
+    // connections); signals that arrive meanwhile start one more after it.
+    let mut reload: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
-            _ = tick.tick(), if stats_interval > 0.0 => print_nbd_stats(&server),
-            _ = hup.recv() => {
-                let Some(path) = &exports_file else { continue };
-                match read_exports_file(path) {
-                    Ok(wanted) => reconcile_exports(&server, &specs, &wanted),
+            _ = tick.tick(), if stats_interval > 0.0 && printing => printing = print_nbd_stats(&server),
+            _ = hup.recv(), if reload.is_none() => {
+                let Some(path) = exports_file.clone() else {
+                    tracing::info!("SIGHUP: no --exports-file to re-read; ignored");
+                    continue;
+                };
+                let (server, fixed) = (server.clone(), specs.clone());
+                reload = Some(tokio::task::spawn_blocking(move || match read_exports_file(&path) {
+                    Ok(wanted) => reconcile_exports(&server, &fixed, &wanted),
                     Err(e) => tracing::warn!(error = %e, "exports file not re-read"),
+                }));
+            }
+            done = async { reload.as_mut().expect("guarded").await }, if reload.is_some() => {
+                reload = None;
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "exports reload did not finish");
                 }
             }
         }
     }
-    print_nbd_stats(&server);
-    server.stop();
+    if let Some(r) = reload.take() {
+        let _ = r.await;
+    }
+    if printing {
+        print_nbd_stats(&server);
+    }
+    if let Some(server) = std::sync::Arc::into_inner(server) {
+        tokio::task::spawn_blocking(move || server.stop()).await?;
+    }
     Ok(())
+}
+
+/// Prints one JSON line; false when stdout is gone (then nothing more is
+/// printed; a closed pipe is not worth a warning).
+fn print_line(v: &serde_json::Value) -> bool {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{v}").and_then(|_| out.flush()) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => false,
+        Err(e) => {
+            tracing::warn!(error = %e, "stdout not writable; no more lines are printed");
+            false
+        }
+    }
 }
 
 /// Makes the served set match the command line plus the exports file.
@@ -429,16 +479,31 @@ fn reconcile_exports(server: &volring::nbd::NbdServer, fixed: &[volring::nbd::Ex
     }
 }
 
-fn print_nbd_stats(server: &volring::nbd::NbdServer) {
+fn print_nbd_stats(server: &volring::nbd::NbdServer) -> bool {
     let snaps = server.exports().snapshots();
-    println!("{}", serde_json::json!({ "exports": snaps }));
+    print_line(&serde_json::json!({ "exports": snaps }))
 }
 
-/// `volring mounts | head` is not an error.
-fn quiet_on_closed_pipe(r: anyhow::Result<()>) -> anyhow::Result<()> {
-    match r {
-        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => Ok(()),
-        other => other,
+/// The reader of stdout went away (`volring mounts --watch | head -1`): the
+/// command stops and exits quietly with status 0. Only stdout writes make
+/// it, so an EPIPE from anything else stays an error.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// An error writing stdout, as the command's error.
+fn stdout_error(e: std::io::Error) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        StdoutClosed.into()
+    } else {
+        anyhow::Error::new(e).context("write to stdout")
     }
 }
 
@@ -453,61 +518,63 @@ fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
     }
     let rows = table.sorted();
     let mut out = std::io::stdout().lock();
-    if json {
-        serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows })).map_err(std::io::Error::from)?;
-        writeln!(out)?;
-    } else {
-        writeln!(out, "TARGET SOURCE FSTYPE OPTIONS")?;
-        let mut line = String::new();
-        for m in rows {
-            line.clear();
-            for (i, field) in [m.mount_point(), m.source(), m.fs_type(), m.merged_options().as_bytes()].into_iter().enumerate() {
-                if i > 0 {
-                    line.push(' ');
+    let mut write = || -> std::io::Result<()> {
+        if json {
+            serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows }))?;
+            writeln!(out)?;
+        } else {
+            writeln!(out, "TARGET SOURCE FSTYPE OPTIONS")?;
+            let mut line = String::new();
+            for m in &rows {
+                line.clear();
+                for (i, field) in [m.mount_point(), m.source(), m.fs_type(), m.merged_options().as_bytes()].into_iter().enumerate() {
+                    if i > 0 {
+                        line.push(' ');
+                    }
+                    mounts::escape_raw(field, &mut line);
                 }
-                mounts::escape_raw(field, &mut line);
+                writeln!(out, "{line}")?;
             }
-            writeln!(out, "{line}")?;
         }
-    }
-    Ok(())
+        out.flush()
+    };
+    write().map_err(stdout_error)
 }
 
 async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     let (watcher, _initial, events) = MountWatcher::start(config)?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    loop {
+    let result = loop {
         tokio::select! {
             ev = events.recv() => {
-                let Some(ev) = ev else { break };
+                let Some(ev) = ev else { break Ok(()) };
                 let mut out = std::io::stdout().lock();
-                serde_json::to_writer(&mut out, &ev)?;
-                writeln!(out)?;
-                if out.flush().is_err() {
-                    break; // reader went away
+                let written = serde_json::to_writer(&mut out, &ev).map_err(std::io::Error::from).and_then(|_| writeln!(out)).and_then(|_| out.flush());
+                if let Err(e) = written {
+                    break Err(stdout_error(e));
                 }
             }
-            _ = tokio::signal::ctrl_c() => break,
-            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break Ok(()),
+            _ = term.recv() => break Ok(()),
         }
-    }
+    };
     watcher.stop()?;
-    Ok(())
+    result
 }
 
 fn print_devices(json: bool, cfg: &ScanConfig) -> anyhow::Result<()> {
     let (table, _) = mounts::load(true)?;
     let inv = Inventory::scan(cfg, &table)?;
     let mut out = std::io::stdout().lock();
-    if json {
+    let written = if json {
         let devices: Vec<_> = inv.devices.values().collect();
         serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "blockdevices": devices, "errors": inv.errors }))
-            .map_err(std::io::Error::from)?;
-        writeln!(out)?;
+            .map_err(std::io::Error::from)
+            .and_then(|_| writeln!(out))
     } else {
-        out.write_all(report::device_table(&inv).as_bytes())?;
-    }
-    Ok(())
+        out.write_all(report::device_table(&inv).as_bytes())
+    };
+    written.and_then(|_| out.flush()).map_err(stdout_error)
 }
 
 /// Samples until Ctrl-C (or `count`). On a terminal each sample replaces
@@ -548,7 +615,7 @@ async fn watch_stats(cfg: CollectorConfig, count: Option<u64>, all: bool, json: 
             }
         };
         if let Err(e) = written.and_then(|_| out.flush()) {
-            break Err(e.into());
+            break Err(stdout_error(e));
         }
         shown += 1;
         if count.is_some_and(|c| shown >= c) {

@@ -58,7 +58,10 @@ impl Subject for ListSnapshotsRequest {}
 impl Subject for NodeGetCapabilitiesRequest {}
 impl Subject for NodeGetInfoRequest {}
 
-/// Counts a call as running until dropped (also when its future is).
+/// Counts a call as running until dropped. It is moved into the blocking
+/// work, not held by the async wrapper: kubelet's deadline drops the
+/// wrapper, but the work it started runs on, and a stopping agent must wait
+/// for that work, not for the wrapper.
 struct InFlight(Arc<Driver>);
 
 impl InFlight {
@@ -74,7 +77,36 @@ impl Drop for InFlight {
     }
 }
 
+/// The longest status message sent back: gRPC carries it in a header
+/// (grpc-message), and clients drop replies whose headers are too large.
+const MAX_MESSAGE: usize = 1024;
+/// The longest volume id or name written to a log line.
+const MAX_LOGGED_SUBJECT: usize = 256;
+
+/// `s` cut to at most `max` bytes on a char boundary; a cut text says so
+/// and how long it was.
+fn bounded(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let note = format!("... (cut; {} bytes in all)", s.len());
+    let mut end = max.saturating_sub(note.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{note}", &s[..end]).into()
+}
+
+/// The status for an error: its code, and its message bounded.
+fn status(e: &Error) -> Status {
+    Status::new(e.code(), bounded(&e.to_string(), MAX_MESSAGE).into_owned())
+}
+
+/// Runs `f` on the blocking pool with `running` held until it returns (also
+/// when the caller has given up), logs the outcome from there, and maps the
+/// error to its status.
 async fn call<Q, T>(
+    running: impl Send + 'static,
     rpc: &'static str,
     kind: Kind,
     request: Request<Q>,
@@ -86,20 +118,30 @@ where
 {
     let id = NEXT_REQUEST.fetch_add(1, Ordering::Relaxed);
     let request = request.into_inner();
-    let volume = request.subject().to_string();
-    let start = Instant::now();
-    let outcome = match tokio::task::spawn_blocking(move || f(request)).await {
+    let work = move || {
+        let _running = running;
+        let volume = bounded(request.subject(), MAX_LOGGED_SUBJECT).into_owned();
+        let start = Instant::now();
+        let outcome = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(request))) {
+            Ok(r) => r,
+            Err(p) => Err(Error::Internal(format!("{rpc} failed unexpectedly: {}", panic_text(p)))),
+        };
+        let micros = start.elapsed().as_micros() as u64;
+        match &outcome {
+            Ok(_) if kind == Kind::Change => tracing::info!(request = id, rpc, volume, micros, "ok"),
+            Ok(_) => tracing::debug!(request = id, rpc, volume, micros, "ok"),
+            Err(e) => {
+                let error = bounded(&e.to_string(), MAX_MESSAGE).into_owned();
+                tracing::warn!(request = id, rpc, volume, micros, code = ?e.code(), error, "failed")
+            }
+        }
+        outcome
+    };
+    let outcome = match tokio::task::spawn_blocking(work).await {
         Ok(r) => r,
-        Err(e) if e.is_panic() => Err(Error::Internal(format!("{rpc} failed unexpectedly: {}", panic_text(e.into_panic())))),
         Err(e) => Err(Error::Internal(format!("{rpc} was cancelled: {e}"))),
     };
-    let micros = start.elapsed().as_micros() as u64;
-    match &outcome {
-        Ok(_) if kind == Kind::Change => tracing::info!(request = id, rpc, volume, micros, "ok"),
-        Ok(_) => tracing::debug!(request = id, rpc, volume, micros, "ok"),
-        Err(e) => tracing::warn!(request = id, rpc, volume, micros, code = ?e.code(), error = %e, "failed"),
-    }
-    outcome.map(Response::new).map_err(Status::from)
+    outcome.map(Response::new).map_err(|e| status(&e))
 }
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
@@ -115,9 +157,8 @@ macro_rules! service {
         impl $tr for $svc {
             $(
                 async fn $method(&self, request: Request<$req>) -> std::result::Result<Response<$resp>, Status> {
-                    let _running = InFlight::new(&self.0);
                     let $d = self.0.clone();
-                    call($name, Kind::$kind, request, move |$r: $req| {
+                    call(InFlight::new(&self.0), $name, Kind::$kind, request, move |$r: $req| {
                         let _ = (&$d, &$r);
                         $body
                     })
@@ -178,20 +219,61 @@ mod tests {
 
     #[tokio::test]
     async fn a_panic_becomes_internal_and_the_next_call_works() {
-        let r = call("Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| -> Result<ProbeResponse> { panic!("handler bug") }).await;
+        let r =
+            call((), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| -> Result<ProbeResponse> { panic!("handler bug") }).await;
         let s = r.expect_err("panicked");
         assert_eq!(s.code(), tonic::Code::Internal);
         assert!(s.message().contains("handler bug"), "{}", s.message());
-        let ok = call("Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| Ok(ProbeResponse { ready: Some(true) })).await;
+        let ok = call((), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| Ok(ProbeResponse { ready: Some(true) })).await;
         assert_eq!(ok.unwrap().into_inner().ready, Some(true));
     }
 
     #[tokio::test]
     async fn errors_keep_their_codes() {
-        let r = call("NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), |_r| -> Result<()> {
+        let r = call((), "NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), |_r| -> Result<()> {
             Err(Error::Aborted("v".into()))
         })
         .await;
         assert_eq!(r.unwrap_err().code(), tonic::Code::Aborted);
+    }
+
+    #[tokio::test]
+    async fn messages_are_bounded_on_a_char_boundary() {
+        let huge = "é".repeat(3 << 20);
+        let r = call((), "ListVolumes", Kind::Query, Request::new(ListVolumesRequest::default()), move |_r| -> Result<()> {
+            Err(Error::Aborted(format!("starting_token {huge:?} is not one volring issued")))
+        })
+        .await;
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::Aborted);
+        assert!(s.message().len() <= MAX_MESSAGE, "{} bytes", s.message().len());
+        assert!(s.message().starts_with("starting_token \"éé"), "{}", s.message());
+        assert!(s.message().ends_with(&format!("(cut; {} bytes in all)", 2 * (3 << 20) + 43)), "{}", s.message());
+        assert_eq!(bounded("short", MAX_MESSAGE), "short");
+    }
+
+    #[tokio::test]
+    async fn the_running_count_is_held_by_the_work_not_by_the_caller() {
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let held = Arc::new(());
+        let caller =
+            tokio::spawn(call(held.clone(), "NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), move |_r| {
+                started_tx.send(()).unwrap();
+                go_rx.recv().unwrap();
+                Ok(())
+            }));
+        tokio::task::spawn_blocking(move || started_rx.recv().unwrap()).await.unwrap();
+        caller.abort();
+        let _ = caller.await;
+        assert_eq!(Arc::strong_count(&held), 2, "the work still runs, so it is still counted");
+        go_tx.send(()).unwrap();
+        for _ in 0..1000 {
+            if Arc::strong_count(&held) == 1 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("the count was not released when the work ended");
     }
 }
