@@ -51,8 +51,11 @@ fuzz_target!(|data: &[u8]| {
                 let _ = validate::volume_name(&r.name);
                 let _ = validate::capabilities(&r.volume_capabilities);
                 let min = 16 << 20;
-                if let Ok(size) = validate::capacity(r.capacity_range.as_ref(), min) {
-                    assert!(size >= min && size <= validate::MAX_SIZE && size % 4096 == 0);
+                // A pool whose filesystem holds less than the policy ceiling
+                // (ext4's 16 TiB), as well as one that holds more.
+                let max = if which & 0x80 != 0 { (16 << 40) - (1 << 20) } else { validate::MAX_SIZE };
+                if let Ok(size) = validate::capacity(r.capacity_range.as_ref(), min, max) {
+                    assert!(size >= min && size <= max && size % 4096 == 0);
                     if let Some(c) = &r.capacity_range {
                         assert!(size >= c.required_bytes as u64);
                         assert!(c.limit_bytes == 0 || size <= c.limit_bytes as u64);
@@ -63,7 +66,12 @@ fuzz_target!(|data: &[u8]| {
         _ => {
             if let Ok(r) = ControllerExpandVolumeRequest::decode(rest) {
                 id(&r.volume_id);
-                let _ = validate::capacity(r.capacity_range.as_ref(), 0);
+                if let Some(c) = &r.capacity_range {
+                    if validate::capacity_range(c).is_ok() {
+                        assert!(c.required_bytes >= 0 && c.limit_bytes >= 0);
+                    }
+                }
+                let _ = validate::capacity(r.capacity_range.as_ref(), 0, validate::MAX_SIZE);
             }
         }
     }

@@ -26,7 +26,7 @@ impl Driver {
             }
         }
         let min = min_size(fs_type, &caps);
-        let size = validate::capacity(req.capacity_range.as_ref(), min)?;
+        let size = validate::capacity(req.capacity_range.as_ref(), min, self.max_volume_size())?;
         let id = req.name.clone();
         let _guard = self.lock(&id)?;
         if let Some(have) = self.pool.get(&id) {
@@ -60,11 +60,14 @@ impl Driver {
         if let Some(r) = self.records.get(id) {
             return Err(Error::FailedPrecondition(format!("volume {id} is staged at {}", r.staging_path.display())));
         }
-        if let Some(a) = attach::find_backed_by(&self.pool.image_path(id)).first() {
+        // A device whose detach the kernel deferred (another opener) is
+        // waited for, bounded; one really in use fails the delete.
+        if let Some(a) = attach::still_attached(&self.pool.image_path(id)).first() {
             return Err(Error::FailedPrecondition(format!("volume {id} is still attached as {}", a.path().display())));
         }
-        if self.pool.get(id).is_some() {
-            self.pool.delete(id)?;
+        // Unconditional: the pool also removes what an interrupted delete
+        // left, and the image of a volume whose record is quarantined.
+        if self.pool.delete(id)? {
             tracing::info!(volume = %id, "deleted volume");
         }
         Ok(DeleteVolumeResponse {})
@@ -73,6 +76,7 @@ impl Driver {
     pub(super) fn controller_expand(&self, req: ControllerExpandVolumeRequest) -> Result<ControllerExpandVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
         let range = req.capacity_range.as_ref().ok_or_else(|| Error::InvalidArgument("capacity_range is required".into()))?;
+        validate::capacity_range(range)?;
         let cap = req.volume_capability.as_ref().map(|c| validate::capability(Some(c))).transpose()?;
         let id = &req.volume_id;
         let _guard = self.lock(id)?;
@@ -91,7 +95,7 @@ impl Driver {
         let size = if min_required(Some(range)) <= have.size_bytes {
             have.size_bytes
         } else {
-            let size = validate::capacity(Some(range), have.size_bytes)?;
+            let size = validate::capacity(Some(range), have.size_bytes, self.max_volume_size())?;
             self.pool.grow(id, size)?.size_bytes
         };
         // A staged device sees the new size at once, so block volumes need
@@ -111,7 +115,7 @@ impl Driver {
         let min = fs.flatten().map_or(FsKind::Ext4.min_size(), FsKind::min_size);
         Ok(GetCapacityResponse {
             available_capacity: available.min(i64::MAX as u64) as i64,
-            maximum_volume_size: Some(validate::MAX_SIZE as i64),
+            maximum_volume_size: Some(self.max_volume_size() as i64),
             minimum_volume_size: Some(min as i64),
         })
     }
@@ -122,17 +126,13 @@ impl Driver {
         }
         let after = match req.starting_token.as_str() {
             "" => None,
-            t => {
-                // The token is the last id of the previous page.
-                validate::volume_id(t).map_err(|_| Error::Aborted(format!("starting_token {t:?} is not one volring issued")))?;
-                Some(t)
-            }
+            t => Some(validate::parse_list_token(t)?),
         };
         let max = if req.max_entries == 0 { usize::MAX } else { req.max_entries as usize };
-        let mut page = self.pool.page(after, max.saturating_add(1));
+        let mut page = self.pool.page(after.as_deref(), max.saturating_add(1));
         let next_token = if page.len() > max {
             page.truncate(max);
-            page.last().map(|m| m.id.clone()).unwrap_or_default()
+            page.last().map(|m| validate::list_token(&m.id)).unwrap_or_default()
         } else {
             String::new()
         };
@@ -168,6 +168,12 @@ impl Driver {
             },
             Err(e) => ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.to_string() },
         })
+    }
+
+    /// The largest volume CreateVolume accepts and GetCapacity advertises:
+    /// the pool filesystem's largest file, under volring's own ceiling.
+    fn max_volume_size(&self) -> u64 {
+        self.pool.max_image_bytes().min(validate::MAX_SIZE)
     }
 
     pub(super) fn volume(&self, m: &VolumeMeta) -> Volume {

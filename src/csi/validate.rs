@@ -16,8 +16,9 @@ pub const MAX_ID_LEN: usize = 128;
 pub const MAX_PATH_LEN: usize = 4096;
 /// The size of a volume created without a capacity range.
 pub const DEFAULT_SIZE: u64 = 1 << 30;
-/// The largest image volring creates (ext4 with 4 KiB blocks tops out at
-/// 16 TiB without the 64bit feature; the pool is sparse either way).
+/// The largest volume volring creates whatever the pool's filesystem allows
+/// (a policy ceiling; the filesystem's own limit, probed when the pool
+/// opens, is often lower: ext4 with 4 KiB blocks holds files up to 16 TiB).
 pub const MAX_SIZE: u64 = 64 << 40;
 const MIB: u64 = 1 << 20;
 
@@ -146,17 +147,27 @@ pub fn capabilities(caps: &[VolumeCapability]) -> Result<Vec<Access>> {
     caps.iter().map(|c| capability(Some(c))).collect()
 }
 
-/// The size to create: `required` (or the default) raised to `min`, rounded
-/// up to a MiB, and never above `limit`; OutOfRange when no size fits.
-pub fn capacity(range: Option<&CapacityRange>, min: u64) -> Result<u64> {
-    let (req, lim) = range.map(|r| (r.required_bytes, r.limit_bytes)).unwrap_or((0, 0));
-    if req < 0 || lim < 0 {
+/// Checks a capacity range on its own: the CSI spec says neither field
+/// may be negative, and a range whose floor is above its ceiling is no
+/// range (both INVALID_ARGUMENT, the spec's code for an invalid field).
+pub fn capacity_range(r: &CapacityRange) -> Result<()> {
+    if r.required_bytes < 0 || r.limit_bytes < 0 {
         return Err(Error::InvalidArgument("capacity_range values must not be negative".into()));
     }
-    let (req, lim) = (req as u64, lim as u64);
-    if lim > 0 && req > lim {
-        return Err(Error::InvalidArgument(format!("required_bytes {req} exceeds limit_bytes {lim}")));
+    if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes {
+        return Err(Error::InvalidArgument(format!("required_bytes {} exceeds limit_bytes {}", r.required_bytes, r.limit_bytes)));
     }
+    Ok(())
+}
+
+/// The size to create: `required` (or the default) raised to `min`, rounded
+/// up to a MiB, and never above `limit`; OutOfRange when no size fits or the
+/// size is above `max`, the largest volume this pool can hold.
+pub fn capacity(range: Option<&CapacityRange>, min: u64, max: u64) -> Result<u64> {
+    if let Some(r) = range {
+        capacity_range(r)?;
+    }
+    let (req, lim) = range.map(|r| (r.required_bytes as u64, r.limit_bytes as u64)).unwrap_or((0, 0));
     let want = match (req, lim) {
         (0, 0) => DEFAULT_SIZE,
         (0, l) => DEFAULT_SIZE.min(l),
@@ -173,10 +184,62 @@ pub fn capacity(range: Option<&CapacityRange>, min: u64) -> Result<u64> {
             return Err(Error::OutOfRange(format!("no 4 KiB-aligned size between {want} and {lim} bytes")));
         }
     }
-    if size > MAX_SIZE {
-        return Err(Error::OutOfRange(format!("{size} bytes is above the largest volume, {MAX_SIZE} bytes")));
+    if size > max {
+        return Err(Error::OutOfRange(format!("{size} bytes is above the largest volume this node can hold, {max} bytes")));
     }
     Ok(size)
+}
+
+/// Version tag and separator of a ListVolumes token.
+const TOKEN_PREFIX: &str = "vr1.";
+/// The longest token [`list_token`] makes: prefix, hex id, dot, checksum.
+pub const MAX_TOKEN_LEN: usize = TOKEN_PREFIX.len() + 2 * MAX_ID_LEN + 1 + 8;
+
+/// The ListVolumes token that resumes after volume `last_id`:
+/// `vr1.<id in lowercase hex>.<FNV-1a 32 of what precedes, 8 hex digits>`.
+///
+/// The CSI spec has a CO restart listing (ABORTED) on a token the plugin
+/// did not issue; a versioned, checksummed token is recognisably volring's,
+/// where a bare id would accept any id-shaped string. It is not a secret:
+/// it only carries a position, which the CO may learn anyway.
+pub fn list_token(last_id: &str) -> String {
+    let mut t = String::with_capacity(MAX_TOKEN_LEN);
+    t.push_str(TOKEN_PREFIX);
+    for b in last_id.bytes() {
+        t.push_str(&format!("{b:02x}"));
+    }
+    let sum = fnv1a32(t.as_bytes());
+    t.push_str(&format!(".{sum:08x}"));
+    t
+}
+
+/// The volume id a token from [`list_token`] resumes after; ABORTED (the
+/// spec's code for an invalid `starting_token`) for anything else. Pure and
+/// bounded: never allocates more than the id it returns.
+pub fn parse_list_token(token: &str) -> Result<String> {
+    let bad = |why: &str| Error::Aborted(format!("starting_token ({} bytes) is not one volring issued: {why}", token.len()));
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(bad("too long"));
+    }
+    let (body, sum) = token.rsplit_once('.').ok_or_else(|| bad("no checksum"))?;
+    let hex = body.strip_prefix(TOKEN_PREFIX).ok_or_else(|| bad("unknown version"))?;
+    let lower_hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    if sum.len() != 8 || !lower_hex(sum) || hex.len() % 2 != 0 || !lower_hex(hex) {
+        return Err(bad("malformed"));
+    }
+    if u32::from_str_radix(sum, 16).ok() != Some(fnv1a32(body.as_bytes())) {
+        return Err(bad("checksum mismatch"));
+    }
+    let bytes: Vec<u8> = hex.as_bytes().chunks(2).filter_map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok()).collect();
+    let id = String::from_utf8(bytes).map_err(|_| bad("not text"))?;
+    volume_id(&id).map_err(|_| bad("not a volume id"))?;
+    Ok(id)
+}
+
+/// FNV-1a, 32 bits: a short checksum that tells a token volring issued from
+/// a string that merely looks like one.
+fn fnv1a32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ b as u32).wrapping_mul(0x0100_0193))
 }
 
 #[cfg(test)]
@@ -241,6 +304,7 @@ mod tests {
     #[test]
     fn sizes() {
         let r = |req, lim| Some(CapacityRange { required_bytes: req, limit_bytes: lim });
+        let capacity = |r: Option<&CapacityRange>, min| capacity(r, min, MAX_SIZE);
         assert_eq!(capacity(None, 16 * MIB).unwrap(), DEFAULT_SIZE);
         assert_eq!(capacity(r(1, 0).as_ref(), 16 * MIB).unwrap(), 16 * MIB);
         assert_eq!(capacity(r((100 * MIB + 1) as i64, 0).as_ref(), 0).unwrap(), 101 * MIB);
@@ -248,8 +312,35 @@ mod tests {
         assert_eq!(capacity(r((100 * MIB + 1) as i64, (100 * MIB + 8192) as i64).as_ref(), 0).unwrap(), 100 * MIB + 8192);
         assert!(matches!(capacity(r(0, (8 * MIB) as i64).as_ref(), 16 * MIB), Err(Error::OutOfRange(_))));
         assert!(matches!(capacity(r(-1, 0).as_ref(), 0), Err(Error::InvalidArgument(_))));
+        assert!(matches!(capacity(r(0, -1).as_ref(), 0), Err(Error::InvalidArgument(_))));
         assert!(matches!(capacity(r(10, 5).as_ref(), 0), Err(Error::InvalidArgument(_))));
         assert!(matches!(capacity(r(i64::MAX, 0).as_ref(), 0), Err(Error::OutOfRange(_))));
         assert_eq!(capacity(r(0, (2 * MIB) as i64).as_ref(), MIB).unwrap(), 2 * MIB);
+        // The pool's own ceiling is honoured.
+        assert_eq!(super::capacity(r((16 * MIB) as i64, 0).as_ref(), 0, 16 * MIB).unwrap(), 16 * MIB);
+        assert!(matches!(super::capacity(r((16 * MIB + 1) as i64, 0).as_ref(), 0, 16 * MIB), Err(Error::OutOfRange(_))));
+    }
+
+    #[test]
+    fn list_tokens() {
+        for id in ["a", "pvc-0b5c2a8e-1d4f-4a4e-9f0e-3f1c2d3e4f5a", &"z".repeat(MAX_ID_LEN)] {
+            let t = list_token(id);
+            assert!(t.len() <= MAX_TOKEN_LEN);
+            assert_eq!(parse_list_token(&t).unwrap(), id);
+        }
+        let good = list_token("pvc-1");
+        let flipped = format!("{}{}", &good[..good.len() - 1], if good.ends_with('0') { '1' } else { '0' });
+        let upper = good.to_uppercase();
+        let other_version = good.replacen("vr1.", "vr2.", 1);
+        for bad in ["", "pvc-1", "vr1.", "vr1..", "vr1.7.00000000", &flipped, &upper, &other_version, &"vr1.".repeat(100)] {
+            assert!(matches!(parse_list_token(bad), Err(Error::Aborted(_))), "{bad:?}");
+        }
+        // A checksummed token whose id is not a volume id is refused too.
+        let mut sneaky = String::from(TOKEN_PREFIX);
+        for b in b"../x" {
+            sneaky.push_str(&format!("{b:02x}"));
+        }
+        let sum = fnv1a32(sneaky.as_bytes());
+        assert!(parse_list_token(&format!("{sneaky}.{sum:08x}")).is_err());
     }
 }

@@ -4,14 +4,24 @@
 //! attached when the agent restarts. So that a device found later really is
 //! ours, every lookup compares the kernel's record of the backing file with
 //! the image path before trusting a number.
+//!
+//! A detach is finished before [`detach`] returns. `LOOP_CLR_FD` on a device
+//! someone else holds open (a `blkid`, a backup agent, a process that had
+//! the device node open) does not detach it: the kernel only marks it
+//! autoclear and tears it down when the last opener closes. So `detach`
+//! waits, bounded, for the backing file to really be gone, and then removes
+//! the device number from the kernel (`LOOP_CTL_REMOVE`), so a node that
+//! cycles through thousands of volumes is not left with thousands of empty
+//! loop devices.
 
 use std::fs::OpenOptions;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::devices::sysfs::parse_devnum;
 use crate::mounts::DevNum;
-use crate::sys::loopdev::{LoopDevice, LoopOptions};
+use crate::sys::loopdev::{self, LoopDevice, LoopOptions};
 
 use super::Error;
 
@@ -78,17 +88,98 @@ fn loop_numbers() -> impl Iterator<Item = u32> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("loop")?.parse::<u32>().ok())
 }
 
-/// Detaches `/dev/loop<number>` if it is still attached to `image`; a device
-/// already detached (or reused for something else) is left alone.
+/// How long a detach the kernel deferred (the device is held open
+/// elsewhere) may take before [`detach`] gives up and says so.
+pub const DETACH_WAIT: Duration = Duration::from_secs(5);
+
+/// Detaches `/dev/loop<number>` if it is still attached to `image`, waits
+/// until the kernel has really let go of the image, and removes the device;
+/// a device already detached (or reused for something else) is left alone.
+/// Fails with [`Error::Precondition`] when another opener keeps the device
+/// past [`DETACH_WAIT`] (it detaches by itself when that opener closes; a
+/// retry waits again).
 pub fn detach(number: u32, image: &Path) -> Result<(), Error> {
     if existing(number, image).is_none() {
         return Ok(());
     }
     let dev = LoopDevice::open(number).map_err(Error::io("open loop device", format!("/dev/loop{number}")))?;
+    // Consumes (closes) our descriptor: when we were the last opener the
+    // kernel tears the device down right here.
     match dev.detach() {
-        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => Ok(()),
-        r => r.map_err(Error::io("detach loop device", format!("/dev/loop{number}"))),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
+        r => r.map_err(Error::io("detach loop device", format!("/dev/loop{number}")))?,
     }
+    if !wait_detached(number, image, Instant::now() + DETACH_WAIT) {
+        return Err(Error::Precondition(format!(
+            "/dev/loop{number} is held open by another process; the kernel detaches it from {} when that process closes it",
+            image.display()
+        )));
+    }
+    release(number);
+    Ok(())
+}
+
+/// The devices still attached to `image`, after waiting (bounded by
+/// [`DETACH_WAIT`]) for those whose detach is under way: volring attaches
+/// without autoclear, so a device of ours with autoclear set is one that
+/// was told to detach and waits for another opener to close it.
+pub fn still_attached(image: &Path) -> Vec<Attachment> {
+    let deadline = Instant::now() + DETACH_WAIT;
+    let mut out = Vec::new();
+    for a in find_backed_by(image) {
+        if detaching(a.number) && wait_detached(a.number, image, deadline) {
+            release(a.number);
+        } else {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// Polls (1 ms, doubling to 50 ms) until `/dev/loop<number>` no longer
+/// serves `image` or `deadline` passes; true when it no longer does.
+fn wait_detached(number: u32, image: &Path, deadline: Instant) -> bool {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if existing(number, image).is_none() {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Whether the kernel was told to detach `/dev/loop<number>` when its last
+/// opener closes (the autoclear flag).
+fn detaching(number: u32) -> bool {
+    std::fs::read_to_string(format!("/sys/block/loop{number}/loop/autoclear")).is_ok_and(|s| s.trim() == "1")
+}
+
+/// Removes the detached device `/dev/loop<number>` from the kernel. The
+/// kernel refuses (EBUSY) while the device is attached or open: attached
+/// means someone reused the number, so it is theirs; open while unattached
+/// is a short-lived prober, waited out a few times before giving up (an
+/// empty device left behind costs only a sysfs entry).
+fn release(number: u32) {
+    let mut pause = Duration::from_millis(1);
+    for _ in 0..6 {
+        match loopdev::remove(number) {
+            Ok(()) => return,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && backing_file(number).is_none() => {
+                std::thread::sleep(pause);
+                pause *= 2;
+            }
+            Err(e) => {
+                tracing::debug!(device = number, error = %e, "loop device not removed");
+                return;
+            }
+        }
+    }
+    tracing::debug!(device = number, "loop device still open by someone else; not removed");
 }
 
 /// Makes the device see its image's new size; returns the size in bytes.

@@ -6,7 +6,8 @@
 //! node has staged (so an agent restart loses nothing), [`attach`] maps an
 //! image to a loop device, [`filesystem`] probes, formats and grows, and
 //! [`mounting`] turns CSI mount flags into mount(2) calls. Everything that
-//! writes state writes it crash-safe ([`persist`]).
+//! writes state writes it crash-safe ([`persist`]); a record that cannot be
+//! read back is quarantined rather than fatal, and [`status`] reports it all.
 
 pub mod attach;
 pub mod beneath;
@@ -15,12 +16,15 @@ pub mod mounting;
 pub mod persist;
 pub mod pool;
 pub mod staged;
+pub mod status;
 
 pub use attach::Attachment;
 pub use filesystem::{Content, FsKind};
 pub use mounting::MountOptions;
+pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
 pub use staged::{AccessKind, StagePhase, StagedRecords, StagedVolume};
+pub use status::StatusReport;
 
 use std::path::PathBuf;
 

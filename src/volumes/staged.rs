@@ -6,6 +6,10 @@
 //! small file written crash-safe; the record is written *before* each step
 //! that changes the machine (an intent), so a crash mid-stage leaves a record
 //! that says what may need undoing.
+//!
+//! A record that cannot be read back is quarantined (see [`super::persist`])
+//! rather than failing the open: one bad file must not stop the node serving
+//! every other volume.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -14,7 +18,8 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use super::persist::{remove_durable, sweep_temporaries, write_atomic};
+use super::persist::{self, remove_durable, sweep_temporaries, write_atomic, Quarantined};
+use super::pool::read_small;
 use super::Error;
 
 /// How the volume is consumed.
@@ -71,25 +76,72 @@ impl StagedVolume {
 pub struct StagedRecords {
     dir: PathBuf,
     records: Mutex<HashMap<String, StagedVolume>>,
+    quarantined: Vec<Quarantined>,
 }
 
-const SUFFIX: &str = ".json";
+pub(crate) const SUFFIX: &str = ".json";
+
+/// Reads and checks one staged record; the error says what is wrong.
+pub(crate) fn read_record(path: &Path, id: &str) -> Result<StagedVolume, String> {
+    let bytes = read_small(path)?;
+    let r: StagedVolume = serde_json::from_slice(&bytes).map_err(|e| format!("not a staged record: {e}"))?;
+    if r.volume_id != id {
+        return Err(format!("names volume {:?}, not {id:?}", r.volume_id));
+    }
+    Ok(r)
+}
+
+/// The volume ids of the record files in `dir` (not the temporaries).
+pub(crate) fn record_ids(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut ids = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if !entry.file_type()?.is_file() {
+            continue;
+        }
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else { continue };
+        if let Some(id) = name.strip_suffix(SUFFIX).filter(|_| !name.starts_with('.')) {
+            ids.push(id.to_string());
+        }
+    }
+    ids.sort();
+    Ok(ids)
+}
 
 impl StagedRecords {
+    /// Opens (creating if needed) the records in `dir`; an unreadable record
+    /// is moved to `dir/quarantine/` and logged, and the rest are served.
     pub fn open(dir: &Path) -> Result<Self, Error> {
         fs::create_dir_all(dir).map_err(Error::io("create state directory", dir))?;
         sweep_temporaries(dir).map_err(Error::io("clean state directory", dir))?;
         let mut records = HashMap::new();
-        for entry in fs::read_dir(dir).map_err(Error::io("list staged records", dir))? {
-            let path = entry.map_err(Error::io("list staged records", dir))?.path();
-            if path.extension().is_some_and(|e| e == "json") {
-                let bytes = fs::read(&path).map_err(Error::io("read staged record", &path))?;
-                let r: StagedVolume =
-                    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt { path: path.clone(), detail: e.to_string() })?;
-                records.insert(r.volume_id.clone(), r);
+        for id in record_ids(dir).map_err(Error::io("list staged records", dir))? {
+            let name = format!("{id}{SUFFIX}");
+            let path = dir.join(&name);
+            match read_record(&path, &id) {
+                Ok(r) => {
+                    records.insert(r.volume_id.clone(), r);
+                }
+                Err(reason) => {
+                    let q = persist::quarantine(dir, &name, &reason).map_err(Error::io("quarantine staged record", &path))?;
+                    tracing::error!(record = %path.display(), moved_to = %q.path.display(), %reason,
+                        "unreadable staged record quarantined; whatever it staged (loop device, mounts) is no longer tracked");
+                }
             }
         }
-        Ok(Self { dir: dir.to_path_buf(), records: Mutex::new(records) })
+        let quarantined = persist::quarantined(dir).map_err(Error::io("list quarantined records", dir))?;
+        Ok(Self { dir: dir.to_path_buf(), records: Mutex::new(records), quarantined })
+    }
+
+    /// The records moved to `quarantine/` (by this run or earlier ones).
+    pub fn quarantined(&self) -> Vec<Quarantined> {
+        self.quarantined.clone()
+    }
+
+    /// The quarantined record of volume `id`, if there is one: the volume
+    /// may still be attached and mounted with nothing tracking it.
+    pub fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
+        self.quarantined.iter().find(|q| q.volume_id() == Some(id)).cloned()
     }
 
     pub fn get(&self, id: &str) -> Option<StagedVolume> {
@@ -155,8 +207,18 @@ mod tests {
         r.published.insert("/var/lib/kubelet/p".into(), true);
         recs.put(&r).unwrap();
         let again = StagedRecords::open(d.path()).unwrap();
-        assert_eq!(again.get("pvc-1"), Some(r));
+        assert_eq!(again.get("pvc-1"), Some(r.clone()));
         again.remove("pvc-1").unwrap();
         assert!(StagedRecords::open(d.path()).unwrap().is_empty());
+        // An unreadable record (or one naming another volume) is quarantined;
+        // the good one is still served.
+        recs.put(&r).unwrap();
+        fs::write(d.path().join("torn.json"), b"{\"volume_id\": ").unwrap();
+        fs::write(d.path().join("alias.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+        let again = StagedRecords::open(d.path()).unwrap();
+        assert_eq!(again.all(), vec![r]);
+        let q: Vec<_> = again.quarantined().into_iter().map(|q| q.name).collect();
+        assert_eq!(q, ["alias.json", "torn.json"]);
+        assert!(again.quarantined_record("torn").is_some() && d.path().join("quarantine/torn.json").exists());
     }
 }
