@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::proto::*;
 use super::validate::{self, Access};
 use super::{Driver, Error, Result};
-use crate::volumes::{attach, AccessKind, FsKind, VolumeMeta};
+use crate::volumes::{attach, AccessKind, FsKind, StagePhase, VolumeMeta};
 
 /// StorageClass parameters volring understands; the external-provisioner's
 /// own `csi.storage.k8s.io/` keys are passed through and ignored.
@@ -57,13 +57,21 @@ impl Driver {
         validate::volume_id(&req.volume_id)?;
         let id = &req.volume_id;
         let _guard = self.lock(id)?;
-        if let Some(r) = self.records.get(id) {
-            return Err(Error::FailedPrecondition(format!("volume {id} is staged at {}", r.staging_path.display())));
-        }
+        // A stage that failed in its own mkfs keeps only that intent, with no
+        // device: nothing of the volume is in use, so it may go (the intent
+        // is dropped once no device is found either).
+        let abandoned_stage = match self.records.get(id) {
+            Some(r) if r.phase == StagePhase::Formatting && r.loop_number.is_none() => true,
+            Some(r) => return Err(Error::FailedPrecondition(format!("volume {id} is staged at {}", r.staging_path.display()))),
+            None => false,
+        };
         // A device whose detach the kernel deferred (another opener) is
         // waited for, bounded; one really in use fails the delete.
         if let Some(a) = attach::still_attached(&self.pool.image_path(id)).first() {
             return Err(Error::FailedPrecondition(format!("volume {id} is still attached as {}", a.path().display())));
+        }
+        if abandoned_stage {
+            self.records.remove(id)?;
         }
         // Unconditional: the pool also removes what an interrupted delete
         // left, and the image of a volume whose record is quarantined.
