@@ -66,6 +66,20 @@ enum Command {
         #[command(flatten)]
         watch_args: WatchArgs,
     },
+    /// What this node's state directory holds: volumes, staged volumes with
+    /// their phase, device and targets, quarantined records. Reads the files
+    /// only; works with or without a running agent.
+    Status {
+        /// The agent's state directory.
+        #[arg(long, default_value = "/var/lib/volring")]
+        state_dir: std::path::PathBuf,
+        /// The image pool, if not <state-dir>/pool.
+        #[arg(long)]
+        pool_dir: Option<std::path::PathBuf>,
+        /// One JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// List block devices like `lsblk`: type, filesystem, mounts, ids.
     Devices {
         /// One JSON document (`{"blockdevices": [...]}`).
@@ -346,6 +360,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args } => print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)),
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
+        Command::Status { state_dir, pool_dir, json } => {
+            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir.join("staged"), json)
+        }
         Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {
             let cfg =
@@ -560,6 +577,51 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     };
     watcher.stop()?;
     result
+}
+
+fn print_status(pool: &std::path::Path, staged: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    let r = volring::volumes::status::report(pool, staged)?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &r)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    writeln!(out, "VOLUMES ({}) in {}", r.volumes.len(), r.pool_dir.display())?;
+    writeln!(out, "{:<40} {:>14} {:>14} {:<5}", "ID", "SIZE", "ALLOCATED", "FS")?;
+    for v in &r.volumes {
+        let alloc = v.allocated_bytes.map_or("missing".to_string(), |b| b.to_string());
+        writeln!(out, "{:<40} {:>14} {:>14} {:<5}", v.id, v.size_bytes, alloc, v.fs_type.as_deref().unwrap_or("-"))?;
+    }
+    writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.staged_dir.display())?;
+    writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO")?;
+    for s in &r.staged {
+        let dev = match (&s.device, s.attached) {
+            (Some(d), true) => d.display().to_string(),
+            (Some(d), false) => format!("{} (gone)", d.display()),
+            (None, _) => "-".to_string(),
+        };
+        let phase = format!("{:?}", s.phase).to_lowercase();
+        let ro = if s.read_only { "ro" } else { "rw" };
+        writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} {}", s.volume_id, phase, s.access, dev, ro, s.staging_path.display())?;
+        for (t, ro) in &s.targets {
+            writeln!(out, "{:>80} {}{}", "->", t.display(), if *ro { " (ro)" } else { "" })?;
+        }
+    }
+    if !r.quarantined.is_empty() {
+        writeln!(out, "\nQUARANTINED ({})", r.quarantined.len())?;
+        for q in &r.quarantined {
+            writeln!(out, "{}", serde_json::to_string(q)?)?;
+        }
+    }
+    if !r.problems.is_empty() {
+        writeln!(out, "\nPROBLEMS ({})", r.problems.len())?;
+        for p in &r.problems {
+            writeln!(out, "{}: {}", p.path.display(), p.detail)?;
+        }
+    }
+    Ok(())
 }
 
 fn print_devices(json: bool, cfg: &ScanConfig) -> anyhow::Result<()> {

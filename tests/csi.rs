@@ -480,6 +480,38 @@ fn stale_socket_and_cli() -> Result<(), Failed> {
     check(mode == 0o660, format!("socket mode {mode:o}"))
 }
 
+/// A corrupt record is quarantined, the rest are served, and `volring
+/// status` shows all of it (table and JSON) from the files alone.
+fn status_shows_volumes_staged_and_quarantined() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.create("pvc-good", 32 * MIB, "")?;
+    let staging = a.k("plugins/stage/good");
+    a.stage("pvc-good", &staging, mount_cap(""))?;
+    std::fs::write(a.state.join("pool").join("pvc-bad.json"), b"{ torn")?;
+    a.restart();
+    let status = |json: bool| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_volring"));
+        c.arg("status").arg("--state-dir").arg(&a.state);
+        if json {
+            c.arg("--json");
+        }
+        c.output()
+    };
+    let out = status(true)?;
+    check(out.status.success(), format!("status --json failed: {}", String::from_utf8_lossy(&out.stderr)))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let ids: Vec<_> = v["volumes"].as_array().into_iter().flatten().filter_map(|x| x["id"].as_str()).collect();
+    check(ids == ["pvc-good"], format!("volumes {ids:?}"))?;
+    check(v["staged"][0]["volume_id"] == "pvc-good" && v["staged"][0]["phase"] == "staged", format!("staged {}", v["staged"]))?;
+    let q = v["quarantined"].to_string();
+    check(q.contains("pvc-bad"), format!("quarantined {q}"))?;
+    let table = String::from_utf8_lossy(&status(false)?.stdout).into_owned();
+    check(table.contains("pvc-good") && table.contains("QUARANTINED") && table.contains("pvc-bad"), table.clone())?;
+    a.unstage("pvc-good", &staging)?;
+    a.delete("pvc-good")?;
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("csi::lifecycle_mount_ext4", lifecycle_mount("ext4")),
@@ -495,6 +527,7 @@ fn main() {
         Trial::test("csi::crash_mid_attach", crash_mid_attach),
         Trial::test("csi::identity_controller_and_listing", identity_controller_and_listing),
         Trial::test("csi::stale_socket_and_cli", stale_socket_and_cli),
+        Trial::test("csi::status_shows_volumes_staged_and_quarantined", status_shows_volumes_staged_and_quarantined),
     ];
     common::run_in_private_namespace(trials)
 }
