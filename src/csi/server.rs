@@ -131,7 +131,7 @@ pub fn bind(path: &Path) -> io::Result<(tokio::net::UnixListener, BoundSocket)> 
 /// adapter does not understand (no HTTP/2 preface, a malformed block, a
 /// frame or header block over 1 MiB) passes unchanged: what h2 would have
 /// seen without it.
-mod authority {
+pub mod authority {
     use std::io;
     use std::pin::Pin;
     use std::task::{ready, Context, Poll};
@@ -370,6 +370,12 @@ mod authority {
         Some((huffman, b.get(n..end)?, end))
     }
 
+    /// The symbol of each (length, code) pair of [`HUFFMAN`].
+    fn huffman_symbols() -> &'static std::collections::HashMap<(u8, u32), usize> {
+        static SYMBOLS: std::sync::OnceLock<std::collections::HashMap<(u8, u32), usize>> = std::sync::OnceLock::new();
+        SYMBOLS.get_or_init(|| HUFFMAN.iter().enumerate().map(|(sym, &(code, len))| ((len, code), sym)).collect())
+    }
+
     /// Decodes a Huffman-coded string; `None` when it is not valid HPACK
     /// Huffman code (EOS inside, or padding that is not a short run of 1s).
     fn huffman_decode(code: &[u8]) -> Option<Vec<u8>> {
@@ -379,7 +385,7 @@ mod authority {
             for shift in (0..8).rev() {
                 acc = (acc << 1) | u32::from((byte >> shift) & 1);
                 bits += 1;
-                if let Some(sym) = HUFFMAN.iter().position(|&(c, l)| l == bits && c == acc) {
+                if let Some(&sym) = huffman_symbols().get(&(bits, acc)) {
                     if sym == 256 {
                         return None;
                     }
