@@ -65,7 +65,7 @@ impl Drop for BoundSocket {
 pub async fn serve(driver: Arc<Driver>, listener: tokio::net::UnixListener, shutdown: impl Future<Output = ()>) -> io::Result<()> {
     use tokio_stream::StreamExt;
     tracing::info!(endpoint = %driver.config().endpoint.display(), "serving CSI");
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener).map(|r| r.map(authority::Renaming::new));
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener).map(|r| r.map(authority::Fixing::new));
     tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService(driver.clone())))
         .add_service(ControllerServer::new(ControllerService(driver.clone())))
@@ -116,32 +116,68 @@ pub fn bind(path: &Path) -> io::Result<(tokio::net::UnixListener, BoundSocket)> 
 /// they send as `:authority`: grpc-go sends "localhost", grpc-java the
 /// socket path, C-core (grpcio) the path percent-encoded. h2, under tonic,
 /// parses the value as a URI authority and resets the stream when that
-/// fails, with no setting to relax it; a path (`/`) or a percent sign in a
-/// host both fail. h2 does accept a request with no `:authority`.
+/// fails, with no setting to relax it; a `/`, or a `%` in a host, fails.
 ///
-/// So the CSI socket's connections are read through [`Renaming`]: in every
-/// request header block, the field named `:authority` is renamed to
-/// [`RENAMED`], a header of the same length, and h2 sees a request with no
-/// authority (tonic routes by path alone). Only names change, never a
-/// length that counts: HPACK charges a dynamic-table entry the lengths of
-/// its decoded name and value, and the new name is as long as the old and
-/// the value is copied bit for bit (Huffman or not), so h2's table keeps
-/// the very sizes, and hence the indices, the client's encoder counts on. An
-/// entry the client later names by index arrives renamed, as it was stored.
-/// Anything the adapter does not understand (no HTTP/2 preface, a
-/// malformed block, a frame or header block over 1 MiB) passes unchanged,
-/// which is what h2 would have seen without it.
-mod authority {
+/// So the CSI socket's connections are read through [`Fixing`]: in every
+/// request header block, an `:authority` value that is not a plain host
+/// has each byte other than `A-Z a-z 0-9 - . _ ~` replaced by `-`
+/// (`/run/csi.sock` becomes `-run-csi.sock`), and is sent on as a plain
+/// string of the same length. The length is what counts: HPACK charges a
+/// dynamic-table entry the lengths of its decoded name and value, so h2's
+/// table keeps the very sizes, and hence the indices, the client's encoder
+/// counts on, and an entry the client later names by index arrives fixed,
+/// as it was stored. (Renaming the field instead does not work: a regular
+/// header among the pseudo-headers makes the block malformed.) Anything the
+/// adapter does not understand (no HTTP/2 preface, a malformed block, a
+/// frame or header block over 1 MiB) passes unchanged: what h2 would have
+/// seen without it.
+pub mod authority {
     use std::io;
     use std::pin::Pin;
     use std::task::{ready, Context, Poll};
 
     use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-    /// What `:authority` becomes (as long as `:authority`).
-    pub const RENAMED: &[u8; 10] = b"x-uds-auth";
-    /// `:authority` in HPACK's Huffman code (RFC 7541, appendix B).
+    /// `:authority` in HPACK's Huffman code.
     const HUFFMAN_AUTHORITY: &[u8] = &[0xb8, 0x3b, 0x53, 0x39, 0xec, 0x32, 0x7d, 0x7f];
+    /// HPACK's Huffman code (RFC 7541, appendix B): (code, length in bits)
+    /// for bytes 0 to 255 and EOS (256).
+    #[rustfmt::skip]
+    const HUFFMAN: [(u32, u8); 257] = [
+        (0x1ff8, 13), (0x7fffd8, 23), (0xfffffe2, 28), (0xfffffe3, 28), (0xfffffe4, 28), (0xfffffe5, 28), (0xfffffe6, 28), (0xfffffe7, 28),
+        (0xfffffe8, 28), (0xffffea, 24), (0x3ffffffc, 30), (0xfffffe9, 28), (0xfffffea, 28), (0x3ffffffd, 30), (0xfffffeb, 28), (0xfffffec, 28),
+        (0xfffffed, 28), (0xfffffee, 28), (0xfffffef, 28), (0xffffff0, 28), (0xffffff1, 28), (0xffffff2, 28), (0x3ffffffe, 30), (0xffffff3, 28),
+        (0xffffff4, 28), (0xffffff5, 28), (0xffffff6, 28), (0xffffff7, 28), (0xffffff8, 28), (0xffffff9, 28), (0xffffffa, 28), (0xffffffb, 28),
+        (0x14, 6), (0x3f8, 10), (0x3f9, 10), (0xffa, 12), (0x1ff9, 13), (0x15, 6), (0xf8, 8), (0x7fa, 11),
+        (0x3fa, 10), (0x3fb, 10), (0xf9, 8), (0x7fb, 11), (0xfa, 8), (0x16, 6), (0x17, 6), (0x18, 6),
+        (0x0, 5), (0x1, 5), (0x2, 5), (0x19, 6), (0x1a, 6), (0x1b, 6), (0x1c, 6), (0x1d, 6),
+        (0x1e, 6), (0x1f, 6), (0x5c, 7), (0xfb, 8), (0x7ffc, 15), (0x20, 6), (0xffb, 12), (0x3fc, 10),
+        (0x1ffa, 13), (0x21, 6), (0x5d, 7), (0x5e, 7), (0x5f, 7), (0x60, 7), (0x61, 7), (0x62, 7),
+        (0x63, 7), (0x64, 7), (0x65, 7), (0x66, 7), (0x67, 7), (0x68, 7), (0x69, 7), (0x6a, 7),
+        (0x6b, 7), (0x6c, 7), (0x6d, 7), (0x6e, 7), (0x6f, 7), (0x70, 7), (0x71, 7), (0x72, 7),
+        (0xfc, 8), (0x73, 7), (0xfd, 8), (0x1ffb, 13), (0x7fff0, 19), (0x1ffc, 13), (0x3ffc, 14), (0x22, 6),
+        (0x7ffd, 15), (0x3, 5), (0x23, 6), (0x4, 5), (0x24, 6), (0x5, 5), (0x25, 6), (0x26, 6),
+        (0x27, 6), (0x6, 5), (0x74, 7), (0x75, 7), (0x28, 6), (0x29, 6), (0x2a, 6), (0x7, 5),
+        (0x2b, 6), (0x76, 7), (0x2c, 6), (0x8, 5), (0x9, 5), (0x2d, 6), (0x77, 7), (0x78, 7),
+        (0x79, 7), (0x7a, 7), (0x7b, 7), (0x7ffe, 15), (0x7fc, 11), (0x3ffd, 14), (0x1ffd, 13), (0xffffffc, 28),
+        (0xfffe6, 20), (0x3fffd2, 22), (0xfffe7, 20), (0xfffe8, 20), (0x3fffd3, 22), (0x3fffd4, 22), (0x3fffd5, 22), (0x7fffd9, 23),
+        (0x3fffd6, 22), (0x7fffda, 23), (0x7fffdb, 23), (0x7fffdc, 23), (0x7fffdd, 23), (0x7fffde, 23), (0xffffeb, 24), (0x7fffdf, 23),
+        (0xffffec, 24), (0xffffed, 24), (0x3fffd7, 22), (0x7fffe0, 23), (0xffffee, 24), (0x7fffe1, 23), (0x7fffe2, 23), (0x7fffe3, 23),
+        (0x7fffe4, 23), (0x1fffdc, 21), (0x3fffd8, 22), (0x7fffe5, 23), (0x3fffd9, 22), (0x7fffe6, 23), (0x7fffe7, 23), (0xffffef, 24),
+        (0x3fffda, 22), (0x1fffdd, 21), (0xfffe9, 20), (0x3fffdb, 22), (0x3fffdc, 22), (0x7fffe8, 23), (0x7fffe9, 23), (0x1fffde, 21),
+        (0x7fffea, 23), (0x3fffdd, 22), (0x3fffde, 22), (0xfffff0, 24), (0x1fffdf, 21), (0x3fffdf, 22), (0x7fffeb, 23), (0x7fffec, 23),
+        (0x1fffe0, 21), (0x1fffe1, 21), (0x3fffe0, 22), (0x1fffe2, 21), (0x7fffed, 23), (0x3fffe1, 22), (0x7fffee, 23), (0x7fffef, 23),
+        (0xfffea, 20), (0x3fffe2, 22), (0x3fffe3, 22), (0x3fffe4, 22), (0x7ffff0, 23), (0x3fffe5, 22), (0x3fffe6, 22), (0x7ffff1, 23),
+        (0x3ffffe0, 26), (0x3ffffe1, 26), (0xfffeb, 20), (0x7fff1, 19), (0x3fffe7, 22), (0x7ffff2, 23), (0x3fffe8, 22), (0x1ffffec, 25),
+        (0x3ffffe2, 26), (0x3ffffe3, 26), (0x3ffffe4, 26), (0x7ffffde, 27), (0x7ffffdf, 27), (0x3ffffe5, 26), (0xfffff1, 24), (0x1ffffed, 25),
+        (0x7fff2, 19), (0x1fffe3, 21), (0x3ffffe6, 26), (0x7ffffe0, 27), (0x7ffffe1, 27), (0x3ffffe7, 26), (0x7ffffe2, 27), (0xfffff2, 24),
+        (0x1fffe4, 21), (0x1fffe5, 21), (0x3ffffe8, 26), (0x3ffffe9, 26), (0xffffffd, 28), (0x7ffffe3, 27), (0x7ffffe4, 27), (0x7ffffe5, 27),
+        (0xfffec, 20), (0xfffff3, 24), (0xfffed, 20), (0x1fffe6, 21), (0x3fffe9, 22), (0x1fffe7, 21), (0x1fffe8, 21), (0x7ffff3, 23),
+        (0x3fffea, 22), (0x3fffeb, 22), (0x1ffffee, 25), (0x1ffffef, 25), (0xfffff4, 24), (0xfffff5, 24), (0x3ffffea, 26), (0x7ffff4, 23),
+        (0x3ffffeb, 26), (0x7ffffe6, 27), (0x3ffffec, 26), (0x3ffffed, 26), (0x7ffffe7, 27), (0x7ffffe8, 27), (0x7ffffe9, 27), (0x7ffffea, 27),
+        (0x7ffffeb, 27), (0xffffffe, 28), (0x7ffffec, 27), (0x7ffffed, 27), (0x7ffffee, 27), (0x7ffffef, 27), (0x7fffff0, 27), (0x3ffffee, 26),
+        (0x3fffffff, 30),
+    ];
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     const HEADERS: u8 = 0x1;
     const CONTINUATION: u8 = 0x9;
@@ -169,9 +205,9 @@ mod authority {
         priority: Option<[u8; 5]>,
     }
 
-    /// The read side of a connection with `:authority` renamed; writes go
+    /// The read side of a connection with `:authority` fixed; writes go
     /// straight through.
-    pub struct Renaming<S> {
+    pub struct Fixing<S> {
         inner: S,
         mode: Mode,
         raw: Vec<u8>,
@@ -181,7 +217,7 @@ mod authority {
         eof: bool,
     }
 
-    impl<S> Renaming<S> {
+    impl<S> Fixing<S> {
         pub fn new(inner: S) -> Self {
             Self { inner, mode: Mode::Preface, raw: Vec::new(), out: Vec::new(), sent: 0, block: None, eof: false }
         }
@@ -271,9 +307,9 @@ mod authority {
             }
         }
 
-        /// Passes a whole header block on, renamed when it names `:authority`.
+        /// Passes a whole header block on, with `:authority` fixed.
         fn emit(&mut self, b: Block) {
-            let Some(block) = rename(&b.fragment) else {
+            let Some(block) = fix(&b.fragment) else {
                 self.out.extend(b.original);
                 return;
             };
@@ -334,10 +370,50 @@ mod authority {
         Some((huffman, b.get(n..end)?, end))
     }
 
-    /// The header block with every literal field named `:authority` (by
-    /// static index 1, or by a plain or Huffman-coded literal name) renamed
-    /// to [`RENAMED`]; `None` when there is none, or the block is malformed.
-    pub fn rename(block: &[u8]) -> Option<Vec<u8>> {
+    /// The symbol of each (length, code) pair of [`HUFFMAN`].
+    fn huffman_symbols() -> &'static std::collections::HashMap<(u8, u32), usize> {
+        static SYMBOLS: std::sync::OnceLock<std::collections::HashMap<(u8, u32), usize>> = std::sync::OnceLock::new();
+        SYMBOLS.get_or_init(|| HUFFMAN.iter().enumerate().map(|(sym, &(code, len))| ((len, code), sym)).collect())
+    }
+
+    /// Decodes a Huffman-coded string; `None` when it is not valid HPACK
+    /// Huffman code (EOS inside, or padding that is not a short run of 1s).
+    fn huffman_decode(code: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(code.len() * 8 / 5);
+        let (mut acc, mut bits) = (0u32, 0u8);
+        for &byte in code {
+            for shift in (0..8).rev() {
+                acc = (acc << 1) | u32::from((byte >> shift) & 1);
+                bits += 1;
+                if let Some(&sym) = huffman_symbols().get(&(bits, acc)) {
+                    if sym == 256 {
+                        return None;
+                    }
+                    out.push(sym as u8);
+                    (acc, bits) = (0, 0);
+                } else if bits >= 30 {
+                    return None;
+                }
+            }
+        }
+        (bits < 8 && acc == (1 << bits) - 1).then_some(out)
+    }
+
+    /// True for what h2 takes as an authority here: host characters and at
+    /// most one `:` (a port).
+    fn plain_host(v: &[u8]) -> bool {
+        !v.is_empty() && v.iter().all(|&c| host_byte(c) || c == b':') && v.iter().filter(|&&c| c == b':').count() <= 1
+    }
+
+    fn host_byte(c: u8) -> bool {
+        c.is_ascii_alphanumeric() || b"-._~".contains(&c)
+    }
+
+    /// The header block with every literal `:authority` value (field named
+    /// by static index 1, or by a plain or Huffman-coded literal name) that
+    /// is not a plain host made one, at the same length; `None` when there
+    /// is nothing to fix or the block is malformed.
+    pub fn fix(block: &[u8]) -> Option<Vec<u8>> {
         let mut out = Vec::with_capacity(block.len() + 16);
         let mut changed = false;
         let mut i = 0;
@@ -345,16 +421,15 @@ mod authority {
             let rep = &block[i..];
             let first = rep[0];
             if first & 0x80 != 0 || first & 0xe0 == 0x20 {
-                // An indexed field (its entry is stored as it was sent) or a
-                // table size update: copied.
+                // An indexed field (its entry is stored as it was sent on) or
+                // a table size update: copied.
                 let (_, n) = integer(rep, if first & 0x80 != 0 { 7 } else { 5 })?;
                 out.extend_from_slice(&rep[..n]);
                 i += n;
                 continue;
             }
             // A literal: with incremental indexing (01), without (0000) or never indexed (0001).
-            let (prefix, kind) = if first & 0x40 != 0 { (6, first & 0xc0) } else { (4, first & 0xf0) };
-            let (index, n) = integer(rep, prefix)?;
+            let (index, n) = integer(rep, if first & 0x40 != 0 { 6 } else { 4 })?;
             let mut value_at = n;
             let named_authority = if index == 0 {
                 let (huffman, name, m) = string(&rep[n..])?;
@@ -367,13 +442,26 @@ mod authority {
             } else {
                 index == 1
             };
-            let (_, _, m) = string(&rep[value_at..])?;
+            let (huffman, value, m) = string(&rep[value_at..])?;
             let end = value_at + m;
-            if named_authority {
-                out.push(kind);
-                out.push(RENAMED.len() as u8);
-                out.extend_from_slice(RENAMED);
-                out.extend_from_slice(&rep[value_at..end]);
+            let value = if named_authority && huffman { huffman_decode(value)? } else { value.to_vec() };
+            if named_authority && !value.is_empty() && !plain_host(&value) {
+                out.extend_from_slice(&rep[..value_at]);
+                let (len, at) = (value.len(), out.len());
+                out.push(0);
+                // A plain string length (7-bit prefix, H clear).
+                if len < 127 {
+                    out[at] = len as u8;
+                } else {
+                    out[at] = 127;
+                    let mut rest = len - 127;
+                    while rest >= 128 {
+                        out.push((rest % 128) as u8 | 0x80);
+                        rest /= 128;
+                    }
+                    out.push(rest as u8);
+                }
+                out.extend(value.iter().map(|&c| if host_byte(c) { c } else { b'-' }));
                 changed = true;
             } else {
                 out.extend_from_slice(&rep[..end]);
@@ -383,7 +471,7 @@ mod authority {
         changed.then_some(out)
     }
 
-    impl<S: AsyncRead + Unpin> AsyncRead for Renaming<S> {
+    impl<S: AsyncRead + Unpin> AsyncRead for Fixing<S> {
         fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
             let this = self.get_mut();
             loop {
@@ -414,7 +502,7 @@ mod authority {
         }
     }
 
-    impl<S: AsyncWrite + Unpin> AsyncWrite for Renaming<S> {
+    impl<S: AsyncWrite + Unpin> AsyncWrite for Fixing<S> {
         fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
             Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
         }
@@ -436,7 +524,7 @@ mod authority {
         }
     }
 
-    impl tonic::transport::server::Connected for Renaming<tokio::net::UnixStream> {
+    impl tonic::transport::server::Connected for Fixing<tokio::net::UnixStream> {
         type ConnectInfo = <tokio::net::UnixStream as tonic::transport::server::Connected>::ConnectInfo;
 
         fn connect_info(&self) -> Self::ConnectInfo {
@@ -456,42 +544,73 @@ mod authority {
         }
 
         #[test]
-        fn renames_authority_in_every_literal_form_and_nothing_else() {
+        fn huffman_code_decodes() {
+            assert_eq!(huffman_decode(HUFFMAN_AUTHORITY).as_deref(), Some(&b":authority"[..]));
+            // RFC 7541 C.4.1: "www.example.com".
+            let www = [0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
+            assert_eq!(huffman_decode(&www).as_deref(), Some(&b"www.example.com"[..]));
+            assert_eq!(huffman_decode(&[0xff, 0xff, 0xff, 0xff]), None, "EOS is not a symbol");
+            assert_eq!(huffman_decode(&[0xf1, 0x00]), None, "padding must be 1s");
+        }
+
+        #[test]
+        fn fixes_authority_in_every_literal_form_and_nothing_else() {
             let path = b"/var/lib/kubelet/plugins/volring.csi.io/csi.sock";
+            let fixed = b"-var-lib-kubelet-plugins-volring.csi.io-csi.sock";
+            // A 130-byte path: its length takes more than the prefix.
+            let long = [&b"/"[..], &[b'p'; 129]].concat();
+            let long_fixed = [&b"-"[..], &[b'p'; 129]].concat();
             // :method POST (indexed 3), :authority by static name with
-            // incremental indexing, then by literal name without indexing,
-            // by Huffman-coded name never indexed, and an indexed reference
-            // to the dynamic entry (copied: stored renamed).
+            // incremental indexing, by literal name without indexing, by
+            // Huffman-coded name never indexed, a valid one left alone, an
+            // indexed reference to a dynamic entry (copied: stored fixed).
             let mut block = vec![0x83, 0x41];
             block.extend(plain(path));
             block.push(0x00);
             block.extend(plain(b":authority"));
-            block.extend(plain(b"localhost"));
+            block.extend(long_string(&long));
             block.push(0x10);
             block.push(0x80 | HUFFMAN_AUTHORITY.len() as u8);
             block.extend_from_slice(HUFFMAN_AUTHORITY);
             block.extend(plain(b"%2Frun%2Fcsi.sock"));
+            block.push(0x01);
+            block.extend(plain(b"localhost:443"));
             block.push(0xbe);
             block.push(0x44); // :path by static name, incremental
             block.extend(plain(b"/csi.v1.Identity/Probe"));
-            let out = rename(&block).expect("renamed");
-            let mut want = vec![0x83, 0x40];
-            want.extend(plain(RENAMED));
-            want.extend(plain(path));
+            let out = fix(&block).expect("fixed");
+            let mut want = vec![0x83, 0x41];
+            want.extend(plain(fixed));
             want.push(0x00);
-            want.extend(plain(RENAMED));
-            want.extend(plain(b"localhost"));
+            want.extend(plain(b":authority"));
+            want.extend(long_string(&long_fixed));
             want.push(0x10);
-            want.extend(plain(RENAMED));
-            want.extend(plain(b"%2Frun%2Fcsi.sock"));
+            want.push(0x80 | HUFFMAN_AUTHORITY.len() as u8);
+            want.extend_from_slice(HUFFMAN_AUTHORITY);
+            want.extend(plain(b"-2Frun-2Fcsi.sock"));
+            want.push(0x01);
+            want.extend(plain(b"localhost:443"));
             want.push(0xbe);
             want.push(0x44);
             want.extend(plain(b"/csi.v1.Identity/Probe"));
             assert_eq!(out, want);
-            // Nothing to rename, or a truncated block: passed on as it is.
-            assert_eq!(rename(&[0x83, 0x86]), None);
-            assert_eq!(rename(&block[..block.len() - 3]), None);
-            assert_eq!(rename(&[0x41, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]), None);
+            // A Huffman-coded value ("www.example.com" is valid: kept; a
+            // coded path is sent fixed, plain).
+            let www = [0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
+            let mut coded = vec![0x41, 0x80 | www.len() as u8];
+            coded.extend(www);
+            assert_eq!(fix(&coded), None);
+            // Nothing to fix, or a truncated block: passed on as it is.
+            assert_eq!(fix(&[0x83, 0x86]), None);
+            assert_eq!(fix(&block[..block.len() - 3]), None);
+            assert_eq!(fix(&[0x41, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]), None);
+        }
+
+        fn long_string(s: &[u8]) -> Vec<u8> {
+            assert!((127..127 + 128).contains(&s.len()));
+            let mut v = vec![0x7f, (s.len() - 127) as u8];
+            v.extend_from_slice(s);
+            v
         }
 
         #[tokio::test]
@@ -523,7 +642,7 @@ mod authority {
             client.write_all(&input).await.unwrap();
             drop(client);
             let mut seen = Vec::new();
-            Renaming::new(server).read_to_end(&mut seen).await.unwrap();
+            Fixing::new(server).read_to_end(&mut seen).await.unwrap();
             // Preface and SETTINGS untouched; then frames whose block is the renamed one.
             assert_eq!(&seen[..PREFACE.len() + settings.len()], [PREFACE, &settings[..]].concat());
             let mut at = PREFACE.len() + settings.len();
@@ -536,7 +655,7 @@ mod authority {
                 got.extend_from_slice(&seen[at + 9..at + 9 + len]);
                 at += 9 + len;
             }
-            assert_eq!(got, rename(&block).unwrap());
+            assert_eq!(got, fix(&block).unwrap());
             assert_eq!(frames, [(HEADERS, 0x1), (CONTINUATION, END_HEADERS)]);
         }
     }
