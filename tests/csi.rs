@@ -512,6 +512,32 @@ fn status_shows_volumes_staged_and_quarantined() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// A staged volume whose record is corrupted: after a restart, a repeated
+/// stage adopts the device already serving the image (never a second
+/// read-write device on it), and an unstage with only the quarantined record
+/// still unmounts and detaches it.
+fn staged_record_quarantined() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    for (id, restage) in [("pvc-q1", true), ("pvc-q2", false)] {
+        let staging = a.k(&format!("plugins/stage/{id}"));
+        a.create(id, 32 * MIB, "")?;
+        a.stage(id, &staging, mount_cap(""))?;
+        std::fs::write(std::path::Path::new(&staging).join("kept"), b"kept")?;
+        std::fs::write(a.state.join("staged").join(format!("{id}.json")), b"{ torn")?;
+        a.restart();
+        if restage {
+            a.stage(id, &staging, mount_cap(""))?;
+            let devices = volring::volumes::attach::find_backed_by(&a.image(id));
+            check(devices.len() == 1, format!("{id}: {} devices on one image after the re-stage", devices.len()))?;
+            check(std::fs::read(std::path::Path::new(&staging).join("kept"))? == b"kept", "data kept")?;
+        }
+        a.unstage(id, &staging)?;
+        check(volring::volumes::attach::find_backed_by(&a.image(id)).is_empty(), format!("{id}: still attached after unstage"))?;
+        check(mounts_under(std::path::Path::new(&staging)).is_empty(), format!("{id}: still mounted after unstage"))?;
+    }
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("csi::lifecycle_mount_ext4", lifecycle_mount("ext4")),
@@ -528,6 +554,7 @@ fn main() {
         Trial::test("csi::identity_controller_and_listing", identity_controller_and_listing),
         Trial::test("csi::stale_socket_and_cli", stale_socket_and_cli),
         Trial::test("csi::status_shows_volumes_staged_and_quarantined", status_shows_volumes_staged_and_quarantined),
+        Trial::test("csi::staged_record_quarantined", staged_record_quarantined),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -89,7 +89,12 @@ impl Driver {
         // A record with no device number is a stage that crashed mid-attach
         // (or failed in its mkfs): the device it may have made is found by
         // its image (a scan of every loop device, so only in that case).
-        let leftover = rec.phase != StagePhase::Staged && rec.loop_number.is_none() && self.records.contains(&rec.volume_id);
+        // The same when the volume's earlier record was quarantined: its
+        // device may still be attached and mounted, and a second read-write
+        // device on one image would corrupt it.
+        let leftover = rec.phase != StagePhase::Staged
+            && rec.loop_number.is_none()
+            && (self.records.contains(&rec.volume_id) || self.records.quarantined_record(&rec.volume_id).is_some());
         // An owed mkfs stays owed until it has run.
         if rec.phase != StagePhase::Formatting {
             rec.phase = StagePhase::Attaching;
@@ -212,6 +217,9 @@ impl Driver {
             if self.pool.get(id).is_none() {
                 return Err(Error::NotFound(format!("volume {id} does not exist")));
             }
+            if self.records.quarantined_record(id).is_some() {
+                self.unstage_without_record(id, &staging)?;
+            }
             return Ok(NodeUnstageVolumeResponse {});
         };
         if rec.staging_path != staging {
@@ -255,6 +263,24 @@ impl Driver {
         self.records.remove(id)?;
         tracing::info!(volume = id, "unstaged");
         Ok(NodeUnstageVolumeResponse {})
+    }
+}
+
+impl Driver {
+    /// Unstages a volume whose staged record was quarantined (unreadable):
+    /// whatever device serves its image is taken off the staging path —
+    /// only where it is that device's own mount, as a filesystem or as the
+    /// bound block device — and detached. The quarantined record stays for
+    /// the operator to read.
+    fn unstage_without_record(&self, id: &str, staging: &Path) -> Result<()> {
+        let image = self.pool.image_path(id);
+        for a in attach::find_backed_by(&image) {
+            self.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
+            self.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
+            attach::detach(a.number, &image)?;
+        }
+        tracing::warn!(volume = id, "unstaged a volume whose record is quarantined");
+        Ok(())
     }
 }
 
