@@ -4,6 +4,12 @@
 //! fixed part, then NUL-terminated strings addressed by offsets relative to
 //! the end of the fixed part. The options are rendered the way mountinfo
 //! writes them so that both sources give comparable tables.
+//!
+//! Strings are taken as the kernel gives them. The mount point, root, source
+//! and subtype come back raw (the kernel undoes its own escaping of root and
+//! source before replying), so unescaping them again would corrupt a name
+//! that holds the text `\040`. Only the superblock options come back
+//! octal-escaped, exactly as in mountinfo, and are unescaped like there.
 
 use super::escape::unescape;
 use super::mount::{DevNum, Field, Mount, MountBuilder, Propagation};
@@ -112,11 +118,12 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
         propagate_from: (got & mask::PROPAGATE_FROM != 0 && from != 0 && Some(from) != master).then_some(from),
         unbindable: prop & MS_UNBINDABLE != 0,
     };
-    let root = unescape(string(buf, got, mask::MNT_ROOT, 104)?);
-    let point = unescape(string(buf, got, mask::MNT_POINT, 108)?);
+    let root = string(buf, got, mask::MNT_ROOT, 104)?;
+    let point = string(buf, got, mask::MNT_POINT, 108)?;
     let fs_type = string(buf, got, mask::FS_TYPE, 36)?;
     let subtype = string(buf, got, mask::FS_SUBTYPE, 120)?;
-    let source = unescape(string(buf, got, mask::SB_SOURCE, 124)?);
+    let source = string(buf, got, mask::SB_SOURCE, 124)?;
+    // The one string the kernel escapes (`seq_show_option`), as mountinfo does.
     let fs_opts = unescape(string(buf, got, mask::MNT_OPTS, 4)?);
     let options = mount_options(attr);
 
@@ -130,15 +137,15 @@ pub fn decode(buf: &[u8]) -> Result<Mount, Error> {
     let mut b = MountBuilder::with_capacity(
         root.len() + point.len() + options.len() + fs_type.len() + subtype.len() + source.len() + sup.len() + fs_opts.len() + 3,
     );
-    b.push(Field::Root, &root);
-    b.push(Field::MountPoint, &point);
+    b.push(Field::Root, root);
+    b.push(Field::MountPoint, point);
     b.push(Field::Options, options.as_bytes());
     b.push(Field::FsType, fs_type);
     if !subtype.is_empty() {
         b.extend_last(b".");
         b.extend_last(subtype);
     }
-    b.push(Field::Source, if got & mask::SB_SOURCE != 0 && !source.is_empty() { &source } else { b"none" });
+    b.push(Field::Source, if got & mask::SB_SOURCE != 0 && !source.is_empty() { source } else { b"none" });
     b.push(Field::SuperOptions, sup.as_bytes());
     if !fs_opts.is_empty() {
         b.extend_last(b",");
@@ -153,19 +160,24 @@ mod tests {
 
     /// Builds a reply the way the kernel lays it out.
     fn reply(id: u64, point: &str, attr: u64, prop: u64, peer: u64, opts: &str) -> Vec<u8> {
+        reply_with(id, b"/", point.as_bytes(), b"/dev/loop0", attr, prop, peer, opts.as_bytes())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reply_with(id: u64, root: &[u8], point: &[u8], source: &[u8], attr: u64, prop: u64, peer: u64, opts: &[u8]) -> Vec<u8> {
         let mut b = vec![0u8; FIXED];
         let mut strs = Vec::new();
-        let mut put = |b: &mut Vec<u8>, at: usize, s: &str| {
+        let mut put = |b: &mut Vec<u8>, at: usize, s: &[u8]| {
             b[at..at + 4].copy_from_slice(&(strs.len() as u32).to_ne_bytes());
-            strs.extend_from_slice(s.as_bytes());
+            strs.extend_from_slice(s);
             strs.push(0);
         };
         put(&mut b, 4, opts);
-        put(&mut b, 36, "ext4");
-        put(&mut b, 104, "/");
+        put(&mut b, 36, b"ext4");
+        put(&mut b, 104, root);
         put(&mut b, 108, point);
-        put(&mut b, 120, "");
-        put(&mut b, 124, "/dev/loop0");
+        put(&mut b, 120, b"");
+        put(&mut b, 124, source);
         let got = FULL_MASK;
         b[8..16].copy_from_slice(&got.to_ne_bytes());
         b[16..20].copy_from_slice(&7u32.to_ne_bytes());
@@ -188,12 +200,27 @@ mod tests {
         assert_eq!(m.id, 0x8000_0040);
         assert_eq!(m.info_id, Some(33));
         assert_eq!(m.dev, DevNum { major: 7, minor: 0 });
-        assert_eq!(m.mount_point(), b"/mnt/a b");
+        // statmount does not escape: this is a directory named `a\040b`.
+        assert_eq!(m.mount_point(), b"/mnt/a\\040b");
         assert_eq!(m.options(), b"ro,nosuid,relatime");
         assert_eq!(m.fs_type(), b"ext4");
         assert_eq!(m.source(), b"/dev/loop0");
         assert_eq!(m.super_options(), b"rw,errors=remount-ro");
         assert_eq!(m.propagation.shared, Some(5));
+    }
+
+    /// The kernel returns mount point, root and source raw, and only the
+    /// filesystem options octal-escaped (as mountinfo shows them).
+    #[test]
+    fn takes_names_raw_and_unescapes_only_fs_options() {
+        let odd = b" sp\ttab\nnl\\bs\\040lit\xff";
+        let with = |prefix: &[u8]| [prefix, odd].concat();
+        let r = reply_with(7, &with(b"/sub"), &with(b"/mnt/p"), &with(b"src"), 0, 0, 0, b"lowerdir=/a\\040b\\134c");
+        let m = decode(&r).unwrap();
+        assert_eq!(m.root(), with(b"/sub"));
+        assert_eq!(m.mount_point(), with(b"/mnt/p"));
+        assert_eq!(m.source(), with(b"src"));
+        assert_eq!(m.super_options(), b"rw,lowerdir=/a b\\c");
     }
 
     #[test]
