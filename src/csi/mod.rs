@@ -7,6 +7,7 @@
 //! `service` adapts them to the generated tonic traits and is the one place
 //! where errors become gRPC codes; `server` runs it all on the socket.
 
+pub mod authority;
 pub mod client;
 mod controller;
 mod driver;
