@@ -1,7 +1,13 @@
-//! The ring thread on both engines: readiness, reads, timeouts, commands.
+//! The ring thread on both engines: readiness, reads, timeouts, commands;
+//! and the Drop contract: a ring that goes away with reads in flight (a
+//! driver that panics, a start that fails) never frees a buffer the kernel
+//! may still write.
 
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashSet;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use volring::ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
@@ -102,4 +108,238 @@ fn a_failing_driver_start_is_reported() {
     }
     let err = RingThread::spawn("fails", Fails, BackendChoice::Auto, 1).err().expect("start error");
     assert_eq!(err.to_string(), "no");
+}
+
+// ---------------------------------------------------------------------------
+// The Drop contract, checked against the kernel itself.
+//
+// Buffers of the reads these tests leave in flight have sizes nothing else in
+// this binary allocates. When one is freed, the allocator below poisons it and
+// keeps it (never hands the memory out again), then writes to the pipe the read
+// waits on, on the freeing thread. If the kernel still holds the read, it
+// copies the bytes into the freed buffer as that write returns, and the poison
+// shows it; if the ring ended the read first, the bytes stay in the pipe.
+//
+// The ring's fd is duplicated while the read is in flight, the way a child
+// forked by another thread keeps it: closing the ring's own fd does not then
+// end its operations, so only the ring's cancel-and-reap stands between the
+// kernel and freed memory.
+
+const PANIC_BUF: usize = 7919;
+const START_BUF: usize = 7937;
+const POISON: u8 = 0xa5;
+const LATE: &[u8] = b"LATE";
+
+struct Quarantine;
+
+#[global_allocator]
+static ALLOC: Quarantine = Quarantine;
+
+static KEPT: [(AtomicUsize, AtomicUsize); 64] = [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; 64];
+/// Per watched size: the write end of the pipe its read waits on (-1: none).
+static WATCH: [(usize, AtomicI32); 2] = [(PANIC_BUF, AtomicI32::new(-1)), (START_BUF, AtomicI32::new(-1))];
+
+unsafe impl GlobalAlloc for Quarantine {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let Some((_, fd)) = WATCH.iter().find(|(size, _)| *size == layout.size()) else {
+            return unsafe { System.dealloc(ptr, layout) };
+        };
+        // Poisoned and kept: the test reads it later, nothing reuses it.
+        unsafe { std::ptr::write_bytes(ptr, POISON, layout.size()) };
+        if let Some((_, n)) = KEPT.iter().find(|(p, _)| p.compare_exchange(0, ptr as usize, Ordering::AcqRel, Ordering::Acquire).is_ok()) {
+            n.store(layout.size(), Ordering::Release);
+        }
+        let fd = fd.load(Ordering::Acquire);
+        if fd >= 0 {
+            // Task work the kernel queued for this thread (the read's retry)
+            // runs as these calls return to user space.
+            unsafe {
+                libc::write(fd, LATE.as_ptr().cast(), LATE.len());
+                for _ in 0..3 {
+                    libc::sched_yield();
+                }
+            }
+        }
+    }
+}
+
+/// Kept buffers of `size` whose poison something overwrote.
+fn written_after_free(size: usize) -> usize {
+    KEPT.iter()
+        .filter(|(_, n)| n.load(Ordering::Acquire) == size)
+        .filter(|(p, _)| {
+            let p = p.load(Ordering::Acquire) as *const u8;
+            // SAFETY: kept buffers are never given back to the system allocator.
+            unsafe { std::slice::from_raw_parts(p, size) }.iter().any(|&b| b != POISON)
+        })
+        .count()
+}
+
+/// One Drop-contract test at a time: each watches the io_uring fds that
+/// appear while its ring starts.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn io_uring_fds() -> HashSet<i32> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("io_uring")))
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Duplicates the io_uring fds made since `before` (this ring's).
+fn hold_new_rings(before: &HashSet<i32>) -> Vec<OwnedFd> {
+    io_uring_fds()
+        .difference(before)
+        .filter_map(|&fd| {
+            // SAFETY: the fd is open now (just listed) and only borrowed here.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            fd.try_clone_to_owned().ok()
+        })
+        .collect()
+}
+
+/// A blocking pipe (io_uring completes reads of a non-blocking one with
+/// EAGAIN at once instead of waiting) whose write end the allocator uses.
+fn watched_pipe(size: usize) -> (Arc<OwnedFd>, OwnedFd) {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
+    WATCH.iter().find(|(s, _)| *s == size).unwrap().1.store(w.as_raw_fd(), Ordering::Release);
+    (Arc::new(r), w)
+}
+
+fn unwatch(size: usize) {
+    WATCH.iter().find(|(s, _)| *s == size).unwrap().1.store(-1, Ordering::Release);
+}
+
+/// What is left in the pipe, without blocking.
+fn left_in_pipe(r: &OwnedFd) -> Vec<u8> {
+    let mut fds = [rustix::event::PollFd::new(r, rustix::event::PollFlags::IN)];
+    let ready = rustix::event::poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap_or(0);
+    if ready == 0 {
+        return Vec::new();
+    }
+    let mut buf = [0u8; 64];
+    let n = rustix::io::read(r.as_fd(), &mut buf).unwrap_or(0);
+    buf[..n].to_vec()
+}
+
+const ARM: u64 = 10;
+const QUEUED: u64 = 11;
+const BOOM: u64 = 12;
+
+/// Queues a read on a pipe nobody writes to, then panics on a later turn.
+struct PanicsWithReadQueued {
+    pipe: Arc<OwnedFd>,
+    before: HashSet<i32>,
+    held: std::sync::mpsc::Sender<Vec<OwnedFd>>,
+}
+
+impl Driver for PanicsWithReadQueued {
+    type Command = ();
+
+    fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
+        ring.timeout(ARM, Duration::from_millis(1))
+    }
+
+    fn on_command(&mut self, _: (), _: &mut Reactor) -> Flow {
+        Flow::Continue
+    }
+
+    fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
+        match c.token {
+            ARM => {
+                let _ = self.held.send(hold_new_rings(&self.before));
+                ring.read(QUEUED, self.pipe.clone(), vec![0; PANIC_BUF], None).expect("read queued");
+                // The next wait hands the read to the kernel; the timer fires after.
+                ring.timeout(BOOM, Duration::from_millis(20)).expect("timer");
+            }
+            BOOM => {
+                let _ = self.held.send(Vec::new());
+                panic!("driver fails with a read in flight (expected by the test)")
+            }
+            _ => {}
+        }
+        Flow::Continue
+    }
+}
+
+#[test]
+fn a_driver_that_panics_with_a_read_in_flight_frees_its_buffer_only_after_the_kernel_let_go() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (pipe, _w) = watched_pipe(PANIC_BUF);
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let before = io_uring_fds();
+    let driver = PanicsWithReadQueued { pipe: pipe.clone(), before, held: held_tx };
+    let ring = RingThread::spawn("test-panic", driver, BackendChoice::IoUring, 1).expect("ring starts");
+    let held = held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver saw its ring");
+    assert!(!held.is_empty(), "the ring's fd was found");
+    held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver is about to panic");
+    let err = ring.stop().err().expect("the driver panicked");
+    assert_eq!(err.to_string(), "ring thread panicked");
+    unwatch(PANIC_BUF);
+    let written = written_after_free(PANIC_BUF);
+    let left = left_in_pipe(&pipe);
+    drop(held);
+    assert_eq!(written, 0, "the kernel wrote into a read buffer after it was freed");
+    assert_eq!(left, LATE, "the bytes written after the buffer was freed are still in the pipe");
+}
+
+/// Queues a read, then so many timers that the read reaches the kernel, and
+/// fails its start.
+struct FailsWithReadsInFlight {
+    pipe: Arc<OwnedFd>,
+    before: HashSet<i32>,
+    held: std::sync::mpsc::Sender<Vec<OwnedFd>>,
+}
+
+impl Driver for FailsWithReadsInFlight {
+    type Command = ();
+
+    fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
+        ring.read(QUEUED, self.pipe.clone(), vec![0; START_BUF], None)?;
+        // More than any submission queue here holds: queueing them submits.
+        for _ in 0..1024 {
+            ring.timeout(ARM, Duration::from_secs(3600))?;
+        }
+        let _ = self.held.send(hold_new_rings(&self.before));
+        Err(std::io::Error::other("start fails with reads in flight"))
+    }
+
+    fn on_command(&mut self, _: (), _: &mut Reactor) -> Flow {
+        Flow::Continue
+    }
+
+    fn on_completion(&mut self, _: Completion, _: &mut Reactor) -> Flow {
+        Flow::Continue
+    }
+}
+
+#[test]
+fn a_start_that_fails_with_reads_in_flight_frees_their_buffers_only_after_the_kernel_let_go() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (pipe, _w) = watched_pipe(START_BUF);
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let before = io_uring_fds();
+    let driver = FailsWithReadsInFlight { pipe: pipe.clone(), before, held: held_tx };
+    let err = RingThread::spawn("test-start", driver, BackendChoice::IoUring, 1).err().expect("start fails");
+    assert_eq!(err.to_string(), "start fails with reads in flight");
+    unwatch(START_BUF);
+    let held = held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver saw its ring");
+    assert!(!held.is_empty(), "the ring's fd was found");
+    let written = written_after_free(START_BUF);
+    let left = left_in_pipe(&pipe);
+    drop(held);
+    assert_eq!(written, 0, "the kernel wrote into a read buffer after it was freed");
+    assert_eq!(left, LATE, "the bytes written after the buffer was freed are still in the pipe");
 }

@@ -71,6 +71,8 @@ pub struct StatSource {
     reader: BatchReader,
 }
 
+/// First size of the `/proc/diskstats` buffer; doubled while a read fills it.
+const DISKSTATS_START: usize = 64 << 10;
 /// Largest `/proc/diskstats` accepted (about 400,000 devices).
 const MAX_DISKSTATS: usize = 64 << 20;
 /// A sysfs `stat` line is 17 counters of up to 20 digits.
@@ -97,7 +99,7 @@ impl StatSource {
             bufs,
             index,
             diskstats: File::open("/proc/diskstats")?,
-            diskstats_buf: vec![0; 64 << 10],
+            diskstats_buf: vec![0; DISKSTATS_START],
             reader: BatchReader::new(io, depth)?,
         })
     }
@@ -146,6 +148,12 @@ impl StatSource {
 
     fn read_diskstats(&mut self) -> io::Result<Sample> {
         let len = loop {
+            if self.diskstats_buf.is_empty() {
+                // A read abandoned at a deadline kept its buffer (the ring
+                // frees it when the kernel lets go): start a new one, or
+                // doubling an empty buffer would never end.
+                self.diskstats_buf = vec![0; DISKSTATS_START];
+            }
             let mut reads = [BatchRead::new(self.diskstats.as_fd(), 0, std::mem::take(&mut self.diskstats_buf))];
             self.reader.read_all(&mut reads, Duration::from_secs(5))?;
             let [r] = reads;
@@ -190,7 +198,8 @@ impl StatSource {
                 Ok(n) => IoCounters::parse(&r.buf[..n]).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             });
-            // A read abandoned at the deadline leaked its buffer: start a new one.
+            // A read abandoned at the deadline kept its buffer (the ring frees
+            // it when the kernel lets go): start a new one.
             self.bufs[i] = if r.buf.is_empty() { vec![0; STAT_LINE] } else { r.buf };
         }
         Ok(self.finish(results))
@@ -230,5 +239,26 @@ impl StatSource {
             .zip(results)
             .map(|((dev, name), r)| (*dev, name.clone(), r.unwrap_or_else(|| Err("stat file could not be opened".into()))))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_diskstats_buffer_lost_to_an_abandoned_read_is_replaced() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        // On its own thread (the ring is single-issuer), bounded by the wait below.
+        std::thread::spawn(move || {
+            let mut source = StatSource::new(Vec::new(), BackendChoice::Auto).unwrap();
+            // What an abandoned read leaves behind: the buffer is in the ring.
+            source.diskstats_buf = Vec::new();
+            let r = source.read(StatMethod::Diskstats).map(|s| s.len());
+            let _ = tx.send((r.map_err(|e| e.to_string()), source.diskstats_buf.len()));
+        });
+        let (r, len) = rx.recv_timeout(Duration::from_secs(30)).expect("the read ends");
+        assert_eq!(r, Ok(0));
+        assert!(len >= DISKSTATS_START);
     }
 }

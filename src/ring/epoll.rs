@@ -1,20 +1,24 @@
 //! The fallback engine: epoll for readiness, plain syscalls for reads, a
-//! deadline list for timeouts. Used where io_uring is unavailable.
+//! deadline list for timeouts. Used where io_uring is unavailable. Its ops
+//! live in the same kind of table as the io_uring engine's; nothing here is
+//! ever held by the kernel (reads are done at submission), so dropping it
+//! needs no cancellation.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::time::Instant;
 
 use rustix::event::epoll;
 
-use super::{RawCompletion, WAKE_SLOT};
+use super::ops::{OpTable, Reaped, WAKE};
+use super::reactor::{Op, Pending};
+use super::Token;
 
 pub(super) struct EpollEngine {
     epoll: OwnedFd,
-    _wake: Arc<OwnedFd>,
+    ops: OpTable<Op>,
     /// Results of reads done at submission, delivered on the next wait.
-    ready: Vec<RawCompletion>,
+    ready: Vec<(u64, i32)>,
     timers: Vec<(Instant, u64)>,
 }
 
@@ -49,36 +53,53 @@ fn from_epoll(f: epoll::EventFlags) -> u32 {
 }
 
 impl EpollEngine {
-    pub(super) fn new(wake: &Arc<OwnedFd>) -> io::Result<Self> {
+    pub(super) fn new(wake: RawFd) -> io::Result<Self> {
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        epoll::add(&epoll, wake.as_fd(), epoll::EventData::new_u64(WAKE_SLOT), epoll::EventFlags::IN)?;
-        Ok(Self { epoll, _wake: wake.clone(), ready: Vec::new(), timers: Vec::new() })
+        // SAFETY: the reactor's owner keeps the mailbox eventfd open for as
+        // long as the reactor; it is only borrowed for this call.
+        let wake = unsafe { BorrowedFd::borrow_raw(wake) };
+        epoll::add(&epoll, wake, epoll::EventData::new_u64(WAKE), epoll::EventFlags::IN)?;
+        Ok(Self { epoll, ops: OpTable::default(), ready: Vec::new(), timers: Vec::new() })
     }
 
-    /// Level-triggered: the fd is reported for as long as it is ready, which is
-    /// what a multishot poll that the driver drains amounts to.
-    pub(super) fn poll(&mut self, slot: u64, fd: BorrowedFd<'_>, events: u32) -> io::Result<()> {
-        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(slot), to_epoll(events))?;
+    pub(super) fn in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub(super) fn token(&self, ud: u64) -> Option<Token> {
+        self.ops.get(ud).map(|op| op.token)
+    }
+
+    /// Polls are level-triggered: the fd is reported for as long as it is
+    /// ready, which is what a multishot poll that the driver drains amounts
+    /// to. Reads happen now; their results come with the next wait.
+    pub(super) fn submit(&mut self, op: Op) -> io::Result<()> {
+        let ud = self.ops.insert(op);
+        let op = self.ops.get_mut(ud).expect("just inserted");
+        match &mut op.pending {
+            Pending::Poll { fd, events } => {
+                if let Err(e) = epoll::add(&self.epoll, fd.as_fd(), epoll::EventData::new_u64(ud), to_epoll(*events)) {
+                    self.ops.remove(ud);
+                    return Err(e.into());
+                }
+            }
+            Pending::Read { fd, buf, offset } => {
+                let r = match offset {
+                    Some(off) => rustix::io::pread(fd.as_fd(), buf, *off),
+                    None => rustix::io::read(fd.as_fd(), buf),
+                };
+                let res = match r {
+                    Ok(n) => n.min(i32::MAX as usize) as i32,
+                    Err(e) => -e.raw_os_error(),
+                };
+                self.ready.push((ud, res));
+            }
+            Pending::Timeout { after, .. } => self.timers.push((Instant::now() + *after, ud)),
+        }
         Ok(())
     }
 
-    pub(super) fn read(&mut self, slot: u64, fd: BorrowedFd<'_>, buf: &mut [u8], offset: Option<u64>) {
-        let r = match offset {
-            Some(off) => rustix::io::pread(fd, buf, off),
-            None => rustix::io::read(fd, buf),
-        };
-        let res = match r {
-            Ok(n) => n.min(i32::MAX as usize) as i32,
-            Err(e) => -e.raw_os_error(),
-        };
-        self.ready.push(RawCompletion { slot, res, more: false });
-    }
-
-    pub(super) fn timeout(&mut self, slot: u64, after: Duration) {
-        self.timers.push((Instant::now() + after, slot));
-    }
-
-    pub(super) fn wait(&mut self, out: &mut Vec<RawCompletion>) -> io::Result<()> {
+    pub(super) fn wait(&mut self, out: &mut Vec<Reaped<Op>>) -> io::Result<()> {
         let timeout = if !self.ready.is_empty() {
             Some(rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })
         } else {
@@ -94,13 +115,22 @@ impl EpollEngine {
             Err(e) => return Err(e.into()),
         }
         for ev in &events {
-            out.push(RawCompletion { slot: ev.data.u64(), res: from_epoll(ev.flags) as i32, more: true });
+            let ud = ev.data.u64();
+            let res = from_epoll(ev.flags) as i32;
+            if ud == WAKE {
+                out.push(Reaped { user_data: WAKE, res, flags: 0, more: true, last: None });
+            } else {
+                out.extend(self.ops.complete(ud, res, 0, true));
+            }
         }
-        out.append(&mut self.ready);
+        for (ud, res) in self.ready.drain(..) {
+            out.extend(self.ops.complete(ud, res, 0, false));
+        }
         let now = Instant::now();
-        self.timers.retain(|&(t, slot)| {
+        let ops = &mut self.ops;
+        self.timers.retain(|&(t, ud)| {
             if t <= now {
-                out.push(RawCompletion { slot, res: 0, more: false });
+                out.extend(ops.complete(ud, 0, 0, false));
                 false
             } else {
                 true

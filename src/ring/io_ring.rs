@@ -8,23 +8,33 @@
 //! last completion, so the driver above it needs no `unsafe`: it names
 //! buffers by [`BufId`] and sockets and images by their fixed-file slot.
 //!
+//! Its ops live in a [`UringCore`] (see the module docs of [`super`] for
+//! the op life cycle and the Drop contract); the buffer arena and the
+//! receive pool are shared by many ops, so when the core reports ops the
+//! kernel would not let go of, they are leaked with them.
+//!
 //! It needs a 6.0+ kernel (multishot receive, provided buffer rings, sparse
 //! file tables); [`IoRing::new`] fails cleanly when any of that is missing.
 
 use std::io;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use super::buffers::{BufId, Buffers, RecvPool};
+use super::core::UringCore;
+use super::ops::Reaped;
 
 /// A byte range of a buffer: id, start, end.
 pub type BufSlice = (BufId, usize, usize);
 
-/// A submitted operation, for cancelling it.
+/// A submitted operation, for cancelling it: its generation-tagged
+/// user_data, so cancelling an op that already ended can never hit the
+/// newer op in its slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpId(u32);
+pub struct OpId(u64);
 
 /// One completion, with the driver's token.
 #[derive(Debug, Clone, Copy)]
@@ -111,29 +121,27 @@ enum Held {
 struct Op {
     token: u64,
     held: Held,
-    live: bool,
 }
 
-/// user_data of operations whose completions nobody waits for (cancels).
-const IGNORED: u64 = u64::MAX;
+/// How long dropping the ring waits for cancelled ops.
+const CANCEL_WAIT: Duration = Duration::from_secs(2);
 
 /// The ring, its registered resources and its in-flight table.
 pub struct IoRing {
-    ring: IoUring,
-    ops: Vec<Op>,
-    free_ops: Vec<u32>,
-    bufs: Buffers,
-    recv: RecvPool,
+    /// First field: dropped before the memory below (which `Drop` leaks
+    /// instead when the core could not end every op).
+    core: UringCore<Op>,
+    bufs: ManuallyDrop<Buffers>,
+    recv: ManuallyDrop<RecvPool>,
     free_files: Vec<u32>,
     /// Spare vectors for sends, so a send allocates nothing in steady state.
     spare_iov: Vec<Vec<libc::iovec>>,
     spare_bufs: Vec<Vec<BufId>>,
-    cqes: Vec<cqueue::Entry>,
+    reaped: Vec<Reaped<Op>>,
     pipes: Vec<Option<Pipe>>,
     idle_pipes: Vec<u32>,
     /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
     no_min_wait: bool,
-    in_flight: usize,
 }
 
 /// Capacity asked of each splice pipe (the unprivileged maximum).
@@ -166,19 +174,16 @@ impl IoRing {
         // the ring (dropped after it, or leaked with it).
         unsafe { ring.submitter().register_buf_ring_with_flags(recv.ring_addr(), recv.entries(), recv.group, 0)? };
         Ok(Self {
-            ring,
-            ops: Vec::with_capacity(1024),
-            free_ops: Vec::new(),
-            bufs,
-            recv,
+            core: UringCore::new(ring, CANCEL_WAIT),
+            bufs: ManuallyDrop::new(bufs),
+            recv: ManuallyDrop::new(recv),
             free_files: (0..files).rev().collect(),
             spare_iov: Vec::new(),
             spare_bufs: Vec::new(),
-            cqes: Vec::with_capacity(1024),
+            reaped: Vec::with_capacity(1024),
             pipes: Vec::new(),
             idle_pipes: Vec::new(),
             no_min_wait: false,
-            in_flight: 0,
         })
     }
 
@@ -192,7 +197,7 @@ impl IoRing {
 
     /// Operations submitted and not yet finished.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.core.ops().len()
     }
 
     /// The bytes a receive put in provided buffer `bid`, next to the
@@ -210,7 +215,7 @@ impl IoRing {
     /// so the caller may close `fd` afterwards).
     pub fn register_file(&mut self, fd: RawFd) -> io::Result<u32> {
         let slot = self.free_files.pop().ok_or_else(|| io::Error::from_raw_os_error(libc::ENFILE))?;
-        match self.ring.submitter().register_files_update(slot, &[fd]) {
+        match self.core.submitter().register_files_update(slot, &[fd]) {
             Ok(_) => Ok(slot),
             Err(e) => {
                 self.free_files.push(slot);
@@ -222,46 +227,23 @@ impl IoRing {
     /// Empties a fixed-file slot at once (for images: their operations have
     /// ended; sockets go through [`IoRing::close_file`]).
     pub fn unregister_file(&mut self, slot: u32) -> io::Result<()> {
-        self.ring.submitter().register_files_update(slot, &[-1])?;
+        self.core.submitter().register_files_update(slot, &[-1])?;
         self.free_files.push(slot);
         Ok(())
     }
 
-    fn op(&mut self, token: u64, held: Held) -> u32 {
-        self.in_flight += 1;
-        let op = Op { token, held, live: true };
-        match self.free_ops.pop() {
-            Some(i) => {
-                self.ops[i as usize] = op;
-                i
-            }
-            None => {
-                self.ops.push(op);
-                self.ops.len() as u32 - 1
-            }
-        }
-    }
-
-    fn push(&mut self, sqe: squeue::Entry) -> io::Result<()> {
-        loop {
-            // SAFETY: every pointer in `sqe` refers to memory held in the op
-            // table (buffers marked busy, boxed iovecs/msghdr/timespec) until
-            // the operation's last completion.
-            if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
-                return Ok(());
-            }
-            self.ring.submit()?;
-        }
-    }
-
     fn start(&mut self, token: u64, held: Held, build: impl FnOnce(u64) -> squeue::Entry) -> io::Result<OpId> {
-        let slot = self.op(token, held);
-        let sqe = build(u64::from(slot));
-        if let Err(e) = self.push(sqe) {
-            self.finish(slot);
-            return Err(e);
+        // SAFETY: every pointer in the sqe refers to memory the op holds
+        // until its last completion (buffers lent and marked busy, boxed
+        // iovecs/msghdr/timespec), to the arena or receive pool (which
+        // outlive the core, or are leaked with its ops), or to nothing.
+        match unsafe { self.core.try_start(Op { token, held }, |_, ud| build(ud)) } {
+            Ok(ud) => Ok(OpId(ud)),
+            Err((e, op)) => {
+                self.release(op.held);
+                Err(e)
+            }
         }
-        Ok(OpId(slot))
     }
 
     /// Accepts connections on `listener` until cancelled; each completion's
@@ -424,28 +406,13 @@ impl IoRing {
 
     /// Asks the kernel to end `op` (its completion still arrives).
     pub fn cancel(&mut self, op: OpId) -> io::Result<()> {
-        if !self.ops.get(op.0 as usize).is_some_and(|o| o.live) {
-            return Ok(());
-        }
-        self.push(opcode::AsyncCancel::new(u64::from(op.0)).build().user_data(IGNORED))
+        self.core.cancel(op.0)
     }
 
     /// Submits what is queued and waits for at least `min` completions, or
     /// until `timeout` passes.
     pub fn submit_and_wait(&mut self, min: usize, timeout: Option<Duration>) -> io::Result<()> {
-        let r = match timeout {
-            None => self.ring.submit_and_wait(min),
-            Some(t) => {
-                let ts = types::Timespec::from(t);
-                let args = types::SubmitArgs::new().timespec(&ts);
-                self.ring.submitter().submit_with_args(min, &args)
-            }
-        };
-        match r {
-            Ok(_) => Ok(()),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
-            Err(e) => Err(e),
-        }
+        self.core.submit_and_wait(min, timeout)
     }
 
     /// Submits, then waits for `want` completions for at most `min_wait`
@@ -457,9 +424,8 @@ impl IoRing {
             return self.submit_and_wait(1, None);
         }
         let args = types::SubmitArgs::new().min_wait_usec(min_wait.as_micros().min(u128::from(u32::MAX)) as u32);
-        match self.ring.submitter().submit_with_args(want, &args) {
-            Ok(_) => Ok(()),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
+        match self.core.submit_with_args(want, &args) {
+            Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 self.no_min_wait = true;
                 self.submit_and_wait(1, None)
@@ -471,34 +437,27 @@ impl IoRing {
     /// Moves every available completion into `out`, releasing what finished
     /// operations held.
     pub fn complete(&mut self, out: &mut Vec<Cqe>) {
-        let mut entries = std::mem::take(&mut self.cqes);
-        entries.extend(self.ring.completion());
-        for e in entries.drain(..) {
-            let ud = e.user_data();
-            if ud == IGNORED {
-                continue;
-            }
-            let slot = ud as u32;
-            let Some(op) = self.ops.get(slot as usize).filter(|o| o.live) else { continue };
-            let token = op.token;
-            let more = cqueue::more(e.flags());
-            let recv_buf = cqueue::buffer_select(e.flags());
-            if !more {
-                self.finish(slot);
-            }
-            out.push(Cqe { token, result: e.result(), more, recv_buf });
+        let mut reaped = std::mem::take(&mut self.reaped);
+        self.core.reap(&mut reaped);
+        for c in reaped.drain(..) {
+            let token = match c.last {
+                Some(op) => {
+                    self.release(op.held);
+                    op.token
+                }
+                None => match self.core.ops().get(c.user_data) {
+                    Some(op) => op.token,
+                    None => continue, // cancel requests
+                },
+            };
+            out.push(Cqe { token, result: c.res, more: c.more, recv_buf: cqueue::buffer_select(c.flags) });
         }
-        self.cqes = entries;
+        self.reaped = reaped;
     }
 
-    fn finish(&mut self, slot: u32) {
-        let op = &mut self.ops[slot as usize];
-        if !op.live {
-            return;
-        }
-        op.live = false;
-        self.in_flight -= 1;
-        match std::mem::replace(&mut op.held, Held::Nothing) {
+    /// Gives back what an ended (or never submitted) op held.
+    fn release(&mut self, held: Held) {
+        match held {
             Held::Nothing | Held::Timeout(_) => {}
             Held::Buf(id) => self.bufs.give_back(id),
             Held::Send { mut bufs, iov, msg } => {
@@ -519,7 +478,6 @@ impl IoRing {
                 }
             }
         }
-        self.free_ops.push(slot);
     }
 }
 
@@ -542,27 +500,18 @@ fn stale() -> io::Error {
 
 impl Drop for IoRing {
     /// Ends every operation before the memory they use goes away; if the
-    /// kernel will not let go in time, the memory is leaked, never freed
-    /// under it.
+    /// kernel will not let go in time, the arena and receive pool are
+    /// leaked with the ops, never freed under it.
     fn drop(&mut self) {
-        if self.in_flight > 0 {
-            let _ = self.push(opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(IGNORED));
-            let deadline = std::time::Instant::now() + Duration::from_secs(2);
-            let mut out = Vec::new();
-            while self.in_flight > 0 && std::time::Instant::now() < deadline {
-                let _ = self.submit_and_wait(1, Some(Duration::from_millis(20)));
-                out.clear();
-                self.complete(&mut out);
-            }
+        if self.core.shutdown() > 0 {
+            return;
         }
-        if self.in_flight > 0 {
-            tracing::warn!(in_flight = self.in_flight, "ring ended with operations the kernel still holds; leaking their memory");
-            let bufs = std::mem::replace(&mut self.bufs, Buffers::new(1, 4096, 0).expect("tiny arena"));
-            std::mem::forget(bufs);
-            let recv = std::mem::replace(&mut self.recv, RecvPool::new(1, 4096, 0).expect("tiny pool"));
-            std::mem::forget(recv);
-            let ops = std::mem::take(&mut self.ops);
-            std::mem::forget(ops);
+        // SAFETY: no op is in flight any more (the core reaped every one),
+        // so the kernel touches neither the arena nor the receive pool; both
+        // are dropped once, here, and not used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.bufs);
+            ManuallyDrop::drop(&mut self.recv);
         }
     }
 }
