@@ -7,12 +7,14 @@ use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::conn::{Attached, Conn, Parsed, Part, Phase, Splicing};
+use super::budget::{Gate, Limits, Refusal, ServerBudget};
+use super::conn::{Attached, Blocked, Conn, Fed, Part, Phase, Splicing};
 use super::requests::Req;
 use super::{Command, Mailbox, ServerConfig};
 use crate::nbd::export::{Export, Exports};
 use crate::nbd::handshake::{self, Outcome};
-use crate::nbd::stats::Pending;
+use crate::nbd::stats::{Kind, Pending};
+use crate::ring::buffers::{BufId, Buffers};
 use crate::ring::io_ring::{Cqe, IoRing, OpId};
 
 pub(super) const K_WAKE: u64 = 1;
@@ -40,6 +42,24 @@ const BATCH: usize = 8;
 const BUSY_TURN: usize = 4;
 /// How long a stopping ring waits for connections to drain before it cuts them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// A handshake stops being read while this many reply bytes wait to be
+/// sent (a flood of NBD_OPT_LIST would otherwise queue without bound).
+const HANDSHAKE_REPLIES: usize = 64 * 1024;
+/// Small replies are gathered into buffers of this size.
+const SMALL_BUF: usize = 4096;
+/// Rounds of servicing dirty connections in one loop turn.
+const SERVICE_ROUNDS: usize = 8;
+/// lseek calls (hole checks, BLOCK_STATUS) one loop turn may make; past
+/// it holes are answered as data, which the protocol allows.
+pub(super) const SEEKS_PER_TURN: u32 = 128;
+
+/// Where bytes to split into requests come from.
+enum Source {
+    /// A provided receive buffer and its length.
+    Recv(u16, usize),
+    /// Bytes a paused connection had received and not taken.
+    Owned(Vec<u8>),
+}
 
 pub(super) struct Context {
     pub id: usize,
@@ -48,6 +68,7 @@ pub(super) struct Context {
     pub mailboxes: Arc<Vec<Mailbox>>,
     /// Listeners this ring accepts on (ring 0 only).
     pub listeners: Vec<i32>,
+    pub budget: Arc<ServerBudget>,
 }
 
 /// An export's descriptors as registered in this ring.
@@ -73,12 +94,23 @@ pub(super) struct Worker {
     registered: HashMap<u64, Registered>,
     dirty: Vec<u32>,
     pub(super) scratch: Vec<u8>,
-    parsed: Vec<Parsed>,
     pub(super) stats: HashMap<u64, (Arc<Export>, Pending)>,
     next_ring: usize,
     stop_at: Option<Instant>,
     pub(super) now: Instant,
     tick: Duration,
+    limits: Limits,
+    pub(super) budget: Arc<ServerBudget>,
+    /// Connections the server's budget stopped, woken when memory is released.
+    server_waiters: Vec<u32>,
+    waiters_seen: u64,
+    /// lseek calls left in this loop turn.
+    pub(super) seeks_left: u32,
+    /// A request arrived since the last tick (an idle ring trims its memory).
+    pub(super) active: bool,
+    /// A buffer of zeroes that WRITE_ZEROES writes from when the file cannot
+    /// zero a range itself; shared, never written after it is made.
+    pub(super) zeroes: Option<BufId>,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -99,8 +131,9 @@ impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
         ring.poll_multi(token(K_WAKE, 0), &ctx.mailboxes[ctx.id].wake, libc::POLLIN as u32)?;
-        let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
         ring.timeout(token(K_TICK, 0), tick)?;
+        let limits = Limits { conn_bytes: ctx.config.max_queued_bytes, conn_requests: ctx.config.max_requests.max(1) };
         let mut w = Worker {
             id: ctx.id,
             config: ctx.config,
@@ -117,12 +150,18 @@ impl Worker {
             registered: HashMap::new(),
             dirty: Vec::new(),
             scratch: Vec::with_capacity(4096),
-            parsed: Vec::new(),
             stats: HashMap::new(),
             next_ring: 0,
             stop_at: None,
             now: Instant::now(),
             tick,
+            limits,
+            budget: ctx.budget,
+            server_waiters: Vec::new(),
+            waiters_seen: 0,
+            seeks_left: SEEKS_PER_TURN,
+            active: false,
+            zeroes: None,
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -142,12 +181,16 @@ impl Worker {
         loop {
             // After a busy turn, wait a little for a burst instead of
             // waking for each request; a quiet ring wakes at the first one.
-            if busy && !self.config.batch_wait.is_zero() {
+            if !self.dirty.is_empty() {
+                // Connections are still to be looked at: do not sleep.
+                self.ring.submit_and_wait(0, None)?;
+            } else if busy && !self.config.batch_wait.is_zero() {
                 self.ring.submit_and_wait_batch(BATCH, self.config.batch_wait)?;
             } else {
                 self.ring.submit_and_wait(1, None)?;
             }
             self.now = Instant::now();
+            self.seeks_left = SEEKS_PER_TURN;
             cqes.clear();
             self.ring.complete(&mut cqes);
             busy = cqes.len() >= BUSY_TURN;
@@ -281,37 +324,58 @@ impl Worker {
         self.queue_scratch(ci);
     }
 
-    /// Copies `self.scratch` into a buffer and queues it on connection `ci`.
+    /// Copies `self.scratch` onto connection `ci`'s outgoing stream:
+    /// appended to the last small-reply buffer when it has room, so a
+    /// stream of small replies costs its bytes, not a buffer each.
     pub(super) fn queue_scratch(&mut self, ci: u32) {
-        if self.scratch.is_empty() {
+        let n = self.scratch.len();
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+        if n == 0 {
             return;
         }
-        let n = self.scratch.len();
-        let b = self.ring.buffers_mut().alloc(n);
-        if let Some(dst) = self.ring.buffers_mut().get_mut(b) {
+        let bufs = self.ring.buffers_mut();
+        if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
+            if *b == tail && *end + n <= bufs.len(tail) {
+                if let Some(dst) = bufs.get_mut(tail) {
+                    dst[*end..*end + n].copy_from_slice(&self.scratch);
+                    *end += n;
+                    self.mark(ci);
+                    return;
+                }
+            }
+        }
+        let b = bufs.alloc_heap(n.max(SMALL_BUF));
+        let cost = Buffers::cost_of(bufs.len(b));
+        if let Some(dst) = bufs.get_mut(b) {
             dst[..n].copy_from_slice(&self.scratch);
         }
-        if let Some(c) = self.conns[ci as usize].as_mut() {
-            c.held_bytes += self.ring.buffers().len(b);
-        }
-        self.queue(ci, b, 0, n);
+        c.account.charge(&self.budget, cost, cost);
+        c.tail = Some(b);
+        c.out.push(Part::Buf(b, 0, n));
+        self.mark(ci);
     }
 
-    /// Queues a reply part for the next send of connection `ci`.
-    pub(super) fn queue(&mut self, ci: u32, buf: crate::ring::buffers::BufId, start: usize, end: usize) {
+    /// Queues a reply part for the next send of connection `ci`; the
+    /// buffer was charged to the connection when it was allocated.
+    pub(super) fn queue(&mut self, ci: u32, buf: BufId, start: usize, end: usize) {
         match self.conns[ci as usize].as_mut() {
             Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
-            _ => self.ring.buffers_mut().free(buf),
+            Some(c) => {
+                let cost = Buffers::cost_of(self.ring.buffers().len(buf));
+                c.account.release(&self.budget, cost, cost);
+                self.ring.buffers_mut().free(buf);
+            }
+            None => self.ring.buffers_mut().free(buf),
         }
         self.mark(ci);
     }
 
     /// Queues a file range to be spliced into connection `ci`'s stream; it
-    /// counts as held bytes until it is in the socket.
-    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64) {
+    /// counts against the connection's limit until it is in the socket.
+    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
         if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
-            c.out.push(Part::Splice { file, offset, len });
-            c.held_bytes += len as usize;
+            c.out.push(Part::Splice { file, offset, len, started });
+            c.account.charge(&self.budget, len as usize, 0);
         }
         self.mark(ci);
     }
@@ -336,10 +400,11 @@ impl Worker {
             sp.offset += u64::from(n);
         } else {
             sp.in_pipe -= n;
-            c.held_bytes = c.held_bytes.saturating_sub(n as usize);
+            c.account.release(&self.budget, n as usize, 0);
             c.last_send_progress = self.now;
         }
         let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
+        let (len, started) = (sp.len, sp.started);
         let next = if in_pipe > 0 {
             self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
         } else if left > 0 {
@@ -349,6 +414,8 @@ impl Worker {
             let c = self.conns[ci as usize].as_mut().expect("checked above");
             c.splice = None;
             self.ring.put_pipe(pipe, true);
+            // A spliced READ is timed until its last byte is in the socket.
+            self.record(ci, Kind::Read, len, true, started);
             self.mark(ci);
             return;
         };
@@ -401,25 +468,65 @@ impl Worker {
         let conn = self.conns[ci as usize].as_mut().expect("checked above");
         conn.last_activity = self.now;
         let serving = matches!(conn.phase, Phase::Serving { .. });
-        let (data, bufs) = self.ring.received(bid, n);
-        let result = if serving {
-            conn.feed(data, bufs, self.now, &mut self.parsed)
-        } else {
-            conn.inbuf.extend_from_slice(data);
-            Ok(())
-        };
+        if serving && conn.paused.is_none() {
+            self.pump(ci, &Source::Recv(bid, n));
+            self.ring.recycle(bid);
+            return;
+        }
+        // A handshake, or bytes that arrived before a pause took effect:
+        // kept (and charged) until they can be taken.
+        let (data, _) = self.ring.received(bid, n);
+        conn.inbuf.extend_from_slice(data);
+        conn.sync_inbuf(&self.budget);
         self.ring.recycle(bid);
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "NBD client broke the protocol; closing");
-            self.break_conn(ci);
-        } else if !serving {
+        if !serving && conn.paused.is_none() {
             self.negotiate(ci);
         }
-        let mut parsed = std::mem::take(&mut self.parsed);
-        for p in parsed.drain(..) {
-            self.take_parsed(ci, p);
+    }
+
+    /// Splits bytes into requests for connection `ci` and acts on each one
+    /// before the next is admitted, so every buffer is charged before the
+    /// next request is looked at. What is not taken stays in `inbuf`.
+    fn pump(&mut self, ci: u32, src: &Source) {
+        let mut pos = 0;
+        loop {
+            let Some(conn) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+            let (data, bufs) = match src {
+                Source::Recv(bid, n) => self.ring.received(*bid, *n),
+                Source::Owned(v) => (&v[..], self.ring.buffers_mut()),
+            };
+            if pos >= data.len() {
+                return;
+            }
+            let gate = Gate { limits: &self.limits, server: &self.budget };
+            match conn.feed(&data[pos..], bufs, gate, self.now) {
+                Err(e) => {
+                    tracing::debug!(error = %e, "NBD client broke the protocol; closing");
+                    return self.break_conn(ci);
+                }
+                Ok((used, fed)) => {
+                    pos += used;
+                    match fed {
+                        Fed::Parsed(p) => {
+                            self.active = true;
+                            self.take_parsed(ci, p);
+                        }
+                        Fed::More | Fed::Closing => return,
+                        Fed::Blocked(why) => {
+                            conn.inbuf.extend_from_slice(&data[pos..]);
+                            conn.sync_inbuf(&self.budget);
+                            conn.paused = Some(Blocked::Refused(why));
+                            if why == Refusal::Server && conn.server_wait.is_none() {
+                                conn.server_wait = Some(self.budget.releases());
+                                self.server_waiters.push(ci);
+                            }
+                            self.mark(ci);
+                            return;
+                        }
+                    }
+                }
+            }
         }
-        self.parsed = parsed;
     }
 
     /// Runs the handshake over what connection `ci` has received.
@@ -432,6 +539,12 @@ impl Worker {
         let mut entered = None;
         let mut failed = false;
         loop {
+            // Replies the client has not read stop the reading of options.
+            let waiting = conn.account.held + scratch.len();
+            if waiting >= HANDSHAKE_REPLIES {
+                conn.paused = Some(Blocked::Replies);
+                break;
+            }
             match hs.step(&conn.inbuf[pos..], &**exports, scratch) {
                 Ok((used, outcome)) => {
                     pos += used;
@@ -456,7 +569,11 @@ impl Worker {
             }
         }
         conn.inbuf.drain(..pos);
+        conn.sync_inbuf(&self.budget);
         self.queue_scratch(ci);
+        if self.scratch.capacity() > 1 << 20 {
+            self.scratch = Vec::with_capacity(4096);
+        }
         if failed {
             return self.break_conn(ci);
         }
@@ -473,11 +590,9 @@ impl Worker {
         conn.phase = Phase::Serving { attached, style: n.style, base_allocation: n.base_allocation };
         tracing::debug!(export = %n.name, style = ?n.style, "NBD client entered transmission");
         let rest = std::mem::take(&mut conn.inbuf);
+        conn.sync_inbuf(&self.budget);
         if !rest.is_empty() {
-            let bufs = self.ring.buffers_mut();
-            if conn.feed(&rest, bufs, self.now, &mut self.parsed).is_err() {
-                self.break_conn(ci);
-            }
+            self.pump(ci, &Source::Owned(rest));
         }
     }
 
@@ -532,12 +647,13 @@ impl Worker {
         let mut keep: Vec<Part> = Vec::new();
         for (b, start, end) in conn.sending.drain(..) {
             let len = end - start;
-            if res < 0 {
-                conn.held_bytes = conn.held_bytes.saturating_sub(bufs.len(b));
-                bufs.free(b);
-            } else if sent >= len {
-                sent -= len;
-                conn.held_bytes = conn.held_bytes.saturating_sub(bufs.len(b));
+            if res < 0 || sent >= len {
+                sent = sent.saturating_sub(len);
+                let cost = Buffers::cost_of(bufs.len(b));
+                conn.account.release(&self.budget, cost, cost);
+                if conn.tail == Some(b) {
+                    conn.tail = None;
+                }
                 bufs.free(b);
             } else {
                 keep.push(Part::Buf(b, start + sent, end));
@@ -568,35 +684,70 @@ impl Worker {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.closing = true;
         c.broken = true;
-        drop_parts(c, self.ring.buffers_mut());
+        drop_parts(c, self.ring.buffers_mut(), &self.budget);
         self.mark(ci);
     }
 
     fn after_batch(&mut self) {
-        let mut dirty = std::mem::take(&mut self.dirty);
-        for ci in dirty.drain(..) {
-            self.service(ci);
+        if !self.server_waiters.is_empty() && self.budget.releases() != self.waiters_seen {
+            self.wake_server_waiters();
         }
-        if self.dirty.is_empty() {
-            self.dirty = dirty;
+        // Servicing a connection can queue replies on it (or free memory
+        // for another): a few rounds, and the loop does not sleep on the rest.
+        for _ in 0..SERVICE_ROUNDS {
+            if self.dirty.is_empty() {
+                break;
+            }
+            let mut dirty = std::mem::take(&mut self.dirty);
+            for ci in dirty.drain(..) {
+                self.service(ci);
+            }
+            if self.dirty.is_empty() {
+                self.dirty = dirty;
+            }
         }
         for (export, pending) in self.stats.values_mut() {
             export.stats.fold(pending);
         }
     }
 
+    /// Memory was released somewhere: connections the server's budget
+    /// stopped try their next request again.
+    fn wake_server_waiters(&mut self) {
+        self.waiters_seen = self.budget.releases();
+        for ci in std::mem::take(&mut self.server_waiters) {
+            if let Some(c) = self.conns[ci as usize].as_mut() {
+                c.server_wait = None;
+                self.mark(ci);
+            }
+        }
+    }
+
     /// Brings connection `ci` up to date: backpressure, receive, send, close.
     fn service(&mut self, ci: u32) {
-        let max_bytes = self.config.max_queued_bytes;
-        let max_reqs = self.config.max_requests;
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.dirty = false;
-        if !c.paused && (c.held_bytes > max_bytes || c.requests > max_reqs) {
-            c.paused = true;
-        } else if c.paused && c.held_bytes <= max_bytes / 2 && c.requests <= max_reqs / 2 {
-            c.paused = false;
+        if let Some(why) = c.paused.filter(|_| !c.closing && !c.broken) {
+            let ready = match why {
+                Blocked::Refused(Refusal::Conn) => c.account.drained_enough(&self.limits),
+                Blocked::Refused(Refusal::Server) => c.server_wait.is_none(),
+                Blocked::Replies => c.out.is_empty() && !c.send_in_flight,
+            };
+            if ready {
+                // What it had received is taken first; reading resumes
+                // only if all of it fits.
+                c.paused = None;
+                if matches!(c.phase, Phase::Serving { .. }) {
+                    let rest = std::mem::take(&mut c.inbuf);
+                    c.sync_inbuf(&self.budget);
+                    self.pump(ci, &Source::Owned(rest));
+                } else {
+                    self.negotiate(ci);
+                }
+            }
         }
-        let want_recv = !c.closing && !c.paused;
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        let want_recv = !c.closing && c.paused.is_none();
         match (want_recv, c.recv_op) {
             (true, None) => match self.ring.recv_multi(token(K_RECV, ci), c.socket) {
                 Ok(op) => {
@@ -616,9 +767,9 @@ impl Worker {
             _ => {}
         }
         if !c.send_in_flight && c.splice.is_none() && !c.out.is_empty() && !c.broken {
-            if let Part::Splice { file, offset, len } = c.out[0] {
+            if let Part::Splice { file, offset, len, started } = c.out[0] {
                 c.out.remove(0);
-                let started = self.ring.take_pipe().and_then(|pipe| {
+                let begun = self.ring.take_pipe().and_then(|pipe| {
                     let chunk = len.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
                     match self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk) {
                         Ok(_) => Ok(pipe),
@@ -628,9 +779,9 @@ impl Worker {
                         }
                     }
                 });
-                match started {
+                match begun {
                     Ok(pipe) => {
-                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0 });
+                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
                         c.socket_ops += 1;
                         c.last_send_progress = self.now;
                     }
@@ -662,9 +813,9 @@ impl Worker {
             }
         }
         if c.broken && !c.out.is_empty() {
-            drop_parts(c, self.ring.buffers_mut());
+            drop_parts(c, self.ring.buffers_mut(), &self.budget);
         }
-        let drained = c.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
+        let drained = c.account.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
         if c.closing && drained && !c.shutdown_sent {
             c.shutdown_sent = true;
             if let (Some(op), false) = (c.recv_op, c.recv_cancelled) {
@@ -691,7 +842,9 @@ impl Worker {
         if let Some(p) = c.payload.take() {
             self.ring.buffers_mut().free(p.buf);
         }
-        drop_parts(&mut c, self.ring.buffers_mut());
+        drop_parts(&mut c, self.ring.buffers_mut(), &self.budget);
+        // Whatever is left (the payload buffer, unread bytes) goes back.
+        c.account.close(&self.budget);
         if let Phase::Serving { attached, .. } = &c.phase {
             let export = attached.export.clone();
             export.release();
@@ -699,9 +852,25 @@ impl Worker {
         }
     }
 
+    /// A ring with nothing to do gives memory back: cached buffers, the
+    /// allocator's free pages, and request slots of a past burst.
+    fn trim(&mut self) {
+        self.ring.buffers_mut().trim();
+        if self.free_reqs.len() == self.reqs.len() && self.reqs.capacity() > 1024 {
+            self.reqs = Vec::new();
+            self.free_reqs = Vec::new();
+        }
+    }
+
     fn on_tick(&mut self) {
         if let Err(e) = self.ring.timeout(token(K_TICK, 0), self.tick) {
             tracing::error!(error = %e, "NBD ring lost its timer");
+        }
+        if !self.server_waiters.is_empty() {
+            self.wake_server_waiters();
+        }
+        if !std::mem::take(&mut self.active) {
+            self.trim();
         }
         let now = self.now;
         let (hs, idle, stall) = (self.config.handshake_timeout, self.config.idle_timeout, self.config.stall_timeout);
@@ -710,7 +879,7 @@ impl Worker {
             let Some(c) = self.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
             let stalled = (c.send_in_flight || c.splice.is_some() || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
-            let idle_out = idle.is_some_and(|t| c.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
+            let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
                 tracing::debug!(handshaking, stalled, "NBD connection timed out");
                 self.break_conn(i as u32);
@@ -722,14 +891,16 @@ impl Worker {
 }
 
 /// Frees every queued part of a connection that will send no more.
-fn drop_parts(c: &mut Conn, bufs: &mut crate::ring::buffers::Buffers) {
+fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget) {
+    c.tail = None;
     for p in c.out.drain(..) {
         match p {
             Part::Buf(b, _, _) => {
-                c.held_bytes = c.held_bytes.saturating_sub(bufs.len(b));
+                let cost = Buffers::cost_of(bufs.len(b));
+                c.account.release(budget, cost, cost);
                 bufs.free(b);
             }
-            Part::Splice { len, .. } => c.held_bytes = c.held_bytes.saturating_sub(len as usize),
+            Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
         }
     }
 }
