@@ -506,6 +506,38 @@ fn block_status_and_sparse_reads() -> Result<(), Failed> {
     check(ok && out.contains("hole,zero") && out.contains("data"), format!("nbdinfo --map: {out}{err}"))
 }
 
+/// A file fragmented into 2,048 data extents: one BLOCK_STATUS answers a
+/// bounded prefix (the ring thread makes a bounded number of lseeks for
+/// it), and a client that asks on from where the reply ended gets the
+/// exact map.
+fn block_status_is_bounded_per_request() -> Result<(), Failed> {
+    let size = 16 * MIB;
+    let s = Served::new(&[("frag", size, false)]);
+    let f = std::fs::OpenOptions::new().write(true).open(s.image("frag"))?;
+    for i in 0..size / 8192 {
+        f.write_all_at(&[7u8; 4096], i * 8192)?;
+    }
+    f.sync_all()?;
+    let mut c = RawClient::connect(&s.socket, "frag", HeaderStyle::Extended, true)?;
+    let first = c.call(cmd::BLOCK_STATUS, 0, 0, size, &[])?;
+    check(first.error == 0 && !first.extents.is_empty(), "answered")?;
+    let covered: u64 = first.extents.iter().map(|e| e.0).sum();
+    check(first.extents.len() <= 32 && covered < size, format!("one reply: {} extents over {covered} bytes", first.extents.len()))?;
+    let (mut pos, mut asks) = (0u64, 0);
+    while pos < size {
+        asks += 1;
+        check(asks <= 4096, "the map ends")?;
+        let r = c.call(cmd::BLOCK_STATUS, 0, pos, size - pos, &[])?;
+        check(r.error == 0 && !r.extents.is_empty(), format!("status at {pos}"))?;
+        for &(len, flags) in &r.extents {
+            let want = if pos % 8192 == 0 { 0 } else { state::HOLE | state::ZERO };
+            check(len == 4096 && flags == want, format!("extent at {pos}: {len} bytes, flags {flags}"))?;
+            pos += len;
+        }
+    }
+    Ok(())
+}
+
 /// WRITE_ZEROES on tmpfs, which cannot zero a range in place: FAST_ZERO
 /// is refused with ENOTSUP, a plain zeroing falls back to writing zeroes.
 fn write_zeroes_without_filesystem_help() -> Result<(), Failed> {
@@ -801,6 +833,7 @@ fn main() {
         Trial::test("nbd::client_that_never_reads_is_bounded", client_that_never_reads_is_bounded),
         Trial::test("nbd::exports_added_and_removed_at_run_time", exports_added_and_removed_at_run_time),
         Trial::test("nbd::block_status_and_sparse_reads", block_status_and_sparse_reads),
+        Trial::test("nbd::block_status_is_bounded_per_request", block_status_is_bounded_per_request),
         Trial::test("nbd::write_zeroes_without_filesystem_help", write_zeroes_without_filesystem_help),
         Trial::test("nbd::direct_io_export", direct_io_export),
         Trial::test("nbd::tcp_listener", tcp_listener),
