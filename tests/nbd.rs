@@ -538,6 +538,33 @@ fn block_status_is_bounded_per_request() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A spliced READ is timed until its data is in the socket: a client that
+/// waits before reading a 32 MiB reply (more than the socket holds) makes
+/// the recorded latency at least that wait.
+fn spliced_reads_are_timed_until_sent() -> Result<(), Failed> {
+    let s = Served::new(&[("disk", 64 * MIB, false)]);
+    std::fs::write(s.image("disk"), pattern(5, 0, 64 * MIB as usize))?;
+    let mut c = RawClient::connect(&s.socket, "disk", HeaderStyle::Simple, false)?;
+    let wait = Duration::from_millis(800);
+    c.send(cmd::READ, 0, 0, 32 * MIB, &[])?;
+    std::thread::sleep(wait);
+    let r = c.reply(Some(32 * MIB as usize))?;
+    check(r.error == 0 && r.data == pattern(5, 0, 32 * MIB as usize), "the read is answered")?;
+    let export = s.server().exports().get("disk").expect("export");
+    let start = Instant::now();
+    let st = loop {
+        let st = export.stats.snapshot("disk");
+        if st.latency_count >= 1 || start.elapsed() > Duration::from_secs(10) {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    check(
+        st.latency_max_us >= wait.as_micros() as u64 / 2,
+        format!("spliced READ recorded {} us (the client waited {wait:?})", st.latency_max_us),
+    )
+}
+
 /// WRITE_ZEROES on tmpfs, which cannot zero a range in place: FAST_ZERO
 /// is refused with ENOTSUP, a plain zeroing falls back to writing zeroes.
 fn write_zeroes_without_filesystem_help() -> Result<(), Failed> {
@@ -834,6 +861,7 @@ fn main() {
         Trial::test("nbd::exports_added_and_removed_at_run_time", exports_added_and_removed_at_run_time),
         Trial::test("nbd::block_status_and_sparse_reads", block_status_and_sparse_reads),
         Trial::test("nbd::block_status_is_bounded_per_request", block_status_is_bounded_per_request),
+        Trial::test("nbd::spliced_reads_are_timed_until_sent", spliced_reads_are_timed_until_sent),
         Trial::test("nbd::write_zeroes_without_filesystem_help", write_zeroes_without_filesystem_help),
         Trial::test("nbd::direct_io_export", direct_io_export),
         Trial::test("nbd::tcp_listener", tcp_listener),
