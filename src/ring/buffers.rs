@@ -8,12 +8,13 @@
 //! so freeing early is safe. [`RecvPool`] is the provided-buffer ring that
 //! multishot receives pick from: idle connections hold no memory at all.
 //!
-//! Memory goes back to the system when the load is gone: buffers of
-//! 128 KiB and more are their own mappings (unmapped when freed, so no
-//! allocator keeps them), the cache of freed buffers is bounded, and
-//! [`Buffers::trim`] empties it and asks the allocator to return its free
-//! pages. [`Buffers::cost_of`] is what a buffer of a length really takes,
-//! so callers can charge it before they allocate.
+//! Memory goes back to the system when the load is gone, and a buffer
+//! takes exactly its class from it (no allocator headers or alignment
+//! slack): buffers of 128 KiB and more are their own mappings, unmapped
+//! when freed; smaller ones are slots carved from 1 MiB mappings, whose
+//! pages are handed back (MADV_DONTNEED) when freed past the bounded cache
+//! or by [`Buffers::trim`]. [`Buffers::cost_of`] is what a buffer of a
+//! length takes, so callers can charge it before they allocate.
 
 use std::alloc::Layout;
 use std::io;
@@ -29,6 +30,8 @@ const CLASSES: usize = 15;
 /// allocator would keep freed blocks this large (its mmap threshold grows
 /// to the largest block freed), and RSS would never come down.
 const MAP_CLASS: usize = 5;
+/// Smaller classes are carved from mappings of this size.
+const CHUNK: usize = 1 << 20;
 
 /// A buffer's handle; only meaningful to the [`Buffers`] that made it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,11 +94,17 @@ pub struct Buffers {
     arena: Mapping,
     arena_slot: usize,
     arena_free: Vec<u32>,
+    /// Freed blocks kept for reuse, their pages resident.
     cache: [Vec<NonNull<u8>>; CLASSES],
     cached_bytes: usize,
     cache_limit: usize,
     /// Heap bytes freed since the last [`Buffers::trim`].
     freed_since_trim: usize,
+    /// Mappings small classes are carved from, for the life of the ring
+    /// (address space only: free slots' pages are handed back).
+    chunks: Vec<Mapping>,
+    /// Free slots of small classes whose pages were handed back.
+    cold: [Vec<NonNull<u8>>; MAP_CLASS],
 }
 
 fn class_of(len: usize) -> Option<usize> {
@@ -108,42 +117,18 @@ fn class_layout(class: usize) -> Layout {
     Layout::from_size_align(PAGE << class, PAGE).expect("valid layout")
 }
 
-/// A fresh, zeroed, page-aligned block of a class.
-fn heap_alloc(class: usize) -> NonNull<u8> {
-    if class >= MAP_CLASS {
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                PAGE << class,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::PRIVATE,
-            )
-        };
-        match p.ok().and_then(|p| NonNull::new(p.cast::<u8>())) {
-            Some(p) => return p,
-            None => std::alloc::handle_alloc_error(class_layout(class)),
-        }
-    }
-    // SAFETY: the layout has a non-zero size.
-    let p = unsafe { std::alloc::alloc_zeroed(class_layout(class)) };
-    NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(class_layout(class)))
-}
-
-/// Gives a block made by [`heap_alloc`] back to the system.
-///
-/// # Safety
-/// `ptr` came from `heap_alloc(class)` and nothing uses it any more.
-unsafe fn heap_free(ptr: NonNull<u8>, class: usize) {
-    if class >= MAP_CLASS {
-        // SAFETY: per the contract, a mapping of exactly this size made by heap_alloc.
-        unsafe {
-            let _ = rustix::mm::munmap(ptr.as_ptr().cast(), PAGE << class);
-        }
-    } else {
-        // SAFETY: per the contract, allocated with this class's layout.
-        unsafe { std::alloc::dealloc(ptr.as_ptr(), class_layout(class)) };
-    }
+/// A fresh private anonymous mapping of `len` bytes, kept until unmapped by hand.
+fn map(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
+    };
+    p.ok().and_then(|p| NonNull::new(p.cast::<u8>()))
 }
 
 impl Buffers {
@@ -163,7 +148,51 @@ impl Buffers {
             cached_bytes: 0,
             cache_limit,
             freed_since_trim: 0,
+            chunks: Vec::new(),
+            cold: Default::default(),
         })
+    }
+
+    /// A block of a class that no buffer uses: a cold slot or a fresh
+    /// mapping. Zeroed or left by an earlier user; page-aligned.
+    fn heap_alloc(&mut self, class: usize) -> NonNull<u8> {
+        let size = PAGE << class;
+        if class >= MAP_CLASS {
+            return map(size).unwrap_or_else(|| std::alloc::handle_alloc_error(class_layout(class)));
+        }
+        if let Some(p) = self.cold[class].pop() {
+            return p;
+        }
+        let Some(chunk) = Mapping::new(CHUNK).ok() else { std::alloc::handle_alloc_error(class_layout(class)) };
+        let base = chunk.as_ptr();
+        // Slots after the first are kept for later; untouched, they take no memory.
+        for i in (1..CHUNK / size).rev() {
+            // SAFETY (pointer arithmetic only): i * size < CHUNK, inside the mapping.
+            self.cold[class].push(NonNull::new(unsafe { base.add(i * size) }).expect("inside a mapping"));
+        }
+        self.chunks.push(chunk);
+        NonNull::new(base).expect("mappings are not null")
+    }
+
+    /// Gives a block's memory back to the system.
+    ///
+    /// # Safety
+    /// `ptr` came from `heap_alloc(class)` of this `Buffers` and nothing uses it any more.
+    unsafe fn heap_free(&mut self, ptr: NonNull<u8>, class: usize) {
+        let size = PAGE << class;
+        if class >= MAP_CLASS {
+            // SAFETY: per the contract, a mapping of exactly this size made by heap_alloc.
+            unsafe {
+                let _ = rustix::mm::munmap(ptr.as_ptr().cast(), size);
+            }
+        } else {
+            // SAFETY: per the contract the slot is unused; its pages read as
+            // zeroes from now on, which is a valid state for a buffer.
+            unsafe {
+                let _ = rustix::mm::madvise(ptr.as_ptr().cast(), size, rustix::mm::Advice::LinuxDontNeed);
+            }
+            self.cold[class].push(ptr);
+        }
     }
 
     /// Bytes a buffer of `len` takes from the system (its heap class),
@@ -178,17 +207,17 @@ impl Buffers {
     /// bytes released from the cache.
     pub fn trim(&mut self) -> usize {
         let released = self.cached_bytes;
-        for (class, list) in self.cache.iter_mut().enumerate() {
-            for p in list.drain(..) {
+        for class in 0..CLASSES {
+            while let Some(p) = self.cache[class].pop() {
                 // SAFETY: cached blocks came from heap_alloc(class) and are unused.
-                unsafe { heap_free(p, class) };
+                unsafe { self.heap_free(p, class) };
             }
         }
         self.cached_bytes = 0;
         if self.freed_since_trim > 0 {
             self.freed_since_trim = 0;
-            // Small buffers come from the allocator's arenas; freed ones
-            // stay resident until it is asked to return whole free pages.
+            // The rest of the ring's memory (request records, vectors of a
+            // past burst) is the allocator's: ask it to return free pages.
             #[cfg(target_env = "gnu")]
             // SAFETY: malloc_trim only releases free memory; no pointer we hold changes.
             unsafe {
@@ -232,7 +261,7 @@ impl Buffers {
                         self.cached_bytes -= PAGE << class;
                         p
                     }
-                    None => heap_alloc(class),
+                    None => self.heap_alloc(class),
                 };
                 Mem::Heap { ptr, class }
             }
@@ -314,7 +343,7 @@ impl Buffers {
                     self.cache[class].push(ptr);
                 } else {
                     // SAFETY: made by heap_alloc(class) in `alloc`; the slot is gone.
-                    unsafe { heap_free(ptr, class) };
+                    unsafe { self.heap_free(ptr, class) };
                 }
             }
         }
@@ -357,17 +386,25 @@ impl Buffers {
 
 impl Drop for Buffers {
     fn drop(&mut self) {
-        for s in self.slots.drain(..).flatten() {
-            if let Mem::Heap { ptr, class } = s.mem {
-                // SAFETY: made by heap_alloc(class); the ring that used it
-                // has ended every operation (or leaked us).
-                unsafe { heap_free(ptr, class) };
-            }
+        // Small classes go with their chunks; large ones are unmapped here.
+        let large: Vec<(NonNull<u8>, usize)> = self
+            .slots
+            .drain(..)
+            .flatten()
+            .filter_map(|s| match s.mem {
+                Mem::Heap { ptr, class } if class >= MAP_CLASS => Some((ptr, class)),
+                _ => None,
+            })
+            .collect();
+        for (ptr, class) in large {
+            // SAFETY: made by heap_alloc(class); the ring that used it has
+            // ended every operation (or leaked us).
+            unsafe { self.heap_free(ptr, class) };
         }
-        for (class, list) in self.cache.iter_mut().enumerate() {
-            for p in list.drain(..) {
+        for class in MAP_CLASS..CLASSES {
+            while let Some(p) = self.cache[class].pop() {
                 // SAFETY: cached blocks came from heap_alloc(class) and are unused.
-                unsafe { heap_free(p, class) };
+                unsafe { self.heap_free(p, class) };
             }
         }
     }
