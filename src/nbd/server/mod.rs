@@ -9,6 +9,8 @@
 
 mod budget;
 mod conn;
+mod input;
+mod output;
 mod requests;
 mod worker;
 

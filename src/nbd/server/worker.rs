@@ -7,14 +7,16 @@ use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::budget::{Gate, Limits, Refusal, ServerBudget};
-use super::conn::{Attached, Blocked, Conn, Fed, Part, Phase, Splicing};
+use super::budget::{Limits, Refusal, ServerBudget};
+use super::conn::{Blocked, Conn, Part, Phase, Splicing};
+use super::input::Source;
+use super::output::drop_parts;
 use super::requests::Req;
 use super::{Command, Mailbox, ServerConfig};
 use crate::nbd::export::{Export, Exports};
-use crate::nbd::handshake::{self, Outcome};
-use crate::nbd::stats::{Kind, Pending};
-use crate::ring::buffers::{BufId, Buffers};
+use crate::nbd::handshake;
+use crate::nbd::stats::Pending;
+use crate::ring::buffers::BufId;
 use crate::ring::io_ring::{Cqe, IoRing, OpId};
 
 pub(super) const K_WAKE: u64 = 1;
@@ -42,24 +44,11 @@ const BATCH: usize = 8;
 const BUSY_TURN: usize = 4;
 /// How long a stopping ring waits for connections to drain before it cuts them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// A handshake stops being read while this many reply bytes wait to be
-/// sent (a flood of NBD_OPT_LIST would otherwise queue without bound).
-const HANDSHAKE_REPLIES: usize = 64 * 1024;
-/// Small replies are gathered into buffers of this size.
-const SMALL_BUF: usize = 4096;
 /// Rounds of servicing dirty connections in one loop turn.
 const SERVICE_ROUNDS: usize = 8;
 /// lseek calls (hole checks, BLOCK_STATUS) one loop turn may make; past
 /// it holes are answered as data, which the protocol allows.
 pub(super) const SEEKS_PER_TURN: u32 = 128;
-
-/// Where bytes to split into requests come from.
-enum Source {
-    /// A provided receive buffer and its length.
-    Recv(u16, usize),
-    /// Bytes a paused connection had received and not taken.
-    Owned(Vec<u8>),
-}
 
 pub(super) struct Context {
     pub id: usize,
@@ -72,38 +61,38 @@ pub(super) struct Context {
 }
 
 /// An export's descriptors as registered in this ring.
-struct Registered {
-    file: u32,
-    buffered: Option<u32>,
-    users: u32,
+pub(super) struct Registered {
+    pub(super) file: u32,
+    pub(super) buffered: Option<u32>,
+    pub(super) users: u32,
 }
 
 pub(super) struct Worker {
-    id: usize,
-    config: ServerConfig,
+    pub(super) id: usize,
+    pub(super) config: ServerConfig,
     pub(super) ring: IoRing,
-    exports: Arc<Exports>,
-    mailboxes: Arc<Vec<Mailbox>>,
-    listeners: Vec<i32>,
-    accepts: Vec<Option<OpId>>,
+    pub(super) exports: Arc<Exports>,
+    pub(super) mailboxes: Arc<Vec<Mailbox>>,
+    pub(super) listeners: Vec<i32>,
+    pub(super) accepts: Vec<Option<OpId>>,
     pub(super) conns: Vec<Option<Conn>>,
-    free_conns: Vec<u32>,
-    live: usize,
+    pub(super) free_conns: Vec<u32>,
+    pub(super) live: usize,
     pub(super) reqs: Vec<Option<Req>>,
     pub(super) free_reqs: Vec<u32>,
-    registered: HashMap<u64, Registered>,
-    dirty: Vec<u32>,
+    pub(super) registered: HashMap<u64, Registered>,
+    pub(super) dirty: Vec<u32>,
     pub(super) scratch: Vec<u8>,
     pub(super) stats: HashMap<u64, (Arc<Export>, Pending)>,
-    next_ring: usize,
-    stop_at: Option<Instant>,
+    pub(super) next_ring: usize,
+    pub(super) stop_at: Option<Instant>,
     pub(super) now: Instant,
-    tick: Duration,
-    limits: Limits,
+    pub(super) tick: Duration,
+    pub(super) limits: Limits,
     pub(super) budget: Arc<ServerBudget>,
     /// Connections the server's budget stopped, woken when memory is released.
-    server_waiters: Vec<u32>,
-    waiters_seen: u64,
+    pub(super) server_waiters: Vec<u32>,
+    pub(super) waiters_seen: u64,
     /// lseek calls left in this loop turn.
     pub(super) seeks_left: u32,
     /// A request arrived since the last tick (an idle ring trims its memory).
@@ -324,113 +313,6 @@ impl Worker {
         self.queue_scratch(ci);
     }
 
-    /// Copies `self.scratch` onto connection `ci`'s outgoing stream:
-    /// appended to the last small-reply buffer when it has room, so a
-    /// stream of small replies costs its bytes, not a buffer each.
-    pub(super) fn queue_scratch(&mut self, ci: u32) {
-        let n = self.scratch.len();
-        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
-        if n == 0 {
-            return;
-        }
-        let bufs = self.ring.buffers_mut();
-        if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
-            if *b == tail && *end + n <= bufs.len(tail) {
-                if let Some(dst) = bufs.get_mut(tail) {
-                    dst[*end..*end + n].copy_from_slice(&self.scratch);
-                    *end += n;
-                    self.mark(ci);
-                    return;
-                }
-            }
-        }
-        let b = bufs.alloc_heap(n.max(SMALL_BUF));
-        let cost = Buffers::cost_of(bufs.len(b));
-        if let Some(dst) = bufs.get_mut(b) {
-            dst[..n].copy_from_slice(&self.scratch);
-        }
-        c.account.charge(&self.budget, cost, cost);
-        c.tail = Some(b);
-        c.out.push(Part::Buf(b, 0, n));
-        self.mark(ci);
-    }
-
-    /// Queues a reply part for the next send of connection `ci`; the
-    /// buffer was charged to the connection when it was allocated.
-    pub(super) fn queue(&mut self, ci: u32, buf: BufId, start: usize, end: usize) {
-        match self.conns[ci as usize].as_mut() {
-            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
-            Some(c) => {
-                let cost = Buffers::cost_of(self.ring.buffers().len(buf));
-                c.account.release(&self.budget, cost, cost);
-                self.ring.buffers_mut().free(buf);
-            }
-            None => self.ring.buffers_mut().free(buf),
-        }
-        self.mark(ci);
-    }
-
-    /// Queues a file range to be spliced into connection `ci`'s stream; it
-    /// counts against the connection's limit until it is in the socket.
-    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
-        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
-            c.out.push(Part::Splice { file, offset, len, started });
-            c.account.charge(&self.budget, len as usize, 0);
-        }
-        self.mark(ci);
-    }
-
-    fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
-        let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        c.socket_ops -= 1;
-        let Some(sp) = c.splice.as_mut() else { return };
-        if res <= 0 || c.broken {
-            // The header promised these bytes: without them the stream is lost.
-            if res < 0 && !c.broken {
-                tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
-            }
-            let sp = c.splice.take().expect("checked above");
-            self.ring.put_pipe(sp.pipe, false);
-            return self.break_conn(ci);
-        }
-        let n = res as u32;
-        if into_pipe {
-            sp.in_pipe += n;
-            sp.left -= u64::from(n);
-            sp.offset += u64::from(n);
-        } else {
-            sp.in_pipe -= n;
-            c.account.release(&self.budget, n as usize, 0);
-            c.last_send_progress = self.now;
-        }
-        let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
-        let (len, started) = (sp.len, sp.started);
-        let next = if in_pipe > 0 {
-            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
-        } else if left > 0 {
-            let chunk = left.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
-            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
-        } else {
-            let c = self.conns[ci as usize].as_mut().expect("checked above");
-            c.splice = None;
-            self.ring.put_pipe(pipe, true);
-            // A spliced READ is timed until its last byte is in the socket.
-            self.record(ci, Kind::Read, len, true, started);
-            self.mark(ci);
-            return;
-        };
-        let c = self.conns[ci as usize].as_mut().expect("checked above");
-        match next {
-            Ok(_) => c.socket_ops += 1,
-            Err(e) => {
-                tracing::warn!(error = %e, "NBD splice could not be submitted");
-                c.splice = None;
-                self.ring.put_pipe(pipe, in_pipe == 0);
-                self.break_conn(ci);
-            }
-        }
-    }
-
     pub(super) fn mark(&mut self, ci: u32) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
             if !c.dirty {
@@ -438,236 +320,6 @@ impl Worker {
                 self.dirty.push(ci);
             }
         }
-    }
-
-    fn on_recv(&mut self, ci: u32, c: Cqe) {
-        let Some(conn) = self.conns[ci as usize].as_mut() else {
-            if let Some(bid) = c.recv_buf {
-                self.ring.recycle(bid);
-            }
-            return;
-        };
-        if !c.more {
-            conn.recv_op = None;
-            conn.recv_cancelled = false;
-            conn.socket_ops -= 1;
-        }
-        self.mark(ci);
-        let Some(bid) = c.recv_buf else {
-            match c.result {
-                0 => self.begin_close(ci),
-                r if r == -libc::ENOBUFS || r == -libc::ECANCELED => {} // re-armed after the batch
-                r => {
-                    tracing::debug!(error = %io::Error::from_raw_os_error(-r), "NBD receive failed");
-                    self.break_conn(ci);
-                }
-            }
-            return;
-        };
-        let n = c.result.max(0) as usize;
-        let conn = self.conns[ci as usize].as_mut().expect("checked above");
-        conn.last_activity = self.now;
-        let serving = matches!(conn.phase, Phase::Serving { .. });
-        if serving && conn.paused.is_none() {
-            self.pump(ci, &Source::Recv(bid, n));
-            self.ring.recycle(bid);
-            return;
-        }
-        // A handshake, or bytes that arrived before a pause took effect:
-        // kept (and charged) until they can be taken.
-        let (data, _) = self.ring.received(bid, n);
-        conn.inbuf.extend_from_slice(data);
-        conn.sync_inbuf(&self.budget);
-        self.ring.recycle(bid);
-        if !serving && conn.paused.is_none() {
-            self.negotiate(ci);
-        }
-    }
-
-    /// Splits bytes into requests for connection `ci` and acts on each one
-    /// before the next is admitted, so every buffer is charged before the
-    /// next request is looked at. What is not taken stays in `inbuf`.
-    fn pump(&mut self, ci: u32, src: &Source) {
-        let mut pos = 0;
-        loop {
-            let Some(conn) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
-            let (data, bufs) = match src {
-                Source::Recv(bid, n) => self.ring.received(*bid, *n),
-                Source::Owned(v) => (&v[..], self.ring.buffers_mut()),
-            };
-            if pos >= data.len() {
-                return;
-            }
-            let gate = Gate { limits: &self.limits, server: &self.budget };
-            match conn.feed(&data[pos..], bufs, gate, self.now) {
-                Err(e) => {
-                    tracing::debug!(error = %e, "NBD client broke the protocol; closing");
-                    return self.break_conn(ci);
-                }
-                Ok((used, fed)) => {
-                    pos += used;
-                    match fed {
-                        Fed::Parsed(p) => {
-                            self.active = true;
-                            self.take_parsed(ci, p);
-                        }
-                        Fed::More | Fed::Closing => return,
-                        Fed::Blocked(why) => {
-                            conn.inbuf.extend_from_slice(&data[pos..]);
-                            conn.sync_inbuf(&self.budget);
-                            conn.paused = Some(Blocked::Refused(why));
-                            if why == Refusal::Server && conn.server_wait.is_none() {
-                                conn.server_wait = Some(self.budget.releases());
-                                self.server_waiters.push(ci);
-                            }
-                            self.mark(ci);
-                            return;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Runs the handshake over what connection `ci` has received.
-    fn negotiate(&mut self, ci: u32) {
-        let Worker { conns, exports, scratch, .. } = self;
-        let Some(conn) = conns[ci as usize].as_mut() else { return };
-        let Phase::Handshake(hs) = &mut conn.phase else { return };
-        scratch.clear();
-        let mut pos = 0;
-        let mut entered = None;
-        let mut failed = false;
-        loop {
-            // Replies the client has not read stop the reading of options.
-            let waiting = conn.account.held + scratch.len();
-            if waiting >= HANDSHAKE_REPLIES {
-                conn.paused = Some(Blocked::Replies);
-                break;
-            }
-            match hs.step(&conn.inbuf[pos..], &**exports, scratch) {
-                Ok((used, outcome)) => {
-                    pos += used;
-                    match outcome {
-                        Outcome::NeedMore => break,
-                        Outcome::Continue => continue,
-                        Outcome::Enter(n) => {
-                            entered = Some(n);
-                            break;
-                        }
-                        Outcome::End(_) => {
-                            conn.closing = true;
-                            break;
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "NBD handshake failed");
-                    failed = true;
-                    break;
-                }
-            }
-        }
-        conn.inbuf.drain(..pos);
-        conn.sync_inbuf(&self.budget);
-        self.queue_scratch(ci);
-        if self.scratch.capacity() > 1 << 20 {
-            self.scratch = Vec::with_capacity(4096);
-        }
-        if failed {
-            return self.break_conn(ci);
-        }
-        let Some(n) = entered else { return };
-        let attached = match self.attach(n.export.clone()) {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(export = %n.name, error = %e, "NBD export could not be registered");
-                n.export.release();
-                return self.break_conn(ci);
-            }
-        };
-        let conn = self.conns[ci as usize].as_mut().expect("present above");
-        conn.phase = Phase::Serving { attached, style: n.style, base_allocation: n.base_allocation };
-        tracing::debug!(export = %n.name, style = ?n.style, "NBD client entered transmission");
-        let rest = std::mem::take(&mut conn.inbuf);
-        conn.sync_inbuf(&self.budget);
-        if !rest.is_empty() {
-            self.pump(ci, &Source::Owned(rest));
-        }
-    }
-
-    /// Registers an export's descriptors in this ring (once per export).
-    fn attach(&mut self, export: Arc<Export>) -> io::Result<Attached> {
-        if let Some(r) = self.registered.get_mut(&export.id) {
-            r.users += 1;
-            return Ok(Attached { export, file: r.file, buffered: r.buffered });
-        }
-        let file = self.ring.register_file(export.file().as_raw_fd())?;
-        let buffered = match export.buffered() {
-            Some(fd) => match self.ring.register_file(fd.as_raw_fd()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    let _ = self.ring.unregister_file(file);
-                    return Err(e);
-                }
-            },
-            None => None,
-        };
-        self.registered.insert(export.id, Registered { file, buffered, users: 1 });
-        Ok(Attached { export, file, buffered })
-    }
-
-    fn detach(&mut self, export: &Export) {
-        let Some(r) = self.registered.get_mut(&export.id) else { return };
-        r.users -= 1;
-        if r.users == 0 {
-            // Nothing of this export stays on this ring: not its counters
-            // (folded now), not its descriptors (a removed export's file
-            // must not be held open here).
-            if let Some((e, mut pending)) = self.stats.remove(&export.id) {
-                e.stats.fold(&mut pending);
-            }
-            let r = self.registered.remove(&export.id).expect("present");
-            let _ = self.ring.unregister_file(r.file);
-            if let Some(b) = r.buffered {
-                let _ = self.ring.unregister_file(b);
-            }
-        }
-    }
-
-    fn on_send(&mut self, ci: u32, res: i32) {
-        let Some(conn) = self.conns[ci as usize].as_mut() else { return };
-        conn.socket_ops -= 1;
-        conn.send_in_flight = false;
-        let mut sent = res.max(0) as usize;
-        if sent > 0 {
-            conn.last_send_progress = self.now;
-        }
-        let bufs = self.ring.buffers_mut();
-        let mut keep: Vec<Part> = Vec::new();
-        for (b, start, end) in conn.sending.drain(..) {
-            let len = end - start;
-            if res < 0 || sent >= len {
-                sent = sent.saturating_sub(len);
-                let cost = Buffers::cost_of(bufs.len(b));
-                conn.account.release(&self.budget, cost, cost);
-                if conn.tail == Some(b) {
-                    conn.tail = None;
-                }
-                bufs.free(b);
-            } else {
-                keep.push(Part::Buf(b, start + sent, end));
-                sent = 0;
-            }
-        }
-        if !keep.is_empty() {
-            keep.append(&mut conn.out);
-            conn.out = keep;
-        }
-        if res < 0 {
-            self.break_conn(ci);
-        }
-        self.mark(ci);
     }
 
     /// No more requests are read; the connection closes once its requests
@@ -680,7 +332,7 @@ impl Worker {
     }
 
     /// The socket is unusable: drop queued replies and close at once.
-    fn break_conn(&mut self, ci: u32) {
+    pub(super) fn break_conn(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.closing = true;
         c.broken = true;
@@ -886,21 +538,6 @@ impl Worker {
             } else if idle_out {
                 self.begin_close(i as u32);
             }
-        }
-    }
-}
-
-/// Frees every queued part of a connection that will send no more.
-fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget) {
-    c.tail = None;
-    for p in c.out.drain(..) {
-        match p {
-            Part::Buf(b, _, _) => {
-                let cost = Buffers::cost_of(bufs.len(b));
-                c.account.release(budget, cost, cost);
-                bufs.free(b);
-            }
-            Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
         }
     }
 }
