@@ -151,16 +151,20 @@ impl Collector for Sources {
             }
         }
         if let Some(exports) = &self.nbd {
-            encode_nbd(&mut e, &exports.snapshots())?;
+            encode_nbd(&mut e, exports)?;
         }
         Ok(())
     }
 }
 
-/// One series per export for each NBD counter, and latency quantiles.
-fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[crate::nbd::stats::ExportSnapshot]) -> Result<(), FmtError> {
+/// One series per export for each NBD counter, and request latency as a
+/// histogram per export and command.
+fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> Result<(), FmtError> {
+    use crate::nbd::stats::{Kind, BUCKET_BOUNDS_US, KINDS};
+    let all = exports.all();
+    let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&crate::nbd::stats::ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 11] = [
+    let counters: [(&str, &str, Pick); 10] = [
         ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
@@ -171,25 +175,42 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[crate::nbd::stats::ExportS
         ("volring_nbd_write_zeroes", "WRITE_ZEROES requests answered", |s| s.zeroes),
         ("volring_nbd_other_requests", "CACHE and BLOCK_STATUS requests answered", |s| s.other),
         ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
-        ("volring_nbd_latency_samples", "Requests in the latency histogram", |s| s.latency_count),
     ];
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for s in snaps {
+        for s in &snaps {
             ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
         }
     }
-    type Level = fn(&crate::nbd::stats::ExportSnapshot) -> f64;
-    let gauges: [(&str, &str, Level); 4] = [
-        ("volring_nbd_connections", "Connections open now", |s| s.connections as f64),
-        ("volring_nbd_latency_p50_seconds", "Median request latency since start", |s| s.latency_p50_us as f64 / 1e6),
-        ("volring_nbd_latency_p99_seconds", "99th percentile request latency since start", |s| s.latency_p99_us as f64 / 1e6),
-        ("volring_nbd_latency_max_seconds", "Slowest request since start", |s| s.latency_max_us as f64 / 1e6),
-    ];
-    for (name, help, pick) in gauges {
-        let mut fam = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
-        for s in snaps {
-            ConstGauge::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+    let mut fam = e.encode_descriptor("volring_nbd_connections", "Connections open now", None, MetricType::Gauge)?;
+    for s in &snaps {
+        ConstGauge::new(s.connections as f64).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+    }
+    // A READ is timed until its data is in the socket (spliced ones too);
+    // other commands until their reply is queued.
+    let mut fam = e.encode_descriptor(
+        "volring_nbd_request_duration_seconds",
+        "Time from a request's arrival to its answer, by command",
+        None,
+        MetricType::Histogram,
+    )?;
+    let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(BUCKET_BOUNDS_US.len() + 1);
+    for x in &all {
+        for kind in KINDS {
+            let op = match kind {
+                Kind::Read => "read",
+                Kind::Write => "write",
+                Kind::Flush => "flush",
+                Kind::Trim => "trim",
+                Kind::Zero => "write_zeroes",
+                Kind::Other => "other",
+            };
+            let h = x.stats.latency(kind);
+            buckets.clear();
+            buckets.extend(BUCKET_BOUNDS_US.iter().map(|&b| b as f64 / 1e6).chain([f64::MAX]).zip(h.counts));
+            let labels = [("export", x.name.as_str()), ("op", op)];
+            let mut m = fam.encode_family(&labels)?;
+            m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, h.count(), &buckets, None)?;
         }
     }
     Ok(())
@@ -224,4 +245,53 @@ pub async fn serve(addr: SocketAddr, sources: Sources) -> std::io::Result<()> {
         }),
     );
     axum::serve(listener, app).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Just the NBD part of the exposition.
+    struct Nbd(Arc<crate::nbd::Exports>);
+
+    impl std::fmt::Debug for Nbd {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Nbd")
+        }
+    }
+
+    impl Collector for Nbd {
+        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
+            encode_nbd(&mut e, &self.0)
+        }
+    }
+
+    #[test]
+    fn nbd_latency_is_a_histogram_per_command() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let exports = Arc::new(crate::nbd::Exports::new());
+        let e = exports.add(&format!("a={}", path.display()).parse().unwrap()).unwrap();
+        let mut p = crate::nbd::stats::Pending::default();
+        p.record(crate::nbd::stats::Kind::Read, 4096, true, 80);
+        p.record(crate::nbd::stats::Kind::Read, 4096, true, 3_000);
+        e.stats.fold(&mut p);
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Nbd(exports)));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        assert!(out.contains("# TYPE volring_nbd_request_duration_seconds histogram"), "{out}");
+        for line in [
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.00005",export="a",op="read"} 0"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.0001",export="a",op="read"} 1"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.005",export="a",op="read"} 2"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="+Inf",export="a",op="read"} 2"#,
+            r#"volring_nbd_request_duration_seconds_count{export="a",op="read"} 2"#,
+            r#"volring_nbd_request_duration_seconds_count{export="a",op="write"} 0"#,
+        ] {
+            assert!(out.contains(line), "{line} in\n{out}");
+        }
+        assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
+    }
 }

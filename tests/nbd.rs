@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::check;
 use libtest_mimic::{Failed, Trial};
-use nbd_support::{pattern, run, RawClient, Rng, ServeProcess, Served, MIB};
+use nbd_support::{pattern, run, ChildServer, ChildSpec, RawClient, Rng, ServeProcess, Served, MIB};
 use volring::nbd::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
 
 const T: Duration = Duration::from_secs(60);
@@ -506,6 +506,65 @@ fn block_status_and_sparse_reads() -> Result<(), Failed> {
     check(ok && out.contains("hole,zero") && out.contains("data"), format!("nbdinfo --map: {out}{err}"))
 }
 
+/// A file fragmented into 2,048 data extents: one BLOCK_STATUS answers a
+/// bounded prefix (the ring thread makes a bounded number of lseeks for
+/// it), and a client that asks on from where the reply ended gets the
+/// exact map.
+fn block_status_is_bounded_per_request() -> Result<(), Failed> {
+    let size = 16 * MIB;
+    let s = Served::new(&[("frag", size, false)]);
+    let f = std::fs::OpenOptions::new().write(true).open(s.image("frag"))?;
+    for i in 0..size / 8192 {
+        f.write_all_at(&[7u8; 4096], i * 8192)?;
+    }
+    f.sync_all()?;
+    let mut c = RawClient::connect(&s.socket, "frag", HeaderStyle::Extended, true)?;
+    let first = c.call(cmd::BLOCK_STATUS, 0, 0, size, &[])?;
+    check(first.error == 0 && !first.extents.is_empty(), "answered")?;
+    let covered: u64 = first.extents.iter().map(|e| e.0).sum();
+    check(first.extents.len() <= 32 && covered < size, format!("one reply: {} extents over {covered} bytes", first.extents.len()))?;
+    let (mut pos, mut asks) = (0u64, 0);
+    while pos < size {
+        asks += 1;
+        check(asks <= 4096, "the map ends")?;
+        let r = c.call(cmd::BLOCK_STATUS, 0, pos, size - pos, &[])?;
+        check(r.error == 0 && !r.extents.is_empty(), format!("status at {pos}"))?;
+        for &(len, flags) in &r.extents {
+            let want = if pos % 8192 == 0 { 0 } else { state::HOLE | state::ZERO };
+            check(len == 4096 && flags == want, format!("extent at {pos}: {len} bytes, flags {flags}"))?;
+            pos += len;
+        }
+    }
+    Ok(())
+}
+
+/// A spliced READ is timed until its data is in the socket: a client that
+/// waits before reading a 32 MiB reply (more than the socket holds) makes
+/// the recorded latency at least that wait.
+fn spliced_reads_are_timed_until_sent() -> Result<(), Failed> {
+    let s = Served::new(&[("disk", 64 * MIB, false)]);
+    std::fs::write(s.image("disk"), pattern(5, 0, 64 * MIB as usize))?;
+    let mut c = RawClient::connect(&s.socket, "disk", HeaderStyle::Simple, false)?;
+    let wait = Duration::from_millis(800);
+    c.send(cmd::READ, 0, 0, 32 * MIB, &[])?;
+    std::thread::sleep(wait);
+    let r = c.reply(Some(32 * MIB as usize))?;
+    check(r.error == 0 && r.data == pattern(5, 0, 32 * MIB as usize), "the read is answered")?;
+    let export = s.server().exports().get("disk").expect("export");
+    let start = Instant::now();
+    let st = loop {
+        let st = export.stats.snapshot("disk");
+        if st.latency_count >= 1 || start.elapsed() > Duration::from_secs(10) {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    check(
+        st.latency_max_us >= wait.as_micros() as u64 / 2,
+        format!("spliced READ recorded {} us (the client waited {wait:?})", st.latency_max_us),
+    )
+}
+
 /// WRITE_ZEROES on tmpfs, which cannot zero a range in place: FAST_ZERO
 /// is refused with ENOTSUP, a plain zeroing falls back to writing zeroes.
 fn write_zeroes_without_filesystem_help() -> Result<(), Failed> {
@@ -598,7 +657,196 @@ fn tcp_listener() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A server child with these limits and `exports` (name, size,
+/// description) as sparse images in `dir`.
+fn child(dir: &std::path::Path, conn_bytes: u64, server_bytes: u64, exports: &[(String, u64, String)]) -> ChildServer {
+    let mut list = Vec::new();
+    for (name, size, description) in exports {
+        let path = dir.join(format!("{name}.img"));
+        std::fs::File::create(&path).and_then(|f| f.set_len(*size)).expect("image");
+        list.push((name.clone(), path, description.clone()));
+    }
+    ChildServer::start(ChildSpec {
+        socket: dir.join("nbd.sock"),
+        threads: 2,
+        conn_bytes: conn_bytes as usize,
+        conn_requests: 512,
+        server_bytes: server_bytes as usize,
+        heap_cache: 2 << 20,
+        stall_timeout_ms: 120_000,
+        exports: list,
+    })
+}
+
+/// Serves a well-behaved client on every ring (writes of 1 MiB fill every
+/// receive buffer, reads of 4 KiB), then waits for the rings to trim: the
+/// RSS after that is the server's idle memory.
+fn warm_up(srv: &ChildServer, export: &str) -> Result<u64, Failed> {
+    let mut conns: Vec<RawClient> =
+        (0..2).map(|_| RawClient::connect(&srv.spec.socket, export, HeaderStyle::Structured, false)).collect::<Result<_, _>>()?;
+    for (i, c) in conns.iter_mut().enumerate() {
+        for j in 0..24u64 {
+            let off = (i as u64 * 24 + j) % 48 * MIB;
+            check(c.call(cmd::WRITE, 0, off, MIB, &pattern(j, off, MIB as usize))?.error == 0, "warm-up write")?;
+        }
+        for j in 0..256u64 {
+            check(c.call(cmd::READ, 0, j * 4096, 4096, &[])?.error == 0, "warm-up read")?;
+        }
+    }
+    drop(conns);
+    settled_rss(srv)
+}
+
+/// RSS once the rings had time to notice they are idle (a few ticks).
+fn settled_rss(srv: &ChildServer) -> Result<u64, Failed> {
+    std::thread::sleep(Duration::from_millis(1200));
+    Ok(srv.rss_kib())
+}
+
+/// Polls (at most 30 s) until the server's RSS is within 20% of `idle`.
+fn memory_comes_back(srv: &ChildServer, idle: u64) -> Result<(), Failed> {
+    let start = Instant::now();
+    loop {
+        let rss = srv.rss_kib();
+        if rss * 10 <= idle * 12 {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(format!("RSS stayed at {rss} KiB after the clients left (idle: {idle} KiB)").into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Watches the server for `for_` and returns its peak RSS (VmHWM, which
+/// the kernel keeps: no peak is missed between samples).
+fn peak_after(srv: &ChildServer, for_: Duration) -> u64 {
+    std::thread::sleep(for_);
+    srv.hwm_kib()
+}
+
+/// One 64 KiB burst of 60 KiB READs (2,340 of them) from a client that
+/// never reads its replies: the server takes requests only while they fit
+/// the connection's budget, one at a time, not the whole burst at once.
+fn one_burst_of_reads_is_admitted_request_by_request() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-burst-").tempdir()?;
+    let conn_bytes = 8 * MIB;
+    let srv = child(dir.path(), conn_bytes, 64 * MIB, &[("disk".into(), 64 * MIB, String::new())]);
+    let idle = warm_up(&srv, "disk")?;
+    let mut hog = RawClient::connect(&srv.spec.socket, "disk", HeaderStyle::Simple, false)?;
+    let mut burst = Vec::with_capacity(64 * 1024);
+    let mut n = 0u64;
+    while burst.len() + 28 <= 64 * 1024 {
+        let req = volring::nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: n, offset: n * 61_440 % (60 * MIB), length: 61_440 };
+        volring::nbd::wire::encode_request(&req, HeaderStyle::Simple, &mut burst);
+        n += 1;
+    }
+    hog.s.write_all(&burst)?;
+    let peak = peak_after(&srv, Duration::from_millis(1500));
+    let grown = peak.saturating_sub(idle);
+    let bound = conn_bytes / 1024 + srv.spec.allowance_kib();
+    eprintln!("burst: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
+    check(grown <= bound, format!("{n} pipelined READs grew the server by {grown} KiB (bound {bound} KiB, idle {idle} KiB)"))?;
+    let mut other = RawClient::connect(&srv.spec.socket, "disk", HeaderStyle::Structured, false)?;
+    check(other.call(cmd::READ, 0, 0, 4096, &[])?.error == 0, "another client is served meanwhile")?;
+    drop((hog, other));
+    memory_comes_back(&srv, idle)
+}
+
+/// 64 KiB of NBD_OPT_LIST options (4,096 of them) against 51 exports,
+/// from a client that never reads: the handshake stops being read while
+/// its replies wait, so memory stays flat.
+fn list_flood_in_the_handshake_is_bounded() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-list-").tempdir()?;
+    let exports: Vec<(String, u64, String)> =
+        (0..51).map(|i| (format!("vol{i:02}"), if i == 0 { 64 * MIB } else { MIB }, format!("volume {i} {}", "x".repeat(200)))).collect();
+    let srv = child(dir.path(), 16 * MIB, 64 * MIB, &exports);
+    let idle = warm_up(&srv, "vol00")?;
+    let mut flood = std::os::unix::net::UnixStream::connect(&srv.spec.socket)?;
+    flood.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut greeting = [0u8; 18];
+    flood.read_exact(&mut greeting)?;
+    let mut bytes = 3u32.to_be_bytes().to_vec();
+    while bytes.len() + 16 <= 64 * 1024 + 4 {
+        bytes.extend_from_slice(&volring::nbd::wire::IHAVEOPT.to_be_bytes());
+        bytes.extend_from_slice(&volring::nbd::wire::opt::LIST.to_be_bytes());
+        bytes.extend_from_slice(&0u32.to_be_bytes());
+    }
+    flood.write_all(&bytes)?;
+    let peak = peak_after(&srv, Duration::from_millis(1500));
+    let grown = peak.saturating_sub(idle);
+    let bound = srv.spec.allowance_kib();
+    eprintln!("LIST flood: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
+    check(grown <= bound, format!("a LIST flood grew the server by {grown} KiB (bound {bound} KiB, idle {idle} KiB)"))?;
+    let mut other = RawClient::connect(&srv.spec.socket, "vol07", HeaderStyle::Extended, false)?;
+    check(other.call(cmd::READ, 0, 0, 4096, &[])?.error == 0, "another client is served during the flood")?;
+    drop((flood, other));
+    memory_comes_back(&srv, idle)
+}
+
+/// Eight connections each pipelining 20,000 4 KiB READs and reading no
+/// reply: the server's memory stays under its budget (plus the fixed
+/// allowance), a well-behaved client is served while they sit, and the
+/// memory comes back once they leave.
+fn hostile_connections_stay_under_the_server_budget() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-hostile-").tempdir()?;
+    let server_bytes = 48 * MIB;
+    let srv = child(dir.path(), 16 * MIB, server_bytes, &[("disk".into(), 64 * MIB, String::new())]);
+    let idle = warm_up(&srv, "disk")?;
+    let hostile: Vec<_> = (0..8u64)
+        .map(|h| {
+            let socket = srv.spec.socket.clone();
+            std::thread::spawn(move || -> std::io::Result<(RawClient, u64)> {
+                let mut c = RawClient::connect(&socket, "disk", HeaderStyle::Structured, false)?;
+                c.s.set_write_timeout(Some(Duration::from_secs(2)))?;
+                let mut sent = 0u64;
+                let mut chunk = Vec::new();
+                'send: for batch in 0..200u64 {
+                    chunk.clear();
+                    for i in 0..100u64 {
+                        let n = batch * 100 + i;
+                        let req = volring::nbd::wire::Request {
+                            flags: 0,
+                            kind: cmd::READ,
+                            cookie: n,
+                            offset: (h * 7919 + n) * 4096 % (64 * MIB),
+                            length: 4096,
+                        };
+                        volring::nbd::wire::encode_request(&req, HeaderStyle::Structured, &mut chunk);
+                    }
+                    // The server stops reading: the write times out and this client sits.
+                    if c.s.write_all(&chunk).is_err() {
+                        break 'send;
+                    }
+                    sent += 100;
+                }
+                Ok((c, sent))
+            })
+        })
+        .collect();
+    let mut sitting = Vec::new();
+    for t in hostile {
+        let (c, sent) = t.join().map_err(|_| "hostile client panicked")??;
+        check(sent >= 100, format!("a hostile client sent only {sent} requests"))?;
+        sitting.push(c);
+    }
+    let mut good = RawClient::connect(&srv.spec.socket, "disk", HeaderStyle::Structured, false)?;
+    for i in 0..16u64 {
+        let r = good.call(cmd::READ, 0, i * 4096, 4096, &[])?;
+        check(r.error == 0 && r.data.len() == 4096, "a well-behaved client is served while the hostile ones sit")?;
+    }
+    let peak = peak_after(&srv, Duration::from_millis(1000));
+    let grown = peak.saturating_sub(idle);
+    let bound = server_bytes / 1024 + srv.spec.allowance_kib();
+    eprintln!("8 hostile: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
+    check(grown <= bound, format!("8 hostile connections grew the server by {grown} KiB (bound {bound} KiB, idle {idle} KiB)"))?;
+    drop(sitting);
+    drop(good);
+    memory_comes_back(&srv, idle)
+}
+
 fn main() {
+    nbd_support::child_server_main();
     let trials = vec![
         Trial::test("nbd::nbdinfo_shows_every_feature", nbdinfo_shows_every_feature),
         Trial::test("nbd::qemu_io_patterns", qemu_io_patterns),
@@ -612,10 +860,15 @@ fn main() {
         Trial::test("nbd::client_that_never_reads_is_bounded", client_that_never_reads_is_bounded),
         Trial::test("nbd::exports_added_and_removed_at_run_time", exports_added_and_removed_at_run_time),
         Trial::test("nbd::block_status_and_sparse_reads", block_status_and_sparse_reads),
+        Trial::test("nbd::block_status_is_bounded_per_request", block_status_is_bounded_per_request),
+        Trial::test("nbd::spliced_reads_are_timed_until_sent", spliced_reads_are_timed_until_sent),
         Trial::test("nbd::write_zeroes_without_filesystem_help", write_zeroes_without_filesystem_help),
         Trial::test("nbd::direct_io_export", direct_io_export),
         Trial::test("nbd::tcp_listener", tcp_listener),
         Trial::test("nbd::exports_file_reloads_on_sighup", exports_file_reloads_on_sighup),
+        Trial::test("nbd::one_burst_of_reads_is_admitted_request_by_request", one_burst_of_reads_is_admitted_request_by_request),
+        Trial::test("nbd::list_flood_in_the_handshake_is_bounded", list_flood_in_the_handshake_is_bounded),
+        Trial::test("nbd::hostile_connections_stay_under_the_server_budget", hostile_connections_stay_under_the_server_budget),
     ];
     common::run_in_private_namespace(trials)
 }

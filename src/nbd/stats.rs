@@ -1,5 +1,10 @@
-//! Per-export counters and a latency histogram, written by the ring threads
+//! Per-export counters and request latencies, written by the ring threads
 //! and read by `/metrics` and `volring nbd serve`'s report.
+//!
+//! Latencies are kept twice: per command in fixed buckets of plain
+//! counters ([`LatencyBuckets`], exported as Prometheus histograms, so a
+//! scrape can compute any window's quantiles), and in one HDR histogram
+//! for the quantiles `volring nbd serve` prints.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -11,6 +16,50 @@ use serde::Serialize;
 /// significant figures: about 20 KiB per export, made on first use.
 const LATENCY_MAX_US: u64 = 100_000_000;
 
+/// Upper bounds of the latency buckets, in microseconds (25 µs to 10 s);
+/// one more bucket counts everything slower.
+pub const BUCKET_BOUNDS_US: [u64; 18] = [
+    25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
+    10_000_000,
+];
+const BUCKETS: usize = BUCKET_BOUNDS_US.len() + 1;
+/// Commands timed apart, in [`Kind`] order.
+pub const KINDS: [Kind; 6] = [Kind::Read, Kind::Write, Kind::Flush, Kind::Trim, Kind::Zero, Kind::Other];
+
+fn bucket_of(us: u64) -> usize {
+    BUCKET_BOUNDS_US.partition_point(|&b| b < us)
+}
+
+/// One command's latencies: a count per bucket (not cumulative) and the
+/// sum, all only ever added to.
+#[derive(Default)]
+pub struct LatencyBuckets {
+    counts: [AtomicU64; BUCKETS],
+    sum_us: AtomicU64,
+}
+
+/// A copy of one command's buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LatencySnapshot {
+    /// Per bucket, in [`BUCKET_BOUNDS_US`] order, then the overflow bucket.
+    pub counts: [u64; BUCKETS],
+    pub sum_us: u64,
+}
+
+impl LatencySnapshot {
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+impl LatencyBuckets {
+    pub fn snapshot(&self) -> LatencySnapshot {
+        LatencySnapshot {
+            counts: std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed)),
+            sum_us: self.sum_us.load(Ordering::Relaxed),
+        }
+    }
+}
 #[derive(Default)]
 pub struct ExportStats {
     pub connections: AtomicU64,
@@ -25,6 +74,8 @@ pub struct ExportStats {
     pub other: AtomicU64,
     pub errors: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
+    /// Per command, in [`KINDS`] order.
+    buckets: [LatencyBuckets; 6],
 }
 
 /// Which counter a finished request lands in.
@@ -48,6 +99,8 @@ pub struct Pending {
     write_bytes: u64,
     errors: u64,
     latencies_us: Vec<u32>,
+    buckets: [[u64; BUCKETS]; 6],
+    sums_us: [u64; 6],
 }
 
 impl Pending {
@@ -61,6 +114,8 @@ impl Pending {
         if !ok {
             self.errors += 1;
         }
+        self.buckets[kind as usize][bucket_of(latency_us)] += 1;
+        self.sums_us[kind as usize] += latency_us;
         if self.latencies_us.len() < 65_536 {
             self.latencies_us.push(latency_us.min(u64::from(u32::MAX)) as u32);
         }
@@ -85,6 +140,17 @@ impl ExportStats {
         self.read_bytes.fetch_add(p.read_bytes, Ordering::Relaxed);
         self.write_bytes.fetch_add(p.write_bytes, Ordering::Relaxed);
         self.errors.fetch_add(p.errors, Ordering::Relaxed);
+        for (k, target) in self.buckets.iter().enumerate() {
+            if p.sums_us[k] == 0 && p.buckets[k].iter().all(|&c| c == 0) {
+                continue;
+            }
+            for (t, &c) in target.counts.iter().zip(&p.buckets[k]) {
+                if c > 0 {
+                    t.fetch_add(c, Ordering::Relaxed);
+                }
+            }
+            target.sum_us.fetch_add(p.sums_us[k], Ordering::Relaxed);
+        }
         if let Ok(mut h) = self.latency.lock() {
             let h = h.get_or_insert_with(|| Histogram::new_with_bounds(1, LATENCY_MAX_US, 2).expect("valid histogram bounds"));
             for &us in &p.latencies_us {
@@ -95,6 +161,11 @@ impl ExportStats {
         let mut latencies = std::mem::take(&mut p.latencies_us);
         latencies.clear();
         *p = Pending { latencies_us: latencies, ..Default::default() };
+    }
+
+    /// Latency buckets of one command.
+    pub fn latency(&self, kind: Kind) -> LatencySnapshot {
+        self.buckets[kind as usize].snapshot()
     }
 
     pub fn snapshot(&self, name: &str) -> ExportSnapshot {
@@ -164,5 +235,11 @@ mod tests {
         assert_eq!(snap.latency_count, 101);
         assert!(snap.latency_p50_us >= 55 && snap.latency_p50_us <= 65, "{}", snap.latency_p50_us);
         assert!(snap.latency_max_us >= 990);
+        let reads = s.latency(Kind::Read);
+        assert_eq!(reads.count(), 100);
+        assert_eq!(reads.sum_us, (10..110).sum::<u64>());
+        assert_eq!(reads.counts[..3], [16, 25, 50], "<=25, <=50, <=100 us");
+        let writes = s.latency(Kind::Write);
+        assert_eq!((writes.count(), writes.counts[5]), (1, 1), "1 ms lands in the <=1000 us bucket");
     }
 }

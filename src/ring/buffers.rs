@@ -7,6 +7,14 @@
 //! uses cannot be borrowed and is only released after its last completion,
 //! so freeing early is safe. [`RecvPool`] is the provided-buffer ring that
 //! multishot receives pick from: idle connections hold no memory at all.
+//!
+//! Memory goes back to the system when the load is gone, and a buffer
+//! takes exactly its class from it (no allocator headers or alignment
+//! slack): buffers of 128 KiB and more are their own mappings, unmapped
+//! when freed; smaller ones are slots carved from 1 MiB mappings, whose
+//! pages are handed back (MADV_DONTNEED) when freed past the bounded cache
+//! or by [`Buffers::trim`]. [`Buffers::cost_of`] is what a buffer of a
+//! length takes, so callers can charge it before they allocate.
 
 use std::alloc::Layout;
 use std::io;
@@ -18,6 +26,12 @@ use io_uring::types::BufRingEntry;
 const PAGE: usize = 4096;
 /// Heap classes are powers of two from 4 KiB up to 64 MiB.
 const CLASSES: usize = 15;
+/// Classes from this one up (128 KiB) are mappings of their own: the
+/// allocator would keep freed blocks this large (its mmap threshold grows
+/// to the largest block freed), and RSS would never come down.
+const MAP_CLASS: usize = 5;
+/// Smaller classes are carved from mappings of this size.
+const CHUNK: usize = 1 << 20;
 
 /// A buffer's handle; only meaningful to the [`Buffers`] that made it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,9 +94,17 @@ pub struct Buffers {
     arena: Mapping,
     arena_slot: usize,
     arena_free: Vec<u32>,
+    /// Freed blocks kept for reuse, their pages resident.
     cache: [Vec<NonNull<u8>>; CLASSES],
     cached_bytes: usize,
     cache_limit: usize,
+    /// Heap bytes freed since the last [`Buffers::trim`].
+    freed_since_trim: usize,
+    /// Mappings small classes are carved from, for the life of the ring
+    /// (address space only: free slots' pages are handed back).
+    chunks: Vec<Mapping>,
+    /// Free slots of small classes whose pages were handed back.
+    cold: [Vec<NonNull<u8>>; MAP_CLASS],
 }
 
 fn class_of(len: usize) -> Option<usize> {
@@ -93,6 +115,20 @@ fn class_of(len: usize) -> Option<usize> {
 
 fn class_layout(class: usize) -> Layout {
     Layout::from_size_align(PAGE << class, PAGE).expect("valid layout")
+}
+
+/// A fresh private anonymous mapping of `len` bytes, kept until unmapped by hand.
+fn map(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
+    };
+    p.ok().and_then(|p| NonNull::new(p.cast::<u8>()))
 }
 
 impl Buffers {
@@ -111,7 +147,84 @@ impl Buffers {
             cache: Default::default(),
             cached_bytes: 0,
             cache_limit,
+            freed_since_trim: 0,
+            chunks: Vec::new(),
+            cold: Default::default(),
         })
+    }
+
+    /// A block of a class that no buffer uses: a cold slot or a fresh
+    /// mapping. Zeroed or left by an earlier user; page-aligned.
+    fn heap_alloc(&mut self, class: usize) -> NonNull<u8> {
+        let size = PAGE << class;
+        if class >= MAP_CLASS {
+            return map(size).unwrap_or_else(|| std::alloc::handle_alloc_error(class_layout(class)));
+        }
+        if let Some(p) = self.cold[class].pop() {
+            return p;
+        }
+        let Some(chunk) = Mapping::new(CHUNK).ok() else { std::alloc::handle_alloc_error(class_layout(class)) };
+        let base = chunk.as_ptr();
+        // Slots after the first are kept for later; untouched, they take no memory.
+        for i in (1..CHUNK / size).rev() {
+            // SAFETY (pointer arithmetic only): i * size < CHUNK, inside the mapping.
+            self.cold[class].push(NonNull::new(unsafe { base.add(i * size) }).expect("inside a mapping"));
+        }
+        self.chunks.push(chunk);
+        NonNull::new(base).expect("mappings are not null")
+    }
+
+    /// Gives a block's memory back to the system.
+    ///
+    /// # Safety
+    /// `ptr` came from `heap_alloc(class)` of this `Buffers` and nothing uses it any more.
+    unsafe fn heap_free(&mut self, ptr: NonNull<u8>, class: usize) {
+        let size = PAGE << class;
+        if class >= MAP_CLASS {
+            // SAFETY: per the contract, a mapping of exactly this size made by heap_alloc.
+            unsafe {
+                let _ = rustix::mm::munmap(ptr.as_ptr().cast(), size);
+            }
+        } else {
+            // SAFETY: per the contract the slot is unused; its pages read as
+            // zeroes from now on, which is a valid state for a buffer.
+            unsafe {
+                let _ = rustix::mm::madvise(ptr.as_ptr().cast(), size, rustix::mm::Advice::LinuxDontNeed);
+            }
+            self.cold[class].push(ptr);
+        }
+    }
+
+    /// Bytes a buffer of `len` takes from the system (its heap class),
+    /// whether it ends up in the arena or not: what a caller charges
+    /// before it allocates.
+    pub fn cost_of(len: usize) -> usize {
+        PAGE << class_of(len).unwrap_or(CLASSES - 1)
+    }
+
+    /// Empties the cache of freed buffers and asks the allocator to give
+    /// its free pages back; for a ring with nothing to do. Returns the
+    /// bytes released from the cache.
+    pub fn trim(&mut self) -> usize {
+        let released = self.cached_bytes;
+        for class in 0..CLASSES {
+            while let Some(p) = self.cache[class].pop() {
+                // SAFETY: cached blocks came from heap_alloc(class) and are unused.
+                unsafe { self.heap_free(p, class) };
+            }
+        }
+        self.cached_bytes = 0;
+        if self.freed_since_trim > 0 {
+            self.freed_since_trim = 0;
+            // The rest of the ring's memory (request records, vectors of a
+            // past burst) is the allocator's: ask it to return free pages.
+            #[cfg(target_env = "gnu")]
+            // SAFETY: malloc_trim only releases free memory; no pointer we hold changes.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
+        released
     }
 
     /// The arena as iovecs, one per slot, in slot order (for registration).
@@ -126,8 +239,18 @@ impl Buffers {
     /// A buffer of `len` bytes, page-aligned. Its contents are whatever the
     /// last user left (never uninitialised memory).
     pub fn alloc(&mut self, len: usize) -> BufId {
+        self.alloc_in(len, true)
+    }
+
+    /// A buffer that never takes a registered arena slot: for bytes only
+    /// ever sent (reply headers), so the arena stays for file I/O.
+    pub fn alloc_heap(&mut self, len: usize) -> BufId {
+        self.alloc_in(len, false)
+    }
+
+    fn alloc_in(&mut self, len: usize, arena: bool) -> BufId {
         let mem = match self.arena_free.pop() {
-            Some(i) if len <= self.arena_slot => Mem::Arena(i),
+            Some(i) if arena && len <= self.arena_slot => Mem::Arena(i),
             other => {
                 if let Some(i) = other {
                     self.arena_free.push(i);
@@ -138,11 +261,7 @@ impl Buffers {
                         self.cached_bytes -= PAGE << class;
                         p
                     }
-                    None => {
-                        // SAFETY: the layout has a non-zero size.
-                        let p = unsafe { std::alloc::alloc_zeroed(class_layout(class)) };
-                        NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(class_layout(class)))
-                    }
+                    None => self.heap_alloc(class),
                 };
                 Mem::Heap { ptr, class }
             }
@@ -218,12 +337,13 @@ impl Buffers {
         match s.mem {
             Mem::Arena(i) => self.arena_free.push(i),
             Mem::Heap { ptr, class } => {
+                self.freed_since_trim += PAGE << class;
                 if self.cached_bytes + (PAGE << class) <= self.cache_limit {
                     self.cached_bytes += PAGE << class;
                     self.cache[class].push(ptr);
                 } else {
-                    // SAFETY: allocated by `alloc` with this class's layout.
-                    unsafe { std::alloc::dealloc(ptr.as_ptr(), class_layout(class)) };
+                    // SAFETY: made by heap_alloc(class) in `alloc`; the slot is gone.
+                    unsafe { self.heap_free(ptr, class) };
                 }
             }
         }
@@ -266,17 +386,25 @@ impl Buffers {
 
 impl Drop for Buffers {
     fn drop(&mut self) {
-        for s in self.slots.drain(..).flatten() {
-            if let Mem::Heap { ptr, class } = s.mem {
-                // SAFETY: allocated by `alloc` with this class's layout; the
-                // ring that used it has ended every operation (or leaked us).
-                unsafe { std::alloc::dealloc(ptr.as_ptr(), class_layout(class)) };
-            }
+        // Small classes go with their chunks; large ones are unmapped here.
+        let large: Vec<(NonNull<u8>, usize)> = self
+            .slots
+            .drain(..)
+            .flatten()
+            .filter_map(|s| match s.mem {
+                Mem::Heap { ptr, class } if class >= MAP_CLASS => Some((ptr, class)),
+                _ => None,
+            })
+            .collect();
+        for (ptr, class) in large {
+            // SAFETY: made by heap_alloc(class); the ring that used it has
+            // ended every operation (or leaked us).
+            unsafe { self.heap_free(ptr, class) };
         }
-        for (class, list) in self.cache.iter_mut().enumerate() {
-            for p in list.drain(..) {
-                // SAFETY: cached blocks were allocated with this class's layout.
-                unsafe { std::alloc::dealloc(p.as_ptr(), class_layout(class)) };
+        for class in MAP_CLASS..CLASSES {
+            while let Some(p) = self.cache[class].pop() {
+                // SAFETY: cached blocks came from heap_alloc(class) and are unused.
+                unsafe { self.heap_free(p, class) };
             }
         }
     }
@@ -385,5 +513,23 @@ mod tests {
         assert_eq!(b.cached_bytes, 0);
         assert_eq!(b.len(again), 700_000);
         assert!(b.lend(again, 0, 800_000).is_none(), "ranges are bounds-checked");
+    }
+
+    #[test]
+    fn cost_is_the_class_and_trim_empties_the_cache() {
+        assert_eq!(Buffers::cost_of(1), 4096);
+        assert_eq!(Buffers::cost_of(4096 + 64), 8192);
+        assert_eq!(Buffers::cost_of(1 << 20), 1 << 20);
+        let mut b = Buffers::new(1, 4096, 8 << 20).unwrap();
+        let ids: Vec<_> = (0..4).map(|_| b.alloc(1 << 20)).collect();
+        for id in ids {
+            b.free(id);
+        }
+        assert_eq!(b.cached_bytes, 4 << 20);
+        assert_eq!(b.trim(), 4 << 20);
+        assert_eq!(b.cached_bytes, 0);
+        let id = b.alloc(300_000);
+        b.get_mut(id).unwrap()[299_999] = 1;
+        b.free(id);
     }
 }

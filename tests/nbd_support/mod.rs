@@ -359,3 +359,123 @@ pub fn rss_kib(pid: Option<u32>) -> u64 {
         .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
         .unwrap_or(0)
 }
+
+/// Field `name` (in KiB) of /proc/PID/status: VmRSS, VmHWM.
+pub fn status_kib(pid: u32, name: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// The environment variable that turns the test binary into a server.
+const CHILD_ENV: &str = "VOLRING_NBD_TEST_SERVER";
+
+/// What a server child runs with: its limits and its exports.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ChildSpec {
+    pub socket: PathBuf,
+    pub threads: usize,
+    pub conn_bytes: usize,
+    pub conn_requests: u32,
+    pub server_bytes: usize,
+    /// Freed buffers each ring keeps.
+    pub heap_cache: usize,
+    pub stall_timeout_ms: u64,
+    /// (name, image path, description)
+    pub exports: Vec<(String, PathBuf, String)>,
+}
+
+impl ChildSpec {
+    /// The memory a server may hold beyond its budget, from its sizes:
+    /// each ring's provided receive buffers (filled by any client, not
+    /// charged: they are the ring's, not a connection's) and its cache of
+    /// freed buffers, plus 16 MiB for what is neither a buffer nor
+    /// received bytes (connection and request records, allocator slack,
+    /// thread stacks touched under load).
+    pub fn allowance_kib(&self) -> u64 {
+        let ring = volring::ring::io_ring::IoRingConfig::default();
+        let per_ring = usize::from(ring.recv_bufs) * ring.recv_buf_size + self.heap_cache;
+        ((self.threads * per_ring) as u64 + 16 * MIB) / 1024
+    }
+}
+
+/// A server in a process of its own (this test binary, re-executed), so
+/// its memory can be read from /proc without the tests' own. Killed by
+/// PID on drop.
+pub struct ChildServer {
+    pub child: Child,
+    pub spec: ChildSpec,
+}
+
+impl ChildServer {
+    pub fn start(spec: ChildSpec) -> Self {
+        let exe = std::env::current_exe().expect("test binary");
+        let mut child = Command::new(exe)
+            .env(CHILD_ENV, serde_json::to_string(&spec).expect("spec"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn server child");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("first line");
+        assert!(line.contains("listening"), "server child said {line:?}");
+        ChildServer { child, spec }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn rss_kib(&self) -> u64 {
+        status_kib(self.pid(), "VmRSS:")
+    }
+
+    /// Peak RSS since the process started.
+    pub fn hwm_kib(&self) -> u64 {
+        status_kib(self.pid(), "VmHWM:")
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// When the test binary was started as a server child: serve until stdin
+/// closes (the test ended or died), then exit. Returns otherwise.
+pub fn child_server_main() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let spec: ChildSpec = serde_json::from_str(&spec).expect("child spec");
+    let ring = volring::ring::io_ring::IoRingConfig { heap_cache: spec.heap_cache, ..Default::default() };
+    let config = ServerConfig {
+        listen: vec![Listen::Unix(spec.socket.clone())],
+        threads: spec.threads,
+        max_queued_bytes: spec.conn_bytes,
+        max_requests: spec.conn_requests,
+        max_server_bytes: spec.server_bytes,
+        stall_timeout: Duration::from_millis(spec.stall_timeout_ms),
+        ring,
+        ..Default::default()
+    };
+    let server = NbdServer::start(config, Arc::new(Exports::new())).expect("server starts");
+    for (name, path, description) in &spec.exports {
+        let e = ExportSpec {
+            name: name.clone(),
+            path: path.clone(),
+            read_only: false,
+            direct_io: false,
+            max_connections: 0,
+            description: description.clone(),
+        };
+        server.add_export(&e).expect("export added");
+    }
+    println!("listening");
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    server.stop();
+    std::process::exit(0);
+}

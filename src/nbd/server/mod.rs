@@ -7,7 +7,10 @@
 //! io_uring. Requests on a connection run concurrently and are answered as
 //! they complete; replies that are ready together leave in one sendmsg.
 
+mod budget;
 mod conn;
+mod input;
+mod output;
 mod requests;
 mod worker;
 
@@ -55,12 +58,17 @@ pub struct ServerConfig {
     /// A connection whose replies make no progress (the client stopped
     /// reading) for this long is closed.
     pub stall_timeout: Duration,
-    /// Bytes of replies and request buffers one connection may hold before
-    /// the server stops reading from it.
+    /// Bytes of replies (spliced ones included) and request buffers one
+    /// connection may hold: its next request is not read while it would
+    /// go past this (one request larger than this is taken alone).
     pub max_queued_bytes: usize,
     /// Requests one connection may have in flight before the server stops
     /// reading from it.
     pub max_requests: u32,
+    /// Memory every connection together may hold in buffers and unread
+    /// bytes, across rings. Past three quarters of it only connections
+    /// holding under 1/64 of it are read (the heaviest stop first).
+    pub max_server_bytes: usize,
     /// After a busy loop turn, a ring waits this long for more completions
     /// before the next turn (zero: never). At queue depth 32 it turns a
     /// stream of single requests into bursts: 4 KiB random reads went from
@@ -79,8 +87,10 @@ impl Default for ServerConfig {
             stall_timeout: Duration::from_secs(60),
             max_queued_bytes: 96 << 20,
             max_requests: 512,
+            max_server_bytes: 128 << 20,
             batch_wait: Duration::from_micros(20),
-            ring: IoRingConfig::default(),
+            // Freed buffers kept per ring for reuse; emptied when idle.
+            ring: IoRingConfig { heap_cache: 16 << 20, ..IoRingConfig::default() },
         }
     }
 }
@@ -193,6 +203,7 @@ impl NbdServer {
             boxes.push(Mailbox { queue: ArrayQueue::new(4096), wake });
         }
         let mailboxes = Arc::new(boxes);
+        let budget = Arc::new(budget::ServerBudget::new(config.max_server_bytes));
         let accept: Vec<i32> = listeners.iter().map(|l| l.fd.as_raw_fd()).collect();
         let mut handles = Vec::with_capacity(threads);
         for id in 0..threads {
@@ -203,6 +214,7 @@ impl NbdServer {
                 exports: exports.clone(),
                 mailboxes: mailboxes.clone(),
                 listeners: if id == 0 { accept.clone() } else { Vec::new() },
+                budget: budget.clone(),
             };
             let h = std::thread::Builder::new()
                 .name(format!("nbd-ring-{id}"))

@@ -7,16 +7,15 @@ use super::worker::{token, Worker, K_REQ};
 use crate::nbd::export::{Export, MAX_BLOCK};
 use crate::nbd::stats::Kind;
 use crate::nbd::wire::{self, chunk, cmd, cmd_flags as cf, errno, Extent, HeaderStyle, ReplyBody, ReplyHeader, Request};
-use crate::ring::buffers::BufId;
+use crate::ring::buffers::{BufId, Buffers};
 
 /// Reads at least this long ask the file whether the range is a hole first,
 /// and answer a hole with one chunk and no data.
 const HOLE_CHECK_MIN: u64 = 64 * 1024;
-/// Reads at least this long from a buffered descriptor are spliced from the
-/// page cache into the socket instead of copied twice through a buffer.
-const SPLICE_MIN: u64 = 64 * 1024;
-/// Most extents one BLOCK_STATUS reply carries (the spec lets it cover less).
-const MAX_EXTENTS: usize = 1024;
+/// lseek calls one BLOCK_STATUS may make (two per data extent): the file
+/// is asked on the ring thread, so a fragmented file must not stall it.
+/// The spec lets a reply cover less than was asked; clients ask on.
+const MAX_STATUS_SEEKS: u32 = 32;
 /// Chunk of zeroes written when the file cannot zero a range by itself.
 const ZERO_CHUNK: usize = 1 << 20;
 
@@ -78,6 +77,7 @@ impl Worker {
             return;
         };
         let (style, base_allocation) = (*style, *base_allocation);
+        let spliced = attached.spliced(req.offset, req.length);
         let export = attached.export.clone();
         let (file, buffered) = (attached.file, attached.buffered);
         let (read_file, read_off) = attached.route(req.offset, req.length);
@@ -112,11 +112,16 @@ impl Worker {
         }
         match req.kind {
             cmd::READ => {
-                if style.structured() && !export.block_device && req.length >= HOLE_CHECK_MIN && is_hole(&export, req.offset, req.length) {
-                    let body = ReplyBody::Hole { offset: req.offset, length: req.length as u32 };
-                    return self.reply_small(ci, &req, body, at);
+                // A hole check is one lseek; past this turn's share of them
+                // a hole is read as data (zeroes), which is always correct.
+                if style.structured() && !export.block_device && req.length >= HOLE_CHECK_MIN && self.seeks_left > 0 {
+                    self.seeks_left -= 1;
+                    if is_hole(&export, req.offset, req.length) {
+                        let body = ReplyBody::Hole { offset: req.offset, length: req.length as u32 };
+                        return self.reply_small(ci, &req, body, at);
+                    }
                 }
-                if req.length >= SPLICE_MIN && read_off == super::conn::DATA_OFFSET {
+                if spliced {
                     return self.reply_spliced(ci, &req, read_file, style, at);
                 }
                 let buf = self.ring.buffers_mut().alloc(read_off + req.length as usize);
@@ -135,8 +140,12 @@ impl Worker {
                 let Some(context) = base_allocation else {
                     return refuse(self, errno::EINVAL, "no metadata context was selected");
                 };
-                let limit = if req.has(cf::REQ_ONE) { 1 } else { MAX_EXTENTS };
-                match extents(&export, req.offset, req.length, limit) {
+                let limit = if req.has(cf::REQ_ONE) { 1 } else { usize::MAX };
+                let seeks = self.seeks_left.min(MAX_STATUS_SEEKS);
+                let mut used = 0;
+                let found = extents(&export, req.offset, req.length, limit, seeks, &mut used);
+                self.seeks_left -= used;
+                match found {
                     Ok(list) => self.reply_small(ci, &req, ReplyBody::Extents { context, extents: &list }, at),
                     Err(e) => refuse(self, errno::from_host(e.raw_os_error().unwrap_or(libc::EIO)), "block status failed"),
                 }
@@ -152,10 +161,11 @@ impl Worker {
 
     fn new_req(&mut self, ci: u32, req: Request, file: u32, buf: Option<BufId>, data_off: usize, started: Instant) -> u32 {
         if let Some(c) = self.conns[ci as usize].as_mut() {
-            c.requests += 1;
+            c.account.requests += 1;
             if let (Some(b), true) = (buf, req.kind != cmd::WRITE) {
-                // A WRITE's buffer was counted when its payload started.
-                c.held_bytes += self.ring.buffers().len(b);
+                // A WRITE's buffer was charged when its payload started.
+                let cost = Buffers::cost_of(self.ring.buffers().len(b));
+                c.account.charge(&self.budget, cost, cost);
             }
         }
         let r = Req { conn: ci, req, file, buf, data_off, done: 0, step: Step::Io, started };
@@ -187,7 +197,7 @@ impl Worker {
                 self.ring.write(t, r.file, (b, start, r.data_off + len as usize), off + done, fua)
             }
             (cmd::WRITE_ZEROES, Step::ZeroFill) => {
-                let b = r.buf.expect("zero fill owns a buffer");
+                let b = self.zeroes.expect("made before the first zero fill");
                 let n = (len - done).min(ZERO_CHUNK as u64) as usize;
                 self.ring.write(t, r.file, (b, 0, n), off + done, false)
             }
@@ -234,15 +244,16 @@ impl Worker {
                 if r.req.has(cf::FAST_ZERO) {
                     return self.fail(ri, errno::ENOTSUP, "zeroing this range would not be fast");
                 }
-                // The filesystem cannot zero ranges: write zeroes.
+                // The filesystem cannot zero ranges: write zeroes, from one
+                // buffer every zero fill of this ring shares (it is only read).
                 r.step = Step::ZeroFill;
-                let n = (r.req.length as usize).min(ZERO_CHUNK);
-                let b = self.ring.buffers_mut().alloc(n);
-                if let Some(bytes) = self.ring.buffers_mut().get_mut(b) {
-                    bytes.fill(0);
+                if self.zeroes.is_none() {
+                    let b = self.ring.buffers_mut().alloc_heap(ZERO_CHUNK);
+                    if let Some(bytes) = self.ring.buffers_mut().get_mut(b) {
+                        bytes.fill(0);
+                    }
+                    self.zeroes = Some(b);
                 }
-                let r = self.reqs[ri as usize].as_mut().expect("checked above");
-                r.buf = Some(b);
                 self.submit_io(ri)
             }
             (cmd::TRIM | cmd::WRITE_ZEROES, Step::Io) => {
@@ -330,9 +341,8 @@ impl Worker {
             let at = h.size();
             self.scratch[at..].copy_from_slice(&req.offset.to_be_bytes());
         }
-        self.record(ci, Kind::Read, len, true, at);
         self.queue_scratch(ci);
-        self.queue_splice(ci, file, req.offset, len);
+        self.queue_splice(ci, file, req.offset, len, at);
     }
 
     fn succeed(&mut self, ri: u32) {
@@ -347,7 +357,7 @@ impl Worker {
         let Some(r) = self.reqs[ri as usize].take() else { return };
         self.free_reqs.push(ri);
         let freed = r.buf.map(|b| {
-            let n = self.ring.buffers().len(b);
+            let n = Buffers::cost_of(self.ring.buffers().len(b));
             self.ring.buffers_mut().free(b);
             n
         });
@@ -356,12 +366,12 @@ impl Worker {
     }
 
     /// Bookkeeping when a request with a slot is answered; `freed` is the
-    /// size of a buffer released without being queued for sending.
+    /// cost of a buffer released without being queued for sending.
     fn request_ended(&mut self, ci: u32, freed: Option<usize>) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
-            c.requests = c.requests.saturating_sub(1);
+            c.account.requests = c.account.requests.saturating_sub(1);
             if let Some(n) = freed {
-                c.held_bytes = c.held_bytes.saturating_sub(n);
+                c.account.release(&self.budget, n, n);
             }
         }
         self.mark(ci);
@@ -378,7 +388,7 @@ impl Worker {
         self.queue_scratch(ci);
     }
 
-    fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
+    pub(super) fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
         let Some(export) = self.conns[ci as usize].as_ref().and_then(|c| c.attached()).map(|a| a.export.clone()) else { return };
         let us = self.now.saturating_duration_since(started).as_micros() as u64;
         self.stats.entry(export.id).or_insert_with(|| (export, Default::default())).1.record(kind, bytes, ok, us);
@@ -393,9 +403,12 @@ fn is_hole(e: &Export, offset: u64, len: u64) -> bool {
     }
 }
 
-/// `base:allocation` extents of a range from SEEK_DATA/SEEK_HOLE; a block
-/// device is reported as all data.
-fn extents(e: &Export, offset: u64, len: u64, limit: usize) -> std::io::Result<Vec<Extent>> {
+/// `base:allocation` extents of a range from SEEK_DATA/SEEK_HOLE, with at
+/// most `seeks` lseek calls (counted in `used`); a block device is reported
+/// as all data. When the calls run out the reply covers less of the range,
+/// or (before the first extent is known) reports the rest as data: both
+/// are answers the protocol allows, and neither stalls the ring.
+fn extents(e: &Export, offset: u64, len: u64, limit: usize, seeks: u32, used: &mut u32) -> std::io::Result<Vec<Extent>> {
     use rustix::fs::{seek, SeekFrom};
     let end = offset + len;
     if e.block_device {
@@ -404,24 +417,32 @@ fn extents(e: &Export, offset: u64, len: u64, limit: usize) -> std::io::Result<V
     let mut out = Vec::new();
     let mut pos = offset;
     let fd = e.any_fd();
+    let mut lseek = |whence: SeekFrom| -> Option<std::io::Result<u64>> {
+        if *used >= seeks {
+            return None;
+        }
+        *used += 1;
+        Some(match seek(fd, whence) {
+            Ok(p) => Ok(p.min(end)),
+            Err(rustix::io::Errno::NXIO) => Ok(end),
+            Err(err) => Err(err.into()),
+        })
+    };
     while pos < end && out.len() < limit {
-        let data = match seek(fd, SeekFrom::Data(pos)) {
-            Ok(d) => d.min(end),
-            Err(rustix::io::Errno::NXIO) => end,
-            Err(err) => return Err(err.into()),
-        };
+        let Some(data) = lseek(SeekFrom::Data(pos)) else { break };
+        let data = data?;
         if data > pos {
             out.push(Extent { length: data - pos, flags: wire::state::HOLE | wire::state::ZERO });
             pos = data;
             continue;
         }
-        let hole = match seek(fd, SeekFrom::Hole(pos)) {
-            Ok(h) => h.min(end),
-            Err(rustix::io::Errno::NXIO) => end,
-            Err(err) => return Err(err.into()),
-        };
+        let Some(hole) = lseek(SeekFrom::Hole(pos)) else { break };
+        let hole = hole?;
         out.push(Extent { length: hole.max(pos + 1) - pos, flags: 0 });
         pos = hole.max(pos + 1);
+    }
+    if out.is_empty() {
+        out.push(Extent { length: len, flags: 0 });
     }
     Ok(out)
 }

@@ -7,12 +7,16 @@ use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::conn::{Attached, Conn, Parsed, Part, Phase, Splicing};
+use super::budget::{Limits, Refusal, ServerBudget};
+use super::conn::{Blocked, Conn, Part, Phase, Splicing};
+use super::input::Source;
+use super::output::drop_parts;
 use super::requests::Req;
 use super::{Command, Mailbox, ServerConfig};
 use crate::nbd::export::{Export, Exports};
-use crate::nbd::handshake::{self, Outcome};
+use crate::nbd::handshake;
 use crate::nbd::stats::Pending;
+use crate::ring::buffers::BufId;
 use crate::ring::io_ring::{Cqe, IoRing, OpId};
 
 pub(super) const K_WAKE: u64 = 1;
@@ -40,6 +44,11 @@ const BATCH: usize = 8;
 const BUSY_TURN: usize = 4;
 /// How long a stopping ring waits for connections to drain before it cuts them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// Rounds of servicing dirty connections in one loop turn.
+const SERVICE_ROUNDS: usize = 8;
+/// lseek calls (hole checks, BLOCK_STATUS) one loop turn may make; past
+/// it holes are answered as data, which the protocol allows.
+pub(super) const SEEKS_PER_TURN: u32 = 128;
 
 pub(super) struct Context {
     pub id: usize,
@@ -48,37 +57,49 @@ pub(super) struct Context {
     pub mailboxes: Arc<Vec<Mailbox>>,
     /// Listeners this ring accepts on (ring 0 only).
     pub listeners: Vec<i32>,
+    pub budget: Arc<ServerBudget>,
 }
 
 /// An export's descriptors as registered in this ring.
-struct Registered {
-    file: u32,
-    buffered: Option<u32>,
-    users: u32,
+pub(super) struct Registered {
+    pub(super) file: u32,
+    pub(super) buffered: Option<u32>,
+    pub(super) users: u32,
 }
 
 pub(super) struct Worker {
-    id: usize,
-    config: ServerConfig,
+    pub(super) id: usize,
+    pub(super) config: ServerConfig,
     pub(super) ring: IoRing,
-    exports: Arc<Exports>,
-    mailboxes: Arc<Vec<Mailbox>>,
-    listeners: Vec<i32>,
-    accepts: Vec<Option<OpId>>,
+    pub(super) exports: Arc<Exports>,
+    pub(super) mailboxes: Arc<Vec<Mailbox>>,
+    pub(super) listeners: Vec<i32>,
+    pub(super) accepts: Vec<Option<OpId>>,
     pub(super) conns: Vec<Option<Conn>>,
-    free_conns: Vec<u32>,
-    live: usize,
+    pub(super) free_conns: Vec<u32>,
+    pub(super) live: usize,
     pub(super) reqs: Vec<Option<Req>>,
     pub(super) free_reqs: Vec<u32>,
-    registered: HashMap<u64, Registered>,
-    dirty: Vec<u32>,
+    pub(super) registered: HashMap<u64, Registered>,
+    pub(super) dirty: Vec<u32>,
     pub(super) scratch: Vec<u8>,
-    parsed: Vec<Parsed>,
     pub(super) stats: HashMap<u64, (Arc<Export>, Pending)>,
-    next_ring: usize,
-    stop_at: Option<Instant>,
+    pub(super) next_ring: usize,
+    pub(super) stop_at: Option<Instant>,
     pub(super) now: Instant,
-    tick: Duration,
+    pub(super) tick: Duration,
+    pub(super) limits: Limits,
+    pub(super) budget: Arc<ServerBudget>,
+    /// Connections the server's budget stopped, woken when memory is released.
+    pub(super) server_waiters: Vec<u32>,
+    pub(super) waiters_seen: u64,
+    /// lseek calls left in this loop turn.
+    pub(super) seeks_left: u32,
+    /// A request arrived since the last tick (an idle ring trims its memory).
+    pub(super) active: bool,
+    /// A buffer of zeroes that WRITE_ZEROES writes from when the file cannot
+    /// zero a range itself; shared, never written after it is made.
+    pub(super) zeroes: Option<BufId>,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -99,8 +120,9 @@ impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
         ring.poll_multi(token(K_WAKE, 0), &ctx.mailboxes[ctx.id].wake, libc::POLLIN as u32)?;
-        let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
         ring.timeout(token(K_TICK, 0), tick)?;
+        let limits = Limits { conn_bytes: ctx.config.max_queued_bytes, conn_requests: ctx.config.max_requests.max(1) };
         let mut w = Worker {
             id: ctx.id,
             config: ctx.config,
@@ -117,12 +139,18 @@ impl Worker {
             registered: HashMap::new(),
             dirty: Vec::new(),
             scratch: Vec::with_capacity(4096),
-            parsed: Vec::new(),
             stats: HashMap::new(),
             next_ring: 0,
             stop_at: None,
             now: Instant::now(),
             tick,
+            limits,
+            budget: ctx.budget,
+            server_waiters: Vec::new(),
+            waiters_seen: 0,
+            seeks_left: SEEKS_PER_TURN,
+            active: false,
+            zeroes: None,
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -142,12 +170,16 @@ impl Worker {
         loop {
             // After a busy turn, wait a little for a burst instead of
             // waking for each request; a quiet ring wakes at the first one.
-            if busy && !self.config.batch_wait.is_zero() {
+            if !self.dirty.is_empty() {
+                // Connections are still to be looked at: do not sleep.
+                self.ring.submit_and_wait(0, None)?;
+            } else if busy && !self.config.batch_wait.is_zero() {
                 self.ring.submit_and_wait_batch(BATCH, self.config.batch_wait)?;
             } else {
                 self.ring.submit_and_wait(1, None)?;
             }
             self.now = Instant::now();
+            self.seeks_left = SEEKS_PER_TURN;
             cqes.clear();
             self.ring.complete(&mut cqes);
             busy = cqes.len() >= BUSY_TURN;
@@ -281,89 +313,6 @@ impl Worker {
         self.queue_scratch(ci);
     }
 
-    /// Copies `self.scratch` into a buffer and queues it on connection `ci`.
-    pub(super) fn queue_scratch(&mut self, ci: u32) {
-        if self.scratch.is_empty() {
-            return;
-        }
-        let n = self.scratch.len();
-        let b = self.ring.buffers_mut().alloc(n);
-        if let Some(dst) = self.ring.buffers_mut().get_mut(b) {
-            dst[..n].copy_from_slice(&self.scratch);
-        }
-        if let Some(c) = self.conns[ci as usize].as_mut() {
-            c.held_bytes += self.ring.buffers().len(b);
-        }
-        self.queue(ci, b, 0, n);
-    }
-
-    /// Queues a reply part for the next send of connection `ci`.
-    pub(super) fn queue(&mut self, ci: u32, buf: crate::ring::buffers::BufId, start: usize, end: usize) {
-        match self.conns[ci as usize].as_mut() {
-            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
-            _ => self.ring.buffers_mut().free(buf),
-        }
-        self.mark(ci);
-    }
-
-    /// Queues a file range to be spliced into connection `ci`'s stream; it
-    /// counts as held bytes until it is in the socket.
-    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64) {
-        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
-            c.out.push(Part::Splice { file, offset, len });
-            c.held_bytes += len as usize;
-        }
-        self.mark(ci);
-    }
-
-    fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
-        let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        c.socket_ops -= 1;
-        let Some(sp) = c.splice.as_mut() else { return };
-        if res <= 0 || c.broken {
-            // The header promised these bytes: without them the stream is lost.
-            if res < 0 && !c.broken {
-                tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
-            }
-            let sp = c.splice.take().expect("checked above");
-            self.ring.put_pipe(sp.pipe, false);
-            return self.break_conn(ci);
-        }
-        let n = res as u32;
-        if into_pipe {
-            sp.in_pipe += n;
-            sp.left -= u64::from(n);
-            sp.offset += u64::from(n);
-        } else {
-            sp.in_pipe -= n;
-            c.held_bytes = c.held_bytes.saturating_sub(n as usize);
-            c.last_send_progress = self.now;
-        }
-        let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
-        let next = if in_pipe > 0 {
-            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
-        } else if left > 0 {
-            let chunk = left.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
-            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
-        } else {
-            let c = self.conns[ci as usize].as_mut().expect("checked above");
-            c.splice = None;
-            self.ring.put_pipe(pipe, true);
-            self.mark(ci);
-            return;
-        };
-        let c = self.conns[ci as usize].as_mut().expect("checked above");
-        match next {
-            Ok(_) => c.socket_ops += 1,
-            Err(e) => {
-                tracing::warn!(error = %e, "NBD splice could not be submitted");
-                c.splice = None;
-                self.ring.put_pipe(pipe, in_pipe == 0);
-                self.break_conn(ci);
-            }
-        }
-    }
-
     pub(super) fn mark(&mut self, ci: u32) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
             if !c.dirty {
@@ -371,187 +320,6 @@ impl Worker {
                 self.dirty.push(ci);
             }
         }
-    }
-
-    fn on_recv(&mut self, ci: u32, c: Cqe) {
-        let Some(conn) = self.conns[ci as usize].as_mut() else {
-            if let Some(bid) = c.recv_buf {
-                self.ring.recycle(bid);
-            }
-            return;
-        };
-        if !c.more {
-            conn.recv_op = None;
-            conn.recv_cancelled = false;
-            conn.socket_ops -= 1;
-        }
-        self.mark(ci);
-        let Some(bid) = c.recv_buf else {
-            match c.result {
-                0 => self.begin_close(ci),
-                r if r == -libc::ENOBUFS || r == -libc::ECANCELED => {} // re-armed after the batch
-                r => {
-                    tracing::debug!(error = %io::Error::from_raw_os_error(-r), "NBD receive failed");
-                    self.break_conn(ci);
-                }
-            }
-            return;
-        };
-        let n = c.result.max(0) as usize;
-        let conn = self.conns[ci as usize].as_mut().expect("checked above");
-        conn.last_activity = self.now;
-        let serving = matches!(conn.phase, Phase::Serving { .. });
-        let (data, bufs) = self.ring.received(bid, n);
-        let result = if serving {
-            conn.feed(data, bufs, self.now, &mut self.parsed)
-        } else {
-            conn.inbuf.extend_from_slice(data);
-            Ok(())
-        };
-        self.ring.recycle(bid);
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "NBD client broke the protocol; closing");
-            self.break_conn(ci);
-        } else if !serving {
-            self.negotiate(ci);
-        }
-        let mut parsed = std::mem::take(&mut self.parsed);
-        for p in parsed.drain(..) {
-            self.take_parsed(ci, p);
-        }
-        self.parsed = parsed;
-    }
-
-    /// Runs the handshake over what connection `ci` has received.
-    fn negotiate(&mut self, ci: u32) {
-        let Worker { conns, exports, scratch, .. } = self;
-        let Some(conn) = conns[ci as usize].as_mut() else { return };
-        let Phase::Handshake(hs) = &mut conn.phase else { return };
-        scratch.clear();
-        let mut pos = 0;
-        let mut entered = None;
-        let mut failed = false;
-        loop {
-            match hs.step(&conn.inbuf[pos..], &**exports, scratch) {
-                Ok((used, outcome)) => {
-                    pos += used;
-                    match outcome {
-                        Outcome::NeedMore => break,
-                        Outcome::Continue => continue,
-                        Outcome::Enter(n) => {
-                            entered = Some(n);
-                            break;
-                        }
-                        Outcome::End(_) => {
-                            conn.closing = true;
-                            break;
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "NBD handshake failed");
-                    failed = true;
-                    break;
-                }
-            }
-        }
-        conn.inbuf.drain(..pos);
-        self.queue_scratch(ci);
-        if failed {
-            return self.break_conn(ci);
-        }
-        let Some(n) = entered else { return };
-        let attached = match self.attach(n.export.clone()) {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(export = %n.name, error = %e, "NBD export could not be registered");
-                n.export.release();
-                return self.break_conn(ci);
-            }
-        };
-        let conn = self.conns[ci as usize].as_mut().expect("present above");
-        conn.phase = Phase::Serving { attached, style: n.style, base_allocation: n.base_allocation };
-        tracing::debug!(export = %n.name, style = ?n.style, "NBD client entered transmission");
-        let rest = std::mem::take(&mut conn.inbuf);
-        if !rest.is_empty() {
-            let bufs = self.ring.buffers_mut();
-            if conn.feed(&rest, bufs, self.now, &mut self.parsed).is_err() {
-                self.break_conn(ci);
-            }
-        }
-    }
-
-    /// Registers an export's descriptors in this ring (once per export).
-    fn attach(&mut self, export: Arc<Export>) -> io::Result<Attached> {
-        if let Some(r) = self.registered.get_mut(&export.id) {
-            r.users += 1;
-            return Ok(Attached { export, file: r.file, buffered: r.buffered });
-        }
-        let file = self.ring.register_file(export.file().as_raw_fd())?;
-        let buffered = match export.buffered() {
-            Some(fd) => match self.ring.register_file(fd.as_raw_fd()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    let _ = self.ring.unregister_file(file);
-                    return Err(e);
-                }
-            },
-            None => None,
-        };
-        self.registered.insert(export.id, Registered { file, buffered, users: 1 });
-        Ok(Attached { export, file, buffered })
-    }
-
-    fn detach(&mut self, export: &Export) {
-        let Some(r) = self.registered.get_mut(&export.id) else { return };
-        r.users -= 1;
-        if r.users == 0 {
-            // Nothing of this export stays on this ring: not its counters
-            // (folded now), not its descriptors (a removed export's file
-            // must not be held open here).
-            if let Some((e, mut pending)) = self.stats.remove(&export.id) {
-                e.stats.fold(&mut pending);
-            }
-            let r = self.registered.remove(&export.id).expect("present");
-            let _ = self.ring.unregister_file(r.file);
-            if let Some(b) = r.buffered {
-                let _ = self.ring.unregister_file(b);
-            }
-        }
-    }
-
-    fn on_send(&mut self, ci: u32, res: i32) {
-        let Some(conn) = self.conns[ci as usize].as_mut() else { return };
-        conn.socket_ops -= 1;
-        conn.send_in_flight = false;
-        let mut sent = res.max(0) as usize;
-        if sent > 0 {
-            conn.last_send_progress = self.now;
-        }
-        let bufs = self.ring.buffers_mut();
-        let mut keep: Vec<Part> = Vec::new();
-        for (b, start, end) in conn.sending.drain(..) {
-            let len = end - start;
-            if res < 0 {
-                conn.held_bytes = conn.held_bytes.saturating_sub(bufs.len(b));
-                bufs.free(b);
-            } else if sent >= len {
-                sent -= len;
-                conn.held_bytes = conn.held_bytes.saturating_sub(bufs.len(b));
-                bufs.free(b);
-            } else {
-                keep.push(Part::Buf(b, start + sent, end));
-                sent = 0;
-            }
-        }
-        if !keep.is_empty() {
-            keep.append(&mut conn.out);
-            conn.out = keep;
-        }
-        if res < 0 {
-            self.break_conn(ci);
-        }
-        self.mark(ci);
     }
 
     /// No more requests are read; the connection closes once its requests
@@ -564,39 +332,74 @@ impl Worker {
     }
 
     /// The socket is unusable: drop queued replies and close at once.
-    fn break_conn(&mut self, ci: u32) {
+    pub(super) fn break_conn(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.closing = true;
         c.broken = true;
-        drop_parts(c, self.ring.buffers_mut());
+        drop_parts(c, self.ring.buffers_mut(), &self.budget);
         self.mark(ci);
     }
 
     fn after_batch(&mut self) {
-        let mut dirty = std::mem::take(&mut self.dirty);
-        for ci in dirty.drain(..) {
-            self.service(ci);
+        if !self.server_waiters.is_empty() && self.budget.releases() != self.waiters_seen {
+            self.wake_server_waiters();
         }
-        if self.dirty.is_empty() {
-            self.dirty = dirty;
+        // Servicing a connection can queue replies on it (or free memory
+        // for another): a few rounds, and the loop does not sleep on the rest.
+        for _ in 0..SERVICE_ROUNDS {
+            if self.dirty.is_empty() {
+                break;
+            }
+            let mut dirty = std::mem::take(&mut self.dirty);
+            for ci in dirty.drain(..) {
+                self.service(ci);
+            }
+            if self.dirty.is_empty() {
+                self.dirty = dirty;
+            }
         }
         for (export, pending) in self.stats.values_mut() {
             export.stats.fold(pending);
         }
     }
 
+    /// Memory was released somewhere: connections the server's budget
+    /// stopped try their next request again.
+    fn wake_server_waiters(&mut self) {
+        self.waiters_seen = self.budget.releases();
+        for ci in std::mem::take(&mut self.server_waiters) {
+            if let Some(c) = self.conns[ci as usize].as_mut() {
+                c.server_wait = None;
+                self.mark(ci);
+            }
+        }
+    }
+
     /// Brings connection `ci` up to date: backpressure, receive, send, close.
     fn service(&mut self, ci: u32) {
-        let max_bytes = self.config.max_queued_bytes;
-        let max_reqs = self.config.max_requests;
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.dirty = false;
-        if !c.paused && (c.held_bytes > max_bytes || c.requests > max_reqs) {
-            c.paused = true;
-        } else if c.paused && c.held_bytes <= max_bytes / 2 && c.requests <= max_reqs / 2 {
-            c.paused = false;
+        if let Some(why) = c.paused.filter(|_| !c.closing && !c.broken) {
+            let ready = match why {
+                Blocked::Refused(Refusal::Conn) => c.account.drained_enough(&self.limits),
+                Blocked::Refused(Refusal::Server) => c.server_wait.is_none(),
+                Blocked::Replies => c.out.is_empty() && !c.send_in_flight,
+            };
+            if ready {
+                // What it had received is taken first; reading resumes
+                // only if all of it fits.
+                c.paused = None;
+                if matches!(c.phase, Phase::Serving { .. }) {
+                    let rest = std::mem::take(&mut c.inbuf);
+                    c.sync_inbuf(&self.budget);
+                    self.pump(ci, &Source::Owned(rest));
+                } else {
+                    self.negotiate(ci);
+                }
+            }
         }
-        let want_recv = !c.closing && !c.paused;
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        let want_recv = !c.closing && c.paused.is_none();
         match (want_recv, c.recv_op) {
             (true, None) => match self.ring.recv_multi(token(K_RECV, ci), c.socket) {
                 Ok(op) => {
@@ -616,9 +419,9 @@ impl Worker {
             _ => {}
         }
         if !c.send_in_flight && c.splice.is_none() && !c.out.is_empty() && !c.broken {
-            if let Part::Splice { file, offset, len } = c.out[0] {
+            if let Part::Splice { file, offset, len, started } = c.out[0] {
                 c.out.remove(0);
-                let started = self.ring.take_pipe().and_then(|pipe| {
+                let begun = self.ring.take_pipe().and_then(|pipe| {
                     let chunk = len.min(crate::ring::io_ring::PIPE_SIZE as u64) as u32;
                     match self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk) {
                         Ok(_) => Ok(pipe),
@@ -628,9 +431,9 @@ impl Worker {
                         }
                     }
                 });
-                match started {
+                match begun {
                     Ok(pipe) => {
-                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0 });
+                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
                         c.socket_ops += 1;
                         c.last_send_progress = self.now;
                     }
@@ -662,9 +465,9 @@ impl Worker {
             }
         }
         if c.broken && !c.out.is_empty() {
-            drop_parts(c, self.ring.buffers_mut());
+            drop_parts(c, self.ring.buffers_mut(), &self.budget);
         }
-        let drained = c.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
+        let drained = c.account.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
         if c.closing && drained && !c.shutdown_sent {
             c.shutdown_sent = true;
             if let (Some(op), false) = (c.recv_op, c.recv_cancelled) {
@@ -691,7 +494,9 @@ impl Worker {
         if let Some(p) = c.payload.take() {
             self.ring.buffers_mut().free(p.buf);
         }
-        drop_parts(&mut c, self.ring.buffers_mut());
+        drop_parts(&mut c, self.ring.buffers_mut(), &self.budget);
+        // Whatever is left (the payload buffer, unread bytes) goes back.
+        c.account.close(&self.budget);
         if let Phase::Serving { attached, .. } = &c.phase {
             let export = attached.export.clone();
             export.release();
@@ -699,9 +504,25 @@ impl Worker {
         }
     }
 
+    /// A ring with nothing to do gives memory back: cached buffers, the
+    /// allocator's free pages, and request slots of a past burst.
+    fn trim(&mut self) {
+        self.ring.buffers_mut().trim();
+        if self.free_reqs.len() == self.reqs.len() && self.reqs.capacity() > 1024 {
+            self.reqs = Vec::new();
+            self.free_reqs = Vec::new();
+        }
+    }
+
     fn on_tick(&mut self) {
         if let Err(e) = self.ring.timeout(token(K_TICK, 0), self.tick) {
             tracing::error!(error = %e, "NBD ring lost its timer");
+        }
+        if !self.server_waiters.is_empty() {
+            self.wake_server_waiters();
+        }
+        if !std::mem::take(&mut self.active) {
+            self.trim();
         }
         let now = self.now;
         let (hs, idle, stall) = (self.config.handshake_timeout, self.config.idle_timeout, self.config.stall_timeout);
@@ -710,26 +531,13 @@ impl Worker {
             let Some(c) = self.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
             let stalled = (c.send_in_flight || c.splice.is_some() || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
-            let idle_out = idle.is_some_and(|t| c.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
+            let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
                 tracing::debug!(handshaking, stalled, "NBD connection timed out");
                 self.break_conn(i as u32);
             } else if idle_out {
                 self.begin_close(i as u32);
             }
-        }
-    }
-}
-
-/// Frees every queued part of a connection that will send no more.
-fn drop_parts(c: &mut Conn, bufs: &mut crate::ring::buffers::Buffers) {
-    for p in c.out.drain(..) {
-        match p {
-            Part::Buf(b, _, _) => {
-                c.held_bytes = c.held_bytes.saturating_sub(bufs.len(b));
-                bufs.free(b);
-            }
-            Part::Splice { len, .. } => c.held_bytes = c.held_bytes.saturating_sub(len as usize),
         }
     }
 }
