@@ -5,7 +5,7 @@
 
 // The poisoning allocator below (it detects a kernel write into a freed
 // buffer) is the one place outside src/sys and src/ring that needs unsafe.
-#![allow(unsafe_code)]
+#![allow(unsafe_code, clippy::undocumented_unsafe_blocks)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashSet;

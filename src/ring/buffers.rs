@@ -167,7 +167,7 @@ impl Buffers {
         let base = chunk.as_ptr();
         // Slots after the first are kept for later; untouched, they take no memory.
         for i in (1..CHUNK / size).rev() {
-            // SAFETY (pointer arithmetic only): i * size < CHUNK, inside the mapping.
+            // SAFETY: pointer arithmetic only; i * size < CHUNK, inside the mapping.
             self.cold[class].push(NonNull::new(unsafe { base.add(i * size) }).expect("inside a mapping"));
         }
         self.chunks.push(chunk);
@@ -230,9 +230,12 @@ impl Buffers {
     /// The arena as iovecs, one per slot, in slot order (for registration).
     pub(super) fn arena_iovecs(&self) -> Vec<libc::iovec> {
         let n = self.arena.len / self.arena_slot;
-        // SAFETY (pointer arithmetic only): every offset stays inside the arena mapping.
         (0..n)
-            .map(|i| libc::iovec { iov_base: unsafe { self.arena.as_ptr().add(i * self.arena_slot) }.cast(), iov_len: self.arena_slot })
+            .map(|i| {
+                // SAFETY: pointer arithmetic only; every offset stays inside the arena mapping.
+                let base = unsafe { self.arena.as_ptr().add(i * self.arena_slot) };
+                libc::iovec { iov_base: base.cast(), iov_len: self.arena_slot }
+            })
             .collect()
     }
 
@@ -294,7 +297,7 @@ impl Buffers {
 
     fn ptr(&self, mem: Mem) -> *mut u8 {
         match mem {
-            // SAFETY (pointer arithmetic only): slot index < number of arena slots.
+            // SAFETY: pointer arithmetic only; slot index < number of arena slots.
             Mem::Arena(i) => unsafe { self.arena.as_ptr().add(i as usize * self.arena_slot) },
             Mem::Heap { ptr, .. } => ptr.as_ptr(),
         }
@@ -363,7 +366,7 @@ impl Buffers {
             Mem::Heap { .. } => None,
         };
         let mem = s.mem;
-        // SAFETY (pointer arithmetic only): start <= len of this buffer.
+        // SAFETY: pointer arithmetic only; start <= len of this buffer.
         let p = unsafe { self.ptr(mem).add(start) };
         Some((p, (end - start) as u32, index))
     }
@@ -450,7 +453,7 @@ impl RecvPool {
         // SAFETY: idx < entries, inside the ring mapping; the kernel only reads
         // entries between its head and the published tail, and this one is past it.
         let entry = unsafe { &mut *base.add(idx) };
-        // SAFETY (pointer arithmetic only): bid < entries, inside the data mapping.
+        // SAFETY: pointer arithmetic only; bid < entries, inside the data mapping.
         entry.set_addr(unsafe { self.data.as_ptr().add(usize::from(bid) * self.size) } as u64);
         entry.set_len(self.size as u32);
         entry.set_bid(bid);
