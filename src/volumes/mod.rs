@@ -68,6 +68,8 @@ pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), Error> {
         return Ok(());
     }
     let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    stderr.truncate(2000);
+    // Cut on a character boundary (truncate panics inside a character).
+    let cut = (0..=stderr.len().min(2000)).rev().find(|&i| stderr.is_char_boundary(i)).unwrap_or(0);
+    stderr.truncate(cut);
     Err(Error::Command { command: format!("{program} {}", args.join(" ")), status: out.status.to_string(), stderr })
 }
