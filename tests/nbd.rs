@@ -793,7 +793,26 @@ fn hostile_connections_stay_under_the_server_budget() -> Result<(), Failed> {
     let server_bytes = 48 * MIB;
     let srv = child(dir.path(), 16 * MIB, server_bytes, &[("disk".into(), 64 * MIB, String::new())]);
     let idle = warm_up(&srv, "disk")?;
-    let hostile: Vec<_> = (0..8u64)
+    let sitting = hostile_readers(&srv, 8)?;
+    let mut good = RawClient::connect(&srv.spec.socket, "disk", HeaderStyle::Structured, false)?;
+    for i in 0..16u64 {
+        let r = good.call(cmd::READ, 0, i * 4096, 4096, &[])?;
+        check(r.error == 0 && r.data.len() == 4096, "a well-behaved client is served while the hostile ones sit")?;
+    }
+    let peak = peak_after(&srv, Duration::from_millis(1000));
+    let grown = peak.saturating_sub(idle);
+    let bound = server_bytes / 1024 + srv.spec.allowance_kib();
+    eprintln!("8 hostile: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
+    check(grown <= bound, format!("8 hostile connections grew the server by {grown} KiB (bound {bound} KiB, idle {idle} KiB)"))?;
+    drop(sitting);
+    drop(good);
+    memory_comes_back(&srv, idle)
+}
+
+/// `n` connections each pipelining up to 20,000 4 KiB READs until the
+/// server stops reading them, none reading a reply; kept open.
+fn hostile_readers(srv: &ChildServer, n: u64) -> Result<Vec<RawClient>, Failed> {
+    let hostile: Vec<_> = (0..n)
         .map(|h| {
             let socket = srv.spec.socket.clone();
             std::thread::spawn(move || -> std::io::Result<(RawClient, u64)> {
@@ -801,7 +820,7 @@ fn hostile_connections_stay_under_the_server_budget() -> Result<(), Failed> {
                 c.s.set_write_timeout(Some(Duration::from_secs(2)))?;
                 let mut sent = 0u64;
                 let mut chunk = Vec::new();
-                'send: for batch in 0..200u64 {
+                for batch in 0..200u64 {
                     chunk.clear();
                     for i in 0..100u64 {
                         let n = batch * 100 + i;
@@ -816,7 +835,7 @@ fn hostile_connections_stay_under_the_server_budget() -> Result<(), Failed> {
                     }
                     // The server stops reading: the write times out and this client sits.
                     if c.s.write_all(&chunk).is_err() {
-                        break 'send;
+                        break;
                     }
                     sent += 100;
                 }
@@ -830,18 +849,28 @@ fn hostile_connections_stay_under_the_server_budget() -> Result<(), Failed> {
         check(sent >= 100, format!("a hostile client sent only {sent} requests"))?;
         sitting.push(c);
     }
+    Ok(sitting)
+}
+
+/// 40 such connections fill even the share kept for light connections:
+/// the server drops the heaviest stalled ones, so a new client is still
+/// served and memory stays under the budget.
+fn many_hostile_connections_do_not_starve_others() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-starve-").tempdir()?;
+    let server_bytes = 48 * MIB;
+    let srv = child(dir.path(), 16 * MIB, server_bytes, &[("disk".into(), 64 * MIB, String::new())]);
+    let idle = warm_up(&srv, "disk")?;
+    let sitting = hostile_readers(&srv, 40)?;
     let mut good = RawClient::connect(&srv.spec.socket, "disk", HeaderStyle::Structured, false)?;
     for i in 0..16u64 {
         let r = good.call(cmd::READ, 0, i * 4096, 4096, &[])?;
-        check(r.error == 0 && r.data.len() == 4096, "a well-behaved client is served while the hostile ones sit")?;
+        check(r.error == 0 && r.data.len() == 4096, "a well-behaved client is served while 40 hostile ones sit")?;
     }
-    let peak = peak_after(&srv, Duration::from_millis(1000));
-    let grown = peak.saturating_sub(idle);
+    let grown = srv.hwm_kib().saturating_sub(idle);
     let bound = server_bytes / 1024 + srv.spec.allowance_kib();
-    eprintln!("8 hostile: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
-    check(grown <= bound, format!("8 hostile connections grew the server by {grown} KiB (bound {bound} KiB, idle {idle} KiB)"))?;
-    drop(sitting);
-    drop(good);
+    eprintln!("40 hostile: idle {idle} KiB, grew {grown} KiB, bound {bound} KiB");
+    check(grown <= bound, format!("40 hostile connections grew the server by {grown} KiB (bound {bound} KiB)"))?;
+    drop((sitting, good));
     memory_comes_back(&srv, idle)
 }
 
@@ -869,6 +898,7 @@ fn main() {
         Trial::test("nbd::one_burst_of_reads_is_admitted_request_by_request", one_burst_of_reads_is_admitted_request_by_request),
         Trial::test("nbd::list_flood_in_the_handshake_is_bounded", list_flood_in_the_handshake_is_bounded),
         Trial::test("nbd::hostile_connections_stay_under_the_server_budget", hostile_connections_stay_under_the_server_budget),
+        Trial::test("nbd::many_hostile_connections_do_not_starve_others", many_hostile_connections_do_not_starve_others),
     ];
     common::run_in_private_namespace(trials)
 }

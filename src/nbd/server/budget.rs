@@ -11,7 +11,11 @@
 //! Under pressure (more than three quarters of the server limit in use)
 //! only light connections — holding at most 1/64 of the limit — get more:
 //! the heaviest connections stop being read first, while a well-behaved
-//! client with a few requests in flight is still served.
+//! client with a few requests in flight is still served. When even a light
+//! connection is refused (many hostile ones filled the rest), the server is
+//! starved: each ring then drops its heaviest connection that has made no
+//! progress for a while (see the worker's tick), so memory stays bounded
+//! and new clients are still served.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -30,6 +34,8 @@ pub(super) struct ServerBudget {
     /// Bumped at every release: a ring retries connections the server
     /// refused once this moves.
     releases: AtomicU64,
+    /// Bumped when a light connection is refused.
+    starved: AtomicU64,
 }
 
 /// Which limit refused a request.
@@ -43,7 +49,7 @@ pub(super) enum Refusal {
 
 impl ServerBudget {
     pub fn new(limit: usize) -> Self {
-        Self { limit: limit.max(1), used: AtomicUsize::new(0), releases: AtomicU64::new(0) }
+        Self { limit: limit.max(1), used: AtomicUsize::new(0), releases: AtomicU64::new(0), starved: AtomicU64::new(0) }
     }
 
     pub fn used(&self) -> usize {
@@ -52,6 +58,11 @@ impl ServerBudget {
 
     pub fn releases(&self) -> u64 {
         self.releases.load(Ordering::Relaxed)
+    }
+
+    /// How many times a light connection was refused.
+    pub fn starved(&self) -> u64 {
+        self.starved.load(Ordering::Relaxed)
     }
 
     pub fn charge(&self, n: usize) {
@@ -119,6 +130,9 @@ impl Account {
             return Err(Refusal::Conn);
         }
         if !gate.server.admits(self.mem, mem) {
+            if self.mem + mem <= gate.server.light() {
+                gate.server.starved.fetch_add(1, Ordering::Relaxed);
+            }
             return Err(Refusal::Server);
         }
         Ok(())
@@ -168,6 +182,21 @@ mod tests {
         assert!(server.used() <= 24 << 20, "the heavy one stops at the pressure mark");
         let light = Account::default();
         assert!(light.admit(gate, 8192, 8192).is_ok(), "a light connection is still served");
+        assert_eq!(server.starved(), 0);
+        // Many light connections fill the rest of the budget, and no more.
+        let mut band: Vec<Account> = Vec::new();
+        for _ in 0..1000 {
+            let mut a = Account::default();
+            while a.admit(gate, 8192, 8192).is_ok() {
+                a.charge(&server, 8192, 8192);
+            }
+            band.push(a);
+        }
+        assert!(server.used() <= 32 << 20, "the budget holds");
+        assert!(light.admit(gate, 8192, 8192).is_err() && server.starved() > 0, "a full budget starves light ones");
+        for mut a in band {
+            a.close(&server);
+        }
         heavy.close(&server);
         assert_eq!(server.used(), 0);
     }

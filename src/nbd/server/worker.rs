@@ -49,6 +49,9 @@ const SERVICE_ROUNDS: usize = 8;
 /// lseek calls (hole checks, BLOCK_STATUS) one loop turn may make; past
 /// it holes are answered as data, which the protocol allows.
 pub(super) const SEEKS_PER_TURN: u32 = 128;
+/// When the server is starved, a connection holding memory that neither
+/// sent nor received anything for this long may be dropped to make room.
+const EVICT_AFTER: Duration = Duration::from_secs(1);
 
 pub(super) struct Context {
     pub id: usize,
@@ -93,6 +96,8 @@ pub(super) struct Worker {
     /// Connections the server's budget stopped, woken when memory is released.
     pub(super) server_waiters: Vec<u32>,
     pub(super) waiters_seen: u64,
+    /// The server's starvation count when this ring last looked.
+    pub(super) starved_seen: u64,
     /// lseek calls left in this loop turn.
     pub(super) seeks_left: u32,
     /// A request arrived since the last tick (an idle ring trims its memory).
@@ -148,6 +153,7 @@ impl Worker {
             budget: ctx.budget,
             server_waiters: Vec::new(),
             waiters_seen: 0,
+            starved_seen: 0,
             seeks_left: SEEKS_PER_TURN,
             active: false,
             zeroes: None,
@@ -514,6 +520,25 @@ impl Worker {
         }
     }
 
+    /// The server refused a light connection: drops the heaviest of this
+    /// ring's connections that holds memory and has made no progress (sent
+    /// or received nothing) for [`EVICT_AFTER`]: a client that reads no
+    /// replies, or announced a WRITE and sends no payload.
+    fn evict_one(&mut self) {
+        let now = self.now;
+        let heaviest = (0..self.conns.len())
+            .filter_map(|i| {
+                let c = self.conns[i].as_ref().filter(|c| !c.broken && c.account.mem > 0)?;
+                let quiet = now.saturating_duration_since(c.last_activity.max(c.last_send_progress));
+                (quiet >= EVICT_AFTER).then_some((c.account.mem, i))
+            })
+            .max();
+        if let Some((mem, i)) = heaviest {
+            tracing::warn!(held = mem, "NBD server out of memory budget: dropping its heaviest stalled connection");
+            self.break_conn(i as u32);
+        }
+    }
+
     fn on_tick(&mut self) {
         if let Err(e) = self.ring.timeout(token(K_TICK, 0), self.tick) {
             tracing::error!(error = %e, "NBD ring lost its timer");
@@ -523,6 +548,11 @@ impl Worker {
         }
         if !std::mem::take(&mut self.active) {
             self.trim();
+        }
+        let starved = self.budget.starved();
+        if starved != self.starved_seen {
+            self.starved_seen = starved;
+            self.evict_one();
         }
         let now = self.now;
         let (hs, idle, stall) = (self.config.handshake_timeout, self.config.idle_timeout, self.config.stall_timeout);
