@@ -146,6 +146,21 @@ struct NbdTuning {
     /// Close connections idle this many seconds (0: never).
     #[arg(long, default_value_t = 0.0)]
     idle_timeout: f64,
+    /// Close a connection whose replies make no progress for this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
+    /// Bytes of buffers and queued replies one connection may hold before
+    /// the server stops reading its requests.
+    #[arg(long, default_value_t = 96 << 20)]
+    nbd_max_conn_bytes: usize,
+    /// Requests one connection may have in flight before the server stops
+    /// reading its requests.
+    #[arg(long, default_value_t = 512)]
+    nbd_max_conn_requests: u32,
+    /// Bytes every connection together may hold; past it the heaviest
+    /// connections stop being read first, and a stalled one is dropped.
+    #[arg(long, default_value_t = 128 << 20)]
+    nbd_max_server_bytes: usize,
 }
 
 impl NbdTuning {
@@ -155,6 +170,10 @@ impl NbdTuning {
             threads: self.nbd_threads,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
+            stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),
+            max_queued_bytes: self.nbd_max_conn_bytes.max(1),
+            max_requests: self.nbd_max_conn_requests.max(1),
+            max_server_bytes: self.nbd_max_server_bytes.max(1),
             ..Default::default()
         }
     }
