@@ -241,7 +241,7 @@ impl CsiArgs {
         let mut c = volring::csi::CsiConfig::new(endpoint, node);
         c.kubelet_root = self.kubelet_root.clone();
         c.pool_dir = self.pool_dir.clone().unwrap_or_else(|| self.state_dir.join("pool"));
-        c.state_dir = self.state_dir.join("staged");
+        c.state_dir = self.state_dir.clone();
         c.max_volumes = self.max_volumes;
         c.direct_io = !self.no_direct_io;
         Ok(Some(c))
@@ -380,7 +380,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Mounts { json, watch: false, watch_args } => print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)),
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
         Command::Status { state_dir, pool_dir, json } => {
-            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir.join("staged"), json)
+            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
         }
         Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {
@@ -598,9 +598,15 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     result
 }
 
-fn print_status(pool: &std::path::Path, staged: &std::path::Path, json: bool) -> anyhow::Result<()> {
+fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
     use std::io::Write;
-    let r = volring::volumes::status::report(pool, staged)?;
+    // Holding the agent's lock while reading means no agent runs, so a store
+    // a crash left unrepaired may be repaired; beside a running agent the
+    // store is only read.
+    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
+    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+    let r = volring::volumes::status::report(pool, state_dir, no_agent)?;
+    drop(lock);
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
@@ -613,7 +619,7 @@ fn print_status(pool: &std::path::Path, staged: &std::path::Path, json: bool) ->
         let alloc = v.allocated_bytes.map_or("missing".to_string(), |b| b.to_string());
         writeln!(out, "{:<40} {:>14} {:>14} {:<5}", v.id, v.size_bytes, alloc, v.fs_type.as_deref().unwrap_or("-"))?;
     }
-    writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.staged_dir.display())?;
+    writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.store.display())?;
     writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO")?;
     for s in &r.staged {
         let dev = match (&s.device, s.attached) {

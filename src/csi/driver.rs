@@ -20,7 +20,8 @@ pub struct CsiConfig {
     pub kubelet_root: PathBuf,
     /// Where the volume images live.
     pub pool_dir: PathBuf,
-    /// Where the staged records live.
+    /// The agent's state directory: the node's store (`state.redb`) with
+    /// every staged record, and legacy JSON records under `staged/`.
     pub state_dir: PathBuf,
     pub node_id: String,
     /// Reported by NodeGetInfo; 0 means no limit.
@@ -36,7 +37,7 @@ impl CsiConfig {
             endpoint,
             kubelet_root: PathBuf::from("/var/lib/kubelet"),
             pool_dir: PathBuf::from("/var/lib/volring/pool"),
-            state_dir: PathBuf::from("/var/lib/volring/staged"),
+            state_dir: PathBuf::from("/var/lib/volring"),
             node_id,
             max_volumes: 0,
             direct_io: true,
