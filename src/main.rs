@@ -38,7 +38,7 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
         #[command(flatten)]
-        csi: CsiArgs,
+        csi: Box<CsiArgs>,
         #[command(flatten)]
         nbd: NodeNbdArgs,
     },
@@ -229,6 +229,23 @@ struct CsiArgs {
     /// Attach loop devices with buffered I/O even when direct I/O works.
     #[arg(long)]
     no_direct_io: bool,
+    /// Look at every staged volume this often (seconds), besides on every
+    /// mount and device event.
+    #[arg(long, env = "VOLRING_RESYNC_INTERVAL", default_value_t = 60.0)]
+    resync_interval: f64,
+    /// Only report drift (a vanished staging mount, a detached loop
+    /// device); do not repair it.
+    #[arg(long, env = "VOLRING_NO_REPAIR")]
+    no_repair: bool,
+}
+
+impl CsiArgs {
+    fn reconcile(&self) -> volring::state::reconcile::ReconcileConfig {
+        volring::state::reconcile::ReconcileConfig {
+            resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
+            repair: !self.no_repair,
+        }
+    }
 }
 
 impl CsiArgs {
@@ -368,6 +385,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: csi.state_dir.clone(),
                 csi: csi.config()?,
                 nbd: nbd.config()?,
+                reconcile: csi.reconcile(),
             };
             runtime()?.block_on(volring::agent::run(config))
         }

@@ -377,10 +377,15 @@ fn crash_mid_attach() -> Result<(), Failed> {
     all_gone(&a)
 }
 
-/// A volume whose mount vanished behind the driver's back is reported
-/// abnormal, and staging it again repairs it.
+/// With repairs off (`--no-repair`), a volume whose mount vanished behind
+/// the driver's back is reported abnormal, and staging it again repairs it.
+/// (With repairs on, the reconciler re-mounts it: tests/state.rs.)
 fn condition_and_repair() -> Result<(), Failed> {
+    // Tests in this binary run one at a time: the variable reaches only
+    // this agent.
+    std::env::set_var("VOLRING_NO_REPAIR", "true");
     let a = Agent::start();
+    std::env::remove_var("VOLRING_NO_REPAIR");
     a.create("pvc-c", 32 * MIB, "")?;
     let staging = a.k("plugins/stage/c");
     a.stage("pvc-c", &staging, mount_cap(""))?;

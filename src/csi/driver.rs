@@ -72,6 +72,8 @@ pub struct Driver {
     /// Kept current by the agent from the mount watcher's events.
     pub(super) mounts: Arc<RwLock<MountTable>>,
     pub(super) ready: Readiness,
+    /// The reconciler's published verdicts, once it runs.
+    pub(super) health: std::sync::OnceLock<Arc<crate::state::actual::HealthView>>,
     /// Calls running now; a stopping agent waits for them, not for idle
     /// connections (kubelet never closes its own).
     pub(super) in_flight: AtomicUsize,
@@ -98,6 +100,7 @@ impl Driver {
             locks: VolumeLocks::new(),
             mounts,
             ready,
+            health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
         }))
     }
@@ -115,9 +118,12 @@ impl Driver {
         &self.locks
     }
 
-    /// Takes the volume's lock or answers Aborted.
+    /// Takes the volume's lock or answers Aborted. A repair the reconciler
+    /// is making is waited for (up to 30 s), not reported.
     pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {
-        self.locks.try_lock(id).ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
+        self.locks
+            .lock_for_call(id, std::time::Duration::from_secs(30))
+            .ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
     }
 
     /// Checks a validated path against symlinks: its deepest existing

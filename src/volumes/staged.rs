@@ -48,6 +48,9 @@ pub enum StagePhase {
     Mounting,
     /// Complete.
     Staged,
+    /// An unstage is taking the volume down (unmount, detach); a restarted
+    /// agent finishes it.
+    Unstaging,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
