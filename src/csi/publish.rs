@@ -46,6 +46,7 @@ impl Driver {
             AccessKind::Block => self.beneath.create_file(&target),
         }
         .map_err(|e| path_error(e, &target))?;
+        crate::fault::point("publish:target");
         let node =
             crate::volumes::beneath::stat(target_fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
         if node.mount_root {
@@ -69,6 +70,7 @@ impl Driver {
             let _ = self.records.put(&rec);
             return Err(Error::Internal(format!("bind on {}: {e}", target.display())));
         }
+        crate::fault::point("publish:bound");
         tracing::info!(volume = id, target = %target.display(), read_only, "published");
         Ok(NodePublishVolumeResponse {})
     }
@@ -96,8 +98,10 @@ impl Driver {
         self.unmount_ours(id, &target, expect)?;
         crate::fault::point("unpublish:unmounted");
         self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        crate::fault::point("unpublish:removed");
         rec.published.remove(&target);
         self.records.put(&rec)?;
+        crate::fault::point("unpublish:done");
         tracing::info!(volume = id, target = %target.display(), "unpublished");
         Ok(NodeUnpublishVolumeResponse {})
     }
