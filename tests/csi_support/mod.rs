@@ -2,6 +2,11 @@
 //! a client connected to it. Dropping it stops the agent (by PID), unmounts
 //! everything under the scratch directory and detaches every loop device
 //! whose image lives there, so a failing test leaves nothing behind.
+//!
+//! The agent's log (RUST_LOG=volring=debug) goes to `agent.log` in the
+//! scratch directory (every run of the agent appends), or to the test's
+//! stderr when `VOLRING_TEST_LOG` is set. Crash tests start it with a fault
+//! point armed ([`Agent::arm`]) and see it die there ([`Agent::died_at_point`]).
 
 #![allow(dead_code)]
 
@@ -23,6 +28,8 @@ pub struct Agent {
     pub kubelet: PathBuf,
     pub state: PathBuf,
     pub socket: PathBuf,
+    /// Where the agent's log goes (unless `VOLRING_TEST_LOG` is set).
+    pub log: PathBuf,
     child: Option<Child>,
     pub rt: tokio::runtime::Runtime,
     pub c: Clients,
@@ -34,18 +41,18 @@ impl Agent {
         let kubelet = scratch.dir("kubelet");
         let state = scratch.dir("state");
         let socket = scratch.path().join("csi.sock");
+        let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let child = spawn(&kubelet, &state, &socket);
+        let child = spawn(&kubelet, &state, &socket, &log, &[]);
         let c = rt.block_on(connect(&socket));
-        Self { scratch, kubelet, state, socket, child: Some(child), rt, c }
+        Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }
 
     /// Stops the agent (SIGTERM, then wait) and starts a new one on the same
     /// state, as after an upgrade or a crash loop.
     pub fn restart(&mut self) {
         self.stop();
-        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
-        self.c = self.rt.block_on(connect(&self.socket));
+        self.respawn();
     }
 
     /// Kills the agent with SIGKILL: no chance to clean anything up.
@@ -56,9 +63,52 @@ impl Agent {
         }
     }
 
+    /// Starts a plain agent on the same state (after [`Self::kill_hard`] or
+    /// a death at a fault point) and connects the clients to it.
     pub fn respawn(&mut self) {
-        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
+        self.respawn_with(&[]);
+    }
+
+    /// Kills whatever agent runs (SIGKILL) and starts one with `env` added
+    /// to its environment, on the same state; returns once it is ready.
+    pub fn respawn_with(&mut self, env: &[(&str, &str)]) {
+        self.kill_hard();
+        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket, &self.log, env));
         self.c = self.rt.block_on(connect(&self.socket));
+    }
+
+    /// Replaces the agent by one that SIGKILLs itself at fault point `point`
+    /// (`name` or `name@N`, see `src/fault.rs`).
+    pub fn arm(&mut self, point: &str) {
+        self.respawn_with(&[("VOLRING_FAULT_POINT", point)]);
+    }
+
+    /// Waits (bounded, 20 s) for the running agent to exit; true if it died
+    /// of SIGKILL, as it does at an armed fault point. No agent runs after.
+    pub fn died_at_point(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else { return false };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = c.try_wait() {
+                return std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        false
+    }
+
+    /// Whether the agent started last is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The last `n` lines of the agent's log file (for a failure message).
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     fn stop(&mut self) {
@@ -203,9 +253,17 @@ pub fn code<T>(r: Result<T, Status>) -> Option<Code> {
     r.err().map(|s| s.code())
 }
 
-fn spawn(kubelet: &Path, state: &Path, socket: &Path) -> Child {
+/// Starts `volring node` on the given paths with `env` added to its
+/// environment; its stderr is appended to `log` (or inherited when
+/// `VOLRING_TEST_LOG` is set).
+fn spawn(kubelet: &Path, state: &Path, socket: &Path, log: &Path, env: &[(&str, &str)]) -> Child {
     let _ = std::fs::remove_file(socket.with_extension("ready"));
-    let child = Command::new(env!("CARGO_BIN_EXE_volring"))
+    let _ = std::fs::remove_file(socket);
+    let stderr = match std::env::var_os("VOLRING_TEST_LOG") {
+        Some(_) => Stdio::inherit(),
+        None => std::fs::OpenOptions::new().create(true).append(true).open(log).map_or_else(|_| Stdio::null(), Stdio::from),
+    };
+    Command::new(env!("CARGO_BIN_EXE_volring"))
         .args(["node", "--metrics-addr", "off", "--node-id", "test-node", "--stats-interval", "5"])
         .arg("--csi-endpoint")
         .arg(format!("unix://{}", socket.display()))
@@ -214,15 +272,12 @@ fn spawn(kubelet: &Path, state: &Path, socket: &Path) -> Child {
         .arg("--state-dir")
         .arg(state)
         .env("RUST_LOG", "volring=debug")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(match std::env::var_os("VOLRING_TEST_LOG") {
-            Some(_) => Stdio::inherit(),
-            None => Stdio::null(),
-        })
+        .stderr(stderr)
         .spawn()
-        .expect("start volring node");
-    child
+        .expect("start volring node")
 }
 
 async fn connect(socket: &Path) -> Clients {
@@ -263,9 +318,31 @@ fn unmount_under(dir: &Path) {
     }
 }
 
+/// Every attached loop device and its backing file, read from sysfs
+/// (`/sys/block/loop*/loop/backing_file`; a deleted file reads with a
+/// " (deleted)" suffix). Read here rather than through volring's own scan,
+/// so a fault in that scan cannot hide a leak.
+pub fn loop_backing_files() -> Vec<(u32, PathBuf)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+        let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("loop")).and_then(|s| s.parse().ok()) else { continue };
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            out.push((n, PathBuf::from(b.trim_end_matches('\n'))));
+        }
+    }
+    out.sort();
+    out
+}
+
 /// Loop devices whose backing file lies below `dir`.
 pub fn loops_under(dir: &Path) -> Vec<u32> {
-    volring::volumes::attach::find_backed_by_prefix(dir)
+    loop_backing_files().into_iter().filter(|(_, b)| b.starts_with(dir)).map(|(n, _)| n).collect()
+}
+
+/// Loop devices backed by `image` (also once it is deleted).
+pub fn loops_backed_by(image: &Path) -> Vec<u32> {
+    let deleted = PathBuf::from(format!("{} (deleted)", image.display()));
+    loop_backing_files().into_iter().filter(|(_, b)| b == image || *b == deleted).map(|(n, _)| n).collect()
 }
 
 fn detach_loops_under(dir: &Path) {
