@@ -135,6 +135,31 @@ fn create_interrupted_leaves_nothing() -> Result<(), Failed> {
     Ok(())
 }
 
+/// NodePublishVolume killed right after it made the target, and the pod
+/// gone before kubelet retried: kubelet calls NodeUnpublishVolume for the
+/// uncertain target, which answers OK and removes the directory (block:
+/// file) publish made — "the SP MUST delete the file or directory it
+/// created at this path". Found by tests/crash_loop.rs (seed 2, cycle 67).
+fn publish_interrupted_then_unpublished_removes_target() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    for (id, fs) in [("pvc-pt-fs", "ext4"), ("pvc-pt-blk", "")] {
+        let cap = if fs.is_empty() { block_cap() } else { mount_cap(fs) };
+        let (staging, target) = (a.k(&format!("plugins/stage/{id}")), a.k(&format!("pods/{id}/vol")));
+        a.create(id, 32 * MIB, fs)?;
+        a.stage(id, &staging, cap.clone())?;
+        a.arm("publish:target");
+        check(a.publish(id, &staging, &target, cap, false).is_err(), format!("{id}: the agent dies inside NodePublishVolume"))?;
+        check(a.died_at_point(), format!("{id}: killed at the point"))?;
+        a.respawn();
+        check(std::path::Path::new(&target).exists(), format!("{id}: the point is after the target was made"))?;
+        a.unpublish(id, &target)?;
+        check(!std::path::Path::new(&target).exists(), format!("{id}: the target publish made is left after NodeUnpublishVolume"))?;
+        a.unstage(id, &staging)?;
+        a.delete(id)?;
+    }
+    all_gone(&a)
+}
+
 // ---- 2. corrupt records ----
 
 /// A corrupt pool record and a corrupt staged record do not stop the
@@ -355,6 +380,10 @@ fn main() {
         Trial::test("csi_recovery::restart_alone_finishes_delete", restart_alone_finishes_delete),
         Trial::test("csi_recovery::restart_collects_orphan_image", restart_collects_orphan_image),
         Trial::test("csi_recovery::create_interrupted_leaves_nothing", create_interrupted_leaves_nothing),
+        Trial::test(
+            "csi_recovery::publish_interrupted_then_unpublished_removes_target",
+            publish_interrupted_then_unpublished_removes_target,
+        ),
         Trial::test("csi_recovery::corrupt_records_are_quarantined", corrupt_records_are_quarantined),
         Trial::test("csi_recovery::unstage_then_delete_with_a_holder", unstage_then_delete_with_a_holder),
         Trial::test("csi_recovery::unstage_reports_a_device_held_too_long", unstage_reports_a_device_held_too_long),
