@@ -106,7 +106,15 @@ impl Agent {
 
     /// The last `n` lines of the agent's log file (for a failure message).
     pub fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // Without the terminal colours (ESC [ ... m).
+        let mut text = String::with_capacity(raw.len());
+        let mut rest = raw.as_str();
+        while let Some(i) = rest.find('\x1b') {
+            text.push_str(&rest[..i]);
+            rest = rest[i..].find('m').map_or("", |j| &rest[i + j + 1..]);
+        }
+        text.push_str(rest);
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
@@ -351,4 +359,11 @@ fn detach_loops_under(dir: &Path) {
             let _ = d.detach();
         }
     }
+}
+
+/// The device number (`st_rdev`) of `/dev/loop<n>`, from sysfs.
+pub fn loop_dev(n: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/sys/block/loop{n}/dev")).ok()?;
+    let (major, minor) = s.trim().split_once(':')?;
+    Some(rustix::fs::makedev(major.parse().ok()?, minor.parse().ok()?))
 }
