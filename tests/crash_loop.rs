@@ -196,6 +196,9 @@ struct World {
     transient: Vec<String>,
     /// Whether the agent (started by this process) may grow a mounted ext4.
     ext4_grows: bool,
+    /// This cycle's recovery was armed with a second point already.
+    double_fault: bool,
+    double_faults: u32,
 }
 
 impl World {
@@ -216,8 +219,9 @@ impl World {
 
     // ---- one call, retried as kubelet does ----
 
-    /// Runs `op` on volume `vi` until it succeeds. Returns false when an
-    /// interrupted stage or publish was abandoned (torn down) instead.
+    /// Runs `op` on volume `vi` until it succeeds. Returns false when the
+    /// CO gave up an interrupted call for its reverse (the rest of the
+    /// cycle's plan no longer applies).
     fn run(&mut self, vi: usize, op: Op, may_abandon: bool) -> Res<bool> {
         if op == Op::Write {
             self.write(vi)?;
@@ -240,11 +244,21 @@ impl World {
             };
             if self.agent_died(&err) {
                 self.crashed(op)?;
-                if may_abandon && matches!(op, Op::Stage | Op::Publish) && self.rng.one_in(4) {
+                // Kubelet does not always retry: an uncertain stage or
+                // publish whose pod went away is torn down, and a teardown
+                // whose volume a new pod wants is answered with a stage or
+                // publish again.
+                let instead = match op {
+                    Op::Stage => Some(Op::Unstage),
+                    Op::Publish => Some(Op::Unpublish),
+                    Op::Unstage => Some(Op::Stage),
+                    Op::Unpublish => Some(Op::Publish),
+                    _ => None,
+                };
+                if let Some(back) = instead.filter(|_| may_abandon && self.rng.one_in(4)) {
                     self.abandoned += 1;
-                    let back = if op == Op::Stage { Op::Unstage } else { Op::Unpublish };
                     eprintln!(
-                        "cycle {} ({}): {op:?} of {} interrupted; the CO tears down instead: {back:?}",
+                        "cycle {} ({}): {op:?} of {} interrupted; the CO calls {back:?} instead",
                         self.cycle, self.point, self.vols[vi].id
                     );
                     self.run(vi, back, false)?;
@@ -317,7 +331,20 @@ impl World {
         }
         self.armed = false;
         *self.fired.entry(self.point).or_default() += 1;
-        self.a.respawn();
+        // Now and then the recovery itself is interrupted: the agent that
+        // takes over is armed with a point of the same call (the same one
+        // again, or another), once per cycle.
+        if !self.double_fault && self.rng.one_in(4) {
+            let same: Vec<&'static str> = POINTS.iter().copied().filter(|p| call_of(p) == op.call()).collect();
+            self.point = same[self.rng.below(same.len())];
+            self.double_fault = true;
+            self.double_faults += 1;
+            eprintln!("cycle {}: the agent retrying {op:?} is armed at {}", self.cycle, self.point);
+            self.a.arm(self.point);
+            self.armed = true;
+        } else {
+            self.a.respawn();
+        }
         Ok(())
     }
 
@@ -498,7 +525,23 @@ impl World {
         self.check_listed()?;
         let devs = self.check_loops()?;
         self.check_mounts(&devs)?;
-        self.check_data(&devs)
+        self.check_data(&devs)?;
+        self.check_conditions()
+    }
+
+    /// NodeGetVolumeStats finds every staged volume healthy, at its staging
+    /// path and at its target.
+    fn check_conditions(&self) -> Res {
+        for v in self.live().filter(|v| v.state >= State::Staged) {
+            let paths = if v.state == State::Published { vec![&v.staging, &v.target] } else { vec![&v.staging] };
+            for p in paths {
+                let r =
+                    self.a.stats(&v.id, p).map_err(|s| self.fail(format!("stats of {} at {p}: {:?} {}", v.id, s.code(), s.message())))?;
+                let cond = r.volume_condition.unwrap_or_default();
+                check(!cond.abnormal, format!("{} at {p} is reported abnormal: {}", v.id, cond.message)).map_err(|e| self.fail(msg(&e)))?;
+            }
+        }
+        Ok(())
     }
 
     /// ListVolumes and the pool's images name exactly the live volumes, at
@@ -654,6 +697,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         w.point = order[cycle % POINTS.len()];
         w.a.arm(w.point);
         w.armed = true;
+        w.double_fault = false;
         let plan = w.plan(w.point);
         for (vi, op) in plan {
             if !w.run(vi, op, true)? {
@@ -675,8 +719,8 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     w.check_world()?;
     let not_fired: Vec<&str> = POINTS.iter().copied().filter(|p| !w.fired.contains_key(p)).collect();
     eprintln!(
-        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes, {} abandoned, \
-         {} transient errors; fired: {:?}",
+        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes ({} while recovering), \
+         {} abandoned, {} transient errors; fired: {:?}",
         w.seed,
         per_cycle.as_secs_f64(),
         w.vols.len(),
@@ -684,6 +728,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         w.vols.iter().filter(|v| v.kind == Kind::Xfs).count(),
         w.vols.iter().filter(|v| v.kind == Kind::Block).count(),
         w.fired.values().sum::<u32>(),
+        w.double_faults,
         w.abandoned,
         w.transient.len(),
         w.fired
@@ -713,6 +758,8 @@ fn crash_loop() {
         abandoned: 0,
         transient: Vec::new(),
         ext4_grows: has_cap_sys_resource(),
+        double_fault: false,
+        double_faults: 0,
     };
     if let Err(e) = crash_loop_inner(&mut w, cycles) {
         panic!("{}", msg(&e));
