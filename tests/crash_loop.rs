@@ -31,7 +31,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::check;
-use csi_support::{block_cap, loop_backing_files, loop_dev, mount_cap, mounts_under, Agent, MIB};
+use csi_support::crash_model::{steps, Kind, Op, Rng, State, Vol};
+use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, MIB};
 use libtest_mimic::Failed;
 use tonic::{Code, Status};
 use volring::csi::proto::*;
@@ -48,138 +49,6 @@ const ATTEMPTS: u32 = 6;
 const GROW: i64 = 64 * MIB;
 /// Where block data is written (after the first MiB), one 4 KiB block per datum.
 const BLOCK_DATA: u64 = 1 << 20;
-
-/// xorshift64*, seeded through splitmix64 so any seed (0 too) works.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        Self((z ^ (z >> 31)) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn one_in(&mut self, n: u64) -> bool {
-        self.next() % n == 0
-    }
-
-    fn shuffled<T: Copy>(&mut self, items: &[T]) -> Vec<T> {
-        let mut v = items.to_vec();
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-        v
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
-    Ext4,
-    Xfs,
-    Block,
-}
-
-impl Kind {
-    const ALL: [Kind; 3] = [Kind::Ext4, Kind::Xfs, Kind::Block];
-
-    fn fs(self) -> &'static str {
-        match self {
-            Kind::Ext4 => "ext4",
-            Kind::Xfs => "xfs",
-            Kind::Block => "",
-        }
-    }
-
-    fn is_fs(self) -> bool {
-        self != Kind::Block
-    }
-
-    fn cap(self) -> VolumeCapability {
-        if self.is_fs() {
-            mount_cap(self.fs())
-        } else {
-            block_cap()
-        }
-    }
-
-    fn size(self) -> i64 {
-        match self {
-            Kind::Ext4 => 32 * MIB,
-            Kind::Xfs => 300 * MIB,
-            Kind::Block => 16 * MIB,
-        }
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-enum State {
-    Absent,
-    Created,
-    Staged,
-    Published,
-}
-
-/// A step of the CO's; all but `Write` (the pod writing) are CSI calls.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Op {
-    Create,
-    Stage,
-    Publish,
-    Write,
-    Expand,
-    NodeExpand,
-    Unpublish,
-    Unstage,
-    Delete,
-}
-
-impl Op {
-    /// The call's name as `fault::call_of` gives it.
-    fn call(self) -> &'static str {
-        match self {
-            Op::Create => "create",
-            Op::Stage => "stage",
-            Op::Publish => "publish",
-            Op::Write => "write",
-            Op::Expand => "expand",
-            Op::NodeExpand => "node_expand",
-            Op::Unpublish => "unpublish",
-            Op::Unstage => "unstage",
-            Op::Delete => "delete",
-        }
-    }
-}
-
-/// What the CO believes of one volume.
-struct Vol {
-    id: String,
-    kind: Kind,
-    size: i64,
-    state: State,
-    staging: String,
-    target: String,
-    /// The size a ControllerExpandVolume under way asks for.
-    grow_to: i64,
-    /// The size before the last ControllerExpandVolume.
-    grown_from: i64,
-    /// The filesystem's size before the NodeExpandVolume under way.
-    fs_before: u64,
-    /// Data written through the published volume, in order.
-    tokens: Vec<String>,
-    ever_published: bool,
-}
 
 struct World {
     a: Agent,
@@ -231,7 +100,7 @@ impl World {
             self.vols[vi].grow_to = self.vols[vi].size + GROW;
         }
         if op == Op::NodeExpand && self.vols[vi].kind.is_fs() {
-            self.vols[vi].fs_before = fs_bytes(&self.vols[vi].staging)?;
+            self.vols[vi].fs_before = fs_bytes(&self.vols[vi].staging).map_err(|e| format!("statvfs {}: {e}", self.vols[vi].staging))?;
         }
         let mut last = String::new();
         for attempt in 1..=ATTEMPTS {
@@ -363,7 +232,7 @@ impl World {
             }
             // The filesystem took (most of) what the image gained.
             Op::NodeExpand if v.kind.is_fs() && v.size > v.grown_from => {
-                let total = fs_bytes(&v.staging)?;
+                let total = fs_bytes(&v.staging).map_err(|e| format!("statvfs {}: {e}", v.staging))?;
                 if total < v.fs_before + GROW as u64 / 2 {
                     let what = format!("{} has {total} bytes after NodeExpandVolume, {} before", v.id, v.fs_before);
                     return Err(self.fail(what));
@@ -419,28 +288,6 @@ impl World {
         n
     }
 
-    /// The steps that take a volume from `from` to `to`.
-    fn path(from: State, to: State) -> Vec<Op> {
-        const UP: [(State, &[Op]); 3] =
-            [(State::Absent, &[Op::Create]), (State::Created, &[Op::Stage]), (State::Staged, &[Op::Publish, Op::Write])];
-        const DOWN: [(State, Op); 3] = [(State::Published, Op::Unpublish), (State::Staged, Op::Unstage), (State::Created, Op::Delete)];
-        let mut ops = Vec::new();
-        if from < to {
-            for (s, steps) in UP {
-                if s >= from && s < to {
-                    ops.extend_from_slice(steps);
-                }
-            }
-        } else {
-            for (s, step) in DOWN {
-                if s <= from && s > to {
-                    ops.push(step);
-                }
-            }
-        }
-        ops
-    }
-
     /// A call sequence that reaches `point`: the steps bringing a volume
     /// (new or live) to where the point's call applies, that call, and up to
     /// two further random steps.
@@ -469,7 +316,7 @@ impl World {
         let new = pre == State::Absent || fresh || fitting.is_empty() || (live.len() < MAX_LIVE && self.rng.one_in(3));
         if new && live.len() >= MAX_LIVE {
             let victim = live[self.rng.below(live.len())];
-            plan.extend(Self::path(self.vols[victim].state, State::Absent).into_iter().map(|op| (victim, op)));
+            plan.extend(steps(self.vols[victim].state, State::Absent).into_iter().map(|op| (victim, op)));
         }
         let vi = if new {
             let kinds: &[Kind] = match needs_fs {
@@ -483,7 +330,7 @@ impl World {
             fitting[self.rng.below(fitting.len())]
         };
         let mut state = self.vols[vi].state;
-        plan.extend(Self::path(state, pre).into_iter().map(|op| (vi, op)));
+        plan.extend(steps(state, pre).into_iter().map(|op| (vi, op)));
         state = pre;
         let main: &[Op] = match call {
             "create" => &[Op::Create],
@@ -513,7 +360,7 @@ impl World {
                 s if self.rng.one_in(2) => [State::Absent, State::Created, State::Staged][s as usize - 1],
                 s => [State::Staged, State::Published][s as usize - 1],
             };
-            plan.extend(Self::path(state, next).into_iter().map(|op| (vi, op)));
+            plan.extend(steps(state, next).into_iter().map(|op| (vi, op)));
             state = next;
         }
         plan
@@ -653,33 +500,8 @@ impl World {
     }
 }
 
-/// The size of the filesystem mounted at `path` (statvfs).
-fn fs_bytes(path: &str) -> Res<u64> {
-    let s = rustix::fs::statvfs(path).map_err(|e| format!("statvfs {path}: {e}"))?;
-    Ok(s.f_blocks * s.f_frsize)
-}
-
 fn msg(f: &Failed) -> String {
     f.message().unwrap_or("").to_string()
-}
-
-/// Calls `f` on every file below `dir`, `depth` levels deep at most.
-fn files_under(dir: &Path, depth: u32, f: &mut dyn FnMut(&Path)) {
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        f(&p);
-        if depth > 0 && e.file_type().is_ok_and(|t| t.is_dir()) {
-            files_under(&p, depth - 1, f);
-        }
-    }
-}
-
-/// Whether this process holds CAP_SYS_RESOURCE (capability 24), which the
-/// kernel asks for to grow a mounted ext4; the agent inherits it or not.
-fn has_cap_sys_resource() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok());
-    eff.is_some_and(|e| e & (1 << 24) != 0)
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -712,7 +534,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     w.armed = false;
     w.point = "(teardown)";
     for vi in 0..w.vols.len() {
-        for op in World::path(w.vols[vi].state, State::Absent) {
+        for op in steps(w.vols[vi].state, State::Absent) {
             w.run(vi, op, false)?;
         }
     }
@@ -757,7 +579,7 @@ fn crash_loop() {
         fired: BTreeMap::new(),
         abandoned: 0,
         transient: Vec::new(),
-        ext4_grows: has_cap_sys_resource(),
+        ext4_grows: volring::volumes::filesystem::can_resize_ext4(),
         double_fault: false,
         double_faults: 0,
     };
