@@ -10,16 +10,14 @@
 mod common;
 mod csi_support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::check;
-use csi_support::{block_cap, code, loops_under, mount_cap, mounts_under, Agent, MIB};
+use csi_support::{block_cap, code, loops_backed_by, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
-use volring::csi::client::Clients;
 use volring::csi::proto::*;
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
@@ -36,79 +34,6 @@ fn all_gone(a: &Agent) -> Result<(), Failed> {
     check(m.is_empty(), format!("still mounted: {m:?}"))?;
     let l = loops_under(a.scratch.path());
     check(l.is_empty(), format!("still attached: loop{l:?}"))
-}
-
-// ---- an agent started with a fault point armed ----
-
-/// An agent of our own (started with a fault point), killed on drop if the
-/// point was never reached.
-struct Faulty(Child);
-
-impl Drop for Faulty {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Faulty {
-    /// Waits (bounded) for the agent to die at its point; true if it died
-    /// of SIGKILL.
-    fn died_at_point(mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.0.try_wait() {
-                return std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        false
-    }
-}
-
-/// Replaces `a`'s agent by one that dies at fault point `point`, on the
-/// same state, and connects `a`'s clients to it.
-fn arm(a: &mut Agent, point: &str) -> Faulty {
-    a.kill_hard();
-    let _ = std::fs::remove_file(&a.socket);
-    let child = Command::new(env!("CARGO_BIN_EXE_volring"))
-        .args(["node", "--metrics-addr", "off", "--node-id", "test-node", "--stats-interval", "5"])
-        .arg("--csi-endpoint")
-        .arg(format!("unix://{}", a.socket.display()))
-        .arg("--kubelet-root")
-        .arg(&a.kubelet)
-        .arg("--state-dir")
-        .arg(&a.state)
-        .env("RUST_LOG", "volring=debug")
-        .env("VOLRING_FAULT_POINT", point)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(match std::env::var_os("VOLRING_TEST_LOG") {
-            Some(_) => Stdio::inherit(),
-            None => Stdio::null(),
-        })
-        .spawn()
-        .expect("start volring node");
-    let faulty = Faulty(child);
-    a.c = a.run(connect(&a.socket));
-    faulty
-}
-
-async fn connect(socket: &Path) -> Clients {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if socket.exists() {
-            if let Ok(mut c) = Clients::connect(socket.to_path_buf()).await {
-                if let Ok(r) = c.identity.probe(ProbeRequest {}).await {
-                    if r.into_inner().ready == Some(true) {
-                        return c;
-                    }
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 fn pool(a: &Agent) -> PathBuf {
@@ -154,9 +79,9 @@ fn delete_interrupted_at_each_step() -> Result<(), Failed> {
         let id = format!("pvc-del{i}");
         a.create(&id, 32 * MIB, "")?;
         fill(&a, &id)?;
-        let faulty = arm(&mut a, point);
+        a.arm(point);
         check(a.delete(&id).is_err(), format!("{point}: the agent dies inside DeleteVolume"))?;
-        check(faulty.died_at_point(), format!("{point}: killed at the point"))?;
+        check(a.died_at_point(), format!("{point}: killed at the point"))?;
         a.respawn();
         a.delete(&id)?;
         let left = pool_files_of(&a, &id);
@@ -172,9 +97,9 @@ fn restart_alone_finishes_delete() -> Result<(), Failed> {
     let mut a = Agent::start();
     a.create("pvc-half", 32 * MIB, "")?;
     fill(&a, "pvc-half")?;
-    let faulty = arm(&mut a, "pool.delete.tombstoned");
+    a.arm("pool.delete.tombstoned");
     check(a.delete("pvc-half").is_err(), "the agent dies inside DeleteVolume")?;
-    check(faulty.died_at_point(), "killed at the point")?;
+    check(a.died_at_point(), "killed at the point")?;
     a.respawn();
     let left = pool_files_of(&a, "pvc-half");
     check(left.is_empty(), format!("the restart left {left:?}"))?;
@@ -197,9 +122,9 @@ fn restart_collects_orphan_image() -> Result<(), Failed> {
 /// after a restart there is no image, and the retried create works.
 fn create_interrupted_leaves_nothing() -> Result<(), Failed> {
     let mut a = Agent::start();
-    let faulty = arm(&mut a, "pool.create.placed");
+    a.arm("pool.create.placed");
     check(a.create("pvc-new", 32 * MIB, "").is_err(), "the agent dies inside CreateVolume")?;
-    check(faulty.died_at_point(), "killed at the point")?;
+    check(a.died_at_point(), "killed at the point")?;
     check(a.image("pvc-new").exists(), "the point is after the image was placed")?;
     a.respawn();
     let left = pool_files_of(&a, "pvc-new");
@@ -208,6 +133,31 @@ fn create_interrupted_leaves_nothing() -> Result<(), Failed> {
     check(v.capacity_bytes == 32 * MIB, "the retried create works")?;
     a.delete("pvc-new")?;
     Ok(())
+}
+
+/// NodePublishVolume killed right after it made the target, and the pod
+/// gone before kubelet retried: kubelet calls NodeUnpublishVolume for the
+/// uncertain target, which answers OK and removes the directory (block:
+/// file) publish made — "the SP MUST delete the file or directory it
+/// created at this path". Found by tests/crash_loop.rs (seed 2, cycle 67).
+fn publish_interrupted_then_unpublished_removes_target() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    for (id, fs) in [("pvc-pt-fs", "ext4"), ("pvc-pt-blk", "")] {
+        let cap = if fs.is_empty() { block_cap() } else { mount_cap(fs) };
+        let (staging, target) = (a.k(&format!("plugins/stage/{id}")), a.k(&format!("pods/{id}/vol")));
+        a.create(id, 32 * MIB, fs)?;
+        a.stage(id, &staging, cap.clone())?;
+        a.arm("publish:target");
+        check(a.publish(id, &staging, &target, cap, false).is_err(), format!("{id}: the agent dies inside NodePublishVolume"))?;
+        check(a.died_at_point(), format!("{id}: killed at the point"))?;
+        a.respawn();
+        check(std::path::Path::new(&target).exists(), format!("{id}: the point is after the target was made"))?;
+        a.unpublish(id, &target)?;
+        check(!std::path::Path::new(&target).exists(), format!("{id}: the target publish made is left after NodeUnpublishVolume"))?;
+        a.unstage(id, &staging)?;
+        a.delete(id)?;
+    }
+    all_gone(&a)
 }
 
 // ---- 2. corrupt records ----
@@ -254,12 +204,14 @@ fn corrupt_records_are_quarantined() -> Result<(), Failed> {
 
 // ---- 3. a detach the kernel defers ----
 
-/// The loop number a staged volume's record names.
+/// The loop device serving a staged volume's image, as sysfs shows it
+/// (exactly one).
 fn loop_number(a: &Agent, id: &str) -> Result<u32, Failed> {
-    let report = volring::volumes::status::report(&pool(a), &a.state, false)?;
-    let device = report.staged.iter().find(|s| s.volume_id == id).and_then(|s| s.device.clone());
-    let number = device.as_ref().and_then(|d| d.to_str()?.strip_prefix("/dev/loop")?.parse().ok());
-    number.ok_or_else(|| format!("no loop number for {id} in the store: {device:?}").into())
+    let image = std::fs::canonicalize(a.image(id))?;
+    match loops_backed_by(&image)[..] {
+        [n] => Ok(n),
+        ref other => Err(format!("{id}: expected one loop device backed by {}, found {other:?}", image.display()).into()),
+    }
 }
 
 /// Opens `/dev/loop<n>` read-only on a thread and keeps it open for `hold`
@@ -431,6 +383,10 @@ fn main() {
         Trial::test("csi_recovery::restart_alone_finishes_delete", restart_alone_finishes_delete),
         Trial::test("csi_recovery::restart_collects_orphan_image", restart_collects_orphan_image),
         Trial::test("csi_recovery::create_interrupted_leaves_nothing", create_interrupted_leaves_nothing),
+        Trial::test(
+            "csi_recovery::publish_interrupted_then_unpublished_removes_target",
+            publish_interrupted_then_unpublished_removes_target,
+        ),
         Trial::test("csi_recovery::corrupt_records_are_quarantined", corrupt_records_are_quarantined),
         Trial::test("csi_recovery::unstage_then_delete_with_a_holder", unstage_then_delete_with_a_holder),
         Trial::test("csi_recovery::unstage_reports_a_device_held_too_long", unstage_reports_a_device_held_too_long),

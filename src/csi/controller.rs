@@ -110,6 +110,7 @@ impl Driver {
         // no node step; a filesystem still has to be grown by the node.
         if let Some(a) = staged.and_then(|r| attach::existing(r.loop_number?, &r.image)) {
             attach::refresh_capacity(&a)?;
+            crate::fault::point("expand:refreshed");
         }
         tracing::info!(volume = %id, bytes = size, "expanded volume");
         Ok(ControllerExpandVolumeResponse { capacity_bytes: size as i64, node_expansion_required })

@@ -132,6 +132,7 @@ impl Driver {
         match &access.access {
             AccessType::Mount { options, .. } => {
                 let dir = self.beneath.create_dirs(&at).map_err(|e| path_error(e, &at))?;
+                crate::fault::point("stage:path");
                 if !self.holds_own_mount(rec, &at, Expect::Filesystem(att.dev), &dir)? {
                     let fs = self.ensure_filesystem(rec, &att, requested_fs)?;
                     rec.access = AccessKind::Mount { fs_type: fs.to_string(), flags: access_flags(access) };
@@ -142,12 +143,14 @@ impl Driver {
                     mounting::mount_filesystem(&att.path(), dir.as_fd(), fs, &options)
                         .map_err(|e| Error::Internal(format!("mount {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Filesystem(att.dev)));
+                    crate::fault::point("stage:mounted");
                 }
             }
             AccessType::Block => {
                 rec.phase = StagePhase::Mounting;
                 self.records.put(rec)?;
                 let file = self.beneath.create_file(&at).map_err(|e| path_error(e, &at))?;
+                crate::fault::point("stage:path");
                 if !self.holds_own_mount(rec, &at, Expect::Device(att.dev), &file)? {
                     let flags = if rec.read_only { MountFlags::RDONLY } else { MountFlags::empty() };
                     let device =
@@ -157,11 +160,13 @@ impl Driver {
                     mounting::bind(device.as_fd(), file.as_fd(), flags)
                         .map_err(|e| Error::Internal(format!("bind {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Device(att.dev)));
+                    crate::fault::point("stage:mounted");
                 }
             }
         }
         rec.phase = StagePhase::Staged;
         self.records.put(rec)?;
+        crate::fault::point("stage:staged");
         Ok(())
     }
 
@@ -210,6 +215,7 @@ impl Driver {
                 self.records.put(rec)?;
                 crate::fault::point("stage:mkfs");
                 filesystem::format(kind, &att.path())?;
+                crate::fault::point("stage:formatted");
                 tracing::info!(device = %att.path().display(), fs = kind.as_str(), "formatted");
                 Ok(kind.as_str())
             }
@@ -275,6 +281,7 @@ impl Driver {
         if matches!(rec.access, AccessKind::Block) {
             self.beneath.remove(&at).map_err(|e| Error::Internal(format!("remove {}: {e}", at.display())))?;
         }
+        crate::fault::point("unstage:removed");
         match rec.loop_number {
             Some(n) => attach::detach(n, &rec.image)?,
             // A crash between attaching and recording the number leaves a
@@ -287,6 +294,7 @@ impl Driver {
         }
         crate::fault::point("unstage:detached");
         self.records.remove(id)?;
+        crate::fault::point("unstage:done");
         tracing::info!(volume = id, "unstaged");
         Ok(())
     }

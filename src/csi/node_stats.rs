@@ -110,6 +110,7 @@ impl Driver {
             .and_then(|n| attach::existing(n, &rec.image))
             .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no loop device; stage it again")))?;
         let size = attach::refresh_capacity(&att)?;
+        crate::fault::point("node_expand:refreshed");
         let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes.max(0) as u64);
         if required > size {
             return Err(Error::OutOfRange(format!("volume {id} has {size} bytes; grow it with ControllerExpandVolume first")));
@@ -125,7 +126,9 @@ impl Driver {
                     rec.staging_path.display()
                 )));
             }
+            crate::fault::point("node_expand:grow");
             filesystem::grow(fs_type, &att.path(), &rec.staging_path)?;
+            crate::fault::point("node_expand:grown");
         }
         tracing::info!(volume = id, bytes = size, "expanded on the node");
         Ok(NodeExpandVolumeResponse { capacity_bytes: size as i64 })

@@ -9,7 +9,7 @@ use super::owned::{path_error, Expect, Found};
 use super::proto::*;
 use super::validate::{self, AccessType};
 use super::{Driver, Error, Result};
-use crate::volumes::{attach, mounting, AccessKind, StagePhase};
+use crate::volumes::{attach, mounting, AccessKind, StagePhase, StagedVolume};
 
 impl Driver {
     pub(super) fn node_publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
@@ -41,24 +41,54 @@ impl Driver {
                 return Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display())))
             }
         };
-        let target_fd = match rec.access {
+        // Intent first: the target is recorded before it is made, so after a
+        // crash from here on unpublish finds the record and removes the
+        // target this call made (the spec asks the SP to delete what it
+        // created there). A call that fails before binding takes it back.
+        let prior = rec.published.get(&target).copied();
+        if prior.is_none() {
+            rec.published.insert(target.clone(), read_only);
+            self.records.put(&rec)?;
+        }
+        let forget = |rec: &mut StagedVolume| {
+            if prior.is_none() {
+                rec.published.remove(&target);
+                if let Err(e) = self.records.put(rec) {
+                    tracing::error!(volume = id, error = %e, "could not take back a publish intent");
+                }
+            }
+        };
+        let made = match rec.access {
             AccessKind::Mount { .. } => self.beneath.create_dirs(&target),
             AccessKind::Block => self.beneath.create_file(&target),
         }
-        .map_err(|e| path_error(e, &target))?;
-        let node =
-            crate::volumes::beneath::stat(target_fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
+        .map_err(|e| path_error(e, &target))
+        .and_then(|fd| {
+            let node =
+                crate::volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
+            Ok((fd, node))
+        });
+        let (target_fd, node) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                forget(&mut rec);
+                return Err(e);
+            }
+        };
+        crate::fault::point("publish:target");
         if node.mount_root {
-            return match rec.published.get(&target) {
-                Some(&was) if expect.holds(&node) && was == read_only => Ok(NodePublishVolumeResponse {}),
-                Some(&was) if expect.holds(&node) => {
-                    Err(Error::AlreadyExists(format!("volume {id} is published at {} with readonly={was}", target.display())))
-                }
-                _ => Err(Error::AlreadyExists(format!("something else is mounted at {}", target.display()))),
+            let answer = match prior {
+                Some(was) if expect.holds(&node) && was == read_only => return Ok(NodePublishVolumeResponse {}),
+                Some(was) if expect.holds(&node) => format!("volume {id} is published at {} with readonly={was}", target.display()),
+                _ => format!("something else is mounted at {}", target.display()),
             };
+            forget(&mut rec);
+            return Err(Error::AlreadyExists(answer));
         }
-        rec.published.insert(target.clone(), read_only);
-        self.records.put(&rec)?;
+        if prior.is_some_and(|was| was != read_only) {
+            rec.published.insert(target.clone(), read_only);
+            self.records.put(&rec)?;
+        }
         crate::fault::point("publish:bind");
         let flags = match &access.access {
             AccessType::Mount { options, .. } => options.per_mount(),
@@ -69,6 +99,7 @@ impl Driver {
             let _ = self.records.put(&rec);
             return Err(Error::Internal(format!("bind on {}: {e}", target.display())));
         }
+        crate::fault::point("publish:bound");
         tracing::info!(volume = id, target = %target.display(), read_only, "published");
         Ok(NodePublishVolumeResponse {})
     }
@@ -96,8 +127,10 @@ impl Driver {
         self.unmount_ours(id, &target, expect)?;
         crate::fault::point("unpublish:unmounted");
         self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        crate::fault::point("unpublish:removed");
         rec.published.remove(&target);
         self.records.put(&rec)?;
+        crate::fault::point("unpublish:done");
         tracing::info!(volume = id, target = %target.display(), "unpublished");
         Ok(NodeUnpublishVolumeResponse {})
     }

@@ -242,6 +242,7 @@ impl ImagePool {
         let tmp = self.dir.join(format!(".{}{IMAGE}.tmp", meta.id));
         {
             let f = File::create(&tmp).map_err(Error::io("create image", &tmp))?;
+            fault::point("pool.create.created");
             let sized = f
                 .set_len(meta.size_bytes)
                 .map_err(Error::io("size image", &tmp))
@@ -250,6 +251,7 @@ impl ImagePool {
                 let _ = fs::remove_file(&tmp);
                 return Err(e);
             }
+            fault::point("pool.create.sized");
         }
         fs::rename(&tmp, &image).map_err(Error::io("place image", &image))?;
         fault::point("pool.create.placed");
@@ -258,6 +260,7 @@ impl ImagePool {
             let _ = fs::remove_file(&image);
             return Err(e);
         }
+        fault::point("pool.create.recorded");
         self.volumes.write().unwrap_or_else(|e| e.into_inner()).insert(meta.id.clone(), meta.clone());
         Ok(meta)
     }
@@ -278,8 +281,10 @@ impl ImagePool {
         let f = OpenOptions::new().write(true).open(&image).map_err(Error::io("open image", &image))?;
         f.set_len(size).map_err(Error::io("grow image", &image))?;
         f.sync_all().map_err(Error::io("sync image", &image))?;
+        fault::point("pool.expand.grown");
         meta.size_bytes = size;
         self.write_meta(&meta)?;
+        fault::point("pool.expand.recorded");
         self.volumes.write().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), meta.clone());
         Ok(meta)
     }
@@ -306,6 +311,7 @@ impl ImagePool {
         self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(id);
         fault::point("pool.delete.unrecorded");
         remove_file(&tombstone)?;
+        fault::point("pool.delete.removed");
         let mut q = self.quarantined.write().unwrap_or_else(|e| e.into_inner());
         for gone in q.iter().filter(|q| q.volume_id() == Some(id)) {
             remove_file(&gone.path)?;

@@ -2,6 +2,11 @@
 //! a client connected to it. Dropping it stops the agent (by PID), unmounts
 //! everything under the scratch directory and detaches every loop device
 //! whose image lives there, so a failing test leaves nothing behind.
+//!
+//! The agent's log (RUST_LOG=volring=debug) goes to `agent.log` in the
+//! scratch directory (every run of the agent appends), or to the test's
+//! stderr when `VOLRING_TEST_LOG` is set. Crash tests start it with a fault
+//! point armed ([`Agent::arm`]) and see it die there ([`Agent::died_at_point`]).
 
 #![allow(dead_code)]
 
@@ -16,6 +21,11 @@ use volring::csi::proto::*;
 
 use crate::common::Scratch;
 
+pub mod crash_model;
+mod machine;
+
+pub use machine::*;
+
 pub const MIB: i64 = 1 << 20;
 
 pub struct Agent {
@@ -23,6 +33,8 @@ pub struct Agent {
     pub kubelet: PathBuf,
     pub state: PathBuf,
     pub socket: PathBuf,
+    /// Where the agent's log goes (unless `VOLRING_TEST_LOG` is set).
+    pub log: PathBuf,
     child: Option<Child>,
     pub rt: tokio::runtime::Runtime,
     pub c: Clients,
@@ -34,18 +46,18 @@ impl Agent {
         let kubelet = scratch.dir("kubelet");
         let state = scratch.dir("state");
         let socket = scratch.path().join("csi.sock");
+        let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let child = spawn(&kubelet, &state, &socket);
+        let child = spawn(&kubelet, &state, &socket, &log, &[]);
         let c = rt.block_on(connect(&socket));
-        Self { scratch, kubelet, state, socket, child: Some(child), rt, c }
+        Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }
 
     /// Stops the agent (SIGTERM, then wait) and starts a new one on the same
     /// state, as after an upgrade or a crash loop.
     pub fn restart(&mut self) {
         self.stop();
-        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
-        self.c = self.rt.block_on(connect(&self.socket));
+        self.respawn();
     }
 
     /// Kills the agent with SIGKILL: no chance to clean anything up.
@@ -56,9 +68,76 @@ impl Agent {
         }
     }
 
+    /// Starts a plain agent on the same state (after [`Self::kill_hard`] or
+    /// a death at a fault point) and connects the clients to it.
     pub fn respawn(&mut self) {
-        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket));
+        self.respawn_with(&[]);
+    }
+
+    /// Kills whatever agent runs (SIGKILL) and starts one with `env` added
+    /// to its environment, on the same state; returns once it is ready.
+    pub fn respawn_with(&mut self, env: &[(&str, &str)]) {
+        self.kill_hard();
+        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket, &self.log, env));
         self.c = self.rt.block_on(connect(&self.socket));
+    }
+
+    /// Replaces the agent by one that SIGKILLs itself at fault point `point`
+    /// (`name` or `name@N`, see `src/fault.rs`). True once it is ready;
+    /// false when it died at the point before that — while finishing, at
+    /// start, an operation an earlier crash interrupted. No agent runs then.
+    pub fn arm(&mut self, point: &str) -> bool {
+        self.kill_hard();
+        let mut child = spawn(&self.kubelet, &self.state, &self.socket, &self.log, &[("VOLRING_FAULT_POINT", point)]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false;
+            }
+            if let Some(c) = self.rt.block_on(try_connect(&self.socket)) {
+                self.child = Some(child);
+                self.c = c;
+                return true;
+            }
+            assert!(Instant::now() < deadline, "the armed agent neither became ready nor died on {}", self.socket.display());
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Waits (bounded, 20 s) for the running agent to exit; true if it died
+    /// of SIGKILL, as it does at an armed fault point. No agent runs after.
+    pub fn died_at_point(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else { return false };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = c.try_wait() {
+                return std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        false
+    }
+
+    /// Whether the agent started last is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The last `n` lines of the agent's log file (for a failure message).
+    pub fn log_tail(&self, n: usize) -> String {
+        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // Without the terminal colours (ESC [ ... m).
+        let mut text = String::with_capacity(raw.len());
+        let mut rest = raw.as_str();
+        while let Some(i) = rest.find('\x1b') {
+            text.push_str(&rest[..i]);
+            rest = rest[i..].find('m').map_or("", |j| &rest[i + j + 1..]);
+        }
+        text.push_str(rest);
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     fn stop(&mut self) {
@@ -203,9 +282,17 @@ pub fn code<T>(r: Result<T, Status>) -> Option<Code> {
     r.err().map(|s| s.code())
 }
 
-fn spawn(kubelet: &Path, state: &Path, socket: &Path) -> Child {
+/// Starts `volring node` on the given paths with `env` added to its
+/// environment; its stderr is appended to `log` (or inherited when
+/// `VOLRING_TEST_LOG` is set).
+fn spawn(kubelet: &Path, state: &Path, socket: &Path, log: &Path, env: &[(&str, &str)]) -> Child {
     let _ = std::fs::remove_file(socket.with_extension("ready"));
-    let child = Command::new(env!("CARGO_BIN_EXE_volring"))
+    let _ = std::fs::remove_file(socket);
+    let stderr = match std::env::var_os("VOLRING_TEST_LOG") {
+        Some(_) => Stdio::inherit(),
+        None => std::fs::OpenOptions::new().create(true).append(true).open(log).map_or_else(|_| Stdio::null(), Stdio::from),
+    };
+    Command::new(env!("CARGO_BIN_EXE_volring"))
         .args(["node", "--metrics-addr", "off", "--node-id", "test-node", "--stats-interval", "5"])
         .arg("--csi-endpoint")
         .arg(format!("unix://{}", socket.display()))
@@ -214,15 +301,22 @@ fn spawn(kubelet: &Path, state: &Path, socket: &Path) -> Child {
         .arg("--state-dir")
         .arg(state)
         .env("RUST_LOG", "volring=debug")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(match std::env::var_os("VOLRING_TEST_LOG") {
-            Some(_) => Stdio::inherit(),
-            None => Stdio::null(),
-        })
+        .stderr(stderr)
         .spawn()
-        .expect("start volring node");
-    child
+        .expect("start volring node")
+}
+
+/// Connects once; the clients when the agent answers Probe ready.
+async fn try_connect(socket: &Path) -> Option<Clients> {
+    if !socket.exists() {
+        return None;
+    }
+    let mut c = Clients::connect(socket.to_path_buf()).await.ok()?;
+    let r = c.identity.probe(ProbeRequest {}).await.ok()?;
+    (r.into_inner().ready == Some(true)).then_some(c)
 }
 
 async fn connect(socket: &Path) -> Clients {
@@ -239,39 +333,5 @@ async fn connect(socket: &Path) -> Clients {
         }
         assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
         tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-/// Every mount point below `dir`, deepest first.
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-    let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
-    let mut v: Vec<_> = table.iter().map(|m| m.mount_point_path().to_path_buf()).filter(|p| p.starts_with(dir)).collect();
-    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    v
-}
-
-fn unmount_under(dir: &Path) {
-    for _ in 0..64 {
-        let v = mounts_under(dir);
-        if v.is_empty() {
-            return;
-        }
-        for p in v {
-            let _ = rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-/// Loop devices whose backing file lies below `dir`.
-pub fn loops_under(dir: &Path) -> Vec<u32> {
-    volring::volumes::attach::find_backed_by_prefix(dir)
-}
-
-fn detach_loops_under(dir: &Path) {
-    for n in loops_under(dir) {
-        if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
-            let _ = d.detach();
-        }
     }
 }
