@@ -227,17 +227,27 @@ impl HealthView {
         self.slots.load().iter().map(|(k, v)| (k.clone(), v.load_full())).collect()
     }
 
-    pub(crate) fn set(&self, id: &str, h: VolumeHealth) {
-        if let Some(slot) = self.slots.load().get(id) {
-            slot.store(Arc::new(h));
-            return;
+    /// Sets many verdicts: existing slots in place, and every new volume in
+    /// one copy of the map (a first pass over 10,000 volumes would
+    /// otherwise copy it 10,000 times).
+    pub(crate) fn set_many(&self, verdicts: Vec<(String, VolumeHealth)>) {
+        let mut new = Vec::new();
+        {
+            let slots = self.slots.load();
+            for (id, h) in verdicts {
+                match slots.get(id.as_str()) {
+                    Some(slot) => slot.store(Arc::new(h)),
+                    None => new.push((Arc::<str>::from(id), Arc::new(ArcSwap::from_pointee(h)))),
+                }
+            }
         }
-        let slot = Arc::new(ArcSwap::from_pointee(h));
-        self.slots.rcu(|m| {
-            let mut m = Slots::clone(m);
-            m.insert(Arc::from(id), slot.clone());
-            m
-        });
+        if !new.is_empty() {
+            self.slots.rcu(|m| {
+                let mut m = Slots::clone(m);
+                m.extend(new.iter().cloned());
+                m
+            });
+        }
     }
 
     pub(crate) fn remove(&self, id: &str) {
@@ -314,9 +324,9 @@ mod tests {
     fn view_publishes_without_locks() {
         let v = HealthView::default();
         assert!(v.get("a").is_none());
-        v.set("a", VolumeHealth::default());
+        v.set_many(vec![("a".into(), VolumeHealth::default())]);
         let h = VolumeHealth { drift: vec![Drift::StagingMissing], ..Default::default() };
-        v.set("a", h.clone());
+        v.set_many(vec![("a".into(), h.clone())]);
         assert_eq!(*v.get("a").unwrap(), h);
         assert!(v.get("a").unwrap().problem().unwrap().contains("staging"));
         v.remove("a");

@@ -227,11 +227,7 @@ impl Core {
         // Verdicts stored by an earlier run, so an unchanged one is not
         // written again.
         if let Ok(c) = store.contents() {
-            for (id, bytes) in c.health {
-                if let Ok(h) = serde_json::from_slice::<VolumeHealth>(&bytes) {
-                    view.set(&id, h);
-                }
-            }
+            view.set_many(c.health.into_iter().filter_map(|(id, b)| Some((id, serde_json::from_slice(&b).ok()?))).collect());
         }
         Self {
             config,
@@ -300,6 +296,7 @@ impl Core {
         let n = ids.len();
         let mut busy = HashSet::new();
         let mut changed: Vec<(String, Option<VolumeHealth>)> = Vec::new();
+        let mut publish = Vec::new();
         for id in ids {
             let Some(rec) = self.volumes.record(&id) else {
                 self.unindex(&id);
@@ -323,9 +320,10 @@ impl Core {
                 if health != VolumeHealth::default() || stored_before {
                     changed.push((id.clone(), Some(health.clone())));
                 }
-                self.view.set(&id, health);
+                publish.push((id, health));
             }
         }
+        self.view.set_many(publish);
         self.store_verdicts(&changed);
         self.stats.record_pass(start.elapsed(), n);
         busy

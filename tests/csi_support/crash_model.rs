@@ -30,7 +30,7 @@ impl Rng {
     }
 
     pub fn one_in(&mut self, n: u64) -> bool {
-        self.next() % n == 0
+        self.next().is_multiple_of(n)
     }
 
     pub fn shuffled<T: Copy>(&mut self, items: &[T]) -> Vec<T> {
