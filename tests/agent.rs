@@ -291,9 +291,9 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     std::io::Write::write_all(&mut conn, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
     let mut reply = String::new();
     conn.take(16 << 20).read_to_string(&mut reply)?;
-    check(reply.starts_with("HTTP/1.1 200"), format!("reply: {:.200}", reply))?;
+    check(reply.starts_with("HTTP/1.1 200"), format!("reply: {reply:.200}"))?;
     check(reply.contains("application/openmetrics-text"), "not OpenMetrics")?;
-    check(reply.contains("volring_devices "), format!("no device gauge in: {:.2000}", reply))?;
+    check(reply.contains("volring_devices "), format!("no device gauge in: {reply:.2000}"))?;
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
 }
 

@@ -47,7 +47,7 @@ impl AsyncRead for Chunked<'_> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         this.turn += 1;
-        if this.not_yet && this.turn % 2 == 0 {
+        if this.not_yet && this.turn.is_multiple_of(2) {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
