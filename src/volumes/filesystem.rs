@@ -147,9 +147,13 @@ pub fn grow(fs_type: &str, device: &Path, mount: BorrowedFd<'_>) -> Result<(), E
 /// So it is handed a table of one line of our own (`-t`, a memfd) whose
 /// directory is this process's descriptor of the proven mount, through
 /// `/proc/<pid>/fd/N`: its `open` of that string follows the magic link
-/// to the very mount (no descriptor needs to be inherited).
+/// to the very mount (no descriptor needs to be inherited, so none leaks
+/// into helpers other threads start meanwhile).
 fn grow_xfs(device: &Path, mount: BorrowedFd<'_>) -> Result<(), Error> {
-    let fds = format!("/proc/{}/fd", std::process::id());
+    // This process as the /proc the helper will read names it (which need
+    // not be getpid()'s number when /proc belongs to another pid namespace).
+    let me = std::fs::read_link("/proc/self").map_err(Error::io("readlink", "/proc/self"))?;
+    let fds = format!("/proc/{}/fd", me.display());
     let dir = format!("{fds}/{}", mount.as_raw_fd());
     let table = rustix::fs::memfd_create("volring-xfs-growfs-mtab", rustix::fs::MemfdFlags::CLOEXEC).map_err(|e| Error::Io {
         what: "memfd for xfs_growfs",
@@ -245,6 +249,12 @@ mod tests {
         if let Err(panic) = test.join() {
             std::panic::resume_unwind(panic);
         }
+    }
+
+    #[test]
+    fn mount_table_fields_are_escaped_as_getmntent_reads_them() {
+        assert_eq!(mntent_escape("/dev/loop7"), "/dev/loop7");
+        assert_eq!(mntent_escape("/a b\tc\nd\\e"), "/a\\040b\\011c\\012d\\134e");
     }
 
     #[test]
