@@ -133,7 +133,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mounts: mount_stats.clone(),
         nbd: nbd.as_ref().map(|s| s.exports().clone()),
     };
-    let mut metrics = metrics_listener.map(|l| tokio::spawn(serve_metrics(l, sources)));
+    let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     // Before Probe answers ready, every volume is looked at once and what a
     // crash interrupted is finished (or undone).
     let reconciler = match &csi {
@@ -288,27 +288,6 @@ fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
     let _ = file.into_raw_fd();
     tracing::debug!(state_dir = %dir.display(), "state directory locked");
     Ok(())
-}
-
-/// Serves `/metrics` on a listener the agent bound at start.
-async fn serve_metrics(listener: tokio::net::TcpListener, sources: crate::metrics::Sources) -> std::io::Result<()> {
-    use axum::http::{header, StatusCode};
-    tracing::info!(addr = ?listener.local_addr().ok(), "serving /metrics");
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let sources = sources.clone();
-            async move {
-                match crate::metrics::render(&sources) {
-                    Ok(body) => {
-                        (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
-                    }
-                    Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string()),
-                }
-            }
-        }),
-    );
-    axum::serve(listener, app).await
 }
 
 /// Scans the devices on the blocking pool (a full scan reads sysfs and the

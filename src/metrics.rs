@@ -6,7 +6,6 @@
 //! nothing between scrapes.
 
 use std::fmt::Error as FmtError;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -225,10 +224,12 @@ pub fn render(sources: &Sources) -> Result<String, FmtError> {
     Ok(out)
 }
 
-/// Serves `/metrics` on `addr` until the future is dropped.
-pub async fn serve(addr: SocketAddr, sources: Sources) -> std::io::Result<()> {
+/// Serves `/metrics` on `listener` until the future is dropped. The
+/// caller binds it, so that a bad or taken address fails the agent at
+/// start rather than in a task that runs later.
+pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
     tracing::info!(%addr, "serving /metrics");
     let app = axum::Router::new().route(
         "/metrics",

@@ -271,6 +271,46 @@ fn metrics_address_in_use_is_fatal() -> Result<(), Failed> {
     check(!site.path("csi.sock").exists(), "the failed agent left its CSI socket behind")
 }
 
+/// The agent binds the metrics listener at start and serves `/metrics` on
+/// it: asked for port 0, it says which port it got and answers there.
+fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
+    let site = Site::new();
+    let (mut p, _c) = site.start("state", "csi.sock", &["--metrics-addr", "127.0.0.1:0"])?;
+    let deadline = Instant::now() + PATIENCE;
+    let addr = loop {
+        let said = p.stderr.find(&["serving /metrics"]).map(|i| without_colours(&p.stderr.all()[i]));
+        if let Some(addr) = said.as_deref().and_then(|l| l.split("addr=").nth(1)).and_then(|a| a.split_whitespace().next()) {
+            break addr.parse::<std::net::SocketAddr>().map_err(|e| format!("{addr:?}: {e}"))?;
+        }
+        check(Instant::now() < deadline, format!("no word of the metrics address in:\n{}", p.stderr.text()))?;
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    check(addr.ip().is_loopback() && addr.port() != 0, format!("metrics served on {addr}"))?;
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    conn.set_read_timeout(Some(PATIENCE))?;
+    std::io::Write::write_all(&mut conn, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut reply = String::new();
+    conn.take(16 << 20).read_to_string(&mut reply)?;
+    check(reply.starts_with("HTTP/1.1 200"), format!("reply: {reply:.200}"))?;
+    check(reply.contains("application/openmetrics-text"), "not OpenMetrics")?;
+    check(reply.contains("volring_devices "), format!("no device gauge in: {reply:.2000}"))?;
+    check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
+}
+
+/// A log line without its terminal colour codes (`ESC [ ... m`).
+fn without_colours(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn nbd_listener_in_use_is_fatal() -> Result<(), Failed> {
     let site = Site::new();
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -716,6 +756,7 @@ fn main() {
         Trial::test("second_agent_on_the_same_socket_is_refused_and_leaves_it", second_agent_on_the_same_socket_is_refused_and_leaves_it),
         Trial::test("a_file_at_the_socket_path_is_refused_and_kept", a_file_at_the_socket_path_is_refused_and_kept),
         Trial::test("metrics_address_in_use_is_fatal", metrics_address_in_use_is_fatal),
+        Trial::test("metrics_are_served_on_the_listener_bound_at_start", metrics_are_served_on_the_listener_bound_at_start),
         Trial::test("nbd_listener_in_use_is_fatal", nbd_listener_in_use_is_fatal),
         Trial::test("sighup_is_logged_and_ignored", sighup_is_logged_and_ignored),
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),

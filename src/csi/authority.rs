@@ -450,36 +450,26 @@ mod tests {
         // incremental indexing, by literal name without indexing, by
         // Huffman-coded name never indexed, a valid one left alone, an
         // indexed reference to a dynamic entry (copied: stored fixed).
-        let mut block = vec![0x83, 0x41];
-        block.extend(plain(path));
-        block.push(0x00);
-        block.extend(plain(b":authority"));
-        block.extend(long_string(&long));
-        block.push(0x10);
-        block.push(0x80 | HUFFMAN_AUTHORITY.len() as u8);
-        block.extend_from_slice(HUFFMAN_AUTHORITY);
-        block.extend(plain(b"%2Frun%2Fcsi.sock"));
-        block.push(0x01);
-        block.extend(plain(b"localhost:443"));
-        block.push(0xbe);
-        block.push(0x44); // :path by static name, incremental
-        block.extend(plain(b"/csi.v1.Identity/Probe"));
-        let out = fix(&block).expect("fixed");
-        let mut want = vec![0x83, 0x41];
-        want.extend(plain(fixed));
-        want.push(0x00);
-        want.extend(plain(b":authority"));
-        want.extend(long_string(&long_fixed));
-        want.push(0x10);
-        want.push(0x80 | HUFFMAN_AUTHORITY.len() as u8);
-        want.extend_from_slice(HUFFMAN_AUTHORITY);
-        want.extend(plain(b"-2Frun-2Fcsi.sock"));
-        want.push(0x01);
-        want.extend(plain(b"localhost:443"));
-        want.push(0xbe);
-        want.push(0x44);
-        want.extend(plain(b"/csi.v1.Identity/Probe"));
-        assert_eq!(out, want);
+        // Sent with the three values given, and as it should be passed on.
+        let block = |first: &[u8], second: &[u8], third: &[u8]| {
+            let mut b = vec![0x83, 0x41];
+            b.extend(plain(first));
+            b.push(0x00);
+            b.extend(plain(b":authority"));
+            b.extend(long_string(second));
+            b.push(0x10);
+            b.push(0x80 | HUFFMAN_AUTHORITY.len() as u8);
+            b.extend_from_slice(HUFFMAN_AUTHORITY);
+            b.extend(plain(third));
+            b.push(0x01);
+            b.extend(plain(b"localhost:443"));
+            b.push(0xbe);
+            b.push(0x44); // :path by static name, incremental
+            b.extend(plain(b"/csi.v1.Identity/Probe"));
+            b
+        };
+        let (sent, want) = (block(path, &long, b"%2Frun%2Fcsi.sock"), block(fixed, &long_fixed, b"-2Frun-2Fcsi.sock"));
+        assert_eq!(fix(&sent).expect("fixed"), want);
         // A Huffman-coded value ("www.example.com" is valid: kept; a
         // coded path is sent fixed, plain).
         let www = [0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
@@ -488,7 +478,7 @@ mod tests {
         assert_eq!(fix(&coded), None);
         // Nothing to fix, or a truncated block: passed on as it is.
         assert_eq!(fix(&[0x83, 0x86]), None);
-        assert_eq!(fix(&block[..block.len() - 3]), None);
+        assert_eq!(fix(&sent[..sent.len() - 3]), None);
         assert_eq!(fix(&[0x41, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]), None);
     }
 

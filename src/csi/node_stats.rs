@@ -119,15 +119,17 @@ impl Driver {
             if rec.read_only {
                 return Err(Error::FailedPrecondition(format!("volume {id} is staged read-only; its filesystem cannot grow")));
             }
-            // Grow only what is provably the volume's own staging mount.
-            if !matches!(self.look(&rec.staged_at(), Some(Expect::of(&rec, &att)))?, Found::Ours(_)) {
+            // Grow only what is provably the volume's own staging mount,
+            // through the descriptor that proved it (a mount swapped in at
+            // the path afterwards is not grown).
+            let Found::Ours(mount) = self.look(&rec.staged_at(), Some(Expect::of(&rec, &att)))? else {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {id} is not mounted at {}; stage it again",
                     rec.staging_path.display()
                 )));
-            }
+            };
             crate::fault::point("node_expand:grow");
-            filesystem::grow(fs_type, &att.path(), &rec.staging_path)?;
+            filesystem::grow(fs_type, &att.path(), mount.as_fd())?;
             crate::fault::point("node_expand:grown");
         }
         tracing::info!(volume = id, bytes = size, "expanded on the node");

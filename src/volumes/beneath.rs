@@ -123,21 +123,19 @@ impl Beneath {
     /// Opens regular file `p` (creating it, and its parent directories, when
     /// missing) as an `O_PATH` descriptor. A device node already bound onto
     /// `p` is returned as it is (the caller checks whose it is).
+    ///
+    /// Whatever is already at `p` is never opened for anything but
+    /// `O_PATH`: `O_EXCL` makes the create fail on an existing name rather
+    /// than open it for writing (which would hang on a FIFO, and open a
+    /// device node someone put there). No caller needs to know whether
+    /// the file was created here, so that is not said.
     pub fn create_file(&self, p: &Path) -> io::Result<OwnedFd> {
         let (parent, name) = self.parent_of(p)?;
         let parent = self.create_dirs(&parent)?;
-        let made = rustix::fs::openat2(
-            &parent,
-            &name,
-            OFlags::CREATE | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o640),
-            RESOLVE,
-        );
-        match made {
-            Ok(_) | Err(rustix::io::Errno::EXIST) | Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::ROFS) => {}
-            // A device bound here already cannot be opened for writing by
-            // O_CREAT (ENXIO for a detached loop, EBUSY, ...): look at it.
-            Err(_) => {}
+        let flags = OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::CLOEXEC;
+        match rustix::fs::openat2(&parent, &name, flags, Mode::from_raw_mode(0o640), RESOLVE) {
+            Ok(_) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(e.into()),
         }
         let fd = rustix::fs::openat2(&parent, &name, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty(), RESOLVE)?;
         match stat(fd.as_fd())?.kind {
@@ -260,5 +258,33 @@ mod tests {
         // The symlink itself is removed, never what it points at.
         b.remove(&root.join("out")).unwrap();
         assert!(d.path().join("root").exists());
+    }
+
+    /// An existing file, or a FIFO (held open for reading, so that the old
+    /// write-open would not hang this test), is looked at through `O_PATH`
+    /// only: inotify sees no descriptor open for writing closed on either.
+    #[test]
+    fn create_file_never_opens_what_is_there_for_writing() {
+        use rustix::fs::inotify;
+        let d = tempfile::tempdir().unwrap();
+        let b = Beneath::open(d.path()).unwrap();
+        std::fs::write(d.path().join("file"), b"kept").unwrap();
+        rustix::fs::mknodat(rustix::fs::CWD, d.path().join("fifo"), FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
+        let reader = rustix::fs::open(d.path().join("fifo"), OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        let watch = inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        for name in ["file", "fifo"] {
+            inotify::add_watch(&watch, d.path().join(name), inotify::WatchFlags::CLOSE_WRITE | inotify::WatchFlags::MODIFY).unwrap();
+        }
+        let f = b.create_file(&d.path().join("file")).unwrap();
+        assert_eq!(stat(f.as_fd()).unwrap().kind, Kind::File);
+        assert_eq!(b.create_file(&d.path().join("fifo")).err().and_then(|e| e.raw_os_error()), Some(libc::EINVAL));
+        let mut buf = [std::mem::MaybeUninit::uninit(); 1024];
+        let mut events = inotify::Reader::new(&watch, &mut buf);
+        match events.next() {
+            Err(rustix::io::Errno::AGAIN) => {}
+            other => panic!("opened for writing: {:?}", other.map(|e| e.events())),
+        }
+        assert_eq!(std::fs::read(d.path().join("file")).unwrap(), b"kept");
+        drop(reader);
     }
 }

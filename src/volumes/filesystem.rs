@@ -5,6 +5,8 @@
 //! table, LUKS, swap, unknown bytes) is refused, never overwritten.
 
 use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -116,9 +118,17 @@ pub fn format(kind: FsKind, device: &Path) -> Result<(), Error> {
     run(program, &args)
 }
 
-/// Grows a mounted filesystem to fill its device: resize2fs works on the
-/// device, xfs_growfs on the mount point.
-pub fn grow(fs_type: &str, device: &Path, mounted_at: &Path) -> Result<(), Error> {
+/// Grows a mounted filesystem to fill its device. `mount` is a descriptor
+/// of the filesystem's root (`O_PATH` will do) that the caller has proven
+/// to be the volume's own mount: the grow acts on that mount, never on
+/// whatever a path names by the time a helper opens it.
+///
+/// resize2fs is given the device, which cannot change under it: the
+/// mount holds the loop device open, so it stays bound to the volume's
+/// image. (It still picks a mount point of that device from the mount
+/// table and opens it by path; only EXT4_IOC_RESIZE_FS issued on `mount`
+/// itself would pin that open too.)
+pub fn grow(fs_type: &str, device: &Path, mount: BorrowedFd<'_>) -> Result<(), Error> {
     match fs_type {
         // The kernel grows a mounted ext4 only for CAP_SYS_RESOURCE
         // (resize2fs then just says "Permission denied").
@@ -126,9 +136,51 @@ pub fn grow(fs_type: &str, device: &Path, mounted_at: &Path) -> Result<(), Error
             Err(Error::Precondition("growing a mounted ext4 filesystem needs CAP_SYS_RESOURCE, which the agent does not have".into()))
         }
         "ext2" | "ext3" | "ext4" => run("resize2fs", &[&device.to_string_lossy()]),
-        "xfs" => run("xfs_growfs", &["-d", &mounted_at.to_string_lossy()]),
+        "xfs" => grow_xfs(device, mount),
         other => Err(Error::Precondition(format!("cannot grow a {other} filesystem"))),
     }
+}
+
+/// xfs_growfs looks its argument up in a mount table (by `realpath`) and
+/// then opens the *table's* directory string: handed a path, or even
+/// `/proc/self/fd/N`, it acts on whatever is mounted at that path by then.
+/// So it is handed a table of one line of our own (`-t`, a memfd) whose
+/// directory is this process's descriptor of the proven mount, through
+/// `/proc/<pid>/fd/N`: its `open` of that string follows the magic link
+/// to the very mount (no descriptor needs to be inherited, so none leaks
+/// into helpers other threads start meanwhile).
+fn grow_xfs(device: &Path, mount: BorrowedFd<'_>) -> Result<(), Error> {
+    // This process as the /proc the helper will read names it (which need
+    // not be getpid()'s number when /proc belongs to another pid namespace).
+    let me = std::fs::read_link("/proc/self").map_err(Error::io("readlink", "/proc/self"))?;
+    let fds = format!("/proc/{}/fd", me.display());
+    let dir = format!("{fds}/{}", mount.as_raw_fd());
+    let table = rustix::fs::memfd_create("volring-xfs-growfs-mtab", rustix::fs::MemfdFlags::CLOEXEC).map_err(|e| Error::Io {
+        what: "memfd for xfs_growfs",
+        path: device.into(),
+        source: e.into(),
+    })?;
+    let mut table = std::fs::File::from(table);
+    table
+        .write_all(format!("{} {dir} xfs rw 0 0\n", mntent_escape(&device.to_string_lossy())).as_bytes())
+        .map_err(Error::io("write the mount table for xfs_growfs", device))?;
+    run("xfs_growfs", &["-t", &format!("{fds}/{}", table.as_raw_fd()), "-d", &dir])
+}
+
+/// A mount table field as getmntent(3) reads it: space, tab, newline and
+/// backslash as octal escapes.
+fn mntent_escape(field: &str) -> String {
+    let mut out = String::with_capacity(field.len());
+    for c in field.chars() {
+        match c {
+            ' ' => out.push_str("\\040"),
+            '\t' => out.push_str("\\011"),
+            '\n' => out.push_str("\\012"),
+            '\\' => out.push_str("\\134"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// True when this process may grow a mounted ext4 filesystem.
@@ -151,6 +203,58 @@ mod tests {
         xfs[..4].copy_from_slice(b"XFSB");
         // A bare magic without a plausible superblock is not xfs: still refused.
         assert!(matches!(classify(&xfs), Content::Other(_) | Content::Filesystem("xfs")));
+    }
+
+    /// With another xfs mounted over the volume's mount point after the
+    /// mount was proven, the grow acts on the proven mount: the volume's
+    /// filesystem fills its device, the one on top is left as it was. (Run
+    /// on a thread of its own in a private mount namespace; the loop
+    /// devices clear themselves once that namespace's mounts are gone.)
+    #[test]
+    fn xfs_grow_acts_on_the_proven_mount_not_on_its_path() {
+        use crate::sys::loopdev::{LoopDevice, LoopOptions};
+        use rustix::fs::{fstatfs, open, statfs, Mode, OFlags};
+        use std::os::fd::AsFd;
+        let test = std::thread::spawn(|| {
+            crate::sys::ns::enter_private_mount_namespace_on_this_thread().unwrap();
+            let d = tempfile::tempdir().unwrap();
+            // Two 300 MiB filesystems, on devices of 400 and 500 MiB.
+            let device = |name: &str, size: u64| {
+                let path = d.path().join(name);
+                File::create(&path).unwrap().set_len(size).unwrap();
+                run("mkfs.xfs", &["-q", "-d", "size=300m", &path.to_string_lossy()]).unwrap();
+                let file = File::options().read(true).write(true).open(&path).unwrap();
+                LoopDevice::attach(file.as_fd(), &LoopOptions { autoclear: true, ..Default::default() }).unwrap()
+            };
+            let (ours, other) = (device("ours.img", 400 << 20), device("other.img", 500 << 20));
+            let at = d.path().join("m");
+            std::fs::create_dir(&at).unwrap();
+            let dir = |p: &Path| open(p, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()).unwrap();
+            let nouuid = crate::volumes::mounting::MountOptions { flags: rustix::mount::MountFlags::empty(), data: "nouuid".into() };
+            crate::volumes::mounting::mount_filesystem(&ours.path(), dir(&at).as_fd(), "xfs", &nouuid).unwrap();
+            let proven = dir(&at);
+            // The swap: another filesystem at the same path, on top.
+            crate::volumes::mounting::mount_filesystem(&other.path(), dir(&at).as_fd(), "xfs", &nouuid).unwrap();
+            let (ours_before, other_before) = (fstatfs(&proven).unwrap().f_blocks, statfs(&at).unwrap().f_blocks);
+            assert_eq!(ours_before, other_before, "both start at 300 MiB");
+            grow("xfs", &ours.path(), proven.as_fd()).unwrap();
+            let (ours_after, other_after) = (fstatfs(&proven).unwrap().f_blocks, statfs(&at).unwrap().f_blocks);
+            assert_eq!(other_after, other_before, "the filesystem mounted on top was grown");
+            assert!(ours_after > ours_before + (80 << 20) / 4096, "the proven mount did not grow: {ours_before} -> {ours_after} blocks");
+            drop(proven);
+            for _ in 0..2 {
+                rustix::mount::unmount(&at, rustix::mount::UnmountFlags::DETACH).unwrap();
+            }
+        });
+        if let Err(panic) = test.join() {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    #[test]
+    fn mount_table_fields_are_escaped_as_getmntent_reads_them() {
+        assert_eq!(mntent_escape("/dev/loop7"), "/dev/loop7");
+        assert_eq!(mntent_escape("/a b\tc\nd\\e"), "/a\\040b\\011c\\012d\\134e");
     }
 
     #[test]
