@@ -38,6 +38,8 @@ pub struct AgentConfig {
     pub csi: Option<crate::csi::CsiConfig>,
     /// The NBD server's settings; `None`: no NBD server.
     pub nbd: Option<NbdConfig>,
+    /// How the CSI volumes' state is reconciled.
+    pub reconcile: crate::state::reconcile::ReconcileConfig,
 }
 
 /// The node's NBD server: where it listens and what it exports at start.
@@ -58,6 +60,7 @@ impl Default for AgentConfig {
             state_dir: PathBuf::from("/var/lib/volring"),
             csi: None,
             nbd: None,
+            reconcile: Default::default(),
         }
     }
 }
@@ -131,6 +134,22 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         nbd: nbd.as_ref().map(|s| s.exports().clone()),
     };
     let mut metrics = metrics_listener.map(|l| tokio::spawn(serve_metrics(l, sources)));
+    // Before Probe answers ready, every volume is looked at once and what a
+    // crash interrupted is finished (or undone).
+    let reconciler = match &csi {
+        Some(c) => {
+            let (driver, rc) = (c.driver.clone(), config.reconcile.clone());
+            let r = tokio::task::spawn_blocking(move || driver.start_reconciler(rc)).await??;
+            tracing::info!(
+                volumes = r.view().all().len(),
+                repairs = r.stats().repairs_done.load(std::sync::atomic::Ordering::Relaxed),
+                "volumes reconciled"
+            );
+            Some(r)
+        }
+        None => None,
+    };
+    let notify = reconciler.as_ref().map(|r| r.notifier());
     ready.set(true);
 
     let mut report = tokio::time::interval(Duration::from_secs(60));
@@ -144,7 +163,12 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let result = loop {
         tokio::select! {
             ev = mount_events.recv() => match ev {
-                Some(ev) => dirty |= apply_mounts(&mut table.write().unwrap_or_else(|e| e.into_inner()), &ev, config.log_events),
+                Some(ev) => {
+                    dirty |= apply_mounts(&mut table.write().unwrap_or_else(|e| e.into_inner()), &ev, config.log_events);
+                    if let Some(n) = &notify {
+                        n.paths(changed_paths(&ev));
+                    }
+                }
                 None => break Err(anyhow::anyhow!("mount watcher stopped")),
             },
             ev = device_events.recv(), if rescan.is_none() => match ev {
@@ -153,6 +177,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
                     rescan = Some(scan(&config.devices, &table));
                 }
                 Some(ev) => {
+                    if let (Some(n), Some(name)) = (&notify, device_name(&ev)) {
+                        n.device(name);
+                    }
                     apply_device(&mut inventory, ev, config.log_events);
                     dirty = true;
                 }
@@ -197,6 +224,10 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
     ready.set(false);
+    if let Some(r) = reconciler {
+        // It may be inside a repair: let it finish on the blocking pool.
+        let _ = tokio::task::spawn_blocking(move || r.stop()).await;
+    }
     if let Some(s) = metrics {
         s.abort();
     }
@@ -361,6 +392,26 @@ fn apply_mounts(table: &mut MountTable, ev: &WatchEvent, log: bool) -> bool {
         }
     }
     devices
+}
+
+/// The mount points a batch of mount events touched (before and after a
+/// move), for the reconciler.
+fn changed_paths(ev: &WatchEvent) -> Vec<PathBuf> {
+    let mut paths = Vec::new();
+    for e in ev.changes() {
+        for m in [&e.mount, &e.previous].into_iter().flatten() {
+            paths.push(m.mount_point_path().to_path_buf());
+        }
+    }
+    paths
+}
+
+fn device_name(ev: &DeviceEvent) -> Option<&str> {
+    match ev {
+        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => Some(&device.name),
+        DeviceEvent::Removed { name, .. } => Some(name),
+        DeviceEvent::Rescan { .. } => None,
+    }
 }
 
 /// Applies a device event other than a rescan (the loop runs those);

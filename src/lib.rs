@@ -2,7 +2,8 @@
 //!
 //! See `DESIGN.md` beside the repository for the architecture. Each module is
 //! one concern: `sys` (raw syscalls), `ring` (the io_uring reactor), `mounts`
-//! (the mount-table engine), `agent` (wiring).
+//! (the mount-table engine), `state` (desired and actual state of the
+//! node's volumes, and the reconciler), `agent` (wiring).
 
 pub mod agent;
 pub mod csi;
@@ -14,6 +15,7 @@ pub mod nbd;
 // The two homes of `unsafe` (see Cargo.toml's [lints]).
 #[allow(unsafe_code)]
 pub mod ring;
+pub mod state;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod volumes;

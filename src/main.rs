@@ -38,7 +38,7 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
         #[command(flatten)]
-        csi: CsiArgs,
+        csi: Box<CsiArgs>,
         #[command(flatten)]
         nbd: NodeNbdArgs,
     },
@@ -146,6 +146,21 @@ struct NbdTuning {
     /// Close connections idle this many seconds (0: never).
     #[arg(long, default_value_t = 0.0)]
     idle_timeout: f64,
+    /// Close a connection whose replies make no progress for this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
+    /// Bytes of buffers and queued replies one connection may hold before
+    /// the server stops reading its requests.
+    #[arg(long, default_value_t = 96 << 20)]
+    nbd_max_conn_bytes: usize,
+    /// Requests one connection may have in flight before the server stops
+    /// reading its requests.
+    #[arg(long, default_value_t = 512)]
+    nbd_max_conn_requests: u32,
+    /// Bytes every connection together may hold; past it the heaviest
+    /// connections stop being read first, and a stalled one is dropped.
+    #[arg(long, default_value_t = 128 << 20)]
+    nbd_max_server_bytes: usize,
 }
 
 impl NbdTuning {
@@ -155,6 +170,10 @@ impl NbdTuning {
             threads: self.nbd_threads,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
+            stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),
+            max_queued_bytes: self.nbd_max_conn_bytes.max(1),
+            max_requests: self.nbd_max_conn_requests.max(1),
+            max_server_bytes: self.nbd_max_server_bytes.max(1),
             ..Default::default()
         }
     }
@@ -210,6 +229,23 @@ struct CsiArgs {
     /// Attach loop devices with buffered I/O even when direct I/O works.
     #[arg(long)]
     no_direct_io: bool,
+    /// Look at every staged volume this often (seconds), besides on every
+    /// mount and device event.
+    #[arg(long, env = "VOLRING_RESYNC_INTERVAL", default_value_t = 60.0)]
+    resync_interval: f64,
+    /// Only report drift (a vanished staging mount, a detached loop
+    /// device); do not repair it.
+    #[arg(long, env = "VOLRING_NO_REPAIR")]
+    no_repair: bool,
+}
+
+impl CsiArgs {
+    fn reconcile(&self) -> volring::state::reconcile::ReconcileConfig {
+        volring::state::reconcile::ReconcileConfig {
+            resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
+            repair: !self.no_repair,
+        }
+    }
 }
 
 impl CsiArgs {
@@ -222,7 +258,7 @@ impl CsiArgs {
         let mut c = volring::csi::CsiConfig::new(endpoint, node);
         c.kubelet_root = self.kubelet_root.clone();
         c.pool_dir = self.pool_dir.clone().unwrap_or_else(|| self.state_dir.join("pool"));
-        c.state_dir = self.state_dir.join("staged");
+        c.state_dir = self.state_dir.clone();
         c.max_volumes = self.max_volumes;
         c.direct_io = !self.no_direct_io;
         Ok(Some(c))
@@ -349,6 +385,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: csi.state_dir.clone(),
                 csi: csi.config()?,
                 nbd: nbd.config()?,
+                reconcile: csi.reconcile(),
             };
             runtime()?.block_on(volring::agent::run(config))
         }
@@ -361,7 +398,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Mounts { json, watch: false, watch_args } => print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)),
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
         Command::Status { state_dir, pool_dir, json } => {
-            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir.join("staged"), json)
+            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
         }
         Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {
@@ -579,9 +616,15 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     result
 }
 
-fn print_status(pool: &std::path::Path, staged: &std::path::Path, json: bool) -> anyhow::Result<()> {
+fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
     use std::io::Write;
-    let r = volring::volumes::status::report(pool, staged)?;
+    // Holding the agent's lock while reading means no agent runs, so a store
+    // a crash left unrepaired may be repaired; beside a running agent the
+    // store is only read.
+    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
+    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+    let r = volring::volumes::status::report(pool, state_dir, no_agent)?;
+    drop(lock);
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
@@ -594,7 +637,7 @@ fn print_status(pool: &std::path::Path, staged: &std::path::Path, json: bool) ->
         let alloc = v.allocated_bytes.map_or("missing".to_string(), |b| b.to_string());
         writeln!(out, "{:<40} {:>14} {:>14} {:<5}", v.id, v.size_bytes, alloc, v.fs_type.as_deref().unwrap_or("-"))?;
     }
-    writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.staged_dir.display())?;
+    writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.store.display())?;
     writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO")?;
     for s in &r.staged {
         let dev = match (&s.device, s.attached) {

@@ -4,9 +4,12 @@
 //! stage → publish → write → expand → unpublish → unstage → delete, or a
 //! part of it, and — when the agent dies at the point — starts a plain agent
 //! on the same state and retries the interrupted call as kubelet or the
-//! external provisioner would: the same request again, or, for a stage or
-//! publish, sometimes the teardown (kubelet's answer to an uncertain mount
-//! whose pod went away).
+//! external provisioner would: the same request again — or, now and then,
+//! the reverse call, as kubelet does for an uncertain stage or publish whose
+//! pod went away (unstage, unpublish) and for a teardown whose volume a new
+//! pod wants (stage, publish). Once a cycle at most, the agent that takes
+//! over is itself armed with a point of the interrupted call, so recoveries
+//! get interrupted too.
 //!
 //! After every cycle the machine is compared with a model of what the CO
 //! asked for, black-box — CSI answers, the mount table, sysfs and files, not
@@ -32,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use common::check;
 use csi_support::crash_model::{steps, Kind, Op, Rng, State, Vol};
-use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, MIB};
+use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, StartError, MIB};
 use libtest_mimic::Failed;
 use tonic::{Code, Status};
 use volring::csi::proto::*;
@@ -68,6 +71,8 @@ struct World {
     /// This cycle's recovery was armed with a second point already.
     double_fault: bool,
     double_faults: u32,
+    /// Points that fired while an agent started (finishing a call).
+    fired_at_start: u32,
 }
 
 impl World {
@@ -209,12 +214,33 @@ impl World {
             self.double_fault = true;
             self.double_faults += 1;
             eprintln!("cycle {}: the agent retrying {op:?} is armed at {}", self.cycle, self.point);
-            self.a.arm(self.point);
-            self.armed = true;
+            self.start_agent(Some(self.point), true)
         } else {
-            self.a.respawn();
+            self.start_agent(None, false)
         }
-        Ok(())
+    }
+
+    /// Starts an agent on the same state, armed at `point` if given. With
+    /// `recovering`, an interrupted call is pending and the agent may finish
+    /// it at start, before it is ready (the reconciler does): if that
+    /// reaches the point, the agent dies before ready — counted as the
+    /// point firing — and a plain agent is started. At the start of a
+    /// cycle nothing is pending, so dying there is a failure.
+    fn start_agent(&mut self, point: Option<&'static str>, recovering: bool) -> Res {
+        let env: Vec<(&str, &str)> = point.map(|p| ("VOLRING_FAULT_POINT", p)).into_iter().collect();
+        match self.a.try_respawn_with(&env) {
+            Ok(()) => {
+                self.armed = point.is_some();
+                Ok(())
+            }
+            Err(StartError::Exited { sigkill: true, .. }) if recovering && point.is_some() => {
+                *self.fired.entry(self.point).or_default() += 1;
+                self.fired_at_start += 1;
+                eprintln!("cycle {}: the agent died at {} while it started (finishing the interrupted call)", self.cycle, self.point);
+                self.start_agent(None, false)
+            }
+            Err(e) => Err(self.fail(format!("starting the agent{}: {e}", point.map(|p| format!(" armed at {p}")).unwrap_or_default()))),
+        }
     }
 
     fn apply(&mut self, vi: usize, op: Op) -> Res {
@@ -517,8 +543,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         }
         w.cycle = cycle;
         w.point = order[cycle % POINTS.len()];
-        w.a.arm(w.point);
-        w.armed = true;
+        w.start_agent(Some(w.point), false)?;
         w.double_fault = false;
         let plan = w.plan(w.point);
         for (vi, op) in plan {
@@ -530,8 +555,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     }
     let per_cycle = started.elapsed() / cycles.max(1) as u32;
     // Tear everything down on a plain agent; then nothing may be left.
-    w.a.respawn();
-    w.armed = false;
+    w.start_agent(None, false)?;
     w.point = "(teardown)";
     for vi in 0..w.vols.len() {
         for op in steps(w.vols[vi].state, State::Absent) {
@@ -541,8 +565,8 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     w.check_world()?;
     let not_fired: Vec<&str> = POINTS.iter().copied().filter(|p| !w.fired.contains_key(p)).collect();
     eprintln!(
-        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes ({} while recovering), \
-         {} abandoned, {} transient errors; fired: {:?}",
+        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes ({} while recovering, {} of them \
+         at start), {} abandoned, {} transient errors; fired: {:?}",
         w.seed,
         per_cycle.as_secs_f64(),
         w.vols.len(),
@@ -551,6 +575,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         w.vols.iter().filter(|v| v.kind == Kind::Block).count(),
         w.fired.values().sum::<u32>(),
         w.double_faults,
+        w.fired_at_start,
         w.abandoned,
         w.transient.len(),
         w.fired
@@ -582,6 +607,7 @@ fn crash_loop() {
         ext4_grows: volring::volumes::filesystem::can_resize_ext4(),
         double_fault: false,
         double_faults: 0,
+        fired_at_start: 0,
     };
     if let Err(e) = crash_loop_inner(&mut w, cycles) {
         panic!("{}", msg(&e));

@@ -361,7 +361,9 @@ fn crash_mid_attach() -> Result<(), Failed> {
             "access": {"kind": "mount", "fs_type": "", "flags": []},
             "read_only": false, "phase": "attaching",
         });
-        std::fs::write(a.state.join("staged").join(format!("{id}.json")), record.to_string())?;
+        // The record the killed agent left, put where a live one keeps it.
+        let record: volring::volumes::StagedVolume = serde_json::from_value(record)?;
+        volring::volumes::StagedRecords::open(&a.state)?.put(&record)?;
         let out = std::process::Command::new("losetup").arg("-f").arg("--show").arg(a.image(id)).output()?;
         check(out.status.success(), "losetup")?;
         loops.push(String::from_utf8(out.stdout)?.trim().to_string());
@@ -375,10 +377,15 @@ fn crash_mid_attach() -> Result<(), Failed> {
     all_gone(&a)
 }
 
-/// A volume whose mount vanished behind the driver's back is reported
-/// abnormal, and staging it again repairs it.
+/// With repairs off (`--no-repair`), a volume whose mount vanished behind
+/// the driver's back is reported abnormal, and staging it again repairs it.
+/// (With repairs on, the reconciler re-mounts it: tests/state.rs.)
 fn condition_and_repair() -> Result<(), Failed> {
+    // Tests in this binary run one at a time: the variable reaches only
+    // this agent.
+    std::env::set_var("VOLRING_NO_REPAIR", "true");
     let a = Agent::start();
+    std::env::remove_var("VOLRING_NO_REPAIR");
     a.create("pvc-c", 32 * MIB, "")?;
     let staging = a.k("plugins/stage/c");
     a.stage("pvc-c", &staging, mount_cap(""))?;
@@ -523,8 +530,12 @@ fn staged_record_quarantined() -> Result<(), Failed> {
         a.create(id, 32 * MIB, "")?;
         a.stage(id, &staging, mount_cap(""))?;
         std::fs::write(std::path::Path::new(&staging).join("kept"), b"kept")?;
-        std::fs::write(a.state.join("staged").join(format!("{id}.json")), b"{ torn")?;
-        a.restart();
+        // The record is damaged while no agent runs.
+        a.kill_hard();
+        let store = volring::state::store::Store::open(&a.state.join(volring::state::store::FILE))?;
+        store.apply(&[volring::state::store::Change::PutVolume(id, b"{ torn")])?;
+        drop(store);
+        a.respawn();
         if restage {
             a.stage(id, &staging, mount_cap(""))?;
             let devices = volring::volumes::attach::find_backed_by(&a.image(id));

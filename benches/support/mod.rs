@@ -113,7 +113,7 @@ impl MountFarm {
         while self.count < n {
             let p = self.root.join(format!("m{}", self.count));
             std::fs::create_dir(&p).expect("mkdir");
-            if self.count % 2 == 0 {
+            if self.count.is_multiple_of(2) {
                 rustix::mount::mount("tmpfs", &p, "tmpfs", rustix::mount::MountFlags::empty(), Some(c"size=64k")).expect("tmpfs");
             } else {
                 rustix::mount::mount_bind(self.root.join("src"), &p).expect("bind");

@@ -20,7 +20,8 @@ pub struct CsiConfig {
     pub kubelet_root: PathBuf,
     /// Where the volume images live.
     pub pool_dir: PathBuf,
-    /// Where the staged records live.
+    /// The agent's state directory: the node's store (`state.redb`) with
+    /// every staged record, and legacy JSON records under `staged/`.
     pub state_dir: PathBuf,
     pub node_id: String,
     /// Reported by NodeGetInfo; 0 means no limit.
@@ -36,7 +37,7 @@ impl CsiConfig {
             endpoint,
             kubelet_root: PathBuf::from("/var/lib/kubelet"),
             pool_dir: PathBuf::from("/var/lib/volring/pool"),
-            state_dir: PathBuf::from("/var/lib/volring/staged"),
+            state_dir: PathBuf::from("/var/lib/volring"),
             node_id,
             max_volumes: 0,
             direct_io: true,
@@ -71,6 +72,8 @@ pub struct Driver {
     /// Kept current by the agent from the mount watcher's events.
     pub(super) mounts: Arc<RwLock<MountTable>>,
     pub(super) ready: Readiness,
+    /// The reconciler's published verdicts, once it runs.
+    pub(super) health: std::sync::OnceLock<Arc<crate::state::actual::HealthView>>,
     /// Calls running now; a stopping agent waits for them, not for idle
     /// connections (kubelet never closes its own).
     pub(super) in_flight: AtomicUsize,
@@ -97,6 +100,7 @@ impl Driver {
             locks: VolumeLocks::new(),
             mounts,
             ready,
+            health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
         }))
     }
@@ -114,9 +118,12 @@ impl Driver {
         &self.locks
     }
 
-    /// Takes the volume's lock or answers Aborted.
+    /// Takes the volume's lock or answers Aborted. A repair the reconciler
+    /// is making is waited for (up to 30 s), not reported.
     pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {
-        self.locks.try_lock(id).ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
+        self.locks
+            .lock_for_call(id, std::time::Duration::from_secs(30))
+            .ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
     }
 
     /// Checks a validated path against symlinks: its deepest existing

@@ -1,22 +1,35 @@
-//! One operation per volume at a time, without waiting.
+//! One operation per volume at a time.
 //!
 //! The CSI spec asks a plugin to answer `Aborted` when an operation on the
-//! same volume is in flight (the CO retries with backoff), so the lock is a
-//! try-lock: a call never queues behind another, and calls on different
-//! volumes never touch each other's entries.
+//! same volume is in flight (the CO retries with backoff), so between CSI
+//! calls the lock is a try-lock: a call never queues behind another, and
+//! calls on different volumes never touch each other's entries. The
+//! reconciler takes the same lock for a repair; a call that finds a repair
+//! running waits for it (bounded) instead, as the repair is not the CO's
+//! and would otherwise look like a call the CO never made.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Who holds a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    Call,
+    Repair,
+}
+
+type Held = Arc<Mutex<HashMap<String, Holder>>>;
 
 #[derive(Default, Clone)]
 pub struct VolumeLocks {
-    held: Arc<Mutex<HashSet<String>>>,
+    held: Held,
 }
 
 /// Held while an operation runs; releases the volume when dropped (also
 /// when the operation panics).
 pub struct VolumeGuard {
-    held: Arc<Mutex<HashSet<String>>>,
+    held: Held,
     id: String,
 }
 
@@ -25,10 +38,46 @@ impl VolumeLocks {
         Self::default()
     }
 
-    /// Takes the volume, or `None` when another operation holds it.
+    /// Takes the volume for a CSI call, or `None` when another operation
+    /// holds it.
     pub fn try_lock(&self, id: &str) -> Option<VolumeGuard> {
+        self.take(id, Holder::Call)
+    }
+
+    /// Takes the volume for the reconciler, or `None` when it is held.
+    pub fn try_lock_for_repair(&self, id: &str) -> Option<VolumeGuard> {
+        self.take(id, Holder::Repair)
+    }
+
+    /// Takes the volume for a CSI call, waiting up to `wait` while a repair
+    /// holds it; `None` when a call holds it (or the repair outlasts `wait`).
+    pub fn lock_for_call(&self, id: &str, wait: Duration) -> Option<VolumeGuard> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.holder(id) {
+                Some(Holder::Call) => return None,
+                Some(Holder::Repair) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Some(Holder::Repair) => return None,
+                None => {
+                    if let Some(g) = self.take(id, Holder::Call) {
+                        return Some(g);
+                    }
+                }
+            }
+        }
+    }
+
+    fn holder(&self, id: &str) -> Option<Holder> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).get(id).copied()
+    }
+
+    fn take(&self, id: &str, who: Holder) -> Option<VolumeGuard> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.insert(id.to_string()).then(|| VolumeGuard { held: self.held.clone(), id: id.to_string() })
+        if held.contains_key(id) {
+            return None;
+        }
+        held.insert(id.to_string(), who);
+        Some(VolumeGuard { held: self.held.clone(), id: id.to_string() })
     }
 
     pub fn held(&self) -> usize {
@@ -56,6 +105,22 @@ mod tests {
         assert!(locks.try_lock("a").is_some());
         drop(b);
         assert_eq!(locks.held(), 0);
+    }
+
+    #[test]
+    fn a_call_waits_for_a_repair_not_for_a_call() {
+        let locks = VolumeLocks::new();
+        let call = locks.try_lock("a").unwrap();
+        assert!(locks.lock_for_call("a", Duration::from_secs(5)).is_none(), "a call never waits for a call");
+        drop(call);
+        let repair = locks.try_lock_for_repair("a").unwrap();
+        assert!(locks.lock_for_call("a", Duration::from_millis(30)).is_none(), "bounded");
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(repair);
+        });
+        assert!(locks.lock_for_call("a", Duration::from_secs(10)).is_some(), "taken once the repair ends");
+        t.join().unwrap();
     }
 
     #[test]

@@ -18,6 +18,7 @@ mod node_stats;
 mod owned;
 pub mod proto;
 mod publish;
+pub mod repair;
 pub mod server;
 mod service;
 pub mod validate;

@@ -44,7 +44,7 @@ impl Driver {
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
         }
-        let mut rec = prior.clone().unwrap_or_else(|| StagedVolume {
+        let rec = prior.clone().unwrap_or_else(|| StagedVolume {
             volume_id: id.to_string(),
             image: self.pool.image_path(id),
             staging_path: staging.clone(),
@@ -59,11 +59,26 @@ impl Driver {
             loop_number: None,
             published: Default::default(),
         });
+        self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
+        Ok(NodeStageVolumeResponse {})
+    }
+
+    /// Stages `rec` (the caller holds the volume's lock): the steps, and on
+    /// failure their undoing and the record put back as it was (`prior`).
+    /// The reconciler's repairs come through here too.
+    pub(super) fn stage_locked(
+        &self,
+        mut rec: StagedVolume,
+        prior: Option<&StagedVolume>,
+        access: &Access,
+        requested_fs: Option<&str>,
+    ) -> Result<()> {
+        let id = rec.volume_id.clone();
         let mut undo = Rollback::default();
-        let result = self.stage_steps(&mut rec, &access, requested_fs.as_deref(), &mut undo);
+        let result = self.stage_steps(&mut rec, access, requested_fs, &mut undo);
         if let Err(e) = result {
             undo.run(self);
-            let restored = match &prior {
+            let restored = match prior {
                 // A stage that got as far as its own mkfs keeps that intent,
                 // device released: the retry formats again rather than find
                 // a half-written filesystem it may not touch.
@@ -72,15 +87,15 @@ impl Driver {
                     self.records.put(&rec)
                 }
                 Some(p) => self.records.put(p),
-                None => self.records.remove(id),
+                None => self.records.remove(&id),
             };
             if let Err(r) = restored {
-                tracing::error!(volume = id, error = %r, "could not roll back the staged record");
+                tracing::error!(volume = %id, error = %r, "could not roll back the staged record");
             }
             return Err(e);
         }
-        tracing::info!(volume = id, device = ?rec.loop_number, path = %staging.display(), "staged");
-        Ok(NodeStageVolumeResponse {})
+        tracing::info!(volume = %id, device = ?rec.loop_number, path = %rec.staging_path.display(), "staged");
+        Ok(())
     }
 
     /// The stage proper. Each step records its intent first, so a crash at
@@ -209,7 +224,7 @@ impl Driver {
 
     /// True when the staged volume is still what its record says: attached
     /// to its image and its own device mounted where it was staged.
-    fn stage_intact(&self, r: &StagedVolume) -> Result<bool> {
+    pub(super) fn stage_intact(&self, r: &StagedVolume) -> Result<bool> {
         let Some(att) = r.loop_number.and_then(|n| attach::existing(n, &r.image)) else { return Ok(false) };
         Ok(matches!(self.look(&r.staged_at(), Some(Expect::of(r, &att)))?, Found::Ours(_)))
     }
@@ -234,7 +249,6 @@ impl Driver {
         let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
         let expect = att.map(|a| Expect::of(&rec, &a));
         // A target still counts while the volume's own mount is on it.
-        let before = rec.published.len();
         let mut still = None;
         for t in rec.published.keys() {
             if matches!(self.look(t, expect)?, Found::Ours(_)) {
@@ -245,11 +259,22 @@ impl Driver {
         if let Some(t) = still {
             return Err(Error::FailedPrecondition(format!("volume {id} is still published at {}", t.display())));
         }
+        // The intent: a restarted agent finishes this unstage.
         rec.published.clear();
-        if rec.published.len() != before {
-            self.records.put(&rec)?;
-        }
-        crate::fault::point("unstage:cleared");
+        rec.phase = StagePhase::Unstaging;
+        self.records.put(&rec)?;
+        crate::fault::point("unstage:intent");
+        self.finish_unstage(&rec)?;
+        Ok(NodeUnstageVolumeResponse {})
+    }
+
+    /// Takes a volume down whose record says `Unstaging` (the caller holds
+    /// its lock): its own mount off the staging path, its device detached,
+    /// its record removed — each step a no-op when already done.
+    pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
+        let id = rec.volume_id.as_str();
+        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();
         self.unmount_ours(id, &at, expect)?;
         crate::fault::point("unstage:unmounted");
@@ -271,7 +296,7 @@ impl Driver {
         self.records.remove(id)?;
         crate::fault::point("unstage:done");
         tracing::info!(volume = id, "unstaged");
-        Ok(NodeUnstageVolumeResponse {})
+        Ok(())
     }
 }
 

@@ -63,7 +63,20 @@ impl Driver {
                 }
             }
         };
-        let volume_condition = Some(VolumeCondition { abnormal: problem.is_some(), message: problem.unwrap_or_else(|| "healthy".into()) });
+        // The path was proven above; the reconciler adds what it knows of
+        // the volume as a whole (its staging mount and device, a failed or
+        // a past repair).
+        let verdict = self.health.get().and_then(|v| v.get(id));
+        let problem = match (problem, verdict.as_deref().and_then(|h| h.volume_problem())) {
+            (Some(p), Some(v)) => Some(format!("{p}; {v}")),
+            (p, v) => p.or(v),
+        };
+        let message = match (&problem, verdict.as_deref().and_then(|h| h.last_repair.as_ref())) {
+            (Some(p), _) => p.clone(),
+            (None, Some(r)) => format!("healthy; repaired at unix time {} ({})", r.at_unix, r.describe()),
+            (None, None) => "healthy".into(),
+        };
+        let volume_condition = Some(VolumeCondition { abnormal: problem.is_some(), message });
         Ok(NodeGetVolumeStatsResponse { usage, volume_condition })
     }
 

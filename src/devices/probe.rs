@@ -222,7 +222,7 @@ fn gpt(buf: &[u8], lb: u32) -> Option<PartitionTable> {
     let entries_lba = le64(buf, h + 72)?;
     let count = le32(buf, h + 80)?;
     let entry_size = le32(buf, h + 84)? as usize;
-    if count > GPT_MAX_ENTRIES || !(128..=4096).contains(&entry_size) || entry_size % 8 != 0 {
+    if count > GPT_MAX_ENTRIES || !(128..=4096).contains(&entry_size) || !entry_size.is_multiple_of(8) {
         return None;
     }
     let mut partitions = Vec::new();

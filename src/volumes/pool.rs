@@ -456,7 +456,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let pool = ImagePool::open(d.path()).unwrap();
         let max = pool.max_image_bytes();
-        assert!(max > 0 && max % MIB == 0);
+        assert!(max > 0 && max.is_multiple_of(MIB));
         let f = File::create(d.path().join("x")).unwrap();
         f.set_len(max).unwrap();
         if max < i64::MAX as u64 / MIB * MIB {

@@ -1,26 +1,29 @@
-//! What this node has staged, remembered on disk.
+//! What this node has staged: the desired state of every volume.
 //!
 //! kubelet may call NodeUnstageVolume long after the agent that staged the
 //! volume has restarted: the loop device number, the staging path and the
-//! published targets must outlive the process. Each volume's record is one
-//! small file written crash-safe; the record is written *before* each step
-//! that changes the machine (an intent), so a crash mid-stage leaves a record
-//! that says what may need undoing.
+//! published targets must outlive the process. The records live in the
+//! node's store ([`crate::state::store`], `STATE_DIR/state.redb`); each is
+//! written *before* the step that changes the machine (an intent), so a
+//! crash mid-stage leaves a record that says what to finish or undo.
 //!
-//! A record that cannot be read back is quarantined (see [`super::persist`])
-//! rather than failing the open: one bad file must not stop the node serving
+//! Records from before the store (one JSON file per volume in
+//! `STATE_DIR/staged/`) are imported at start and the files moved to
+//! `staged/imported/`; a file that cannot be read is quarantined rather
+//! than failing the open: one bad record must not stop the node serving
 //! every other volume.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::persist::{self, remove_durable, sweep_temporaries, write_atomic, Quarantined};
+use super::persist::{self, sweep_temporaries, Quarantined};
 use super::pool::read_small;
 use super::Error;
+use crate::state::store::{self, Change, QuarantinedRecord, Store};
 
 /// How the volume is consumed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +48,9 @@ pub enum StagePhase {
     Mounting,
     /// Complete.
     Staged,
+    /// An unstage is taking the volume down (unmount, detach); a restarted
+    /// agent finishes it.
+    Unstaging,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,10 +79,15 @@ impl StagedVolume {
     }
 }
 
+/// Told the id of each record put or removed.
+type ChangeHook = Box<dyn Fn(&str) + Send>;
+
 pub struct StagedRecords {
-    dir: PathBuf,
+    store: Arc<Store>,
     records: Mutex<HashMap<String, StagedVolume>>,
     quarantined: Vec<Quarantined>,
+    /// Told the id of every record that changed (the reconciler listens).
+    changed: Mutex<Option<ChangeHook>>,
 }
 
 pub(crate) const SUFFIX: &str = ".json";
@@ -108,32 +119,54 @@ pub(crate) fn record_ids(dir: &Path) -> std::io::Result<Vec<String>> {
     Ok(ids)
 }
 
+/// The directory of legacy per-volume JSON records inside the state directory.
+pub const LEGACY_DIR: &str = "staged";
+
+/// Where imported legacy records are moved.
+const IMPORTED_DIR: &str = "imported";
+
 impl StagedRecords {
-    /// Opens (creating if needed) the records in `dir`; an unreadable record
-    /// is moved to `dir/quarantine/` and logged, and the rest are served.
-    pub fn open(dir: &Path) -> Result<Self, Error> {
-        fs::create_dir_all(dir).map_err(Error::io("create state directory", dir))?;
-        sweep_temporaries(dir).map_err(Error::io("clean state directory", dir))?;
-        let mut records = HashMap::new();
-        for id in record_ids(dir).map_err(Error::io("list staged records", dir))? {
-            let name = format!("{id}{SUFFIX}");
-            let path = dir.join(&name);
-            match read_record(&path, &id) {
+    /// Opens (creating if needed) the store in `state_dir`, imports legacy
+    /// JSON records found in `state_dir/staged/`, and loads every record. A
+    /// record the store cannot decode is quarantined in the store; an
+    /// unreadable legacy file is moved to `staged/quarantine/`.
+    pub fn open(state_dir: &Path) -> Result<Self, Error> {
+        fs::create_dir_all(state_dir).map_err(Error::io("create state directory", state_dir))?;
+        let path = state_dir.join(store::FILE);
+        let store = Store::open(&path).map_err(|e| Error::Corrupt { path: path.clone(), detail: e.to_string() })?;
+        let store_err = |e: store::Error| Error::Corrupt { path: path.clone(), detail: e.to_string() };
+        import_legacy(&store, &state_dir.join(LEGACY_DIR))?;
+        let contents = store.contents().map_err(store_err)?;
+        let mut records = HashMap::with_capacity(contents.volumes.len());
+        for (id, bytes) in contents.volumes {
+            match decode(&bytes, &id) {
                 Ok(r) => {
-                    records.insert(r.volume_id.clone(), r);
+                    records.insert(id, r);
                 }
                 Err(reason) => {
-                    let q = persist::quarantine(dir, &name, &reason).map_err(Error::io("quarantine staged record", &path))?;
-                    tracing::error!(record = %path.display(), moved_to = %q.path.display(), %reason,
-                        "unreadable staged record quarantined; whatever it staged (loop device, mounts) is no longer tracked");
+                    let q = QuarantinedRecord { id: id.clone(), reason, raw: String::from_utf8_lossy(&bytes).into_owned() };
+                    store.apply(&[Change::Quarantine(&q)]).map_err(store_err)?;
+                    tracing::error!(volume = %id, reason = %q.reason,
+                        "undecodable staged record quarantined; whatever it staged (loop device, mounts) is no longer tracked");
                 }
             }
         }
-        let quarantined = persist::quarantined(dir).map_err(Error::io("list quarantined records", dir))?;
-        Ok(Self { dir: dir.to_path_buf(), records: Mutex::new(records), quarantined })
+        let mut quarantined = quarantined_in(state_dir)?;
+        quarantined.extend(store.contents().map_err(store_err)?.quarantined.iter().map(|q| as_quarantined(&path, q)));
+        Ok(Self { store: Arc::new(store), records: Mutex::new(records), quarantined, changed: Mutex::new(None) })
     }
 
-    /// The records moved to `quarantine/` (by this run or earlier ones).
+    /// The node's store (the reconciler keeps its verdicts there too).
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// Calls `f` with the id of every record put or removed from now on.
+    pub fn on_change(&self, f: impl Fn(&str) + Send + 'static) {
+        *self.changed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(f));
+    }
+
+    /// The records quarantined (by this run or earlier ones).
     pub fn quarantined(&self) -> Vec<Quarantined> {
         self.quarantined.clone()
     }
@@ -164,23 +197,144 @@ impl StagedRecords {
         self.lock().values().cloned().collect()
     }
 
+    /// The ids of every record.
+    pub fn ids(&self) -> Vec<String> {
+        self.lock().keys().cloned().collect()
+    }
+
     /// Durably records `r` (replacing the volume's previous record).
     pub fn put(&self, r: &StagedVolume) -> Result<(), Error> {
-        let bytes = serde_json::to_vec_pretty(r).expect("a staged record serialises");
-        write_atomic(&self.dir, &format!("{}{SUFFIX}", r.volume_id), &bytes).map_err(Error::io("write staged record", &self.dir))?;
+        let bytes = serde_json::to_vec(r).expect("a staged record serialises");
+        self.store.apply(&[Change::PutVolume(&r.volume_id, &bytes)]).map_err(|e| self.error(e))?;
         self.lock().insert(r.volume_id.clone(), r.clone());
+        self.notify(&r.volume_id);
         Ok(())
     }
 
+    /// Forgets volume `id` (and the reconciler's verdict on it) in one
+    /// transaction.
     pub fn remove(&self, id: &str) -> Result<(), Error> {
-        remove_durable(&self.dir, &format!("{id}{SUFFIX}")).map_err(Error::io("remove staged record", &self.dir))?;
+        self.store.apply(&[Change::RemoveVolume(id), Change::RemoveHealth(id)]).map_err(|e| self.error(e))?;
         self.lock().remove(id);
+        self.notify(id);
         Ok(())
+    }
+
+    fn notify(&self, id: &str) {
+        if let Some(f) = self.changed.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            f(id);
+        }
+    }
+
+    fn error(&self, e: store::Error) -> Error {
+        Error::Corrupt { path: self.store.path().to_path_buf(), detail: e.to_string() }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, StagedVolume>> {
         self.records.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Decodes one record from the store and checks it names volume `id`.
+pub(crate) fn decode(bytes: &[u8], id: &str) -> Result<StagedVolume, String> {
+    let r: StagedVolume = serde_json::from_slice(bytes).map_err(|e| format!("not a staged record: {e}"))?;
+    if r.volume_id != id {
+        return Err(format!("names volume {:?}, not {id:?}", r.volume_id));
+    }
+    Ok(r)
+}
+
+/// A record quarantined inside the store, as status and the CSI layer see it.
+pub(crate) fn as_quarantined(store: &Path, q: &QuarantinedRecord) -> Quarantined {
+    Quarantined {
+        name: format!("{}{SUFFIX}", q.id),
+        path: PathBuf::from(format!("{}#quarantine/{}", store.display(), q.id)),
+        reason: q.reason.clone(),
+    }
+}
+
+/// The legacy files quarantined under `state_dir/staged/quarantine/`.
+fn quarantined_in(state_dir: &Path) -> Result<Vec<Quarantined>, Error> {
+    let legacy = state_dir.join(LEGACY_DIR);
+    persist::quarantined(&legacy).map_err(Error::io("list quarantined records", &legacy))
+}
+
+/// Imports the legacy JSON records in `dir` into the store, each file once:
+/// all readable records go in one transaction (with each file's hash), and
+/// only then are the files moved to `dir/imported/`. A crash in between
+/// finds the hashes on the next start and only moves the files. A record
+/// for a volume the store already holds is older than the store's and is
+/// set aside, not imported.
+fn import_legacy(store: &Store, dir: &Path) -> Result<(), Error> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    sweep_temporaries(dir).map_err(Error::io("clean legacy record directory", dir))?;
+    let ids = record_ids(dir).map_err(Error::io("list legacy staged records", dir))?;
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let held: std::collections::HashSet<String> = store
+        .contents()
+        .map_err(|e| Error::Corrupt { path: store.path().to_path_buf(), detail: e.to_string() })?
+        .volumes
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    let mut puts: Vec<(String, Vec<u8>, String, u64)> = Vec::new();
+    let mut done = Vec::new();
+    for id in ids {
+        let name = format!("{id}{SUFFIX}");
+        let path = dir.join(&name);
+        let bytes = match read_small(&path) {
+            Ok(b) => b,
+            Err(reason) => {
+                quarantine_file(dir, &name, &reason)?;
+                continue;
+            }
+        };
+        let hash = store::fnv1a(&bytes);
+        let seen = store.imported(&name).map_err(|e| Error::Corrupt { path: store.path().to_path_buf(), detail: e.to_string() })?;
+        if seen == Some(hash) || held.contains(&id) {
+            if seen != Some(hash) {
+                tracing::warn!(record = %path.display(), "a legacy record for a volume the store already holds; set aside unread");
+            }
+            done.push(name);
+            continue;
+        }
+        match read_record(&path, &id) {
+            Ok(r) => {
+                let canonical = serde_json::to_vec(&r).expect("a staged record serialises");
+                puts.push((id, canonical, name, hash));
+            }
+            Err(reason) => quarantine_file(dir, &name, &reason)?,
+        }
+    }
+    let mut changes = Vec::with_capacity(puts.len() * 2);
+    for (id, bytes, name, hash) in &puts {
+        changes.push(Change::PutVolume(id, bytes));
+        changes.push(Change::Imported(name, *hash));
+    }
+    if !changes.is_empty() {
+        store.apply(&changes).map_err(|e| Error::Corrupt { path: store.path().to_path_buf(), detail: e.to_string() })?;
+        tracing::info!(records = puts.len(), from = %dir.display(), "imported legacy staged records into the store");
+    }
+    done.extend(puts.into_iter().map(|(_, _, name, _)| name));
+    let imported = dir.join(IMPORTED_DIR);
+    fs::create_dir_all(&imported).map_err(Error::io("create", &imported))?;
+    for name in done {
+        fs::rename(dir.join(&name), imported.join(&name)).map_err(Error::io("set aside imported record", dir.join(&name)))?;
+    }
+    persist::sync_dir(&imported).and_then(|_| persist::sync_dir(dir)).map_err(Error::io("sync", dir))?;
+    Ok(())
+}
+
+fn quarantine_file(dir: &Path, name: &str, reason: &str) -> Result<(), Error> {
+    let path = dir.join(name);
+    let q = persist::quarantine(dir, name, reason).map_err(Error::io("quarantine staged record", &path))?;
+    tracing::error!(record = %path.display(), moved_to = %q.path.display(), %reason,
+        "unreadable staged record quarantined; whatever it staged (loop device, mounts) is no longer tracked");
+    Ok(())
 }
 
 #[cfg(test)]
@@ -206,19 +360,45 @@ mod tests {
         r.phase = StagePhase::Staged;
         r.published.insert("/var/lib/kubelet/p".into(), true);
         recs.put(&r).unwrap();
+        drop(recs);
         let again = StagedRecords::open(d.path()).unwrap();
         assert_eq!(again.get("pvc-1"), Some(r.clone()));
         again.remove("pvc-1").unwrap();
+        drop(again);
         assert!(StagedRecords::open(d.path()).unwrap().is_empty());
-        // An unreadable record (or one naming another volume) is quarantined;
-        // the good one is still served.
+        let recs = StagedRecords::open(d.path()).unwrap();
         recs.put(&r).unwrap();
-        fs::write(d.path().join("torn.json"), b"{\"volume_id\": ").unwrap();
-        fs::write(d.path().join("alias.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+        drop(recs);
+        // Legacy JSON records are imported once; an unreadable one (or one
+        // naming another volume) is quarantined, and the good ones served.
+        let legacy = d.path().join(LEGACY_DIR);
+        fs::create_dir_all(&legacy).unwrap();
+        let mut old = r.clone();
+        old.volume_id = "pvc-old".into();
+        fs::write(legacy.join("pvc-old.json"), serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+        fs::write(legacy.join("torn.json"), b"{\"volume_id\": ").unwrap();
+        fs::write(legacy.join("alias.json"), serde_json::to_vec(&r).unwrap()).unwrap();
+        // A legacy record of a volume the store holds is older: set aside.
+        let mut stale = r.clone();
+        stale.phase = StagePhase::Attaching;
+        fs::write(legacy.join("pvc-1.json"), serde_json::to_vec(&stale).unwrap()).unwrap();
         let again = StagedRecords::open(d.path()).unwrap();
-        assert_eq!(again.all(), vec![r]);
+        let mut all = again.all();
+        all.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+        assert_eq!(all, vec![r.clone(), old.clone()]);
         let q: Vec<_> = again.quarantined().into_iter().map(|q| q.name).collect();
         assert_eq!(q, ["alias.json", "torn.json"]);
-        assert!(again.quarantined_record("torn").is_some() && d.path().join("quarantine/torn.json").exists());
+        assert!(again.quarantined_record("torn").is_some() && legacy.join("quarantine/torn.json").exists());
+        assert!(legacy.join("imported/pvc-old.json").exists() && !legacy.join("pvc-old.json").exists());
+        // Imported once: a second open changes nothing.
+        drop(again);
+        let again = StagedRecords::open(d.path()).unwrap();
+        assert_eq!(again.len(), 2);
+        // A record the store cannot decode is quarantined in the store.
+        again.store().apply(&[Change::PutVolume("pvc-bad", b"\x00garbage")]).unwrap();
+        drop(again);
+        let again = StagedRecords::open(d.path()).unwrap();
+        assert!(again.get("pvc-bad").is_none() && again.quarantined_record("pvc-bad").is_some());
+        assert_eq!(again.len(), 2);
     }
 }

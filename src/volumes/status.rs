@@ -3,8 +3,10 @@
 //! left half-done — for `volring status` and for operators.
 //!
 //! Reading only: it changes nothing on disk (no quarantine, no sweep), so it
-//! can run beside a live agent. The one thing it asks the kernel is whether
-//! each staged record's loop device still serves its image.
+//! can run beside a live agent, reading the node's store read-only. The one
+//! exception is redb's own crash repair of the store, which it runs only
+//! when no agent holds the state directory. The one thing it asks the kernel
+//! is whether each staged record's loop device still serves its image.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,7 +21,8 @@ use super::{attach, Error};
 #[derive(Debug, Clone, Serialize)]
 pub struct StatusReport {
     pub pool_dir: PathBuf,
-    pub staged_dir: PathBuf,
+    /// The node's store the staged volumes were read from.
+    pub store: PathBuf,
     pub volumes: Vec<VolumeStatus>,
     pub staged: Vec<StagedStatus>,
     pub quarantined: Vec<Quarantined>,
@@ -52,6 +55,10 @@ pub struct StagedStatus {
     pub attached: bool,
     /// Published target paths, each with whether it is read-only.
     pub targets: BTreeMap<PathBuf, bool>,
+    /// The reconciler's last verdict on the volume (drift found, repairs
+    /// made), when a running agent recorded one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -60,12 +67,15 @@ pub struct Problem {
     pub detail: String,
 }
 
-/// Reads the pool at `pool_dir` and the staged records at `staged_dir`.
-/// A directory that does not exist reads as empty.
-pub fn report(pool_dir: &Path, staged_dir: &Path) -> Result<StatusReport, Error> {
+/// Reads the pool at `pool_dir` and the node's store in `state_dir`. A
+/// directory that does not exist reads as empty. `no_agent`: the caller
+/// holds the agent's lock, so a store left unrepaired by a crash may be
+/// repaired before it is read.
+pub fn report(pool_dir: &Path, state_dir: &Path, no_agent: bool) -> Result<StatusReport, Error> {
+    let store = state_dir.join(crate::state::store::FILE);
     let mut out = StatusReport {
         pool_dir: pool_dir.to_path_buf(),
-        staged_dir: staged_dir.to_path_buf(),
+        store: store.clone(),
         volumes: Vec::new(),
         staged: Vec::new(),
         quarantined: Vec::new(),
@@ -75,9 +85,11 @@ pub fn report(pool_dir: &Path, staged_dir: &Path) -> Result<StatusReport, Error>
         out.quarantined.extend(persist::quarantined(pool_dir).map_err(Error::io("list quarantined records", pool_dir))?);
         read_pool(pool_dir, &mut out)?;
     }
-    if staged_dir.is_dir() {
-        read_staged(staged_dir, &mut out)?;
-        out.quarantined.extend(persist::quarantined(staged_dir).map_err(Error::io("list quarantined records", staged_dir))?);
+    read_store(&store, no_agent, &mut out)?;
+    let legacy = state_dir.join(staged::LEGACY_DIR);
+    if legacy.is_dir() {
+        read_legacy(&legacy, &mut out)?;
+        out.quarantined.extend(persist::quarantined(&legacy).map_err(Error::io("list quarantined records", &legacy))?);
     }
     Ok(out)
 }
@@ -124,23 +136,54 @@ fn read_pool(dir: &Path, out: &mut StatusReport) -> Result<(), Error> {
     Ok(())
 }
 
-fn read_staged(dir: &Path, out: &mut StatusReport) -> Result<(), Error> {
+fn read_store(path: &Path, no_agent: bool, out: &mut StatusReport) -> Result<(), Error> {
+    let contents = crate::state::store::Store::read_only(path, no_agent)
+        .map_err(|e| Error::Corrupt { path: path.to_path_buf(), detail: e.to_string() })?;
+    let health: std::collections::HashMap<String, serde_json::Value> =
+        contents.health.iter().filter_map(|(id, b)| Some((id.clone(), serde_json::from_slice(b).ok()?))).collect();
+    for (id, bytes) in &contents.volumes {
+        match staged::decode(bytes, id) {
+            Ok(r) => out.staged.push(staged_status(r, health.get(id).cloned())),
+            Err(detail) => out.problems.push(Problem {
+                path: PathBuf::from(format!("{}#volumes/{id}", path.display())),
+                detail: format!("undecodable record (quarantined at the next start): {detail}"),
+            }),
+        }
+    }
+    out.quarantined.extend(contents.quarantined.iter().map(|q| staged::as_quarantined(path, q)));
+    Ok(())
+}
+
+fn staged_status(r: staged::StagedVolume, health: Option<serde_json::Value>) -> StagedStatus {
+    StagedStatus {
+        attached: r.loop_number.and_then(|n| attach::existing(n, &r.image)).is_some(),
+        device: r.loop_number.map(|n| PathBuf::from(format!("/dev/loop{n}"))),
+        access: match &r.access {
+            AccessKind::Block => "block".into(),
+            AccessKind::Mount { fs_type, .. } => fs_type.clone(),
+        },
+        volume_id: r.volume_id,
+        phase: r.phase,
+        read_only: r.read_only,
+        staging_path: r.staging_path,
+        targets: r.published,
+        health,
+    }
+}
+
+/// Legacy JSON records not imported yet (the agent imports them at start).
+fn read_legacy(dir: &Path, out: &mut StatusReport) -> Result<(), Error> {
     for id in staged::record_ids(dir).map_err(Error::io("list staged records", dir))? {
         let path = dir.join(format!("{id}{}", staged::SUFFIX));
         match staged::read_record(&path, &id) {
-            Ok(r) => out.staged.push(StagedStatus {
-                attached: r.loop_number.and_then(|n| attach::existing(n, &r.image)).is_some(),
-                device: r.loop_number.map(|n| PathBuf::from(format!("/dev/loop{n}"))),
-                access: match &r.access {
-                    AccessKind::Block => "block".into(),
-                    AccessKind::Mount { fs_type, .. } => fs_type.clone(),
-                },
-                volume_id: r.volume_id,
-                phase: r.phase,
-                read_only: r.read_only,
-                staging_path: r.staging_path,
-                targets: r.published,
-            }),
+            Ok(r) if !out.staged.iter().any(|s| s.volume_id == r.volume_id) => {
+                out.problems
+                    .push(Problem { path: path.clone(), detail: "a legacy record, imported into the store at the next start".into() });
+                out.staged.push(staged_status(r, None));
+            }
+            Ok(_) => out
+                .problems
+                .push(Problem { path, detail: "a legacy record for a volume the store holds; set aside at the next start".into() }),
             Err(detail) => {
                 out.problems.push(Problem { path, detail: format!("unreadable record (quarantined at the next start): {detail}") })
             }
@@ -157,7 +200,7 @@ mod tests {
     #[test]
     fn reports_without_changing_anything() {
         let d = tempfile::tempdir().unwrap();
-        let (pool_dir, staged_dir) = (d.path().join("pool"), d.path().join("staged"));
+        let (pool_dir, state_dir) = (d.path().join("pool"), d.path().to_path_buf());
         let pool = ImagePool::open(&pool_dir).unwrap();
         for id in ["a", "b"] {
             let meta = VolumeMeta {
@@ -170,7 +213,7 @@ mod tests {
             };
             pool.create(meta).unwrap();
         }
-        let recs = StagedRecords::open(&staged_dir).unwrap();
+        let recs = StagedRecords::open(&state_dir).unwrap();
         recs.put(&StagedVolume {
             volume_id: "a".into(),
             image: pool.image_path("a"),
@@ -185,7 +228,7 @@ mod tests {
         std::fs::write(pool_dir.join("b.json"), b"{").unwrap();
         std::fs::write(pool_dir.join("orphan.img"), b"").unwrap();
         let before: Vec<_> = walk(d.path());
-        let r = report(&pool_dir, &staged_dir).unwrap();
+        let r = report(&pool_dir, &state_dir, false).unwrap();
         assert_eq!(walk(d.path()), before, "status changes nothing");
         assert_eq!(r.volumes.iter().map(|v| v.id.as_str()).collect::<Vec<_>>(), ["a"]);
         assert_eq!(r.staged.len(), 1);
@@ -195,7 +238,7 @@ mod tests {
         assert_eq!(json["staged"][0]["phase"], "staged");
         // After a restart the bad record is quarantined and reported so.
         drop(ImagePool::open(&pool_dir).unwrap());
-        let r = report(&pool_dir, &staged_dir).unwrap();
+        let r = report(&pool_dir, &state_dir, false).unwrap();
         assert_eq!(r.quarantined.len(), 1);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
     }

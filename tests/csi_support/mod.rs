@@ -49,7 +49,16 @@ impl Agent {
         let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let child = spawn(&kubelet, &state, &socket, &log, &[]);
-        let c = rt.block_on(connect(&socket));
+        let c = rt.block_on(async {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Some(c) = probe_ready(&socket).await {
+                    return c;
+                }
+                assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        });
         Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }
 
@@ -77,9 +86,33 @@ impl Agent {
     /// Kills whatever agent runs (SIGKILL) and starts one with `env` added
     /// to its environment, on the same state; returns once it is ready.
     pub fn respawn_with(&mut self, env: &[(&str, &str)]) {
+        if let Err(e) = self.try_respawn_with(env) {
+            panic!("{e}\n--- agent log, last lines ---\n{}", self.log_tail(30));
+        }
+    }
+
+    /// [`Self::respawn_with`], returning an error instead of panicking when
+    /// the agent exits before it is ready (a fault point armed in what the
+    /// agent does at start, say) or is not ready within 20 s.
+    pub fn try_respawn_with(&mut self, env: &[(&str, &str)]) -> Result<(), StartError> {
         self.kill_hard();
         self.child = Some(spawn(&self.kubelet, &self.state, &self.socket, &self.log, env));
-        self.c = self.rt.block_on(connect(&self.socket));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(c) = self.rt.block_on(probe_ready(&self.socket)) {
+                self.c = c;
+                return Ok(());
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                let signal = std::os::unix::process::ExitStatusExt::signal(&status);
+                return Err(StartError::Exited { status: status.to_string(), sigkill: signal == Some(libc::SIGKILL) });
+            }
+            if Instant::now() >= deadline {
+                return Err(StartError::NotReady(self.socket.clone()));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
     }
 
     /// Replaces the agent by one that SIGKILLs itself at fault point `point`
@@ -293,19 +326,33 @@ fn spawn(kubelet: &Path, state: &Path, socket: &Path, log: &Path, env: &[(&str, 
         .expect("start volring node")
 }
 
-async fn connect(socket: &Path) -> Clients {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if socket.exists() {
-            if let Ok(mut c) = Clients::connect(socket.to_path_buf()).await {
-                if let Ok(r) = c.identity.probe(ProbeRequest {}).await {
-                    if r.into_inner().ready == Some(true) {
-                        return c;
-                    }
-                }
-            }
+/// Why an agent did not come up.
+#[derive(Debug)]
+pub enum StartError {
+    /// It exited before Probe said ready (`sigkill`: of SIGKILL, as at a
+    /// fault point).
+    Exited {
+        status: String,
+        sigkill: bool,
+    },
+    NotReady(PathBuf),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Exited { status, .. } => write!(f, "the agent exited before it was ready: {status}"),
+            StartError::NotReady(socket) => write!(f, "the agent did not become ready on {} within 20 s", socket.display()),
         }
-        assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
-        tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Clients connected to the agent at `socket` if it answers Probe ready.
+async fn probe_ready(socket: &Path) -> Option<Clients> {
+    if !socket.exists() {
+        return None;
+    }
+    let mut c = Clients::connect(socket.to_path_buf()).await.ok()?;
+    let r = c.identity.probe(ProbeRequest {}).await.ok()?;
+    (r.into_inner().ready == Some(true)).then_some(c)
 }

@@ -39,7 +39,7 @@ impl Attached {
     /// The slot and data offset for a request of this range.
     pub fn route(&self, offset: u64, len: u64) -> (u32, usize) {
         match self.buffered {
-            Some(b) if offset % DIRECT_ALIGN != 0 || len % DIRECT_ALIGN != 0 => (b, DATA_OFFSET),
+            Some(b) if !offset.is_multiple_of(DIRECT_ALIGN) || !len.is_multiple_of(DIRECT_ALIGN) => (b, DATA_OFFSET),
             Some(_) => (self.file, DIRECT_DATA_OFFSET),
             None => (self.file, DATA_OFFSET),
         }

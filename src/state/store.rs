@@ -1,0 +1,250 @@
+//! The node's store: one redb file, `STATE_DIR/state.redb`, holding the
+//! desired state of every volume (the intents), the volumes' last known
+//! health, and what had to be quarantined.
+//!
+//! One file and one transaction per change: a volume's record and its
+//! attachment change together or not at all, which per-volume JSON files
+//! could not promise. Every commit is durable before it returns (redb's
+//! immediate durability: the data, then the header that points at it), so an
+//! intent written before a step is on disk before the step runs.
+//!
+//! The agent is the one writer. `volring status` opens the file read-only
+//! beside it (redb's single-writer mode lets readers follow the writer's
+//! commits). After a crash the file needs redb's repair before anything can
+//! read it; [`Store::read_only`] does that repair itself, but only when it can
+//! take the agent's lock, i.e. when no agent is running.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use redb::{Builder, ConcurrencyMode, Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+/// Desired state: volume id → the volume's record (JSON, so an operator's
+/// tools and older agents can read it, and a new field needs no migration).
+const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+/// Records that could not be decoded: id → [`QuarantinedRecord`] (JSON).
+const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
+/// The reconciler's last verdict per volume (JSON); written only on change.
+const HEALTH: TableDefinition<&str, &[u8]> = TableDefinition::new("health");
+/// Legacy JSON record files already imported: file name → FNV-1a of its bytes.
+const IMPORTED: TableDefinition<&str, u64> = TableDefinition::new("imported");
+
+/// The store's file name inside the state directory.
+pub const FILE: &str = "state.redb";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("state store {path}: {detail}")]
+    Store { path: PathBuf, detail: String },
+    #[error("state store {path} is being written by a running agent and needs no repair, but could not be read: {detail}")]
+    Busy { path: PathBuf, detail: String },
+}
+
+/// A record the store could not decode, kept with why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QuarantinedRecord {
+    pub id: String,
+    pub reason: String,
+    /// The record's bytes, as text (lossy), for the operator.
+    pub raw: String,
+}
+
+/// Everything the store holds, read in one transaction.
+#[derive(Debug, Default, Clone)]
+pub struct Contents {
+    pub volumes: Vec<(String, Vec<u8>)>,
+    pub quarantined: Vec<QuarantinedRecord>,
+    pub health: Vec<(String, Vec<u8>)>,
+}
+
+/// One change to the store; a batch of them is one transaction.
+#[derive(Debug, Clone)]
+pub enum Change<'a> {
+    PutVolume(&'a str, &'a [u8]),
+    RemoveVolume(&'a str),
+    Quarantine(&'a QuarantinedRecord),
+    PutHealth(&'a str, &'a [u8]),
+    RemoveHealth(&'a str),
+    Imported(&'a str, u64),
+}
+
+/// The node's store, open for writing (the agent).
+pub struct Store {
+    db: Database,
+    path: PathBuf,
+    /// Commit latency in microseconds.
+    commits: Mutex<Histogram<u64>>,
+}
+
+impl Store {
+    /// Opens (creating if needed) the store at `path`, repairing it after a
+    /// crash.
+    pub fn open(path: &Path) -> Result<Self, Error> {
+        let err = |detail: String| Error::Store { path: path.to_path_buf(), detail };
+        let db = builder().create(path).map_err(|e| err(e.to_string()))?;
+        let tx = db.begin_write().map_err(|e| err(e.to_string()))?;
+        {
+            // Every table exists from the start, so readers never meet a
+            // missing one.
+            tx.open_table(VOLUMES).map_err(|e| err(e.to_string()))?;
+            tx.open_table(QUARANTINE).map_err(|e| err(e.to_string()))?;
+            tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
+            tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
+        }
+        tx.commit().map_err(|e| err(e.to_string()))?;
+        let commits = Histogram::new_with_bounds(1, 60_000_000, 2).expect("static histogram bounds");
+        Ok(Self { db, path: path.to_path_buf(), commits: Mutex::new(commits) })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Applies `changes` in one durable transaction.
+    pub fn apply(&self, changes: &[Change<'_>]) -> Result<(), Error> {
+        let start = Instant::now();
+        let err = |detail: String| Error::Store { path: self.path.clone(), detail };
+        let tx = self.db.begin_write().map_err(|e| err(e.to_string()))?;
+        {
+            let mut volumes = tx.open_table(VOLUMES).map_err(|e| err(e.to_string()))?;
+            let mut quarantine = tx.open_table(QUARANTINE).map_err(|e| err(e.to_string()))?;
+            let mut health = tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
+            let mut imported = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
+            for c in changes {
+                let r = match *c {
+                    Change::PutVolume(id, bytes) => volumes.insert(id, bytes).map(drop),
+                    Change::RemoveVolume(id) => volumes.remove(id).map(drop),
+                    Change::Quarantine(q) => {
+                        let bytes = serde_json::to_vec(q).expect("a quarantined record serialises");
+                        volumes.remove(q.id.as_str()).and_then(|_| quarantine.insert(q.id.as_str(), bytes.as_slice())).map(drop)
+                    }
+                    Change::PutHealth(id, bytes) => health.insert(id, bytes).map(drop),
+                    Change::RemoveHealth(id) => health.remove(id).map(drop),
+                    Change::Imported(name, hash) => imported.insert(name, hash).map(drop),
+                };
+                r.map_err(|e| err(e.to_string()))?;
+            }
+        }
+        tx.commit().map_err(|e| err(e.to_string()))?;
+        let us = start.elapsed().as_micros().clamp(1, 60_000_000) as u64;
+        self.commits.lock().unwrap_or_else(|e| e.into_inner()).saturating_record(us);
+        Ok(())
+    }
+
+    /// Reads everything in one transaction.
+    pub fn contents(&self) -> Result<Contents, Error> {
+        read_all(&self.db, &self.path)
+    }
+
+    /// The hash recorded for an imported legacy file of this name.
+    pub fn imported(&self, name: &str) -> Result<Option<u64>, Error> {
+        let err = |detail: String| Error::Store { path: self.path.clone(), detail };
+        let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
+        let t = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
+        Ok(t.get(name).map_err(|e| err(e.to_string()))?.map(|v| v.value()))
+    }
+
+    /// Commit latency so far: (count, p50, p99) in microseconds.
+    pub fn commit_latency(&self) -> (u64, u64, u64) {
+        let h = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+        (h.len(), h.value_at_quantile(0.5), h.value_at_quantile(0.99))
+    }
+
+    /// Reads the store at `path` without writing it — beside a running agent,
+    /// or after one. A store left unrepaired by a crash is repaired first,
+    /// but only when `no_writer` is true (the caller holds the agent's lock).
+    /// A store that does not exist reads as empty.
+    pub fn read_only(path: &Path, no_writer: bool) -> Result<Contents, Error> {
+        if !path.exists() {
+            return Ok(Contents::default());
+        }
+        let err = |detail: String| Error::Store { path: path.to_path_buf(), detail };
+        match builder().open_read_only(path) {
+            Ok(db) => read_all(&db, path),
+            Err(redb::DatabaseError::RepairAborted) if no_writer => {
+                tracing::info!(store = %path.display(), "the store was not closed cleanly; repairing it before reading");
+                drop(builder().open(path).map_err(|e| err(e.to_string()))?);
+                let db = builder().open_read_only(path).map_err(|e| err(e.to_string()))?;
+                read_all(&db, path)
+            }
+            Err(e) => Err(Error::Busy { path: path.to_path_buf(), detail: e.to_string() }),
+        }
+    }
+}
+
+fn builder() -> Builder {
+    let mut b = Builder::new();
+    b.set_concurrency_mode(ConcurrencyMode::SingleWriter);
+    b
+}
+
+fn read_all(db: &impl ReadableDatabase, path: &Path) -> Result<Contents, Error> {
+    let err = |detail: String| Error::Store { path: path.to_path_buf(), detail };
+    let tx = db.begin_read().map_err(|e| err(e.to_string()))?;
+    let mut out = Contents::default();
+    let pairs = |def: TableDefinition<&str, &[u8]>| -> Result<Vec<(String, Vec<u8>)>, Error> {
+        let t = match tx.open_table(def) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(err(e.to_string())),
+        };
+        let mut v = Vec::new();
+        for row in t.iter().map_err(|e| err(e.to_string()))? {
+            let (k, val) = row.map_err(|e| err(e.to_string()))?;
+            v.push((k.value().to_string(), val.value().to_vec()));
+        }
+        Ok(v)
+    };
+    out.volumes = pairs(VOLUMES)?;
+    out.health = pairs(HEALTH)?;
+    for (id, bytes) in pairs(QUARANTINE)? {
+        let q = serde_json::from_slice(&bytes).unwrap_or_else(|e| QuarantinedRecord {
+            id: id.clone(),
+            reason: format!("quarantine entry itself unreadable: {e}"),
+            raw: String::from_utf8_lossy(&bytes).into_owned(),
+        });
+        out.quarantined.push(q);
+    }
+    Ok(out)
+}
+
+/// FNV-1a, 64 bits: tells whether a legacy file was already imported as is.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_are_one_transaction_and_survive_reopen() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(FILE);
+        let s = Store::open(&path).unwrap();
+        s.apply(&[Change::PutVolume("a", b"{1}"), Change::PutVolume("b", b"{2}"), Change::PutHealth("a", b"ok")]).unwrap();
+        let q = QuarantinedRecord { id: "b".into(), reason: "torn".into(), raw: "{2}".into() };
+        s.apply(&[Change::Quarantine(&q), Change::Imported("a.json", 7)]).unwrap();
+        // A reader beside the writer sees every commit.
+        let seen = Store::read_only(&path, false).unwrap();
+        assert_eq!(seen.volumes, vec![("a".to_string(), b"{1}".to_vec())]);
+        assert_eq!(seen.quarantined, vec![q.clone()]);
+        assert_eq!(seen.health, vec![("a".to_string(), b"ok".to_vec())]);
+        drop(s);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.imported("a.json").unwrap(), Some(7));
+        s.apply(&[Change::RemoveVolume("a"), Change::RemoveHealth("a")]).unwrap();
+        let c = s.contents().unwrap();
+        assert!(c.volumes.is_empty() && c.health.is_empty() && c.quarantined == vec![q]);
+        assert_eq!(s.commit_latency().0, 1, "commits since this open");
+    }
+
+    #[test]
+    fn a_missing_store_reads_empty() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Store::read_only(&d.path().join(FILE), true).unwrap();
+        assert!(c.volumes.is_empty());
+    }
+}

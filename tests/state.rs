@@ -1,0 +1,222 @@
+//! The node's state of world against the real kernel: the reconciler
+//! repairs what changes behind the agent's back, finishes what a crash
+//! interrupted before Probe answers ready, and the store keeps (and
+//! imports) every staged volume. Each test starts its own `volring node` in
+//! a private mount namespace; tests run one at a time, so an environment
+//! variable set for one agent reaches only that agent.
+
+mod common;
+mod csi_support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::check;
+use csi_support::{block_cap, loops_under, mount_cap, mounts_under, Agent, MIB};
+use libtest_mimic::{Failed, Trial};
+use volring::volumes::attach;
+
+/// Polls `f` every 20 ms for at most `limit`.
+fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+fn all_gone(a: &Agent) -> Result<(), Failed> {
+    let m = mounts_under(&a.kubelet);
+    check(m.is_empty(), format!("still mounted: {m:?}"))?;
+    let l = loops_under(a.scratch.path());
+    check(l.is_empty(), format!("still attached: loop{l:?}"))
+}
+
+fn status_json(a: &Agent) -> Result<serde_json::Value, Failed> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["status", "--json", "--state-dir"])
+        .arg(&a.state)
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    check(out.status.success(), format!("volring status: {}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn staged_entry(v: &serde_json::Value, id: &str) -> Option<serde_json::Value> {
+    v["staged"].as_array()?.iter().find(|s| s["volume_id"] == id).cloned()
+}
+
+/// A loop device detached and a staging mount unmounted behind the
+/// agent's back are both restored (same image, same data), a staging mount
+/// that vanished under a published target is re-mounted, and the repairs
+/// show in the volume condition and in `volring status`.
+fn behind_the_back_repairs() -> Result<(), Failed> {
+    let a = Agent::start();
+    a.create("pvc-det", 64 * MIB, "ext4")?;
+    let staging = a.k("plugins/stage/det");
+    a.stage("pvc-det", &staging, mount_cap("ext4"))?;
+    std::fs::write(Path::new(&staging).join("kept"), b"kept")?;
+    let before = attach::find_backed_by(&a.image("pvc-det"));
+    check(before.len() == 1, "one device")?;
+    // Detach (the kernel defers it while mounted: autoclear) and unmount,
+    // which really detaches it.
+    volring::sys::loopdev::LoopDevice::open(before[0].number)?.detach()?;
+    rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty())?;
+    let repaired = eventually(Duration::from_secs(20), || {
+        attach::find_backed_by(&a.image("pvc-det")).len() == 1
+            && std::fs::read(Path::new(&staging).join("kept")).ok().as_deref() == Some(b"kept")
+    });
+    check(repaired, format!("re-attached and re-mounted: devices {:?}", attach::find_backed_by(&a.image("pvc-det"))))?;
+    // The verdict is published right after the repair's own mount.
+    let mut c = Default::default();
+    let shown = eventually(Duration::from_secs(5), || {
+        c = a.stats("pvc-det", &staging).ok().and_then(|s| s.volume_condition).unwrap_or_default();
+        !c.abnormal && c.message.contains("repaired")
+    });
+    check(shown, format!("condition after repair: {c:?}"))?;
+    let st = status_json(&a)?;
+    let entry = staged_entry(&st, "pvc-det").ok_or("pvc-det in status")?;
+    check(entry["health"]["last_repair"].is_object(), format!("status shows the repair: {entry}"))?;
+
+    // A published volume whose staging mount vanishes: re-mounted, and the
+    // target (kubelet's) is left as it is.
+    a.create("pvc-pub", 320 * MIB, "xfs")?;
+    let (staging2, target) = (a.k("plugins/stage/pub"), a.k("pods/p/pub"));
+    a.stage("pvc-pub", &staging2, mount_cap("xfs"))?;
+    a.publish("pvc-pub", &staging2, &target, mount_cap("xfs"), false)?;
+    std::fs::write(Path::new(&target).join("data"), b"data")?;
+    rustix::mount::unmount(staging2.as_str(), rustix::mount::UnmountFlags::empty())?;
+    let back = eventually(Duration::from_secs(20), || std::fs::read(Path::new(&staging2).join("data")).ok().as_deref() == Some(b"data"));
+    check(back, "the staging mount is back")?;
+    check(std::fs::read(Path::new(&target).join("data"))? == b"data", "the target still serves the volume")?;
+
+    // A block volume whose bound device node is unmounted: bound again.
+    a.create("pvc-blk", 32 * MIB, "")?;
+    let staging3 = a.k("plugins/stage/blk");
+    a.stage("pvc-blk", &staging3, block_cap())?;
+    let node = Path::new(&staging3).join("pvc-blk");
+    rustix::mount::unmount(&node, rustix::mount::UnmountFlags::empty())?;
+    let bound = eventually(Duration::from_secs(20), || mounts_under(Path::new(&staging3)).len() == 1);
+    check(bound, "the block device is bound again")?;
+
+    // A tmpfs over the staging path's parent: the volume is not mounted
+    // under it (it is not volring's), and is repaired once it goes.
+    let parent = Path::new(&staging3).parent().ok_or("parent")?.to_path_buf();
+    let staging4 = parent.join("shadowed").to_string_lossy().into_owned();
+    a.create("pvc-sh", 32 * MIB, "")?;
+    a.stage("pvc-sh", &staging4, mount_cap(""))?;
+    // Shadow first, then pull the (now hidden) staging mount through a
+    // descriptor taken before, so nothing is repaired in between.
+    let hidden = rustix::fs::open(staging4.as_str(), rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY, rustix::fs::Mode::empty())?;
+    common::tmpfs_at(&parent);
+    std::fs::create_dir_all(&staging4)?;
+    rustix::mount::unmount(
+        format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&hidden)).as_str(),
+        rustix::mount::UnmountFlags::DETACH,
+    )?;
+    drop(hidden);
+    let refused = eventually(Duration::from_secs(10), || {
+        a.stats("pvc-sh", &staging4).ok().and_then(|s| s.volume_condition).is_some_and(|c| c.abnormal && c.message.contains("covered"))
+    });
+    let under = mounts_under(Path::new(&staging4));
+    common::umount(&parent);
+    check(refused && under.is_empty(), format!("repair under a shadowing mount: reported {refused}, mounts {under:?}"))?;
+    let back = eventually(Duration::from_secs(20), || mounts_under(Path::new(&staging4)).len() == 1);
+    check(back, "repaired once the shadow is gone")?;
+    a.unstage("pvc-sh", &staging4)?;
+
+    a.unpublish("pvc-pub", &target)?;
+    for (id, st) in [("pvc-det", &staging), ("pvc-pub", &staging2), ("pvc-blk", &staging3)] {
+        a.unstage(id, st)?;
+    }
+    all_gone(&a)
+}
+
+/// Starts `a`'s agent with a fault point armed, runs `call` (which the
+/// agent dies in), and starts it again unarmed.
+fn crash_at(a: &mut Agent, point: &str, call: impl FnOnce(&Agent) -> bool) -> Result<(), Failed> {
+    a.kill_hard();
+    std::env::set_var("VOLRING_FAULT_POINT", point);
+    a.respawn();
+    std::env::remove_var("VOLRING_FAULT_POINT");
+    let survived = call(a);
+    check(!survived, format!("the call went through fault point {point}"))?;
+    a.kill_hard();
+    a.respawn();
+    Ok(())
+}
+
+/// An unstage interrupted after its intent is finished by the restarted
+/// agent before it answers Probe ready; kubelet's retry then succeeds.
+/// An interrupted stage is likewise finished before ready.
+fn interrupted_operations_finish_before_ready() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.create("pvc-u", 32 * MIB, "")?;
+    let staging = a.k("plugins/stage/u");
+    a.stage("pvc-u", &staging, mount_cap(""))?;
+    crash_at(&mut a, "unstage:intent", |a| a.unstage("pvc-u", &staging).is_ok())?;
+    // `respawn` returned once Probe said ready: the unstage is done.
+    check(mounts_under(Path::new(&staging)).is_empty(), "unmounted before ready")?;
+    check(attach::find_backed_by(&a.image("pvc-u")).is_empty(), "detached before ready")?;
+    check(staged_entry(&status_json(&a)?, "pvc-u").is_none(), "no record left")?;
+    a.unstage("pvc-u", &staging)?;
+
+    a.create("pvc-s", 32 * MIB, "")?;
+    let staging = a.k("plugins/stage/s");
+    crash_at(&mut a, "stage:mount", |a| a.stage("pvc-s", &staging, mount_cap("")).is_ok())?;
+    check(mounts_under(Path::new(&staging)).len() == 1, "staged before ready")?;
+    let entry = staged_entry(&status_json(&a)?, "pvc-s").ok_or("pvc-s in status")?;
+    check(entry["phase"] == "staged", format!("recorded staged: {entry}"))?;
+    a.stage("pvc-s", &staging, mount_cap(""))?;
+    std::fs::write(Path::new(&staging).join("f"), b"f")?;
+    a.unstage("pvc-s", &staging)?;
+    all_gone(&a)
+}
+
+/// A node with the JSON records of the layout before the store imports
+/// them once at start and keeps every staged volume; `volring status`
+/// reads the store after a SIGKILL.
+fn legacy_records_imported_and_status_after_crash() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.create("pvc-l1", 32 * MIB, "")?;
+    a.create("pvc-l2", 32 * MIB, "")?;
+    let (s1, s2) = (a.k("plugins/stage/l1"), a.k("plugins/stage/l2"));
+    a.stage("pvc-l1", &s1, mount_cap(""))?;
+    a.stage("pvc-l2", &s2, block_cap())?;
+    a.kill_hard();
+    // After a SIGKILL the store needs redb's repair; status does it, as no
+    // agent holds the state directory.
+    let st = status_json(&a)?;
+    check(staged_entry(&st, "pvc-l1").is_some() && staged_entry(&st, "pvc-l2").is_some(), format!("status after SIGKILL: {st}"))?;
+    // Rewrite the state as an older agent kept it: one JSON file each.
+    let records = volring::volumes::StagedRecords::open(&a.state)?.all();
+    std::fs::remove_file(a.state.join(volring::state::store::FILE))?;
+    let legacy = a.state.join("staged");
+    std::fs::create_dir_all(&legacy)?;
+    for r in &records {
+        std::fs::write(legacy.join(format!("{}.json", r.volume_id)), serde_json::to_vec_pretty(r)?)?;
+    }
+    a.respawn();
+    let st = status_json(&a)?;
+    for id in ["pvc-l1", "pvc-l2"] {
+        let e = staged_entry(&st, id).ok_or(format!("{id} imported"))?;
+        check(e["phase"] == "staged" && e["attached"] == true, format!("{id}: {e}"))?;
+        check(legacy.join("imported").join(format!("{id}.json")).exists(), "the file is set aside")?;
+    }
+    a.stage("pvc-l1", &s1, mount_cap(""))?;
+    a.unstage("pvc-l1", &s1)?;
+    a.unstage("pvc-l2", &s2)?;
+    all_gone(&a)
+}
+
+fn main() {
+    let trials = vec![
+        Trial::test("state::behind_the_back_repairs", behind_the_back_repairs),
+        Trial::test("state::interrupted_operations_finish_before_ready", interrupted_operations_finish_before_ready),
+        Trial::test("state::legacy_records_imported_and_status_after_crash", legacy_records_imported_and_status_after_crash),
+    ];
+    common::run_in_private_namespace(trials)
+}
