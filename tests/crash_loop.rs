@@ -422,10 +422,12 @@ impl World {
     fn check_listed(&self) -> Res {
         let mut c = self.a.c.controller.clone();
         let r = self.a.run(c.list_volumes(ListVolumesRequest::default()))?.into_inner();
-        let listed: BTreeMap<String, i64> =
+        let mut listed: Vec<(String, i64)> =
             r.entries.into_iter().filter_map(|e| e.volume).map(|v| (v.volume_id, v.capacity_bytes)).collect();
+        listed.sort();
         let want: BTreeMap<String, i64> = self.live().map(|v| (v.id.clone(), v.size)).collect();
-        check(listed == want, format!("ListVolumes {listed:?}, the CO expects {want:?}")).map_err(|e| self.fail(msg(&e)))?;
+        let expected: Vec<(String, i64)> = want.clone().into_iter().collect();
+        check(listed == expected, format!("ListVolumes {listed:?}, the CO expects {expected:?}")).map_err(|e| self.fail(msg(&e)))?;
         let images: BTreeSet<String> = std::fs::read_dir(self.a.state.join("pool"))?
             .flatten()
             .filter_map(|e| e.file_name().to_str()?.strip_suffix(".img").map(str::to_string))
