@@ -36,6 +36,9 @@ impl Volumes for Records {
     fn act(&self, _: &str, _: Action) -> Acted {
         Acted::Intact
     }
+    fn orphans(&self, _: bool) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 fn record(i: usize) -> StagedVolume {
@@ -93,7 +96,7 @@ fn main() {
         let (info, _) = MountTable::from_mountinfo(&std::fs::read("/proc/self/mountinfo").unwrap_or_default());
         let table = Arc::new(RwLock::new(info));
         let t = Instant::now();
-        let config = ReconcileConfig { resync: Duration::from_secs(3600), repair: false };
+        let config = ReconcileConfig { resync: Duration::from_secs(3600), repair: false, remove_orphans: false };
         let r = Reconciler::start(config, Arc::new(Records(recs.clone())), table, recs.store().clone()).expect("reconciler");
         let first = t.elapsed();
         let rss = rss_kib().saturating_sub(rss0);

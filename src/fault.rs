@@ -37,8 +37,8 @@ use std::sync::OnceLock;
 ///   `node_expand:grow` (about to grow the filesystem), `node_expand:grown`;
 /// - NodeUnpublishVolume: `unpublish:unmounted`, `unpublish:removed`
 ///   (target removed), `unpublish:done` (record updated);
-/// - NodeUnstageVolume: `unstage:intent` (the Unstaging intent recorded),
-///   `unstage:unmounted`, `unstage:removed` (block file removed),
+/// - NodeUnstageVolume: `unstage:intent` (the Unstaging intent recorded,
+///   stale targets dropped), `unstage:unmounted`, `unstage:removed` (block file removed),
 ///   `unstage:detached`, `unstage:done` (record removed);
 /// - DeleteVolume: `pool.delete.tombstoned` (image renamed to its
 ///   tombstone), `pool.delete.unrecorded` (record removed),

@@ -237,6 +237,10 @@ struct CsiArgs {
     /// device); do not repair it.
     #[arg(long, env = "VOLRING_NO_REPAIR")]
     no_repair: bool,
+    /// Detach loop devices serving pool images that no staged record
+    /// explains (and nothing mounts); without it they are only reported.
+    #[arg(long, env = "VOLRING_REMOVE_ORPHANS")]
+    remove_orphans: bool,
 }
 
 impl CsiArgs {
@@ -244,6 +248,7 @@ impl CsiArgs {
         volring::state::reconcile::ReconcileConfig {
             resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
             repair: !self.no_repair,
+            remove_orphans: self.remove_orphans,
         }
     }
 }

@@ -4,12 +4,9 @@
 //! stage → publish → write → expand → unpublish → unstage → delete, or a
 //! part of it, and — when the agent dies at the point — starts a plain agent
 //! on the same state and retries the interrupted call as kubelet or the
-//! external provisioner would: the same request again — or, now and then,
-//! the reverse call, as kubelet does for an uncertain stage or publish whose
-//! pod went away (unstage, unpublish) and for a teardown whose volume a new
-//! pod wants (stage, publish). Once a cycle at most, the agent that takes
-//! over is itself armed with a point of the interrupted call, so recoveries
-//! get interrupted too.
+//! external provisioner would: the same request again, or, for a stage or
+//! publish, sometimes the teardown (kubelet's answer to an uncertain mount
+//! whose pod went away).
 //!
 //! After every cycle the machine is compared with a model of what the CO
 //! asked for, black-box — CSI answers, the mount table, sysfs and files, not
@@ -35,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use common::check;
 use csi_support::crash_model::{steps, Kind, Op, Rng, State, Vol};
-use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, StartError, MIB};
+use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, MIB};
 use libtest_mimic::Failed;
 use tonic::{Code, Status};
 use volring::csi::proto::*;
@@ -71,8 +68,6 @@ struct World {
     /// This cycle's recovery was armed with a second point already.
     double_fault: bool,
     double_faults: u32,
-    /// Points that fired while an agent started (finishing a call).
-    fired_at_start: u32,
 }
 
 impl World {
@@ -214,33 +209,19 @@ impl World {
             self.double_fault = true;
             self.double_faults += 1;
             eprintln!("cycle {}: the agent retrying {op:?} is armed at {}", self.cycle, self.point);
-            self.start_agent(Some(self.point), true)
-        } else {
-            self.start_agent(None, false)
-        }
-    }
-
-    /// Starts an agent on the same state, armed at `point` if given. With
-    /// `recovering`, an interrupted call is pending and the agent may finish
-    /// it at start, before it is ready (the reconciler does): if that
-    /// reaches the point, the agent dies before ready — counted as the
-    /// point firing — and a plain agent is started. At the start of a
-    /// cycle nothing is pending, so dying there is a failure.
-    fn start_agent(&mut self, point: Option<&'static str>, recovering: bool) -> Res {
-        let env: Vec<(&str, &str)> = point.map(|p| ("VOLRING_FAULT_POINT", p)).into_iter().collect();
-        match self.a.try_respawn_with(&env) {
-            Ok(()) => {
-                self.armed = point.is_some();
-                Ok(())
-            }
-            Err(StartError::Exited { sigkill: true, .. }) if recovering && point.is_some() => {
+            if self.a.arm(self.point) {
+                self.armed = true;
+            } else {
+                // The agent finishes interrupted operations before it is
+                // ready; it died doing so. The next one, unarmed, finishes.
+                eprintln!("cycle {}: it died at {} while recovering at start", self.cycle, self.point);
                 *self.fired.entry(self.point).or_default() += 1;
-                self.fired_at_start += 1;
-                eprintln!("cycle {}: the agent died at {} while it started (finishing the interrupted call)", self.cycle, self.point);
-                self.start_agent(None, false)
+                self.a.respawn();
             }
-            Err(e) => Err(self.fail(format!("starting the agent{}: {e}", point.map(|p| format!(" armed at {p}")).unwrap_or_default()))),
+        } else {
+            self.a.respawn();
         }
+        Ok(())
     }
 
     fn apply(&mut self, vi: usize, op: Op) -> Res {
@@ -422,12 +403,10 @@ impl World {
     fn check_listed(&self) -> Res {
         let mut c = self.a.c.controller.clone();
         let r = self.a.run(c.list_volumes(ListVolumesRequest::default()))?.into_inner();
-        let mut listed: Vec<(String, i64)> =
+        let listed: BTreeMap<String, i64> =
             r.entries.into_iter().filter_map(|e| e.volume).map(|v| (v.volume_id, v.capacity_bytes)).collect();
-        listed.sort();
         let want: BTreeMap<String, i64> = self.live().map(|v| (v.id.clone(), v.size)).collect();
-        let expected: Vec<(String, i64)> = want.clone().into_iter().collect();
-        check(listed == expected, format!("ListVolumes {listed:?}, the CO expects {expected:?}")).map_err(|e| self.fail(msg(&e)))?;
+        check(listed == want, format!("ListVolumes {listed:?}, the CO expects {want:?}")).map_err(|e| self.fail(msg(&e)))?;
         let images: BTreeSet<String> = std::fs::read_dir(self.a.state.join("pool"))?
             .flatten()
             .filter_map(|e| e.file_name().to_str()?.strip_suffix(".img").map(str::to_string))
@@ -545,7 +524,8 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         }
         w.cycle = cycle;
         w.point = order[cycle % POINTS.len()];
-        w.start_agent(Some(w.point), false)?;
+        w.a.arm(w.point);
+        w.armed = true;
         w.double_fault = false;
         let plan = w.plan(w.point);
         for (vi, op) in plan {
@@ -557,7 +537,8 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     }
     let per_cycle = started.elapsed() / cycles.max(1) as u32;
     // Tear everything down on a plain agent; then nothing may be left.
-    w.start_agent(None, false)?;
+    w.a.respawn();
+    w.armed = false;
     w.point = "(teardown)";
     for vi in 0..w.vols.len() {
         for op in steps(w.vols[vi].state, State::Absent) {
@@ -567,8 +548,8 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
     w.check_world()?;
     let not_fired: Vec<&str> = POINTS.iter().copied().filter(|p| !w.fired.contains_key(p)).collect();
     eprintln!(
-        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes ({} while recovering, {} of them \
-         at start), {} abandoned, {} transient errors; fired: {:?}",
+        "crash_loop: seed {}, {cycles} cycles, {:.2} s per cycle, {} volumes ({} ext4, {} xfs, {} block), {} crashes ({} while recovering), \
+         {} abandoned, {} transient errors; fired: {:?}",
         w.seed,
         per_cycle.as_secs_f64(),
         w.vols.len(),
@@ -577,7 +558,6 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         w.vols.iter().filter(|v| v.kind == Kind::Block).count(),
         w.fired.values().sum::<u32>(),
         w.double_faults,
-        w.fired_at_start,
         w.abandoned,
         w.transient.len(),
         w.fired
@@ -609,7 +589,6 @@ fn crash_loop() {
         ext4_grows: volring::volumes::filesystem::can_resize_ext4(),
         double_fault: false,
         double_faults: 0,
-        fired_at_start: 0,
     };
     if let Err(e) = crash_loop_inner(&mut w, cycles) {
         panic!("{}", msg(&e));

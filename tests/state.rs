@@ -77,9 +77,13 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
         !c.abnormal && c.message.contains("repaired")
     });
     check(shown, format!("condition after repair: {c:?}"))?;
-    let st = status_json(&a)?;
-    let entry = staged_entry(&st, "pvc-det").ok_or("pvc-det in status")?;
-    check(entry["health"]["last_repair"].is_object(), format!("status shows the repair: {entry}"))?;
+    // The store is written at the end of the reconciler's pass.
+    let mut entry = serde_json::Value::Null;
+    let stored = eventually(Duration::from_secs(5), || {
+        entry = status_json(&a).ok().and_then(|st| staged_entry(&st, "pvc-det")).unwrap_or_default();
+        entry["health"]["last_repair"].is_object()
+    });
+    check(stored, format!("status shows the repair: {entry}"))?;
 
     // A published volume whose staging mount vanishes: re-mounted, and the
     // target (kubelet's) is left as it is.
@@ -212,11 +216,32 @@ fn legacy_records_imported_and_status_after_crash() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// A loop device serving a pool image that no record explains is reported
+/// (status, agent) and left alone; with --remove-orphans it is detached.
+fn orphans_reported_and_removed_only_when_asked() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.create("pvc-o", 32 * MIB, "")?;
+    let out = std::process::Command::new("losetup").arg("-f").arg("--show").arg(a.image("pvc-o")).output()?;
+    check(out.status.success(), "losetup")?;
+    let st = status_json(&a)?;
+    check(st["problems"].to_string().contains("orphan"), format!("status reports the orphan: {}", st["problems"]))?;
+    a.restart();
+    check(attach::find_backed_by(&a.image("pvc-o")).len() == 1, "reported, not removed, by default")?;
+    a.kill_hard();
+    std::env::set_var("VOLRING_REMOVE_ORPHANS", "true");
+    a.respawn();
+    std::env::remove_var("VOLRING_REMOVE_ORPHANS");
+    check(attach::find_backed_by(&a.image("pvc-o")).is_empty(), "removed at start when asked")?;
+    a.delete("pvc-o")?;
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("state::behind_the_back_repairs", behind_the_back_repairs),
         Trial::test("state::interrupted_operations_finish_before_ready", interrupted_operations_finish_before_ready),
         Trial::test("state::legacy_records_imported_and_status_after_crash", legacy_records_imported_and_status_after_crash),
+        Trial::test("state::orphans_reported_and_removed_only_when_asked", orphans_reported_and_removed_only_when_asked),
     ];
     common::run_in_private_namespace(trials)
 }

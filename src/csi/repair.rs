@@ -41,6 +41,10 @@ impl Volumes for DriverVolumes {
         self.0.records.ids()
     }
 
+    fn orphans(&self, remove: bool) -> Vec<String> {
+        self.orphan_devices(remove)
+    }
+
     fn act(&self, id: &str, action: Action) -> Acted {
         let Some(_guard) = self.0.locks.try_lock_for_repair(id) else { return Acted::Busy };
         // Read again under the lock: a call may have changed it since.
@@ -60,6 +64,40 @@ impl Volumes for DriverVolumes {
 }
 
 impl DriverVolumes {
+    /// Loop devices serving pool images with no staged record. A stage
+    /// records its intent before it attaches, so a device without one was
+    /// made by something else or left by a crash before the store existed.
+    fn orphan_devices(&self, remove: bool) -> Vec<String> {
+        let d = &self.0;
+        let mut out = Vec::new();
+        for (att, image) in attach::serving_images_in(d.pool.dir()) {
+            let id = image.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".img")).unwrap_or("");
+            if d.records.get(id).is_some_and(|r| r.loop_number.is_none_or(|n| n == att.number)) {
+                continue;
+            }
+            let mounted: Vec<String> = {
+                let table = d.mounts.read().unwrap_or_else(|e| e.into_inner());
+                table.on_device(att.dev).map(|m| m.mount_point_path().display().to_string()).collect()
+            };
+            let mut what = format!("{} serves {} with no record", att.path().display(), image.display());
+            if !mounted.is_empty() {
+                what.push_str(&format!(", mounted at {}", mounted.join(", ")));
+            } else if remove {
+                // Under the volume's lock, so a stage cannot be starting.
+                if let Some(_g) = d.locks.try_lock_for_repair(id) {
+                    if d.records.get(id).is_none() {
+                        match attach::detach(att.number, &image) {
+                            Ok(()) => what.push_str(" (detached)"),
+                            Err(e) => what.push_str(&format!(" (detach failed: {e})")),
+                        }
+                    }
+                }
+            }
+            out.push(what);
+        }
+        out
+    }
+
     fn restage(&self, rec: &StagedVolume) -> super::Result<()> {
         let d = &self.0;
         // A mount over a directory between the kubelet root and the staging

@@ -36,6 +36,9 @@ pub trait Volumes: Send + Sync + 'static {
     fn record(&self, id: &str) -> Option<StagedVolume>;
     fn ids(&self) -> Vec<String>;
     fn act(&self, id: &str, action: Action) -> Acted;
+    /// Devices and mounts under volring's paths that no record explains,
+    /// described; removed too when `remove` (only what nothing holds).
+    fn orphans(&self, remove: bool) -> Vec<String>;
 }
 
 /// How an attempt to act went.
@@ -56,11 +59,14 @@ pub struct ReconcileConfig {
     pub resync: Duration,
     /// Repair what can be repaired (false: only report drift).
     pub repair: bool,
+    /// Detach loop devices serving pool images that no record explains
+    /// (false: only report them).
+    pub remove_orphans: bool,
 }
 
 impl Default for ReconcileConfig {
     fn default() -> Self {
-        Self { resync: Duration::from_secs(60), repair: true }
+        Self { resync: Duration::from_secs(60), repair: true, remove_orphans: false }
     }
 }
 
@@ -72,6 +78,8 @@ pub struct ReconcileStats {
     pub repairs_failed: AtomicU64,
     /// Volumes looked at, all passes together.
     pub volumes_assessed: AtomicU64,
+    /// What the last resync found that no record explains.
+    pub orphans: Mutex<Vec<String>>,
     /// Per-pass duration, microseconds.
     pub duration_us: Mutex<Option<Histogram<u64>>>,
 }
@@ -117,6 +125,7 @@ impl Reconciler {
         let mut core = Core::new(config, volumes, table, store, view.clone(), stats.clone());
         core.startup = true;
         core.pass(core.volumes.ids().into_iter().collect());
+        core.look_for_orphans();
         core.startup = false;
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("reconciler".into()).spawn(move || core.run(rx))?;
@@ -273,6 +282,7 @@ impl Core {
             }
             if resync {
                 next_resync = Instant::now() + self.config.resync;
+                self.look_for_orphans();
                 dirty.extend(self.volumes.ids());
                 dirty.extend(self.keys.keys().cloned());
             }
@@ -372,6 +382,15 @@ impl Core {
                 Some(health)
             }
         }
+    }
+
+    fn look_for_orphans(&self) {
+        let found = self.volumes.orphans(self.config.remove_orphans);
+        let mut known = self.stats.orphans.lock().unwrap_or_else(|e| e.into_inner());
+        for o in found.iter().filter(|o| !known.contains(o)) {
+            tracing::warn!(orphan = %o, removed = self.config.remove_orphans, "no record explains this");
+        }
+        *known = found;
     }
 
     fn store_verdicts(&self, changed: &[(String, Option<VolumeHealth>)]) {

@@ -80,6 +80,18 @@ pub fn find_backed_by_prefix(dir: &Path) -> Vec<u32> {
     loop_numbers().filter(|&n| backing_file(n).is_some_and(|b| b.starts_with(dir))).collect()
 }
 
+/// Every loop device serving an image file directly in `dir` (the pool),
+/// with that image.
+pub fn serving_images_in(dir: &Path) -> Vec<(Attachment, PathBuf)> {
+    loop_numbers()
+        .filter_map(|n| {
+            let b = backing_file(n)?;
+            (b.parent() == Some(dir)).then_some(())?;
+            Some((Attachment { number: n, dev: device_number(n).ok()? }, b))
+        })
+        .collect()
+}
+
 /// The numbers of every loop device the kernel has (attached or not).
 fn loop_numbers() -> impl Iterator<Item = u32> {
     std::fs::read_dir("/sys/block")

@@ -86,6 +86,18 @@ pub fn report(pool_dir: &Path, state_dir: &Path, no_agent: bool) -> Result<Statu
         read_pool(pool_dir, &mut out)?;
     }
     read_store(&store, no_agent, &mut out)?;
+    // Devices serving pool images that no staged record names: orphans.
+    for (att, image) in attach::serving_images_in(pool_dir) {
+        if !out.staged.iter().any(|s| s.device.as_deref() == Some(att.path().as_path())) {
+            out.problems.push(Problem {
+                path: att.path(),
+                detail: format!(
+                    "serves {} with no staged record (an orphan; `volring node --remove-orphans` detaches it)",
+                    image.display()
+                ),
+            });
+        }
+    }
     let legacy = state_dir.join(staged::LEGACY_DIR);
     if legacy.is_dir() {
         read_legacy(&legacy, &mut out)?;

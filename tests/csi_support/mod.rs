@@ -49,16 +49,7 @@ impl Agent {
         let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let child = spawn(&kubelet, &state, &socket, &log, &[]);
-        let c = rt.block_on(async {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                if let Some(c) = probe_ready(&socket).await {
-                    return c;
-                }
-                assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-        });
+        let c = rt.block_on(connect(&socket));
         Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }
 
@@ -86,39 +77,31 @@ impl Agent {
     /// Kills whatever agent runs (SIGKILL) and starts one with `env` added
     /// to its environment, on the same state; returns once it is ready.
     pub fn respawn_with(&mut self, env: &[(&str, &str)]) {
-        if let Err(e) = self.try_respawn_with(env) {
-            panic!("{e}\n--- agent log, last lines ---\n{}", self.log_tail(30));
-        }
-    }
-
-    /// [`Self::respawn_with`], returning an error instead of panicking when
-    /// the agent exits before it is ready (a fault point armed in what the
-    /// agent does at start, say) or is not ready within 20 s.
-    pub fn try_respawn_with(&mut self, env: &[(&str, &str)]) -> Result<(), StartError> {
         self.kill_hard();
         self.child = Some(spawn(&self.kubelet, &self.state, &self.socket, &self.log, env));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(c) = self.rt.block_on(probe_ready(&self.socket)) {
-                self.c = c;
-                return Ok(());
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                self.child = None;
-                let signal = std::os::unix::process::ExitStatusExt::signal(&status);
-                return Err(StartError::Exited { status: status.to_string(), sigkill: signal == Some(libc::SIGKILL) });
-            }
-            if Instant::now() >= deadline {
-                return Err(StartError::NotReady(self.socket.clone()));
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        self.c = self.rt.block_on(connect(&self.socket));
     }
 
     /// Replaces the agent by one that SIGKILLs itself at fault point `point`
-    /// (`name` or `name@N`, see `src/fault.rs`).
-    pub fn arm(&mut self, point: &str) {
-        self.respawn_with(&[("VOLRING_FAULT_POINT", point)]);
+    /// (`name` or `name@N`, see `src/fault.rs`). True once it is ready;
+    /// false when it died at the point before that — while finishing, at
+    /// start, an operation an earlier crash interrupted. No agent runs then.
+    pub fn arm(&mut self, point: &str) -> bool {
+        self.kill_hard();
+        let mut child = spawn(&self.kubelet, &self.state, &self.socket, &self.log, &[("VOLRING_FAULT_POINT", point)]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false;
+            }
+            if let Some(c) = self.rt.block_on(try_connect(&self.socket)) {
+                self.child = Some(child);
+                self.c = c;
+                return true;
+            }
+            assert!(Instant::now() < deadline, "the armed agent neither became ready nor died on {}", self.socket.display());
+            std::thread::sleep(Duration::from_millis(25));
+        }
     }
 
     /// Waits (bounded, 20 s) for the running agent to exit; true if it died
@@ -326,33 +309,29 @@ fn spawn(kubelet: &Path, state: &Path, socket: &Path, log: &Path, env: &[(&str, 
         .expect("start volring node")
 }
 
-/// Why an agent did not come up.
-#[derive(Debug)]
-pub enum StartError {
-    /// It exited before Probe said ready (`sigkill`: of SIGKILL, as at a
-    /// fault point).
-    Exited {
-        status: String,
-        sigkill: bool,
-    },
-    NotReady(PathBuf),
-}
-
-impl std::fmt::Display for StartError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            StartError::Exited { status, .. } => write!(f, "the agent exited before it was ready: {status}"),
-            StartError::NotReady(socket) => write!(f, "the agent did not become ready on {} within 20 s", socket.display()),
-        }
-    }
-}
-
-/// Clients connected to the agent at `socket` if it answers Probe ready.
-async fn probe_ready(socket: &Path) -> Option<Clients> {
+/// Connects once; the clients when the agent answers Probe ready.
+async fn try_connect(socket: &Path) -> Option<Clients> {
     if !socket.exists() {
         return None;
     }
     let mut c = Clients::connect(socket.to_path_buf()).await.ok()?;
     let r = c.identity.probe(ProbeRequest {}).await.ok()?;
     (r.into_inner().ready == Some(true)).then_some(c)
+}
+
+async fn connect(socket: &Path) -> Clients {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if socket.exists() {
+            if let Ok(mut c) = Clients::connect(socket.to_path_buf()).await {
+                if let Ok(r) = c.identity.probe(ProbeRequest {}).await {
+                    if r.into_inner().ready == Some(true) {
+                        return c;
+                    }
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
 }
