@@ -4,9 +4,12 @@
 //! stage → publish → write → expand → unpublish → unstage → delete, or a
 //! part of it, and — when the agent dies at the point — starts a plain agent
 //! on the same state and retries the interrupted call as kubelet or the
-//! external provisioner would: the same request again, or, for a stage or
-//! publish, sometimes the teardown (kubelet's answer to an uncertain mount
-//! whose pod went away).
+//! external provisioner would: the same request again — or, now and then,
+//! the reverse call, as kubelet does for an uncertain stage or publish whose
+//! pod went away (unstage, unpublish) and for a teardown whose volume a new
+//! pod wants (stage, publish). Once a cycle at most, the agent that takes
+//! over is itself armed with a point of the interrupted call, so recoveries
+//! (also the agent's own, at start) get interrupted too.
 //!
 //! After every cycle the machine is compared with a model of what the CO
 //! asked for, black-box — CSI answers, the mount table, sysfs and files, not
@@ -403,10 +406,12 @@ impl World {
     fn check_listed(&self) -> Res {
         let mut c = self.a.c.controller.clone();
         let r = self.a.run(c.list_volumes(ListVolumesRequest::default()))?.into_inner();
-        let listed: BTreeMap<String, i64> =
+        let mut listed: Vec<(String, i64)> =
             r.entries.into_iter().filter_map(|e| e.volume).map(|v| (v.volume_id, v.capacity_bytes)).collect();
+        listed.sort();
         let want: BTreeMap<String, i64> = self.live().map(|v| (v.id.clone(), v.size)).collect();
-        check(listed == want, format!("ListVolumes {listed:?}, the CO expects {want:?}")).map_err(|e| self.fail(msg(&e)))?;
+        let expected: Vec<(String, i64)> = want.clone().into_iter().collect();
+        check(listed == expected, format!("ListVolumes {listed:?}, the CO expects {expected:?}")).map_err(|e| self.fail(msg(&e)))?;
         let images: BTreeSet<String> = std::fs::read_dir(self.a.state.join("pool"))?
             .flatten()
             .filter_map(|e| e.file_name().to_str()?.strip_suffix(".img").map(str::to_string))
@@ -524,7 +529,11 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
         }
         w.cycle = cycle;
         w.point = order[cycle % POINTS.len()];
-        w.a.arm(w.point);
+        // Nothing is pending between cycles: an agent dying at start here
+        // did work it had no intent for.
+        if !w.a.arm(w.point) {
+            return Err(w.fail("the armed agent died before it was ready, with no operation pending"));
+        }
         w.armed = true;
         w.double_fault = false;
         let plan = w.plan(w.point);

@@ -29,8 +29,9 @@ impl Rng {
         (self.next() % n as u64) as usize
     }
 
-    pub fn one_in(&mut self, n: u64) -> bool {
-        self.next().is_multiple_of(n)
+    /// True with probability 1/n.
+    pub fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
     }
 
     pub fn shuffled<T: Copy>(&mut self, items: &[T]) -> Vec<T> {
