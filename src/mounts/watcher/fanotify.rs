@@ -10,7 +10,7 @@ use super::emitter::Emitter;
 use super::remount::{RemountDetector, Verdict};
 use super::{Command, WatchConfig};
 use crate::mounts::diff::diff;
-use crate::mounts::event::{EventKind, MountEvent, ResyncReason};
+use crate::mounts::event::{Changes, EventKind, MountEvent, ResyncReason};
 use crate::mounts::fanotify::{events, FanEvent};
 use crate::mounts::source::Statmounter;
 use crate::mounts::table::MountTable;
@@ -41,9 +41,8 @@ pub(super) struct FanotifyDriver {
     table: MountTable,
     emitter: Emitter,
     read_buf: Option<Vec<u8>>,
-    /// Ids touched by the batch being handled, in first-seen order, with the
-    /// union of their attach/detach bits.
-    batch: Vec<(u64, bool, bool)>,
+    /// Ids touched by the batch being handled, in first-seen order.
+    batch: Vec<Touched>,
     batch_index: HashMap<u64, usize>,
     remounts: RemountDetector,
     check_armed: bool,
@@ -52,6 +51,17 @@ pub(super) struct FanotifyDriver {
     /// be queued (a resync found them gone, or an attach event came too late
     /// to see them): those events must not report them again.
     reported_gone: RecentIds,
+}
+
+/// What the kernel said of one mount id in one batch.
+#[derive(Clone, Copy)]
+struct Touched {
+    id: u64,
+    attach: bool,
+    detach: bool,
+    /// Events that were moves (attach and detach at once). Each is reported,
+    /// also when the mount moved on before statmount could see where to.
+    moves: u32,
 }
 
 /// A bounded set of recent mount ids, oldest dropped first. Mount ids are
@@ -83,6 +93,11 @@ impl RecentIds {
     fn contains(&self, id: u64) -> bool {
         self.ids.contains(&id)
     }
+}
+
+/// A move the kernel reported whose destination was never observable.
+fn moved_unseen(id: u64) -> MountEvent {
+    MountEvent { kind: EventKind::Moved, id, mount: None, previous: None, changes: Changes::MOUNT_POINT, devices: Vec::new() }
 }
 
 impl FanotifyDriver {
@@ -131,14 +146,17 @@ impl FanotifyDriver {
             match ev {
                 Ok(FanEvent::Mount { id, attach, detach }) => {
                     n += 1;
+                    let moved = (attach && detach) as u32;
                     match self.batch_index.get(&id) {
                         Some(&i) => {
-                            self.batch[i].1 |= attach;
-                            self.batch[i].2 |= detach;
+                            let t = &mut self.batch[i];
+                            t.attach |= attach;
+                            t.detach |= detach;
+                            t.moves += moved;
                         }
                         None => {
                             self.batch_index.insert(id, self.batch.len());
-                            self.batch.push((id, attach, detach));
+                            self.batch.push(Touched { id, attach, detach, moves: moved });
                         }
                     }
                 }
@@ -172,23 +190,39 @@ impl FanotifyDriver {
     fn apply_batch(&mut self, ring: &mut Reactor) {
         let batch = std::mem::take(&mut self.batch);
         self.batch_index.clear();
-        for &(id, attach, _detach) in &batch {
+        for &Touched { id, attach, moves, .. } in &batch {
             self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
                     let m = Arc::new(m);
                     match self.table.insert(m.clone()) {
                         Some(old) => {
-                            if let Some(e) = MountEvent::between(&old, &m) {
+                            let seen = MountEvent::between(&old, &m);
+                            let seen_moves = seen.as_ref().is_some_and(|e| e.kind == EventKind::Moved) as u32;
+                            // Moves whose place statmount could not see (the
+                            // mount moved on, or back): one event each, first,
+                            // so the last event of the id holds its state.
+                            for _ in seen_moves..moves {
+                                self.emitter.emit(moved_unseen(id), ring, RETRY);
+                            }
+                            if let Some(e) = seen {
                                 self.emitter.emit(e, ring, RETRY);
                             }
                         }
-                        None => self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY),
+                        None => {
+                            self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY);
+                            for _ in 0..moves {
+                                self.emitter.emit(moved_unseen(id), ring, RETRY);
+                            }
+                        }
                     }
                 }
                 Ok(None) => match self.table.remove(id) {
                     Some(old) => {
                         self.reported_gone.insert(id);
+                        for _ in 0..moves {
+                            self.emitter.emit(moved_unseen(id), ring, RETRY);
+                        }
                         self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY);
                     }
                     None if self.reported_gone.contains(id) => {}
@@ -197,6 +231,9 @@ impl FanotifyDriver {
                         self.reported_gone.insert(id);
                         if attach {
                             self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
+                        }
+                        for _ in 0..moves {
+                            self.emitter.emit(moved_unseen(id), ring, RETRY);
                         }
                         self.emitter.emit(MountEvent::detached(id, None), ring, RETRY);
                     }
