@@ -252,42 +252,46 @@ fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
 /// After any burst the consumer's table equals the kernel's, and with
 /// fanotify every short-lived mount is reported (attach and detach).
 fn short_lived_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
-    short_lived_mounts_with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() })
+    short_lived_mounts_with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() }, false)
 }
 
-/// Every table change is taken for a remount at once, so resyncs race the
-/// fanotify events of the same mounts (what a starved watcher thread sees):
-/// each mount must still be reported attached once and detached once.
+/// Resyncs race the fanotify events of the same mounts (a resync is asked
+/// for after every mount and umount, and table changes are checked for
+/// remounts at once): each mount must still be reported attached once and
+/// detached once.
 fn short_lived_mounts_racing_resyncs(backend: BackendChoice) -> Result<(), Failed> {
-    short_lived_mounts_with(WatchConfig {
-        mode: WatchMode::Fanotify,
-        backend,
-        resync_interval: None,
-        remount_grace: Duration::ZERO,
-        ..WatchConfig::default()
-    })
+    short_lived_mounts_with(
+        WatchConfig { mode: WatchMode::Fanotify, backend, resync_interval: None, remount_grace: Duration::ZERO, ..WatchConfig::default() },
+        true,
+    )
 }
 
 /// Counts every event, including those of mounts gone before they could be
 /// read (which name no path, so cannot be told apart from other tests'
 /// mounts): runs on a thread with a mount namespace of its own.
-fn short_lived_mounts_with(config: WatchConfig) -> Result<(), Failed> {
+fn short_lived_mounts_with(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     std::thread::spawn(move || {
         volring::sys::ns::enter_private_mount_namespace_on_this_thread()?;
-        short_lived_mounts_alone(config)
+        short_lived_mounts_alone(config, racing_resyncs)
     })
     .join()
     .map_err(|_| Failed::from("scenario thread panicked"))?
 }
 
-fn short_lived_mounts_alone(config: WatchConfig) -> Result<(), Failed> {
+fn short_lived_mounts_alone(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     let mode = config.mode;
     let s = Scratch::new();
     let d = s.dir("burst");
     let mut w = Watch::with(config, &s);
     for _ in 0..50 {
         tmpfs_at(&d);
+        if racing_resyncs {
+            w.watcher().resync();
+        }
         umount(&d);
+        if racing_resyncs {
+            w.watcher().resync();
+        }
     }
     let keep = s.tmpfs("keep");
     let ev = w.take(if mode == WatchMode::Fanotify { 101 } else { 1 });
@@ -297,6 +301,9 @@ fn short_lived_mounts_alone(config: WatchConfig) -> Result<(), Failed> {
         check(attached == 51 && detached == 50, format!("attached {attached}, detached {detached}"))?;
     }
     check(w.table.top_at(keep.as_os_str().as_encoded_bytes()).is_some(), "last mount is in the table")?;
+    if racing_resyncs {
+        check(w.watcher().stats().resyncs > 0, "resyncs ran during the burst")?;
+    }
     same_as_kernel(&w.table, mode)
 }
 

@@ -23,11 +23,20 @@ const TABLE_CHANGED: ring::Token = 3;
 const REMOUNT_CHECK: ring::Token = 4;
 const PERIODIC: ring::Token = 5;
 const RETRY: ring::Token = 6;
+/// A turn of the ring while fanotify credits are left, so they expire on an
+/// idle ring too (see `remount`).
+const CREDIT_TURN: ring::Token = 7;
 
 /// One read takes up to this many bytes of events (about 1,600 events).
 const READ_SIZE: usize = 64 * 1024;
 /// More than any one event; fanotify copies only whole events.
 const SHORT_READ_MARGIN: usize = 4096;
+/// Reads of the fanotify fd on the ring thread itself before a remount
+/// check decides: 16 × 64 KiB holds more than a full fanotify queue.
+const SYNC_READS: usize = 16;
+/// Remount checks put off while a queued fanotify read is in flight (its
+/// events may explain the POLLPRI) before the check decides regardless.
+const MAX_DEFERRED_CHECKS: u32 = 8;
 
 /// True when this kernel can watch mounts with fanotify and statmount.
 pub(super) fn available() -> bool {
@@ -46,6 +55,12 @@ pub(super) struct FanotifyDriver {
     batch_index: HashMap<u64, usize>,
     remounts: RemountDetector,
     check_armed: bool,
+    /// The check timer fired; decided at the end of the ring turn, after
+    /// every completion of the turn (a late fanotify read among them).
+    check_due: bool,
+    checks_deferred: u32,
+    credit_turn_armed: bool,
+    grace: Duration,
     resync_interval: Option<Duration>,
     /// Mounts already reported detached whose own fanotify events may still
     /// be queued (a resync found them gone, or an attach event came too late
@@ -117,8 +132,12 @@ impl FanotifyDriver {
             read_buf: Some(vec![0; READ_SIZE]),
             batch: Vec::new(),
             batch_index: HashMap::new(),
-            remounts: RemountDetector::new(config.remount_grace, std::time::Instant::now()),
+            remounts: RemountDetector::new(config.remount_grace),
             check_armed: false,
+            check_due: false,
+            checks_deferred: 0,
+            credit_turn_armed: false,
+            grace: config.remount_grace,
             resync_interval: config.resync_interval,
             reported_gone: RecentIds::new(),
         })
@@ -170,8 +189,50 @@ impl FanotifyDriver {
             }
         }
         self.emitter.counters().fanotify_events.fetch_add(n, Ordering::Relaxed);
-        self.remounts.fanotify(n, std::time::Instant::now());
+        self.remounts.fanotify(n);
         overflow
+    }
+
+    /// Reads what the fanotify fd holds, here and now (it is non-blocking),
+    /// so a remount check counts the events the kernel has queued and the
+    /// ring has not read yet. Only when no queued read is in flight: events
+    /// must be handled in the order the kernel gave them. False when one is.
+    fn read_now(&mut self, ring: &mut Reactor) -> bool {
+        let Some(mut buf) = self.read_buf.take() else {
+            return false;
+        };
+        for _ in 0..SYNC_READS {
+            match rustix::io::read(&*self.fan, &mut buf[..]) {
+                Ok(n) if n > 0 => {
+                    self.handle(&buf[..n], ring);
+                    if n + SHORT_READ_MARGIN <= READ_SIZE {
+                        break;
+                    }
+                }
+                Ok(_) | Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "fanotify read failed");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        self.read_buf = Some(buf);
+        true
+    }
+
+    /// The remount check, at the end of the turn its timer fired in.
+    fn check_remounts(&mut self, ring: &mut Reactor) {
+        if !self.read_now(ring) && self.checks_deferred < MAX_DEFERRED_CHECKS {
+            // A queued read is in flight: its events come first.
+            self.checks_deferred += 1;
+            self.act(Verdict::CheckAfter(self.grace), ring);
+            return;
+        }
+        self.checks_deferred = 0;
+        let v = self.remounts.expire(std::time::Instant::now());
+        self.act(v, ring);
     }
 
     fn act(&mut self, v: Verdict, ring: &mut Reactor) {
@@ -270,20 +331,24 @@ impl FanotifyDriver {
         }
     }
 
+    /// Handles one read's events.
+    fn handle(&mut self, events: &[u8], ring: &mut Reactor) {
+        if self.collect(events) {
+            self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
+            self.batch.clear();
+            self.batch_index.clear();
+            self.resync(Some(ResyncReason::Overflow), ring);
+        } else {
+            self.apply_batch(ring);
+        }
+    }
+
     fn on_read(&mut self, c: Completion, ring: &mut Reactor) {
         let buf = c.buf.unwrap_or_default();
         match c.result {
             Ok(n) if n > 0 => {
-                let overflow = self.collect(&buf[..(n as usize).min(buf.len())]);
+                self.handle(&buf[..(n as usize).min(buf.len())], ring);
                 self.read_buf = Some(buf);
-                if overflow {
-                    self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
-                    self.batch.clear();
-                    self.batch_index.clear();
-                    self.resync(Some(ResyncReason::Overflow), ring);
-                } else {
-                    self.apply_batch(ring);
-                }
                 // A read that nearly filled the buffer may have left events
                 // behind: read on. A short one emptied the queue, and the
                 // multishot POLLIN reports whatever comes next.
@@ -334,9 +399,9 @@ impl Driver for FanotifyDriver {
             }
             REMOUNT_CHECK => {
                 self.check_armed = false;
-                let v = self.remounts.expire(std::time::Instant::now());
-                self.act(v, ring);
+                self.check_due = true;
             }
+            CREDIT_TURN => self.credit_turn_armed = false,
             PERIODIC => {
                 self.resync(None, ring);
                 if let Some(every) = self.resync_interval {
@@ -345,6 +410,16 @@ impl Driver for FanotifyDriver {
             }
             RETRY => self.emitter.retry(ring, RETRY),
             _ => {}
+        }
+        self.emitter.flow()
+    }
+
+    fn end_of_batch(&mut self, ring: &mut Reactor) -> Flow {
+        if std::mem::take(&mut self.check_due) {
+            self.check_remounts(ring);
+        }
+        if self.remounts.end_of_turn() && !self.credit_turn_armed {
+            self.credit_turn_armed = ring.timeout(CREDIT_TURN, self.grace).is_ok();
         }
         self.emitter.flow()
     }
