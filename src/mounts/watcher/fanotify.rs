@@ -421,6 +421,7 @@ impl Driver for FanotifyDriver {
         if self.remounts.end_of_turn() && !self.credit_turn_armed {
             self.credit_turn_armed = ring.timeout(CREDIT_TURN, self.grace).is_ok();
         }
+        self.emitter.announce();
         self.emitter.flow()
     }
 }
