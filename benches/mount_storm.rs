@@ -6,8 +6,17 @@
 //! attaches it reported, its ring thread's CPU time for the storm, and the
 //! latency from mount(2) returning to the event reaching a consumer thread.
 //!
-//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse]` (root)
+//! Then, per size, the whole `volring mounts --watch` process against a C
+//! fanotify+statmount watcher (`support/fanwatch.c`, compiled with `cc` here;
+//! skipped with a message when there is no `cc`): CPU of all threads of each
+//! process for the same storm, in paired runs (order alternating), medians
+//! and the median of the per-pair volring/C ratios, with lines printed and
+//! context switches as counts that noise does not blur.
+//!
+//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse|process --runs 9]` (root)
 
+#[path = "support/process_storm.rs"]
+mod process_storm;
 mod support;
 
 use std::collections::HashMap;
@@ -115,9 +124,23 @@ fn main() {
     let sizes = arg_list(&args, "--sizes", &[1_000, 10_000, 20_000]);
     let pairs = arg_list(&args, "--pairs", &[1_000])[0];
     let only = args.iter().position(|a| a == "--watcher").and_then(|i| args.get(i + 1)).cloned();
+    let runs = arg_list(&args, "--runs", &[9])[0].max(1);
     volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
+    let probe = farm.dir("probe");
+    let peer_dir = tempfile::tempdir().expect("tempdir");
+    let peer = match only.as_deref() {
+        None | Some("process") => match process_storm::build_peer(peer_dir.path()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                println!("process comparison skipped: cannot build the C peer ({e})");
+                None
+            }
+        },
+        Some(_) => None,
+    };
+    let lib_rows = only.as_deref() != Some("process");
     println!("mount storm: {pairs} short-lived mounts per run; latency = mount(2) return -> event at a consumer thread");
     println!(
         "{:>7} {:>9} {:>11} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9}",
@@ -139,6 +162,12 @@ fn main() {
                 o.storm.as_secs_f64() * 1e3
             )
         };
+        if let Some(peer) = &peer {
+            process_rows(n, runs, peer, &dirs, &probe);
+        }
+        if !lib_rows {
+            continue;
+        }
         let ours = (only.as_deref() != Some("reparse")).then(|| storm(WatchMode::Fanotify, &dirs));
         ours.iter().for_each(|o| row("volring", o));
         let base = (only.as_deref() != Some("volring")).then(|| storm(WatchMode::Reparse, &dirs));
@@ -151,4 +180,55 @@ fn main() {
             ours.cpu.as_secs_f64() / base.cpu.as_secs_f64().max(1e-9)
         );
     }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    support::pct(&v, 0.5)
+}
+
+/// `runs` paired storms, volring's process and the C peer's, order
+/// alternating; prints medians and the median of per-pair ratios.
+fn process_rows(n: usize, runs: usize, peer: &std::path::Path, dirs: &[PathBuf], probe: &std::path::Path) {
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for i in 0..runs {
+        let mut volring = std::process::Command::new(env!("CARGO_BIN_EXE_volring"));
+        volring.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
+        let mut c = std::process::Command::new(peer);
+        let (a, b) = if i % 2 == 0 {
+            let a = process_storm::storm(&mut volring, dirs, probe);
+            (a, process_storm::storm(&mut c, dirs, probe))
+        } else {
+            let b = process_storm::storm(&mut c, dirs, probe);
+            (process_storm::storm(&mut volring, dirs, probe), b)
+        };
+        match (a, b) {
+            (Ok(a), Ok(b)) => {
+                ours.push(a);
+                theirs.push(b);
+            }
+            (a, b) => println!("{n:>7} run {i} failed: volring {:?} / C {:?}", a.err(), b.err()),
+        }
+    }
+    if ours.is_empty() {
+        return;
+    }
+    let ms = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.cpu.as_secs_f64() * 1e3).collect());
+    let sw = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.switches as f64).collect());
+    let lines = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.lines as f64).collect());
+    let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a.cpu.as_secs_f64() / b.cpu.as_secs_f64().max(1e-9)).collect();
+    let all: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+    println!(
+        "{n:>7} process ({} paired runs, medians): volring {:.1} ms / C {:.1} ms CPU; ratio {:.2}x (per pair: {}); lines {:.0} / {:.0}; context switches {:.0} / {:.0}",
+        ours.len(),
+        ms(&ours),
+        ms(&theirs),
+        median(ratios.clone()),
+        all.join(" "),
+        lines(&ours),
+        lines(&theirs),
+        sw(&ours),
+        sw(&theirs)
+    );
 }

@@ -603,12 +603,19 @@ fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
 async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     let (watcher, _initial, events) = MountWatcher::start(config)?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // One write(2) per wakeup, not per event: in a storm the watcher queues
+    // many events per wakeup of this task. What is already queued is taken
+    // too (bounded by the queue's length), then flushed once.
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout());
     let result = loop {
         tokio::select! {
             ev = events.recv() => {
                 let Some(ev) = ev else { break Ok(()) };
-                let mut out = std::io::stdout().lock();
-                let written = serde_json::to_writer(&mut out, &ev).map_err(std::io::Error::from).and_then(|_| writeln!(out)).and_then(|_| out.flush());
+                let queued = std::iter::from_fn(|| events.try_recv()).take(events.len());
+                let written = std::iter::once(ev)
+                    .chain(queued)
+                    .try_for_each(|ev| serde_json::to_writer(&mut out, &ev).map_err(std::io::Error::from).and_then(|_| out.write_all(b"\n")))
+                    .and_then(|_| out.flush());
                 if let Err(e) = written {
                     break Err(stdout_error(e));
                 }

@@ -252,42 +252,46 @@ fn unmount_tree(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
 /// After any burst the consumer's table equals the kernel's, and with
 /// fanotify every short-lived mount is reported (attach and detach).
 fn short_lived_mounts(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
-    short_lived_mounts_with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() })
+    short_lived_mounts_with(WatchConfig { mode, backend, resync_interval: None, ..WatchConfig::default() }, false)
 }
 
-/// Every table change is taken for a remount at once, so resyncs race the
-/// fanotify events of the same mounts (what a starved watcher thread sees):
-/// each mount must still be reported attached once and detached once.
+/// Resyncs race the fanotify events of the same mounts (a resync is asked
+/// for after every mount and umount, and table changes are checked for
+/// remounts at once): each mount must still be reported attached once and
+/// detached once.
 fn short_lived_mounts_racing_resyncs(backend: BackendChoice) -> Result<(), Failed> {
-    short_lived_mounts_with(WatchConfig {
-        mode: WatchMode::Fanotify,
-        backend,
-        resync_interval: None,
-        remount_grace: Duration::ZERO,
-        ..WatchConfig::default()
-    })
+    short_lived_mounts_with(
+        WatchConfig { mode: WatchMode::Fanotify, backend, resync_interval: None, remount_grace: Duration::ZERO, ..WatchConfig::default() },
+        true,
+    )
 }
 
 /// Counts every event, including those of mounts gone before they could be
 /// read (which name no path, so cannot be told apart from other tests'
 /// mounts): runs on a thread with a mount namespace of its own.
-fn short_lived_mounts_with(config: WatchConfig) -> Result<(), Failed> {
+fn short_lived_mounts_with(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     std::thread::spawn(move || {
         volring::sys::ns::enter_private_mount_namespace_on_this_thread()?;
-        short_lived_mounts_alone(config)
+        short_lived_mounts_alone(config, racing_resyncs)
     })
     .join()
     .map_err(|_| Failed::from("scenario thread panicked"))?
 }
 
-fn short_lived_mounts_alone(config: WatchConfig) -> Result<(), Failed> {
+fn short_lived_mounts_alone(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     let mode = config.mode;
     let s = Scratch::new();
     let d = s.dir("burst");
     let mut w = Watch::with(config, &s);
     for _ in 0..50 {
         tmpfs_at(&d);
+        if racing_resyncs {
+            w.watcher().resync();
+        }
         umount(&d);
+        if racing_resyncs {
+            w.watcher().resync();
+        }
     }
     let keep = s.tmpfs("keep");
     let ev = w.take(if mode == WatchMode::Fanotify { 101 } else { 1 });
@@ -297,6 +301,9 @@ fn short_lived_mounts_alone(config: WatchConfig) -> Result<(), Failed> {
         check(attached == 51 && detached == 50, format!("attached {attached}, detached {detached}"))?;
     }
     check(w.table.top_at(keep.as_os_str().as_encoded_bytes()).is_some(), "last mount is in the table")?;
+    if racing_resyncs {
+        check(w.watcher().stats().resyncs > 0, "resyncs ran during the burst")?;
+    }
     same_as_kernel(&w.table, mode)
 }
 
@@ -660,6 +667,150 @@ fn cli_watch_streams_json_lines() -> Result<(), Failed> {
     check(v["event"] == "attached" || v["event"] == "detached", format!("line {line}"))
 }
 
+/// `STATX_MNT_ID_UNIQUE` (6.8+): the 64-bit id fanotify and statmount use.
+const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
+
+/// `volring mounts --watch` as a child, its stdout lines on a channel. Killed
+/// by its own PID and reaped on drop, also while it is stopped.
+struct WatchChild {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl WatchChild {
+    fn spawn(mode: WatchMode, backend: BackendChoice) -> Result<Self, Failed> {
+        use std::io::BufRead;
+        let mode = if mode == WatchMode::Fanotify { "fanotify" } else { "reparse" };
+        let io = if backend == BackendChoice::Epoll { "epoll" } else { "uring" };
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+            .args(["mounts", "--watch", "--mount-watch", mode, "--io", io])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or("stdout")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self { child, lines, reader: Some(reader) })
+    }
+
+    fn signal(&self, sig: rustix::process::Signal) -> Result<(), Failed> {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).ok_or("pid")?;
+        Ok(rustix::process::kill_process(pid, sig)?)
+    }
+
+    /// Stops the child and waits (2 s at most) until the kernel says so.
+    fn stop(&self) -> Result<(), Failed> {
+        self.signal(rustix::process::Signal::STOP)?;
+        let stat = format!("/proc/{}/stat", self.child.id());
+        for _ in 0..200 {
+            let text = std::fs::read_to_string(&stat)?;
+            // The state follows the command name's closing parenthesis.
+            if text.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T')) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Err("child did not stop".into())
+    }
+
+    /// Mounts and unmounts `probe` until the child prints a line (5 s at
+    /// most), then drains what follows for 150 ms.
+    fn wait_ready(&self, probe: &std::path::Path) -> Result<(), Failed> {
+        let mut ready = false;
+        for _ in 0..50 {
+            tmpfs_at(probe);
+            // Mounted while waiting: the re-parse watcher must see it too.
+            ready = self.lines.recv_timeout(Duration::from_millis(100)).is_ok();
+            umount(probe);
+            if ready {
+                break;
+            }
+        }
+        check(ready, "the watcher printed nothing")?;
+        self.lines_until(Duration::from_secs(5), |_| true);
+        Ok(())
+    }
+
+    /// Parsed lines until `enough` says so or `limit` passes, then 150 ms
+    /// more to catch extras.
+    fn lines_until(&self, limit: Duration, mut enough: impl FnMut(&[serde_json::Value]) -> bool) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + limit;
+        let mut got = Vec::new();
+        let mut quiet_until: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            if quiet_until.is_none() && enough(&got) {
+                quiet_until = Some(now + Duration::from_millis(150));
+            }
+            let until = quiet_until.unwrap_or(deadline);
+            if now >= until {
+                break;
+            }
+            if let Ok(line) = self.lines.recv_timeout(until - now) {
+                got.push(serde_json::from_str(&line).unwrap_or(serde_json::Value::String(line)));
+            }
+        }
+        got
+    }
+}
+
+impl Drop for WatchChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// Every kernel move is one `moved` line, also when the watcher was late and
+/// the kernel hands it all the moves of one mount in one fanotify read: the
+/// child is stopped (SIGSTOP, by its PID) while a tmpfs moves 20 times. The
+/// re-parse fallback sees one net move; its last line must say where to.
+fn stopped_watcher_reports_every_move(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
+    const MOVES: usize = 20;
+    let s = Scratch::new();
+    let places: Vec<_> = (0..=MOVES).map(|i| s.dir(&format!("mv{i}"))).collect();
+    tmpfs_at(&places[0]);
+    let stx = rustix::fs::statx(
+        rustix::fs::CWD,
+        &places[0],
+        rustix::fs::AtFlags::empty(),
+        rustix::fs::StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
+    )?;
+    let id = stx.stx_mnt_id;
+    let child = WatchChild::spawn(mode, backend)?;
+    child.wait_ready(&s.dir("probe"))?;
+    child.stop()?;
+    for pair in places.windows(2) {
+        mount_move(&pair[0], &pair[1])?;
+    }
+    child.signal(rustix::process::Signal::CONT)?;
+    let last = places[MOVES].display().to_string();
+    let is_move_of = |v: &serde_json::Value| {
+        v["event"] == "moved"
+            && (v["id"] == id
+                || v["mount"]["target"] == last.as_str()
+                || v["previous"]["target"] == places[0].display().to_string().as_str())
+    };
+    let want = if mode == WatchMode::Fanotify { MOVES } else { 1 };
+    let lines = child.lines_until(Duration::from_secs(5), |got| got.iter().filter(|v| is_move_of(v)).count() >= want);
+    let moves: Vec<_> = lines.iter().filter(|v| is_move_of(v)).collect();
+    check(moves.len() == want, format!("{} moved lines for {want} kernel moves: {moves:?}", moves.len()))?;
+    let final_place = moves.iter().rev().find_map(|v| v["mount"]["target"].as_str());
+    check(final_place == Some(last.as_str()), format!("last known place {final_place:?}, want {last}"))?;
+    let state_last = moves.last().is_some_and(|v| v["mount"]["target"] == last.as_str());
+    check(state_last, "the mount's last event holds its state")
+}
+
 fn main() {
     type Scenario = fn(WatchMode, BackendChoice) -> Result<(), Failed>;
     let scenarios: &[(&str, Scenario)] = &[
@@ -672,6 +823,7 @@ fn main() {
         ("unmount_tree", unmount_tree),
         ("short_lived_mounts", short_lived_mounts),
         ("lagging_consumer", lagging_consumer),
+        ("stopped_watcher_reports_every_move", stopped_watcher_reports_every_move),
     ];
     let mut trials = Vec::new();
     for (mode_name, mode) in [("fanotify", WatchMode::Fanotify), ("reparse", WatchMode::Reparse)] {

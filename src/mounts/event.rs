@@ -77,7 +77,10 @@ pub struct MountEvent {
     pub id: MountId,
     /// The mount after the change, or the last known state of a detached
     /// mount. `None` when the mount was gone before it could be read (a mount
-    /// attached and detached between two looks: both are still reported).
+    /// attached and detached between two looks: both are still reported),
+    /// and for a `moved` whose destination the mount had already left when
+    /// it was read (each kernel move is reported; the id's last event holds
+    /// its state).
     pub mount: Option<Arc<Mount>>,
     /// The state before, for moves and changes.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -30,6 +30,11 @@ impl Backlog {
     }
 
     pub(super) fn add(&mut self, e: MountEvent) {
+        // A move to a place never seen carries no state; the net diff shows
+        // where the mount is now.
+        if e.kind == EventKind::Moved && e.mount.is_none() {
+            return;
+        }
         let entry = self.entries.entry(e.id).or_insert_with(|| {
             self.order.push(e.id);
             let before = match e.kind {
@@ -74,6 +79,7 @@ impl Backlog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mounts::event::Changes;
     use crate::mounts::MountTable;
 
     #[test]
@@ -96,5 +102,23 @@ mod tests {
         let kinds: Vec<_> = net.iter().map(|e| (e.kind, e.id)).collect();
         assert_eq!(kinds, vec![(EventKind::Moved, 2), (EventKind::Detached, 3), (EventKind::Attached, 9)]);
         assert!(bl.is_empty());
+    }
+
+    #[test]
+    fn moves_never_seen_leave_the_net_diff_alone() {
+        let (t, _) = MountTable::from_mountinfo(b"2 1 0:20 / /a rw - tmpfs tmpfs rw\n");
+        let (t2, _) = MountTable::from_mountinfo(b"2 1 0:20 / /c rw - tmpfs tmpfs rw\n");
+        let (a, c) = (t.get(2).unwrap().clone(), t2.get(2).unwrap().clone());
+        let unseen =
+            MountEvent { kind: EventKind::Moved, id: 2, mount: None, previous: None, changes: Changes::MOUNT_POINT, devices: Vec::new() };
+        let mut bl = Backlog::default();
+        bl.add(unseen.clone());
+        assert!(bl.is_empty(), "a move with no state is no diff");
+        bl.add(unseen);
+        bl.add(MountEvent::between(&a, &c).unwrap());
+        let net = bl.take();
+        assert_eq!(net.len(), 1);
+        assert_eq!(net[0].mount.as_ref().map(|m| m.mount_point().to_vec()), Some(b"/c".to_vec()));
+        assert_eq!(net[0].previous.as_ref().map(|m| m.mount_point().to_vec()), Some(b"/a".to_vec()));
     }
 }

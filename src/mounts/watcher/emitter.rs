@@ -65,7 +65,7 @@ impl Emitter {
             return;
         }
         self.resolve(&mut e);
-        match self.tx.try_send(WatchEvent::Mount(e)) {
+        match self.tx.push(WatchEvent::Mount(e)) {
             Ok(()) => {
                 self.counters.deliveries.fetch_add(1, Ordering::Relaxed);
             }
@@ -82,7 +82,7 @@ impl Emitter {
         self.counters.mount_events.fetch_add(changes.len() as u64, Ordering::Relaxed);
         if self.backlog.is_empty() {
             changes.iter_mut().for_each(|e| self.resolve(e));
-            match self.tx.try_send(WatchEvent::resync(reason, changes)) {
+            match self.tx.push(WatchEvent::resync(reason, changes)) {
                 Ok(()) => {
                     self.counters.deliveries.fetch_add(1, Ordering::Relaxed);
                     return;
@@ -98,6 +98,12 @@ impl Emitter {
             self.backlog.add(e);
         }
         self.arm_retry(ring, retry);
+    }
+
+    /// Wakes the consumer once for everything sent this ring turn; the
+    /// drivers call it at the end of each turn.
+    pub(super) fn announce(&mut self) {
+        self.tx.announce();
     }
 
     fn arm_retry(&mut self, ring: &mut Reactor, retry: Token) {
@@ -119,7 +125,7 @@ impl Emitter {
         let mut changes = self.backlog.take();
         changes.iter_mut().for_each(|e| self.resolve(e));
         let reason = std::mem::replace(&mut self.backlog_reason, ResyncReason::ConsumerLagged);
-        match self.tx.try_send(WatchEvent::resync(reason, changes)) {
+        match self.tx.push(WatchEvent::resync(reason, changes)) {
             Ok(()) => {
                 self.counters.deliveries.fetch_add(1, Ordering::Relaxed);
                 self.counters.lagged_batches.fetch_add(1, Ordering::Relaxed);

@@ -10,7 +10,7 @@ use super::emitter::Emitter;
 use super::remount::{RemountDetector, Verdict};
 use super::{Command, WatchConfig};
 use crate::mounts::diff::diff;
-use crate::mounts::event::{EventKind, MountEvent, ResyncReason};
+use crate::mounts::event::{Changes, EventKind, MountEvent, ResyncReason};
 use crate::mounts::fanotify::{events, FanEvent};
 use crate::mounts::source::Statmounter;
 use crate::mounts::table::MountTable;
@@ -23,11 +23,20 @@ const TABLE_CHANGED: ring::Token = 3;
 const REMOUNT_CHECK: ring::Token = 4;
 const PERIODIC: ring::Token = 5;
 const RETRY: ring::Token = 6;
+/// A turn of the ring while fanotify credits are left, so they expire on an
+/// idle ring too (see `remount`).
+const CREDIT_TURN: ring::Token = 7;
 
 /// One read takes up to this many bytes of events (about 1,600 events).
 const READ_SIZE: usize = 64 * 1024;
 /// More than any one event; fanotify copies only whole events.
 const SHORT_READ_MARGIN: usize = 4096;
+/// Reads of the fanotify fd on the ring thread itself before a remount
+/// check decides: 16 × 64 KiB holds more than a full fanotify queue.
+const SYNC_READS: usize = 16;
+/// Remount checks put off while a queued fanotify read is in flight (its
+/// events may explain the POLLPRI) before the check decides regardless.
+const MAX_DEFERRED_CHECKS: u32 = 8;
 
 /// True when this kernel can watch mounts with fanotify and statmount.
 pub(super) fn available() -> bool {
@@ -41,17 +50,33 @@ pub(super) struct FanotifyDriver {
     table: MountTable,
     emitter: Emitter,
     read_buf: Option<Vec<u8>>,
-    /// Ids touched by the batch being handled, in first-seen order, with the
-    /// union of their attach/detach bits.
-    batch: Vec<(u64, bool, bool)>,
+    /// Ids touched by the batch being handled, in first-seen order.
+    batch: Vec<Touched>,
     batch_index: HashMap<u64, usize>,
     remounts: RemountDetector,
     check_armed: bool,
+    /// The check timer fired; decided at the end of the ring turn, after
+    /// every completion of the turn (a late fanotify read among them).
+    check_due: bool,
+    checks_deferred: u32,
+    credit_turn_armed: bool,
+    grace: Duration,
     resync_interval: Option<Duration>,
     /// Mounts already reported detached whose own fanotify events may still
     /// be queued (a resync found them gone, or an attach event came too late
     /// to see them): those events must not report them again.
     reported_gone: RecentIds,
+}
+
+/// What the kernel said of one mount id in one batch.
+#[derive(Clone, Copy)]
+struct Touched {
+    id: u64,
+    attach: bool,
+    detach: bool,
+    /// Events that were moves (attach and detach at once). Each is reported,
+    /// also when the mount moved on before statmount could see where to.
+    moves: u32,
 }
 
 /// A bounded set of recent mount ids, oldest dropped first. Mount ids are
@@ -85,6 +110,11 @@ impl RecentIds {
     }
 }
 
+/// A move the kernel reported whose destination was never observable.
+fn moved_unseen(id: u64) -> MountEvent {
+    MountEvent { kind: EventKind::Moved, id, mount: None, previous: None, changes: Changes::MOUNT_POINT, devices: Vec::new() }
+}
+
 impl FanotifyDriver {
     /// Opens the fanotify group before taking the snapshot, so no change can
     /// fall between the two: one seen twice is a no-op.
@@ -102,8 +132,12 @@ impl FanotifyDriver {
             read_buf: Some(vec![0; READ_SIZE]),
             batch: Vec::new(),
             batch_index: HashMap::new(),
-            remounts: RemountDetector::new(config.remount_grace, std::time::Instant::now()),
+            remounts: RemountDetector::new(config.remount_grace),
             check_armed: false,
+            check_due: false,
+            checks_deferred: 0,
+            credit_turn_armed: false,
+            grace: config.remount_grace,
             resync_interval: config.resync_interval,
             reported_gone: RecentIds::new(),
         })
@@ -131,14 +165,17 @@ impl FanotifyDriver {
             match ev {
                 Ok(FanEvent::Mount { id, attach, detach }) => {
                     n += 1;
+                    let moved = (attach && detach) as u32;
                     match self.batch_index.get(&id) {
                         Some(&i) => {
-                            self.batch[i].1 |= attach;
-                            self.batch[i].2 |= detach;
+                            let t = &mut self.batch[i];
+                            t.attach |= attach;
+                            t.detach |= detach;
+                            t.moves += moved;
                         }
                         None => {
                             self.batch_index.insert(id, self.batch.len());
-                            self.batch.push((id, attach, detach));
+                            self.batch.push(Touched { id, attach, detach, moves: moved });
                         }
                     }
                 }
@@ -152,8 +189,50 @@ impl FanotifyDriver {
             }
         }
         self.emitter.counters().fanotify_events.fetch_add(n, Ordering::Relaxed);
-        self.remounts.fanotify(n, std::time::Instant::now());
+        self.remounts.fanotify(n);
         overflow
+    }
+
+    /// Reads what the fanotify fd holds, here and now (it is non-blocking),
+    /// so a remount check counts the events the kernel has queued and the
+    /// ring has not read yet. Only when no queued read is in flight: events
+    /// must be handled in the order the kernel gave them. False when one is.
+    fn read_now(&mut self, ring: &mut Reactor) -> bool {
+        let Some(mut buf) = self.read_buf.take() else {
+            return false;
+        };
+        for _ in 0..SYNC_READS {
+            match rustix::io::read(&*self.fan, &mut buf[..]) {
+                Ok(n) if n > 0 => {
+                    self.handle(&buf[..n], ring);
+                    if n + SHORT_READ_MARGIN <= READ_SIZE {
+                        break;
+                    }
+                }
+                Ok(_) | Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "fanotify read failed");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        self.read_buf = Some(buf);
+        true
+    }
+
+    /// The remount check, at the end of the turn its timer fired in.
+    fn check_remounts(&mut self, ring: &mut Reactor) {
+        if !self.read_now(ring) && self.checks_deferred < MAX_DEFERRED_CHECKS {
+            // A queued read is in flight: its events come first.
+            self.checks_deferred += 1;
+            self.act(Verdict::CheckAfter(self.grace), ring);
+            return;
+        }
+        self.checks_deferred = 0;
+        let v = self.remounts.expire(std::time::Instant::now());
+        self.act(v, ring);
     }
 
     fn act(&mut self, v: Verdict, ring: &mut Reactor) {
@@ -172,23 +251,39 @@ impl FanotifyDriver {
     fn apply_batch(&mut self, ring: &mut Reactor) {
         let batch = std::mem::take(&mut self.batch);
         self.batch_index.clear();
-        for &(id, attach, _detach) in &batch {
+        for &Touched { id, attach, moves, .. } in &batch {
             self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
                     let m = Arc::new(m);
                     match self.table.insert(m.clone()) {
                         Some(old) => {
-                            if let Some(e) = MountEvent::between(&old, &m) {
+                            let seen = MountEvent::between(&old, &m);
+                            let seen_moves = seen.as_ref().is_some_and(|e| e.kind == EventKind::Moved) as u32;
+                            // Moves whose place statmount could not see (the
+                            // mount moved on, or back): one event each, first,
+                            // so the last event of the id holds its state.
+                            for _ in seen_moves..moves {
+                                self.emitter.emit(moved_unseen(id), ring, RETRY);
+                            }
+                            if let Some(e) = seen {
                                 self.emitter.emit(e, ring, RETRY);
                             }
                         }
-                        None => self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY),
+                        None => {
+                            self.emitter.emit(MountEvent::attached(id, Some(m)), ring, RETRY);
+                            for _ in 0..moves {
+                                self.emitter.emit(moved_unseen(id), ring, RETRY);
+                            }
+                        }
                     }
                 }
                 Ok(None) => match self.table.remove(id) {
                     Some(old) => {
                         self.reported_gone.insert(id);
+                        for _ in 0..moves {
+                            self.emitter.emit(moved_unseen(id), ring, RETRY);
+                        }
                         self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY);
                     }
                     None if self.reported_gone.contains(id) => {}
@@ -197,6 +292,9 @@ impl FanotifyDriver {
                         self.reported_gone.insert(id);
                         if attach {
                             self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
+                        }
+                        for _ in 0..moves {
+                            self.emitter.emit(moved_unseen(id), ring, RETRY);
                         }
                         self.emitter.emit(MountEvent::detached(id, None), ring, RETRY);
                     }
@@ -233,20 +331,24 @@ impl FanotifyDriver {
         }
     }
 
+    /// Handles one read's events.
+    fn handle(&mut self, events: &[u8], ring: &mut Reactor) {
+        if self.collect(events) {
+            self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
+            self.batch.clear();
+            self.batch_index.clear();
+            self.resync(Some(ResyncReason::Overflow), ring);
+        } else {
+            self.apply_batch(ring);
+        }
+    }
+
     fn on_read(&mut self, c: Completion, ring: &mut Reactor) {
         let buf = c.buf.unwrap_or_default();
         match c.result {
             Ok(n) if n > 0 => {
-                let overflow = self.collect(&buf[..(n as usize).min(buf.len())]);
+                self.handle(&buf[..(n as usize).min(buf.len())], ring);
                 self.read_buf = Some(buf);
-                if overflow {
-                    self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
-                    self.batch.clear();
-                    self.batch_index.clear();
-                    self.resync(Some(ResyncReason::Overflow), ring);
-                } else {
-                    self.apply_batch(ring);
-                }
                 // A read that nearly filled the buffer may have left events
                 // behind: read on. A short one emptied the queue, and the
                 // multishot POLLIN reports whatever comes next.
@@ -297,9 +399,9 @@ impl Driver for FanotifyDriver {
             }
             REMOUNT_CHECK => {
                 self.check_armed = false;
-                let v = self.remounts.expire(std::time::Instant::now());
-                self.act(v, ring);
+                self.check_due = true;
             }
+            CREDIT_TURN => self.credit_turn_armed = false,
             PERIODIC => {
                 self.resync(None, ring);
                 if let Some(every) = self.resync_interval {
@@ -309,6 +411,17 @@ impl Driver for FanotifyDriver {
             RETRY => self.emitter.retry(ring, RETRY),
             _ => {}
         }
+        self.emitter.flow()
+    }
+
+    fn end_of_batch(&mut self, ring: &mut Reactor) -> Flow {
+        if std::mem::take(&mut self.check_due) {
+            self.check_remounts(ring);
+        }
+        if self.remounts.end_of_turn() && !self.credit_turn_armed {
+            self.credit_turn_armed = ring.timeout(CREDIT_TURN, self.grace).is_ok();
+        }
+        self.emitter.announce();
         self.emitter.flow()
     }
 }

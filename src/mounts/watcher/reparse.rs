@@ -94,6 +94,7 @@ impl Driver for ReparseDriver {
         if std::mem::take(&mut self.dirty) {
             self.reparse(ring);
         }
+        self.emitter.announce();
         self.emitter.flow()
     }
 }

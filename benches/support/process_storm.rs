@@ -1,0 +1,143 @@
+//! Whole-process CPU of a mount watcher during a storm: `volring mounts
+//! --watch` against a C fanotify+statmount watcher (`fanwatch.c`, built here
+//! with `cc`), in paired runs, same namespace, same storm.
+//!
+//! A watcher is a child process writing JSON lines into a pipe that a thread
+//! of the bench drains and counts. Its CPU is the sum of its threads'
+//! `schedstat` run time (ns), taken before the storm and once its output has
+//! been quiet for 300 ms; context switches come from the threads' `status`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
+
+/// The C peer, compiled into `dir`; `Err` says why it cannot be (no `cc`).
+pub fn build_peer(dir: &Path) -> Result<PathBuf, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/support/fanwatch.c");
+    let out = dir.join("fanwatch");
+    let status = Command::new("cc").args(["-O2", "-o"]).arg(&out).arg(&src).status().map_err(|e| format!("cc: {e}"))?;
+    if !status.success() {
+        return Err(format!("cc failed: {status}"));
+    }
+    Ok(out)
+}
+
+/// One watcher process and the thread that counts its lines.
+struct Watcher {
+    child: Child,
+    lines: Arc<AtomicUsize>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What one storm cost one watcher.
+#[derive(Clone, Copy, Debug)]
+pub struct Cost {
+    pub cpu: Duration,
+    pub switches: u64,
+    pub lines: usize,
+}
+
+impl Watcher {
+    fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
+        let stdout = child.stdout.take().expect("piped");
+        let lines = Arc::new(AtomicUsize::new(0));
+        let count = lines.clone();
+        let reader = std::thread::spawn(move || {
+            let mut r = BufReader::with_capacity(1 << 16, stdout);
+            let mut line = Vec::new();
+            while r.read_until(b'\n', &mut line).map(|n| n > 0).unwrap_or(false) {
+                count.fetch_add(1, Ordering::Relaxed);
+                line.clear();
+            }
+        });
+        Ok(Self { child, lines, reader: Some(reader) })
+    }
+
+    fn tasks(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default()
+    }
+
+    /// (run time of all threads, voluntary + involuntary context switches).
+    fn usage(&self) -> (Duration, u64) {
+        let (mut ns, mut switches) = (0u64, 0u64);
+        for t in self.tasks() {
+            if let Ok(s) = std::fs::read_to_string(t.join("schedstat")) {
+                ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            }
+            if let Ok(s) = std::fs::read_to_string(t.join("status")) {
+                switches += s
+                    .lines()
+                    .filter(|l| l.contains("ctxt_switches"))
+                    .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                    .sum::<u64>();
+            }
+        }
+        (Duration::from_nanos(ns), switches)
+    }
+
+    /// Waits until the line count stays put for `quiet` (30 s at most).
+    fn settle(&self, quiet: Duration) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = usize::MAX;
+        let mut since = Instant::now();
+        while Instant::now() < deadline {
+            let n = self.lines.load(Ordering::Relaxed);
+            if n != last {
+                last = n;
+                since = Instant::now();
+            } else if since.elapsed() >= quiet {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        // Our own child, by its PID.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// Runs one storm of `dirs.len()` mount+umount pairs under the watcher that
+/// `cmd` starts. `probe` is a directory the bench mounts on until the watcher
+/// prints (so it is watching) before the storm.
+pub fn storm(cmd: &mut Command, dirs: &[PathBuf], probe: &Path) -> std::io::Result<Cost> {
+    let w = Watcher::spawn(cmd)?;
+    let mut ready = false;
+    for _ in 0..100 {
+        mount("tmpfs", probe, "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
+        std::thread::sleep(Duration::from_millis(20));
+        unmount(probe, UnmountFlags::empty())?;
+        if w.lines.load(Ordering::Relaxed) > 0 {
+            ready = true;
+            break;
+        }
+    }
+    if !ready {
+        return Err(std::io::Error::other("watcher printed nothing"));
+    }
+    w.settle(Duration::from_millis(200));
+    let before = w.lines.load(Ordering::Relaxed);
+    let (cpu0, sw0) = w.usage();
+    for d in dirs {
+        mount("tmpfs", d, "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
+        unmount(d, UnmountFlags::empty())?;
+    }
+    w.settle(Duration::from_millis(300));
+    let (cpu1, sw1) = w.usage();
+    Ok(Cost { cpu: cpu1.saturating_sub(cpu0), switches: sw1.saturating_sub(sw0), lines: w.lines.load(Ordering::Relaxed) - before })
+}
