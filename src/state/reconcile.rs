@@ -226,8 +226,8 @@ impl Core {
     ) -> Self {
         // Verdicts stored by an earlier run, so an unchanged one is not
         // written again.
-        if let Ok(c) = store.contents() {
-            view.set_many(c.health.into_iter().filter_map(|(id, b)| Some((id, serde_json::from_slice(&b).ok()?))).collect());
+        if let Ok(health) = store.health() {
+            view.set_many(health.into_iter().filter_map(|(id, b)| Some((id, serde_json::from_slice(&b).ok()?))).collect());
         }
         Self {
             config,
@@ -295,7 +295,7 @@ impl Core {
         let start = Instant::now();
         let n = ids.len();
         let mut busy = HashSet::new();
-        let mut changed: Vec<(String, Option<VolumeHealth>)> = Vec::new();
+        let mut changed: Vec<(String, VolumeHealth)> = Vec::new();
         let mut publish = Vec::new();
         for id in ids {
             let Some(rec) = self.volumes.record(&id) else {
@@ -318,7 +318,7 @@ impl Core {
             if before.as_deref() != Some(&health) {
                 let stored_before = before.as_deref().is_some_and(|h| *h != VolumeHealth::default());
                 if health != VolumeHealth::default() || stored_before {
-                    changed.push((id.clone(), Some(health.clone())));
+                    changed.push((id.clone(), health.clone()));
                 }
                 publish.push((id, health));
             }
@@ -391,14 +391,12 @@ impl Core {
         *known = found;
     }
 
-    fn store_verdicts(&self, changed: &[(String, Option<VolumeHealth>)]) {
+    fn store_verdicts(&self, changed: &[(String, VolumeHealth)]) {
         if changed.is_empty() {
             return;
         }
-        let bytes: Vec<(String, Vec<u8>)> = changed
-            .iter()
-            .filter_map(|(id, h)| Some((id.clone(), serde_json::to_vec(h.as_ref()?).expect("a verdict serialises"))))
-            .collect();
+        let bytes: Vec<(&str, Vec<u8>)> =
+            changed.iter().map(|(id, h)| (id.as_str(), serde_json::to_vec(h).expect("a verdict serialises"))).collect();
         let changes: Vec<Change<'_>> = bytes.iter().map(|(id, b)| Change::PutHealth(id, b)).collect();
         if let Err(e) = self.store.apply(&changes) {
             tracing::error!(error = %e, "could not store the reconciler's verdicts");

@@ -138,6 +138,19 @@ impl Store {
         read_all(&self.db, &self.path)
     }
 
+    /// The stored verdicts alone (the reconciler's start needs no records).
+    pub fn health(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        let err = |detail: String| Error::Store { path: self.path.clone(), detail };
+        let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
+        let t = tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
+        let mut v = Vec::new();
+        for row in t.iter().map_err(|e| err(e.to_string()))? {
+            let (k, val) = row.map_err(|e| err(e.to_string()))?;
+            v.push((k.value().to_string(), val.value().to_vec()));
+        }
+        Ok(v)
+    }
+
     /// The hash recorded for an imported legacy file of this name.
     pub fn imported(&self, name: &str) -> Result<Option<u64>, Error> {
         let err = |detail: String| Error::Store { path: self.path.clone(), detail };

@@ -137,6 +137,7 @@ impl StagedRecords {
         let store_err = |e: store::Error| Error::Corrupt { path: path.clone(), detail: e.to_string() };
         import_legacy(&store, &state_dir.join(LEGACY_DIR))?;
         let contents = store.contents().map_err(store_err)?;
+        let mut in_store: Vec<Quarantined> = contents.quarantined.iter().map(|q| as_quarantined(&path, q)).collect();
         let mut records = HashMap::with_capacity(contents.volumes.len());
         for (id, bytes) in contents.volumes {
             match decode(&bytes, &id) {
@@ -146,13 +147,14 @@ impl StagedRecords {
                 Err(reason) => {
                     let q = QuarantinedRecord { id: id.clone(), reason, raw: String::from_utf8_lossy(&bytes).into_owned() };
                     store.apply(&[Change::Quarantine(&q)]).map_err(store_err)?;
+                    in_store.push(as_quarantined(&path, &q));
                     tracing::error!(volume = %id, reason = %q.reason,
                         "undecodable staged record quarantined; whatever it staged (loop device, mounts) is no longer tracked");
                 }
             }
         }
         let mut quarantined = quarantined_in(state_dir)?;
-        quarantined.extend(store.contents().map_err(store_err)?.quarantined.iter().map(|q| as_quarantined(&path, q)));
+        quarantined.extend(in_store);
         Ok(Self { store: Arc::new(store), records: Mutex::new(records), quarantined, changed: Mutex::new(None) })
     }
 
