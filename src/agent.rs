@@ -125,15 +125,6 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let published = Arc::new(ArcSwap::from_pointee(inventory.clone()));
     let mount_stats = Arc::new(ArcSwap::from_pointee(watcher.stats()));
 
-    let sources = crate::metrics::Sources {
-        stats: collector.reader(),
-        inventory: published.clone(),
-        hotplug: hotplug.stats().clone(),
-        rings: vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug.ring_stats().clone())],
-        mounts: mount_stats.clone(),
-        nbd: nbd.as_ref().map(|s| s.exports().clone()),
-    };
-    let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     // Before Probe answers ready, every volume is looked at once and what a
     // crash interrupted is finished (or undone).
     let reconciler = match &csi {
@@ -149,6 +140,16 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let sources = crate::metrics::Sources {
+        stats: collector.reader(),
+        inventory: published.clone(),
+        hotplug: hotplug.stats().clone(),
+        rings: vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug.ring_stats().clone())],
+        mounts: mount_stats.clone(),
+        nbd: nbd.as_ref().map(|s| s.exports().clone()),
+        reconcile: reconciler.as_ref().map(|r| crate::metrics::Reconcile { stats: r.stats().clone(), view: r.view().clone() }),
+    };
+    let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     let notify = reconciler.as_ref().map(|r| r.notifier());
     ready.set(true);
 

@@ -20,6 +20,8 @@ use prometheus_client::registry::Registry;
 use crate::devices::{HotplugStats, Inventory, StatsReader};
 use crate::mounts::WatcherStats;
 use crate::ring::RingStats;
+use crate::state::actual::HealthView;
+use crate::state::reconcile::{ReconcileStats, PASS_BUCKETS_US};
 
 /// Everything `/metrics` reads from.
 #[derive(Clone)]
@@ -33,6 +35,15 @@ pub struct Sources {
     pub mounts: Arc<ArcSwap<WatcherStats>>,
     /// The NBD server's exports, when it runs.
     pub nbd: Option<Arc<crate::nbd::Exports>>,
+    /// The reconciler's counters and verdicts, when the CSI driver runs.
+    pub reconcile: Option<Reconcile>,
+}
+
+/// What `/metrics` reads of the reconciler.
+#[derive(Clone)]
+pub struct Reconcile {
+    pub stats: Arc<ReconcileStats>,
+    pub view: Arc<HealthView>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -47,6 +58,11 @@ fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Res
 
 fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: f64) -> Result<(), FmtError> {
     ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+/// A gauge that counts things (printed as an integer).
+fn how_many(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, n: usize) -> Result<(), FmtError> {
+    ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
 }
 
 /// One family, one series per device.
@@ -152,8 +168,79 @@ impl Collector for Sources {
         if let Some(exports) = &self.nbd {
             encode_nbd(&mut e, exports)?;
         }
+        if let Some(r) = &self.reconcile {
+            encode_reconcile(&mut e, r)?;
+        }
         Ok(())
     }
+}
+
+/// The kinds of drift, in the order they are exported; every kind gets a
+/// series (0 included), so an alert can be written before anything drifts.
+const DRIFT_KINDS: [&str; 6] = ["device_detached", "staging_missing", "staging_foreign", "target_missing", "target_foreign", "interrupted"];
+
+/// The reconciler: passes, repairs, a pass-duration histogram, how many
+/// volumes drift by kind, and one series per drifting volume (healthy
+/// volumes have none, so thousands of them cost nothing here).
+fn encode_reconcile(e: &mut DescriptorEncoder<'_>, r: &Reconcile) -> Result<(), FmtError> {
+    let s = &r.stats;
+    counter(e, "volring_reconcile_passes", "Reconciler passes (events, resyncs and the start)", s.passes.load(Ordering::Relaxed))?;
+    counter(
+        e,
+        "volring_reconcile_volumes_assessed",
+        "Volumes compared with their record, all passes",
+        s.volumes_assessed.load(Ordering::Relaxed),
+    )?;
+    let mut fam = e.encode_descriptor("volring_reconcile_repairs", "Repairs attempted, by result", None, MetricType::Counter)?;
+    for (result, v) in [("done", &s.repairs_done), ("failed", &s.repairs_failed)] {
+        ConstCounter::new(v.load(Ordering::Relaxed)).encode(fam.encode_family(&[("result", result)])?)?;
+    }
+    let orphans = s.orphans.lock().unwrap_or_else(|p| p.into_inner()).len();
+    how_many(e, "volring_reconcile_orphans", "Loop devices serving pool images that no record explains", orphans)?;
+    // The encoder takes each bucket's own count and accumulates them.
+    let buckets: Vec<(f64, u64)> = PASS_BUCKETS_US
+        .iter()
+        .map(|&b| b as f64 / 1e6)
+        .chain([f64::MAX])
+        .zip(&s.pass_buckets)
+        .map(|(bound, n)| (bound, n.load(Ordering::Relaxed)))
+        .collect();
+    let count = buckets.iter().map(|(_, n)| n).sum();
+    let mut fam =
+        e.encode_descriptor("volring_reconcile_pass_duration_seconds", "Time one reconciler pass took", None, MetricType::Histogram)?;
+    fam.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+        s.pass_sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+        count,
+        &buckets,
+        None,
+    )?;
+
+    let verdicts = r.view.all();
+    let mut by_kind = [0i64; DRIFT_KINDS.len()];
+    let mut drifting: Vec<(&str, &'static str)> = Vec::new();
+    for (id, h) in &verdicts {
+        for d in &h.drift {
+            if let Some(i) = DRIFT_KINDS.iter().position(|k| *k == d.kind()) {
+                by_kind[i] += 1;
+            }
+            drifting.push((id, d.kind()));
+        }
+    }
+    how_many(e, "volring_volumes", "Volumes this node holds (staged records)", verdicts.len())?;
+    let mut fam =
+        e.encode_descriptor("volring_volumes_drifting", "Drifts between desired and actual state, by kind", None, MetricType::Gauge)?;
+    for (kind, n) in DRIFT_KINDS.iter().zip(by_kind) {
+        ConstGauge::new(n).encode(fam.encode_family(&[("kind", *kind)])?)?;
+    }
+    drifting.sort_unstable();
+    drifting.dedup();
+    let mut fam =
+        e.encode_descriptor("volring_volume_drift", "1 for each way a volume differs from its record", None, MetricType::Gauge)?;
+    for (volume, kind) in drifting {
+        ConstGauge::new(1i64).encode(fam.encode_family(&[("volume", volume), ("kind", kind)])?)?;
+    }
+    let failing = verdicts.iter().filter(|(_, h)| h.repair_error.is_some()).count();
+    how_many(e, "volring_volumes_repair_failing", "Volumes whose last repair attempt failed", failing)
 }
 
 /// One series per export for each NBD counter, and request latency as a
@@ -294,5 +381,67 @@ mod tests {
             assert!(out.contains(line), "{line} in\n{out}");
         }
         assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
+    }
+
+    use crate::state::actual::{Drift, VolumeHealth};
+
+    struct Only(Reconcile);
+
+    impl std::fmt::Debug for Only {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Only")
+        }
+    }
+
+    impl Collector for Only {
+        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
+            encode_reconcile(&mut e, &self.0)
+        }
+    }
+
+    fn text(r: &Reconcile) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Only(r.clone())));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    }
+
+    #[test]
+    fn reconciler_drift_and_passes_are_exported() {
+        let r = Reconcile { stats: Arc::default(), view: Arc::default() };
+        r.stats.passes.store(3, Ordering::Relaxed);
+        r.stats.repairs_done.store(2, Ordering::Relaxed);
+        r.stats.repairs_failed.store(1, Ordering::Relaxed);
+        r.stats.pass_buckets[0].store(2, Ordering::Relaxed); // <= 100 us
+        r.stats.pass_buckets[4].store(1, Ordering::Relaxed); // <= 1 s
+        r.stats.pass_sum_us.store(500_150, Ordering::Relaxed);
+        let sick = VolumeHealth {
+            drift: vec![Drift::StagingMissing, Drift::DeviceDetached],
+            repair_error: Some("busy".into()),
+            ..Default::default()
+        };
+        let target = VolumeHealth { drift: vec![Drift::TargetMissing { path: "/t".into() }], ..Default::default() };
+        r.view.set_many(vec![("pvc-a".into(), sick), ("pvc-b".into(), target), ("pvc-ok".into(), VolumeHealth::default())]);
+        let t = text(&r);
+        for line in [
+            "volring_reconcile_passes_total 3",
+            "volring_reconcile_repairs_total{result=\"done\"} 2",
+            "volring_reconcile_repairs_total{result=\"failed\"} 1",
+            "volring_reconcile_pass_duration_seconds_bucket{le=\"0.0001\"} 2",
+            "volring_reconcile_pass_duration_seconds_bucket{le=\"0.1\"} 2",
+            "volring_reconcile_pass_duration_seconds_bucket{le=\"1.0\"} 3",
+            "volring_reconcile_pass_duration_seconds_count 3",
+            "volring_volumes 3",
+            "volring_volumes_drifting{kind=\"staging_missing\"} 1",
+            "volring_volumes_drifting{kind=\"target_missing\"} 1",
+            "volring_volumes_drifting{kind=\"staging_foreign\"} 0",
+            "volring_volume_drift{volume=\"pvc-a\",kind=\"device_detached\"} 1",
+            "volring_volume_drift{volume=\"pvc-b\",kind=\"target_missing\"} 1",
+            "volring_volumes_repair_failing 1",
+        ] {
+            assert!(t.lines().any(|l| l == line), "missing {line:?} in:\n{t}");
+        }
+        assert!(!t.contains("pvc-ok"), "a healthy volume has no series:\n{t}");
     }
 }

@@ -294,6 +294,10 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     check(reply.starts_with("HTTP/1.1 200"), format!("reply: {reply:.200}"))?;
     check(reply.contains("application/openmetrics-text"), "not OpenMetrics")?;
     check(reply.contains("volring_devices "), format!("no device gauge in: {reply:.2000}"))?;
+    // The reconciler's start pass ran before ready, and is counted.
+    let passes = reply.lines().find_map(|l| l.strip_prefix("volring_reconcile_passes_total ")).and_then(|n| n.parse::<u64>().ok());
+    check(passes.is_some_and(|n| n >= 1), format!("reconciler passes {passes:?} in: {reply:.4000}"))?;
+    check(reply.lines().any(|l| l == "volring_volumes 0"), "no volume gauge")?;
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
 }
 
