@@ -241,6 +241,18 @@ struct CsiArgs {
     /// explains (and nothing mounts); without it they are only reported.
     #[arg(long, env = "VOLRING_REMOVE_ORPHANS")]
     remove_orphans: bool,
+    /// Which service grows a volume's image: `controller`
+    /// (ControllerExpandVolume, then NodeExpandVolume for the filesystem)
+    /// or `node` (NodeExpandVolume does all of it on the volume's node;
+    /// the controller does not offer expansion; what deploy/ uses).
+    #[arg(long, env = "VOLRING_EXPANSION", value_enum, default_value_t = ExpansionArg::Controller)]
+    expansion: ExpansionArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExpansionArg {
+    Controller,
+    Node,
 }
 
 impl CsiArgs {
@@ -266,6 +278,10 @@ impl CsiArgs {
         c.state_dir = self.state_dir.clone();
         c.max_volumes = self.max_volumes;
         c.direct_io = !self.no_direct_io;
+        c.expansion = match self.expansion {
+            ExpansionArg::Controller => volring::csi::Expansion::Controller,
+            ExpansionArg::Node => volring::csi::Expansion::Node,
+        };
         Ok(Some(c))
     }
 }

@@ -173,6 +173,45 @@ fn expand_while_published(fs: &'static str) -> impl FnOnce() -> Result<(), Faile
     }
 }
 
+/// With `--expansion node` (what deploy/ runs) the controller does not
+/// offer expansion and NodeExpandVolume grows the image, the device and
+/// the filesystem on the volume's own node. The old code answered
+/// OutOfRange ("grow it with ControllerExpandVolume first").
+fn node_expansion_grows_where_the_volume_lives() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.respawn_with(&[("VOLRING_EXPANSION", "node")]);
+    let mut c = a.c.controller.clone();
+    let caps = a.run(c.controller_get_capabilities(ControllerGetCapabilitiesRequest {}))?.into_inner();
+    let expand = controller_service_capability::rpc::Type::ExpandVolume as i32;
+    let offered = caps.capabilities.iter().any(|c| matches!(&c.r#type, Some(controller_service_capability::Type::Rpc(r)) if r.r#type == expand));
+    check(!offered, "the controller does not offer EXPAND_VOLUME")?;
+    a.create("pvc-nb", 32 * MIB, "")?;
+    expect_code(a.expand("pvc-nb", 48 * MIB, block_cap()), Code::Unimplemented, "ControllerExpandVolume")?;
+    let (staging, target) = (a.k("plugins/stage/pvc-nb"), a.k("pods/nb/dev"));
+    a.stage("pvc-nb", &staging, block_cap())?;
+    a.publish("pvc-nb", &staging, &target, block_cap(), false)?;
+    check(a.node_expand("pvc-nb", &target, 48 * MIB)? == 48 * MIB, "node expand grows a block volume")?;
+    check(std::fs::metadata(a.image("pvc-nb"))?.len() == 48 * MIB as u64, "the image grew")?;
+    check(std::fs::File::open(&target)?.seek(SeekFrom::End(0))? == 48 * MIB as u64, "the device sees the new size")?;
+    check(a.node_expand("pvc-nb", &target, 48 * MIB)? == 48 * MIB, "a retry is a no-op")?;
+    expect_code(a.node_expand("pvc-nb", &target, -1), Code::InvalidArgument, "negative size")?;
+    a.unpublish("pvc-nb", &target)?;
+    a.unstage("pvc-nb", &staging)?;
+
+    a.create("pvc-nx", 320 * MIB, "xfs")?;
+    let (staging, target) = (a.k("plugins/stage/pvc-nx"), a.k("pods/nx/vol"));
+    a.stage("pvc-nx", &staging, mount_cap("xfs"))?;
+    a.publish("pvc-nx", &staging, &target, mount_cap("xfs"), false)?;
+    let total = |a: &Agent| -> Result<i64, Failed> { Ok(bytes_usage(&a.stats("pvc-nx", &target)?).map(|u| u.total).unwrap_or(0)) };
+    let before = total(&a)?;
+    check(a.node_expand("pvc-nx", &target, 512 * MIB)? == 512 * MIB, "node expand grows an xfs volume")?;
+    let after = total(&a)?;
+    check(after > before + 96 * MIB, format!("xfs grew: {before} -> {after}"))?;
+    a.unpublish("pvc-nx", &target)?;
+    a.unstage("pvc-nx", &staging)?;
+    all_gone(&a)
+}
+
 fn error_codes() -> Result<(), Failed> {
     let a = Agent::start();
     let staging = a.k("plugins/stage/v");
@@ -557,6 +596,7 @@ fn main() {
         Trial::test("csi::readonly_and_two_publishes", readonly_and_two_publishes),
         Trial::test("csi::expand_while_published_xfs", expand_while_published("xfs")),
         Trial::test("csi::expand_while_published_ext4", expand_while_published("ext4")),
+        Trial::test("csi::node_expansion_grows_where_the_volume_lives", node_expansion_grows_where_the_volume_lives),
         Trial::test("csi::error_codes", error_codes),
         Trial::test("csi::concurrent_calls_on_one_volume", concurrent_calls_on_one_volume),
         Trial::test("csi::restart_between_stage_and_unstage", restart_between_stage_and_unstage),

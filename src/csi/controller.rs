@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::proto::*;
 use super::validate::{self, Access};
-use super::{Driver, Error, Result};
+use super::{Driver, Error, Expansion, Result};
 use crate::volumes::{attach, AccessKind, FsKind, StagePhase, VolumeMeta};
 
 /// StorageClass parameters volring understands; the external-provisioner's
@@ -82,6 +82,9 @@ impl Driver {
     }
 
     pub(super) fn controller_expand(&self, req: ControllerExpandVolumeRequest) -> Result<ControllerExpandVolumeResponse> {
+        if self.config.expansion == Expansion::Node {
+            return Err(Error::Unimplemented("ControllerExpandVolume: volumes grow on their node (NodeExpandVolume)"));
+        }
         validate::volume_id(&req.volume_id)?;
         let range = req.capacity_range.as_ref().ok_or_else(|| Error::InvalidArgument("capacity_range is required".into()))?;
         validate::capacity_range(range)?;
@@ -100,12 +103,7 @@ impl Driver {
             // refreshes the device size.
             (None, None) => true,
         };
-        let size = if min_required(Some(range)) <= have.size_bytes {
-            have.size_bytes
-        } else {
-            let size = validate::capacity(Some(range), have.size_bytes, self.max_volume_size())?;
-            self.pool.grow(id, size)?.size_bytes
-        };
+        let size = self.grow_image(id, range, have.size_bytes)?;
         // A staged device sees the new size at once, so block volumes need
         // no node step; a filesystem still has to be grown by the node.
         if let Some(a) = staged.and_then(|r| attach::existing(r.loop_number?, &r.image)) {
@@ -177,6 +175,16 @@ impl Driver {
             },
             Err(e) => ValidateVolumeCapabilitiesResponse { confirmed: None, message: e.to_string() },
         })
+    }
+
+    /// Grows volume `id`'s image (now `have` bytes) to what `range` asks,
+    /// if it asks for more; returns the size it has then.
+    pub(super) fn grow_image(&self, id: &str, range: &CapacityRange, have: u64) -> Result<u64> {
+        if min_required(Some(range)) <= have {
+            return Ok(have);
+        }
+        let size = validate::capacity(Some(range), have, self.max_volume_size())?;
+        Ok(self.pool.grow(id, size)?.size_bytes)
     }
 
     /// The largest volume CreateVolume accepts and GetCapacity advertises:

@@ -28,6 +28,22 @@ pub struct CsiConfig {
     pub max_volumes: i64,
     /// Attach loop devices with direct I/O when the pool allows it.
     pub direct_io: bool,
+    /// Which service grows a volume's image.
+    pub expansion: Expansion,
+}
+
+/// Where a volume grows. Volumes are node-local, so in a cluster the
+/// image can only grow on the node that holds it: with [`Expansion::Node`]
+/// the controller does not offer EXPAND_VOLUME (the external resizer then
+/// only records the new size, its "trivial" mode) and NodeExpandVolume,
+/// which kubelet calls on the volume's own node, grows the image, the
+/// device and the filesystem. [`Expansion::Controller`] keeps the CSI
+/// spec's two-step flow for a CO that calls both services on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Expansion {
+    #[default]
+    Controller,
+    Node,
 }
 
 impl CsiConfig {
@@ -41,6 +57,7 @@ impl CsiConfig {
             node_id,
             max_volumes: 0,
             direct_io: true,
+            expansion: Expansion::Controller,
         }
     }
 }

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::proto::*;
+use super::driver::Expansion;
 use super::{Driver, DRIVER_NAME};
 
 impl Driver {
@@ -33,7 +34,10 @@ impl Driver {
 
     pub(super) fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
         use controller_service_capability::{rpc::Type as T, Rpc, Type};
-        let caps = [T::CreateDeleteVolume, T::ListVolumes, T::GetCapacity, T::ExpandVolume, T::SingleNodeMultiWriter];
+        let mut caps = vec![T::CreateDeleteVolume, T::ListVolumes, T::GetCapacity, T::ExpandVolume, T::SingleNodeMultiWriter];
+        if self.config.expansion == Expansion::Node {
+            caps.retain(|t| *t != T::ExpandVolume);
+        }
         ControllerGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()

@@ -23,7 +23,7 @@ pub mod server;
 mod service;
 pub mod validate;
 
-pub use driver::{CsiConfig, Driver, Readiness};
+pub use driver::{CsiConfig, Driver, Expansion, Readiness};
 pub use locks::{VolumeGuard, VolumeLocks};
 
 /// The plugin name reported by GetPluginInfo (and used by CSIDriver objects).

@@ -13,7 +13,7 @@ use std::path::Path;
 use super::owned::{Expect, Found};
 use super::proto::*;
 use super::validate;
-use super::{Driver, Error, Result};
+use super::{Driver, Error, Expansion, Result};
 use crate::volumes::beneath::Node;
 use crate::volumes::filesystem;
 use crate::volumes::{attach, AccessKind, StagedVolume};
@@ -103,12 +103,24 @@ impl Driver {
         if let Some(c) = &req.volume_capability {
             validate::capability(Some(c))?;
         }
+        if let Some(r) = &req.capacity_range {
+            validate::capacity_range(r)?;
+        }
         let _guard = self.lock(id)?;
         let rec = self.located(id, &path)?;
         let att = rec
             .loop_number
             .and_then(|n| attach::existing(n, &rec.image))
             .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no loop device; stage it again")))?;
+        if let (Expansion::Node, Some(range)) = (self.config.expansion, &req.capacity_range) {
+            // This node holds the image: grow it here (the controller does
+            // not offer expansion in this mode). Growing an image is
+            // idempotent (the pool's own `pool.expand.*` fault points cover
+            // a crash inside it), so a retry only refreshes the device and
+            // grows the filesystem.
+            let have = self.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+            self.grow_image(id, range, have.size_bytes)?;
+        }
         let size = attach::refresh_capacity(&att)?;
         crate::fault::point("node_expand:refreshed");
         let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes.max(0) as u64);
