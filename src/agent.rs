@@ -148,6 +148,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mounts: mount_stats.clone(),
         nbd: nbd.as_ref().map(|s| s.exports().clone()),
         reconcile: reconciler.as_ref().map(|r| crate::metrics::Reconcile { stats: r.stats().clone(), view: r.view().clone() }),
+        ready: ready.clone(),
     };
     let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     let notify = reconciler.as_ref().map(|r| r.notifier());

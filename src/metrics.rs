@@ -37,6 +37,9 @@ pub struct Sources {
     pub nbd: Option<Arc<crate::nbd::Exports>>,
     /// The reconciler's counters and verdicts, when the CSI driver runs.
     pub reconcile: Option<Reconcile>,
+    /// What `/readyz` answers: set once the start pass is done, cleared
+    /// when the agent begins to stop.
+    pub ready: crate::csi::Readiness,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -311,27 +314,50 @@ pub fn render(sources: &Sources) -> Result<String, FmtError> {
     Ok(out)
 }
 
-/// Serves `/metrics` on `listener` until the future is dropped. The
-/// caller binds it, so that a bad or taken address fails the agent at
-/// start rather than in a task that runs later.
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until the
+/// future is dropped. The caller binds it, so that a bad or taken address
+/// fails the agent at start rather than in a task that runs later.
+///
+/// `/healthz` answers from the agent's runtime, so a wedged runtime fails
+/// kubelet's liveness probe; the CSI socket's own liveness is the
+/// livenessprobe sidecar's (it calls Probe). `/readyz` is 503 until the
+/// start pass is done and again once the agent is stopping.
 pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
+    use axum::routing::get;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "serving /metrics");
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let sources = sources.clone();
-            async move {
-                match render(&sources) {
-                    Ok(body) => {
-                        (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+    let ready = sources.ready.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let sources = sources.clone();
+                async move {
+                    match render(&sources) {
+                        Ok(body) => {
+                            (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+                        }
+                        Err(_) => {
+                            (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string())
+                        }
                     }
-                    Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string()),
                 }
-            }
-        }),
-    );
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = ready.get();
+                async move {
+                    match ready {
+                        true => (StatusCode::OK, "ready\n"),
+                        false => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+                    }
+                }
+            }),
+        );
     axum::serve(listener, app).await
 }
 

@@ -298,7 +298,21 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     let passes = reply.lines().find_map(|l| l.strip_prefix("volring_reconcile_passes_total ")).and_then(|n| n.parse::<u64>().ok());
     check(passes.is_some_and(|n| n >= 1), format!("reconciler passes {passes:?} in: {reply:.4000}"))?;
     check(reply.lines().any(|l| l == "volring_volumes 0"), "no volume gauge")?;
+    // The probes kubelet uses (deploy/daemonset.yaml).
+    for (path, want) in [("/healthz", "ok"), ("/readyz", "ready")] {
+        let reply = http_get(addr, path)?;
+        check(reply.starts_with("HTTP/1.1 200") && reply.ends_with(&format!("{want}\n")), format!("{path}: {reply:.300}"))?;
+    }
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
+}
+
+fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String, Failed> {
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    conn.set_read_timeout(Some(PATIENCE))?;
+    std::io::Write::write_all(&mut conn, format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut reply = String::new();
+    conn.take(1 << 20).read_to_string(&mut reply)?;
+    Ok(reply)
 }
 
 /// A log line without its terminal colour codes (`ESC [ ... m`).

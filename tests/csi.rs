@@ -183,7 +183,8 @@ fn node_expansion_grows_where_the_volume_lives() -> Result<(), Failed> {
     let mut c = a.c.controller.clone();
     let caps = a.run(c.controller_get_capabilities(ControllerGetCapabilitiesRequest {}))?.into_inner();
     let expand = controller_service_capability::rpc::Type::ExpandVolume as i32;
-    let offered = caps.capabilities.iter().any(|c| matches!(&c.r#type, Some(controller_service_capability::Type::Rpc(r)) if r.r#type == expand));
+    let offered =
+        caps.capabilities.iter().any(|c| matches!(&c.r#type, Some(controller_service_capability::Type::Rpc(r)) if r.r#type == expand));
     check(!offered, "the controller does not offer EXPAND_VOLUME")?;
     a.create("pvc-nb", 32 * MIB, "")?;
     expect_code(a.expand("pvc-nb", 48 * MIB, block_cap()), Code::Unimplemented, "ControllerExpandVolume")?;

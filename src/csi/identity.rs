@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 
-use super::proto::*;
 use super::driver::Expansion;
+use super::proto::*;
 use super::{Driver, DRIVER_NAME};
 
 impl Driver {
