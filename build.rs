@@ -5,6 +5,7 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/csi.proto");
+    git_commit();
     let fds = protox::compile(["proto/csi.proto"], ["proto"])?;
     let enum_fields = [
         (".csi.v1.PluginCapability.Service.type", "plugin_service"),
@@ -24,4 +25,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     config.compile_fds(fds)?;
     Ok(())
+}
+
+/// `volring --version` names the commit it was built from (HEAD's short
+/// hash; uncommitted changes are not noted). Outside a git checkout (a
+/// source tarball, the image build without `.git`) it says nothing.
+fn git_commit() {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let Some(hash) = git(&["rev-parse", "--short=12", "HEAD"]) else {
+        return;
+    };
+    println!("cargo:rustc-env=VOLRING_GIT_COMMIT={hash}");
+    // Rebuilt when HEAD moves (a commit, a checkout), not on every build.
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        let dir = std::path::Path::new(&dir);
+        if dir.join("HEAD").exists() {
+            println!("cargo:rerun-if-changed={}", dir.join("HEAD").display());
+        }
+        if let Some(head) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            if dir.join(&head).exists() {
+                println!("cargo:rerun-if-changed={}", dir.join(head).display());
+            }
+        }
+    }
 }

@@ -148,11 +148,24 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mounts: mount_stats.clone(),
         nbd: nbd.as_ref().map(|s| s.exports().clone()),
         reconcile: reconciler.as_ref().map(|r| crate::metrics::Reconcile { stats: r.stats().clone(), view: r.view().clone() }),
+        csi: csi.as_ref().map(|c| c.driver.clone()),
         ready: ready.clone(),
     };
+    let metrics_url = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| format!("http://{a}/metrics"));
     let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     let notify = reconciler.as_ref().map(|r| r.notifier());
     ready.set(true);
+    // One line that says what this agent serves, for the person who just
+    // started it.
+    tracing::info!(
+        mounts = table.read().unwrap_or_else(|e| e.into_inner()).len(),
+        devices = inventory.len(),
+        metrics = metrics_url.as_deref().unwrap_or("off"),
+        csi = csi.as_ref().map_or_else(|| "off".to_string(), |c| format!("unix://{}", c.socket.path().display())),
+        nbd = nbd.as_ref().map_or_else(|| "off".to_string(), |s| s.addresses().join(",")),
+        volumes = reconciler.as_ref().map_or(0, |r| r.view().all().len()),
+        "ready"
+    );
 
     let mut report = tokio::time::interval(Duration::from_secs(60));
     let mut relink = tokio::time::interval(Duration::from_millis(250));

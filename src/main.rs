@@ -10,10 +10,27 @@ use volring::mounts::{self, MountWatcher, WatchConfig, WatchMode};
 use volring::ring::BackendChoice;
 
 #[derive(Parser)]
-#[command(name = "volring", version, about = "Node agent for Kubernetes storage nodes")]
+#[command(name = "volring", version = VERSION, about = "Node agent for Kubernetes storage nodes")]
 struct Cli {
+    /// Log lines as text (coloured only on a terminal) or as JSON objects,
+    /// one per line, for a log pipeline.
+    #[arg(long, global = true, value_enum, env = "VOLRING_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The package version and the commit it was built from (when built from a
+/// git checkout).
+const VERSION: &str = match option_env!("VOLRING_GIT_COMMIT") {
+    Some(_) => concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("VOLRING_GIT_COMMIT"), ")"),
+    None => env!("CARGO_PKG_VERSION"),
+};
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -370,10 +387,16 @@ impl WatchArgs {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().with_current_span(false).init(),
+        // Colour codes only for a person at a terminal (and not with NO_COLOR).
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            logs.with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()).init()
+        }
+    }
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // `volring mounts --watch | head -1` is not an error.

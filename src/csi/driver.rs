@@ -94,6 +94,8 @@ pub struct Driver {
     /// Calls running now; a stopping agent waits for them, not for idle
     /// connections (kubelet never closes its own).
     pub(super) in_flight: AtomicUsize,
+    /// Calls by RPC and outcome, for `/metrics`.
+    pub(super) rpc_stats: Arc<super::rpc_stats::RpcStats>,
 }
 
 impl Driver {
@@ -119,11 +121,30 @@ impl Driver {
             ready,
             health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
+            rpc_stats: Default::default(),
         }))
     }
 
     pub fn config(&self) -> &CsiConfig {
         &self.config
+    }
+
+    /// Calls by RPC, gRPC code and latency.
+    pub fn rpc_stats(&self) -> &super::rpc_stats::RpcStats {
+        &self.rpc_stats
+    }
+
+    /// The pool's volumes: how many, bytes provisioned (their sizes
+    /// together), and the bytes the pool's filesystem has left.
+    pub fn pool_usage(&self) -> (usize, u64, Option<u64>) {
+        let (n, provisioned) = self.pool.provisioned();
+        (n, provisioned, self.pool.free_bytes().ok())
+    }
+
+    /// Volumes staged on this node, and of those, published to a target.
+    pub fn staged_and_published(&self) -> (usize, usize) {
+        let all = self.records.all();
+        (all.len(), all.iter().filter(|r| !r.published.is_empty()).count())
     }
 
     /// How many calls are running.

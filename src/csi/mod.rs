@@ -19,6 +19,7 @@ mod owned;
 pub mod proto;
 mod publish;
 pub mod repair;
+pub mod rpc_stats;
 pub mod server;
 mod service;
 pub mod validate;

@@ -16,6 +16,7 @@ use super::proto::controller_server::Controller;
 use super::proto::identity_server::Identity;
 use super::proto::node_server::Node;
 use super::proto::*;
+use super::rpc_stats::RpcStats;
 use super::{Driver, Error, Result};
 
 pub struct IdentityService(pub Arc<Driver>);
@@ -103,10 +104,11 @@ fn status(e: &Error) -> Status {
 }
 
 /// Runs `f` on the blocking pool with `running` held until it returns (also
-/// when the caller has given up), logs the outcome from there, and maps the
-/// error to its status.
+/// when the caller has given up), logs and counts the outcome from there,
+/// and maps the error to its status.
 async fn call<Q, T>(
     running: impl Send + 'static,
+    stats: Arc<RpcStats>,
     rpc: &'static str,
     kind: Kind,
     request: Request<Q>,
@@ -127,6 +129,8 @@ where
             Err(p) => Err(Error::Internal(format!("{rpc} failed unexpectedly: {}", panic_text(p)))),
         };
         let micros = start.elapsed().as_micros() as u64;
+        let code = outcome.as_ref().map_or_else(|e| e.code(), |_| tonic::Code::Ok);
+        stats.record(rpc, code, micros);
         match &outcome {
             Ok(_) if kind == Kind::Change => tracing::info!(request = id, rpc, volume, micros, "ok"),
             Ok(_) => tracing::debug!(request = id, rpc, volume, micros, "ok"),
@@ -158,7 +162,7 @@ macro_rules! service {
             $(
                 async fn $method(&self, request: Request<$req>) -> std::result::Result<Response<$resp>, Status> {
                     let $d = self.0.clone();
-                    call(InFlight::new(&self.0), $name, Kind::$kind, request, move |$r: $req| {
+                    call(InFlight::new(&self.0), self.0.rpc_stats.clone(), $name, Kind::$kind, request, move |$r: $req| {
                         let _ = (&$d, &$r);
                         $body
                     })
@@ -219,20 +223,29 @@ mod tests {
 
     #[tokio::test]
     async fn a_panic_becomes_internal_and_the_next_call_works() {
-        let r =
-            call((), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| -> Result<ProbeResponse> { panic!("handler bug") }).await;
+        let r = call((), Default::default(), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| -> Result<ProbeResponse> {
+            panic!("handler bug")
+        })
+        .await;
         let s = r.expect_err("panicked");
         assert_eq!(s.code(), tonic::Code::Internal);
         assert!(s.message().contains("handler bug"), "{}", s.message());
-        let ok = call((), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| Ok(ProbeResponse { ready: Some(true) })).await;
+        let ok =
+            call((), Default::default(), "Probe", Kind::Query, Request::new(ProbeRequest {}), |_r| Ok(ProbeResponse { ready: Some(true) }))
+                .await;
         assert_eq!(ok.unwrap().into_inner().ready, Some(true));
     }
 
     #[tokio::test]
     async fn errors_keep_their_codes() {
-        let r = call((), "NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), |_r| -> Result<()> {
-            Err(Error::Aborted("v".into()))
-        })
+        let r = call(
+            (),
+            Default::default(),
+            "NodeStageVolume",
+            Kind::Change,
+            Request::new(NodeStageVolumeRequest::default()),
+            |_r| -> Result<()> { Err(Error::Aborted("v".into())) },
+        )
         .await;
         assert_eq!(r.unwrap_err().code(), tonic::Code::Aborted);
     }
@@ -240,9 +253,14 @@ mod tests {
     #[tokio::test]
     async fn messages_are_bounded_on_a_char_boundary() {
         let huge = "é".repeat(3 << 20);
-        let r = call((), "ListVolumes", Kind::Query, Request::new(ListVolumesRequest::default()), move |_r| -> Result<()> {
-            Err(Error::Aborted(format!("starting_token {huge:?} is not one volring issued")))
-        })
+        let r = call(
+            (),
+            Default::default(),
+            "ListVolumes",
+            Kind::Query,
+            Request::new(ListVolumesRequest::default()),
+            move |_r| -> Result<()> { Err(Error::Aborted(format!("starting_token {huge:?} is not one volring issued"))) },
+        )
         .await;
         let s = r.unwrap_err();
         assert_eq!(s.code(), tonic::Code::Aborted);
@@ -257,12 +275,18 @@ mod tests {
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
         let held = Arc::new(());
-        let caller =
-            tokio::spawn(call(held.clone(), "NodeStageVolume", Kind::Change, Request::new(NodeStageVolumeRequest::default()), move |_r| {
+        let caller = tokio::spawn(call(
+            held.clone(),
+            Default::default(),
+            "NodeStageVolume",
+            Kind::Change,
+            Request::new(NodeStageVolumeRequest::default()),
+            move |_r| {
                 started_tx.send(()).unwrap();
                 go_rx.recv().unwrap();
                 Ok(())
-            }));
+            },
+        ));
         tokio::task::spawn_blocking(move || started_rx.recv().unwrap()).await.unwrap();
         caller.abort();
         let _ = caller.await;

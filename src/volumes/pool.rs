@@ -209,6 +209,12 @@ impl ImagePool {
         self.len() == 0
     }
 
+    /// How many volumes, and their sizes together.
+    pub fn provisioned(&self) -> (usize, u64) {
+        let v = self.volumes.read().unwrap_or_else(|e| e.into_inner());
+        (v.len(), v.values().map(|m| m.size_bytes).sum())
+    }
+
     /// Up to `max` volumes with ids after `after`, in id order.
     pub fn page(&self, after: Option<&str>, max: usize) -> Vec<VolumeMeta> {
         let v = self.volumes.read().unwrap_or_else(|e| e.into_inner());

@@ -17,6 +17,11 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
+mod classic;
+mod csi;
+
+pub use classic::Format;
+
 use crate::devices::{HotplugStats, Inventory, StatsReader};
 use crate::mounts::WatcherStats;
 use crate::ring::RingStats;
@@ -37,6 +42,8 @@ pub struct Sources {
     pub nbd: Option<Arc<crate::nbd::Exports>>,
     /// The reconciler's counters and verdicts, when the CSI driver runs.
     pub reconcile: Option<Reconcile>,
+    /// The CSI driver, when it runs: its calls, volumes and pool.
+    pub csi: Option<Arc<crate::csi::Driver>>,
     /// What `/readyz` answers: set once the start pass is done, cleared
     /// when the agent begins to stop.
     pub ready: crate::csi::Readiness,
@@ -173,6 +180,9 @@ impl Collector for Sources {
         }
         if let Some(r) = &self.reconcile {
             encode_reconcile(&mut e, r)?;
+        }
+        if let Some(d) = &self.csi {
+            csi::encode(&mut e, d)?;
         }
         Ok(())
     }
@@ -314,6 +324,15 @@ pub fn render(sources: &Sources) -> Result<String, FmtError> {
     Ok(out)
 }
 
+/// Renders the exposition in the format the scraper asked for.
+pub fn render_as(sources: &Sources, format: Format) -> Result<String, FmtError> {
+    let text = render(sources)?;
+    Ok(match format {
+        Format::OpenMetrics => text,
+        Format::Classic => classic::from_openmetrics(&text),
+    })
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until the
 /// future is dropped. The caller binds it, so that a bad or taken address
 /// fails the agent at start rather than in a task that runs later.
@@ -331,13 +350,12 @@ pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::
     let app = axum::Router::new()
         .route(
             "/metrics",
-            get(move || {
+            get(move |headers: axum::http::HeaderMap| {
                 let sources = sources.clone();
                 async move {
-                    match render(&sources) {
-                        Ok(body) => {
-                            (StatusCode::OK, [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
-                        }
+                    let format = Format::negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
+                    match render_as(&sources, format) {
+                        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, format.content_type())], body),
                         Err(_) => {
                             (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string())
                         }
