@@ -297,6 +297,17 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     check(reply.starts_with("HTTP/1.1 200"), format!("reply: {reply:.200}"))?;
     check(reply.contains("application/openmetrics-text"), "not OpenMetrics")?;
     check(reply.contains("volring_devices "), format!("no device gauge in: {reply:.2000}"))?;
+    // node_exporter's disk counters, and an info series per device.
+    for family in [
+        "volring_device_reads_merged_total{",
+        "volring_device_writes_merged_total{",
+        "volring_device_discard_time_seconds_total{",
+        "volring_device_flush_time_seconds_total{",
+        "volring_device_io_time_weighted_seconds_total{",
+        "volring_device_info{device=",
+    ] {
+        check(reply.contains(family), format!("no {family} in: {reply:.2000}"))?;
+    }
     // The reconciler's start pass ran before ready, and is counted.
     let passes = reply.lines().find_map(|l| l.strip_prefix("volring_reconcile_passes_total ")).and_then(|n| n.parse::<u64>().ok());
     check(passes.is_some_and(|n| n >= 1), format!("reconciler passes {passes:?} in: {reply:.4000}"))?;

@@ -19,6 +19,7 @@ use prometheus_client::registry::Registry;
 
 mod classic;
 mod csi;
+mod device_info;
 
 pub use classic::Format;
 
@@ -126,10 +127,27 @@ impl Collector for Sources {
         seconds("volring_device_read_time_seconds", "Time spent reading", &|c| c.read_ticks, &mut e)?;
         seconds("volring_device_write_time_seconds", "Time spent writing", &|c| c.write_ticks, &mut e)?;
         seconds("volring_device_io_time_seconds", "Time with I/O in flight", &|c| c.io_ticks, &mut e)?;
+        // The rest of /proc/diskstats, as node_exporter names them: merges,
+        // discards' bytes and time, flush time, and the weighted I/O time
+        // whose rate is the average queue size (iostat's aqu-sz).
+        total("volring_device_reads_merged", "Adjacent reads merged", &|c| c.reads_merged, &mut e)?;
+        total("volring_device_writes_merged", "Adjacent writes merged", &|c| c.writes_merged, &mut e)?;
+        total("volring_device_discards_merged", "Adjacent discards merged", &|c| c.discards_merged, &mut e)?;
+        total("volring_device_discarded_bytes", "Bytes discarded", &|c| c.discard_sectors * 512, &mut e)?;
+        seconds("volring_device_discard_time_seconds", "Time spent discarding", &|c| c.discard_ticks, &mut e)?;
+        seconds("volring_device_flush_time_seconds", "Time spent flushing", &|c| c.flush_ticks, &mut e)?;
+        seconds(
+            "volring_device_io_time_weighted_seconds",
+            "I/O time weighted by I/Os in flight (its rate is the average queue size)",
+            &|c| c.time_in_queue,
+            &mut e,
+        )?;
         let in_flight: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, c.in_flight as f64)).collect();
         per_device(&mut e, "volring_device_io_in_flight", "I/Os in flight now", MetricType::Gauge, &in_flight, |v, m| {
             ConstGauge::new(v).encode(m)
         })?;
+
+        device_info::encode(&mut e, &inv)?;
 
         let rates: Vec<(&str, crate::devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
         type RateFn = fn(&crate::devices::IoRates) -> f64;
