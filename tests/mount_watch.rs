@@ -866,7 +866,10 @@ fn main() {
         }
     }
     for (backend_name, backend) in [("uring", BackendChoice::IoUring), ("epoll", BackendChoice::Epoll)] {
-        trials.push(Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend)).with_ignored_flag(no_fanotify));
+        trials.push(
+            Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend))
+                .with_ignored_flag(no_fanotify),
+        );
         trials.push(
             Trial::test(format!("fanotify::{backend_name}::short_lived_mounts_racing_resyncs"), move || {
                 short_lived_mounts_racing_resyncs(backend)
@@ -883,8 +886,11 @@ fn main() {
     trials.push(Trial::test("fanotify::other_namespace", || other_namespace(WatchMode::Fanotify)).with_ignored_flag(no_fanotify));
     trials.push(Trial::test("reparse::other_namespace", || other_namespace(WatchMode::Reparse)));
     trials.push(
-        Trial::test("fallback::fanotify_mode_on_an_older_kernel_says_what_is_missing", fanotify_mode_on_an_older_kernel_says_what_is_missing)
-            .with_ignored_flag(!no_fanotify),
+        Trial::test(
+            "fallback::fanotify_mode_on_an_older_kernel_says_what_is_missing",
+            fanotify_mode_on_an_older_kernel_says_what_is_missing,
+        )
+        .with_ignored_flag(!no_fanotify),
     );
     trials.push(Trial::test("cli::mounts_like_findmnt", cli_prints_the_table_like_findmnt));
     trials.push(Trial::test("cli::watch_streams_json_lines", cli_watch_streams_json_lines));
