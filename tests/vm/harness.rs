@@ -44,7 +44,7 @@ impl VmImage {
         let image = Self {
             qemu: dir.join("qemu"),
             firmware: dir.join("firmware"),
-            kernel: dir.join("vmlinuz"),
+            kernel: dir.join("vmlinux"),
             initrd: dir.join("initramfs.cpio"),
             modules: dir.join("modules"),
             kernel_version: fs::read_to_string(dir.join("kernel.version")).unwrap_or_default().trim().to_string(),
