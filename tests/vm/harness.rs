@@ -157,9 +157,10 @@ impl Vm {
         Ok(Self { image: image.clone(), cpus: 2, memory_mib: 2048, disk_mib: 4096, extra_args: Vec::new() })
     }
 
-    /// Boots the guest, runs `script` under /bin/sh as root in it, powers it
-    /// off. Kills qemu once `timeout` passed.
-    pub fn run(&self, script: &str, timeout: Duration) -> io::Result<GuestRun> {
+    /// The work directory (script, scratch disk, the share that receives the
+    /// output) and the qemu command that boots the guest on it, set to die
+    /// with the thread that spawns it.
+    pub fn prepare(&self, script: &str) -> io::Result<(tempfile::TempDir, Command)> {
         let work = tempfile::Builder::new().prefix("volring-vm-").tempdir()?;
         let xfer = work.path().join("xfer");
         fs::create_dir(&xfer)?;
@@ -198,6 +199,14 @@ impl Vm {
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(fs::File::create(&qemu_err)?);
         volring::sys::process::kill_with_parent(&mut cmd);
 
+        Ok((work, cmd))
+    }
+
+    /// Boots the guest, runs `script` under /bin/sh as root in it, powers it
+    /// off. Kills qemu once `timeout` passed.
+    pub fn run(&self, script: &str, timeout: Duration) -> io::Result<GuestRun> {
+        let (work, mut cmd) = self.prepare(script)?;
+        let xfer = work.path().join("xfer");
         let start = Instant::now();
         let mut qemu = Running(cmd.spawn()?);
         let qemu_pid = qemu.0.id();
@@ -225,8 +234,8 @@ impl Vm {
             status,
             timed_out,
             stdout: read(&xfer.join("stdout")),
-            console: read(&console),
-            qemu_stderr: read(&qemu_err),
+            console: read(&work.path().join("console.log")),
+            qemu_stderr: read(&work.path().join("qemu.stderr")),
             results: xfer.join("results"),
             qemu_pid,
             elapsed,
