@@ -88,7 +88,9 @@ pub struct Vm {
     pub memory_mib: u32,
     /// Size of the sparse scratch disk mounted at /tmp in the guest.
     pub disk_mib: u64,
-    /// More qemu arguments (e.g. a network device).
+    /// More qemu arguments. The guest has no network device unless one is
+    /// added here (`-nodefaults`); the init loads the driver of a virtio one
+    /// (virtio-net-pci), the script configures its address.
     pub extra_args: Vec<String>,
 }
 
@@ -194,7 +196,6 @@ impl Vm {
         cmd.args(["-virtfs", &share(&fs::canonicalize(&self.image.modules)?, "modules", true)]);
         cmd.args(["-virtfs", &share(&xfer, "xfer", false)]);
         cmd.arg("-drive").arg(format!("file={},if=virtio,format=raw,cache=unsafe", disk.display()));
-        cmd.args(["-nic", "none"]);
         cmd.args(&self.extra_args);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(fs::File::create(&qemu_err)?);
         volring::sys::process::kill_with_parent(&mut cmd);
