@@ -38,9 +38,23 @@ const SYNC_READS: usize = 16;
 /// events may explain the POLLPRI) before the check decides regardless.
 const MAX_DEFERRED_CHECKS: u32 = 8;
 
-/// True when this kernel can watch mounts with fanotify and statmount.
-pub(super) fn available() -> bool {
-    Statmounter::supported() && crate::sys::fanotify::watch_mount_namespace().is_ok()
+/// `Ok` when this kernel can watch mounts with fanotify and statmount; else
+/// which interface is missing and from which kernel on it exists.
+pub(super) fn support() -> Result<(), Error> {
+    open_group().map(drop)
+}
+
+/// The fanotify group, or `Unsupported` on a kernel without statmount and
+/// listmount (6.8) or without fanotify mount events (6.15): there the kernel
+/// refuses FAN_REPORT_MNT / FAN_MARK_MNTNS as unknown flags (EINVAL).
+fn open_group() -> Result<OwnedFd, Error> {
+    if !Statmounter::supported() {
+        return Err(Error::Unsupported { what: "statmount and listmount", needs: "6.8" });
+    }
+    crate::sys::fanotify::watch_mount_namespace().map_err(|e| match e.raw_os_error() {
+        Some(libc::EINVAL) => Error::Unsupported { what: "fanotify mount events", needs: "6.15" },
+        _ => Error::Io("fanotify mount watch", e),
+    })
 }
 
 pub(super) struct FanotifyDriver {
@@ -119,7 +133,7 @@ impl FanotifyDriver {
     /// Opens the fanotify group before taking the snapshot, so no change can
     /// fall between the two: one seen twice is a no-op.
     pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
-        let fan = crate::sys::fanotify::watch_mount_namespace().map_err(|e| Error::Io("fanotify mount watch", e))?;
+        let fan = open_group()?;
         let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
         let mut kernel = Statmounter::new();
         let table = kernel.snapshot()?;

@@ -129,13 +129,16 @@ impl Strategy {
         let use_fanotify = match config.mode {
             WatchMode::Fanotify => true,
             WatchMode::Reparse => false,
-            WatchMode::Auto => fanotify::available(),
+            WatchMode::Auto => match fanotify::support() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!("{e}; watching mounts by re-reading mountinfo");
+                    false
+                }
+            },
         };
         if use_fanotify {
             return Ok(Strategy::Fanotify(Box::new(fanotify::FanotifyDriver::new(config, emitter)?)));
-        }
-        if config.mode == WatchMode::Auto {
-            tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
         }
         Ok(Strategy::Reparse(Box::new(reparse::ReparseDriver::new(emitter)?)))
     }
@@ -215,6 +218,13 @@ impl MountWatcher {
         })?;
         let (mode, initial) = made_rx.recv().map_err(|_| Error::Io("start mount watcher", std::io::Error::other("no initial table")))?;
         Ok((Self { thread, mode, counters }, initial, rx))
+    }
+
+    /// `Ok` when this kernel (in the caller's mount namespace) has what
+    /// `WatchMode::Fanotify` needs, else the `Error::Unsupported` saying what
+    /// is missing; `WatchMode::Auto` falls back to reparse there.
+    pub fn fanotify_support() -> Result<(), Error> {
+        fanotify::support()
     }
 
     /// The strategy in use (never `Auto`).
