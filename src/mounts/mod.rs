@@ -10,6 +10,7 @@ mod event;
 pub mod fanotify;
 mod mount;
 pub mod parse;
+pub mod report;
 mod source;
 pub mod statmount;
 mod table;
