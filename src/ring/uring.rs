@@ -93,6 +93,7 @@ impl UringEngine {
     }
 
     /// True when the kernel honours `min_wait_usec`.
+    #[cfg(test)]
     pub(super) fn min_wait(&self) -> bool {
         self.min_wait
     }
