@@ -372,6 +372,11 @@ struct WatchArgs {
     /// from a container with hostPID.
     #[arg(long, value_name = "PATH")]
     mount_namespace: Option<std::path::PathBuf>,
+    /// Microseconds the mount watcher gathers events before handling them
+    /// (a storm costs one ring turn per window; 0: one per event). Adds up
+    /// to about this much latency to a change.
+    #[arg(long, value_name = "US", default_value_t = 1000)]
+    mount_batch_us: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -402,6 +407,7 @@ impl WatchArgs {
                 IoArg::Epoll => BackendChoice::Epoll,
             },
             namespace: self.mount_namespace.clone(),
+            batch_window: std::time::Duration::from_micros(self.mount_batch_us),
             ..WatchConfig::default()
         }
     }

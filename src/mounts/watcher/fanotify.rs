@@ -76,6 +76,7 @@ pub(super) struct FanotifyDriver {
     credit_turn_armed: bool,
     grace: Duration,
     resync_interval: Option<Duration>,
+    batch_window: Duration,
     /// Mounts already reported detached whose own fanotify events may still
     /// be queued (a resync found them gone, or an attach event came too late
     /// to see them): those events must not report them again.
@@ -153,6 +154,7 @@ impl FanotifyDriver {
             credit_turn_armed: false,
             grace: config.remount_grace,
             resync_interval: config.resync_interval,
+            batch_window: config.batch_window,
             reported_gone: RecentIds::new(),
         })
     }
@@ -386,6 +388,7 @@ impl Driver for FanotifyDriver {
     type Command = Command;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
+        ring.set_batch_window(self.batch_window);
         ring.poll(FAN_READY, self.fan.clone(), ring::events::IN)?;
         ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::events::PRI)?;
         if let Some(every) = self.resync_interval {

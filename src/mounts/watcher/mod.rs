@@ -59,6 +59,12 @@ pub struct WatchConfig {
     /// Watch this mount namespace (e.g. `/proc/1/ns/mnt`) instead of the
     /// caller's. Only the ring thread joins it.
     pub namespace: Option<std::path::PathBuf>,
+    /// How long the ring thread gathers fanotify events once a wait has
+    /// begun, so a storm is handled (and handed to the consumer) once per
+    /// window rather than once per event; see
+    /// [`ring::Reactor::set_batch_window`]. Zero wakes for every event.
+    /// Bounds the added latency of a change (fanotify strategy).
+    pub batch_window: Duration,
 }
 
 impl Default for WatchConfig {
@@ -71,6 +77,7 @@ impl Default for WatchConfig {
             resync_interval: Some(Duration::from_secs(30)),
             resolve_devices: true,
             namespace: None,
+            batch_window: Duration::from_millis(1),
         }
     }
 }
