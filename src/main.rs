@@ -432,6 +432,10 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
             let _ = writeln!(std::io::stderr(), "Error: {e:#}");
+            if !rustix::process::geteuid().is_root() && denied(&e) {
+                let _ =
+                    writeln!(std::io::stderr(), "hint: this needs root (mounts, loop devices, fanotify and block devices are privileged)");
+            }
             std::process::ExitCode::FAILURE
         }
     }
@@ -652,6 +656,18 @@ fn stdout_error(e: std::io::Error) -> anyhow::Error {
     } else {
         anyhow::Error::new(e).context("write to stdout")
     }
+}
+
+/// Whether a permission refusal is among the causes of `e`.
+fn denied(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+            || c.downcast_ref::<rustix::io::Errno>().is_some_and(|n| *n == rustix::io::Errno::PERM || *n == rustix::io::Errno::ACCESS)
+            || {
+                let text = c.to_string();
+                text.contains("Permission denied") || text.contains("Operation not permitted")
+            }
+    })
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

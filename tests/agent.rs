@@ -420,6 +420,21 @@ fn logs_ready_line_and_version() -> Result<(), Failed> {
     check(version.starts_with(&format!("volring {}", env!("CARGO_PKG_VERSION"))), format!("--version: {version}"))
 }
 
+/// An agent started without root fails with its cause and a hint that
+/// root is what is missing (before: the bare EACCES).
+fn non_root_is_told_it_needs_root() -> Result<(), Failed> {
+    let site = Site::new();
+    let state = site.path("nobody-state");
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", VOLRING, "node", "--metrics-addr", "off", "--state-dir"])
+        .arg(&state)
+        .stdin(Stdio::null())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    check(!out.status.success(), "a non-root agent fails")?;
+    check(err.contains("Permission denied") && err.contains("hint: this needs root"), format!("stderr: {err}"))
+}
+
 /// A log line without its terminal colour codes (`ESC [ ... m`).
 fn without_colours(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
@@ -888,6 +903,7 @@ fn main() {
         Trial::test("metrics_address_in_use_is_fatal", metrics_address_in_use_is_fatal),
         Trial::test("metrics_are_served_on_the_listener_bound_at_start", metrics_are_served_on_the_listener_bound_at_start),
         Trial::test("logs_ready_line_and_version", logs_ready_line_and_version),
+        Trial::test("non_root_is_told_it_needs_root", non_root_is_told_it_needs_root),
         Trial::test("nbd_listener_in_use_is_fatal", nbd_listener_in_use_is_fatal),
         Trial::test("sighup_is_logged_and_ignored", sighup_is_logged_and_ignored),
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),
