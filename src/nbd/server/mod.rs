@@ -10,6 +10,7 @@
 mod budget;
 mod conn;
 mod input;
+mod listener;
 mod output;
 mod requests;
 mod worker;
@@ -26,6 +27,7 @@ use crossbeam_queue::ArrayQueue;
 use super::export::{Export, ExportSpec, Exports};
 use super::Error;
 use crate::ring::io_ring::IoRingConfig;
+use listener::Listener;
 
 /// Where the server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,12 +138,6 @@ impl Mailbox {
     }
 }
 
-/// A bound listener, kept open for the server's life.
-struct Listener {
-    fd: OwnedFd,
-    path: Option<PathBuf>,
-}
-
 /// A running server.
 pub struct NbdServer {
     exports: Arc<Exports>,
@@ -149,37 +145,6 @@ pub struct NbdServer {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<Listener>,
     addrs: Vec<String>,
-}
-
-fn bind(l: &Listen) -> Result<(Listener, String), Error> {
-    match l {
-        Listen::Tcp(addr) => {
-            let s = std::net::TcpListener::bind(addr).map_err(Error::io(format!("bind {addr}")))?;
-            // Accepted sockets inherit TCP_NODELAY: replies leave at once.
-            rustix::net::sockopt::set_tcp_nodelay(&s, true).map_err(|e| Error::io("TCP_NODELAY")(e.into()))?;
-            let local = s.local_addr().map_err(Error::io("local_addr"))?;
-            Ok((Listener { fd: OwnedFd::from(s), path: None }, local.to_string()))
-        }
-        Listen::Unix(path) => {
-            remove_stale_socket(path)?;
-            let s = std::os::unix::net::UnixListener::bind(path).map_err(Error::io(format!("bind {}", path.display())))?;
-            Ok((Listener { fd: OwnedFd::from(s), path: Some(path.clone()) }, format!("unix:{}", path.display())))
-        }
-    }
-}
-
-/// A socket left by a server that died is removed; anything else at the
-/// path, or a socket something still listens on, is refused.
-fn remove_stale_socket(path: &std::path::Path) -> Result<(), Error> {
-    use std::os::unix::fs::FileTypeExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else { return Ok(()) };
-    if !meta.file_type().is_socket() {
-        return Err(Error::Spec { spec: path.display().to_string(), why: "exists and is not a socket".into() });
-    }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(Error::Spec { spec: path.display().to_string(), why: "another server is listening there".into() });
-    }
-    std::fs::remove_file(path).map_err(Error::io(format!("remove stale {}", path.display())))
 }
 
 impl NbdServer {
@@ -191,7 +156,7 @@ impl NbdServer {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
         for l in &config.listen {
-            let (listener, addr) = bind(l)?;
+            let (listener, addr) = Listener::bind(l)?;
             listeners.push(listener);
             addrs.push(addr);
         }
@@ -274,11 +239,8 @@ impl NbdServer {
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
-        for l in self.listeners.drain(..) {
-            if let Some(p) = &l.path {
-                let _ = std::fs::remove_file(p);
-            }
-        }
+        // Each removes its socket file only if it is still the one it bound.
+        self.listeners.clear();
     }
 }
 
