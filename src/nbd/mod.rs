@@ -13,7 +13,7 @@ pub mod stats;
 pub mod wire;
 
 pub use export::{Export, ExportSpec, Exports};
-pub use server::{Listen, NbdServer, ServerConfig};
+pub use server::{InlineWrites, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.
 #[derive(Debug, thiserror::Error)]

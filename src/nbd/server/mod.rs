@@ -9,6 +9,8 @@
 
 mod budget;
 mod conn;
+mod direct;
+mod inline;
 mod input;
 mod listener;
 mod output;
@@ -27,6 +29,7 @@ use crossbeam_queue::ArrayQueue;
 use super::export::{Export, ExportSpec, Exports};
 use super::Error;
 use crate::ring::io_ring::IoRingConfig;
+pub use inline::InlineWrites;
 use listener::Listener;
 
 /// Where the server listens.
@@ -50,8 +53,11 @@ impl std::str::FromStr for Listen {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: Vec<Listen>,
-    /// Ring threads; 0 means one per core.
+    /// Ring threads; 0 means one per core, at most [`DEFAULT_MAX_RINGS`].
     pub threads: usize,
+    /// Whether small buffered writes may be done on the ring thread when
+    /// the file system would hand them to io_uring's workers (ext4).
+    pub inline_writes: InlineWrites,
     /// A client that has not finished negotiating by then is dropped.
     pub handshake_timeout: Duration,
     /// A connection with nothing in flight and no traffic for this long is
@@ -84,6 +90,7 @@ impl Default for ServerConfig {
         Self {
             listen: Vec::new(),
             threads: 0,
+            inline_writes: InlineWrites::Auto,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             stall_timeout: Duration::from_secs(60),
@@ -96,6 +103,12 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// Rings started when the thread count is left to the server: one per
+/// core, at most this many. Each ring holds up to 32 MiB of its own
+/// (registered buffers, receive buffers, a cache of freed buffers) outside
+/// the connections' budget, so a large machine does not pay for 64 rings.
+pub const DEFAULT_MAX_RINGS: usize = 4;
 
 /// Messages to a ring thread.
 enum Command {
@@ -160,7 +173,11 @@ impl NbdServer {
             listeners.push(listener);
             addrs.push(addr);
         }
-        let threads = if config.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { config.threads };
+        let threads = if config.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
+        } else {
+            config.threads
+        };
         let mut boxes = Vec::with_capacity(threads);
         for _ in 0..threads {
             let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
