@@ -176,11 +176,19 @@ impl Worker {
         };
         if route == Route::Nowait {
             let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::NOWAIT);
-            self.registered.get_mut(&export.id).expect("looked up above").writes.nowait_done(res);
-            let Ok(n) = res else { return false };
-            tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
-            self.on_request_done(ri, n as i32);
-            return true;
+            let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
+            path.nowait_done(res);
+            if let Ok(n) = res {
+                tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
+                self.on_request_done(ri, n as i32);
+                return true;
+            }
+            // Refused: this very write is the first inline one, if that is
+            // what the answer decided (not one hand-off to a worker).
+            if path.route(len, fua, self.now) != Route::Blocking {
+                return false;
+            }
+            tracing::debug!(export = %export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
         }
         let now = self.now;
         if self.inline.switches.is_none_or(|(turn, _)| turn != now) {
@@ -202,6 +210,7 @@ impl Worker {
                 tracing::debug!(export = %export.name, took_us = took.as_micros() as u64, "NBD writes: a blocking write slept; through the ring for a while");
             }
         }
+        export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.on_request_done(ri, res.map_or_else(|e| -e.raw_os_error(), |n| n as i32));
         self.inline.unflushed += 1;
         if self.inline.unflushed >= FLUSH_EVERY {

@@ -414,18 +414,20 @@ impl Worker {
         let want_recv = !c.closing && c.paused.is_none();
         let direct = want_recv && super::direct::wants_direct(c);
         match (want_recv, c.recv_op) {
-            (true, None) => match if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) } {
-                Ok(op) => {
-                    c.recv_op = Some(op);
-                    c.recv_direct = direct;
-                    c.socket_ops += 1;
+            (true, None) => {
+                match if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) } {
+                    Ok(op) => {
+                        c.recv_op = Some(op);
+                        c.recv_direct = direct;
+                        c.socket_ops += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NBD receive could not be armed");
+                        c.closing = true;
+                        c.broken = true;
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "NBD receive could not be armed");
-                    c.closing = true;
-                    c.broken = true;
-                }
-            },
+            }
             // A large payload is coming: the multishot receive ends first.
             (true, Some(op)) if direct && !c.recv_direct && !c.recv_cancelled => {
                 c.recv_cancelled = true;
