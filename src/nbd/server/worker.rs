@@ -415,7 +415,9 @@ impl Worker {
         let direct = want_recv && super::direct::wants_direct(c);
         match (want_recv, c.recv_op) {
             (true, None) => {
-                match if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) } {
+                let armed =
+                    if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) };
+                match armed {
                     Ok(op) => {
                         c.recv_op = Some(op);
                         c.recv_direct = direct;
