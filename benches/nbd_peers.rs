@@ -13,6 +13,11 @@
 //! `cargo bench --bench nbd_peers` (VOLRING_BENCH_SECS per run, default 5;
 //! VOLRING_BENCH_ROUNDS, default 3; VOLRING_BENCH_IDLE_ONLY=1 for just the
 //! idle connections, VOLRING_BENCH_HOSTILE_ONLY=1 for just the hostile ones).
+//! VOLRING_BENCH_POOLS=ext4,xfs puts the image on each of those file
+//! systems (a loop device mounted in a private mount namespace; default:
+//! the temporary directory's own), VOLRING_BENCH_ONLY=reads|writes runs one
+//! half of the workloads, VOLRING_BENCH_PEERS=volring,nbdkit leaves the
+//! others out. The volring child inherits VOLRING_NBD_* settings.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -90,12 +95,61 @@ struct Workload {
     bandwidth: bool,
 }
 
-const WORKLOADS: [Workload; 4] = [
+const WORKLOADS: [Workload; 6] = [
     Workload { label: "4 KiB random read, QD32, 1 connection", rw: "randread", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random read, 4 connections x QD8", rw: "randread", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
     Workload { label: "1 MiB sequential read, QD8", rw: "read", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
     Workload { label: "4 KiB random write, QD32, 1 connection", rw: "randwrite", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
+    Workload { label: "4 KiB random write, 4 connections x QD8", rw: "randwrite", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
+    Workload { label: "1 MiB sequential write, QD8", rw: "write", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
 ];
+
+/// A file system on a loop device, mounted for the image (unmounted by
+/// the private mount namespace going away with the process, or on drop).
+struct Pool {
+    mount: PathBuf,
+}
+
+impl Pool {
+    fn new(dir: &Path, fs: &str) -> Pool {
+        let backing = dir.join(format!("pool-{fs}.img"));
+        std::fs::File::create(&backing).and_then(|f| f.set_len(4 * IMAGE)).expect("pool backing file");
+        let force = if fs == "xfs" { "-f" } else { "-F" };
+        let ok = Command::new(format!("mkfs.{fs}")).args(["-q", force]).arg(&backing).status().is_ok_and(|s| s.success());
+        assert!(ok, "mkfs.{fs} failed");
+        let mount = dir.join(format!("pool-{fs}"));
+        std::fs::create_dir_all(&mount).expect("mount point");
+        let ok = Command::new("mount").args(["-o", "loop"]).arg(&backing).arg(&mount).status().is_ok_and(|s| s.success());
+        assert!(ok, "mount {fs} pool failed");
+        Pool { mount }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // Lazily: the servers' exit may still be releasing the image.
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+/// Writes the image: random contents, synced, then read once so every
+/// server reads from the page cache.
+fn make_image(img: &Path) {
+    let mut f = std::fs::File::create(img).expect("image");
+    let mut block = vec![0u8; 1 << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..(IMAGE >> 20) {
+        for b in block.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        f.write_all(&block).expect("write image");
+    }
+    f.sync_all().expect("sync");
+    let _ = std::fs::read(img);
+}
 
 /// CPU time (user + system, all threads) a process has used, in seconds.
 fn cpu_seconds(pid: u32) -> f64 {
@@ -241,23 +295,11 @@ fn main() {
     let rounds: usize = std::env::var("VOLRING_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
     let dir = tempfile::Builder::new().prefix("volring-nbd-bench-").tempdir().expect("tempdir");
     let img = dir.path().join("disk.img");
-    {
-        // Random contents, written once and read once so every server reads
-        // from the page cache.
-        let mut f = std::fs::File::create(&img).expect("image");
-        let mut block = vec![0u8; 1 << 20];
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for _ in 0..(IMAGE >> 20) {
-            for b in block.chunks_exact_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-            f.write_all(&block).expect("write image");
-        }
-        f.sync_all().expect("sync");
-        let _ = std::fs::read(&img);
+    let needs_image = std::env::var_os("VOLRING_BENCH_POOLS").is_none()
+        || std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some()
+        || std::env::var_os("VOLRING_BENCH_HOSTILE_ONLY").is_some();
+    if needs_image {
+        make_image(&img);
     }
     let names = ["volring", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
     if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
@@ -268,9 +310,45 @@ fn main() {
         hostile_clients(dir.path(), &img);
         return;
     }
-    let peers: Vec<Peer> = names.iter().map(|n| start(n, dir.path(), &img, "1")).collect();
-    println!("NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
-    for w in &WORKLOADS {
+    let only = std::env::var("VOLRING_BENCH_ONLY").unwrap_or_default();
+    let workloads: Vec<&Workload> = WORKLOADS
+        .iter()
+        .filter(|w| match only.as_str() {
+            "reads" => !w.rw.contains("write"),
+            "writes" => w.rw.contains("write"),
+            _ => true,
+        })
+        .collect();
+    let wanted = std::env::var("VOLRING_BENCH_PEERS").unwrap_or_default();
+    let names: Vec<&'static str> = names.into_iter().filter(|n| wanted.is_empty() || wanted.split(',').any(|w| w == *n)).collect();
+    assert!(names.first() == Some(&"volring") && names.len() >= 2, "VOLRING_BENCH_PEERS must name volring and a peer");
+    match std::env::var("VOLRING_BENCH_POOLS") {
+        Ok(pools) => {
+            volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+            for fs in pools.split(',').filter(|f| !f.is_empty()) {
+                let pool = Pool::new(dir.path(), fs);
+                let img = pool.mount.join("disk.img");
+                make_image(&img);
+                compare(&format!("{fs} pool"), &names, &workloads, &pool.mount, &img, rounds, secs);
+            }
+        }
+        Err(_) => compare("temporary directory's file system", &names, &workloads, dir.path(), &img, rounds, secs),
+    }
+    if !only.is_empty() {
+        return;
+    }
+    if !needs_image {
+        make_image(&img);
+    }
+    idle_connections(dir.path(), &img, 10_000);
+    hostile_clients(dir.path(), &img);
+}
+
+/// Every workload against every server on one image, rounds interleaved.
+fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Path, img: &Path, rounds: usize, secs: u64) {
+    let peers: Vec<Peer> = names.iter().map(|n| start(n, dir, img, "1")).collect();
+    println!("{pool}: NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
+    for w in workloads {
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
         let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
         for round in 0..rounds {
@@ -284,21 +362,15 @@ fn main() {
         }
         let med: Vec<f64> = results.into_iter().map(median).collect();
         let cpu: Vec<f64> = cpu.into_iter().map(median).collect();
-        println!("{}:", w.label);
+        println!("{} ({pool}):", w.label);
         for ((p, m), c) in peers.iter().zip(&med).zip(&cpu) {
             println!("  {:<16} {:<16} server CPU {:.2} µs/op", p.name, show(*m, w.bandwidth), c * 1e6);
         }
-        println!(
-            "  volring/nbdkit {:.2}x   volring/qemu-nbd(io_uring) {:.2}x   volring/qemu-nbd {:.2}x",
-            med[0] / med[1],
-            med[0] / med[2],
-            med[0] / med[3]
-        );
-        println!("  server CPU per op: nbdkit/volring {:.2}x", cpu[1] / cpu[0]);
+        let ratios: Vec<String> = peers.iter().zip(&med).skip(1).map(|(p, m)| format!("volring/{} {:.2}x", p.name, med[0] / m)).collect();
+        println!("  throughput: {}", ratios.join("   "));
+        let ratios: Vec<String> = peers.iter().zip(&cpu).skip(1).map(|(p, c)| format!("volring/{} {:.2}x", p.name, cpu[0] / c)).collect();
+        println!("  server CPU per op: {}", ratios.join("   "));
     }
-    drop(peers);
-    idle_connections(dir.path(), &img, 10_000);
-    hostile_clients(dir.path(), &img);
 }
 
 fn hwm_kib(pid: u32) -> u64 {

@@ -176,9 +176,15 @@ enum NbdCommand {
 
 #[derive(clap::Args)]
 struct NbdTuning {
-    /// Ring threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
+    /// Ring threads (0: one per core, at most 4); each ring holds up to
+    /// 32 MiB of buffers of its own, outside --nbd-max-server-bytes.
+    #[arg(long, env = "VOLRING_NBD_THREADS", default_value_t = 0)]
     nbd_threads: usize,
+    /// Small buffered writes on the ring thread when the pool's file system
+    /// would hand each one to an io_uring worker (ext4): auto probes each
+    /// export, off sends every write through io_uring.
+    #[arg(long, env = "VOLRING_NBD_INLINE_WRITES", default_value = "auto")]
+    nbd_inline_writes: volring::nbd::InlineWrites,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10.0)]
     handshake_timeout: f64,
@@ -207,6 +213,7 @@ impl NbdTuning {
         volring::nbd::ServerConfig {
             listen,
             threads: self.nbd_threads,
+            inline_writes: self.nbd_inline_writes,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
             stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),

@@ -281,7 +281,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> R
     let all = exports.all();
     let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&crate::nbd::stats::ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 10] = [
+    let counters: [(&str, &str, Pick); 11] = [
         ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
@@ -292,6 +292,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> R
         ("volring_nbd_write_zeroes", "WRITE_ZEROES requests answered", |s| s.zeroes),
         ("volring_nbd_other_requests", "CACHE and BLOCK_STATUS requests answered", |s| s.other),
         ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
+        ("volring_nbd_inline_writes", "WRITEs done on a ring thread instead of an io_uring worker", |s| s.inline_writes),
     ];
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;

@@ -13,7 +13,7 @@ pub mod stats;
 pub mod wire;
 
 pub use export::{Export, ExportSpec, Exports};
-pub use server::{Listen, NbdServer, ServerConfig};
+pub use server::{InlineWrites, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +34,10 @@ pub enum Error {
     NoSuchExport(String),
     #[error("{path}: {source}")]
     Open { path: std::path::PathBuf, source: std::io::Error },
+    /// A unix socket path that is not this server's to take: another
+    /// server holds or listens on it, or something else is there.
+    #[error("socket {path}: {why}")]
+    Socket { path: std::path::PathBuf, why: String },
     #[error("{what}: {source}")]
     Io { what: String, source: std::io::Error },
 }

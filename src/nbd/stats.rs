@@ -73,6 +73,10 @@ pub struct ExportStats {
     pub zeroes: AtomicU64,
     pub other: AtomicU64,
     pub errors: AtomicU64,
+    /// WRITEs done by a blocking call on a ring thread instead of through
+    /// io_uring (see `server::inline`): tells an operator which path the
+    /// pool's file system got.
+    pub inline_writes: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.
     buckets: [LatencyBuckets; 6],
@@ -187,6 +191,7 @@ impl ExportStats {
             zeroes: load(&self.zeroes),
             other: load(&self.other),
             errors: load(&self.errors),
+            inline_writes: load(&self.inline_writes),
             latency_count: count,
             latency_p50_us: p50,
             latency_p99_us: p99,
@@ -210,6 +215,7 @@ pub struct ExportSnapshot {
     pub zeroes: u64,
     pub other: u64,
     pub errors: u64,
+    pub inline_writes: u64,
     pub latency_count: u64,
     pub latency_p50_us: u64,
     pub latency_p99_us: u64,

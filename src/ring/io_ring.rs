@@ -265,6 +265,17 @@ impl IoRing {
         self.start(token, Held::Nothing, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))
     }
 
+    /// Receives from a fixed socket straight into `buf[start..end]`, waiting
+    /// for all of it (MSG_WAITALL; short only on end of stream, an error or
+    /// a cancel): a large payload lands where it is written from, without
+    /// passing through the provided buffers.
+    pub fn recv_into(&mut self, token: u64, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
+        let (ptr, len, _) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
+        self.start(token, Held::Buf(buf), |ud| {
+            opcode::Recv::new(types::Fixed(socket), ptr, len).flags(libc::MSG_WAITALL).build().user_data(ud)
+        })
+    }
+
     /// Sends `parts` (buffer, start, end) in order with one sendmsg.
     pub fn send(&mut self, token: u64, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
         let mut iov = self.spare_iov.pop().unwrap_or_default();

@@ -23,3 +23,16 @@ pub fn thread_cpu_time() -> Duration {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
+
+/// Voluntary context switches of the calling thread so far (times it
+/// slept in the kernel). The NBD server reads it around a blocking write
+/// to tell a write that waited on the disk from one that was only slow.
+pub fn thread_voluntary_switches() -> std::io::Result<u64> {
+    // SAFETY: rusage is a plain C struct for which all-zero is valid.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `usage` is a valid, writable rusage for the call's duration.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(usage.ru_nvcsw as u64)
+}

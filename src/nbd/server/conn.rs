@@ -162,6 +162,8 @@ pub(super) struct Conn {
     pub recv_op: Option<OpId>,
     /// A cancel of `recv_op` is on its way.
     pub recv_cancelled: bool,
+    /// `recv_op` receives a payload straight into its buffer (not multishot).
+    pub recv_direct: bool,
     /// Socket operations not finished: receive, send, shutdown.
     pub socket_ops: u32,
     /// What this connection holds against its limits and the server's.
@@ -201,6 +203,7 @@ impl Conn {
             send_in_flight: false,
             recv_op: None,
             recv_cancelled: false,
+            recv_direct: false,
             socket_ops: 0,
             account: Account::default(),
             tail: None,

@@ -198,7 +198,8 @@ impl Worker {
             },
             None => None,
         };
-        self.registered.insert(export.id, Registered { file, buffered, users: 1 });
+        let writes = super::inline::WritePath::new(self.config.inline_writes);
+        self.registered.insert(export.id, Registered { file, buffered, users: 1, writes });
         Ok(Attached { export, file, buffered })
     }
 

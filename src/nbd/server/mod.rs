@@ -9,7 +9,10 @@
 
 mod budget;
 mod conn;
+mod direct;
+mod inline;
 mod input;
+mod listener;
 mod output;
 mod requests;
 mod worker;
@@ -26,6 +29,8 @@ use crossbeam_queue::ArrayQueue;
 use super::export::{Export, ExportSpec, Exports};
 use super::Error;
 use crate::ring::io_ring::IoRingConfig;
+pub use inline::InlineWrites;
+use listener::Listener;
 
 /// Where the server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,8 +53,11 @@ impl std::str::FromStr for Listen {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: Vec<Listen>,
-    /// Ring threads; 0 means one per core.
+    /// Ring threads; 0 means one per core, at most [`DEFAULT_MAX_RINGS`].
     pub threads: usize,
+    /// Whether small buffered writes may be done on the ring thread when
+    /// the file system would hand them to io_uring's workers (ext4).
+    pub inline_writes: InlineWrites,
     /// A client that has not finished negotiating by then is dropped.
     pub handshake_timeout: Duration,
     /// A connection with nothing in flight and no traffic for this long is
@@ -82,6 +90,7 @@ impl Default for ServerConfig {
         Self {
             listen: Vec::new(),
             threads: 0,
+            inline_writes: InlineWrites::Auto,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             stall_timeout: Duration::from_secs(60),
@@ -94,6 +103,12 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// Rings started when the thread count is left to the server: one per
+/// core, at most this many. Each ring holds up to 32 MiB of its own
+/// (registered buffers, receive buffers, a cache of freed buffers) outside
+/// the connections' budget, so a large machine does not pay for 64 rings.
+pub const DEFAULT_MAX_RINGS: usize = 4;
 
 /// Messages to a ring thread.
 enum Command {
@@ -136,12 +151,6 @@ impl Mailbox {
     }
 }
 
-/// A bound listener, kept open for the server's life.
-struct Listener {
-    fd: OwnedFd,
-    path: Option<PathBuf>,
-}
-
 /// A running server.
 pub struct NbdServer {
     exports: Arc<Exports>,
@@ -149,37 +158,6 @@ pub struct NbdServer {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<Listener>,
     addrs: Vec<String>,
-}
-
-fn bind(l: &Listen) -> Result<(Listener, String), Error> {
-    match l {
-        Listen::Tcp(addr) => {
-            let s = std::net::TcpListener::bind(addr).map_err(Error::io(format!("bind {addr}")))?;
-            // Accepted sockets inherit TCP_NODELAY: replies leave at once.
-            rustix::net::sockopt::set_tcp_nodelay(&s, true).map_err(|e| Error::io("TCP_NODELAY")(e.into()))?;
-            let local = s.local_addr().map_err(Error::io("local_addr"))?;
-            Ok((Listener { fd: OwnedFd::from(s), path: None }, local.to_string()))
-        }
-        Listen::Unix(path) => {
-            remove_stale_socket(path)?;
-            let s = std::os::unix::net::UnixListener::bind(path).map_err(Error::io(format!("bind {}", path.display())))?;
-            Ok((Listener { fd: OwnedFd::from(s), path: Some(path.clone()) }, format!("unix:{}", path.display())))
-        }
-    }
-}
-
-/// A socket left by a server that died is removed; anything else at the
-/// path, or a socket something still listens on, is refused.
-fn remove_stale_socket(path: &std::path::Path) -> Result<(), Error> {
-    use std::os::unix::fs::FileTypeExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else { return Ok(()) };
-    if !meta.file_type().is_socket() {
-        return Err(Error::Spec { spec: path.display().to_string(), why: "exists and is not a socket".into() });
-    }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(Error::Spec { spec: path.display().to_string(), why: "another server is listening there".into() });
-    }
-    std::fs::remove_file(path).map_err(Error::io(format!("remove stale {}", path.display())))
 }
 
 impl NbdServer {
@@ -191,11 +169,15 @@ impl NbdServer {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
         for l in &config.listen {
-            let (listener, addr) = bind(l)?;
+            let (listener, addr) = Listener::bind(l)?;
             listeners.push(listener);
             addrs.push(addr);
         }
-        let threads = if config.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { config.threads };
+        let threads = if config.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
+        } else {
+            config.threads
+        };
         let mut boxes = Vec::with_capacity(threads);
         for _ in 0..threads {
             let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
@@ -274,11 +256,8 @@ impl NbdServer {
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
-        for l in self.listeners.drain(..) {
-            if let Some(p) = &l.path {
-                let _ = std::fs::remove_file(p);
-            }
-        }
+        // Each removes its socket file only if it is still the one it bound.
+        self.listeners.clear();
     }
 }
 

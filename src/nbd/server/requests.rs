@@ -156,7 +156,9 @@ impl Worker {
 
     fn start_write(&mut self, ci: u32, p: Payload) {
         let ri = self.new_req(ci, p.req, p.file, Some(p.buf), p.data_off, p.started);
-        self.submit_io(ri);
+        if !self.try_inline_write(ci, ri) {
+            self.submit_io(ri);
+        }
     }
 
     fn new_req(&mut self, ci: u32, req: Request, file: u32, buf: Option<BufId>, data_off: usize, started: Instant) -> u32 {

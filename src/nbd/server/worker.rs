@@ -29,6 +29,7 @@ pub(super) const K_SHUTDOWN: u64 = 7;
 pub(super) const K_CLOSE: u64 = 8;
 pub(super) const K_SPLICE_IN: u64 = 9;
 pub(super) const K_SPLICE_OUT: u64 = 10;
+pub(super) const K_RECV_INTO: u64 = 11;
 
 pub(super) fn token(kind: u64, index: u32) -> u64 {
     kind << 56 | u64::from(index)
@@ -68,6 +69,8 @@ pub(super) struct Registered {
     pub(super) file: u32,
     pub(super) buffered: Option<u32>,
     pub(super) users: u32,
+    /// How this export's buffered writes are done on this ring.
+    pub(super) writes: super::inline::WritePath,
 }
 
 pub(super) struct Worker {
@@ -105,6 +108,7 @@ pub(super) struct Worker {
     /// A buffer of zeroes that WRITE_ZEROES writes from when the file cannot
     /// zero a range itself; shared, never written after it is made.
     pub(super) zeroes: Option<BufId>,
+    pub(super) inline: super::inline::RingInline,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -157,6 +161,7 @@ impl Worker {
             seeks_left: SEEKS_PER_TURN,
             active: false,
             zeroes: None,
+            inline: Default::default(),
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -221,6 +226,7 @@ impl Worker {
             K_ACCEPT => self.on_accept(index as usize, c),
             K_TICK => self.on_tick(),
             K_RECV => self.on_recv(index, c),
+            K_RECV_INTO => self.on_recv_into(index, c.result),
             K_SEND => self.on_send(index, c.result),
             K_REQ => self.on_request_done(index, c.result),
             K_SHUTDOWN => {
@@ -382,7 +388,7 @@ impl Worker {
     }
 
     /// Brings connection `ci` up to date: backpressure, receive, send, close.
-    fn service(&mut self, ci: u32) {
+    pub(super) fn service(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.dirty = false;
         if let Some(why) = c.paused.filter(|_| !c.closing && !c.broken) {
@@ -406,18 +412,29 @@ impl Worker {
         }
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         let want_recv = !c.closing && c.paused.is_none();
+        let direct = want_recv && super::direct::wants_direct(c);
         match (want_recv, c.recv_op) {
-            (true, None) => match self.ring.recv_multi(token(K_RECV, ci), c.socket) {
-                Ok(op) => {
-                    c.recv_op = Some(op);
-                    c.socket_ops += 1;
+            (true, None) => {
+                let armed =
+                    if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) };
+                match armed {
+                    Ok(op) => {
+                        c.recv_op = Some(op);
+                        c.recv_direct = direct;
+                        c.socket_ops += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NBD receive could not be armed");
+                        c.closing = true;
+                        c.broken = true;
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "NBD receive could not be armed");
-                    c.closing = true;
-                    c.broken = true;
-                }
-            },
+            }
+            // A large payload is coming: the multishot receive ends first.
+            (true, Some(op)) if direct && !c.recv_direct && !c.recv_cancelled => {
+                c.recv_cancelled = true;
+                let _ = self.ring.cancel(op);
+            }
             (false, Some(op)) if !c.recv_cancelled => {
                 c.recv_cancelled = true;
                 let _ = self.ring.cancel(op);

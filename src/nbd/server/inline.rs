@@ -1,0 +1,319 @@
+//! Buffered WRITEs done on the ring thread itself when the pool's file
+//! system would otherwise make io_uring hand each one to a worker thread.
+//!
+//! io_uring completes a buffered write inline only when the file system
+//! takes it without blocking (RWF_NOWAIT). xfs does; ext4 answers
+//! EOPNOTSUPP, so io_uring passes every write to an io-wq worker — one
+//! thread hand-off per write, and writes to one file served one after
+//! another. For such a file a small write is cheaper as a plain blocking
+//! `pwritev2` on the ring thread: it usually only copies into the page
+//! cache. Per export and ring:
+//!
+//! - the first write is tried with RWF_NOWAIT; if the file system takes it,
+//!   every write goes through the ring (where it completes inline anyway);
+//! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
+//!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here;
+//! - a blocking write that took over [`SLOW`] and slept (the thread's
+//!   voluntary context switches rose: it waited on the disk, writeback or a
+//!   lock) sends writes back to the ring for [`BACKOFF`], so one slow
+//!   device does not stall every connection of the ring;
+//! - FUA writes always go through the ring (a durable write waits on the
+//!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
+//!   burst does not hold its first replies back.
+
+use std::io::IoSlice;
+use std::time::{Duration, Instant};
+
+use rustix::io::{Errno, ReadWriteFlags};
+
+use super::conn::DATA_OFFSET;
+use super::worker::Worker;
+use crate::nbd::wire::{cmd, cmd_flags as cf};
+use crate::nbd::Error;
+
+/// Largest write done blocking on the ring thread.
+pub(super) const INLINE_MAX: u64 = 64 * 1024;
+/// A blocking write slower than this that slept turns inline writes off.
+pub(super) const SLOW: Duration = Duration::from_millis(1);
+/// How long writes go back to the ring after a slow one.
+pub(super) const BACKOFF: Duration = Duration::from_secs(1);
+/// EAGAINs in a row, with no success, that make the probe give up on the ring.
+pub(super) const PROBES: u8 = 8;
+/// Inline writes between two flushes of the connection's replies.
+pub(super) const FLUSH_EVERY: u32 = 8;
+
+/// Whether buffered writes may be done on the ring thread.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum InlineWrites {
+    /// Decided per export by probing the file system (see the module docs).
+    #[default]
+    Auto,
+    /// Every write goes through io_uring.
+    Off,
+}
+
+impl std::str::FromStr for InlineWrites {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "auto" => Ok(InlineWrites::Auto),
+            "off" => Ok(InlineWrites::Off),
+            _ => Err(Error::Spec { spec: s.to_string(), why: "expected auto or off".into() }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Not known yet: the next write is tried with RWF_NOWAIT.
+    Probe { eagain: u8 },
+    /// The file system takes writes without blocking: io_uring does them.
+    Ring,
+    /// Small writes are done blocking on the ring thread.
+    Inline,
+    /// Inline, but a write was slow: through the ring until then.
+    Backoff(Instant),
+}
+
+/// How one write is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Route {
+    Ring,
+    /// pwritev2 with RWF_NOWAIT; on EAGAIN/EOPNOTSUPP through the ring.
+    Nowait,
+    /// Blocking pwritev2 on the ring thread.
+    Blocking,
+}
+
+/// One export's write path on one ring. Pure: the worker reports what the
+/// file system did and asks where the next write goes.
+#[derive(Debug, Clone)]
+pub(super) struct WritePath {
+    mode: Mode,
+}
+
+impl WritePath {
+    pub(super) fn new(setting: InlineWrites) -> Self {
+        let mode = match setting {
+            InlineWrites::Auto => Mode::Probe { eagain: 0 },
+            InlineWrites::Off => Mode::Ring,
+        };
+        WritePath { mode }
+    }
+
+    pub(super) fn route(&mut self, len: u64, fua: bool, now: Instant) -> Route {
+        if let Mode::Backoff(until) = self.mode {
+            if now < until {
+                return Route::Ring;
+            }
+            self.mode = Mode::Inline;
+        }
+        match self.mode {
+            _ if fua => Route::Ring,
+            Mode::Probe { .. } => Route::Nowait,
+            Mode::Inline if len <= INLINE_MAX => Route::Blocking,
+            _ => Route::Ring,
+        }
+    }
+
+    /// What a RWF_NOWAIT write answered: `Ok` (some bytes written) or its errno.
+    pub(super) fn nowait_done(&mut self, res: Result<usize, Errno>) {
+        let Mode::Probe { eagain } = self.mode else { return };
+        self.mode = match res {
+            Ok(_) => Mode::Ring,
+            Err(Errno::OPNOTSUPP) => Mode::Inline,
+            Err(Errno::AGAIN) if eagain + 1 >= PROBES => Mode::Inline,
+            Err(Errno::AGAIN) => Mode::Probe { eagain: eagain + 1 },
+            // Not an answer about blocking (ENOSPC, EIO...): ask again.
+            Err(_) => Mode::Probe { eagain },
+        };
+    }
+
+    /// A blocking write took `took`; `slept` if the thread waited meanwhile.
+    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, now: Instant) {
+        if took > SLOW && slept {
+            self.mode = Mode::Backoff(now + BACKOFF);
+        }
+    }
+
+    /// Whether small writes are being done on the ring thread now.
+    pub(super) fn inline_now(&self) -> bool {
+        self.mode == Mode::Inline
+    }
+}
+
+/// A ring's side of inline writes: for telling whether a write slept.
+#[derive(Debug, Default)]
+pub(super) struct RingInline {
+    /// The thread's voluntary context switches, read at `at` (a loop turn).
+    switches: Option<(Instant, u64)>,
+    /// Inline writes since the replies were last flushed.
+    unflushed: u32,
+}
+
+impl Worker {
+    /// Does WRITE request `ri` of connection `ci` here if its export's
+    /// write path says so; false: the caller submits it to the ring.
+    pub(super) fn try_inline_write(&mut self, ci: u32, ri: u32) -> bool {
+        let Some(r) = self.reqs[ri as usize].as_ref() else { return false };
+        if r.req.kind != cmd::WRITE || r.data_off != DATA_OFFSET || r.done != 0 {
+            return false; // O_DIRECT writes: io_uring does them asynchronously
+        }
+        let Some(attached) = self.conns[ci as usize].as_ref().and_then(|c| c.attached()) else { return false };
+        let export = attached.export.clone();
+        let buffered = attached.buffered == Some(r.file);
+        let Some(path) = self.registered.get_mut(&export.id).map(|reg| &mut reg.writes) else { return false };
+        let (len, offset, fua, buf, at) = (r.req.length, r.req.offset, r.req.has(cf::FUA), r.buf, r.data_off);
+        let route = path.route(len, fua, self.now);
+        if route == Route::Ring {
+            return false;
+        }
+        let Some(bytes) = buf.and_then(|b| self.ring.buffers().get(b)) else { return false };
+        let data = &bytes[at..at + len as usize];
+        let fd = match export.buffered() {
+            Some(fd) if buffered => fd,
+            _ => export.file(),
+        };
+        if route == Route::Nowait {
+            let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::NOWAIT);
+            let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
+            path.nowait_done(res);
+            if let Ok(n) = res {
+                tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
+                self.on_request_done(ri, n as i32);
+                return true;
+            }
+            // Refused: this very write is the first inline one, if that is
+            // what the answer decided (not one hand-off to a worker).
+            if path.route(len, fua, self.now) != Route::Blocking {
+                return false;
+            }
+            tracing::debug!(export = %export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
+        }
+        let now = self.now;
+        if self.inline.switches.is_none_or(|(turn, _)| turn != now) {
+            self.inline.switches = crate::sys::thread_voluntary_switches().ok().map(|n| (now, n));
+        }
+        let t0 = Instant::now();
+        let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::empty());
+        let took = t0.elapsed();
+        if took > SLOW {
+            let after = crate::sys::thread_voluntary_switches().ok();
+            let slept = match (self.inline.switches, after) {
+                (Some((_, before)), Some(after)) => after > before,
+                _ => true,
+            };
+            self.inline.switches = after.map(|n| (now, n));
+            let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
+            path.blocking_done(took, slept, now);
+            if !path.inline_now() {
+                tracing::debug!(export = %export.name, took_us = took.as_micros() as u64, "NBD writes: a blocking write slept; through the ring for a while");
+            }
+        }
+        export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.on_request_done(ri, res.map_or_else(|e| -e.raw_os_error(), |n| n as i32));
+        self.inline.unflushed += 1;
+        if self.inline.unflushed >= FLUSH_EVERY {
+            self.inline.unflushed = 0;
+            self.flush_replies(ci);
+        }
+        true
+    }
+
+    /// Sends what connection `ci` has queued now, not at the end of the turn.
+    fn flush_replies(&mut self, ci: u32) {
+        self.service(ci);
+        if let Err(e) = self.ring.submit_and_wait(0, None) {
+            tracing::warn!(error = %e, "NBD ring submit failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_system_that_takes_nowait_writes_keeps_the_ring() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        assert_eq!(p.route(4096, false, now), Route::Nowait);
+        p.nowait_done(Ok(4096));
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+        // Later answers of a nowait write change nothing once decided.
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+    }
+
+    #[test]
+    fn eopnotsupp_makes_small_writes_inline_and_large_or_fua_ones_ring() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        // FUA writes never probe.
+        assert_eq!(p.route(4096, true, now), Route::Ring);
+        assert_eq!(p.route(1 << 20, false, now), Route::Nowait);
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        assert!(p.inline_now());
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        assert_eq!(p.route(INLINE_MAX, false, now), Route::Blocking);
+        assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+        assert_eq!(p.route(4096, true, now), Route::Ring);
+    }
+
+    #[test]
+    fn eagain_every_time_gives_up_after_the_probes() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        for _ in 0..PROBES - 1 {
+            assert_eq!(p.route(4096, false, now), Route::Nowait);
+            p.nowait_done(Err(Errno::AGAIN));
+        }
+        // An error that says nothing about blocking does not count.
+        p.nowait_done(Err(Errno::NOSPC));
+        assert_eq!(p.route(4096, false, now), Route::Nowait);
+        p.nowait_done(Err(Errno::AGAIN));
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+    }
+
+    #[test]
+    fn a_success_after_eagains_keeps_the_ring() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        p.nowait_done(Err(Errno::AGAIN));
+        p.nowait_done(Err(Errno::AGAIN));
+        p.nowait_done(Ok(512));
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+    }
+
+    #[test]
+    fn a_slow_write_that_slept_backs_off_for_a_while() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        // Slow without sleeping (preempted, or a long copy): stays inline.
+        p.blocking_done(SLOW * 5, false, now);
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        // Slept but fast: stays inline.
+        p.blocking_done(SLOW / 2, true, now);
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        // Slow and slept: the ring until the backoff ends, then inline again.
+        p.blocking_done(SLOW * 2, true, now);
+        assert!(!p.inline_now());
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+        assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
+        assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+        assert!(p.inline_now());
+    }
+
+    #[test]
+    fn off_never_probes_nor_inlines() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Off);
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+        assert_eq!("auto".parse::<InlineWrites>().ok(), Some(InlineWrites::Auto));
+        assert_eq!("off".parse::<InlineWrites>().ok(), Some(InlineWrites::Off));
+        assert!("on".parse::<InlineWrites>().is_err());
+    }
+}
