@@ -95,6 +95,19 @@ fn second_server_on_the_same_path_fails() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A socket in a directory that does not exist yet: the directory is made,
+/// as the CSI socket's is (the README's `unix:/run/volring/nbd.sock` failed
+/// on a fresh machine). A bad address names itself as a listen address.
+fn missing_socket_directory_is_made_and_bad_addresses_are_named() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-listener-").tempdir()?;
+    let path = dir.path().join("run/volring/nbd.sock");
+    let server = start(&path).map_err(|e| format!("start in a new directory: {e}"))?;
+    check(greets(&path), "the server greets at the new path")?;
+    server.stop();
+    let bad = "not-an-address".parse::<Listen>().map(|_| ()).map_err(|e| e.to_string());
+    check(bad.as_ref().is_err_and(|e| e.contains("listen address") && !e.contains("export")), format!("{bad:?}"))
+}
+
 fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let trials = vec![
@@ -103,6 +116,10 @@ fn main() {
             stale_socket_is_replaced_and_nothing_else_is_touched,
         ),
         Trial::test("nbd_listener::second_server_on_the_same_path_fails", second_server_on_the_same_path_fails),
+        Trial::test(
+            "nbd_listener::missing_socket_directory_is_made_and_bad_addresses_are_named",
+            missing_socket_directory_is_made_and_bad_addresses_are_named,
+        ),
     ];
     libtest_mimic::run(&args, trials).exit()
 }

@@ -28,6 +28,10 @@ pub enum Error {
     Protocol(&'static str),
     #[error("invalid export spec {spec:?}: {why}")]
     Spec { spec: String, why: String },
+    #[error("invalid NBD listen address {addr:?}: {why}")]
+    Listen { addr: String, why: String },
+    #[error("invalid {what} {value:?}: {why}")]
+    Setting { what: &'static str, value: String, why: &'static str },
     #[error("export {0:?} already exists")]
     Exists(String),
     #[error("no export named {0:?}")]

@@ -58,7 +58,7 @@ impl std::str::FromStr for InlineWrites {
         match s {
             "auto" => Ok(InlineWrites::Auto),
             "off" => Ok(InlineWrites::Off),
-            _ => Err(Error::Spec { spec: s.to_string(), why: "expected auto or off".into() }),
+            _ => Err(Error::Setting { what: "NBD inline-writes mode", value: s.to_string(), why: "expected auto or off" }),
         }
     }
 }

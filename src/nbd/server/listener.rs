@@ -71,6 +71,11 @@ impl Listener {
                 Ok((Listener { fd: OwnedFd::from(s), _claim: None }, local.to_string()))
             }
             Listen::Unix(path) => {
+                // Like the CSI socket's: the directory is made if missing
+                // (`/run/volring/nbd.sock` on a fresh machine).
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(|e| socket_error(path, format!("create {}: {e}", dir.display())))?;
+                }
                 let lock = claim(path)?;
                 remove_stale_socket(path)?;
                 let s = std::os::unix::net::UnixListener::bind(path).map_err(|e| socket_error(path, format!("bind: {e}")))?;

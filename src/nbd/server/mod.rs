@@ -45,7 +45,7 @@ impl std::str::FromStr for Listen {
         if let Some(path) = s.strip_prefix("unix:") {
             return Ok(Listen::Unix(PathBuf::from(path)));
         }
-        s.parse().map(Listen::Tcp).map_err(|_| Error::Spec { spec: s.to_string(), why: "expected HOST:PORT or unix:PATH".into() })
+        s.parse().map(Listen::Tcp).map_err(|_| Error::Listen { addr: s.to_string(), why: "expected HOST:PORT or unix:PATH".into() })
     }
 }
 
@@ -164,7 +164,7 @@ impl NbdServer {
     /// Binds every listener and starts the ring threads.
     pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
         if config.listen.is_empty() {
-            return Err(Error::Spec { spec: String::new(), why: "no address to listen on".into() });
+            return Err(Error::Listen { addr: String::new(), why: "no address to listen on".into() });
         }
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
