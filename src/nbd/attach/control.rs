@@ -137,6 +137,9 @@ impl NbdControl {
         let config = NbdConfig {
             index: Some(index),
             size_bytes,
+            // A kernel that knows backend ids (5.14+) refuses a reconfigure
+            // of a device that has one unless it is named again, and matches.
+            backend_id: Some(backend_id.to_string()),
             sockets: sockets.iter().map(|s| s.as_raw_fd()).collect(),
             ..NbdConfig::default()
         };
