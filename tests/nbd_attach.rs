@@ -286,7 +286,12 @@ fn one_ring_two_connections_64mib_of_pipelined_writes_then_a_new_greeting() {
                 h.extend_from_slice(&(i as u64).to_be_bytes());
                 h.extend_from_slice(&offset.to_be_bytes());
                 h.extend_from_slice(&(chunk as u32).to_be_bytes());
-                s.write_all(&h).and_then(|_| s.write_all(&payload)).map_err(|e| format!("conn {ci}: send {i}: {e}"))?;
+                // As the kernel sends: the header, then the payload a page
+                // (one bio segment) per sendmsg.
+                s.write_all(&h).map_err(|e| format!("conn {ci}: send {i}: {e}"))?;
+                for page in payload.chunks(4096) {
+                    s.write_all(page).map_err(|e| format!("conn {ci}: send {i}: {e}"))?;
+                }
             }
             Ok(())
         });
