@@ -49,7 +49,11 @@ fn kill_and_reattach_two_connections() {
 #[test]
 #[ignore = "known bug on 6.1: one ring serving two connections stops reading; run with --ignored"]
 fn kill_and_reattach_one_ring_two_connections_64mib() {
-    smoke("vm_nbd::kill_and_reattach_one_ring_two_connections_64mib", 2, &[("CONNS", "2"), ("THREADS", "1"), ("FILES", "128"), ("FILE_KIB", "512")]);
+    smoke(
+        "vm_nbd::kill_and_reattach_one_ring_two_connections_64mib",
+        2,
+        &[("CONNS", "2"), ("THREADS", "1"), ("FILES", "128"), ("FILE_KIB", "512")],
+    );
 }
 
 /// The one-ring test of tests/nbd_attach.rs (two connections, 64 MiB of

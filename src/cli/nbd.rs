@@ -142,7 +142,8 @@ pub fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
     let rows: Vec<_> = devices
         .iter()
         .map(|d| {
-            let sectors = std::fs::read_to_string(format!("/sys/block/nbd{}/size", d.index)).ok().and_then(|s| s.trim().parse::<u64>().ok());
+            let sectors =
+                std::fs::read_to_string(format!("/sys/block/nbd{}/size", d.index)).ok().and_then(|s| s.trim().parse::<u64>().ok());
             serde_json::json!({
                 "index": d.index,
                 "device": format!("/dev/nbd{}", d.index),

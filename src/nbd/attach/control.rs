@@ -63,7 +63,10 @@ impl ConnectSpec {
             return Err(Error::Invalid(format!("block size {} is not a power of two in 512..=4096", self.block_size)));
         }
         if self.size_bytes == 0 || !self.size_bytes.is_multiple_of(self.block_size) {
-            return Err(Error::Invalid(format!("size {} is not a positive multiple of the block size {}", self.size_bytes, self.block_size)));
+            return Err(Error::Invalid(format!(
+                "size {} is not a positive multiple of the block size {}",
+                self.size_bytes, self.block_size
+            )));
         }
         if self.server_flags & u64::from(tx::HAS_FLAGS) == 0 {
             return Err(Error::Invalid("server flags without HAS_FLAGS".into()));

@@ -59,7 +59,14 @@ impl LocalAttachment {
     /// Connects a device (`spec.index`, or any free one) to `connections`
     /// sockets on `export`. `tune` adjusts the spec made from the export's
     /// negotiated size and flags (timeouts, index, client flags).
-    pub fn attach(control: &mut NbdControl, server: &NbdServer, export: &str, backend_id: &str, connections: usize, tune: impl FnOnce(&mut ConnectSpec)) -> Result<Self, Error> {
+    pub fn attach(
+        control: &mut NbdControl,
+        server: &NbdServer,
+        export: &str,
+        backend_id: &str,
+        connections: usize,
+        tune: impl FnOnce(&mut ConnectSpec),
+    ) -> Result<Self, Error> {
         let (sockets, details) = connected_sockets(server, export, connections)?;
         let mut spec = ConnectSpec::for_export(&details, backend_id);
         tune(&mut spec);
@@ -72,7 +79,14 @@ impl LocalAttachment {
 
     /// Gives a device a previous process connected fresh sockets to this
     /// process's server, refusing one whose backend is not `backend_id`.
-    pub fn reattach(control: &mut NbdControl, server: &NbdServer, index: u32, export: &str, backend_id: &str, connections: usize) -> Result<Self, Error> {
+    pub fn reattach(
+        control: &mut NbdControl,
+        server: &NbdServer,
+        index: u32,
+        export: &str,
+        backend_id: &str,
+        connections: usize,
+    ) -> Result<Self, Error> {
         let found = control.backend(index);
         super::control::check_backend(index, backend_id, found)?;
         let (sockets, details) = connected_sockets(server, export, connections)?;
