@@ -25,13 +25,13 @@ fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
     vm.cpus = cpus;
     let run = vm.run(&script, Duration::from_secs(900)).expect("vm run");
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: {test}: {} {}(guest {:.1} s)", read("verdict").trim(), read("resume").trim(), run.elapsed.as_secs_f64());
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
     assert!(
         run.status == Some(0),
-        "{test}:\n{}\n--- first.err\n{}\n--- second.err\n{}\n--- writer.err\n{}",
+        "{test}:\n{}\n--- first.err\n{}\n--- again1.err\n{}\n--- writer.err\n{}",
         run.describe(),
         read("first.err"),
-        read("second.err"),
+        read("again1.err"),
         read("writer.err")
     );
 }
@@ -40,6 +40,14 @@ fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
 #[test]
 fn kill_and_reattach_two_connections() {
     smoke("vm_nbd::kill_and_reattach_two_connections", 2, &[("CONNS", "2"), ("THREADS", "0")]);
+}
+
+/// The control: the same kill with nobody re-attaching (and a 3 s
+/// dead-connection timeout) fails the writer with EIO, so the test above
+/// can tell a working reattach from a broken one.
+#[test]
+fn without_reattach_the_writer_fails() {
+    smoke("vm_nbd::without_reattach_the_writer_fails", 2, &[("CONNS", "2"), ("NO_REATTACH", "1"), ("DEAD_CONN_TIMEOUT", "3"), ("KILL_AT", "8")]);
 }
 
 /// One ring serving two connections, 64 MiB of kernel writes (the setup

@@ -77,6 +77,8 @@ pub fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) 
         "size": att.details.size,
         "reattached": a.reattach,
         "seconds": started.elapsed().as_secs_f64(),
+        // Wall clock when the kernel took the sockets, to time a writer's resume against.
+        "at": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
     }));
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = {

@@ -11,7 +11,9 @@
 # Environment: VOLRING (the binary), CONNS (connections, default 2),
 # THREADS (--nbd-threads, default 0: one per vCPU), FILES (default 96),
 # FILE_KIB (default 512), KILL_AT (files written before the kill, default 24),
-# DOWN (seconds the server stays dead, default 2). Results in $VM_RESULTS.
+# DOWN (seconds the server stays dead, default 2), CYCLES (kill/reattach
+# rounds, default 3), NO_REATTACH=1 with DEAD_CONN_TIMEOUT=N: the control
+# run, where nobody re-attaches and the writer must fail. Results in $VM_RESULTS.
 
 set -u
 : "${VOLRING:?}" "${VM_RESULTS:?}"
@@ -21,6 +23,7 @@ FILES=${FILES:-96}
 FILE_KIB=${FILE_KIB:-512}
 KILL_AT=${KILL_AT:-24}
 DOWN=${DOWN:-2}
+CYCLES=${CYCLES:-3}
 R=$VM_RESULTS
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
@@ -34,7 +37,7 @@ mkdir -p /mnt/v
 serve() { # name, extra args...
   name=$1; shift
   "$VOLRING" nbd attach --export "vol=$img" --connections "$CONNS" --nbd-threads "$THREADS" \
-    --timeout 3 --dead-conn-timeout 60 "$@" >"$R/$name.out" 2>"$R/$name.err" &
+    --timeout 3 "$@" >"$R/$name.out" 2>"$R/$name.err" &
   echo $! >"$R/$name.pid"
   i=0
   while ! grep -q '"attached"' "$R/$name.out" 2>/dev/null; do
@@ -45,7 +48,7 @@ serve() { # name, extra args...
   done
 }
 
-serve first --backend-id pvc-smoke --index 0
+serve first --backend-id pvc-smoke --index 0 --dead-conn-timeout "${DEAD_CONN_TIMEOUT:-60}"
 [ "$(cat /sys/block/nbd0/backend)" = pvc-smoke ] || fail "backend is $(cat /sys/block/nbd0/backend)"
 "$VOLRING" nbd status --json >"$R/status.json" || fail "status"
 grep -q '"connected":true' "$R/status.json" || fail "status: $(cat "$R/status.json")"
@@ -68,37 +71,71 @@ mount /dev/nbd0 /mnt/v || fail "mount"
 ) &
 writer=$!
 
-i=0
-while [ "$(wc -l <"$R/writes")" -lt "$KILL_AT" ]; do
-  i=$((i + 1))
-  [ $i -gt 3000 ] && fail "writer too slow before the kill ($(wc -l <"$R/writes") writes)"
-  kill -0 $writer 2>/dev/null || fail "writer died before the kill: $(cat "$R/writer.err")"
-  sleep 0.1
-done
-kill -9 "$(cat "$R/first.pid")"
-t_kill=$(now)
-before=$(wc -l <"$R/writes")
-sleep "$DOWN"
-
-# A reattach with the wrong backend id is refused, and changes nothing.
-if "$VOLRING" nbd attach --export "vol=$img" --backend-id pvc-other --index 0 --reattach >"$R/wrong.out" 2>"$R/wrong.err"; then
-  fail "reattach with the wrong backend id succeeded"
+if [ "${NO_REATTACH:-0}" = 1 ]; then
+  # The control: nobody re-attaches. Once the dead-connection timeout
+  # passes the kernel fails the I/O, and the writer sees it.
+  i=0
+  while [ "$(wc -l <"$R/writes")" -lt "$KILL_AT" ]; do
+    i=$((i + 1))
+    [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
+    sleep 0.1
+  done
+  kill -9 "$(cat "$R/first.pid")"
+  t_kill=$(now)
+  i=0
+  while kill -0 $writer 2>/dev/null; do
+    i=$((i + 1))
+    [ $i -gt 1200 ] && fail "without a reattach the writer still waits after 120 s"
+    sleep 0.1
+  done
+  if wait $writer; then fail "without a reattach every write still succeeded"; fi
+  dmesg | grep -q 'I/O error, dev nbd0' || fail "no I/O error in dmesg without a reattach"
+  echo "ok: without a reattach the writer failed $(echo "$(now) - $t_kill" | bc) s after the kill: $(tail -1 "$R/writer.err")" | tee "$R/verdict"
+  exit 0
 fi
-grep -q 'serves backend' "$R/wrong.err" || fail "wrong backend: $(cat "$R/wrong.err")"
 
-serve second --backend-id pvc-smoke --index 0 --reattach
-t_back=$(now)
-
-# The writer resumes: the first write completed after the reattach.
-i=0
-while [ "$(wc -l <"$R/writes")" -le "$before" ]; do
-  i=$((i + 1))
-  [ $i -gt 600 ] && fail "writer did not resume within 60 s of the reattach"
-  sleep 0.05
+# CYCLES times: kill -9 the serving process once KILL_AT more files are
+# written, keep it dead DOWN seconds, re-attach, time the writer's resume.
+current=first
+: >"$R/resume"
+c=1
+while [ $c -le "$CYCLES" ]; do
+  i=0
+  while [ "$(wc -l <"$R/writes")" -lt $((c * KILL_AT)) ]; do
+    i=$((i + 1))
+    [ $i -gt 3000 ] && fail "cycle $c: writer too slow ($(wc -l <"$R/writes") writes)"
+    kill -0 $writer 2>/dev/null || fail "writer died before kill $c: $(cat "$R/writer.err")"
+    sleep 0.1
+  done
+  kill -9 "$(cat "$R/$current.pid")"
+  t_kill=$(now)
+  before=$(wc -l <"$R/writes")
+  sleep "$DOWN"
+  if [ $c -eq 1 ]; then
+    # A reattach with the wrong backend id is refused, and changes nothing.
+    if "$VOLRING" nbd attach --export "vol=$img" --backend-id pvc-other --index 0 --reattach >"$R/wrong.out" 2>"$R/wrong.err"; then
+      fail "reattach with the wrong backend id succeeded"
+    fi
+    grep -q 'serves backend' "$R/wrong.err" || fail "wrong backend: $(cat "$R/wrong.err")"
+  fi
+  current=again$c
+  serve $current --backend-id pvc-smoke --index 0 --reattach
+  # When the kernel took the new sockets, as the serving process saw it.
+  t_back=$(sed -n 's/.*"at":\([0-9.]*\).*/\1/p' "$R/$current.out" | head -1)
+  [ -n "$t_back" ] || fail "no time in $(cat "$R/$current.out")"
+  # The writer resumes: the first write completed after the reattach.
+  i=0
+  while [ "$(wc -l <"$R/writes")" -le "$before" ]; do
+    i=$((i + 1))
+    [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the reattach"
+    kill -0 $writer 2>/dev/null || break
+    sleep 0.05
+  done
+  t_resume=$(awk -v b="$t_back" '$3 >= b { print $3; exit }' "$R/writes")
+  [ -n "$t_resume" ] || fail "cycle $c: no write completed after the reattach"
+  echo "cycle $c: down $(echo "$t_back - $t_kill" | bc) s, resumed $(echo "$t_resume - $t_back" | bc) s after the reattach" | tee -a "$R/resume"
+  c=$((c + 1))
 done
-t_resume=$(awk -v b="$t_back" '$3 >= b { print $3; exit }' "$R/writes")
-[ -n "$t_resume" ] || t_resume=$(tail -1 "$R/writes" | cut -d' ' -f3)
-echo "down $(echo "$t_back - $t_kill" | bc) s; resumed $(echo "$t_resume - $t_back" | bc) s after the reattach" | tee "$R/resume"
 
 wait $writer || fail "writer failed: $(cat "$R/writer.err")"
 [ "$(wc -l <"$R/writes")" -eq "$FILES" ] || fail "$(wc -l <"$R/writes") of $FILES writes"
@@ -121,6 +158,6 @@ if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd0; then
 fi
 
 "$VOLRING" nbd detach --index 0 --backend-id pvc-smoke >"$R/detach.out" 2>&1 || fail "detach: $(cat "$R/detach.out")"
-kill "$(cat "$R/second.pid")" 2>/dev/null
-wait "$(cat "$R/second.pid")" 2>/dev/null
-echo "ok: $FILES writes of $FILE_KIB KiB, $CONNS connections, threads $THREADS" | tee "$R/verdict"
+kill "$(cat "$R/$current.pid")" 2>/dev/null
+wait "$(cat "$R/$current.pid")" 2>/dev/null
+echo "ok: $FILES writes of $FILE_KIB KiB, $CONNS connections, threads $THREADS, $CYCLES kill/reattach cycles" | tee "$R/verdict"
