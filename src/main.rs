@@ -2,6 +2,8 @@
 
 use std::io::Write;
 
+mod cli;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -171,6 +173,39 @@ enum NbdCommand {
         /// Print every export's counters as a JSON line this often (seconds; 0: only at exit).
         #[arg(long, default_value_t = 0.0)]
         stats_interval: f64,
+    },
+    /// Attach an image to /dev/nbdN through the kernel's netlink interface
+    /// and serve it from this process until SIGINT/SIGTERM (the device then
+    /// waits for a successor's --reattach).
+    Attach {
+        #[command(flatten)]
+        args: cli::nbd::AttachArgs,
+        #[command(flatten)]
+        tuning: NbdTuning,
+    },
+    /// Disconnect /dev/nbdN.
+    Detach {
+        #[arg(long)]
+        index: u32,
+        /// Refuse unless the device carries this backend identifier.
+        #[arg(long)]
+        backend_id: Option<String>,
+    },
+    /// The kernel's nbd devices: connected, backend, size.
+    Status {
+        #[arg(long)]
+        index: Option<u32>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print each LINK_DEAD notice (every connection of a device died) as a JSON line.
+    Watch {
+        /// Stop after this many notices.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Stop after this many seconds.
+        #[arg(long)]
+        seconds: Option<f64>,
     },
 }
 
@@ -477,6 +512,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let specs = exports.iter().map(|e| e.parse()).collect::<Result<Vec<volring::nbd::ExportSpec>, _>>()?;
             runtime()?.block_on(nbd_serve(tuning.config(listen), specs, exports_file, stats_interval))
         }
+        Command::Nbd { command: NbdCommand::Attach { args, tuning } } => cli::nbd::attach(args, tuning.config(Vec::new()), runtime()?),
+        Command::Nbd { command: NbdCommand::Detach { index, backend_id } } => cli::nbd::detach(index, backend_id.as_deref()),
+        Command::Nbd { command: NbdCommand::Status { index, json } } => cli::nbd::status(index, json),
+        Command::Nbd { command: NbdCommand::Watch { count, seconds } } => cli::nbd::watch(count, seconds),
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args, output, target, source, raw, list, tree } => {
             use std::io::IsTerminal;

@@ -6,6 +6,8 @@
 //! - [`server`]: ring threads that own the sockets and the files and drive
 //!   both through io_uring, replying out of order as requests complete.
 
+pub mod attach;
+pub mod client;
 pub mod export;
 pub mod handshake;
 pub mod server;
@@ -24,6 +26,9 @@ pub enum Error {
     OptionMagic(u64),
     #[error("unknown client flags {0:#x}")]
     ClientFlags(u32),
+    /// The server answered an option with an error reply.
+    #[error("server refused option {option} with reply {reply:#x}")]
+    Refused { option: u32, reply: u32 },
     #[error("protocol violation: {0}")]
     Protocol(&'static str),
     #[error("invalid export spec {spec:?}: {why}")]

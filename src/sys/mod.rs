@@ -5,6 +5,7 @@
 //! that returns `std::io::Result`: the errno is the error type of this layer.
 
 pub mod fanotify;
+pub mod genetlink;
 #[cfg(feature = "libmount-peer")]
 pub mod libmount;
 pub mod loopdev;

@@ -158,6 +158,8 @@ pub struct NbdServer {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<Listener>,
     addrs: Vec<String>,
+    /// The ring the next [`NbdServer::serve_connected`] socket goes to.
+    next_connected: std::sync::atomic::AtomicUsize,
 }
 
 impl NbdServer {
@@ -166,6 +168,31 @@ impl NbdServer {
         if config.listen.is_empty() {
             return Err(Error::Listen { addr: String::new(), why: "no address to listen on".into() });
         }
+        Self::start_inner(config, exports)
+    }
+
+    /// Starts the ring threads without listening anywhere: connections
+    /// come only through [`NbdServer::serve_connected`] (a process serving
+    /// its own `/dev/nbdN` over socketpairs).
+    pub fn start_unlistened(mut config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
+        config.listen.clear();
+        Self::start_inner(config, exports)
+    }
+
+    /// Serves a socket connected by other means (one end of a socketpair):
+    /// the server greets it and negotiates as with an accepted client.
+    /// Sockets are dealt to the rings round-robin.
+    pub fn serve_connected(&self, fd: OwnedFd) -> Result<(), Error> {
+        let n = self.mailboxes.len();
+        let target = self.next_connected.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
+        if self.mailboxes[target].send(Command::Adopt(fd)) {
+            Ok(())
+        } else {
+            Err(Error::Protocol("ring did not take the connection (queue full)"))
+        }
+    }
+
+    fn start_inner(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
         for l in &config.listen {
@@ -206,7 +233,7 @@ impl NbdServer {
                 Ok(Ok(())) => handles.push(h),
                 Ok(Err(e)) => {
                     let _ = h.join();
-                    let server = NbdServer { exports, mailboxes, threads: handles, listeners, addrs };
+                    let server = NbdServer { exports, mailboxes, threads: handles, listeners, addrs, next_connected: Default::default() };
                     drop(server);
                     return Err(Error::Io { what: "NBD ring (needs io_uring with multishot receive, Linux 6.0+)".into(), source: e });
                 }
@@ -214,7 +241,7 @@ impl NbdServer {
             }
         }
         tracing::info!(addrs = ?addrs, threads, "NBD server listening");
-        Ok(NbdServer { exports, mailboxes, threads: handles, listeners, addrs })
+        Ok(NbdServer { exports, mailboxes, threads: handles, listeners, addrs, next_connected: Default::default() })
     }
 
     /// What the listeners are bound to (TCP with the real port).

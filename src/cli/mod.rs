@@ -1,0 +1,3 @@
+//! Subcommands of the `volring` binary that live outside main.rs.
+
+pub mod nbd;

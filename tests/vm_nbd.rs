@@ -1,0 +1,82 @@
+//! The kernel's nbd driver against `volring nbd attach`, in the VM (see
+//! tests/vm/harness.rs and tests/vm/nbd_smoke.sh): attach over netlink,
+//! ext4 on it, a writer that fsyncs in a loop, kill -9 of the serving
+//! process, reattach with RECONFIGURE, the writer resumes and every byte
+//! verifies. Skips (saying why) without the VM image; fails in CI.
+
+#[path = "vm/harness.rs"]
+mod harness;
+
+use std::fs;
+use std::time::Duration;
+
+use harness::{image_or_skip, Vm};
+
+const SMOKE: &str = include_str!("vm/nbd_smoke.sh");
+
+fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
+    let Some(image) = image_or_skip(test) else { return };
+    let mut script = format!("export VOLRING='{}'\n", env!("CARGO_BIN_EXE_volring"));
+    for (k, v) in env {
+        script.push_str(&format!("export {k}='{v}'\n"));
+    }
+    script.push_str(SMOKE);
+    let mut vm = Vm::new(&image).expect("vm");
+    vm.cpus = cpus;
+    let run = vm.run(&script, Duration::from_secs(900)).expect("vm run");
+    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
+    assert!(
+        run.status == Some(0),
+        "{test}:\n{}\n--- first.err\n{}\n--- again1.err\n{}\n--- writer.err\n{}",
+        run.describe(),
+        read("first.err"),
+        read("again1.err"),
+        read("writer.err")
+    );
+}
+
+/// Two connections, a ring per vCPU.
+#[test]
+fn kill_and_reattach_two_connections() {
+    smoke("vm_nbd::kill_and_reattach_two_connections", 2, &[("CONNS", "2"), ("THREADS", "0")]);
+}
+
+/// The control: the same kill with nobody re-attaching (and a 3 s
+/// dead-connection timeout) fails the writer with EIO, so the test above
+/// can tell a working reattach from a broken one.
+#[test]
+fn without_reattach_the_writer_fails() {
+    smoke("vm_nbd::without_reattach_the_writer_fails", 2, &[("CONNS", "2"), ("NO_REATTACH", "1"), ("DEAD_CONN_TIMEOUT", "3"), ("KILL_AT", "8")]);
+}
+
+/// One ring serving two connections, 64 MiB of kernel writes (the setup
+/// that once left the server answering nothing). Fails today: mkfs.ext4
+/// already stalls, the ring spinning in after_batch -> service -> recv_multi
+/// while 180 KB wait unread on each socket.
+#[test]
+#[ignore = "known bug on 6.1: one ring serving two connections stops reading; run with --ignored"]
+fn kill_and_reattach_one_ring_two_connections_64mib() {
+    smoke(
+        "vm_nbd::kill_and_reattach_one_ring_two_connections_64mib",
+        2,
+        &[("CONNS", "2"), ("THREADS", "1"), ("FILES", "128"), ("FILE_KIB", "512")],
+    );
+}
+
+/// The one-ring test of tests/nbd_attach.rs (two connections, 64 MiB of
+/// writes sent as the kernel sends them, no kernel nbd involved) run on the
+/// guest's 6.1 kernel: it passes on this host's kernel and fails on 6.1.
+#[test]
+#[ignore = "known bug on 6.1: one ring serving two connections stops reading (the ring spins re-arming its multishot receive); run with --ignored"]
+fn one_ring_two_connections_on_6_1() {
+    let Some(image) = image_or_skip("vm_nbd::one_ring_two_connections_on_6_1") else { return };
+    let bins = harness::test_binaries(&["nbd_attach"]).expect("cargo test --no-run --test nbd_attach");
+    let script = format!(
+        "cd '{}' || exit 1\ntimeout 300 '{}' one_ring_two_connections --test-threads 1\n",
+        env!("CARGO_MANIFEST_DIR"),
+        bins[0].1.display()
+    );
+    let run = Vm::new(&image).expect("vm").run(&script, Duration::from_secs(600)).expect("vm run");
+    assert!(run.status == Some(0), "{}", run.describe());
+}
