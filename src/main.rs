@@ -80,6 +80,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the CustomResourceDefinitions volring publishes (YAML).
+    Crds,
     /// List block devices like `lsblk`: type, filesystem, mounts, ids.
     Devices {
         /// One JSON document (`{"blockdevices": [...]}`).
@@ -404,6 +406,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
         Command::Status { state_dir, pool_dir, json } => {
             print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
+        }
+        Command::Crds => {
+            print!("{}", volring::publisher::objects::crds_yaml());
+            Ok(())
         }
         Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {

@@ -1,0 +1,17 @@
+//! The Kubernetes publisher: what the node knows, as custom resources.
+//!
+//! - [`objects`]: the CRDs (BlockDevice, StorageNode) and the pure builders
+//!   that turn devices and volumes into objects.
+//! - [`updater`]: the batched, coalescing updater and the [`updater::Sink`]
+//!   it writes through.
+//! - [`kube_sink`]: the API server as a sink (server-side apply, status
+//!   subresource, paginated LIST).
+//! - [`embedded_sink`]: with no cluster, the node's own store as the sink.
+
+pub mod embedded_sink;
+pub mod kube_sink;
+pub mod objects;
+pub mod updater;
+
+pub use objects::{Key, Kind, Object};
+pub use updater::{GonePolicy, Part, Sink, SinkError, Updater, UpdaterConfig};
