@@ -38,15 +38,20 @@ pub struct KubeSink {
 }
 
 impl KubeSink {
-    pub fn new(client: kube::Client) -> Self {
-        Self { client }
+    /// A sink on `config`'s cluster. The client's own retry layer is
+    /// turned off: it would retry a 429 inside one request, holding a slot
+    /// while the token bucket and the other requests know nothing of the
+    /// pause. The updater does the retrying.
+    pub fn new(mut config: kube::Config) -> Result<Self, Error> {
+        config.default_retry = false;
+        let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
+        Ok(Self { client })
     }
 
     /// A client from the in-cluster service account or the kubeconfig.
     pub async fn infer() -> Result<Self, Error> {
         let config = kube::Config::infer().await.map_err(|e| Error::Config(e.to_string()))?;
-        let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Self::new(client))
+        Self::new(config)
     }
 
     /// True when the process runs in a pod (the service account's env).
