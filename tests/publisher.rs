@@ -101,10 +101,16 @@ async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes
 async fn a_429_is_honoured_for_its_retry_after() {
     let server = Server::start().await;
     server.api.inject(Fault { status: 429, retry_after: Some(2), method: Some(Method::PATCH), path_contains: String::new(), times: 1 });
-    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
-    let o = bd("n1", 1, 1);
-    up.submit(o.clone());
-    until("the object", || stored_status(&server, &o) == o.status).await;
+    // One request at a time, so "the next request" is well defined: the
+    // pause holds every object, not only the throttled one.
+    let mut c = config("n1");
+    c.concurrency = 1;
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
+    let objs: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
+    for o in &objs {
+        up.submit(o.clone());
+    }
+    until("the objects", || objs.iter().all(|o| stored_status(&server, o) == o.status)).await;
     let stats = up.shutdown(Duration::from_secs(5)).await;
     let log = server.api.log();
     let throttled = log.iter().position(|l| l.status == 429).expect("the injected 429");
