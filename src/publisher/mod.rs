@@ -9,8 +9,10 @@
 //! - [`embedded_sink`]: with no cluster, the node's own store as the sink.
 
 pub mod embedded_sink;
+pub mod feed;
 pub mod kube_sink;
 pub mod objects;
+pub mod show;
 pub mod updater;
 
 pub use objects::{Key, Kind, Object};
