@@ -121,6 +121,20 @@ async fn a_429_is_honoured_for_its_retry_after() {
 }
 
 #[tokio::test]
+async fn requests_keep_to_the_token_bucket() {
+    let server = Server::start().await;
+    let mut c = config("n1");
+    (c.qps, c.burst) = (20.0, 5);
+    let objs: Vec<Object> = (0..10).map(|i| bd("n1", i, 1)).collect();
+    Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, objs).shutdown(Duration::from_secs(10)).await;
+    let log = server.api.log();
+    assert_eq!(log.len(), 22, "two lists, a main and a status write for each of 10 objects");
+    // 5 at once, then one every 50 ms: the last no sooner than 17 / 20 s.
+    let span = log[21].at - log[0].at;
+    assert!(span >= Duration::from_millis(800), "22 requests in {span:?} at 20 QPS, burst 5");
+}
+
+#[tokio::test]
 async fn a_500_backs_off_and_retries_and_a_409_rereads_once_then_retries() {
     let server = Server::start().await;
     let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);

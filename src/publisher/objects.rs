@@ -250,10 +250,6 @@ impl Kind {
             Kind::StorageNode => "storagenode",
         }
     }
-
-    pub fn from_str(s: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.as_str() == s || k.plural() == s)
-    }
 }
 
 /// Which object: kind and (cluster-scoped) name.

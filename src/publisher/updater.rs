@@ -21,7 +21,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,41 +31,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::objects::{Key, Kind, Object};
-
-/// Which part of an object a write sets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Part {
-    /// Labels and spec (server-side apply of the object).
-    Main,
-    /// The status subresource.
-    Status,
-}
-
-/// How a sink failed, as the updater must react to it.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum SinkError {
-    /// 429: every request waits `retry_after`.
-    #[error("throttled; retry after {retry_after:?}")]
-    Throttled { retry_after: Duration },
-    /// 409 (or 404 on a write): what the updater thinks is stored is wrong.
-    #[error("conflict: {0}")]
-    Conflict(String),
-    /// 5xx, timeouts, connection errors: back off and retry.
-    #[error("unavailable: {0}")]
-    Unavailable(String),
-    /// Any other 4xx: retrying would be refused again.
-    #[error("refused: {0}")]
-    Refused(String),
-}
-
-/// Where objects go: the API server, or the node's embedded store.
-pub trait Sink: Send + Sync + 'static {
-    /// Every object of `kind` labelled for `node`.
-    fn list(&self, kind: Kind, node: &str) -> impl Future<Output = Result<Vec<Object>, SinkError>> + Send;
-    fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Object>, SinkError>> + Send;
-    fn write(&self, obj: &Object, part: Part) -> impl Future<Output = Result<(), SinkError>> + Send;
-    fn delete(&self, key: &Key) -> impl Future<Output = Result<(), SinkError>> + Send;
-}
+use super::pace::{backoff, Gate};
+pub use super::sink::{Part, Sink, SinkError};
 
 /// What to do with the objects of devices that are gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -184,7 +150,8 @@ enum Want {
 #[derive(Default)]
 struct Inbox {
     changes: HashMap<Key, Want>,
-    stop: Option<Duration>,
+    /// When a shutdown must be over.
+    stop: Option<Instant>,
 }
 
 struct Shared {
@@ -254,59 +221,23 @@ impl Updater {
     /// Writes what is pending now, without waiting for the window, within
     /// `deadline`; what is left then is counted as abandoned.
     pub async fn shutdown(self, deadline: Duration) -> StatsSnapshot {
-        lock(&self.shared.inbox).stop = Some(deadline);
+        let at = Instant::now() + deadline;
+        lock(&self.shared.inbox).stop = Some(at);
         self.shared.stopping.store(true, Ordering::Relaxed);
         self.shared.wake.notify_one();
-        let _ = self.task.await;
+        let mut task = self.task;
+        // The worker stops itself at the deadline; a request that hangs
+        // past it (a stuck connection) is cut a little later.
+        if tokio::time::timeout_at(at + Duration::from_millis(500), &mut task).await.is_err() {
+            task.abort();
+            tracing::warn!("publisher did not stop by its deadline; stopped");
+        }
         self.shared.stats.snapshot()
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The token bucket and the global pause a 429 asks for.
-struct Gate {
-    qps: f64,
-    burst: f64,
-    state: Mutex<(f64, Instant, Instant)>,
-}
-
-impl Gate {
-    fn new(qps: f64, burst: u32) -> Self {
-        let now = Instant::now();
-        let burst = f64::from(burst.max(1));
-        Self { qps: qps.max(0.001), burst, state: Mutex::new((burst, now, now)) }
-    }
-
-    /// Waits for a token and for any pause to end.
-    async fn pass(&self) {
-        loop {
-            let wait = {
-                let mut s = lock(&self.state);
-                let (tokens, last, paused_until) = &mut *s;
-                let now = Instant::now();
-                if now < *paused_until {
-                    *paused_until - now
-                } else {
-                    *tokens = (*tokens + (now - *last).as_secs_f64() * self.qps).min(self.burst);
-                    *last = now;
-                    if *tokens >= 1.0 {
-                        *tokens -= 1.0;
-                        return;
-                    }
-                    Duration::from_secs_f64((1.0 - *tokens) / self.qps)
-                }
-            };
-            tokio::time::sleep(wait).await;
-        }
-    }
-
-    fn pause(&self, d: Duration) {
-        let mut s = lock(&self.state);
-        s.2 = s.2.max(Instant::now() + d);
-    }
 }
 
 struct Entry {
@@ -350,9 +281,7 @@ impl<S: Sink> Worker<S> {
         let mut stop_at: Option<Instant> = None;
         loop {
             if stop_at.is_none() {
-                if let Some(d) = lock(&self.shared.inbox).stop {
-                    stop_at = Some(Instant::now() + d);
-                }
+                stop_at = lock(&self.shared.inbox).stop;
             }
             self.take_inbox();
             let now = Instant::now();
@@ -544,15 +473,6 @@ impl<S: Sink> Worker<S> {
         self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen });
         self.delayed.push(Reverse((Instant::now() + wait, gen, o.key)));
     }
-}
-
-/// Exponential backoff with ±25 % jitter (so objects retried together do
-/// not stay in step).
-fn backoff(c: &UpdaterConfig, attempts: u32) -> Duration {
-    let base = c.backoff_min.saturating_mul(1u32 << attempts.min(16)).min(c.backoff_max);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let jitter = 0.75 + f64::from(nanos % 1000) / 2000.0;
-    base.mul_f64(jitter).min(c.backoff_max)
 }
 
 /// What a job does for one object.

@@ -135,6 +135,13 @@ impl StandIn {
         self.lock().log.clone()
     }
 
+    /// Forgets every object (and the log).
+    pub fn clear(&self) {
+        let mut g = self.lock();
+        g.objects.clear();
+        g.log.clear();
+    }
+
     pub fn clear_log(&self) {
         self.lock().log.clear();
     }
@@ -232,7 +239,10 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         return r;
     }
     let Some(rest) = path.strip_prefix(PREFIX) else {
-        return reply(StatusCode::NOT_FOUND, status_body(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"));
+        return reply(
+            StatusCode::NOT_FOUND,
+            status_body(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"),
+        );
     };
     let parts: Vec<&str> = rest.split('/').collect();
     let q = query_pairs(query);
@@ -251,7 +261,10 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         },
         (Method::PATCH, [plural, name]) => apply(g, plural, name, false, &q, headers, body),
         (Method::PATCH, [plural, name, "status"]) => apply(g, plural, name, true, &q, headers, body),
-        _ => reply(StatusCode::METHOD_NOT_ALLOWED, status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in")),
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
+        ),
     }
 }
 
@@ -331,7 +344,15 @@ fn set_field(obj: &mut Value, f: &str, v: Option<Value>) {
     }
 }
 
-fn apply(g: &mut Inner, plural: &str, name: &str, status: bool, q: &BTreeMap<String, String>, headers: &HeaderMap, body: &[u8]) -> Response {
+fn apply(
+    g: &mut Inner,
+    plural: &str,
+    name: &str,
+    status: bool,
+    q: &BTreeMap<String, String>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
     let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
     if ct != "application/apply-patch+yaml" {
         let code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
@@ -343,9 +364,13 @@ fn apply(g: &mut Inner, plural: &str, name: &str, status: bool, q: &BTreeMap<Str
     };
     let force = q.get("force").is_some_and(|f| f == "true");
     let Ok(patch) = serde_json::from_slice::<Value>(body) else {
-        return reply(StatusCode::BAD_REQUEST, status_body(StatusCode::BAD_REQUEST, "BadRequest", "the stand-in reads JSON apply bodies only"));
+        return reply(
+            StatusCode::BAD_REQUEST,
+            status_body(StatusCode::BAD_REQUEST, "BadRequest", "the stand-in reads JSON apply bodies only"),
+        );
     };
-    if patch["metadata"]["name"].as_str() != Some(name) || patch["apiVersion"] != "volring.io/v1alpha1" || patch["kind"].as_str().is_none() {
+    if patch["metadata"]["name"].as_str() != Some(name) || patch["apiVersion"] != "volring.io/v1alpha1" || patch["kind"].as_str().is_none()
+    {
         let code = StatusCode::BAD_REQUEST;
         return reply(code, status_body(code, "BadRequest", "apiVersion, kind and metadata.name must match the URL"));
     }
@@ -357,7 +382,10 @@ fn apply(g: &mut Inner, plural: &str, name: &str, status: bool, q: &BTreeMap<Str
     if let (Some(want), Some(s)) = (patch["metadata"]["resourceVersion"].as_str(), existing) {
         if s.obj["metadata"]["resourceVersion"].as_str() != Some(want) {
             let code = StatusCode::CONFLICT;
-            return reply(code, status_body(code, "Conflict", "the object has been modified; please apply your changes to the latest version"));
+            return reply(
+                code,
+                status_body(code, "Conflict", "the object has been modified; please apply your changes to the latest version"),
+            );
         }
     }
     let mut stored = match g.objects.remove(&key) {
@@ -371,7 +399,8 @@ fn apply(g: &mut Inner, plural: &str, name: &str, status: bool, q: &BTreeMap<Str
     };
     // The fields this apply sets: the main endpoint ignores status, the
     // status endpoint everything but status.
-    let applied: BTreeSet<String> = if status { fields_of(&patch, "status") } else { fields_of(&patch, "spec").into_iter().chain(label_fields(&patch)).collect() };
+    let applied: BTreeSet<String> =
+        if status { fields_of(&patch, "status") } else { fields_of(&patch, "spec").into_iter().chain(label_fields(&patch)).collect() };
     let mut conflicts = Vec::new();
     for f in &applied {
         for (m, owned) in &stored.managers {
@@ -383,11 +412,15 @@ fn apply(g: &mut Inner, plural: &str, name: &str, status: bool, q: &BTreeMap<Str
     if !conflicts.is_empty() && !force {
         g.objects.insert(key, stored);
         let code = StatusCode::CONFLICT;
-        return reply(code, status_body(code, "Conflict", &format!("Apply failed with {} conflicts: {}", conflicts.len(), conflicts.join(", "))));
+        return reply(
+            code,
+            status_body(code, "Conflict", &format!("Apply failed with {} conflicts: {}", conflicts.len(), conflicts.join(", "))),
+        );
     }
     let before = stored.obj.clone();
     let scope = |f: &String| if status { f.starts_with("status.") } else { !f.starts_with("status.") };
-    let previously: BTreeSet<String> = stored.managers.get(&manager).map(|o| o.iter().filter(|f| scope(f)).cloned().collect()).unwrap_or_default();
+    let previously: BTreeSet<String> =
+        stored.managers.get(&manager).map(|o| o.iter().filter(|f| scope(f)).cloned().collect()).unwrap_or_default();
     for f in &applied {
         set_field(&mut stored.obj, f, Some(get_field(&patch, f).clone()));
         for (m, owned) in stored.managers.iter_mut() {
