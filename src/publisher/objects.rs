@@ -30,6 +30,8 @@ pub const MAX_LISTED_VOLUMES: usize = 1000;
 
 /// A block device on a node, as volring sees it.
 #[derive(CustomResource, Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
+// Each printer column repeats `type_`: clippy takes those for duplicates.
+#[allow(clippy::duplicated_attributes)]
 #[kube(
     group = "volring.io",
     version = "v1alpha1",
@@ -138,6 +140,8 @@ pub struct Filesystem {
 
 /// One node: its pool and the volumes on it, desired against actual.
 #[derive(CustomResource, Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
+// Each printer column repeats `type_`: clippy takes those for duplicates.
+#[allow(clippy::duplicated_attributes)]
 #[kube(
     group = "volring.io",
     version = "v1alpha1",
