@@ -275,3 +275,25 @@ async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_noth
     let stats = up.shutdown(Duration::from_secs(10)).await;
     assert_eq!((stats.writes_main, stats.writes_status), (0, 1), "only the gone device is written: {stats:?}");
 }
+
+/// This machine's real devices, as the agent builds them, published to the
+/// stand-in: every device becomes one BlockDevice that reads back equal (so
+/// a restart writes nothing), and the objects pass the stand-in's checks.
+#[tokio::test]
+async fn this_machines_devices_publish_and_read_back_equal() {
+    let mountinfo = std::fs::read("/proc/self/mountinfo").unwrap();
+    let (table, _) = volring::mounts::MountTable::from_mountinfo(&mountinfo);
+    let cfg = volring::devices::ScanConfig { probe: false, ..Default::default() };
+    let mut inv = volring::devices::Inventory::scan(&cfg, &table).unwrap();
+    inv.link(&table, "n1");
+    let node = objects::storage_node("n1", None, vec![]);
+    let initial = volring::publisher::feed::Feed::initial(&inv, "n1", node);
+    let devices = initial.len() - 1;
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let s = Updater::start(sink.clone(), config("n1"), initial.clone()).shutdown(Duration::from_secs(10)).await;
+    assert_eq!((s.writes_main, s.writes_status, s.refused), (initial.len() as u64, initial.len() as u64, 0));
+    assert_eq!(server.api.objects("blockdevices").len(), devices);
+    let s = Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
+    assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
+}
