@@ -40,6 +40,28 @@ pub struct AgentConfig {
     pub nbd: Option<NbdConfig>,
     /// How the CSI volumes' state is reconciled.
     pub reconcile: crate::state::reconcile::ReconcileConfig,
+    /// Publishing BlockDevice and StorageNode objects; `None`: not published.
+    pub publish: Option<PublishConfig>,
+}
+
+/// Where and how fast the node's objects are published.
+#[derive(Debug, Clone)]
+pub struct PublishConfig {
+    /// `Some(true)`: the cluster (fails when no client configuration is
+    /// found); `Some(false)`: the node's store; `None`: the cluster when
+    /// running in a pod, else the store.
+    pub kube: Option<bool>,
+    pub qps: f64,
+    pub burst: u32,
+    pub window: Duration,
+    pub gone: crate::publisher::GonePolicy,
+}
+
+impl Default for PublishConfig {
+    fn default() -> Self {
+        let d = crate::publisher::UpdaterConfig::new("");
+        Self { kube: None, qps: d.qps, burst: d.burst, window: d.window, gone: d.gone }
+    }
 }
 
 /// The node's NBD server: where it listens and what it exports at start.
@@ -61,6 +83,7 @@ impl Default for AgentConfig {
             csi: None,
             nbd: None,
             reconcile: Default::default(),
+            publish: Some(PublishConfig::default()),
         }
     }
 }
@@ -154,6 +177,14 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let metrics_url = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| format!("http://{a}/metrics"));
     let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
     let notify = reconciler.as_ref().map(|r| r.notifier());
+    let node = config.devices.node_name.clone();
+    let view = reconciler.as_ref().map(|r| r.view().clone());
+    let driver = csi.as_ref().map(|c| c.driver.clone());
+    let mut publisher = match &config.publish {
+        Some(p) => Some(start_publisher(p, &config.state_dir, &node, driver.as_deref(), view.as_deref(), &inventory).await?),
+        None => None,
+    };
+    let mut node_tick = tokio::time::interval(Duration::from_secs(2));
     ready.set(true);
     // One line that says what this agent serves, for the person who just
     // started it.
@@ -221,6 +252,17 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 }
                 published.store(Arc::new(inventory.clone()));
                 mount_stats.store(Arc::new(watcher.stats()));
+                if let Some((up, feed)) = &mut publisher {
+                    feed.devices(up, &inventory, &node);
+                }
+            }
+            // The volumes' records and verdicts change on the CSI and
+            // reconciler threads; the node object is rebuilt from memory
+            // and handed over only when it differs.
+            _ = node_tick.tick(), if publisher.is_some() => {
+                if let Some((up, feed)) = &mut publisher {
+                    feed.node(up, storage_node(&node, driver.as_deref(), view.as_deref()));
+                }
             }
             _ = report.tick() => {
                 let s = watcher.stats();
@@ -239,6 +281,18 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
     ready.set(false);
+    if let Some((up, mut feed)) = publisher {
+        feed.devices(&up, &inventory, &node);
+        feed.node(&up, storage_node(&node, driver.as_deref(), view.as_deref()));
+        let s = up.shutdown(Duration::from_secs(10)).await;
+        tracing::info!(
+            writes = s.writes_main + s.writes_status,
+            unchanged = s.unchanged,
+            coalesced = s.coalesced,
+            abandoned = s.abandoned,
+            "publisher stopped"
+        );
+    }
     if let Some(r) = reconciler {
         // It may be inside a repair: let it finish on the blocking pool.
         let _ = tokio::task::spawn_blocking(move || r.stop()).await;
@@ -257,6 +311,57 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let stats = watcher.stop()?;
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     result
+}
+
+/// Starts the updater on the cluster or the node's store, with this node's
+/// objects as they are now.
+async fn start_publisher(
+    p: &PublishConfig,
+    state_dir: &Path,
+    node: &str,
+    driver: Option<&crate::csi::Driver>,
+    view: Option<&crate::state::actual::HealthView>,
+    inventory: &Inventory,
+) -> anyhow::Result<(crate::publisher::Updater, crate::publisher::feed::Feed)> {
+    use crate::publisher::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
+    let mut uc = UpdaterConfig::new(node);
+    (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
+    let initial = crate::publisher::feed::Feed::initial(inventory, node, storage_node(node, driver, view));
+    let mut feed = crate::publisher::feed::Feed::default();
+    feed.seed(&initial);
+    let up = if p.kube.unwrap_or_else(KubeSink::in_cluster) {
+        let sink = KubeSink::infer().await.context("--kube")?;
+        tracing::info!(objects = initial.len(), "publishing to the cluster");
+        Updater::start(Arc::new(sink), uc, initial)
+    } else {
+        let store = match driver {
+            Some(d) => d.store(),
+            None => Arc::new(crate::state::store::Store::open(&state_dir.join(crate::state::store::FILE))?),
+        };
+        tracing::info!(objects = initial.len(), "no cluster: publishing to the node's store");
+        Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
+    };
+    Ok((up, feed))
+}
+
+/// The StorageNode object from the volumes' records and verdicts.
+fn storage_node(
+    node: &str,
+    driver: Option<&crate::csi::Driver>,
+    view: Option<&crate::state::actual::HealthView>,
+) -> crate::publisher::Object {
+    let (volumes, pool) = match driver {
+        Some(d) => {
+            let vols = d
+                .staged()
+                .iter()
+                .map(|r| crate::publisher::feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref()))
+                .collect();
+            (vols, crate::publisher::feed::pool(d.pool_dir()))
+        }
+        None => (Vec::new(), None),
+    };
+    crate::publisher::objects::storage_node(node, pool, volumes)
 }
 
 /// The running CSI driver, its server task and the socket it bound.

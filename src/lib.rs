@@ -12,6 +12,7 @@ pub mod fault;
 pub mod metrics;
 pub mod mounts;
 pub mod nbd;
+pub mod publisher;
 // The two homes of `unsafe` (see Cargo.toml's [lints]).
 #[allow(unsafe_code)]
 pub mod ring;

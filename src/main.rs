@@ -60,6 +60,8 @@ enum Command {
         csi: Box<CsiArgs>,
         #[command(flatten)]
         nbd: NodeNbdArgs,
+        #[command(flatten)]
+        publish: PublishArgs,
     },
     /// Serve exports over NBD.
     Nbd {
@@ -120,6 +122,23 @@ enum Command {
         /// One JSON document instead of tables.
         #[arg(long)]
         json: bool,
+    },
+    /// Print the CustomResourceDefinitions volring publishes (YAML).
+    Crds,
+    /// Print published objects like kubectl: blockdevices (bd) or
+    /// storagenodes (sn, volumes). From the cluster with --kube or in a
+    /// pod, else from the node's store.
+    Get {
+        resource: String,
+        /// json, yaml or wide (default: a table).
+        #[arg(short = 'o', long = "output")]
+        output: Option<String>,
+        /// Read the cluster (default: when running in a pod).
+        #[arg(long)]
+        kube: bool,
+        /// The agent's state directory (its store holds the objects with no cluster).
+        #[arg(long, default_value = "/var/lib/volring")]
+        state_dir: std::path::PathBuf,
     },
     /// List block devices like `lsblk`: type, filesystem, mounts, ids.
     Devices {
@@ -368,6 +387,45 @@ impl CsiArgs {
 }
 
 #[derive(clap::Args)]
+struct PublishArgs {
+    /// Publish to the cluster (default: when running in a pod; otherwise
+    /// the objects go to the node's store).
+    #[arg(long)]
+    kube: bool,
+    /// Do not publish BlockDevice and StorageNode objects at all.
+    #[arg(long)]
+    no_publish: bool,
+    /// API requests per second the publisher may make.
+    #[arg(long, default_value_t = 20.0)]
+    publish_qps: f64,
+    /// Requests it may make at once above the rate.
+    #[arg(long, default_value_t = 40)]
+    publish_burst: u32,
+    /// Seconds during which changes to one object become one write.
+    #[arg(long, default_value_t = 1.0)]
+    publish_window: f64,
+    /// Delete the objects of devices that are gone (default: mark them Inactive).
+    #[arg(long)]
+    delete_gone_devices: bool,
+}
+
+impl PublishArgs {
+    fn config(&self) -> Option<volring::agent::PublishConfig> {
+        (!self.no_publish).then(|| volring::agent::PublishConfig {
+            kube: self.kube.then_some(true),
+            qps: self.publish_qps.max(0.01),
+            burst: self.publish_burst.max(1),
+            window: std::time::Duration::from_secs_f64(self.publish_window.max(0.0)),
+            gone: if self.delete_gone_devices {
+                volring::publisher::GonePolicy::Delete
+            } else {
+                volring::publisher::GonePolicy::MarkInactive
+            },
+        })
+    }
+}
+
+#[derive(clap::Args)]
 struct ScanArgs {
     /// Keep only devices whose /dev path starts with this (repeatable).
     #[arg(long = "include", value_name = "PREFIX")]
@@ -485,7 +543,7 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd } => {
+        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd, publish } => {
             let metrics = match metrics_addr.as_str() {
                 "off" => None,
                 a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
@@ -504,6 +562,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 csi: csi.config()?,
                 nbd: nbd.config()?,
                 reconcile: csi.reconcile(),
+                publish: publish.config(),
             };
             runtime()?.block_on(volring::agent::run(config))
         }
@@ -542,6 +601,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Status { state_dir, pool_dir, json } => {
             print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
+        }
+        Command::Crds => {
+            print!("{}", volring::publisher::objects::crds_yaml());
+            Ok(())
+        }
+        Command::Get { resource, output, kube, state_dir } => {
+            use volring::publisher::show;
+            let (kind, format) = (show::resource(&resource)?, show::format(output.as_deref())?);
+            let items = if kube || volring::publisher::kube_sink::KubeSink::in_cluster() {
+                runtime()?.block_on(show::read_cluster(kind))?
+            } else {
+                show::read_store(&state_dir, kind)?
+            };
+            std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
+            Ok(())
         }
         Command::Devices { json, scan } => print_devices(json, &scan.config()),
         Command::Stats { interval, count, method, all, json, scan } => {

@@ -156,6 +156,21 @@ impl Driver {
         &self.locks
     }
 
+    /// The node's store (with no cluster the publisher writes there too:
+    /// one process may open it once).
+    pub fn store(&self) -> Arc<crate::state::store::Store> {
+        self.records.store().clone()
+    }
+
+    /// Every staged volume's record, for the publisher.
+    pub fn staged(&self) -> Vec<crate::volumes::StagedVolume> {
+        self.records.all()
+    }
+
+    pub fn pool_dir(&self) -> &std::path::Path {
+        self.pool.dir()
+    }
+
     /// Takes the volume's lock or answers Aborted. A repair the reconciler
     /// is making is waited for (up to 30 s), not reported.
     pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {

@@ -30,6 +30,9 @@ const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantin
 const HEALTH: TableDefinition<&str, &[u8]> = TableDefinition::new("health");
 /// Legacy JSON record files already imported: file name → FNV-1a of its bytes.
 const IMPORTED: TableDefinition<&str, u64> = TableDefinition::new("imported");
+/// With no cluster, the objects the publisher would have written to the API
+/// server: `Kind/name` → the object (JSON, as the API would return it).
+const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published");
 
 /// The store's file name inside the state directory.
 pub const FILE: &str = "state.redb";
@@ -57,6 +60,7 @@ pub struct Contents {
     pub volumes: Vec<(String, Vec<u8>)>,
     pub quarantined: Vec<QuarantinedRecord>,
     pub health: Vec<(String, Vec<u8>)>,
+    pub published: Vec<(String, Vec<u8>)>,
 }
 
 /// One change to the store; a batch of them is one transaction.
@@ -68,6 +72,8 @@ pub enum Change<'a> {
     PutHealth(&'a str, &'a [u8]),
     RemoveHealth(&'a str),
     Imported(&'a str, u64),
+    PutPublished(&'a str, &'a [u8]),
+    RemovePublished(&'a str),
 }
 
 /// The node's store, open for writing (the agent).
@@ -92,6 +98,7 @@ impl Store {
             tx.open_table(QUARANTINE).map_err(|e| err(e.to_string()))?;
             tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
             tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
+            tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
         }
         tx.commit().map_err(|e| err(e.to_string()))?;
         let commits = Histogram::new_with_bounds(1, 60_000_000, 2).expect("static histogram bounds");
@@ -112,6 +119,7 @@ impl Store {
             let mut quarantine = tx.open_table(QUARANTINE).map_err(|e| err(e.to_string()))?;
             let mut health = tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
             let mut imported = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
+            let mut published = tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
             for c in changes {
                 let r = match *c {
                     Change::PutVolume(id, bytes) => volumes.insert(id, bytes).map(drop),
@@ -123,6 +131,8 @@ impl Store {
                     Change::PutHealth(id, bytes) => health.insert(id, bytes).map(drop),
                     Change::RemoveHealth(id) => health.remove(id).map(drop),
                     Change::Imported(name, hash) => imported.insert(name, hash).map(drop),
+                    Change::PutPublished(key, bytes) => published.insert(key, bytes).map(drop),
+                    Change::RemovePublished(key) => published.remove(key).map(drop),
                 };
                 r.map_err(|e| err(e.to_string()))?;
             }
@@ -146,6 +156,30 @@ impl Store {
         let mut v = Vec::new();
         for row in t.iter().map_err(|e| err(e.to_string()))? {
             let (k, val) = row.map_err(|e| err(e.to_string()))?;
+            v.push((k.value().to_string(), val.value().to_vec()));
+        }
+        Ok(v)
+    }
+
+    /// One published object's bytes.
+    pub fn published(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        let err = |detail: String| Error::Store { path: self.path.clone(), detail };
+        let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
+        let t = tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
+        Ok(t.get(key).map_err(|e| err(e.to_string()))?.map(|v| v.value().to_vec()))
+    }
+
+    /// The published objects whose key starts with `prefix`, in key order.
+    pub fn published_under(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        let err = |detail: String| Error::Store { path: self.path.clone(), detail };
+        let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
+        let t = tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
+        let mut v = Vec::new();
+        for row in t.range(prefix..).map_err(|e| err(e.to_string()))? {
+            let (k, val) = row.map_err(|e| err(e.to_string()))?;
+            if !k.value().starts_with(prefix) {
+                break;
+            }
             v.push((k.value().to_string(), val.value().to_vec()));
         }
         Ok(v)
@@ -212,6 +246,7 @@ fn read_all(db: &impl ReadableDatabase, path: &Path) -> Result<Contents, Error> 
     };
     out.volumes = pairs(VOLUMES)?;
     out.health = pairs(HEALTH)?;
+    out.published = pairs(PUBLISHED)?;
     for (id, bytes) in pairs(QUARANTINE)? {
         let q = serde_json::from_slice(&bytes).unwrap_or_else(|e| QuarantinedRecord {
             id: id.clone(),

@@ -1,0 +1,216 @@
+//! The API server as a [`Sink`]: raw requests through kube's client (its
+//! typed API hides the response headers, and a 429's Retry-After is what
+//! tells how long to wait).
+//!
+//! Writes are server-side applies with the field manager `volring`, forced
+//! (the agent is the one source of these facts); status goes through the
+//! status subresource. LIST is paginated (500 a page) and filtered by this
+//! node's label. Every response body is read with a bound.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+
+use super::objects::{Key, Kind, Object, GROUP, NODE_LABEL, VERSION};
+use super::updater::{Part, Sink, SinkError};
+
+/// The field manager of every apply.
+pub const FIELD_MANAGER: &str = "volring";
+/// Objects per LIST page.
+pub const PAGE: usize = 500;
+/// The largest response body read (a page of 500 objects is far below).
+pub const MAX_BODY: usize = 32 << 20;
+/// A Retry-After longer than this is taken as this.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+/// A LIST that keeps handing out continue tokens is cut here.
+const MAX_PAGES: usize = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("no Kubernetes client configuration: {0}")]
+    Config(String),
+}
+
+pub struct KubeSink {
+    client: kube::Client,
+}
+
+impl KubeSink {
+    /// A sink on `config`'s cluster. The client's own retry layer is
+    /// turned off: it would retry a 429 inside one request, holding a slot
+    /// while the token bucket and the other requests know nothing of the
+    /// pause. The updater does the retrying.
+    pub fn new(mut config: kube::Config) -> Result<Self, Error> {
+        config.default_retry = false;
+        let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
+        Ok(Self { client })
+    }
+
+    /// A client from the in-cluster service account or the kubeconfig.
+    pub async fn infer() -> Result<Self, Error> {
+        let config = kube::Config::infer().await.map_err(|e| Error::Config(e.to_string()))?;
+        Self::new(config)
+    }
+
+    /// True when the process runs in a pod (the service account's env).
+    pub fn in_cluster() -> bool {
+        std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && std::env::var_os("KUBERNETES_SERVICE_PORT").is_some()
+    }
+
+    async fn call(&self, method: Method, uri: &str, body: Option<Vec<u8>>) -> Result<(StatusCode, Bytes), SinkError> {
+        let mut req = Request::builder().method(method).uri(uri).header(http::header::ACCEPT, "application/json");
+        if body.is_some() {
+            req = req.header(http::header::CONTENT_TYPE, "application/apply-patch+yaml");
+        }
+        let req = req.body(kube::client::Body::from(body.unwrap_or_default())).map_err(|e| SinkError::Refused(e.to_string()))?;
+        let resp = self.client.send(req).await.map_err(|e| SinkError::Unavailable(e.to_string()))?;
+        let status = resp.status();
+        let retry_after = resp.headers().get(http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| SinkError::Unavailable(format!("reading the response: {e}")))?
+            .to_bytes();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            return Err(SinkError::Throttled { retry_after: retry_after_of(retry_after.as_deref()) });
+        }
+        Ok((status, body))
+    }
+}
+
+/// Retry-After in seconds (the API server sends seconds); absent or
+/// unreadable: one second.
+pub fn retry_after_of(v: Option<&str>) -> Duration {
+    v.and_then(|s| s.trim().parse::<u64>().ok()).map_or(Duration::from_secs(1), Duration::from_secs).min(MAX_RETRY_AFTER)
+}
+
+/// Maps a status other than success and 429 to how the updater reacts.
+fn classify(status: StatusCode, body: &[u8]) -> SinkError {
+    let msg = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(str::to_string))
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
+    let text = format!("{status}: {msg}");
+    match status {
+        StatusCode::CONFLICT | StatusCode::NOT_FOUND => SinkError::Conflict(text),
+        StatusCode::REQUEST_TIMEOUT => SinkError::Unavailable(text),
+        s if s.is_server_error() => SinkError::Unavailable(text),
+        _ => SinkError::Refused(text),
+    }
+}
+
+fn base(kind: Kind) -> String {
+    format!("/apis/{GROUP}/{VERSION}/{}", kind.plural())
+}
+
+/// Percent-encodes a query value (everything but unreserved characters).
+pub fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl Sink for KubeSink {
+    async fn list(&self, kind: Kind, node: &str) -> Result<Vec<Object>, SinkError> {
+        let selector = query_escape(&format!("{NODE_LABEL}={node}"));
+        let mut out = Vec::new();
+        let mut cont = String::new();
+        for _ in 0..MAX_PAGES {
+            let mut uri = format!("{}?labelSelector={selector}&limit={PAGE}", base(kind));
+            if !cont.is_empty() {
+                uri.push_str(&format!("&continue={}", query_escape(&cont)));
+            }
+            let (status, body) = self.call(Method::GET, &uri, None).await?;
+            if !status.is_success() {
+                // An expired continue token (410) means starting over.
+                return Err(match status {
+                    StatusCode::GONE => SinkError::Unavailable(format!("list continue token expired ({status})")),
+                    _ => classify(status, &body),
+                });
+            }
+            let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| SinkError::Unavailable(format!("list body: {e}")))?;
+            if let Some(items) = v.get("items").and_then(|i| i.as_array()) {
+                out.extend(items.iter().filter_map(|i| Object::from_api(kind, i)));
+            }
+            cont = v.pointer("/metadata/continue").and_then(|c| c.as_str()).unwrap_or_default().to_string();
+            if cont.is_empty() {
+                return Ok(out);
+            }
+        }
+        Err(SinkError::Unavailable(format!("list of {} did not end after {MAX_PAGES} pages", kind.plural())))
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Object>, SinkError> {
+        let (status, body) = self.call(Method::GET, &format!("{}/{}", base(key.kind), key.name), None).await?;
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(match classify(status, &body) {
+                // A 409 on a read is not a conflict the caller can resolve.
+                SinkError::Conflict(m) => SinkError::Unavailable(m),
+                e => e,
+            });
+        }
+        let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| SinkError::Unavailable(format!("get body: {e}")))?;
+        Ok(Object::from_api(key.kind, &v))
+    }
+
+    async fn write(&self, obj: &Object, part: Part) -> Result<(), SinkError> {
+        let (path, body) = match part {
+            Part::Main => (format!("{}/{}", base(obj.key.kind), obj.key.name), obj.main_body()),
+            Part::Status => (format!("{}/{}/status", base(obj.key.kind), obj.key.name), obj.status_body()),
+        };
+        let uri = format!("{path}?fieldManager={FIELD_MANAGER}&force=true");
+        let body = serde_json::to_vec(&body).expect("an object serialises");
+        let (status, resp) = self.call(Method::PATCH, &uri, Some(body)).await?;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(classify(status, &resp))
+        }
+    }
+
+    async fn delete(&self, key: &Key) -> Result<(), SinkError> {
+        let (status, body) = self.call(Method::DELETE, &format!("{}/{}", base(key.kind), key.name), None).await?;
+        if status.is_success() || status == StatusCode::NOT_FOUND {
+            Ok(())
+        } else {
+            Err(classify(status, &body))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_seconds_bounded_with_a_default() {
+        assert_eq!(retry_after_of(Some("3")), Duration::from_secs(3));
+        assert_eq!(retry_after_of(Some("junk")), Duration::from_secs(1));
+        assert_eq!(retry_after_of(None), Duration::from_secs(1));
+        assert_eq!(retry_after_of(Some("86400")), MAX_RETRY_AFTER);
+    }
+
+    #[test]
+    fn statuses_map_to_reactions() {
+        assert!(matches!(classify(StatusCode::CONFLICT, b"{}"), SinkError::Conflict(_)));
+        assert!(matches!(classify(StatusCode::SERVICE_UNAVAILABLE, b""), SinkError::Unavailable(_)));
+        let e = classify(StatusCode::UNPROCESSABLE_ENTITY, br#"{"message":"spec.x: Invalid"}"#);
+        assert!(matches!(&e, SinkError::Refused(m) if m.contains("spec.x: Invalid")));
+    }
+
+    #[test]
+    fn selectors_are_escaped() {
+        assert_eq!(query_escape("volring.io/node=n 1"), "volring.io%2Fnode%3Dn%201");
+    }
+}

@@ -1,0 +1,24 @@
+//! The Kubernetes publisher: what the node knows, as custom resources.
+//!
+//! - [`objects`]: the CRDs (BlockDevice, StorageNode) and the pure builders
+//!   that turn devices and volumes into objects.
+//! - [`updater`]: the batched, coalescing updater; `pace` is its token
+//!   bucket, 429 pause and backoff.
+//! - [`sink`]: what the updater writes through, and how writes fail.
+//! - [`kube_sink`]: the API server as a sink (server-side apply, status
+//!   subresource, paginated LIST).
+//! - [`embedded_sink`]: with no cluster, the node's own store as the sink.
+//! - [`feed`]: the agent's side: inventory and volumes to objects.
+//! - [`show`]: `volring get`.
+
+pub mod embedded_sink;
+pub mod feed;
+pub mod kube_sink;
+pub mod objects;
+mod pace;
+pub mod show;
+pub mod sink;
+pub mod updater;
+
+pub use objects::{Key, Kind, Object};
+pub use updater::{GonePolicy, Part, Sink, SinkError, Updater, UpdaterConfig};

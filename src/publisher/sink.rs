@@ -1,0 +1,43 @@
+//! What the updater writes through: the API server ([`super::kube_sink`])
+//! or the node's store ([`super::embedded_sink`]), and how a write fails,
+//! sorted by what the updater must do about it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::objects::{Key, Kind, Object};
+
+/// Which part of an object a write sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Labels and spec (server-side apply of the object).
+    Main,
+    /// The status subresource.
+    Status,
+}
+
+/// How a sink failed, as the updater must react to it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SinkError {
+    /// 429: every request waits `retry_after`.
+    #[error("throttled; retry after {retry_after:?}")]
+    Throttled { retry_after: Duration },
+    /// 409 (or 404 on a write): what the updater thinks is stored is wrong.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// 5xx, timeouts, connection errors: back off and retry.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// Any other 4xx: retrying would be refused again.
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// Where objects go: the API server, or the node's embedded store.
+pub trait Sink: Send + Sync + 'static {
+    /// Every object of `kind` labelled for `node`.
+    fn list(&self, kind: Kind, node: &str) -> impl Future<Output = Result<Vec<Object>, SinkError>> + Send;
+    fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Object>, SinkError>> + Send;
+    fn write(&self, obj: &Object, part: Part) -> impl Future<Output = Result<(), SinkError>> + Send;
+    fn delete(&self, key: &Key) -> impl Future<Output = Result<(), SinkError>> + Send;
+}

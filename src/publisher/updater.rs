@@ -1,0 +1,589 @@
+//! The batched, coalescing updater: the agent says what an object should
+//! be now, as often as it likes; the updater writes each object's latest
+//! state at most once per window, and only when it differs from what it
+//! knows is stored.
+//!
+//! Why each part is there:
+//! - Coalescing happens at the door: [`Updater::submit`] replaces the
+//!   object's pending state in a map keyed by object, so memory is bounded
+//!   by the number of objects, not of changes, and the agent never waits.
+//! - One LIST per kind at start (this node's label) seeds what is stored:
+//!   a restart with nothing changed writes nothing, and objects of devices
+//!   that are gone are marked Inactive (or deleted).
+//! - A token bucket and a fixed number of requests in flight bound what the
+//!   agent asks of the API server; a 429's Retry-After pauses every request,
+//!   5xx backs off per object (200 ms doubling to 30 s), a 409 re-reads that
+//!   object once and retries, and a refusal (4xx) is counted and dropped:
+//!   sending it again would be refused again.
+//! - Every loop turn costs what changed, not what exists: ready keys sit in
+//!   a queue, backed-off keys in a timer heap; stale queue entries are
+//!   skipped by generation.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::objects::{Key, Kind, Object};
+use super::pace::{backoff, Gate};
+pub use super::sink::{Part, Sink, SinkError};
+
+/// What to do with the objects of devices that are gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GonePolicy {
+    /// Keep them, marked Inactive.
+    #[default]
+    MarkInactive,
+    Delete,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpdaterConfig {
+    pub node: String,
+    /// Changes inside one window become one write per object.
+    pub window: Duration,
+    /// A flush happens when this many objects are ready, window or not.
+    pub batch: usize,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    pub qps: f64,
+    pub burst: u32,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    pub gone: GonePolicy,
+}
+
+impl UpdaterConfig {
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_string(),
+            window: Duration::from_secs(1),
+            batch: 500,
+            concurrency: 4,
+            qps: 20.0,
+            burst: 40,
+            backoff_min: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            gone: GonePolicy::MarkInactive,
+        }
+    }
+}
+
+/// Counters, readable at any time.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub submitted: AtomicU64,
+    /// Submissions that replaced a pending state of the same object.
+    pub coalesced: AtomicU64,
+    pub requests: AtomicU64,
+    pub writes_main: AtomicU64,
+    pub writes_status: AtomicU64,
+    pub deletes: AtomicU64,
+    /// Objects due for a write that equalled what is stored.
+    pub unchanged: AtomicU64,
+    pub throttled: AtomicU64,
+    pub conflicts: AtomicU64,
+    pub unavailable: AtomicU64,
+    pub refused: AtomicU64,
+    pub flushes: AtomicU64,
+    /// Objects still pending when a shutdown's deadline passed.
+    pub abandoned: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StatsSnapshot {
+    pub submitted: u64,
+    pub coalesced: u64,
+    pub requests: u64,
+    pub writes_main: u64,
+    pub writes_status: u64,
+    pub deletes: u64,
+    pub unchanged: u64,
+    pub throttled: u64,
+    pub conflicts: u64,
+    pub unavailable: u64,
+    pub refused: u64,
+    pub flushes: u64,
+    pub abandoned: u64,
+}
+
+impl Stats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            submitted: g(&self.submitted),
+            coalesced: g(&self.coalesced),
+            requests: g(&self.requests),
+            writes_main: g(&self.writes_main),
+            writes_status: g(&self.writes_status),
+            deletes: g(&self.deletes),
+            unchanged: g(&self.unchanged),
+            throttled: g(&self.throttled),
+            conflicts: g(&self.conflicts),
+            unavailable: g(&self.unavailable),
+            refused: g(&self.refused),
+            flushes: g(&self.flushes),
+            abandoned: g(&self.abandoned),
+        }
+    }
+}
+
+fn bump(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What should become of an object.
+#[derive(Debug, Clone)]
+enum Want {
+    Put(Object),
+    /// Its device is gone.
+    Retire,
+}
+
+/// The door: changes wait here, one per object, until the loop takes them.
+#[derive(Default)]
+struct Inbox {
+    changes: HashMap<Key, Want>,
+    /// When a shutdown must be over.
+    stop: Option<Instant>,
+}
+
+struct Shared {
+    inbox: Mutex<Inbox>,
+    wake: Notify,
+    stats: Arc<Stats>,
+    stopping: AtomicBool,
+}
+
+/// The running updater.
+pub struct Updater {
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Updater {
+    /// Starts the updater. `initial` is everything this node has now: the
+    /// first LIST is diffed against it, and this node's stored objects
+    /// missing from it are retired.
+    pub fn start<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>) -> Updater {
+        let shared = Arc::new(Shared {
+            inbox: Mutex::new(Inbox::default()),
+            wake: Notify::new(),
+            stats: Arc::new(Stats::default()),
+            stopping: AtomicBool::new(false),
+        });
+        let gate = Arc::new(Gate::new(config.qps, config.burst));
+        let worker = Worker {
+            sink,
+            gate,
+            shared: shared.clone(),
+            known: HashMap::new(),
+            pending: HashMap::new(),
+            ready: VecDeque::new(),
+            delayed: BinaryHeap::new(),
+            next_gen: 0,
+            window_ends: None,
+            config,
+        };
+        let task = tokio::spawn(worker.run(initial));
+        Updater { shared, task }
+    }
+
+    /// The object's state now; replaces any pending state of it.
+    pub fn submit(&self, obj: Object) {
+        self.put(obj.key.clone(), Want::Put(obj));
+    }
+
+    /// The object's device is gone: mark it Inactive (or delete it).
+    pub fn retire(&self, key: Key) {
+        self.put(key, Want::Retire);
+    }
+
+    fn put(&self, key: Key, want: Want) {
+        bump(&self.shared.stats.submitted);
+        let replaced = lock(&self.shared.inbox).changes.insert(key, want).is_some();
+        if replaced {
+            bump(&self.shared.stats.coalesced);
+        }
+        self.shared.wake.notify_one();
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.shared.stats
+    }
+
+    /// Writes what is pending now, without waiting for the window, within
+    /// `deadline`; what is left then is counted as abandoned.
+    pub async fn shutdown(self, deadline: Duration) -> StatsSnapshot {
+        let at = Instant::now() + deadline;
+        lock(&self.shared.inbox).stop = Some(at);
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        self.shared.wake.notify_one();
+        let mut task = self.task;
+        // The worker stops itself at the deadline; a request that hangs
+        // past it (a stuck connection) is cut a little later.
+        if tokio::time::timeout_at(at + Duration::from_millis(500), &mut task).await.is_err() {
+            task.abort();
+            tracing::warn!("publisher did not stop by its deadline; stopped");
+        }
+        self.shared.stats.snapshot()
+    }
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Entry {
+    want: Want,
+    attempts: u32,
+    gen: u64,
+}
+
+struct Worker<S> {
+    sink: Arc<S>,
+    gate: Arc<Gate>,
+    shared: Arc<Shared>,
+    /// What the sink holds, as last read or written.
+    known: HashMap<Key, Object>,
+    pending: HashMap<Key, Entry>,
+    /// Keys due now, with the generation they were queued at.
+    ready: VecDeque<(Key, u64)>,
+    /// Keys backing off, by when they are due.
+    delayed: BinaryHeap<Reverse<(Instant, u64, Key)>>,
+    next_gen: u64,
+    window_ends: Option<Instant>,
+    config: UpdaterConfig,
+}
+
+/// What one object's job learned.
+struct Outcome {
+    key: Key,
+    want: Want,
+    attempts: u32,
+    /// What is stored now, as far as the job knows.
+    stored: Option<Object>,
+    error: Option<SinkError>,
+}
+
+impl<S: Sink> Worker<S> {
+    async fn run(mut self, initial: Vec<Object>) {
+        if !self.initial_sync(initial).await {
+            self.finish_abandoned();
+            return;
+        }
+        let mut stop_at: Option<Instant> = None;
+        loop {
+            if stop_at.is_none() {
+                stop_at = lock(&self.shared.inbox).stop;
+            }
+            self.take_inbox();
+            let now = Instant::now();
+            while let Some(Reverse((due, _, _))) = self.delayed.peek() {
+                if *due > now {
+                    break;
+                }
+                let Reverse((_, gen, key)) = self.delayed.pop().expect("peeked");
+                self.ready.push_back((key, gen));
+            }
+            if let Some(deadline) = stop_at {
+                if self.pending.is_empty() {
+                    return;
+                }
+                if now >= deadline {
+                    self.finish_abandoned();
+                    return;
+                }
+                if self.ready.is_empty() {
+                    // Everything left is backing off: wait for the first.
+                    let next = self.delayed.peek().map_or(deadline, |Reverse((d, _, _))| (*d).min(deadline));
+                    tokio::time::sleep_until(next).await;
+                    continue;
+                }
+                let batch = self.take_batch();
+                let _ = tokio::time::timeout_at(deadline, self.flush(batch)).await;
+                continue;
+            }
+            if self.ready.is_empty() {
+                self.window_ends = None;
+            } else if self.window_ends.is_none() {
+                self.window_ends = Some(now + self.config.window);
+            }
+            let due = self.window_ends.is_some_and(|w| now >= w) || self.ready.len() >= self.config.batch;
+            if due {
+                let batch = self.take_batch();
+                self.flush(batch).await;
+                continue;
+            }
+            let next = [self.window_ends, self.delayed.peek().map(|Reverse((d, _, _))| *d)].into_iter().flatten().min();
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shared.wake.notified() => {}
+                _ = sleep => {}
+            }
+        }
+    }
+
+    fn finish_abandoned(&self) {
+        let left = self.pending.len() + lock(&self.shared.inbox).changes.len();
+        if left > 0 {
+            tracing::warn!(objects = left, "publisher stopped with objects unwritten");
+        }
+        self.shared.stats.abandoned.fetch_add(left as u64, Ordering::Relaxed);
+    }
+
+    /// LISTs this node's objects until it succeeds (or the agent stops),
+    /// then queues `initial` and retires what is stored but not in it.
+    async fn initial_sync(&mut self, initial: Vec<Object>) -> bool {
+        let mut attempts = 0;
+        for kind in Kind::ALL {
+            loop {
+                self.gate.pass().await;
+                bump(&self.shared.stats.requests);
+                match self.sink.list(kind, &self.config.node).await {
+                    Ok(objs) => {
+                        self.known.extend(objs.into_iter().map(|o| (o.key.clone(), o)));
+                        break;
+                    }
+                    Err(e) => {
+                        if self.shared.stopping.load(Ordering::Relaxed) {
+                            return false;
+                        }
+                        let wait = match &e {
+                            SinkError::Throttled { retry_after } => *retry_after,
+                            _ => backoff(&self.config, attempts),
+                        };
+                        attempts += 1;
+                        tracing::warn!(error = %e, kind = kind.as_str(), retry_in_ms = wait.as_millis() as u64, "publisher: initial list failed");
+                        tokio::select! {
+                            _ = tokio::time::sleep(wait) => {}
+                            _ = self.shared.wake.notified() => {}
+                        }
+                    }
+                }
+            }
+        }
+        let present: HashSet<Key> = initial.iter().map(|o| o.key.clone()).collect();
+        let gone: Vec<Key> = self.known.keys().filter(|k| !present.contains(k)).cloned().collect();
+        for o in initial {
+            self.enqueue(o.key.clone(), Want::Put(o));
+        }
+        for k in gone {
+            self.enqueue(k, Want::Retire);
+        }
+        true
+    }
+
+    fn take_inbox(&mut self) {
+        let changes = std::mem::take(&mut lock(&self.shared.inbox).changes);
+        for (key, want) in changes {
+            self.enqueue(key, want);
+        }
+    }
+
+    /// Records the latest want of `key`; a key already pending keeps its
+    /// place (or its backoff).
+    fn enqueue(&mut self, key: Key, want: Want) {
+        if let Some(e) = self.pending.get_mut(&key) {
+            e.want = want;
+            bump(&self.shared.stats.coalesced);
+            return;
+        }
+        let gen = self.gen();
+        self.pending.insert(key.clone(), Entry { want, attempts: 0, gen });
+        self.ready.push_back((key, gen));
+    }
+
+    fn gen(&mut self) -> u64 {
+        self.next_gen += 1;
+        self.next_gen
+    }
+
+    fn take_batch(&mut self) -> Vec<(Key, Entry)> {
+        let mut batch = Vec::new();
+        while batch.len() < self.config.batch {
+            let Some((key, gen)) = self.ready.pop_front() else { break };
+            if self.pending.get(&key).is_some_and(|e| e.gen == gen) {
+                let e = self.pending.remove(&key).expect("checked");
+                batch.push((key, e));
+            }
+        }
+        batch
+    }
+
+    /// Writes one batch, `concurrency` objects at a time.
+    async fn flush(&mut self, batch: Vec<(Key, Entry)>) {
+        if batch.is_empty() {
+            return;
+        }
+        bump(&self.shared.stats.flushes);
+        let mut jobs = JoinSet::new();
+        let mut todo = batch.into_iter();
+        loop {
+            while jobs.len() < self.config.concurrency.max(1) {
+                let Some((key, entry)) = todo.next() else { break };
+                let stored = self.known.get(&key).cloned();
+                let Some(plan) = plan(&key, &entry.want, stored.as_ref(), self.config.gone) else {
+                    bump(&self.shared.stats.unchanged);
+                    continue;
+                };
+                let (sink, gate, stats) = (self.sink.clone(), self.gate.clone(), self.shared.stats.clone());
+                jobs.spawn(async move {
+                    let (stored, error) = run_job(&*sink, &gate, &stats, &key, plan, stored).await;
+                    Outcome { key, want: entry.want, attempts: entry.attempts, stored, error }
+                });
+            }
+            let Some(done) = jobs.join_next().await else { break };
+            match done {
+                Ok(o) => self.settle(o),
+                Err(e) => tracing::error!(error = %e, "publisher job failed"),
+            }
+        }
+    }
+
+    fn settle(&mut self, o: Outcome) {
+        match o.stored {
+            Some(s) => self.known.insert(o.key.clone(), s),
+            None => self.known.remove(&o.key),
+        };
+        let Some(err) = o.error else { return };
+        let wait = match &err {
+            SinkError::Refused(_) => {
+                tracing::warn!(object = %o.key.name, kind = o.key.kind.as_str(), error = %err, "publisher: write refused; dropped");
+                return;
+            }
+            SinkError::Throttled { retry_after } => *retry_after,
+            SinkError::Conflict(_) | SinkError::Unavailable(_) => backoff(&self.config, o.attempts),
+        };
+        tracing::debug!(object = %o.key.name, error = %err, retry_in_ms = wait.as_millis() as u64, "publisher: will retry");
+        // A newer state that arrived meanwhile wins; it waits as long.
+        let want = lock(&self.shared.inbox).changes.remove(&o.key).unwrap_or(o.want);
+        let gen = self.gen();
+        self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen });
+        self.delayed.push(Reverse((Instant::now() + wait, gen, o.key)));
+    }
+}
+
+/// What a job does for one object.
+#[derive(Debug, Clone)]
+enum Plan {
+    Write(Object),
+    Delete,
+}
+
+/// `None` when the sink already holds what is wanted.
+fn plan(key: &Key, want: &Want, stored: Option<&Object>, gone: GonePolicy) -> Option<Plan> {
+    match want {
+        Want::Put(o) => needs(o, stored).then(|| Plan::Write(o.clone())),
+        Want::Retire => {
+            let s = stored?;
+            debug_assert_eq!(&s.key, key);
+            match gone {
+                GonePolicy::Delete => Some(Plan::Delete),
+                GonePolicy::MarkInactive => s.retired().filter(|r| needs(r, stored)).map(Plan::Write),
+            }
+        }
+    }
+}
+
+fn main_differs(o: &Object, stored: Option<&Object>) -> bool {
+    stored.is_none_or(|s| s.labels != o.labels || s.spec != o.spec)
+}
+
+fn status_differs(o: &Object, stored: Option<&Object>) -> bool {
+    !o.status.is_null() && stored.is_none_or(|s| s.status != o.status)
+}
+
+fn needs(o: &Object, stored: Option<&Object>) -> bool {
+    main_differs(o, stored) || status_differs(o, stored)
+}
+
+/// Runs one object's writes; a conflict re-reads it once and tries again.
+/// Returns what is stored afterwards and the error that stopped it.
+async fn run_job<S: Sink>(
+    sink: &S,
+    gate: &Gate,
+    stats: &Stats,
+    key: &Key,
+    plan: Plan,
+    mut stored: Option<Object>,
+) -> (Option<Object>, Option<SinkError>) {
+    let mut reread = false;
+    loop {
+        let r = match &plan {
+            Plan::Delete => {
+                gate.pass().await;
+                bump(&stats.requests);
+                sink.delete(key).await.map(|()| {
+                    bump(&stats.deletes);
+                    stored = None;
+                })
+            }
+            Plan::Write(o) => write(sink, gate, stats, o, &mut stored).await,
+        };
+        let err = match r {
+            Ok(()) => return (stored, None),
+            Err(e) => e,
+        };
+        match &err {
+            SinkError::Throttled { retry_after } => {
+                bump(&stats.throttled);
+                gate.pause(*retry_after);
+            }
+            SinkError::Conflict(_) => bump(&stats.conflicts),
+            SinkError::Unavailable(_) => bump(&stats.unavailable),
+            SinkError::Refused(_) => bump(&stats.refused),
+        }
+        if !matches!(err, SinkError::Conflict(_)) || reread {
+            return (stored, Some(err));
+        }
+        reread = true;
+        gate.pass().await;
+        bump(&stats.requests);
+        match sink.get(key).await {
+            Ok(now) => {
+                stored = now;
+                if let Plan::Write(o) = &plan {
+                    if !needs(o, stored.as_ref()) {
+                        return (stored, None);
+                    }
+                }
+            }
+            Err(e) => return (stored, Some(e)),
+        }
+    }
+}
+
+/// Writes the parts of `o` that differ from `stored`, main first (it
+/// creates the object), updating `stored` as each lands.
+async fn write<S: Sink>(sink: &S, gate: &Gate, stats: &Stats, o: &Object, stored: &mut Option<Object>) -> Result<(), SinkError> {
+    if main_differs(o, stored.as_ref()) {
+        gate.pass().await;
+        bump(&stats.requests);
+        sink.write(o, Part::Main).await?;
+        bump(&stats.writes_main);
+        let status = stored.take().map(|s| s.status).unwrap_or(serde_json::Value::Null);
+        *stored = Some(Object { status, ..o.clone() });
+    }
+    if status_differs(o, stored.as_ref()) {
+        gate.pass().await;
+        bump(&stats.requests);
+        sink.write(o, Part::Status).await?;
+        bump(&stats.writes_status);
+        if let Some(s) = stored.as_mut() {
+            s.status = o.status.clone();
+        }
+    }
+    Ok(())
+}

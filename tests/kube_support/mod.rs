@@ -1,0 +1,453 @@
+//! A **stand-in** for the Kubernetes API server, in process, for the
+//! publisher's tests. It is not a fake of volring: it serves the custom
+//! resources' HTTP API with the real server's semantics as far as the
+//! publisher can observe them:
+//!
+//! - LIST with `labelSelector` (equality terms, comma-joined), `limit` and
+//!   an opaque `continue` token; a list carries `metadata.resourceVersion`.
+//! - GET, DELETE (200 with the object; 404 with a Status when absent).
+//! - PATCH with `application/apply-patch+yaml` (server-side apply; bodies
+//!   must be JSON, which is YAML): `fieldManager` is required (422 without),
+//!   field ownership per top-level spec/status field and per label, a
+//!   change to a field another manager owns is a 409 conflict unless
+//!   `force=true`, fields the manager stops applying are removed, a
+//!   `metadata.resourceVersion` in the body is a precondition (409 when
+//!   stale), a no-op apply does not change the resourceVersion.
+//! - The status subresource: the main endpoint ignores `status`, the
+//!   `/status` endpoint changes only `status` and answers 404 for an object
+//!   that does not exist.
+//! - Injected failures: the next N matching requests answer 429 (with
+//!   Retry-After), 500 or 409.
+//!
+//! Every request is logged (time, method, path, query, status) so a test
+//! can count what the publisher asked for.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+const PREFIX: &str = "/apis/volring.io/v1alpha1/";
+
+/// One request as the stand-in saw it.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    pub at: Instant,
+    pub method: Method,
+    pub path: String,
+    pub query: String,
+    pub status: u16,
+}
+
+impl Logged {
+    pub fn is_write(&self) -> bool {
+        self.method == Method::PATCH && self.status < 300
+    }
+    pub fn is_status(&self) -> bool {
+        self.path.ends_with("/status")
+    }
+}
+
+/// A failure to answer instead of serving a request.
+#[derive(Debug, Clone)]
+pub struct Fault {
+    pub status: u16,
+    pub retry_after: Option<u64>,
+    /// Only requests with this method (None: any).
+    pub method: Option<Method>,
+    /// Only requests whose path contains this.
+    pub path_contains: String,
+    /// How many requests it applies to.
+    pub times: usize,
+}
+
+#[derive(Default)]
+struct Stored {
+    obj: Value,
+    /// manager → the fields it owns ("spec.x", "status.y", "label:k").
+    managers: BTreeMap<String, BTreeSet<String>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// (plural, name) → object.
+    objects: BTreeMap<(String, String), Stored>,
+    rv: u64,
+    uid: u64,
+    log: Vec<Logged>,
+    faults: VecDeque<Fault>,
+}
+
+#[derive(Clone, Default)]
+pub struct StandIn {
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// The running stand-in: its address and its state.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub api: StandIn,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Server {
+    pub async fn start() -> Server {
+        let api = StandIn::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1");
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().fallback(handle).with_state(api.clone());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Server { addr, api, task }
+    }
+
+    /// A kube client configuration that talks to the stand-in.
+    pub fn config(&self) -> kube::Config {
+        kube::Config::new(format!("http://{}", self.addr).parse().unwrap())
+    }
+}
+
+impl StandIn {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn inject(&self, f: Fault) {
+        self.lock().faults.push_back(f);
+    }
+
+    pub fn log(&self) -> Vec<Logged> {
+        self.lock().log.clone()
+    }
+
+    /// Forgets every object (and the log).
+    pub fn clear(&self) {
+        let mut g = self.lock();
+        g.objects.clear();
+        g.log.clear();
+    }
+
+    pub fn clear_log(&self) {
+        self.lock().log.clear();
+    }
+
+    pub fn object(&self, plural: &str, name: &str) -> Option<Value> {
+        self.lock().objects.get(&(plural.to_string(), name.to_string())).map(|s| s.obj.clone())
+    }
+
+    pub fn objects(&self, plural: &str) -> Vec<Value> {
+        self.lock().objects.iter().filter(|((p, _), _)| p == plural).map(|(_, s)| s.obj.clone()).collect()
+    }
+
+    /// Stores an object as another writer would have (manager `other`).
+    pub fn seed(&self, plural: &str, obj: Value) {
+        let mut g = self.lock();
+        g.rv += 1;
+        g.uid += 1;
+        let (rv, uid) = (g.rv, g.uid);
+        let name = obj["metadata"]["name"].as_str().unwrap().to_string();
+        let mut obj = obj;
+        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+        obj["metadata"]["uid"] = json!(format!("uid-{uid}"));
+        let fields = fields_of(&obj, "spec").into_iter().chain(fields_of(&obj, "status")).chain(label_fields(&obj)).collect();
+        let managers = [("other".to_string(), fields)].into();
+        g.objects.insert((plural.to_string(), name), Stored { obj, managers });
+    }
+}
+
+fn status_body(code: StatusCode, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()})
+}
+
+fn reply(code: StatusCode, body: Value) -> Response {
+    let mut r = (code, serde_json::to_vec(&body).unwrap()).into_response();
+    r.headers_mut().insert("content-type", HeaderValue::from_static("application/json"));
+    r
+}
+
+fn query_pairs(q: &str) -> BTreeMap<String, String> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (unescape(k), unescape(v))
+        })
+        .collect()
+}
+
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let Some(v) = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let path = uri.path().to_string();
+    let query = uri.query().unwrap_or("").to_string();
+    let mut g = api.lock();
+    let resp = serve(&mut g, &method, &path, &query, &headers, &body);
+    let status = resp.status().as_u16();
+    g.log.push(Logged { at: Instant::now(), method, path, query, status });
+    resp
+}
+
+fn take_fault(g: &mut Inner, method: &Method, path: &str) -> Option<Fault> {
+    let i = g.faults.iter().position(|f| f.method.as_ref().is_none_or(|m| m == method) && path.contains(&f.path_contains))?;
+    let f = g.faults[i].clone();
+    if g.faults[i].times <= 1 {
+        g.faults.remove(i);
+    } else {
+        g.faults[i].times -= 1;
+    }
+    Some(f)
+}
+
+fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &HeaderMap, body: &[u8]) -> Response {
+    if let Some(f) = take_fault(g, method, path) {
+        let code = StatusCode::from_u16(f.status).unwrap();
+        let mut r = reply(code, status_body(code, "Injected", "injected by the test"));
+        if let Some(s) = f.retry_after {
+            r.headers_mut().insert("retry-after", HeaderValue::from_str(&s.to_string()).unwrap());
+        }
+        return r;
+    }
+    let Some(rest) = path.strip_prefix(PREFIX) else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            status_body(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"),
+        );
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    let q = query_pairs(query);
+    match (method.clone(), parts.as_slice()) {
+        (Method::GET, [plural]) => list(g, plural, &q),
+        (Method::GET, [plural, name]) => match g.objects.get(&(plural.to_string(), name.to_string())) {
+            Some(s) => reply(StatusCode::OK, s.obj.clone()),
+            None => not_found(plural, name),
+        },
+        (Method::DELETE, [plural, name]) => match g.objects.remove(&(plural.to_string(), name.to_string())) {
+            Some(s) => {
+                g.rv += 1;
+                reply(StatusCode::OK, s.obj)
+            }
+            None => not_found(plural, name),
+        },
+        (Method::PATCH, [plural, name]) => apply(g, plural, name, false, &q, headers, body),
+        (Method::PATCH, [plural, name, "status"]) => apply(g, plural, name, true, &q, headers, body),
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
+        ),
+    }
+}
+
+fn not_found(plural: &str, name: &str) -> Response {
+    let msg = format!("{plural}.volring.io \"{name}\" not found");
+    reply(StatusCode::NOT_FOUND, status_body(StatusCode::NOT_FOUND, "NotFound", &msg))
+}
+
+fn matches(obj: &Value, selector: &str) -> bool {
+    selector.split(',').filter(|t| !t.is_empty()).all(|term| {
+        let (k, v) = term.split_once('=').unwrap_or((term, ""));
+        let v = v.trim_start_matches('=');
+        obj["metadata"]["labels"][k].as_str() == Some(v)
+    })
+}
+
+fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
+    let selector = q.get("labelSelector").cloned().unwrap_or_default();
+    let limit: usize = q.get("limit").and_then(|l| l.parse().ok()).filter(|&l| l > 0).unwrap_or(usize::MAX);
+    let after = q.get("continue").cloned().unwrap_or_default();
+    let mut items = Vec::new();
+    let mut more = None;
+    for ((p, name), s) in &g.objects {
+        if p != plural || (!after.is_empty() && name.as_str() <= after.as_str()) || !matches(&s.obj, &selector) {
+            continue;
+        }
+        if items.len() == limit {
+            more = Some(items.last().and_then(|i: &Value| i["metadata"]["name"].as_str()).unwrap_or_default().to_string());
+            break;
+        }
+        items.push(s.obj.clone());
+    }
+    let mut meta = json!({"resourceVersion": g.rv.to_string()});
+    if let Some(c) = more {
+        meta["continue"] = json!(c);
+    }
+    reply(StatusCode::OK, json!({"apiVersion": "volring.io/v1alpha1", "kind": "List", "metadata": meta, "items": items}))
+}
+
+fn fields_of(obj: &Value, top: &str) -> BTreeSet<String> {
+    obj[top].as_object().map(|m| m.keys().map(|k| format!("{top}.{k}")).collect()).unwrap_or_default()
+}
+
+fn label_fields(obj: &Value) -> BTreeSet<String> {
+    obj["metadata"]["labels"].as_object().map(|m| m.keys().map(|k| format!("label:{k}")).collect()).unwrap_or_default()
+}
+
+fn get_field<'a>(obj: &'a Value, f: &str) -> &'a Value {
+    match f.strip_prefix("label:") {
+        Some(k) => &obj["metadata"]["labels"][k],
+        None => {
+            let (top, k) = f.split_once('.').unwrap();
+            &obj[top][k]
+        }
+    }
+}
+
+fn set_field(obj: &mut Value, f: &str, v: Option<Value>) {
+    let (parent, k) = match f.strip_prefix("label:") {
+        Some(k) => (&mut obj["metadata"]["labels"], k.to_string()),
+        None => {
+            let (top, k) = f.split_once('.').unwrap();
+            (&mut obj[top], k.to_string())
+        }
+    };
+    if !parent.is_object() {
+        *parent = json!({});
+    }
+    let m = parent.as_object_mut().unwrap();
+    match v {
+        Some(v) => {
+            m.insert(k, v);
+        }
+        None => {
+            m.remove(&k);
+        }
+    }
+}
+
+fn apply(
+    g: &mut Inner,
+    plural: &str,
+    name: &str,
+    status: bool,
+    q: &BTreeMap<String, String>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+    if ct != "application/apply-patch+yaml" {
+        let code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+        return reply(code, status_body(code, "UnsupportedMediaType", &format!("the body of the request was in an unknown format ({ct})")));
+    }
+    let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()).cloned() else {
+        let code = StatusCode::UNPROCESSABLE_ENTITY;
+        return reply(code, status_body(code, "Invalid", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value"));
+    };
+    let force = q.get("force").is_some_and(|f| f == "true");
+    let Ok(patch) = serde_json::from_slice::<Value>(body) else {
+        return reply(
+            StatusCode::BAD_REQUEST,
+            status_body(StatusCode::BAD_REQUEST, "BadRequest", "the stand-in reads JSON apply bodies only"),
+        );
+    };
+    if patch["metadata"]["name"].as_str() != Some(name) || patch["apiVersion"] != "volring.io/v1alpha1" || patch["kind"].as_str().is_none()
+    {
+        let code = StatusCode::BAD_REQUEST;
+        return reply(code, status_body(code, "BadRequest", "apiVersion, kind and metadata.name must match the URL"));
+    }
+    let key = (plural.to_string(), name.to_string());
+    let existing = g.objects.get(&key);
+    if status && existing.is_none() {
+        return not_found(plural, name);
+    }
+    if let (Some(want), Some(s)) = (patch["metadata"]["resourceVersion"].as_str(), existing) {
+        if s.obj["metadata"]["resourceVersion"].as_str() != Some(want) {
+            let code = StatusCode::CONFLICT;
+            return reply(
+                code,
+                status_body(code, "Conflict", "the object has been modified; please apply your changes to the latest version"),
+            );
+        }
+    }
+    let mut stored = match g.objects.remove(&key) {
+        Some(s) => s,
+        None => {
+            g.uid += 1;
+            let obj = json!({"apiVersion": patch["apiVersion"], "kind": patch["kind"],
+                "metadata": {"name": name, "uid": format!("uid-{}", g.uid), "creationTimestamp": "2026-01-01T00:00:00Z", "generation": 0}});
+            Stored { obj, managers: BTreeMap::new() }
+        }
+    };
+    // The fields this apply sets: the main endpoint ignores status, the
+    // status endpoint everything but status.
+    let applied: BTreeSet<String> =
+        if status { fields_of(&patch, "status") } else { fields_of(&patch, "spec").into_iter().chain(label_fields(&patch)).collect() };
+    let mut conflicts = Vec::new();
+    for f in &applied {
+        for (m, owned) in &stored.managers {
+            if m != &manager && owned.contains(f) && get_field(&stored.obj, f) != get_field(&patch, f) {
+                conflicts.push(format!("conflict with \"{m}\": {f}"));
+            }
+        }
+    }
+    if !conflicts.is_empty() && !force {
+        g.objects.insert(key, stored);
+        let code = StatusCode::CONFLICT;
+        return reply(
+            code,
+            status_body(code, "Conflict", &format!("Apply failed with {} conflicts: {}", conflicts.len(), conflicts.join(", "))),
+        );
+    }
+    let before = stored.obj.clone();
+    let scope = |f: &String| if status { f.starts_with("status.") } else { !f.starts_with("status.") };
+    let previously: BTreeSet<String> =
+        stored.managers.get(&manager).map(|o| o.iter().filter(|f| scope(f)).cloned().collect()).unwrap_or_default();
+    for f in &applied {
+        set_field(&mut stored.obj, f, Some(get_field(&patch, f).clone()));
+        for (m, owned) in stored.managers.iter_mut() {
+            if m != &manager && get_field(&before, f) != get_field(&patch, f) {
+                owned.remove(f);
+            }
+        }
+    }
+    for f in previously.difference(&applied) {
+        if !stored.managers.iter().any(|(m, o)| m != &manager && o.contains(f)) {
+            set_field(&mut stored.obj, f, None);
+        }
+    }
+    let mine = stored.managers.entry(manager).or_default();
+    mine.retain(|f| !scope(f));
+    mine.extend(applied);
+    stored.managers.retain(|_, o| !o.is_empty());
+    let created = before.get("spec").is_none() && !status && before["metadata"]["resourceVersion"].is_null();
+    if stored.obj != before || created {
+        if stored.obj.get("spec") != before.get("spec") {
+            let gen = stored.obj["metadata"]["generation"].as_u64().unwrap_or(0) + 1;
+            stored.obj["metadata"]["generation"] = json!(gen);
+        }
+        g.rv += 1;
+        stored.obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+    }
+    let out = stored.obj.clone();
+    g.objects.insert(key, stored);
+    reply(if created { StatusCode::CREATED } else { StatusCode::OK }, out)
+}

@@ -1,0 +1,299 @@
+//! The publisher against the API stand-in (tests/kube_support) and against
+//! the node's embedded store: coalescing, restarts, 429/500/409, devices
+//! that are gone, shutdown.
+//!
+//! Every wait is bounded; nothing here asserts how fast anything is.
+
+mod kube_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::Method;
+use kube_support::{Fault, Server};
+use serde_json::json;
+use volring::publisher::embedded_sink::EmbeddedSink;
+use volring::publisher::kube_sink::KubeSink;
+use volring::publisher::objects::{self, Key, Kind, Object, NODE_LABEL};
+use volring::publisher::{GonePolicy, Updater, UpdaterConfig};
+
+/// A BlockDevice of `node` numbered `i`, whose status carries `gen`.
+fn bd(node: &str, i: usize, gen: usize) -> Object {
+    let stable = format!("serial-test-{node}-{i}");
+    Object {
+        key: Key { kind: Kind::BlockDevice, name: objects::block_device_name(&stable) },
+        labels: [(NODE_LABEL.to_string(), node.to_string()), (objects::KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
+        spec: json!({"nodeName": node, "path": format!("/dev/sd{i}"), "stableId": stable,
+            "capacity": {"storage": 1u64 << 30, "logicalSectorSize": 512, "physicalSectorSize": 4096},
+            "details": {"deviceType": "disk", "driveType": "SSD", "removable": false, "readOnly": false},
+            "devlinks": [], "partitioned": false}),
+        status: json!({"state": "Active", "claimState": "Unclaimed", "mountPoints": [format!("/mnt/{gen}")], "holders": []}),
+    }
+}
+
+/// Fast enough for tests; the defaults are what the agent uses.
+fn config(node: &str) -> UpdaterConfig {
+    let mut c = UpdaterConfig::new(node);
+    c.qps = 1000.0;
+    c.burst = 1000;
+    c.window = Duration::from_millis(300);
+    c.backoff_min = Duration::from_millis(50);
+    c
+}
+
+/// Waits (bounded) until `f` holds.
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..600 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn stored_status(s: &Server, o: &Object) -> serde_json::Value {
+    s.api.object("blockdevices", &o.key.name).map(|v| v["status"].clone()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes_nothing() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let mut c = config("n1");
+    c.window = Duration::from_secs(1);
+    let up = Updater::start(sink.clone(), c.clone(), vec![]);
+    for g in 0..100 {
+        for i in 0..100 {
+            up.submit(bd("n1", i, g));
+        }
+    }
+    let last: Vec<Object> = (0..100).map(|i| bd("n1", i, 99)).collect();
+    until("the last state of every object", || last.iter().all(|o| stored_status(&server, o) == o.status)).await;
+    let stats = up.shutdown(Duration::from_secs(5)).await;
+    let log = server.api.log();
+    let status_writes = log.iter().filter(|l| l.is_write() && l.is_status()).count();
+    let main_writes = log.iter().filter(|l| l.is_write() && !l.is_status()).count();
+    assert!(status_writes <= 100 && main_writes <= 100, "{main_writes} main and {status_writes} status writes for 100 objects");
+    assert_eq!(stats.submitted, 10_000);
+    assert!(stats.coalesced >= 9_900, "{stats:?}");
+
+    // Restart with the same facts: one LIST per kind, not one write.
+    server.api.clear_log();
+    let up = Updater::start(sink.clone(), c.clone(), last.clone());
+    let stats = up.shutdown(Duration::from_secs(5)).await;
+    let log = server.api.log();
+    assert!(log.iter().all(|l| l.method == Method::GET && l.query.contains("labelSelector")), "{log:#?}");
+    assert_eq!((stats.writes_main, stats.writes_status, stats.unchanged), (0, 0, 100));
+
+    // Restart with one object changed: one status write, nothing else.
+    server.api.clear_log();
+    let mut now = last.clone();
+    now[7] = bd("n1", 7, 1000);
+    let up = Updater::start(sink, c, now);
+    up.shutdown(Duration::from_secs(5)).await;
+    let writes: Vec<_> = server.api.log().into_iter().filter(|l| l.method != Method::GET).collect();
+    assert_eq!(writes.len(), 1, "{writes:#?}");
+    assert!(writes[0].is_status() && writes[0].path.ends_with(&format!("{}/status", last[7].key.name)));
+}
+
+#[tokio::test]
+async fn a_429_is_honoured_for_its_retry_after() {
+    let server = Server::start().await;
+    server.api.inject(Fault { status: 429, retry_after: Some(2), method: Some(Method::PATCH), path_contains: String::new(), times: 1 });
+    // One request at a time, so "the next request" is well defined: the
+    // pause holds every object, not only the throttled one.
+    let mut c = config("n1");
+    c.concurrency = 1;
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
+    let objs: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
+    for o in &objs {
+        up.submit(o.clone());
+    }
+    until("the objects", || objs.iter().all(|o| stored_status(&server, o) == o.status)).await;
+    let stats = up.shutdown(Duration::from_secs(5)).await;
+    let log = server.api.log();
+    let throttled = log.iter().position(|l| l.status == 429).expect("the injected 429");
+    let next = &log[throttled + 1];
+    let waited = next.at - log[throttled].at;
+    assert!(waited >= Duration::from_secs(2), "the next request came {waited:?} after a 429 asking for 2 s");
+    assert_eq!(stats.throttled, 1);
+}
+
+#[tokio::test]
+async fn requests_keep_to_the_token_bucket() {
+    let server = Server::start().await;
+    let mut c = config("n1");
+    (c.qps, c.burst) = (20.0, 5);
+    let objs: Vec<Object> = (0..10).map(|i| bd("n1", i, 1)).collect();
+    Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, objs).shutdown(Duration::from_secs(10)).await;
+    let log = server.api.log();
+    assert_eq!(log.len(), 22, "two lists, a main and a status write for each of 10 objects");
+    // 5 at once, then one every 50 ms: the last no sooner than 17 / 20 s.
+    let span = log[21].at - log[0].at;
+    assert!(span >= Duration::from_millis(800), "22 requests in {span:?} at 20 QPS, burst 5");
+}
+
+#[tokio::test]
+async fn a_500_backs_off_and_retries_and_a_409_rereads_once_then_retries() {
+    let server = Server::start().await;
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let (a, b) = (bd("n1", 1, 1), bd("n1", 2, 1));
+    server.api.inject(Fault { status: 500, retry_after: None, method: Some(Method::PATCH), path_contains: a.key.name.clone(), times: 2 });
+    server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: b.key.name.clone(), times: 1 });
+    up.submit(a.clone());
+    up.submit(b.clone());
+    until("both objects", || stored_status(&server, &a) == a.status && stored_status(&server, &b) == b.status).await;
+    let stats = up.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((stats.unavailable, stats.conflicts), (2, 1), "{stats:?}");
+    let log = server.api.log();
+    let of_b: Vec<_> = log.iter().filter(|l| l.path.contains(&b.key.name)).map(|l| (l.method.clone(), l.status)).collect();
+    // The 409 is followed by one GET (404: not there yet) and the retry.
+    assert_eq!(of_b[..3], [(Method::PATCH, 409), (Method::GET, 404), (Method::PATCH, 201)], "{of_b:?}");
+    let gets_of_a = log.iter().filter(|l| l.path.contains(&a.key.name) && l.method == Method::GET).count();
+    assert_eq!(gets_of_a, 0, "a 500 is retried without a re-read");
+}
+
+#[tokio::test]
+async fn a_refused_write_is_dropped_and_counted() {
+    let server = Server::start().await;
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let o = bd("n1", 1, 1);
+    server.api.inject(Fault { status: 422, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
+    up.submit(o.clone());
+    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    let stats = up.shutdown(Duration::from_secs(2)).await;
+    assert!(server.api.object("blockdevices", &o.key.name).is_none());
+    assert_eq!((stats.refused, stats.abandoned), (1, 0));
+    assert_eq!(server.api.log().iter().filter(|l| l.method == Method::PATCH).count(), 1, "not sent again");
+}
+
+#[tokio::test]
+async fn a_gone_device_is_marked_inactive_and_other_nodes_are_untouched() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let mine: Vec<Object> = (0..3).map(|i| bd("n1", i, 0)).collect();
+    let theirs: Vec<Object> = (0..2).map(|i| bd("n2", i, 0)).collect();
+    for (node, objs) in [("n1", &mine), ("n2", &theirs)] {
+        Updater::start(sink.clone(), config(node), objs.clone()).shutdown(Duration::from_secs(5)).await;
+    }
+    let before_theirs: Vec<_> = theirs.iter().map(|o| server.api.object("blockdevices", &o.key.name).unwrap()).collect();
+    server.api.clear_log();
+    // n1 restarts without device 2.
+    Updater::start(sink.clone(), config("n1"), mine[..2].to_vec()).shutdown(Duration::from_secs(5)).await;
+    let gone = server.api.object("blockdevices", &mine[2].key.name).unwrap();
+    assert_eq!(gone["status"]["state"], "Inactive");
+    assert_eq!(gone["spec"], mine[2].spec, "its last facts stay");
+    for o in &mine[..2] {
+        assert_eq!(stored_status(&server, o)["state"], "Active");
+    }
+    let after_theirs: Vec<_> = theirs.iter().map(|o| server.api.object("blockdevices", &o.key.name).unwrap()).collect();
+    assert_eq!(before_theirs, after_theirs, "another node's objects are not touched");
+    let writes: Vec<_> = server.api.log().into_iter().filter(|l| l.method != Method::GET).collect();
+    assert_eq!(writes.len(), 1, "one status write for the gone device: {writes:#?}");
+
+    // With the delete policy, it goes.
+    let mut c = config("n1");
+    c.gone = GonePolicy::Delete;
+    Updater::start(sink, c, mine[..1].to_vec()).shutdown(Duration::from_secs(5)).await;
+    assert!(server.api.object("blockdevices", &mine[1].key.name).is_none());
+    assert!(server.api.object("blockdevices", &mine[2].key.name).is_none());
+    assert_eq!(server.api.objects("blockdevices").len(), 3, "one of n1's and both of n2's");
+}
+
+#[tokio::test]
+async fn shutdown_flushes_a_thirty_second_window_within_its_deadline() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let mut c = config("n1");
+    c.window = Duration::from_secs(30);
+    let up = Updater::start(sink.clone(), c.clone(), vec![]);
+    let objs: Vec<Object> = (0..50).map(|i| bd("n1", i, 1)).collect();
+    for o in &objs {
+        up.submit(o.clone());
+    }
+    // Give the initial LIST time to pass, so the 30 s window has begun.
+    until("the initial list", || server.api.log().len() >= 2).await;
+    let stats = up.shutdown(Duration::from_secs(3)).await;
+    assert_eq!(stats.abandoned, 0);
+    for o in &objs {
+        assert_eq!(stored_status(&server, o), o.status);
+    }
+    // A shutdown with nothing changed writes nothing again.
+    server.api.clear_log();
+    let up = Updater::start(sink, c, vec![]);
+    for o in &objs {
+        up.submit(o.clone());
+    }
+    up.shutdown(Duration::from_secs(3)).await;
+    assert!(server.api.log().iter().all(|l| l.method == Method::GET));
+}
+
+#[tokio::test]
+async fn lists_are_paginated() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let objs: Vec<Object> = (0..1203).map(|i| bd("n1", i, 0)).collect();
+    for o in &objs {
+        let mut v = volring::publisher::embedded_sink::api_form(o);
+        v["metadata"]["labels"]["volring.io/node"] = json!("n1");
+        server.api.seed("blockdevices", v);
+    }
+    server.api.seed("blockdevices", volring::publisher::embedded_sink::api_form(&bd("n2", 0, 0)));
+    let listed = volring::publisher::Sink::list(&*sink, Kind::BlockDevice, "n1").await.unwrap();
+    assert_eq!(listed.len(), 1203);
+    let pages = server.api.log().iter().filter(|l| l.query.contains("limit=500")).count();
+    assert_eq!(pages, 3);
+}
+
+#[tokio::test]
+async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(volring::state::store::FILE);
+    let objs: Vec<Object> = (0..20).map(|i| bd("n1", i, 3)).collect();
+    {
+        let store = Arc::new(volring::state::store::Store::open(&path).unwrap());
+        let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), vec![]);
+        for g in 0..4 {
+            for i in 0..20 {
+                up.submit(bd("n1", i, g));
+            }
+        }
+        let stats = up.shutdown(Duration::from_secs(10)).await;
+        assert_eq!((stats.writes_main, stats.writes_status), (20, 20));
+    }
+    let seen = volring::state::store::Store::read_only(&path, true).unwrap().published;
+    assert_eq!(seen.len(), 20);
+    for o in &objs {
+        let key = volring::publisher::embedded_sink::store_key(&o.key);
+        let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
+        let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
+        assert_eq!(&back, o);
+    }
+    let store = Arc::new(volring::state::store::Store::open(&path).unwrap());
+    let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), objs[..19].to_vec());
+    let stats = up.shutdown(Duration::from_secs(10)).await;
+    assert_eq!((stats.writes_main, stats.writes_status), (0, 1), "only the gone device is written: {stats:?}");
+}
+
+/// This machine's real devices, as the agent builds them, published to the
+/// stand-in: every device becomes one BlockDevice that reads back equal (so
+/// a restart writes nothing), and the objects pass the stand-in's checks.
+#[tokio::test]
+async fn this_machines_devices_publish_and_read_back_equal() {
+    let mountinfo = std::fs::read("/proc/self/mountinfo").unwrap();
+    let (table, _) = volring::mounts::MountTable::from_mountinfo(&mountinfo);
+    let cfg = volring::devices::ScanConfig { probe: false, ..Default::default() };
+    let mut inv = volring::devices::Inventory::scan(&cfg, &table).unwrap();
+    inv.link(&table, "n1");
+    let node = objects::storage_node("n1", None, vec![]);
+    let initial = volring::publisher::feed::Feed::initial(&inv, "n1", node);
+    let devices = initial.len() - 1;
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let s = Updater::start(sink.clone(), config("n1"), initial.clone()).shutdown(Duration::from_secs(10)).await;
+    assert_eq!((s.writes_main, s.writes_status, s.refused), (initial.len() as u64, initial.len() as u64, 0));
+    assert_eq!(server.api.objects("blockdevices").len(), devices);
+    let s = Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
+    assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
+}
