@@ -1,0 +1,181 @@
+//! deploy/ as the API server reads it: every document parses, every object
+//! is of a kind this test knows, and every field in it exists in that
+//! kind's schema (the Kubernetes types from k8s-openapi: a field they do
+//! not know is dropped on the round trip and shows as a difference). The
+//! kustomizations name only files that exist. No cluster is involved.
+
+use std::path::{Path, PathBuf};
+
+use libtest_mimic::{Failed, Trial};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
+}
+
+/// Where `original` has something `back` (its round trip) lacks or
+/// changes, as a JSON path.
+fn lost(original: &Value, back: &Value, at: &str) -> Option<String> {
+    match (original, back) {
+        (Value::Object(a), Value::Object(b)) => a.iter().find_map(|(k, v)| match b.get(k) {
+            Some(w) => lost(v, w, &format!("{at}.{k}")),
+            None if v.is_null() => None,
+            None => Some(format!("{at}.{k}")),
+        }),
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            a.iter().zip(b).enumerate().find_map(|(i, (v, w))| lost(v, w, &format!("{at}[{i}]")))
+        }
+        (a, b) if a == b => None,
+        // YAML's 1 and the API's "1" (a Quantity or label) are one value.
+        (Value::Number(n), Value::String(s)) | (Value::String(s), Value::Number(n)) if n.to_string() == *s => None,
+        _ => Some(at.to_string()),
+    }
+}
+
+fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value) -> Result<(), String> {
+    let typed: T = serde_json::from_value(doc.clone()).map_err(|e| format!("does not parse as its kind: {e}"))?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    match lost(doc, &back, "") {
+        None => Ok(()),
+        Some(path) => Err(format!("field {path} is not in the schema (or its value changed)")),
+    }
+}
+
+/// Keys of the Prometheus Operator kinds this repo uses (the operator's
+/// CRDs are not a dependency here, so their few fields are listed).
+fn operator_kind(doc: &Value) -> Result<(), String> {
+    let allowed = |v: &Value, keys: &[&str], what: &str| -> Result<(), String> {
+        let obj = v.as_object().ok_or(format!("{what} is not a map"))?;
+        match obj.keys().find(|k| !keys.contains(&k.as_str())) {
+            Some(k) => Err(format!("{what}.{k} is not a field")),
+            None => Ok(()),
+        }
+    };
+    allowed(doc, &["apiVersion", "kind", "metadata", "spec"], "")?;
+    let spec = &doc["spec"];
+    match doc["kind"].as_str() {
+        Some("ServiceMonitor") => {
+            allowed(spec, &["selector", "endpoints", "namespaceSelector", "jobLabel"], "spec")?;
+            for e in spec["endpoints"].as_array().ok_or("spec.endpoints")? {
+                allowed(e, &["port", "path", "interval", "scrapeTimeout", "scheme"], "spec.endpoints[]")?;
+            }
+        }
+        Some("PrometheusRule") => {
+            allowed(spec, &["groups"], "spec")?;
+            for g in spec["groups"].as_array().ok_or("spec.groups")? {
+                allowed(g, &["name", "interval", "rules"], "spec.groups[]")?;
+                for r in g["rules"].as_array().ok_or("rules")? {
+                    allowed(r, &["alert", "record", "expr", "for", "labels", "annotations"], "spec.groups[].rules[]")?;
+                }
+            }
+        }
+        other => return Err(format!("unknown kind {other:?}")),
+    }
+    Ok(())
+}
+
+fn check_object(doc: &Value) -> Result<(), String> {
+    use k8s_openapi::api::{apps, core, rbac, storage};
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let kind = (doc["apiVersion"].as_str().unwrap_or(""), doc["kind"].as_str().unwrap_or(""));
+    match kind {
+        ("v1", "Namespace") => round_trip::<core::v1::Namespace>(doc),
+        ("v1", "ServiceAccount") => round_trip::<core::v1::ServiceAccount>(doc),
+        ("v1", "Service") => round_trip::<core::v1::Service>(doc),
+        ("v1", "ConfigMap") => round_trip::<core::v1::ConfigMap>(doc),
+        ("apps/v1", "DaemonSet") => round_trip::<apps::v1::DaemonSet>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<rbac::v1::ClusterRole>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => round_trip::<rbac::v1::ClusterRoleBinding>(doc),
+        ("rbac.authorization.k8s.io/v1", "Role") => round_trip::<rbac::v1::Role>(doc),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => round_trip::<rbac::v1::RoleBinding>(doc),
+        ("storage.k8s.io/v1", "CSIDriver") => round_trip::<storage::v1::CSIDriver>(doc),
+        ("storage.k8s.io/v1", "StorageClass") => round_trip::<storage::v1::StorageClass>(doc),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => round_trip::<CustomResourceDefinition>(doc),
+        ("monitoring.coreos.com/v1", _) => operator_kind(doc),
+        (v, k) => Err(format!("unknown kind {v}/{k}")),
+    }
+}
+
+/// Every manifest under deploy/ (kustomization files aside).
+fn manifests() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "yaml") && p.file_name().is_some_and(|n| n != "kustomization.yaml") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn every_object_is_a_known_kind_with_known_fields() -> Result<(), Failed> {
+    let mut seen = 0;
+    let mut problems = Vec::new();
+    for file in manifests() {
+        let text = std::fs::read_to_string(&file)?;
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        for doc in docs {
+            seen += 1;
+            let name = doc["metadata"]["name"].as_str().unwrap_or("?").to_string();
+            if let Err(e) = check_object(&doc) {
+                problems.push(format!("{} {}/{name}: {e}", file.display(), doc["kind"].as_str().unwrap_or("?")));
+            }
+        }
+    }
+    if !problems.is_empty() {
+        return Err(problems.join("\n").into());
+    }
+    if seen < 15 {
+        return Err(format!("only {seen} objects under deploy/").into());
+    }
+    Ok(())
+}
+
+/// The check can fail: a misspelt field is found.
+fn a_misspelt_field_is_caught() -> Result<(), Failed> {
+    let doc: Value = serde_saphyr::from_str(
+        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  selector: {matchLabels: {a: b}}\n  template:\n    metadata: {labels: {a: b}}\n    spec:\n      serviceAcountName: x\n      containers: [{name: c, image: i}]\n",
+    )
+    .map_err(|e| e.to_string())?;
+    match check_object(&doc) {
+        Err(e) if e.contains("serviceAcountName") => Ok(()),
+        other => Err(format!("expected the misspelt field to be named, got {other:?}").into()),
+    }
+}
+
+fn kustomizations_name_files_that_exist() -> Result<(), Failed> {
+    for dir in [root(), root().join("monitoring")] {
+        let text = std::fs::read_to_string(dir.join("kustomization.yaml"))?;
+        let k: Value = serde_saphyr::from_str(&text).map_err(|e| e.to_string())?;
+        let mut named: Vec<String> = k["resources"].as_array().ok_or("resources")?.iter().filter_map(|r| r.as_str().map(String::from)).collect();
+        for g in k["configMapGenerator"].as_array().into_iter().flatten() {
+            named.extend(g["files"].as_array().into_iter().flatten().filter_map(|f| f.as_str().map(String::from)));
+        }
+        for n in named {
+            let p = dir.join(&n);
+            let ok = p.is_file() || p.join("kustomization.yaml").is_file();
+            if !ok {
+                return Err(format!("{}: {n} does not exist", dir.display()).into());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    let trials = vec![
+        Trial::test("deploy::every_object_is_a_known_kind_with_known_fields", every_object_is_a_known_kind_with_known_fields),
+        Trial::test("deploy::a_misspelt_field_is_caught", a_misspelt_field_is_caught),
+        Trial::test("deploy::kustomizations_name_files_that_exist", kustomizations_name_files_that_exist),
+    ];
+    libtest_mimic::run(&args, trials).exit();
+}
