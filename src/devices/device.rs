@@ -127,7 +127,10 @@ pub struct Device {
     pub uses: Vec<Use>,
     /// The device behind `/`, or a disk that holds it.
     pub os_disk: bool,
-    /// Stable across reboots and renames; see [`stable_id`].
+    /// Stable across reboots and renames; see [`stable_id`]. Empty when it
+    /// is unknown: an input that could decide it could not be read (see
+    /// [`id_unread`]), so that a device never gets a different id because
+    /// of who asked.
     pub id: String,
     /// Attributes that exist but could not be read, with the reason; the
     /// rest of the device is still reported.
@@ -190,4 +193,43 @@ pub fn stable_id(d: &Device, node: &str) -> String {
         };
     }
     format!("name-{node}:{}", d.name)
+}
+
+/// The sysfs attributes [`stable_id`] reads (for a partition, its disk's).
+const ID_ATTRS: [&str; 5] = ["wwid", "device/wwid", "serial", "device/serial", "device/model"];
+
+/// Why [`stable_id`] cannot be trusted for `d`, if it cannot: an input it
+/// would consult before the one it settles on could not be read. Run as
+/// an ordinary user the probe cannot open `/dev/vda`, so a filesystem UUID
+/// (or a partition GUID from the disk's table) that decides root's id is
+/// missing, and the id would silently fall through to a weaker one. Such an
+/// id is reported unknown instead. `disk` is a partition's disk.
+pub fn id_unread(d: &Device, disk: Option<&Device>) -> Option<String> {
+    let attr_error = |dev: &Device, names: &[&str]| {
+        dev.attr_errors.iter().find(|e| names.iter().any(|n| e.strip_prefix(n).is_some_and(|r| r.starts_with(':')))).cloned()
+    };
+    let hw = if d.partition.is_some() { disk } else { Some(d) };
+    if let Some(e) = hw.and_then(|h| attr_error(h, &ID_ATTRS)) {
+        return Some(format!("attribute {e}"));
+    }
+    if d.wwn.is_some() || d.serial.is_some() {
+        return None;
+    }
+    if d.partition.is_some() && d.part_uuid.is_none() {
+        match disk {
+            None => return Some("its disk is not in the inventory (partition GUID unknown)".into()),
+            Some(k) => {
+                if let Some(e) = &k.probe_error {
+                    return Some(format!("its disk's partition table was not read: {e}"));
+                }
+            }
+        }
+    }
+    if d.part_uuid.is_some() || d.content.filesystem.as_ref().is_some_and(|f| f.uuid.is_some()) {
+        return None;
+    }
+    if let Some(e) = &d.probe_error {
+        return Some(format!("its first blocks were not read: {e}"));
+    }
+    attr_error(d, &["loop/backing_file", "loop/offset", "dm/name", "dm/uuid"]).map(|e| format!("attribute {e}"))
 }
