@@ -112,6 +112,11 @@ fn columns_match_blkid() -> Result<(), Failed> {
     let h: Vec<&str> = plus.lines().next().unwrap_or("").split_whitespace().collect();
     check(h.first() == Some(&"NAME") && h.ends_with(&["PTUUID", "LOG-SEC"]), format!("{h:?}"))?;
     check(Some(&row(&plus, gpt.name())?["PTUUID"]) == bg.get("PTUUID"), format!("PTUUID vs blkid {:?}\n{plus}", bg.get("PTUUID")))?;
+    // Not probed is not empty, and gives no weaker id.
+    let unprobed = ok_stdout(&volring(&["devices", "--no-probe", "-o", "NAME,FSTYPE,ID"])?)?;
+    let u = row(&unprobed, fs.name())?;
+    check(u["FSTYPE"] == "?" && u["ID"] == "?", format!("{u:?}\n{unprobed}"))?;
+    check(unprobed.lines().any(|l| l.starts_with(&format!("# {}: ID unknown", fs.name()))), unprobed.clone())?;
     let bad = volring(&["devices", "-o", "NAME,NOPE"])?;
     let err = String::from_utf8_lossy(&bad.stderr);
     check(!bad.status.success() && err.contains("NOPE") && err.contains("MOUNTPOINTS"), err.to_string())?;

@@ -220,6 +220,12 @@ fn enrich(cfg: &ScanConfig, devices: &mut [Device]) {
     }
     if cfg.probe {
         probe_all(devices, cfg.io, cfg.probe_timeout);
+    } else {
+        // Unread is not empty: without this a device would look free and
+        // get a weaker id than a probed scan gives it.
+        for d in devices.iter_mut().filter(|d| d.size_bytes > 0) {
+            d.probe_error = Some("not read: probing is off".into());
+        }
     }
 }
 
