@@ -788,8 +788,12 @@ async fn watch_stats(
     let wanted = report::select_devices(&inv, named, |p| std::fs::canonicalize(p).ok()).map_err(anyhow::Error::msg)?;
     // Devices asked for by name are shown even when idle, as iostat does.
     let all = all || !named.is_empty();
-    let devices =
-        inv.devices.values().filter(|d| wanted.as_ref().is_none_or(|w| w.contains(&d.dev))).map(|d| (d.dev, std::sync::Arc::from(d.name.as_str()))).collect();
+    let devices = inv
+        .devices
+        .values()
+        .filter(|d| wanted.as_ref().is_none_or(|w| w.contains(&d.dev)))
+        .map(|d| (d.dev, std::sync::Arc::from(d.name.as_str())))
+        .collect();
     let interval = cfg.interval;
     let collector = StatCollector::start(cfg, devices)?;
     let reader = collector.reader();

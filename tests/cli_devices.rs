@@ -45,9 +45,7 @@ fn row(table: &str, name: &str) -> Result<BTreeMap<String, String>, Failed> {
         let end = starts.get(i + 1).copied().unwrap_or(usize::MAX).min(v.len());
         v.get(starts[i].min(v.len())..end).map(|c| c.iter().collect::<String>().trim().to_string()).unwrap_or_default()
     };
-    Ok((0..starts.len())
-        .map(|i| (cut(&header, i), cut(&chars, i).trim_start_matches(['├', '└', '─']).to_string()))
-        .collect())
+    Ok((0..starts.len()).map(|i| (cut(&header, i), cut(&chars, i).trim_start_matches(['├', '└', '─']).to_string())).collect())
 }
 
 fn devices_json(args: &[&str]) -> Result<serde_json::Value, Failed> {
@@ -57,7 +55,12 @@ fn devices_json(args: &[&str]) -> Result<serde_json::Value, Failed> {
 }
 
 fn device<'a>(v: &'a serde_json::Value, name: &str) -> Result<&'a serde_json::Value, Failed> {
-    Ok(v["blockdevices"].as_array().ok_or("no blockdevices")?.iter().find(|d| d["name"] == name).ok_or_else(|| format!("{name} not listed"))?)
+    Ok(v["blockdevices"]
+        .as_array()
+        .ok_or("no blockdevices")?
+        .iter()
+        .find(|d| d["name"] == name)
+        .ok_or_else(|| format!("{name} not listed"))?)
 }
 
 /// `blockdev --setro` until dropped.
@@ -105,7 +108,11 @@ fn columns_match_blkid() -> Result<(), Failed> {
     check(g["PTTYPE"] == "gpt" && g["RO"] == "0", format!("{g:?}"))?;
 
     let picked = ok_stdout(&volring(&["devices", "-o", "name,uuid,ro,label"])?)?;
-    check(picked.lines().next() == Some("NAME UUID RO LABEL") || picked.lines().next().is_some_and(|h| h.split_whitespace().eq(["NAME", "UUID", "RO", "LABEL"])), picked.clone())?;
+    check(
+        picked.lines().next() == Some("NAME UUID RO LABEL")
+            || picked.lines().next().is_some_and(|h| h.split_whitespace().eq(["NAME", "UUID", "RO", "LABEL"])),
+        picked.clone(),
+    )?;
     let p = row(&picked, fs.name())?;
     check(Some(&p["UUID"]) == b.get("UUID") && p["RO"] == "1" && p["LABEL"] == "colsfs", format!("{p:?}"))?;
     let plus = ok_stdout(&volring(&["devices", "--output", "+PTUUID,LOG-SEC"])?)?;
@@ -293,7 +300,9 @@ fn stats_agree_with_iostat_under_fio() -> Result<(), Failed> {
             let t = median(theirs.iter().filter_map(|r| r[their_key].as_f64()).collect());
             let o = median(rates.iter().filter_map(|r| r[our_key].as_f64()).collect());
             report.push_str(&format!("{their_key}: iostat {t:.2}, volring {o:.2}\n"));
-            if !((t - o).abs() <= abs + rel * t.abs().max(o.abs())) {
+            // A NaN (a column missing) agrees with nothing.
+            let agree = (t - o).abs() <= abs + rel * t.abs().max(o.abs());
+            if !agree {
                 bad.push(their_key);
             }
         }
@@ -311,8 +320,8 @@ fn stats_agree_with_iostat_under_fio() -> Result<(), Failed> {
         check(b.len() == 24 && b[4] == b'-' && b[10] == b'T' && b[19] == b'.' && b[23] == b'Z', format!("timestamp {stamp:?}"))?;
         let header: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
         let want = [
-            "Device", "r/s", "rkB/s", "rrqm/s", "%rrqm", "r_await", "rareq-sz", "w/s", "wkB/s", "wrqm/s", "%wrqm", "w_await", "wareq-sz", "d/s",
-            "dkB/s", "drqm/s", "%drqm", "d_await", "dareq-sz", "f/s", "f_await", "aqu-sz", "%util",
+            "Device", "r/s", "rkB/s", "rrqm/s", "%rrqm", "r_await", "rareq-sz", "w/s", "wkB/s", "wrqm/s", "%wrqm", "w_await", "wareq-sz",
+            "d/s", "dkB/s", "drqm/s", "%drqm", "d_await", "dareq-sz", "f/s", "f_await", "aqu-sz", "%util",
         ];
         check(header == want, format!("header {header:?}"))?;
         let rows: Vec<&str> = lines.filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
