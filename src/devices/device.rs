@@ -233,3 +233,77 @@ pub fn id_unread(d: &Device, disk: Option<&Device>) -> Option<String> {
     }
     attr_error(d, &["loop/backing_file", "loop/offset", "dm/name", "dm/uuid"]).map(|e| format!("attribute {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::probe::{Filesystem, FsType};
+    use super::*;
+
+    fn bare(name: &str, kind: DeviceKind) -> Device {
+        Device {
+            name: name.into(),
+            dev: DevNum { major: 7, minor: 0 },
+            kind,
+            path: PathBuf::from("/dev").join(name),
+            size_bytes: 1 << 20,
+            logical_block_size: 512,
+            physical_block_size: 512,
+            rotational: false,
+            removable: false,
+            read_only: false,
+            model: None,
+            vendor: None,
+            serial: None,
+            wwn: None,
+            firmware: None,
+            partition: None,
+            holders: Vec::new(),
+            slaves: Vec::new(),
+            loop_backing: None,
+            dm: None,
+            md_level: None,
+            links: Vec::new(),
+            udev: BTreeMap::new(),
+            content: Content::default(),
+            probe_error: None,
+            part_uuid: None,
+            mountpoints: Vec::new(),
+            uses: Vec::new(),
+            os_disk: false,
+            id: String::new(),
+            attr_errors: Vec::new(),
+        }
+    }
+
+    /// An id is unknown exactly when something that could have decided it
+    /// was not read; what was read and ranks first still decides it.
+    #[test]
+    fn an_unread_input_makes_the_id_unknown_not_weaker() {
+        let mut lo = bare("loop0", DeviceKind::Loop);
+        lo.loop_backing = Some(LoopBacking { file: "/img".into(), offset: 0, size_limit: 0, autoclear: false });
+        assert_eq!(id_unread(&lo, None), None, "nothing unread: the loop id stands");
+        lo.probe_error = Some("open /dev/loop0: Permission denied".into());
+        assert!(id_unread(&lo, None).is_some_and(|w| w.contains("Permission denied")));
+        lo.content.filesystem = Some(Filesystem { fstype: FsType::Ext4, uuid: Some("u".into()), label: None });
+        assert_eq!(id_unread(&lo, None), None, "a UUID read ranks above the loop id");
+
+        let mut vda = bare("vda", DeviceKind::Virtio);
+        vda.serial = Some("S1".into());
+        vda.probe_error = Some("open: EPERM".into());
+        assert_eq!(id_unread(&vda, None), None, "the serial decides whatever the probe says");
+        let mut part = bare("vda1", DeviceKind::Partition);
+        part.partition = Some((1, "vda".into()));
+        // sysfs gives a partition its disk's hardware ids.
+        part.serial = vda.serial.clone();
+        assert_eq!(id_unread(&part, Some(&vda)), None, "a partition of a serial'd disk");
+        (vda.serial, part.serial) = (None, None);
+        assert!(id_unread(&part, Some(&vda)).is_some_and(|w| w.contains("partition table")));
+        vda.probe_error = None;
+        assert_eq!(id_unread(&part, Some(&vda)), None);
+        vda.attr_errors.push("serial: Permission denied (os error 13)".into());
+        assert!(id_unread(&part, Some(&vda)).is_some_and(|w| w.contains("serial")));
+        assert!(id_unread(&vda, None).is_some());
+        vda.attr_errors = vec!["serialx: odd".into(), "holders/: EIO".into()];
+        assert_eq!(id_unread(&vda, None), None, "other attributes do not touch the id");
+    }
+}
