@@ -10,24 +10,43 @@ pub fn completions(shell: clap_complete::Shell, cmd: &mut clap::Command) -> anyh
     write_stdout(&buf)
 }
 
-/// Writes `volring(1)` as roff to stdout, with a section per subcommand
-/// (clap_mangen renders one command per page; the subcommands' pages are
-/// appended so one page documents every flag).
+/// Writes `volring(1)` as roff to stdout: clap_mangen's page for the top
+/// command (it renders one command per page), then a section per
+/// subcommand, in the order `--help` lists them, with its options, so one
+/// page documents every flag.
 pub fn man(cmd: clap::Command) -> anyhow::Result<()> {
     let mut buf = Vec::new();
-    let cmd = cmd.name("volring");
+    let mut cmd = cmd.name("volring");
+    cmd.build();
     clap_mangen::Man::new(cmd.clone()).render(&mut buf)?;
-    let mut todo: Vec<(String, clap::Command)> = cmd.get_subcommands().map(|s| (format!("volring {}", s.get_name()), s.clone())).collect();
-    // Bounded by the (finite) command tree; each command is visited once.
+    let mut todo: Vec<(String, clap::Command)> = subcommands("volring", &cmd);
+    todo.reverse();
+    // Pre-order over the (finite) command tree; each command is visited once.
     while let Some((path, sub)) = todo.pop() {
         writeln!(buf, ".SH \"{}\"", path.to_uppercase())?;
         if let Some(about) = sub.get_long_about().or(sub.get_about()) {
             writeln!(buf, "{}", roff_text(&about.to_string()))?;
         }
-        clap_mangen::Man::new(sub.clone()).render_options_section(&mut buf)?;
-        todo.extend(sub.get_subcommands().map(|s| (format!("{path} {}", s.get_name()), s.clone())));
+        if sub.get_arguments().any(|a| !matches!(a.get_id().as_str(), "help" | "version")) {
+            let mut opts = Vec::new();
+            clap_mangen::Man::new(sub.clone()).render_options_section(&mut opts)?;
+            // Options belong to the section above: a subsection, not a
+            // second OPTIONS section.
+            let opts = String::from_utf8_lossy(&opts).replacen(".SH OPTIONS", ".SS Options", 1);
+            buf.extend_from_slice(opts.as_bytes());
+        }
+        if let Some(after) = sub.get_after_long_help().or(sub.get_after_help()) {
+            writeln!(buf, ".PP\n.nf\n{}\n.fi", roff_text(&after.to_string()))?;
+        }
+        let mut children = subcommands(&path, &sub);
+        children.reverse();
+        todo.extend(children);
     }
     write_stdout(&buf)
+}
+
+fn subcommands(path: &str, cmd: &clap::Command) -> Vec<(String, clap::Command)> {
+    cmd.get_subcommands().filter(|s| s.get_name() != "help").map(|s| (format!("{path} {}", s.get_name()), s.clone())).collect()
 }
 
 /// Text as a roff paragraph: a leading `.` or `'` would be read as a
