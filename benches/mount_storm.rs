@@ -13,7 +13,14 @@
 //! and the median of the per-pair volring/C ratios, with lines printed and
 //! context switches as counts that noise does not blur.
 //!
-//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse|process --runs 9]` (root)
+//! With `--volring-bin A:B` (or `VOLRING_BENCH_BIN=A:B`) the process rows
+//! measure two volring binaries (say a build of main, and this one) beside
+//! the C peer, rounds rotating the order of the three (5 rounds unless
+//! `--runs`), and the in-process rows are left out. Each row gives CPU per
+//! change (CPU over the 2 lines a pair should print), context switches,
+//! lines seen against expected and the mount-to-line latency.
+//!
+//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse|process --runs 9 --volring-bin A:B]` (root)
 
 #[path = "support/process_storm.rs"]
 mod process_storm;
@@ -124,7 +131,8 @@ fn main() {
     let sizes = arg_list(&args, "--sizes", &[1_000, 10_000, 20_000]);
     let pairs = arg_list(&args, "--pairs", &[1_000])[0];
     let only = args.iter().position(|a| a == "--watcher").and_then(|i| args.get(i + 1)).cloned();
-    let runs = arg_list(&args, "--runs", &[9])[0].max(1);
+    let bins = volring_bins(&args);
+    let runs = arg_list(&args, "--runs", &[if bins.len() == 2 { 5 } else { 9 }])[0].max(1);
     volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
@@ -140,7 +148,8 @@ fn main() {
         },
         Some(_) => None,
     };
-    let lib_rows = only.as_deref() != Some("process");
+    // In-process rows measure this build only: not in an A/B run.
+    let lib_rows = only.as_deref() != Some("process") && bins.len() == 1;
     println!("mount storm: {pairs} short-lived mounts per run; latency = mount(2) return -> event at a consumer thread");
     println!(
         "{:>7} {:>9} {:>11} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9}",
@@ -163,7 +172,7 @@ fn main() {
             )
         };
         if let Some(peer) = &peer {
-            process_rows(n, runs, peer, &dirs, &probe);
+            process_rows(n, runs, peer, &bins, &dirs, &probe);
         }
         if !lib_rows {
             continue;
@@ -187,48 +196,78 @@ fn median(mut v: Vec<f64>) -> f64 {
     support::pct(&v, 0.5)
 }
 
-/// `runs` paired storms, volring's process and the C peer's, order
-/// alternating; prints medians and the median of per-pair ratios.
-fn process_rows(n: usize, runs: usize, peer: &std::path::Path, dirs: &[PathBuf], probe: &std::path::Path) {
-    let mut ours = Vec::new();
-    let mut theirs = Vec::new();
-    for i in 0..runs {
-        let mut volring = std::process::Command::new(env!("CARGO_BIN_EXE_volring"));
-        volring.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
-        let mut c = std::process::Command::new(peer);
-        let (a, b) = if i % 2 == 0 {
-            let a = process_storm::storm(&mut volring, dirs, probe);
-            (a, process_storm::storm(&mut c, dirs, probe))
-        } else {
-            let b = process_storm::storm(&mut c, dirs, probe);
-            (process_storm::storm(&mut volring, dirs, probe), b)
-        };
-        match (a, b) {
-            (Ok(a), Ok(b)) => {
-                ours.push(a);
-                theirs.push(b);
-            }
-            (a, b) => println!("{n:>7} run {i} failed: volring {:?} / C {:?}", a.err(), b.err()),
+/// The volring binaries the process rows measure: this build's, or two
+/// given as `A:B` (`--volring-bin` or `VOLRING_BENCH_BIN`), e.g. a build of
+/// main against this one, measured in the same run.
+fn volring_bins(args: &[String]) -> Vec<(String, PathBuf)> {
+    let given = args.iter().position(|a| a == "--volring-bin").and_then(|i| args.get(i + 1)).cloned();
+    match given.or_else(|| std::env::var("VOLRING_BENCH_BIN").ok()) {
+        Some(ab) => {
+            let (a, b) = ab.split_once(':').expect("--volring-bin wants A:B (two paths)");
+            vec![("A".to_string(), PathBuf::from(a)), ("B".to_string(), PathBuf::from(b))]
+        }
+        None => vec![("volring".to_string(), PathBuf::from(env!("CARGO_BIN_EXE_volring")))],
+    }
+}
+
+/// `runs` rounds; in each, every volring binary and the C peer take one
+/// storm, in an order that rotates from round to round. Prints medians over
+/// the rounds and the median of each round's ratio to the C peer.
+fn process_rows(n: usize, runs: usize, peer: &std::path::Path, bins: &[(String, PathBuf)], dirs: &[PathBuf], probe: &std::path::Path) {
+    let expected = 2 * dirs.len();
+    let k = bins.len() + 1; // the C peer is contestant `bins.len()`
+    let mut costs: Vec<Vec<process_storm::Cost>> = vec![Vec::new(); k];
+    for round in 0..runs {
+        let mut got = Vec::with_capacity(k);
+        for j in 0..k {
+            let who = (round + j) % k;
+            let mut cmd = match bins.get(who) {
+                Some((_, bin)) => {
+                    let mut c = std::process::Command::new(bin);
+                    c.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
+                    c
+                }
+                None => std::process::Command::new(peer),
+            };
+            got.push((who, process_storm::storm(&mut cmd, dirs, probe)));
+        }
+        if let Some((who, Err(e))) = got.iter().find(|(_, r)| r.is_err()) {
+            let name = bins.get(*who).map_or("C", |b| b.0.as_str());
+            println!("{n:>7} round {round} dropped: {name} failed: {e}");
+            continue;
+        }
+        for (who, r) in got {
+            costs[who].push(r.expect("checked"));
         }
     }
-    if ours.is_empty() {
+    let c = &costs[bins.len()];
+    if c.is_empty() {
         return;
     }
     let ms = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.cpu.as_secs_f64() * 1e3).collect());
-    let sw = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.switches as f64).collect());
-    let lines = |v: &[process_storm::Cost]| median(v.iter().map(|c| c.lines as f64).collect());
-    let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a.cpu.as_secs_f64() / b.cpu.as_secs_f64().max(1e-9)).collect();
-    let all: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
-    println!(
-        "{n:>7} process ({} paired runs, medians): volring {:.1} ms / C {:.1} ms CPU; ratio {:.2}x (per pair: {}); lines {:.0} / {:.0}; context switches {:.0} / {:.0}",
-        ours.len(),
-        ms(&ours),
-        ms(&theirs),
-        median(ratios.clone()),
-        all.join(" "),
-        lines(&ours),
-        lines(&theirs),
-        sw(&ours),
-        sw(&theirs)
-    );
+    let stat = |v: &[process_storm::Cost], f: &dyn Fn(&process_storm::Cost) -> f64| median(v.iter().map(f).collect());
+    for (i, name) in bins.iter().map(|b| b.0.as_str()).chain(["C"]).enumerate() {
+        let v = &costs[i];
+        let ratios: Vec<f64> = v.iter().zip(c).map(|(a, b)| a.cpu.as_secs_f64() / b.cpu.as_secs_f64().max(1e-9)).collect();
+        let all: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+        println!(
+            "{n:>7} process {name:>7} ({} rounds, medians): {:.1} ms CPU, {:.2}x C (per round: {}); {:.1} us CPU per change; ctx switches {:.0}; lines {:.0}/{expected}; latency p50 {:.0} us, p99 {:.0} us",
+            v.len(),
+            ms(v),
+            median(ratios),
+            all.join(" "),
+            ms(v) * 1e3 / expected as f64,
+            stat(v, &|c| c.switches as f64),
+            stat(v, &|c| c.lines as f64),
+            stat(v, &|c| support::pct(&c.latency_us, 0.50)),
+            stat(v, &|c| support::pct(&c.latency_us, 0.99)),
+        );
+    }
+    if let [(a, _), (b, _)] = bins {
+        let ratios: Vec<f64> = costs[1].iter().zip(&costs[0]).map(|(y, x)| y.cpu.as_secs_f64() / x.cpu.as_secs_f64().max(1e-9)).collect();
+        println!("{n:>7} process {b} / {a}: {:.2}x CPU (median of per-round ratios)", median(ratios));
+    }
+    for (name, bin) in bins {
+        println!("{n:>7} process {name:>7} = {}", bin.display());
+    }
 }

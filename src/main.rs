@@ -76,12 +76,34 @@ enum Command {
     },
     /// Print the mount table like `findmnt --raw`, or stream changes.
     Mounts {
-        /// One JSON document (`{"filesystems": [...]}`), or JSON lines with --watch.
+        /// One JSON document (`{"filesystems": [...]}`), or JSON lines with
+        /// --watch (the default for --watch when stdout is not a terminal).
         #[arg(long)]
         json: bool,
-        /// Stream change events as JSON lines until Ctrl-C.
+        /// Stream change events until Ctrl-C: text lines on a terminal,
+        /// JSON lines otherwise.
         #[arg(long)]
         watch: bool,
+        /// Columns, by findmnt's names: TARGET,SOURCE,FSTYPE,OPTIONS,
+        /// VFS-OPTIONS,FS-OPTIONS,ID,PARENT,MAJ:MIN,FSROOT,PROPAGATION.
+        #[arg(short = 'o', long = "output", value_name = "COLUMNS")]
+        output: Option<String>,
+        /// Only the mount PATH is on (like findmnt --target).
+        #[arg(long, value_name = "PATH")]
+        target: Option<std::path::PathBuf>,
+        /// Only mounts of this source (a device, `tmpfs`, ...).
+        #[arg(long, value_name = "SOURCE")]
+        source: Option<String>,
+        /// One escaped line per mount (the default when stdout is not a
+        /// terminal; like findmnt --raw).
+        #[arg(long, conflicts_with_all = ["list", "tree"])]
+        raw: bool,
+        /// Aligned columns without the tree.
+        #[arg(long, conflicts_with = "tree")]
+        list: bool,
+        /// The tree of parents and children (the default on a terminal).
+        #[arg(long)]
+        tree: bool,
         #[command(flatten)]
         watch_args: WatchArgs,
     },
@@ -369,6 +391,11 @@ struct WatchArgs {
     /// from a container with hostPID.
     #[arg(long, value_name = "PATH")]
     mount_namespace: Option<std::path::PathBuf>,
+    /// Microseconds the mount watcher gathers events before handling them
+    /// (a storm costs one ring turn per window; 0: one per event). Adds up
+    /// to about this much latency to a change.
+    #[arg(long, value_name = "US", default_value_t = 1000)]
+    mount_batch_us: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -399,6 +426,7 @@ impl WatchArgs {
                 IoArg::Epoll => BackendChoice::Epoll,
             },
             namespace: self.mount_namespace.clone(),
+            batch_window: std::time::Duration::from_micros(self.mount_batch_us),
             ..WatchConfig::default()
         }
     }
@@ -458,8 +486,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime()?.block_on(nbd_serve(tuning.config(listen), specs, exports_file, stats_interval))
         }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
-        Command::Mounts { json, watch: false, watch_args } => print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse)),
-        Command::Mounts { watch: true, watch_args, .. } => runtime()?.block_on(stream(watch_args.config())),
+        Command::Mounts { json, watch: false, watch_args, output, target, source, raw, list, tree } => {
+            use std::io::IsTerminal;
+            let columns = match output {
+                Some(o) => mounts::report::Column::parse_list(&o).map_err(anyhow::Error::msg)?,
+                None => mounts::report::DEFAULT_COLUMNS.to_vec(),
+            };
+            let layout = match (raw, list, tree) {
+                (true, _, _) => mounts::report::Layout::Raw,
+                (_, true, _) => mounts::report::Layout::List,
+                (_, _, true) => mounts::report::Layout::Tree,
+                _ if std::io::stdout().is_terminal() => mounts::report::Layout::Tree,
+                _ => mounts::report::Layout::Raw,
+            };
+            let filter = mounts::report::Filter {
+                target: target.map(|t| t.into_os_string().into_encoded_bytes()),
+                source: source.map(String::into_bytes),
+            };
+            print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse), &columns, layout, &filter)
+        }
+        Command::Mounts { watch: true, watch_args, json, .. } => {
+            use std::io::IsTerminal;
+            runtime()?.block_on(stream(watch_args.config(), json || !std::io::stdout().is_terminal()))
+        }
         Command::Status { state_dir, pool_dir, json } => {
             print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
         }
@@ -632,37 +681,32 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
 }
 
-fn print_table(json: bool, statmount: bool) -> anyhow::Result<()> {
+fn print_table(
+    json: bool,
+    statmount: bool,
+    columns: &[mounts::report::Column],
+    layout: mounts::report::Layout,
+    filter: &mounts::report::Filter,
+) -> anyhow::Result<()> {
     let (table, errors) = mounts::load(statmount)?;
     for e in &errors {
         tracing::warn!("{e}");
     }
-    let rows = table.sorted();
+    let rows = filter.select(&table);
     let mut out = std::io::stdout().lock();
     let mut write = || -> std::io::Result<()> {
         if json {
             serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows }))?;
             writeln!(out)?;
         } else {
-            writeln!(out, "TARGET SOURCE FSTYPE OPTIONS")?;
-            let mut line = String::new();
-            for m in &rows {
-                line.clear();
-                for (i, field) in [m.mount_point(), m.source(), m.fs_type(), m.merged_options().as_bytes()].into_iter().enumerate() {
-                    if i > 0 {
-                        line.push(' ');
-                    }
-                    mounts::escape_raw(field, &mut line);
-                }
-                writeln!(out, "{line}")?;
-            }
+            out.write_all(mounts::report::render(&rows, columns, layout, filter).as_bytes())?;
         }
         out.flush()
     };
     write().map_err(stdout_error)
 }
 
-async fn stream(config: WatchConfig) -> anyhow::Result<()> {
+async fn stream(config: WatchConfig, json: bool) -> anyhow::Result<()> {
     let (watcher, _initial, events) = MountWatcher::start(config)?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // One write(2) per wakeup, not per event: in a storm the watcher queues
@@ -674,10 +718,16 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
             ev = events.recv() => {
                 let Some(ev) = ev else { break Ok(()) };
                 let queued = std::iter::from_fn(|| events.try_recv()).take(events.len());
-                let written = std::iter::once(ev)
-                    .chain(queued)
-                    .try_for_each(|ev| serde_json::to_writer(&mut out, &ev).map_err(std::io::Error::from).and_then(|_| out.write_all(b"\n")))
-                    .and_then(|_| out.flush());
+                let written = if json {
+                    std::iter::once(ev)
+                        .chain(queued)
+                        .try_for_each(|ev| serde_json::to_writer(&mut out, &ev).map_err(std::io::Error::from).and_then(|_| out.write_all(b"\n")))
+                        .and_then(|_| out.flush())
+                } else {
+                    let (mut text, stamp) = (String::new(), clock());
+                    std::iter::once(ev).chain(queued).for_each(|ev| mounts::report::event_lines(&ev, &stamp, &mut text));
+                    out.write_all(text.as_bytes()).and_then(|_| out.flush())
+                };
                 if let Err(e) = written {
                     break Err(stdout_error(e));
                 }
@@ -688,6 +738,13 @@ async fn stream(config: WatchConfig) -> anyhow::Result<()> {
     };
     watcher.stop()?;
     result
+}
+
+/// `HH:MM:SS.mmm` (UTC) for a text event line.
+fn clock() -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let (s, ms) = (now.as_secs() % 86_400, now.subsec_millis());
+    format!("{:02}:{:02}:{:02}.{ms:03}", s / 3600, s / 60 % 60, s % 60)
 }
 
 fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, json: bool) -> anyhow::Result<()> {

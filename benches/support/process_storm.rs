@@ -6,15 +6,22 @@
 //! of the bench drains and counts. Its CPU is the sum of its threads'
 //! `schedstat` run time (ns), taken before the storm and once its output has
 //! been quiet for 300 ms; context switches come from the threads' `status`.
+//! Latency: from mount(2) returning to the bench reading the `attached`
+//! line of that mount id (both watchers print `{"event":"attached","id":N`).
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
 use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
+
+/// `STATX_MNT_ID_UNIQUE` (6.8+): the id fanotify and statmount use.
+const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
 
 /// The C peer, compiled into `dir`; `Err` says why it cannot be (no `cc`).
 pub fn build_peer(dir: &Path) -> Result<PathBuf, String> {
@@ -31,15 +38,27 @@ pub fn build_peer(dir: &Path) -> Result<PathBuf, String> {
 struct Watcher {
     child: Child,
     lines: Arc<AtomicUsize>,
+    /// When the first `attached` line of each mount id was read.
+    attached: Arc<Mutex<HashMap<u64, Instant>>>,
     reader: Option<std::thread::JoinHandle<()>>,
 }
 
 /// What one storm cost one watcher.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Cost {
     pub cpu: Duration,
     pub switches: u64,
     pub lines: usize,
+    /// mount(2) return to the attached line, in µs, sorted; one per storm
+    /// mount whose attach was reported.
+    pub latency_us: Vec<f64>,
+}
+
+/// The mount id of an `attached` line, else `None`.
+fn attached_id(line: &[u8]) -> Option<u64> {
+    let rest = line.strip_prefix(b"{\"event\":\"attached\",\"id\":")?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
 impl Watcher {
@@ -47,16 +66,20 @@ impl Watcher {
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
         let stdout = child.stdout.take().expect("piped");
         let lines = Arc::new(AtomicUsize::new(0));
-        let count = lines.clone();
+        let attached = Arc::new(Mutex::new(HashMap::new()));
+        let (count, seen) = (lines.clone(), attached.clone());
         let reader = std::thread::spawn(move || {
             let mut r = BufReader::with_capacity(1 << 16, stdout);
             let mut line = Vec::new();
             while r.read_until(b'\n', &mut line).map(|n| n > 0).unwrap_or(false) {
+                if let Some(id) = attached_id(&line) {
+                    seen.lock().expect("attached map").entry(id).or_insert_with(Instant::now);
+                }
                 count.fetch_add(1, Ordering::Relaxed);
                 line.clear();
             }
         });
-        Ok(Self { child, lines, reader: Some(reader) })
+        Ok(Self { child, lines, attached, reader: Some(reader) })
     }
 
     fn tasks(&self) -> Vec<PathBuf> {
@@ -133,11 +156,24 @@ pub fn storm(cmd: &mut Command, dirs: &[PathBuf], probe: &Path) -> std::io::Resu
     w.settle(Duration::from_millis(200));
     let before = w.lines.load(Ordering::Relaxed);
     let (cpu0, sw0) = w.usage();
+    let mut made = Vec::with_capacity(dirs.len());
     for d in dirs {
         mount("tmpfs", d, "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
+        let t0 = Instant::now();
+        let id = statx(CWD, d, AtFlags::empty(), StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE))?.stx_mnt_id;
         unmount(d, UnmountFlags::empty())?;
+        made.push((id, t0));
     }
     w.settle(Duration::from_millis(300));
     let (cpu1, sw1) = w.usage();
-    Ok(Cost { cpu: cpu1.saturating_sub(cpu0), switches: sw1.saturating_sub(sw0), lines: w.lines.load(Ordering::Relaxed) - before })
+    let seen = w.attached.lock().expect("attached map");
+    let mut latency_us: Vec<f64> =
+        made.iter().filter_map(|(id, t0)| seen.get(id).map(|t| t.saturating_duration_since(*t0).as_secs_f64() * 1e6)).collect();
+    latency_us.sort_by(f64::total_cmp);
+    Ok(Cost {
+        cpu: cpu1.saturating_sub(cpu0),
+        switches: sw1.saturating_sub(sw0),
+        lines: w.lines.load(Ordering::Relaxed) - before,
+        latency_us,
+    })
 }

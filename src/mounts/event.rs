@@ -16,9 +16,9 @@ pub enum EventKind {
 }
 
 bitflags::bitflags! {
-    /// Which attributes of a mount changed.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-    #[serde(transparent)]
+    /// Which attributes of a mount changed. In JSON, an array of their
+    /// names: `["options", "propagation"]`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub struct Changes: u16 {
         const MOUNT_POINT = 1 << 0;
         const PARENT = 1 << 1;
@@ -29,6 +29,17 @@ bitflags::bitflags! {
         const ROOT = 1 << 6;
         const FS_TYPE = 1 << 7;
         const DEVICE = 1 << 8;
+    }
+}
+
+impl Serialize for Changes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = s.serialize_seq(Some(self.iter().count()))?;
+        for (name, _) in self.iter_names() {
+            seq.serialize_element(&name.to_ascii_lowercase())?;
+        }
+        seq.end()
     }
 }
 
@@ -159,5 +170,20 @@ impl WatchEvent {
             WatchEvent::Mount(e) => std::slice::from_ref(e),
             WatchEvent::Resync { changes, .. } => changes,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A consumer reads the changed attributes as a list, not as bitflags'
+    /// `"OPTIONS | PROPAGATION"` text.
+    #[test]
+    fn changes_serialize_as_an_array_of_names() {
+        let c = Changes::OPTIONS | Changes::PROPAGATION;
+        assert_eq!(serde_json::to_string(&c).unwrap(), r#"["options","propagation"]"#);
+        assert_eq!(serde_json::to_string(&Changes::MOUNT_POINT).unwrap(), r#"["mount_point"]"#);
+        assert_eq!(serde_json::to_string(&Changes::empty()).unwrap(), "[]");
     }
 }

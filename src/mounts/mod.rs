@@ -10,6 +10,7 @@ mod event;
 pub mod fanotify;
 mod mount;
 pub mod parse;
+pub mod report;
 mod source;
 pub mod statmount;
 mod table;
@@ -36,4 +37,9 @@ pub enum Error {
     Fanotify(&'static str),
     #[error("{0}: {1}")]
     Io(&'static str, #[source] std::io::Error),
+    /// The kernel lacks an interface the asked-for mode needs. Distinct from
+    /// `Io` so a caller can tell "too old, use the reparse mode" from a
+    /// failure of an interface that exists.
+    #[error("{what} need Linux {needs} or newer, which this kernel is not; the reparse mode works on it")]
+    Unsupported { what: &'static str, needs: &'static str },
 }

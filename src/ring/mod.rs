@@ -34,7 +34,11 @@
 //!   one std thread runs a [`Driver`] — the mount watcher, hot-plug, the
 //!   stat collector's timer — that polls, reads and sets timeouts. io_uring
 //!   when the kernel allows it, else epoll and plain syscalls; drivers
-//!   cannot tell them apart except by [`Reactor::backend`].
+//!   cannot tell them apart except by [`Reactor::backend`]. Its io_uring is
+//!   made on that thread with `SINGLE_ISSUER | DEFER_TASKRUN` where the
+//!   kernel allows, and a driver may set a batch window
+//!   ([`Reactor::set_batch_window`]): the mount watcher handles a storm of
+//!   fanotify events once a millisecond instead of once per event.
 //! - [`batch::BatchReader`]: many reads at once on the calling thread (stat
 //!   files, device probes); falls back to `pread`.
 //! - [`io_ring::IoRing`]: the NBD server's ring (multishot accept/receive,

@@ -1,8 +1,14 @@
 //! The io_uring engine of the reactor: a [`UringCore`] of reactor ops plus
 //! the multishot poll on the mailbox eventfd.
+//!
+//! The ring is made on the thread that uses it, so it asks for
+//! `SINGLE_ISSUER | DEFER_TASKRUN` (6.1+): the kernel then runs completion
+//! work only when this thread waits, instead of interrupting it for each
+//! event of a storm. A kernel that refuses (EINVAL) gets a plain ring.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Once;
 use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
@@ -15,15 +21,53 @@ use super::Token;
 /// How long dropping the reactor waits for cancelled ops.
 const CANCEL_WAIT: Duration = Duration::from_millis(500);
 
+/// Completions one batched wait gathers before its window ends early.
+const BATCH_MAX: usize = 256;
+
+/// The timeout of a batched wait. Without one, the kernel ends the wait
+/// when the window ends even with nothing to reap (an idle ring would turn
+/// every window); with it, after the window the wait lasts until the first
+/// completion, bounded only by this.
+const BATCH_IDLE_WAIT: Duration = Duration::from_secs(3600);
+
 pub(super) struct UringEngine {
     core: UringCore<Op>,
     wake: RawFd,
+    /// How long a wait gathers completions once it has begun (zero: it
+    /// returns with the first).
+    batch_window: Duration,
+    /// The kernel honours `min_wait_usec` (6.12+).
+    min_wait: bool,
+}
+
+/// Makes the reactor's ring: deferred task work when the kernel allows it
+/// (the flag says whether it did).
+pub(super) fn build_ring() -> io::Result<(IoUring, bool)> {
+    let build = |defer: bool| {
+        let mut b = IoUring::builder();
+        b.setup_clamp();
+        if defer {
+            b.setup_single_issuer().setup_defer_taskrun();
+        }
+        b.build(256)
+    };
+    match build(true) {
+        Ok(ring) => Ok((ring, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            static ONCE: Once = Once::new();
+            ONCE.call_once(|| tracing::info!("io_uring refuses SINGLE_ISSUER|DEFER_TASKRUN (before 6.1); ring threads use plain rings"));
+            Ok((build(false)?, false))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 impl UringEngine {
     pub(super) fn new(wake: RawFd) -> io::Result<Self> {
-        let ring = IoUring::builder().setup_clamp().build(256)?;
-        let mut e = Self { core: UringCore::new(ring, CANCEL_WAIT), wake };
+        let (ring, deferred) = build_ring()?;
+        let min_wait = ring.params().is_feature_min_timeout();
+        tracing::debug!(deferred, min_wait, "reactor ring");
+        let mut e = Self { core: UringCore::new(ring, CANCEL_WAIT), wake, batch_window: Duration::ZERO, min_wait };
         // Probe that multishot poll works (5.13+), on the eventfd we need anyway.
         e.arm_wake()?;
         e.core.submit_and_wait(0, None)?;
@@ -35,6 +79,23 @@ impl UringEngine {
         // SAFETY: a poll points at no memory; the kernel holds its own
         // reference to the eventfd.
         unsafe { self.core.push(&sqe) }
+    }
+
+    /// See [`super::Reactor::set_batch_window`]. Where the kernel has no
+    /// `min_wait_usec` the window is ignored (said once in the log): waits
+    /// return with the first completion, as before.
+    pub(super) fn set_batch_window(&mut self, window: Duration) {
+        if !window.is_zero() && !self.min_wait {
+            static ONCE: Once = Once::new();
+            ONCE.call_once(|| tracing::info!("io_uring has no min_wait (before 6.12); ring threads wake for every completion"));
+        }
+        self.batch_window = window;
+    }
+
+    /// True when the kernel honours `min_wait_usec`.
+    #[cfg(test)]
+    pub(super) fn min_wait(&self) -> bool {
+        self.min_wait
     }
 
     pub(super) fn in_flight(&self) -> usize {
@@ -69,7 +130,16 @@ impl UringEngine {
     }
 
     pub(super) fn wait(&mut self, out: &mut Vec<Reaped<Op>>) -> io::Result<()> {
-        self.core.submit_and_wait(1, None)?;
+        if self.batch_window.is_zero() || !self.min_wait {
+            self.core.submit_and_wait(1, None)?;
+        } else {
+            // Wait for BATCH_MAX completions during the window; once it has
+            // passed, return with whatever is there (or with the first to
+            // come). A storm is one turn per window, not one per event.
+            let us = self.batch_window.as_micros().clamp(1, u128::from(u32::MAX)) as u32;
+            let ts = types::Timespec::from(BATCH_IDLE_WAIT);
+            self.core.submit_with_args(BATCH_MAX, &types::SubmitArgs::new().min_wait_usec(us).timespec(&ts))?;
+        }
         let start = out.len();
         self.core.reap(out);
         if out[start..].iter().any(|c| c.user_data == WAKE && !c.more) {

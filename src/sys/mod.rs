@@ -11,6 +11,7 @@ pub mod loopdev;
 pub mod mount_api;
 pub mod netlink;
 pub mod ns;
+pub mod process;
 
 use std::time::Duration;
 

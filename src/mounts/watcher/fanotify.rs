@@ -38,9 +38,23 @@ const SYNC_READS: usize = 16;
 /// events may explain the POLLPRI) before the check decides regardless.
 const MAX_DEFERRED_CHECKS: u32 = 8;
 
-/// True when this kernel can watch mounts with fanotify and statmount.
-pub(super) fn available() -> bool {
-    Statmounter::supported() && crate::sys::fanotify::watch_mount_namespace().is_ok()
+/// `Ok` when this kernel can watch mounts with fanotify and statmount; else
+/// which interface is missing and from which kernel on it exists.
+pub(super) fn support() -> Result<(), Error> {
+    open_group().map(drop)
+}
+
+/// The fanotify group, or `Unsupported` on a kernel without statmount and
+/// listmount (6.8) or without fanotify mount events (6.15): there the kernel
+/// refuses FAN_REPORT_MNT / FAN_MARK_MNTNS as unknown flags (EINVAL).
+fn open_group() -> Result<OwnedFd, Error> {
+    if !Statmounter::supported() {
+        return Err(Error::Unsupported { what: "statmount and listmount", needs: "6.8" });
+    }
+    crate::sys::fanotify::watch_mount_namespace().map_err(|e| match e.raw_os_error() {
+        Some(libc::EINVAL) => Error::Unsupported { what: "fanotify mount events", needs: "6.15" },
+        _ => Error::Io("fanotify mount watch", e),
+    })
 }
 
 pub(super) struct FanotifyDriver {
@@ -62,6 +76,7 @@ pub(super) struct FanotifyDriver {
     credit_turn_armed: bool,
     grace: Duration,
     resync_interval: Option<Duration>,
+    batch_window: Duration,
     /// Mounts already reported detached whose own fanotify events may still
     /// be queued (a resync found them gone, or an attach event came too late
     /// to see them): those events must not report them again.
@@ -119,7 +134,7 @@ impl FanotifyDriver {
     /// Opens the fanotify group before taking the snapshot, so no change can
     /// fall between the two: one seen twice is a no-op.
     pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
-        let fan = crate::sys::fanotify::watch_mount_namespace().map_err(|e| Error::Io("fanotify mount watch", e))?;
+        let fan = open_group()?;
         let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
         let mut kernel = Statmounter::new();
         let table = kernel.snapshot()?;
@@ -139,6 +154,7 @@ impl FanotifyDriver {
             credit_turn_armed: false,
             grace: config.remount_grace,
             resync_interval: config.resync_interval,
+            batch_window: config.batch_window,
             reported_gone: RecentIds::new(),
         })
     }
@@ -372,6 +388,7 @@ impl Driver for FanotifyDriver {
     type Command = Command;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
+        ring.set_batch_window(self.batch_window);
         ring.poll(FAN_READY, self.fan.clone(), ring::events::IN)?;
         ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::events::PRI)?;
         if let Some(every) = self.resync_interval {

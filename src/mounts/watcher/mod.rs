@@ -59,6 +59,12 @@ pub struct WatchConfig {
     /// Watch this mount namespace (e.g. `/proc/1/ns/mnt`) instead of the
     /// caller's. Only the ring thread joins it.
     pub namespace: Option<std::path::PathBuf>,
+    /// How long the ring thread gathers fanotify events once a wait has
+    /// begun, so a storm is handled (and handed to the consumer) once per
+    /// window rather than once per event; see
+    /// [`ring::Reactor::set_batch_window`]. Zero wakes for every event.
+    /// Bounds the added latency of a change (fanotify strategy).
+    pub batch_window: Duration,
 }
 
 impl Default for WatchConfig {
@@ -71,6 +77,7 @@ impl Default for WatchConfig {
             resync_interval: Some(Duration::from_secs(30)),
             resolve_devices: true,
             namespace: None,
+            batch_window: Duration::from_millis(1),
         }
     }
 }
@@ -129,13 +136,16 @@ impl Strategy {
         let use_fanotify = match config.mode {
             WatchMode::Fanotify => true,
             WatchMode::Reparse => false,
-            WatchMode::Auto => fanotify::available(),
+            WatchMode::Auto => match fanotify::support() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!("{e}; watching mounts by re-reading mountinfo");
+                    false
+                }
+            },
         };
         if use_fanotify {
             return Ok(Strategy::Fanotify(Box::new(fanotify::FanotifyDriver::new(config, emitter)?)));
-        }
-        if config.mode == WatchMode::Auto {
-            tracing::warn!("fanotify mount events or statmount unavailable; watching mounts by re-reading mountinfo");
         }
         Ok(Strategy::Reparse(Box::new(reparse::ReparseDriver::new(emitter)?)))
     }
@@ -215,6 +225,13 @@ impl MountWatcher {
         })?;
         let (mode, initial) = made_rx.recv().map_err(|_| Error::Io("start mount watcher", std::io::Error::other("no initial table")))?;
         Ok((Self { thread, mode, counters }, initial, rx))
+    }
+
+    /// `Ok` when this kernel (in the caller's mount namespace) has what
+    /// `WatchMode::Fanotify` needs, else the `Error::Unsupported` saying what
+    /// is missing; `WatchMode::Auto` falls back to reparse there.
+    pub fn fanotify_support() -> Result<(), Error> {
+        fanotify::support()
     }
 
     /// The strategy in use (never `Auto`).

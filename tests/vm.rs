@@ -1,0 +1,142 @@
+//! Tests in a VM on Debian 12's 6.1 kernel (see tests/vm/harness.rs).
+//!
+//! - the guest boots and has the nbd module this machine's kernel lacks;
+//! - a guest that hangs is killed at its timeout;
+//! - the project's kernel-facing suites (mount_watch, devices, ring, agent)
+//!   pass on 6.1, where statmount, listmount, fanotify mount events and newer
+//!   io_uring opcodes are missing and the fallbacks run.
+//!
+//! Without the image (`tests/vm/fetch.sh`) each test prints why it skips;
+//! in CI a missing image fails.
+
+#[path = "vm/harness.rs"]
+mod harness;
+
+use std::fs;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use harness::{image_or_skip, test_binaries, GuestRun, Vm};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// The suites run in the guest, each its own trial here.
+const SUITES: &[&str] = &["mount_watch", "devices", "ring", "agent"];
+/// Bounds the one guest that runs all of them.
+const SUITES_TIMEOUT: Duration = Duration::from_secs(1200);
+
+fn boots_and_loads_nbd() -> Result<(), Failed> {
+    let Some(image) = image_or_skip("boot::modprobe_nbd") else { return Ok(()) };
+    let run = Vm::new(&image)?.run(
+        "set -e\nuname -r\nmodprobe nbd nbds_max=4\ntest -b /dev/nbd0\necho nbd0 ok\ngrep -q ' /tmp ext4 ' /proc/mounts\necho tmp ext4\n",
+        Duration::from_secs(300),
+    )?;
+    run.ok()?;
+    if !run.stdout.contains(&image.kernel_version) || !run.stdout.contains("nbd0 ok") || !run.stdout.contains("tmp ext4") {
+        return Err(format!("unexpected output:\n{}", run.describe()).into());
+    }
+    eprintln!("note: guest {} booted, ran and powered off in {:.1} s", image.kernel_version, run.elapsed.as_secs_f64());
+    Ok(())
+}
+
+fn hung_guest_is_killed() -> Result<(), Failed> {
+    let Some(image) = image_or_skip("harness::hung_guest_is_killed") else { return Ok(()) };
+    let run = Vm::new(&image)?.run("echo started\nexec sleep 100000\n", Duration::from_secs(45))?;
+    if !run.timed_out || run.status.is_some() {
+        return Err(format!("the hung guest was not reported as timed out:\n{}", run.describe()).into());
+    }
+    if !run.stdout.contains("started") {
+        return Err(format!("the guest did not reach the script before its timeout:\n{}", run.describe()).into());
+    }
+    if Path::new(&format!("/proc/{}", run.qemu_pid)).exists() {
+        return Err(format!("qemu {} still exists after the run returned", run.qemu_pid).into());
+    }
+    Ok(())
+}
+
+/// qemu spawned by a thread that then ends gets SIGKILL (PR_SET_PDEATHSIG):
+/// a test process that dies leaves no guest running.
+fn qemu_dies_with_the_thread_that_spawned_it() -> Result<(), Failed> {
+    use std::os::unix::process::ExitStatusExt;
+    let Some(image) = image_or_skip("harness::qemu_dies_with_its_spawner") else { return Ok(()) };
+    let (work, mut cmd) = Vm::new(&image)?.prepare("exec sleep 100000\n")?;
+    let mut child = std::thread::spawn(move || cmd.spawn()).join().map_err(|_| "spawning thread panicked")??;
+    // Bounded: 30 s for the kernel to deliver the signal (it does so as the
+    // thread exits, before join returns; the wait covers a slow reap only).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("qemu outlived the thread that spawned it".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    drop(work);
+    if status.signal() != Some(libc::SIGKILL) {
+        return Err(format!("qemu ended with {status}, want SIGKILL").into());
+    }
+    Ok(())
+}
+
+/// Runs every suite in one guest (one boot, ~10 s under TCG), each suite's
+/// output and status into the results share.
+fn suites_run() -> &'static Result<GuestRun, String> {
+    static RUN: OnceLock<Result<GuestRun, String>> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let image = harness::VmImage::locate().map_err(|e| format!("no VM image: {e}"))?;
+        let bins = test_binaries(SUITES)?;
+        let mut script = String::from("modprobe loop 2>/dev/null\nmodprobe dm-mod 2>/dev/null\n");
+        script.push_str(&format!("cd '{}' || exit 1\n", env!("CARGO_MANIFEST_DIR")));
+        for (name, bin) in &bins {
+            script.push_str(&format!(
+                "echo \"== {name}\"\n'{}' >\"$VM_RESULTS/{name}.log\" 2>&1\necho $? >\"$VM_RESULTS/{name}.status\"\n",
+                bin.display()
+            ));
+        }
+        let run = Vm::new(&image).map_err(|e| e.to_string())?.run(&script, SUITES_TIMEOUT).map_err(|e| e.to_string())?;
+        eprintln!("note: guest ran {} suites in {:.1} s", bins.len(), run.elapsed.as_secs_f64());
+        Ok(run)
+    })
+}
+
+/// The libtest summary line of a suite's log.
+fn summary(log: &str) -> &str {
+    log.lines().rev().find(|l| l.starts_with("test result:")).unwrap_or("(no summary line)")
+}
+
+fn suite_passes_on_6_1(name: &'static str) -> Result<(), Failed> {
+    let Some(_) = image_or_skip(&format!("guest::{name}")) else { return Ok(()) };
+    if let Err(why) = test_binaries(&[name]) {
+        // `cargo test` builds every suite first; `cargo test --test vm` alone
+        // does not. In CI that is a broken setup, not a skip.
+        if !harness::in_ci() {
+            eprintln!("skip: guest::{name}: {why}");
+            return Ok(());
+        }
+    }
+    let run = suites_run().as_ref().map_err(|e| -> Failed { e.clone().into() })?;
+    let status = fs::read_to_string(run.results.join(format!("{name}.status"))).unwrap_or_default();
+    let log = fs::read_to_string(run.results.join(format!("{name}.log"))).unwrap_or_default();
+    eprintln!("note: guest::{name}: {}", summary(&log));
+    if status.trim() != "0" {
+        return Err(format!("{name} in the guest: status {:?}\n{log}\n--- run\n{}", status.trim(), run.describe()).into());
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials = vec![
+        Trial::test("boot::modprobe_nbd", boots_and_loads_nbd),
+        Trial::test("harness::hung_guest_is_killed", hung_guest_is_killed),
+        Trial::test("harness::qemu_dies_with_its_spawner", qemu_dies_with_the_thread_that_spawned_it),
+    ];
+    for &name in SUITES {
+        trials.push(Trial::test(format!("guest::{name}"), move || suite_passes_on_6_1(name)));
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

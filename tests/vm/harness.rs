@@ -1,0 +1,274 @@
+//! Runs scripts in a VM booted on Debian 12's own 6.1 kernel.
+//!
+//! This machine's kernel lacks modules the NBD tests need (nbd) and is newer
+//! than what many nodes run, so the kernel-facing tests also run in a guest:
+//! qemu under TCG (this machine's /dev/kvm is a paravirtual variant stock
+//! kernels cannot use), the host's / as a read-only 9p root with a tmpfs
+//! overlay (so the project's binaries and Debian's tools run unchanged), the
+//! guest's modules from the cache, a scratch ext4 disk as /tmp. The pieces
+//! come from `tests/vm/fetch.sh`; `tests/vm/init.sh` is the guest's init.
+//!
+//! A run's output comes back over a read-write 9p share: the script's stdout
+//! and stderr, its exit status, and whatever it writes to `$VM_RESULTS`.
+//! qemu is killed by PID when the run times out, when the run is dropped, and
+//! (PR_SET_PDEATHSIG) when the test process dies.
+
+#![allow(dead_code)]
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The unpacked kernel, initramfs and qemu.
+#[derive(Debug, Clone)]
+pub struct VmImage {
+    pub dir: PathBuf,
+    pub qemu: PathBuf,
+    pub firmware: PathBuf,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub modules: PathBuf,
+    pub kernel_version: String,
+}
+
+impl VmImage {
+    /// The cache `tests/vm/fetch.sh` filled: `$VOLRING_VM_DIR`, else
+    /// `target/vm-cache` of this checkout. Says what is missing.
+    pub fn locate() -> Result<Self, String> {
+        let dir = match std::env::var_os("VOLRING_VM_DIR") {
+            Some(d) => PathBuf::from(d),
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target/vm-cache"),
+        };
+        let image = Self {
+            qemu: dir.join("qemu"),
+            firmware: dir.join("firmware"),
+            kernel: dir.join("vmlinux"),
+            initrd: dir.join("initramfs.cpio"),
+            modules: dir.join("modules"),
+            kernel_version: fs::read_to_string(dir.join("kernel.version")).unwrap_or_default().trim().to_string(),
+            dir,
+        };
+        for p in [&image.qemu, &image.firmware, &image.kernel, &image.initrd, &image.modules] {
+            if !p.exists() {
+                return Err(format!("{} is missing (run tests/vm/fetch.sh)", p.display()));
+            }
+        }
+        if image.kernel_version.is_empty() {
+            return Err(format!("{} has no kernel.version (run tests/vm/fetch.sh)", image.dir.display()));
+        }
+        Ok(image)
+    }
+}
+
+/// True when CI runs us: there a missing VM is a failure, not a skip.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// The image, or `None` after printing why the VM tests skip. Panics instead
+/// in CI, where `.ci/run` fetches the image first, so a skip there would hide
+/// a broken setup.
+pub fn image_or_skip(test: &str) -> Option<VmImage> {
+    match VmImage::locate() {
+        Ok(image) => Some(image),
+        Err(why) if in_ci() => panic!("{test}: no VM image in CI: {why}"),
+        Err(why) => {
+            eprintln!("skip: {test}: no VM image: {why}");
+            None
+        }
+    }
+}
+
+/// One guest to boot; each `run` boots it afresh.
+pub struct Vm {
+    image: VmImage,
+    pub cpus: u32,
+    pub memory_mib: u32,
+    /// Size of the sparse scratch disk mounted at /tmp in the guest.
+    pub disk_mib: u64,
+    /// More qemu arguments. The guest has no network device unless one is
+    /// added here (`-nodefaults`); the init loads the driver of a virtio one
+    /// (virtio-net-pci), the script configures its address.
+    pub extra_args: Vec<String>,
+}
+
+/// What a run left behind.
+pub struct GuestRun {
+    /// The script's exit status; `None` when the guest never wrote one
+    /// (timed out, crashed, or the init failed).
+    pub status: Option<i32>,
+    pub timed_out: bool,
+    /// The script's stdout and stderr.
+    pub stdout: String,
+    /// The serial console: kernel messages and the init's.
+    pub console: String,
+    /// qemu's own stderr.
+    pub qemu_stderr: String,
+    /// What the script wrote to `$VM_RESULTS`.
+    pub results: PathBuf,
+    pub qemu_pid: u32,
+    /// Wall time from qemu's start to its exit (or its kill).
+    pub elapsed: Duration,
+    work: tempfile::TempDir,
+}
+
+impl GuestRun {
+    /// Everything a failure message needs.
+    pub fn describe(&self) -> String {
+        format!(
+            "status {:?}, timed out {}, {:.1} s\n--- stdout\n{}\n--- console\n{}\n--- qemu\n{}",
+            self.status,
+            self.timed_out,
+            self.elapsed.as_secs_f64(),
+            self.stdout,
+            self.console,
+            self.qemu_stderr
+        )
+    }
+
+    /// `Ok` when the script exited 0.
+    pub fn ok(&self) -> Result<(), String> {
+        if self.status == Some(0) {
+            Ok(())
+        } else {
+            Err(self.describe())
+        }
+    }
+}
+
+/// Kills qemu by PID unless it already exited, so a panic anywhere in `run`
+/// leaves no guest behind.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Vm {
+    pub fn new(image: &VmImage) -> io::Result<Self> {
+        if !image.qemu.exists() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} missing", image.qemu.display())));
+        }
+        Ok(Self { image: image.clone(), cpus: 2, memory_mib: 2048, disk_mib: 4096, extra_args: Vec::new() })
+    }
+
+    /// The work directory (script, scratch disk, the share that receives the
+    /// output) and the qemu command that boots the guest on it, set to die
+    /// with the thread that spawns it.
+    pub fn prepare(&self, script: &str) -> io::Result<(tempfile::TempDir, Command)> {
+        let work = tempfile::Builder::new().prefix("volring-vm-").tempdir()?;
+        let xfer = work.path().join("xfer");
+        fs::create_dir(&xfer)?;
+        fs::write(xfer.join("script"), script)?;
+        let disk = work.path().join("disk.img");
+        fs::File::create(&disk)?.set_len(self.disk_mib << 20)?;
+        let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-E", "lazy_itable_init=1"]).arg(&disk).output()?;
+        if !mkfs.status.success() {
+            return Err(io::Error::other(format!("mkfs.ext4 scratch disk: {}", String::from_utf8_lossy(&mkfs.stderr))));
+        }
+        let console = work.path().join("console.log");
+        let qemu_err = work.path().join("qemu.stderr");
+
+        let share = |path: &Path, tag: &str, ro: bool| {
+            format!(
+                "local,path={},mount_tag={tag},security_model=none,multidevs=remap{}",
+                path.display(),
+                if ro { ",readonly=on" } else { "" }
+            )
+        };
+        let mut cmd = Command::new(&self.image.qemu);
+        cmd.arg("-L").arg(&self.image.firmware);
+        cmd.args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+        cmd.args(["-machine", "pc", "-accel", "tcg", "-cpu", "max"]);
+        cmd.args(["-smp", &self.cpus.to_string(), "-m", &self.memory_mib.to_string()]);
+        cmd.arg("-kernel").arg(&self.image.kernel);
+        cmd.arg("-initrd").arg(&self.image.initrd);
+        cmd.args(["-append", "console=ttyS0 panic=-1 loglevel=4"]);
+        cmd.arg("-serial").arg(format!("file:{}", console.display()));
+        cmd.args(["-virtfs", &share(Path::new("/"), "hostroot", true)]);
+        cmd.args(["-virtfs", &share(&fs::canonicalize(&self.image.modules)?, "modules", true)]);
+        cmd.args(["-virtfs", &share(&xfer, "xfer", false)]);
+        cmd.arg("-drive").arg(format!("file={},if=virtio,format=raw,cache=unsafe", disk.display()));
+        cmd.args(&self.extra_args);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(fs::File::create(&qemu_err)?);
+        volring::sys::process::kill_with_parent(&mut cmd);
+
+        Ok((work, cmd))
+    }
+
+    /// Boots the guest, runs `script` under /bin/sh as root in it, powers it
+    /// off. Kills qemu once `timeout` passed.
+    pub fn run(&self, script: &str, timeout: Duration) -> io::Result<GuestRun> {
+        let (work, mut cmd) = self.prepare(script)?;
+        let xfer = work.path().join("xfer");
+        let start = Instant::now();
+        let mut qemu = Running(cmd.spawn()?);
+        let qemu_pid = qemu.0.id();
+        let deadline = start + timeout;
+        let mut timed_out = false;
+        // Bounded by the deadline: one check every 50 ms.
+        loop {
+            if qemu.0.try_wait()?.is_some() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                timed_out = true;
+                qemu.0.kill()?;
+                qemu.0.wait()?;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let elapsed = start.elapsed();
+        drop(qemu);
+
+        let read = |p: &Path| fs::read(p).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+        let status = read(&xfer.join("status")).trim().parse().ok();
+        Ok(GuestRun {
+            status,
+            timed_out,
+            stdout: read(&xfer.join("stdout")),
+            console: read(&work.path().join("console.log")),
+            qemu_stderr: read(&work.path().join("qemu.stderr")),
+            results: xfer.join("results"),
+            qemu_pid,
+            elapsed,
+            work,
+        })
+    }
+}
+
+/// The newest build of each named test executable (`target/debug/deps/
+/// <name>-<hash>`), found beside this test's own executable. `cargo test`
+/// builds every test before running any, so they are there; a name not
+/// found is an error naming the build command.
+pub fn test_binaries(names: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let deps = exe.parent().ok_or("test executable has no directory")?;
+    let entries: Vec<_> = fs::read_dir(deps).map_err(|e| format!("{}: {e}", deps.display()))?.flatten().collect();
+    let mut found = Vec::new();
+    for name in names {
+        let prefix = format!("{name}-");
+        let newest = entries
+            .iter()
+            .filter(|e| {
+                let f = e.file_name();
+                let f = f.to_string_lossy();
+                f.strip_prefix(&prefix).is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            })
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .max();
+        match newest {
+            Some((_, p)) => found.push((name.to_string(), p)),
+            None => return Err(format!("no built test `{name}` in {} (cargo test --no-run --test {name})", deps.display())),
+        }
+    }
+    Ok(found)
+}
