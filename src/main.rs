@@ -5,11 +5,13 @@ use std::io::Write;
 mod cli;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use volring::devices::{report, CollectorConfig, DeviceFilter, Inventory, ScanConfig, StatCollector, StatMethod};
 use volring::mounts::{self, MountWatcher, WatchConfig, WatchMode};
 use volring::ring::BackendChoice;
+
+mod cli_docs;
 
 #[derive(Parser)]
 #[command(name = "volring", version = VERSION, about = "Node agent for Kubernetes storage nodes")]
@@ -141,15 +143,25 @@ enum Command {
         state_dir: std::path::PathBuf,
     },
     /// List block devices like `lsblk`: type, filesystem, mounts, ids.
+    /// What could not be read (as an ordinary user: the devices' first
+    /// blocks) is said after the table, and shown as `?`, never guessed.
+    #[command(after_help = report::columns_help())]
     Devices {
         /// One JSON document (`{"blockdevices": [...]}`).
         #[arg(long)]
         json: bool,
+        /// Columns to print, lsblk names (`NAME,SIZE,UUID`); `+COL,...` adds to the default.
+        #[arg(short = 'o', long = "output", value_name = "COLS")]
+        columns: Option<report::Columns>,
         #[command(flatten)]
         scan: ScanArgs,
     },
-    /// A live iostat-like view of every device, refreshed each interval.
+    /// A live `iostat -x -t` view, refreshed each interval: every device
+    /// with I/O, or the devices named.
     Stats {
+        /// Devices to show, idle or not (`vda`, `/dev/vda`, `/dev/mapper/NAME`); default: all with I/O.
+        #[arg(value_name = "DEVICE")]
+        devices: Vec<String>,
         /// Seconds between samples.
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
@@ -168,6 +180,13 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
     },
+    /// Print a shell completion script (bash: `source <(volring completions bash)`).
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff) to stdout: `volring man | man -l -`.
+    Man,
 }
 
 #[derive(Subcommand)]
@@ -617,12 +636,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
             Ok(())
         }
-        Command::Devices { json, scan } => print_devices(json, &scan.config()),
-        Command::Stats { interval, count, method, all, json, scan } => {
+        Command::Devices { json, columns, scan } => {
+            print_devices(json, columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0), &scan.config())
+        }
+        Command::Stats { devices, interval, count, method, all, json, scan } => {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
-            runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() }))
+            runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() }, &devices))
         }
+        Command::Completions { shell } => cli_docs::completions(shell, &mut Cli::command()),
+        Command::Man => cli_docs::man(Cli::command()),
     }
 }
 
@@ -911,28 +934,59 @@ fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, json: bool)
     Ok(())
 }
 
-fn print_devices(json: bool, cfg: &ScanConfig) -> anyhow::Result<()> {
+fn print_devices(json: bool, columns: &[report::Column], cfg: &ScanConfig) -> anyhow::Result<()> {
     let (table, _) = mounts::load(true)?;
     let inv = Inventory::scan(cfg, &table)?;
+    let swaps = volring::devices::swaps::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "/proc/swaps not read: active swap is not shown");
+        Default::default()
+    });
     let mut out = std::io::stdout().lock();
     let written = if json {
-        let devices: Vec<_> = inv.devices.values().collect();
+        // Each device as the library describes it, plus `swap`: "active"
+        // (in /proc/swaps) or "inactive" (only a signature).
+        let devices: Vec<serde_json::Value> = inv
+            .devices
+            .values()
+            .map(|d| {
+                let mut v = serde_json::to_value(d).unwrap_or_default();
+                if let (Some(state), Some(o)) = (report::swap_state(d, &swaps), v.as_object_mut()) {
+                    o.insert("swap".into(), state.into());
+                }
+                v
+            })
+            .collect();
         serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "blockdevices": devices, "errors": inv.errors }))
             .map_err(std::io::Error::from)
             .and_then(|_| writeln!(out))
     } else {
-        out.write_all(report::device_table(&inv).as_bytes())
+        out.write_all(report::device_table(&inv, columns, &swaps).as_bytes())
     };
     written.and_then(|_| out.flush()).map_err(stdout_error)
 }
 
 /// Samples until Ctrl-C (or `count`). On a terminal each sample replaces
 /// the last; into a pipe or file, samples follow each other.
-async fn watch_stats(cfg: CollectorConfig, count: Option<u64>, all: bool, json: bool, scan: ScanConfig) -> anyhow::Result<()> {
+async fn watch_stats(
+    cfg: CollectorConfig,
+    count: Option<u64>,
+    all: bool,
+    json: bool,
+    scan: ScanConfig,
+    named: &[String],
+) -> anyhow::Result<()> {
     use std::io::IsTerminal;
     let (table, _) = mounts::load(true)?;
     let inv = Inventory::scan(&scan, &table)?;
-    let devices = inv.devices.values().map(|d| (d.dev, std::sync::Arc::from(d.name.as_str()))).collect();
+    let wanted = report::select_devices(&inv, named, |p| std::fs::canonicalize(p).ok()).map_err(anyhow::Error::msg)?;
+    // Devices asked for by name are shown even when idle, as iostat does.
+    let all = all || !named.is_empty();
+    let devices = inv
+        .devices
+        .values()
+        .filter(|d| wanted.as_ref().is_none_or(|w| w.contains(&d.dev)))
+        .map(|d| (d.dev, std::sync::Arc::from(d.name.as_str())))
+        .collect();
     let interval = cfg.interval;
     let collector = StatCollector::start(cfg, devices)?;
     let reader = collector.reader();

@@ -110,6 +110,7 @@ pub enum Call {
     Probe,
     /// Controller.CreateVolume
     Create {
+        /// The volume's name (the CO's idempotency key).
         #[arg(long)]
         name: String,
         /// Required size (e.g. 1G).
@@ -126,13 +127,16 @@ pub enum Call {
     },
     /// Controller.DeleteVolume
     Delete {
+        /// The volume id CreateVolume returned.
         #[arg(long)]
         id: String,
     },
     /// Controller.ControllerExpandVolume
     Expand {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// The new required size (e.g. 2G).
         #[arg(long, value_parser = parse_size)]
         size: i64,
         #[command(flatten)]
@@ -140,6 +144,7 @@ pub enum Call {
     },
     /// Controller.ValidateVolumeCapabilities
     Validate {
+        /// The volume id.
         #[arg(long)]
         id: String,
         #[command(flatten)]
@@ -147,8 +152,10 @@ pub enum Call {
     },
     /// Controller.ListVolumes
     List {
+        /// Most entries in one reply (0: the driver chooses).
         #[arg(long, default_value_t = 0)]
         max: i32,
+        /// Where to continue: the next_token of the previous reply.
         #[arg(long, default_value = "")]
         token: String,
     },
@@ -158,8 +165,10 @@ pub enum Call {
     ControllerCapabilities,
     /// Node.NodeStageVolume
     Stage {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// The staging path, under the kubelet root.
         #[arg(long)]
         staging: String,
         #[command(flatten)]
@@ -167,19 +176,25 @@ pub enum Call {
     },
     /// Node.NodeUnstageVolume
     Unstage {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// The staging path it was staged at.
         #[arg(long)]
         staging: String,
     },
     /// Node.NodePublishVolume
     Publish {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// The staging path it was staged at.
         #[arg(long)]
         staging: String,
+        /// The target path to publish at, under the kubelet root.
         #[arg(long)]
         target: String,
+        /// Publish read-only.
         #[arg(long)]
         readonly: bool,
         #[command(flatten)]
@@ -187,24 +202,31 @@ pub enum Call {
     },
     /// Node.NodeUnpublishVolume
     Unpublish {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// The target path it was published at.
         #[arg(long)]
         target: String,
     },
     /// Node.NodeGetVolumeStats
     Stats {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// A path the volume is staged or published at.
         #[arg(long)]
         path: String,
     },
     /// Node.NodeExpandVolume
     NodeExpand {
+        /// The volume id.
         #[arg(long)]
         id: String,
+        /// A path the volume is staged or published at.
         #[arg(long)]
         path: String,
+        /// The new required size (e.g. 2G; none: no capacity range is sent).
         #[arg(long, value_parser = parse_size)]
         size: Option<i64>,
     },

@@ -135,6 +135,7 @@ impl CollectorDriver {
         let method = self.method();
         let started = Instant::now();
         let taken_at = self.epoch.elapsed();
+        let unix_time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let sample = match self.source.read(method) {
             Ok(s) => s,
             Err(e) => {
@@ -162,6 +163,7 @@ impl CollectorDriver {
         self.out.0.store(Arc::new(StatSnapshot {
             devices,
             taken_at,
+            unix_time,
             cost,
             method: method.as_str(),
             generation: self.samples,

@@ -127,7 +127,10 @@ pub struct Device {
     pub uses: Vec<Use>,
     /// The device behind `/`, or a disk that holds it.
     pub os_disk: bool,
-    /// Stable across reboots and renames; see [`stable_id`].
+    /// Stable across reboots and renames; see [`stable_id`]. Empty when it
+    /// is unknown: an input that could decide it could not be read (see
+    /// [`id_unread`]), so that a device never gets a different id because
+    /// of who asked.
     pub id: String,
     /// Attributes that exist but could not be read, with the reason; the
     /// rest of the device is still reported.
@@ -190,4 +193,117 @@ pub fn stable_id(d: &Device, node: &str) -> String {
         };
     }
     format!("name-{node}:{}", d.name)
+}
+
+/// The sysfs attributes [`stable_id`] reads (for a partition, its disk's).
+const ID_ATTRS: [&str; 5] = ["wwid", "device/wwid", "serial", "device/serial", "device/model"];
+
+/// Why [`stable_id`] cannot be trusted for `d`, if it cannot: an input it
+/// would consult before the one it settles on could not be read. Run as
+/// an ordinary user the probe cannot open `/dev/vda`, so a filesystem UUID
+/// (or a partition GUID from the disk's table) that decides root's id is
+/// missing, and the id would silently fall through to a weaker one. Such an
+/// id is reported unknown instead. `disk` is a partition's disk.
+pub fn id_unread(d: &Device, disk: Option<&Device>) -> Option<String> {
+    let attr_error = |dev: &Device, names: &[&str]| {
+        dev.attr_errors.iter().find(|e| names.iter().any(|n| e.strip_prefix(n).is_some_and(|r| r.starts_with(':')))).cloned()
+    };
+    let hw = if d.partition.is_some() { disk } else { Some(d) };
+    if let Some(e) = hw.and_then(|h| attr_error(h, &ID_ATTRS)) {
+        return Some(format!("attribute {e}"));
+    }
+    if d.wwn.is_some() || d.serial.is_some() {
+        return None;
+    }
+    if d.partition.is_some() && d.part_uuid.is_none() {
+        match disk {
+            None => return Some("its disk is not in the inventory (partition GUID unknown)".into()),
+            Some(k) => {
+                if let Some(e) = &k.probe_error {
+                    return Some(format!("its disk's partition table was not read: {e}"));
+                }
+            }
+        }
+    }
+    if d.part_uuid.is_some() || d.content.filesystem.as_ref().is_some_and(|f| f.uuid.is_some()) {
+        return None;
+    }
+    if let Some(e) = &d.probe_error {
+        return Some(format!("its first blocks were not read: {e}"));
+    }
+    attr_error(d, &["loop/backing_file", "loop/offset", "dm/name", "dm/uuid"]).map(|e| format!("attribute {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::probe::{Filesystem, FsType};
+    use super::*;
+
+    fn bare(name: &str, kind: DeviceKind) -> Device {
+        Device {
+            name: name.into(),
+            dev: DevNum { major: 7, minor: 0 },
+            kind,
+            path: PathBuf::from("/dev").join(name),
+            size_bytes: 1 << 20,
+            logical_block_size: 512,
+            physical_block_size: 512,
+            rotational: false,
+            removable: false,
+            read_only: false,
+            model: None,
+            vendor: None,
+            serial: None,
+            wwn: None,
+            firmware: None,
+            partition: None,
+            holders: Vec::new(),
+            slaves: Vec::new(),
+            loop_backing: None,
+            dm: None,
+            md_level: None,
+            links: Vec::new(),
+            udev: BTreeMap::new(),
+            content: Content::default(),
+            probe_error: None,
+            part_uuid: None,
+            mountpoints: Vec::new(),
+            uses: Vec::new(),
+            os_disk: false,
+            id: String::new(),
+            attr_errors: Vec::new(),
+        }
+    }
+
+    /// An id is unknown exactly when something that could have decided it
+    /// was not read; what was read and ranks first still decides it.
+    #[test]
+    fn an_unread_input_makes_the_id_unknown_not_weaker() {
+        let mut lo = bare("loop0", DeviceKind::Loop);
+        lo.loop_backing = Some(LoopBacking { file: "/img".into(), offset: 0, size_limit: 0, autoclear: false });
+        assert_eq!(id_unread(&lo, None), None, "nothing unread: the loop id stands");
+        lo.probe_error = Some("open /dev/loop0: Permission denied".into());
+        assert!(id_unread(&lo, None).is_some_and(|w| w.contains("Permission denied")));
+        lo.content.filesystem = Some(Filesystem { fstype: FsType::Ext4, uuid: Some("u".into()), label: None });
+        assert_eq!(id_unread(&lo, None), None, "a UUID read ranks above the loop id");
+
+        let mut vda = bare("vda", DeviceKind::Virtio);
+        vda.serial = Some("S1".into());
+        vda.probe_error = Some("open: EPERM".into());
+        assert_eq!(id_unread(&vda, None), None, "the serial decides whatever the probe says");
+        let mut part = bare("vda1", DeviceKind::Partition);
+        part.partition = Some((1, "vda".into()));
+        // sysfs gives a partition its disk's hardware ids.
+        part.serial = vda.serial.clone();
+        assert_eq!(id_unread(&part, Some(&vda)), None, "a partition of a serial'd disk");
+        (vda.serial, part.serial) = (None, None);
+        assert!(id_unread(&part, Some(&vda)).is_some_and(|w| w.contains("partition table")));
+        vda.probe_error = None;
+        assert_eq!(id_unread(&part, Some(&vda)), None);
+        vda.attr_errors.push("serial: Permission denied (os error 13)".into());
+        assert!(id_unread(&part, Some(&vda)).is_some_and(|w| w.contains("serial")));
+        assert!(id_unread(&vda, None).is_some());
+        vda.attr_errors = vec!["serialx: odd".into(), "holders/: EIO".into()];
+        assert_eq!(id_unread(&vda, None), None, "other attributes do not touch the id");
+    }
 }

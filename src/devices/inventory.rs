@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::device::{stable_id, Device, Use};
+use super::device::{id_unread, stable_id, Device, Use};
 use super::filter::DeviceFilter;
 use super::probe::{probe, PROBE_LEN};
 use super::{sysfs, Error};
@@ -168,7 +168,20 @@ impl Inventory {
             }
             d.os_disk = os.contains(&d.dev);
             d.part_uuid = d.partition.as_ref().and_then(|(n, disk)| part_uuids.get(&(disk.clone(), *n)).cloned());
-            d.id = stable_id(d, node);
+        }
+        // Ids in a second pass: a partition's depends on what was read of its disk.
+        let ids: Vec<(DevNum, String)> = self
+            .devices
+            .values()
+            .map(|d| {
+                let disk = d.partition.as_ref().and_then(|(_, p)| by_name.get(p)).and_then(|dev| self.devices.get(dev));
+                (d.dev, if id_unread(d, disk).is_some() { String::new() } else { stable_id(d, node) })
+            })
+            .collect();
+        for (dev, id) in ids {
+            if let Some(d) = self.devices.get_mut(&dev) {
+                d.id = id;
+            }
         }
     }
 
@@ -207,6 +220,12 @@ fn enrich(cfg: &ScanConfig, devices: &mut [Device]) {
     }
     if cfg.probe {
         probe_all(devices, cfg.io, cfg.probe_timeout);
+    } else {
+        // Unread is not empty: without this a device would look free and
+        // get a weaker id than a probed scan gives it.
+        for d in devices.iter_mut().filter(|d| d.size_bytes > 0) {
+            d.probe_error = Some("not read: probing is off".into());
+        }
     }
 }
 

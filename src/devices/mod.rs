@@ -16,12 +16,13 @@ mod inventory;
 pub mod probe;
 pub mod report;
 pub mod stats;
+pub mod swaps;
 pub mod sysfs;
 pub mod uevent;
 
 pub use collect::{Sample, StatMethod, StatSource};
 pub use collector::{CollectorConfig, StatCollector, StatsReader};
-pub use device::{stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
+pub use device::{id_unread, stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
 pub use filter::DeviceFilter;
 pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
 pub use inventory::{describe, node_name, probe_all, Inventory, ScanConfig};

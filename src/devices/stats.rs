@@ -133,7 +133,11 @@ pub fn parse_diskstats(text: &[u8]) -> impl Iterator<Item = (usize, Result<Disks
     text.split(|&b| b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)).enumerate().map(|(i, l)| (i, parse_diskstats_line(l)))
 }
 
-/// iostat's per-device figures over an interval.
+/// iostat -x's per-device figures over an interval, with its definitions
+/// (sysstat's `iostat(1)`): per-second rates divide a counter's change by
+/// the interval; `*_await` divide the time requests spent (ticks) by how
+/// many completed; `*areq-sz` divide kilobytes by requests; `%*rqm` is the
+/// share of requests merged before they reached the device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct IoRates {
     pub reads_per_sec: f64,
@@ -145,6 +149,28 @@ pub struct IoRates {
     pub write_await_ms: f64,
     /// Share of wall time the device had I/O in flight, 0–100.
     pub util_pct: f64,
+    /// rrqm/s, wrqm/s: requests merged into others per second.
+    pub reads_merged_per_sec: f64,
+    pub writes_merged_per_sec: f64,
+    /// %rrqm, %wrqm: merged requests as a share of all requests, 0–100.
+    pub reads_merged_pct: f64,
+    pub writes_merged_pct: f64,
+    /// aqu-sz: the mean number of requests queued or in service.
+    pub queue_size: f64,
+    /// rareq-sz, wareq-sz: mean request size, kilobytes.
+    pub read_req_kib: f64,
+    pub write_req_kib: f64,
+    /// d/s, dkB/s, drqm/s, %drqm, d_await, dareq-sz: the same for discards.
+    pub discards_per_sec: f64,
+    pub discard_kib_per_sec: f64,
+    pub discards_merged_per_sec: f64,
+    pub discards_merged_pct: f64,
+    pub discard_await_ms: f64,
+    pub discard_req_kib: f64,
+    /// f/s, f_await: flush requests (the block layer counts those it sends
+    /// to the device; requests merged into one flush count once).
+    pub flushes_per_sec: f64,
+    pub flush_await_ms: f64,
 }
 
 impl IoRates {
@@ -157,17 +183,44 @@ impl IoRates {
             return Self::default();
         }
         let d = |a: u64, b: u64| b.saturating_sub(a) as f64;
+        let per = |n: f64, of: f64| if of > 0.0 { n / of } else { 0.0 };
         let reads = d(before.reads, after.reads);
         let writes = d(before.writes, after.writes);
-        let await_ms = |ticks: f64, ios: f64| if ios > 0.0 { ticks / ios } else { 0.0 };
+        let discards = d(before.discards, after.discards);
+        let flushes = d(before.flushes, after.flushes);
+        let (rm, wm, dm) = (
+            d(before.reads_merged, after.reads_merged),
+            d(before.writes_merged, after.writes_merged),
+            d(before.discards_merged, after.discards_merged),
+        );
+        let (rkb, wkb, dkb) = (
+            d(before.read_sectors, after.read_sectors) / 2.0,
+            d(before.write_sectors, after.write_sectors) / 2.0,
+            d(before.discard_sectors, after.discard_sectors) / 2.0,
+        );
         Self {
             reads_per_sec: reads / secs,
             writes_per_sec: writes / secs,
-            read_kib_per_sec: d(before.read_sectors, after.read_sectors) / 2.0 / secs,
-            write_kib_per_sec: d(before.write_sectors, after.write_sectors) / 2.0 / secs,
-            read_await_ms: await_ms(d(before.read_ticks, after.read_ticks), reads),
-            write_await_ms: await_ms(d(before.write_ticks, after.write_ticks), writes),
+            read_kib_per_sec: rkb / secs,
+            write_kib_per_sec: wkb / secs,
+            read_await_ms: per(d(before.read_ticks, after.read_ticks), reads),
+            write_await_ms: per(d(before.write_ticks, after.write_ticks), writes),
             util_pct: (d(before.io_ticks, after.io_ticks) / (secs * 1000.0) * 100.0).min(100.0),
+            reads_merged_per_sec: rm / secs,
+            writes_merged_per_sec: wm / secs,
+            reads_merged_pct: per(rm * 100.0, rm + reads),
+            writes_merged_pct: per(wm * 100.0, wm + writes),
+            queue_size: d(before.time_in_queue, after.time_in_queue) / (secs * 1000.0),
+            read_req_kib: per(rkb, reads),
+            write_req_kib: per(wkb, writes),
+            discards_per_sec: discards / secs,
+            discard_kib_per_sec: dkb / secs,
+            discards_merged_per_sec: dm / secs,
+            discards_merged_pct: per(dm * 100.0, dm + discards),
+            discard_await_ms: per(d(before.discard_ticks, after.discard_ticks), discards),
+            discard_req_kib: per(dkb, discards),
+            flushes_per_sec: flushes / secs,
+            flush_await_ms: per(d(before.flush_ticks, after.flush_ticks), flushes),
         }
     }
 }
@@ -191,6 +244,9 @@ pub struct StatSnapshot {
     /// Monotonic time of the sample, since the collector started.
     #[serde(with = "duration_ms")]
     pub taken_at: Duration,
+    /// Wall-clock time of the sample, seconds since the Unix epoch (what
+    /// `volring stats` prints per sample, like `iostat -t`).
+    pub unix_time: f64,
     /// How long the collection took.
     #[serde(with = "duration_ms")]
     pub cost: Duration,
@@ -280,7 +336,39 @@ mod tests {
         assert_eq!((r.reads_per_sec, r.writes_per_sec, r.read_kib_per_sec, r.write_kib_per_sec), (100.0, 5.0, 500.0, 5.0));
         assert_eq!((r.read_await_ms, r.write_await_ms, r.util_pct), (1.0, 0.0, 25.0));
         let back = IoRates::between(&b, &a, Duration::from_secs(1));
+        assert_eq!(back.read_req_kib, 0.0);
         assert_eq!(back.reads_per_sec, 0.0);
         assert_eq!(IoRates::between(&a, &b, Duration::ZERO), IoRates::default());
+    }
+
+    /// The extended columns against figures worked by hand from iostat(1)'s
+    /// definitions over a 2 s interval.
+    #[test]
+    fn extended_columns_follow_iostat_definitions() {
+        let a = IoCounters::default();
+        let b = IoCounters {
+            reads: 100,
+            reads_merged: 300,
+            read_sectors: 1600,
+            writes: 50,
+            writes_merged: 50,
+            write_sectors: 400,
+            time_in_queue: 3000,
+            discards: 4,
+            discards_merged: 1,
+            discard_sectors: 4096,
+            discard_ticks: 8,
+            flushes: 10,
+            flush_ticks: 5,
+            ..Default::default()
+        };
+        let r = IoRates::between(&a, &b, Duration::from_secs(2));
+        assert_eq!((r.reads_merged_per_sec, r.writes_merged_per_sec), (150.0, 25.0));
+        assert_eq!((r.reads_merged_pct, r.writes_merged_pct), (75.0, 50.0));
+        assert_eq!(r.queue_size, 1.5);
+        assert_eq!((r.read_req_kib, r.write_req_kib), (8.0, 4.0));
+        assert_eq!((r.discards_per_sec, r.discard_kib_per_sec, r.discards_merged_per_sec), (2.0, 1024.0, 0.5));
+        assert_eq!((r.discards_merged_pct, r.discard_await_ms, r.discard_req_kib), (20.0, 2.0, 512.0));
+        assert_eq!((r.flushes_per_sec, r.flush_await_ms), (5.0, 0.5));
     }
 }
