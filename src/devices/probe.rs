@@ -1,18 +1,97 @@
-//! What is on a device, from its first blocks: filesystem and
-//! partition-table signatures.
+//! What is on a device: filesystem, volume-manager and partition-table
+//! signatures, from a few bounded reads.
 //!
-//! Pure over a byte buffer holding the device's first [`PROBE_LEN`] bytes
-//! (shorter for a smaller device), so it can be fuzzed. It only ever reads:
-//! unlike node-disk-manager, nothing is written to a bare disk to give it an
-//! id. Offsets and magics are those of the on-disk formats (ext4, XFS,
-//! btrfs, swap v1, LUKS1/2, MBR, GPT).
+//! Pure over the bytes read ([`Sample`]), so it can be fuzzed; the reads
+//! themselves are the caller's, laid out by [`read_plan`]. It only ever
+//! reads: unlike node-disk-manager, nothing is written to a bare disk to give
+//! it an id. Offsets and magics are those of the on-disk formats. A device
+//! that holds a RAID or volume-manager member must never look blank, so the
+//! members ([`members`]) are probed first, as blkid does.
 
 use serde::Serialize;
 
-/// How much of a device the probe reads: up to the end of btrfs's superblock
-/// at 64 KiB, which also covers a swap header on 64 KiB pages and GPT entries
-/// on 4 KiB sectors.
-pub const PROBE_LEN: usize = 0x10000 + 4096;
+mod fs;
+mod members;
+
+/// How much of the start of a device the probe reads: the first ZFS label
+/// (its nvlist at 16 KiB and uberblock array at 128–256 KiB), which also
+/// covers btrfs's superblock at 64 KiB, the ISO 9660 volume descriptors
+/// from 32 KiB, GPT entries on 4 KiB sectors and swap on 64 KiB pages.
+pub const PROBE_LEN: usize = 256 << 10;
+
+/// How much of the end of a device the probe reads, at most: the last two
+/// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
+/// so up to 256 KiB more), which also covers the md 0.90 superblock (the
+/// last 64 KiB-aligned 64 KiB) and the md 1.0 one (8–12 KiB from the end).
+pub const TAIL_MAX: usize = (512 << 10) + (256 << 10);
+
+/// The read budget per device: two reads, at most this many bytes.
+pub const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
+
+/// The reads that [`probe_sample`] wants from a device of `size` bytes, as
+/// `(offset, length)`: the head, and the tail when the device is larger
+/// than the head. Never more than two reads and [`READ_BUDGET`] bytes.
+pub fn read_plan(size: u64) -> Vec<(u64, usize)> {
+    let head = size.min(PROBE_LEN as u64);
+    let mut plan = vec![(0, head as usize)];
+    if size > head {
+        let tail_start = size.saturating_sub(members::zfs_tail_len(size)).max(head);
+        plan.push((tail_start, (size - tail_start) as usize));
+    }
+    plan
+}
+
+/// Bytes read from one device, each run at its offset, and the device's
+/// size (where end-of-device signatures are looked for).
+#[derive(Debug, Clone)]
+pub struct Sample<'a> {
+    size: u64,
+    runs: Vec<(u64, &'a [u8])>,
+}
+
+impl<'a> Sample<'a> {
+    /// Nothing read yet, from a device of `size` bytes.
+    pub fn new(size: u64) -> Self {
+        Self { size, runs: Vec::new() }
+    }
+
+    /// A whole device held in `bytes`.
+    pub fn whole(bytes: &'a [u8]) -> Self {
+        Self { size: bytes.len() as u64, runs: vec![(0, bytes)] }
+    }
+
+    /// Adds bytes read at `offset`; bytes past the device's size are ignored.
+    pub fn add(&mut self, offset: u64, bytes: &'a [u8]) {
+        self.runs.push((offset, bytes));
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// `len` bytes at `offset`, when one read covered all of them.
+    fn at(&self, offset: u64, len: usize) -> Option<&'a [u8]> {
+        let end = offset.checked_add(len as u64)?;
+        if end > self.size {
+            return None;
+        }
+        self.runs.iter().find_map(|&(o, b)| {
+            let from = usize::try_from(offset.checked_sub(o)?).ok()?;
+            b.get(from..from.checked_add(len)?)
+        })
+    }
+
+    /// What was read from offset 0 on (empty when nothing was).
+    fn head(&self) -> &'a [u8] {
+        let b = self.runs.iter().find(|(o, _)| *o == 0).map(|&(_, b)| b).unwrap_or(&[]);
+        &b[..b.len().min(usize::try_from(self.size).unwrap_or(usize::MAX))]
+    }
+
+    /// True when every byte read is zero.
+    pub fn all_zero(&self) -> bool {
+        self.runs.iter().all(|(_, b)| b.iter().all(|&x| x == 0))
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -25,6 +104,26 @@ pub enum FsType {
     Swap,
     /// `crypto_LUKS` in blkid's words.
     Luks,
+    /// FAT12/16/32.
+    Vfat,
+    Ntfs,
+    Iso9660,
+    Squashfs,
+    Erofs,
+    /// An LVM2 physical volume.
+    #[serde(rename = "LVM2_member")]
+    Lvm2Member,
+    /// A Linux software RAID (md) member, any superblock version.
+    #[serde(rename = "linux_raid_member")]
+    LinuxRaidMember,
+    /// A bcache backing or cache device.
+    Bcache,
+    /// A Ceph OSD's BlueStore block device.
+    #[serde(rename = "ceph_bluestore")]
+    CephBluestore,
+    /// A vdev of a ZFS pool.
+    #[serde(rename = "zfs_member")]
+    ZfsMember,
 }
 
 impl FsType {
@@ -37,7 +136,26 @@ impl FsType {
             FsType::Btrfs => "btrfs",
             FsType::Swap => "swap",
             FsType::Luks => "crypto_LUKS",
+            FsType::Vfat => "vfat",
+            FsType::Ntfs => "ntfs",
+            FsType::Iso9660 => "iso9660",
+            FsType::Squashfs => "squashfs",
+            FsType::Erofs => "erofs",
+            FsType::Lvm2Member => "LVM2_member",
+            FsType::LinuxRaidMember => "linux_raid_member",
+            FsType::Bcache => "bcache",
+            FsType::CephBluestore => "ceph_bluestore",
+            FsType::ZfsMember => "zfs_member",
         }
+    }
+
+    /// True for a member of something larger (RAID, LVM, cache, pool):
+    /// such a device is in use even with nothing mounted.
+    pub fn is_member(self) -> bool {
+        matches!(
+            self,
+            FsType::Lvm2Member | FsType::LinuxRaidMember | FsType::Bcache | FsType::CephBluestore | FsType::ZfsMember
+        )
     }
 }
 
@@ -50,6 +168,16 @@ pub struct Filesystem {
     pub uuid: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// This device's own id where `uuid` names the whole set (blkid's
+    /// UUID_SUB: an md member's device UUID, a ZFS vdev's guid).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid_sub: Option<String>,
+}
+
+impl Filesystem {
+    fn new(fstype: FsType, uuid: Option<String>, label: Option<String>) -> Self {
+        Self { fstype, uuid, label, uuid_sub: None }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -93,11 +221,31 @@ pub struct Content {
     pub table: Option<PartitionTable>,
 }
 
-/// Probes `buf`, the first bytes of a device whose logical block size is
+/// Probes `buf` as a whole device whose logical block size is
 /// `logical_block` (where a GPT header lives).
 pub fn probe(buf: &[u8], logical_block: u32) -> Content {
-    let filesystem = luks(buf).or_else(|| xfs(buf)).or_else(|| ext(buf)).or_else(|| btrfs(buf)).or_else(|| swap(buf));
-    let table = gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| mbr(buf));
+    probe_sample(&Sample::whole(buf), logical_block)
+}
+
+/// Probes what [`read_plan`] read from a device. Members (md, LVM, bcache,
+/// BlueStore, ZFS) come first: an md 1.0 mirror half also holds the
+/// filesystem of the array at offset 0, and it is the membership that makes
+/// the device busy. A FAT or NTFS boot sector ends in 0x55AA like an MBR; when
+/// one is found there is no MBR.
+pub fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
+    let buf = s.head();
+    let filesystem = members::probe(s)
+        .or_else(|| luks(buf))
+        .or_else(|| xfs(buf))
+        .or_else(|| ext(buf))
+        .or_else(|| btrfs(buf))
+        .or_else(|| fs::probe(buf))
+        .or_else(|| swap(buf));
+    let boot_sector = filesystem.as_ref().is_some_and(|f| matches!(f.fstype, FsType::Vfat | FsType::Ntfs));
+    let table = gpt(buf, logical_block)
+        .or_else(|| gpt(buf, 512))
+        .or_else(|| gpt(buf, 4096))
+        .or_else(|| if boot_sector { None } else { mbr(buf) });
     Content { filesystem, table }
 }
 
@@ -115,6 +263,9 @@ fn le64(buf: &[u8], at: usize) -> Option<u64> {
 }
 fn be16(buf: &[u8], at: usize) -> Option<u16> {
     bytes(buf, at).map(u16::from_be_bytes)
+}
+fn be32(buf: &[u8], at: usize) -> Option<u32> {
+    bytes(buf, at).map(u32::from_be_bytes)
 }
 
 /// A NUL-padded label; `None` when empty.
@@ -160,14 +311,14 @@ fn ext(buf: &[u8]) -> Option<Filesystem> {
     } else {
         FsType::Ext2
     };
-    Some(Filesystem { fstype, uuid: uuid(bytes(buf, SB + 0x68)?), label: label(buf.get(SB + 0x78..SB + 0x88)?) })
+    Some(Filesystem::new(fstype, uuid(bytes(buf, SB + 0x68)?), label(buf.get(SB + 0x78..SB + 0x88)?)))
 }
 
 fn xfs(buf: &[u8]) -> Option<Filesystem> {
     if buf.get(0..4)? != b"XFSB" {
         return None;
     }
-    Some(Filesystem { fstype: FsType::Xfs, uuid: uuid(bytes(buf, 32)?), label: label(buf.get(108..120)?) })
+    Some(Filesystem::new(FsType::Xfs, uuid(bytes(buf, 32)?), label(buf.get(108..120)?)))
 }
 
 fn btrfs(buf: &[u8]) -> Option<Filesystem> {
@@ -175,7 +326,7 @@ fn btrfs(buf: &[u8]) -> Option<Filesystem> {
     if buf.get(SB + 0x40..SB + 0x48)? != b"_BHRfS_M" {
         return None;
     }
-    Some(Filesystem { fstype: FsType::Btrfs, uuid: uuid(bytes(buf, SB + 0x20)?), label: label(buf.get(SB + 0x12B..SB + 0x22B)?) })
+    Some(Filesystem::new(FsType::Btrfs, uuid(bytes(buf, SB + 0x20)?), label(buf.get(SB + 0x12B..SB + 0x22B)?)))
 }
 
 fn swap(buf: &[u8]) -> Option<Filesystem> {
@@ -184,7 +335,7 @@ fn swap(buf: &[u8]) -> Option<Filesystem> {
         [4096usize, 8192, 16384, 65536].into_iter().find(|&p| matches!(buf.get(p - 10..p), Some(b"SWAPSPACE2") | Some(b"SWAP-SPACE")))?;
     let v1 = buf.get(page - 10..page) == Some(b"SWAPSPACE2");
     let (uuid_, label_) = if v1 { (uuid(bytes(buf, 1036)?), label(buf.get(1052..1068)?)) } else { (None, None) };
-    Some(Filesystem { fstype: FsType::Swap, uuid: uuid_, label: label_ })
+    Some(Filesystem::new(FsType::Swap, uuid_, label_))
 }
 
 fn luks(buf: &[u8]) -> Option<Filesystem> {
@@ -194,7 +345,7 @@ fn luks(buf: &[u8]) -> Option<Filesystem> {
     let version = be16(buf, 6)?;
     let uuid_ = label(buf.get(168..208)?);
     let label_ = if version == 2 { label(buf.get(24..72)?) } else { None };
-    Some(Filesystem { fstype: FsType::Luks, uuid: uuid_, label: label_ })
+    Some(Filesystem::new(FsType::Luks, uuid_, label_))
 }
 
 /// Most entries a GPT may declare before the probe calls it hostile; real
