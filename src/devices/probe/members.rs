@@ -24,26 +24,33 @@ fn md(s: &Sample<'_>) -> Option<Filesystem> {
         return None;
     }
     let v090 = (size & !0xFFFF) - 0x10000;
-    if let Some(f) = s.at(v090, 64).and_then(md0) {
+    if let Some(f) = s.at(v090, 64).and_then(|sb| md0(sb, v090)) {
         return Some(f);
     }
     let v10 = (((size >> 9).saturating_sub(16)) & !7) << 9;
     [v10, 0, 0x1000].into_iter().find_map(|at| md1(s.at(at, 4096).or_else(|| s.at(at, 256))?, at))
 }
 
-/// Superblock 0.90, written in the host's byte order.
-fn md0(sb: &[u8]) -> Option<Filesystem> {
-    let word = |at: usize| -> Option<u32> {
-        let raw: [u8; 4] = bytes(sb, at)?;
-        Some(if u32::from_le_bytes(bytes(sb, 0)?) == MD_MAGIC { u32::from_le_bytes(raw) } else { u32::from_be_bytes(raw) })
+/// Superblock 0.90 at byte `at`, written in the host's byte order. The
+/// array's size (KiB, at 32) must fit before the superblock. The set UUID
+/// (word 0 at 20, words 1–3 at 52) reads as each word's big-endian bytes.
+fn md0(sb: &[u8], at: u64) -> Option<Filesystem> {
+    let le = match (le32(sb, 0)?, be32(sb, 0)?) {
+        (MD_MAGIC, _) => true,
+        (_, MD_MAGIC) => false,
+        _ => return None,
     };
-    if le32(sb, 0)? != MD_MAGIC && be32(sb, 0)? != MD_MAGIC {
+    let word = |off: usize| -> Option<u32> {
+        let raw: [u8; 4] = bytes(sb, off)?;
+        Some(if le { u32::from_le_bytes(raw) } else { u32::from_be_bytes(raw) })
+    };
+    if u64::from(word(32)?) << 10 > at {
         return None;
     }
-    // set_uuid0 at 20, set_uuid1..3 at 52; each word in host order.
     let mut raw = [0u8; 16];
-    for (i, at) in [20, 52, 56, 60].into_iter().enumerate() {
-        raw[i * 4..i * 4 + 4].copy_from_slice(&word(at)?.to_le_bytes());
+    let words: &[usize] = if word(8)? >= 90 { &[20, 52, 56, 60] } else { &[20] };
+    for (i, &off) in words.iter().enumerate() {
+        raw[i * 4..i * 4 + 4].copy_from_slice(&word(off)?.to_be_bytes());
     }
     Some(Filesystem::new(FsType::LinuxRaidMember, uuid(raw), None))
 }
