@@ -513,4 +513,85 @@ mod tests {
         b[446] = 0x29; // not a boot flag
         assert_eq!(probe(&b, 512).table, None);
     }
+
+    #[test]
+    fn read_plan_is_two_reads_within_budget_and_covers_the_tail_signatures() {
+        for size in [0u64, 511, 4096, 300 << 10, 1 << 20, (64 << 20) + 12345 * 512, 1 << 40, u64::MAX >> 1] {
+            let plan = read_plan(size);
+            assert!(plan.len() <= 2, "{size}: {plan:?}");
+            assert!(plan.iter().map(|&(_, l)| l).sum::<usize>() <= READ_BUDGET, "{size}: {plan:?}");
+            assert!(plan.iter().all(|&(o, l)| o + l as u64 <= size), "{size}: {plan:?}");
+            let covered = |at: u64, len: u64| plan.iter().any(|&(o, l)| o <= at && at + len <= o + l as u64);
+            if size >= 1 << 20 {
+                let md090 = (size & !0xFFFF) - 0x10000;
+                let md10 = (((size >> 9) - 16) & !7) << 9;
+                let zfs_l2 = size - 2 * (256 << 10) - size % (256 << 10);
+                assert!(covered(md090, 4096) && covered(md10, 4096) && covered(zfs_l2, 512 << 10), "{size}: {plan:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sample_only_answers_from_what_was_read() {
+        let head = [1u8; 8];
+        let tail = [2u8; 8];
+        let mut s = Sample::new(100);
+        s.add(0, &head);
+        s.add(92, &tail);
+        assert_eq!(s.at(0, 8), Some(&head[..]));
+        assert_eq!(s.at(94, 6), Some(&tail[2..]));
+        assert_eq!(s.at(4, 8), None, "spans a gap");
+        assert_eq!(s.at(96, 8), None, "past the end");
+        assert_eq!(s.at(u64::MAX, 2), None);
+        assert!(!s.all_zero());
+    }
+
+    #[test]
+    fn fat_boot_sector_is_vfat_not_an_mbr() {
+        let mut b = vec![0u8; 64 << 10];
+        b[0..3].copy_from_slice(&[0xEB, 0x3C, 0x90]);
+        b[11..13].copy_from_slice(&512u16.to_le_bytes());
+        b[13] = 4;
+        b[14..16].copy_from_slice(&4u16.to_le_bytes());
+        b[16] = 2;
+        b[17..19].copy_from_slice(&512u16.to_le_bytes());
+        b[0x15] = 0xF8;
+        b[22..24].copy_from_slice(&32u16.to_le_bytes());
+        b[0x26] = 0x29;
+        b[0x27..0x2B].copy_from_slice(&0x1A2B_3C4Du32.to_le_bytes());
+        b[0x2B..0x36].copy_from_slice(b"BOOTLABEL  ");
+        b[0x36..0x3E].copy_from_slice(b"FAT16   ");
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        let c = probe(&b, 512);
+        assert_eq!(c.table, None);
+        let fs = c.filesystem.expect("vfat");
+        assert_eq!((fs.fstype, fs.uuid.as_deref(), fs.label.as_deref()), (FsType::Vfat, Some("1A2B-3C4D"), Some("BOOTLABEL")));
+        // The root directory's volume entry wins over the boot sector's.
+        let root = (4 + 2 * 32) * 512;
+        b[root..root + 11].copy_from_slice(b"DIRLABEL   ");
+        b[root + 11] = 0x08;
+        assert_eq!(probe(&b, 512).filesystem.and_then(|f| f.label).as_deref(), Some("DIRLABEL"));
+        b[0x15] = 0x12; // not a media byte: a boot loader, not FAT
+        assert_eq!(probe(&b, 512).filesystem, None);
+        assert_eq!(probe(&b, 512).table.map(|t| t.table), Some(TableType::Mbr));
+    }
+
+    #[test]
+    fn lvm_label_needs_its_crc_and_sector() {
+        let mut b = vec![0u8; 4096];
+        let at = 512;
+        b[at..at + 8].copy_from_slice(b"LABELONE");
+        b[at + 8..at + 16].copy_from_slice(&1u64.to_le_bytes());
+        b[at + 20..at + 24].copy_from_slice(&32u32.to_le_bytes());
+        b[at + 24..at + 32].copy_from_slice(b"LVM2 001");
+        b[at + 32..at + 64].copy_from_slice(b"abcdefGHIJklmnOPQRstuvWXYZ012345");
+        assert_eq!(probe(&b, 512).filesystem, None, "no CRC");
+        let crc = members::lvm_crc(&b[at + 20..at + 512]);
+        b[at + 16..at + 20].copy_from_slice(&crc.to_le_bytes());
+        let fs = probe(&b, 512).filesystem.expect("pv");
+        assert_eq!((fs.fstype, fs.uuid.as_deref()), (FsType::Lvm2Member, Some("abcdef-GHIJ-klmn-OPQR-stuv-WXYZ-012345")));
+        b[at + 8] = 2; // names another sector
+        assert_eq!(probe(&b, 512).filesystem, None);
+    }
 }

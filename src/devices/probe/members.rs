@@ -84,7 +84,7 @@ fn md1(sb: &[u8], at: u64) -> Option<Filesystem> {
 
 /// LVM2's CRC: the reflected CRC-32 polynomial from a seed of its own and
 /// without the final inversion, i.e. CRC-32 with seed `!0xf597a6cf`, inverted.
-fn lvm_crc(data: &[u8]) -> u32 {
+pub(super) fn lvm_crc(data: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new_with_initial(!0xf597_a6cf);
     h.update(data);
     !h.finalize()
