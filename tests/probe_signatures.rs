@@ -55,9 +55,11 @@ fn agrees(lo: &LoopDevice, want: &str) -> Result<(), Failed> {
     let b = blkid(lo.path());
     check(b.get("TYPE").map(String::as_str) == Some(want), format!("blkid itself does not see {want}: {b:?}"))?;
     let d = describe(&scan_config(), lo.name())?.ok_or("device gone")?;
-    let fs = d.content.filesystem.as_ref().ok_or_else(|| {
-        format!("probe found no signature (table {:?}, error {:?}); blkid: {b:?}", d.content.table, d.probe_error)
-    })?;
+    let fs = d
+        .content
+        .filesystem
+        .as_ref()
+        .ok_or_else(|| format!("probe found no signature (table {:?}, error {:?}); blkid: {b:?}", d.content.table, d.probe_error))?;
     check(fs.fstype.as_str() == want, format!("type {:?}; blkid: {b:?}", fs.fstype))?;
     check(fs.uuid.as_ref() == b.get("UUID"), format!("uuid {:?}; blkid: {b:?}", fs.uuid))?;
     check(fs.label.as_ref() == b.get("LABEL"), format!("label {:?}; blkid: {b:?}", fs.label))?;
@@ -115,7 +117,18 @@ fn image_onto(lo: &LoopDevice, s: &Scratch, prog: &str, args: &[&str]) -> Result
     std::fs::write(src.join("hello.txt"), b"hello\n")?;
     let img = s.path().join("fs.img");
     let (src, img) = (src.to_string_lossy().to_string(), img.to_string_lossy().to_string());
-    let args: Vec<&str> = args.iter().map(|a| if *a == "SRC" { src.as_str() } else if *a == "IMG" { img.as_str() } else { a }).collect();
+    let args: Vec<&str> = args
+        .iter()
+        .map(|a| {
+            if *a == "SRC" {
+                src.as_str()
+            } else if *a == "IMG" {
+                img.as_str()
+            } else {
+                a
+            }
+        })
+        .collect();
     run(prog, &args)?;
     write_at(lo.path(), 0, &std::fs::read(&img)?)
 }

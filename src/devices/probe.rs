@@ -152,10 +152,7 @@ impl FsType {
     /// True for a member of something larger (RAID, LVM, cache, pool):
     /// such a device is in use even with nothing mounted.
     pub fn is_member(self) -> bool {
-        matches!(
-            self,
-            FsType::Lvm2Member | FsType::LinuxRaidMember | FsType::Bcache | FsType::CephBluestore | FsType::ZfsMember
-        )
+        matches!(self, FsType::Lvm2Member | FsType::LinuxRaidMember | FsType::Bcache | FsType::CephBluestore | FsType::ZfsMember)
     }
 }
 
@@ -242,10 +239,8 @@ pub fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
         .or_else(|| fs::probe(buf))
         .or_else(|| swap(buf));
     let boot_sector = filesystem.as_ref().is_some_and(|f| matches!(f.fstype, FsType::Vfat | FsType::Ntfs));
-    let table = gpt(buf, logical_block)
-        .or_else(|| gpt(buf, 512))
-        .or_else(|| gpt(buf, 4096))
-        .or_else(|| if boot_sector { None } else { mbr(buf) });
+    let table =
+        gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| if boot_sector { None } else { mbr(buf) });
     Content { filesystem, table }
 }
 

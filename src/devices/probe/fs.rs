@@ -6,7 +6,7 @@
 //! sector and cluster sizes, media byte), which a partition table's boot
 //! code does not satisfy by chance.
 
-use super::{bytes, label, le16, le32, le64, uuid, FsType, Filesystem};
+use super::{bytes, label, le16, le32, le64, uuid, Filesystem, FsType};
 
 pub(super) fn probe(head: &[u8]) -> Option<Filesystem> {
     vfat(head).or_else(|| ntfs(head)).or_else(|| iso9660(head)).or_else(|| squashfs(head)).or_else(|| erofs(head))
@@ -98,10 +98,8 @@ fn ntfs(b: &[u8]) -> Option<Filesystem> {
     let per_rec = *b.get(0x40)? as i8;
     let rec = if per_rec < 0 { 1u64.checked_shl(u32::from(per_rec.unsigned_abs()))? } else { u64::from(per_rec as u8) * cluster };
     let serial = format!("{:016X}", le64(b, 0x48)?);
-    let lbl = le64(b, 0x30)?
-        .checked_mul(cluster)
-        .and_then(|mft| mft.checked_add(3 * rec))
-        .and_then(|at| ntfs_volume_name(b, at, rec, sector));
+    let lbl =
+        le64(b, 0x30)?.checked_mul(cluster).and_then(|mft| mft.checked_add(3 * rec)).and_then(|at| ntfs_volume_name(b, at, rec, sector));
     Some(Filesystem::new(FsType::Ntfs, Some(serial), lbl))
 }
 

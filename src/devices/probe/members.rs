@@ -7,7 +7,7 @@
 //! BlueStore's label, ZFS's vdev label); what counts as a match follows
 //! blkid's rules so that the two agree on the same device.
 
-use super::{be32, bytes, label, le32, le64, uuid, FsType, Filesystem, Sample};
+use super::{be32, bytes, label, le32, le64, uuid, Filesystem, FsType, Sample};
 
 /// In blkid's order: RAID first, then the others.
 pub(super) fn probe(s: &Sample<'_>) -> Option<Filesystem> {
