@@ -589,4 +589,25 @@ mod tests {
         b[at + 8] = 2; // names another sector
         assert_eq!(probe(&b, 512).filesystem, None);
     }
+
+    /// Found by the fuzz target: an NTFS boot sector cut short after the
+    /// reserved-sectors field indexed past the buffer.
+    #[test]
+    fn every_prefix_of_an_ntfs_boot_sector_probes_without_panic() {
+        let mut b = vec![0u8; 512];
+        b[0..3].copy_from_slice(&[0xEB, 0x52, 0x90]);
+        b[3..11].copy_from_slice(b"NTFS    ");
+        b[11..13].copy_from_slice(&512u16.to_le_bytes());
+        b[13] = 8;
+        b[0x40] = 0xF6;
+        b[0x48..0x50].copy_from_slice(&0x638635D437BC0010u64.to_le_bytes());
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        let full = probe(&b, 512);
+        assert_eq!(full.filesystem.map(|f| (f.fstype, f.uuid)), Some((FsType::Ntfs, Some("638635D437BC0010".to_string()))));
+        assert_eq!(full.table, None, "an NTFS boot sector is not an MBR");
+        for len in 0..b.len() {
+            let _ = probe(&b[..len], 512);
+        }
+    }
 }
