@@ -90,7 +90,12 @@ fn ntfs(b: &[u8]) -> Option<Filesystem> {
     let spc = *b.get(13)?;
     let spc = if spc > 0x80 { 1u32.checked_shl(256 - u32::from(spc))? } else { u32::from(spc) };
     // The FAT fields NTFS leaves unused must be zero.
-    if !pow2_in(sector, 256, 4096) || !pow2_in(spc, 1, 1 << 16) || le16(b, 14)? != 0 || *b.get(16)? != 0 || le16(b, 17)? != 0 || le16(b, 19)? != 0
+    if !pow2_in(sector, 256, 4096)
+        || !pow2_in(spc, 1, 1 << 16)
+        || le16(b, 14)? != 0
+        || *b.get(16)? != 0
+        || le16(b, 17)? != 0
+        || le16(b, 19)? != 0
     {
         return None;
     }
