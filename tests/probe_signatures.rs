@@ -66,6 +66,11 @@ fn agrees(lo: &LoopDevice, want: &str) -> Result<(), Failed> {
     let json = serde_json::to_value(fs)?;
     let sub = json.get("uuid_sub").and_then(|v| v.as_str()).map(String::from);
     check(sub.as_ref() == b.get("UUID_SUB"), format!("uuid_sub {sub:?}; blkid: {b:?}"))?;
+    // Members of one set share UUID; the stable id must still be this device's.
+    if let (Some(u), Some(sub)) = (b.get("UUID"), b.get("UUID_SUB")) {
+        let id = volring::devices::stable_id(&d, "testnode");
+        check(id == format!("fsuuid-{u}-{sub}"), format!("id {id} for a member with UUID_SUB {sub}"))?;
+    }
     check(d.content.table.is_some() == b.contains_key("PTTYPE"), format!("table {:?}; blkid: {b:?}", d.content.table))?;
     let staged = probe_device(Path::new(lo.path()))?;
     check(matches!(&staged, Content::Other(t) if t == want), format!("the stage probe says {staged:?}"))?;
