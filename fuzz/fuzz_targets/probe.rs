@@ -1,18 +1,35 @@
-//! A device's first bytes → signatures. Never panics, whatever the buffer
-//! length or logical block size, and never reports more GPT partitions than
-//! the buffer can hold.
+//! A device's bytes → signatures. Never panics, whatever the buffer length,
+//! logical block size or device size, never reports more GPT partitions
+//! than the buffer can hold, and never asks for more than the read budget.
+//!
+//! The input is split into a head and a tail read, laid out as
+//! `read_plan` would for a device size taken from the input, so the
+//! end-of-device parsers (md 0.90/1.0, ZFS's last labels) see fuzzed bytes
+//! too; the same bytes are also probed as a whole device.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::probe::probe;
+use volring::devices::probe::{probe, probe_sample, read_plan, Sample, READ_BUDGET};
 
 fuzz_target!(|data: &[u8]| {
-    let (lb, buf) = match data.split_first() {
-        Some((&b, rest)) => ([512u32, 4096, 1024, 2048, 0, 7][b as usize % 6], rest),
-        None => (512, data),
-    };
-    let c = probe(buf, lb);
+    let Some((&sel, rest)) = data.split_first() else { return };
+    let lb = [512u32, 4096, 1024, 2048, 0, 7][sel as usize % 6];
+    let c = probe(rest, lb);
     if let Some(t) = c.table {
-        assert!(t.partitions.len() <= buf.len() / 128 + 4);
+        assert!(t.partitions.len() <= rest.len() / 128 + 4);
     }
+    // A device size from 8 more bytes (scaled so that it is often near the
+    // data's length), then the head and tail reads filled from the data.
+    let Some((size, body)) = rest.split_first_chunk::<8>().map(|(s, b)| (u64::from_le_bytes(*s), b)) else { return };
+    let size = if sel & 0x80 != 0 { size } else { body.len() as u64 + (size % (1 << 20)) };
+    let plan = read_plan(size);
+    assert!(plan.len() <= 2 && plan.iter().map(|&(_, l)| l).sum::<usize>() <= READ_BUDGET);
+    let mut sample = Sample::new(size);
+    let mut left = body;
+    for &(offset, len) in &plan {
+        let (got, more) = left.split_at(len.min(left.len()));
+        sample.add(offset, got);
+        left = more;
+    }
+    let _ = probe_sample(&sample, lb);
 });

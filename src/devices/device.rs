@@ -180,8 +180,14 @@ pub fn stable_id(d: &Device, node: &str) -> String {
     if let Some(g) = &d.part_uuid {
         return format!("partuuid-{g}");
     }
-    if let Some(u) = d.content.filesystem.as_ref().and_then(|f| f.uuid.as_ref()) {
-        return format!("fsuuid-{u}");
+    if let Some(f) = d.content.filesystem.as_ref() {
+        // A RAID member or ZFS vdev shares its UUID with the set; its own
+        // UUID_SUB keeps the id unique.
+        match (&f.uuid, &f.uuid_sub) {
+            (Some(u), Some(sub)) => return format!("fsuuid-{u}-{sub}"),
+            (Some(u), None) => return format!("fsuuid-{u}"),
+            _ => {}
+        }
     }
     if let Some(l) = &d.loop_backing {
         return format!("loop-{node}:{}@{}", l.file.display(), l.offset);

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::device::{id_unread, stable_id, Device, Use};
 use super::filter::DeviceFilter;
-use super::probe::{probe, PROBE_LEN};
+use super::probe::{probe_sample, read_plan, Sample};
 use super::{sysfs, Error};
 use crate::mounts::{DevNum, MountTable};
 use crate::ring::batch::{BatchRead, BatchReader};
@@ -229,8 +229,8 @@ fn enrich(cfg: &ScanConfig, devices: &mut [Device]) {
     }
 }
 
-/// Reads the first [`PROBE_LEN`] bytes of every device in one ring batch
-/// and probes them. A device that cannot be opened or read is reported with
+/// Reads what [`read_plan`] asks of every device (its head and its tail, at
+/// most two reads each) in one ring batch and probes them. A device that cannot be opened or read is reported with
 /// the reason; a zero-size one (an unattached loop device) is not read.
 pub fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Duration) {
     let mut files = Vec::with_capacity(devices.len());
@@ -261,9 +261,10 @@ pub fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Duration) {
     let mut owners = Vec::new();
     for (i, f) in files.iter().enumerate() {
         if let Some(f) = f {
-            let len = PROBE_LEN.min(devices[i].size_bytes as usize);
-            reads.push(BatchRead::new(f.as_fd(), 0, vec![0u8; len]));
-            owners.push(i);
+            for (offset, len) in read_plan(devices[i].size_bytes) {
+                reads.push(BatchRead::new(f.as_fd(), offset, vec![0u8; len]));
+                owners.push(i);
+            }
         }
     }
     if let Err(e) = reader.read_all(&mut reads, timeout) {
@@ -272,12 +273,22 @@ pub fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Duration) {
         }
         return;
     }
-    for (r, &i) in reads.iter().zip(&owners) {
+    let mut at = 0;
+    while at < reads.len() {
+        let i = owners[at];
+        let n = owners[at..].iter().take_while(|&&o| o == i).count();
         let d = &mut devices[i];
-        match &r.result {
-            Ok(_) => d.content = probe(r.data(), d.logical_block_size),
-            Err(e) => d.probe_error = Some(format!("read {}: {e}", d.path.display())),
+        let mut sample = Sample::new(d.size_bytes);
+        for r in &reads[at..at + n] {
+            match &r.result {
+                Ok(_) => sample.add(r.offset, r.data()),
+                Err(e) => d.probe_error = Some(format!("read {} at {}: {e}", d.path.display(), r.offset)),
+            }
         }
+        if d.probe_error.is_none() {
+            d.content = probe_sample(&sample, d.logical_block_size);
+        }
+        at += n;
     }
 }
 

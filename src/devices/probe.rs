@@ -1,18 +1,97 @@
-//! What is on a device, from its first blocks: filesystem and
-//! partition-table signatures.
+//! What is on a device: filesystem, volume-manager and partition-table
+//! signatures, from a few bounded reads.
 //!
-//! Pure over a byte buffer holding the device's first [`PROBE_LEN`] bytes
-//! (shorter for a smaller device), so it can be fuzzed. It only ever reads:
-//! unlike node-disk-manager, nothing is written to a bare disk to give it an
-//! id. Offsets and magics are those of the on-disk formats (ext4, XFS,
-//! btrfs, swap v1, LUKS1/2, MBR, GPT).
+//! Pure over the bytes read ([`Sample`]), so it can be fuzzed; the reads
+//! themselves are the caller's, laid out by [`read_plan`]. It only ever
+//! reads: unlike node-disk-manager, nothing is written to a bare disk to give
+//! it an id. Offsets and magics are those of the on-disk formats. A device
+//! that holds a RAID or volume-manager member must never look blank, so the
+//! members ([`members`]) are probed first, as blkid does.
 
 use serde::Serialize;
 
-/// How much of a device the probe reads: up to the end of btrfs's superblock
-/// at 64 KiB, which also covers a swap header on 64 KiB pages and GPT entries
-/// on 4 KiB sectors.
-pub const PROBE_LEN: usize = 0x10000 + 4096;
+mod fs;
+mod members;
+
+/// How much of the start of a device the probe reads: the first ZFS label
+/// (its nvlist at 16 KiB and uberblock array at 128–256 KiB), which also
+/// covers btrfs's superblock at 64 KiB, the ISO 9660 volume descriptors
+/// from 32 KiB, GPT entries on 4 KiB sectors and swap on 64 KiB pages.
+pub const PROBE_LEN: usize = 256 << 10;
+
+/// How much of the end of a device the probe reads, at most: the last two
+/// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
+/// so up to 256 KiB more), which also covers the md 0.90 superblock (the
+/// last 64 KiB-aligned 64 KiB) and the md 1.0 one (8–12 KiB from the end).
+pub const TAIL_MAX: usize = (512 << 10) + (256 << 10);
+
+/// The read budget per device: two reads, at most this many bytes.
+pub const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
+
+/// The reads that [`probe_sample`] wants from a device of `size` bytes, as
+/// `(offset, length)`: the head, and the tail when the device is larger
+/// than the head. Never more than two reads and [`READ_BUDGET`] bytes.
+pub fn read_plan(size: u64) -> Vec<(u64, usize)> {
+    let head = size.min(PROBE_LEN as u64);
+    let mut plan = vec![(0, head as usize)];
+    if size > head {
+        let tail_start = size.saturating_sub(members::zfs_tail_len(size)).max(head);
+        plan.push((tail_start, (size - tail_start) as usize));
+    }
+    plan
+}
+
+/// Bytes read from one device, each run at its offset, and the device's
+/// size (where end-of-device signatures are looked for).
+#[derive(Debug, Clone)]
+pub struct Sample<'a> {
+    size: u64,
+    runs: Vec<(u64, &'a [u8])>,
+}
+
+impl<'a> Sample<'a> {
+    /// Nothing read yet, from a device of `size` bytes.
+    pub fn new(size: u64) -> Self {
+        Self { size, runs: Vec::new() }
+    }
+
+    /// A whole device held in `bytes`.
+    pub fn whole(bytes: &'a [u8]) -> Self {
+        Self { size: bytes.len() as u64, runs: vec![(0, bytes)] }
+    }
+
+    /// Adds bytes read at `offset`; bytes past the device's size are ignored.
+    pub fn add(&mut self, offset: u64, bytes: &'a [u8]) {
+        self.runs.push((offset, bytes));
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// `len` bytes at `offset`, when one read covered all of them.
+    fn at(&self, offset: u64, len: usize) -> Option<&'a [u8]> {
+        let end = offset.checked_add(len as u64)?;
+        if end > self.size {
+            return None;
+        }
+        self.runs.iter().find_map(|&(o, b)| {
+            let from = usize::try_from(offset.checked_sub(o)?).ok()?;
+            b.get(from..from.checked_add(len)?)
+        })
+    }
+
+    /// What was read from offset 0 on (empty when nothing was).
+    fn head(&self) -> &'a [u8] {
+        let b = self.runs.iter().find(|(o, _)| *o == 0).map(|&(_, b)| b).unwrap_or(&[]);
+        &b[..b.len().min(usize::try_from(self.size).unwrap_or(usize::MAX))]
+    }
+
+    /// True when every byte read is zero.
+    pub fn all_zero(&self) -> bool {
+        self.runs.iter().all(|(_, b)| b.iter().all(|&x| x == 0))
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -25,6 +104,26 @@ pub enum FsType {
     Swap,
     /// `crypto_LUKS` in blkid's words.
     Luks,
+    /// FAT12/16/32.
+    Vfat,
+    Ntfs,
+    Iso9660,
+    Squashfs,
+    Erofs,
+    /// An LVM2 physical volume.
+    #[serde(rename = "LVM2_member")]
+    Lvm2Member,
+    /// A Linux software RAID (md) member, any superblock version.
+    #[serde(rename = "linux_raid_member")]
+    LinuxRaidMember,
+    /// A bcache backing or cache device.
+    Bcache,
+    /// A Ceph OSD's BlueStore block device.
+    #[serde(rename = "ceph_bluestore")]
+    CephBluestore,
+    /// A vdev of a ZFS pool.
+    #[serde(rename = "zfs_member")]
+    ZfsMember,
 }
 
 impl FsType {
@@ -37,7 +136,23 @@ impl FsType {
             FsType::Btrfs => "btrfs",
             FsType::Swap => "swap",
             FsType::Luks => "crypto_LUKS",
+            FsType::Vfat => "vfat",
+            FsType::Ntfs => "ntfs",
+            FsType::Iso9660 => "iso9660",
+            FsType::Squashfs => "squashfs",
+            FsType::Erofs => "erofs",
+            FsType::Lvm2Member => "LVM2_member",
+            FsType::LinuxRaidMember => "linux_raid_member",
+            FsType::Bcache => "bcache",
+            FsType::CephBluestore => "ceph_bluestore",
+            FsType::ZfsMember => "zfs_member",
         }
+    }
+
+    /// True for a member of something larger (RAID, LVM, cache, pool):
+    /// such a device is in use even with nothing mounted.
+    pub fn is_member(self) -> bool {
+        matches!(self, FsType::Lvm2Member | FsType::LinuxRaidMember | FsType::Bcache | FsType::CephBluestore | FsType::ZfsMember)
     }
 }
 
@@ -50,6 +165,16 @@ pub struct Filesystem {
     pub uuid: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// This device's own id where `uuid` names the whole set (blkid's
+    /// UUID_SUB: an md member's device UUID, a ZFS vdev's guid).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid_sub: Option<String>,
+}
+
+impl Filesystem {
+    fn new(fstype: FsType, uuid: Option<String>, label: Option<String>) -> Self {
+        Self { fstype, uuid, label, uuid_sub: None }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -93,11 +218,29 @@ pub struct Content {
     pub table: Option<PartitionTable>,
 }
 
-/// Probes `buf`, the first bytes of a device whose logical block size is
+/// Probes `buf` as a whole device whose logical block size is
 /// `logical_block` (where a GPT header lives).
 pub fn probe(buf: &[u8], logical_block: u32) -> Content {
-    let filesystem = luks(buf).or_else(|| xfs(buf)).or_else(|| ext(buf)).or_else(|| btrfs(buf)).or_else(|| swap(buf));
-    let table = gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| mbr(buf));
+    probe_sample(&Sample::whole(buf), logical_block)
+}
+
+/// Probes what [`read_plan`] read from a device. Members (md, LVM, bcache,
+/// BlueStore, ZFS) come first: an md 1.0 mirror half also holds the
+/// filesystem of the array at offset 0, and it is the membership that makes
+/// the device busy. A FAT or NTFS boot sector ends in 0x55AA like an MBR; when
+/// one is found there is no MBR.
+pub fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
+    let buf = s.head();
+    let filesystem = members::probe(s)
+        .or_else(|| luks(buf))
+        .or_else(|| xfs(buf))
+        .or_else(|| ext(buf))
+        .or_else(|| btrfs(buf))
+        .or_else(|| fs::probe(buf))
+        .or_else(|| swap(buf));
+    let boot_sector = filesystem.as_ref().is_some_and(|f| matches!(f.fstype, FsType::Vfat | FsType::Ntfs));
+    let table =
+        gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| if boot_sector { None } else { mbr(buf) });
     Content { filesystem, table }
 }
 
@@ -115,6 +258,9 @@ fn le64(buf: &[u8], at: usize) -> Option<u64> {
 }
 fn be16(buf: &[u8], at: usize) -> Option<u16> {
     bytes(buf, at).map(u16::from_be_bytes)
+}
+fn be32(buf: &[u8], at: usize) -> Option<u32> {
+    bytes(buf, at).map(u32::from_be_bytes)
 }
 
 /// A NUL-padded label; `None` when empty.
@@ -160,14 +306,14 @@ fn ext(buf: &[u8]) -> Option<Filesystem> {
     } else {
         FsType::Ext2
     };
-    Some(Filesystem { fstype, uuid: uuid(bytes(buf, SB + 0x68)?), label: label(buf.get(SB + 0x78..SB + 0x88)?) })
+    Some(Filesystem::new(fstype, uuid(bytes(buf, SB + 0x68)?), label(buf.get(SB + 0x78..SB + 0x88)?)))
 }
 
 fn xfs(buf: &[u8]) -> Option<Filesystem> {
     if buf.get(0..4)? != b"XFSB" {
         return None;
     }
-    Some(Filesystem { fstype: FsType::Xfs, uuid: uuid(bytes(buf, 32)?), label: label(buf.get(108..120)?) })
+    Some(Filesystem::new(FsType::Xfs, uuid(bytes(buf, 32)?), label(buf.get(108..120)?)))
 }
 
 fn btrfs(buf: &[u8]) -> Option<Filesystem> {
@@ -175,7 +321,7 @@ fn btrfs(buf: &[u8]) -> Option<Filesystem> {
     if buf.get(SB + 0x40..SB + 0x48)? != b"_BHRfS_M" {
         return None;
     }
-    Some(Filesystem { fstype: FsType::Btrfs, uuid: uuid(bytes(buf, SB + 0x20)?), label: label(buf.get(SB + 0x12B..SB + 0x22B)?) })
+    Some(Filesystem::new(FsType::Btrfs, uuid(bytes(buf, SB + 0x20)?), label(buf.get(SB + 0x12B..SB + 0x22B)?)))
 }
 
 fn swap(buf: &[u8]) -> Option<Filesystem> {
@@ -184,7 +330,7 @@ fn swap(buf: &[u8]) -> Option<Filesystem> {
         [4096usize, 8192, 16384, 65536].into_iter().find(|&p| matches!(buf.get(p - 10..p), Some(b"SWAPSPACE2") | Some(b"SWAP-SPACE")))?;
     let v1 = buf.get(page - 10..page) == Some(b"SWAPSPACE2");
     let (uuid_, label_) = if v1 { (uuid(bytes(buf, 1036)?), label(buf.get(1052..1068)?)) } else { (None, None) };
-    Some(Filesystem { fstype: FsType::Swap, uuid: uuid_, label: label_ })
+    Some(Filesystem::new(FsType::Swap, uuid_, label_))
 }
 
 fn luks(buf: &[u8]) -> Option<Filesystem> {
@@ -194,7 +340,7 @@ fn luks(buf: &[u8]) -> Option<Filesystem> {
     let version = be16(buf, 6)?;
     let uuid_ = label(buf.get(168..208)?);
     let label_ = if version == 2 { label(buf.get(24..72)?) } else { None };
-    Some(Filesystem { fstype: FsType::Luks, uuid: uuid_, label: label_ })
+    Some(Filesystem::new(FsType::Luks, uuid_, label_))
 }
 
 /// Most entries a GPT may declare before the probe calls it hostile; real
@@ -361,5 +507,107 @@ mod tests {
         assert_eq!((t.partitions[0].number, t.partitions[0].type_id.as_str()), (2, "0x83"));
         b[446] = 0x29; // not a boot flag
         assert_eq!(probe(&b, 512).table, None);
+    }
+
+    #[test]
+    fn read_plan_is_two_reads_within_budget_and_covers_the_tail_signatures() {
+        for size in [0u64, 511, 4096, 300 << 10, 1 << 20, (64 << 20) + 12345 * 512, 1 << 40, u64::MAX >> 1] {
+            let plan = read_plan(size);
+            assert!(plan.len() <= 2, "{size}: {plan:?}");
+            assert!(plan.iter().map(|&(_, l)| l).sum::<usize>() <= READ_BUDGET, "{size}: {plan:?}");
+            assert!(plan.iter().all(|&(o, l)| o + l as u64 <= size), "{size}: {plan:?}");
+            let covered = |at: u64, len: u64| plan.iter().any(|&(o, l)| o <= at && at + len <= o + l as u64);
+            if size >= 1 << 20 {
+                let md090 = (size & !0xFFFF) - 0x10000;
+                let md10 = (((size >> 9) - 16) & !7) << 9;
+                let zfs_l2 = size - 2 * (256 << 10) - size % (256 << 10);
+                assert!(covered(md090, 4096) && covered(md10, 4096) && covered(zfs_l2, 512 << 10), "{size}: {plan:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sample_only_answers_from_what_was_read() {
+        let head = [1u8; 8];
+        let tail = [2u8; 8];
+        let mut s = Sample::new(100);
+        s.add(0, &head);
+        s.add(92, &tail);
+        assert_eq!(s.at(0, 8), Some(&head[..]));
+        assert_eq!(s.at(94, 6), Some(&tail[2..]));
+        assert_eq!(s.at(4, 8), None, "spans a gap");
+        assert_eq!(s.at(96, 8), None, "past the end");
+        assert_eq!(s.at(u64::MAX, 2), None);
+        assert!(!s.all_zero());
+    }
+
+    #[test]
+    fn fat_boot_sector_is_vfat_not_an_mbr() {
+        let mut b = vec![0u8; 64 << 10];
+        b[0..3].copy_from_slice(&[0xEB, 0x3C, 0x90]);
+        b[11..13].copy_from_slice(&512u16.to_le_bytes());
+        b[13] = 4;
+        b[14..16].copy_from_slice(&4u16.to_le_bytes());
+        b[16] = 2;
+        b[17..19].copy_from_slice(&512u16.to_le_bytes());
+        b[0x15] = 0xF8;
+        b[22..24].copy_from_slice(&32u16.to_le_bytes());
+        b[0x26] = 0x29;
+        b[0x27..0x2B].copy_from_slice(&0x1A2B_3C4Du32.to_le_bytes());
+        b[0x2B..0x36].copy_from_slice(b"BOOTLABEL  ");
+        b[0x36..0x3E].copy_from_slice(b"FAT16   ");
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        let c = probe(&b, 512);
+        assert_eq!(c.table, None);
+        let fs = c.filesystem.expect("vfat");
+        assert_eq!((fs.fstype, fs.uuid.as_deref(), fs.label.as_deref()), (FsType::Vfat, Some("1A2B-3C4D"), Some("BOOTLABEL")));
+        // The root directory's volume entry wins over the boot sector's.
+        let root = (4 + 2 * 32) * 512;
+        b[root..root + 11].copy_from_slice(b"DIRLABEL   ");
+        b[root + 11] = 0x08;
+        assert_eq!(probe(&b, 512).filesystem.and_then(|f| f.label).as_deref(), Some("DIRLABEL"));
+        b[0x15] = 0x12; // not a media byte: a boot loader, not FAT
+        assert_eq!(probe(&b, 512).filesystem, None);
+        assert_eq!(probe(&b, 512).table.map(|t| t.table), Some(TableType::Mbr));
+    }
+
+    #[test]
+    fn lvm_label_needs_its_crc_and_sector() {
+        let mut b = vec![0u8; 4096];
+        let at = 512;
+        b[at..at + 8].copy_from_slice(b"LABELONE");
+        b[at + 8..at + 16].copy_from_slice(&1u64.to_le_bytes());
+        b[at + 20..at + 24].copy_from_slice(&32u32.to_le_bytes());
+        b[at + 24..at + 32].copy_from_slice(b"LVM2 001");
+        b[at + 32..at + 64].copy_from_slice(b"abcdefGHIJklmnOPQRstuvWXYZ012345");
+        assert_eq!(probe(&b, 512).filesystem, None, "no CRC");
+        let crc = members::lvm_crc(&b[at + 20..at + 512]);
+        b[at + 16..at + 20].copy_from_slice(&crc.to_le_bytes());
+        let fs = probe(&b, 512).filesystem.expect("pv");
+        assert_eq!((fs.fstype, fs.uuid.as_deref()), (FsType::Lvm2Member, Some("abcdef-GHIJ-klmn-OPQR-stuv-WXYZ-012345")));
+        b[at + 8] = 2; // names another sector
+        assert_eq!(probe(&b, 512).filesystem, None);
+    }
+
+    /// Found by the fuzz target: an NTFS boot sector cut short after the
+    /// reserved-sectors field indexed past the buffer.
+    #[test]
+    fn every_prefix_of_an_ntfs_boot_sector_probes_without_panic() {
+        let mut b = vec![0u8; 512];
+        b[0..3].copy_from_slice(&[0xEB, 0x52, 0x90]);
+        b[3..11].copy_from_slice(b"NTFS    ");
+        b[11..13].copy_from_slice(&512u16.to_le_bytes());
+        b[13] = 8;
+        b[0x40] = 0xF6;
+        b[0x48..0x50].copy_from_slice(&0x638635D437BC0010u64.to_le_bytes());
+        b[510] = 0x55;
+        b[511] = 0xAA;
+        let full = probe(&b, 512);
+        assert_eq!(full.filesystem.map(|f| (f.fstype, f.uuid)), Some((FsType::Ntfs, Some("638635D437BC0010".to_string()))));
+        assert_eq!(full.table, None, "an NTFS boot sector is not an MBR");
+        for len in 0..b.len() {
+            let _ = probe(&b[..len], 512);
+        }
     }
 }

@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::devices::probe::{probe, PROBE_LEN};
+use crate::devices::probe::{probe_sample, read_plan, Sample};
 
 use super::{run, Error};
 
@@ -77,9 +77,16 @@ pub enum Content {
     Other(String),
 }
 
-/// Classifies the first [`PROBE_LEN`] bytes of a device (pure).
+/// Classifies the first [`PROBE_LEN`](crate::devices::probe::PROBE_LEN) bytes of a device (pure), as if they
+/// were all of it.
 pub fn classify(head: &[u8]) -> Content {
-    let found = probe(head, 512);
+    classify_sample(&Sample::whole(head))
+}
+
+/// Classifies what [`read_plan`] read from a device (pure): blank only when
+/// no signature matched and every byte read, head and tail, is zero.
+pub fn classify_sample(sample: &Sample<'_>) -> Content {
+    let found = probe_sample(sample, 512);
     if let Some(fs) = found.filesystem {
         return match fs.fstype.as_str() {
             t @ ("ext2" | "ext3" | "ext4" | "xfs" | "btrfs") => Content::Filesystem(t),
@@ -89,26 +96,36 @@ pub fn classify(head: &[u8]) -> Content {
     if let Some(t) = found.table {
         return Content::Other(format!("a {:?} partition table", t.table).to_lowercase());
     }
-    if head.iter().all(|&b| b == 0) {
+    if sample.all_zero() {
         Content::Blank
     } else {
         Content::Other("data of an unknown kind".to_string())
     }
 }
 
-/// Reads and classifies the start of `device`.
+/// Reads and classifies the start and the end of `device` (md 0.90/1.0
+/// superblocks and ZFS labels live at the end).
 pub fn probe_device(device: &Path) -> Result<Content, Error> {
     let f = File::open(device).map_err(Error::io("open for probe", device))?;
-    let mut head = vec![0u8; PROBE_LEN];
-    let mut got = 0;
-    while got < head.len() {
-        match f.read_at(&mut head[got..], got as u64).map_err(Error::io("read for probe", device))? {
-            0 => break,
-            n => got += n,
+    let size = std::io::Seek::seek(&mut &f, std::io::SeekFrom::End(0)).map_err(Error::io("size for probe", device))?;
+    let mut bufs = Vec::new();
+    for (offset, len) in read_plan(size) {
+        let mut buf = vec![0u8; len];
+        let mut got = 0;
+        while got < buf.len() {
+            match f.read_at(&mut buf[got..], offset + got as u64).map_err(Error::io("read for probe", device))? {
+                0 => break,
+                n => got += n,
+            }
         }
+        buf.truncate(got);
+        bufs.push((offset, buf));
     }
-    head.truncate(got);
-    Ok(classify(&head))
+    let mut sample = Sample::new(size);
+    for (offset, buf) in &bufs {
+        sample.add(*offset, buf);
+    }
+    Ok(classify_sample(&sample))
 }
 
 pub fn format(kind: FsKind, device: &Path) -> Result<(), Error> {
@@ -191,6 +208,7 @@ pub fn can_resize_ext4() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::probe::PROBE_LEN;
 
     #[test]
     fn formats_only_blank_devices() {
