@@ -155,7 +155,8 @@ fn kustomizations_name_files_that_exist() -> Result<(), Failed> {
     for dir in [root(), root().join("monitoring")] {
         let text = std::fs::read_to_string(dir.join("kustomization.yaml"))?;
         let k: Value = serde_saphyr::from_str(&text).map_err(|e| e.to_string())?;
-        let mut named: Vec<String> = k["resources"].as_array().ok_or("resources")?.iter().filter_map(|r| r.as_str().map(String::from)).collect();
+        let mut named: Vec<String> =
+            k["resources"].as_array().ok_or("resources")?.iter().filter_map(|r| r.as_str().map(String::from)).collect();
         for g in k["configMapGenerator"].as_array().into_iter().flatten() {
             named.extend(g["files"].as_array().into_iter().flatten().filter_map(|f| f.as_str().map(String::from)));
         }

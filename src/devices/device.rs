@@ -290,7 +290,7 @@ mod tests {
         assert_eq!(id_unread(&lo, None), None, "nothing unread: the loop id stands");
         lo.probe_error = Some("open /dev/loop0: Permission denied".into());
         assert!(id_unread(&lo, None).is_some_and(|w| w.contains("Permission denied")));
-        lo.content.filesystem = Some(Filesystem { fstype: FsType::Ext4, uuid: Some("u".into()), label: None });
+        lo.content.filesystem = Some(Filesystem { fstype: FsType::Ext4, uuid: Some("u".into()), label: None, uuid_sub: None });
         assert_eq!(id_unread(&lo, None), None, "a UUID read ranks above the loop id");
 
         let mut vda = bare("vda", DeviceKind::Virtio);
