@@ -131,6 +131,7 @@ enum Command {
     /// storagenodes (sn, volumes). From the cluster with --kube or in a
     /// pod, else from the node's store.
     Get {
+        /// blockdevices (bd), storagenodes (sn) or volumes.
         resource: String,
         /// json, yaml or wide (default: a table).
         #[arg(short = 'o', long = "output")]
@@ -223,6 +224,7 @@ enum NbdCommand {
     },
     /// Disconnect /dev/nbdN.
     Detach {
+        /// The device to disconnect: /dev/nbdINDEX.
         #[arg(long)]
         index: u32,
         /// Refuse unless the device carries this backend identifier.
@@ -231,8 +233,10 @@ enum NbdCommand {
     },
     /// The kernel's nbd devices: connected, backend, size.
     Status {
+        /// Only /dev/nbdINDEX (default: every nbd device).
         #[arg(long)]
         index: Option<u32>,
+        /// One JSON document instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -493,9 +497,11 @@ struct WatchArgs {
     mount_namespace: Option<std::path::PathBuf>,
     /// Microseconds the mount watcher gathers events before handling them
     /// (a storm costs one ring turn per window; 0: one per event). Adds up
-    /// to about this much latency to a change.
-    #[arg(long, value_name = "US", default_value_t = 1000)]
-    mount_batch_us: u64,
+    /// to about this much latency to a change. Default: 1000 for
+    /// `mounts --watch`; 0 for `node`, whose reconciler still decides some
+    /// repairs from the table and must see a change at once (see README).
+    #[arg(long, value_name = "US", env = "VOLRING_MOUNT_BATCH_US")]
+    mount_batch_us: Option<u64>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -526,7 +532,7 @@ impl WatchArgs {
                 IoArg::Epoll => BackendChoice::Epoll,
             },
             namespace: self.mount_namespace.clone(),
-            batch_window: std::time::Duration::from_micros(self.mount_batch_us),
+            batch_window: std::time::Duration::from_micros(self.mount_batch_us.unwrap_or(1000)),
             ..WatchConfig::default()
         }
     }
@@ -568,7 +574,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
             };
             let config = volring::agent::AgentConfig {
-                mounts: watch.config(),
+                mounts: WatchConfig { batch_window: std::time::Duration::from_micros(watch.mount_batch_us.unwrap_or(0)), ..watch.config() },
                 devices: ScanConfig { io: watch.config().backend, ..scan.config() },
                 stats: CollectorConfig {
                     interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),

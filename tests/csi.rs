@@ -443,7 +443,7 @@ fn condition_and_repair() -> Result<(), Failed> {
     check(abnormal, "a vanished mount is abnormal")?;
     a.stage("pvc-c", &staging, mount_cap(""))?;
     let s = a.stats("pvc-c", &staging)?;
-    check(s.volume_condition.is_some_and(|c| !c.abnormal), "stage repaired the mount")?;
+    check(s.volume_condition.as_ref().is_some_and(|c| !c.abnormal), format!("stage repaired the mount: {:?}", s.volume_condition))?;
     a.unstage("pvc-c", &staging)?;
     all_gone(&a)
 }

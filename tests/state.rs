@@ -126,7 +126,12 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
         a.stats("pvc-sh", &staging4).ok().and_then(|s| s.volume_condition).is_some_and(|c| c.abnormal && c.message.contains("covered"))
     });
     let under = mounts_under(Path::new(&staging4));
-    common::umount(&parent);
+    // The agent looks at the covered path (through a descriptor) each time
+    // it declines the repair, so the shadow can be busy for a moment; a
+    // descriptor it kept would keep it busy and fail here.
+    let gone =
+        eventually(Duration::from_secs(5), || rustix::mount::unmount(parent.as_path(), rustix::mount::UnmountFlags::empty()).is_ok());
+    check(gone, format!("the shadowing tmpfs stayed busy: {}", parent.display()))?;
     check(refused && under.is_empty(), format!("repair under a shadowing mount: reported {refused}, mounts {under:?}"))?;
     let back = eventually(Duration::from_secs(20), || mounts_under(Path::new(&staging4)).len() == 1);
     check(back, "repaired once the shadow is gone")?;

@@ -142,6 +142,15 @@ pub fn assess(rec: &StagedVolume, actual: &VolumeActual) -> (Vec<Drift>, Action)
     (drift, if repairable { Action::Restage } else { Action::None })
 }
 
+/// What a caller proved of a volume just now, through a descriptor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Proven {
+    /// The staging path holds a mount of the volume's own device.
+    pub staging: bool,
+    /// The volume's device is attached (a path holds a mount of it).
+    pub device: bool,
+}
+
 /// The reconciler's verdict on one volume, as published and stored.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeHealth {
@@ -180,8 +189,22 @@ impl VolumeHealth {
     /// mount, an unfinished operation, a failed repair — leaving out its
     /// targets (a question about a target is answered for that target).
     pub fn volume_problem(&self) -> Option<String> {
+        self.volume_problem_beside(Proven::default())
+    }
+
+    /// [`Self::volume_problem`] less what a caller has just proven by
+    /// descriptor: a verdict is as old as the last mount event the
+    /// reconciler saw, and a stage that re-mounted the volume a moment ago
+    /// must not be reported as "staging mount gone" until that event lands.
+    pub fn volume_problem_beside(&self, proven: Proven) -> Option<String> {
+        let stale = |d: &Drift| match d {
+            Drift::StagingMissing | Drift::StagingForeign => proven.staging,
+            Drift::DeviceDetached => proven.device,
+            Drift::TargetMissing { .. } | Drift::TargetForeign { .. } => true,
+            Drift::Interrupted { .. } => false,
+        };
         let whole = VolumeHealth {
-            drift: self.drift.iter().filter(|d| !matches!(d, Drift::TargetMissing { .. } | Drift::TargetForeign { .. })).cloned().collect(),
+            drift: self.drift.iter().filter(|d| !stale(d)).cloned().collect(),
             last_repair: None,
             repair_error: self.repair_error.clone(),
         };

@@ -108,17 +108,29 @@ pub fn classify_sample(sample: &Sample<'_>) -> Content {
 pub fn probe_device(device: &Path) -> Result<Content, Error> {
     let f = File::open(device).map_err(Error::io("open for probe", device))?;
     let size = std::io::Seek::seek(&mut &f, std::io::SeekFrom::End(0)).map_err(Error::io("size for probe", device))?;
+    // A device that reads as nothing is not a blank device: a loop device
+    // being torn down (detached while mounted, cleared at the unmount)
+    // reports size 0 and short reads for a moment, and "blank" is the one
+    // answer that leads to mkfs. Only a device read in full can be blank.
+    if size == 0 {
+        return Err(Error::Precondition(format!("{} reports a size of 0 (being detached?); not probed", device.display())));
+    }
     let mut bufs = Vec::new();
     for (offset, len) in read_plan(size) {
         let mut buf = vec![0u8; len];
         let mut got = 0;
         while got < buf.len() {
             match f.read_at(&mut buf[got..], offset + got as u64).map_err(Error::io("read for probe", device))? {
-                0 => break,
+                0 => {
+                    return Err(Error::Precondition(format!(
+                        "{} ended at {} while {size} bytes were reported (being detached?); not probed",
+                        device.display(),
+                        offset + got as u64
+                    )))
+                }
                 n => got += n,
             }
         }
-        buf.truncate(got);
         bufs.push((offset, buf));
     }
     let mut sample = Sample::new(size);
@@ -209,6 +221,19 @@ pub fn can_resize_ext4() -> bool {
 mod tests {
     use super::*;
     use crate::devices::probe::PROBE_LEN;
+
+    #[test]
+    fn a_device_that_reads_as_nothing_is_never_blank() {
+        // A loop device being cleared reports size 0: "blank" would mean
+        // mkfs over a volume's data once it is attached again.
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(matches!(probe_device(&empty), Err(Error::Precondition(_))), "{:?}", probe_device(&empty));
+        let zeros = dir.path().join("zeros");
+        std::fs::File::create(&zeros).unwrap().set_len(1 << 20).unwrap();
+        assert_eq!(probe_device(&zeros).unwrap(), Content::Blank);
+    }
 
     #[test]
     fn formats_only_blank_devices() {
