@@ -94,10 +94,8 @@ fn suite_passes_on_6_1(name: &'static str) -> Result<(), Failed> {
 
 fn main() {
     let args = Arguments::from_args();
-    let mut trials = vec![
-        Trial::test("boot::modprobe_nbd", boots_and_loads_nbd),
-        Trial::test("harness::hung_guest_is_killed", hung_guest_is_killed),
-    ];
+    let mut trials =
+        vec![Trial::test("boot::modprobe_nbd", boots_and_loads_nbd), Trial::test("harness::hung_guest_is_killed", hung_guest_is_killed)];
     for &name in SUITES {
         trials.push(Trial::test(format!("guest::{name}"), move || suite_passes_on_6_1(name)));
     }

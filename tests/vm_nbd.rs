@@ -47,7 +47,11 @@ fn kill_and_reattach_two_connections() {
 /// can tell a working reattach from a broken one.
 #[test]
 fn without_reattach_the_writer_fails() {
-    smoke("vm_nbd::without_reattach_the_writer_fails", 2, &[("CONNS", "2"), ("NO_REATTACH", "1"), ("DEAD_CONN_TIMEOUT", "3"), ("KILL_AT", "8")]);
+    smoke(
+        "vm_nbd::without_reattach_the_writer_fails",
+        2,
+        &[("CONNS", "2"), ("NO_REATTACH", "1"), ("DEAD_CONN_TIMEOUT", "3"), ("KILL_AT", "8")],
+    );
 }
 
 /// One ring serving two connections, 64 MiB of kernel writes (the setup

@@ -28,6 +28,8 @@ pub struct CsiConfig {
     pub max_volumes: i64,
     /// Attach loop devices with direct I/O when the pool allows it.
     pub direct_io: bool,
+    /// How `attach: nbd` volumes are attached and healed.
+    pub nbd: super::nbd::NbdAttachConfig,
 }
 
 impl CsiConfig {
@@ -41,6 +43,7 @@ impl CsiConfig {
             node_id,
             max_volumes: 0,
             direct_io: true,
+            nbd: Default::default(),
         }
     }
 }
@@ -77,6 +80,8 @@ pub struct Driver {
     /// Calls running now; a stopping agent waits for them, not for idle
     /// connections (kubelet never closes its own).
     pub(super) in_flight: AtomicUsize,
+    /// The nbd devices this agent serves (`attach: nbd` volumes).
+    pub(super) nbd: super::nbd::NbdSide,
 }
 
 impl Driver {
@@ -89,6 +94,7 @@ impl Driver {
             .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
+        let config_nbd = config.nbd.clone();
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         Ok(Arc::new(Self {
@@ -102,6 +108,7 @@ impl Driver {
             ready,
             health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
+            nbd: super::nbd::NbdSide::new(config_nbd),
         }))
     }
 

@@ -33,6 +33,37 @@ pub enum AccessKind {
     Mount { fs_type: String, flags: Vec<String> },
 }
 
+/// What puts the volume's image on a block device: a loop device (the
+/// default, and what every record from before the choice existed means) or
+/// the kernel's nbd driver served by the agent's own NBD server, which lets
+/// the agent restart under a mounted filesystem (the device queues I/O
+/// until the restarted agent gives it fresh sockets).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachKind {
+    #[default]
+    Loop,
+    Nbd,
+}
+
+impl AttachKind {
+    /// The StorageClass parameter's value (`attach: loop|nbd`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "loop" => Some(Self::Loop),
+            "nbd" => Some(Self::Nbd),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Loop => "loop",
+            Self::Nbd => "nbd",
+        }
+    }
+}
+
 /// How far a stage got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -63,6 +94,14 @@ pub struct StagedVolume {
     pub phase: StagePhase,
     #[serde(default)]
     pub loop_number: Option<u32>,
+    /// How the image is attached; `loop_number` is used for loop devices,
+    /// `nbd_index` for nbd devices.
+    #[serde(default)]
+    pub attach: AttachKind,
+    /// The `/dev/nbdN` serving the volume, once the kernel picked it (its
+    /// backend identifier is the volume id, checked before any use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_index: Option<u32>,
     /// Published target paths, each with whether it is read-only.
     #[serde(default)]
     pub published: BTreeMap<PathBuf, bool>,
@@ -355,6 +394,8 @@ mod tests {
             read_only: false,
             phase: StagePhase::Attaching,
             loop_number: None,
+            attach: AttachKind::Loop,
+            nbd_index: None,
             published: BTreeMap::new(),
         };
         recs.put(&r).unwrap();
