@@ -12,7 +12,7 @@ use super::Driver;
 use crate::state::actual::Action;
 use crate::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
 use crate::volumes::filesystem::FsKind;
-use crate::volumes::{attach, AccessKind, MountOptions, StagePhase, StagedVolume};
+use crate::volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
 
 /// The driver, as the reconciler sees it.
 pub struct DriverVolumes(pub Arc<Driver>);
@@ -125,6 +125,14 @@ impl DriverVolumes {
         // Never a second device on one image: a device serving the image
         // that the record does not name is not volring's to mount over.
         let named = attach::of_record(&rec);
+        if named.is_none() && rec.phase == StagePhase::Staged && rec.attach == AttachKind::Nbd {
+            if let Some(n) = attach::nbd_backed_by(&rec.volume_id).first() {
+                return Err(super::Error::FailedPrecondition(format!(
+                    "/dev/nbd{n} carries the volume id but the record names {:?}; not attaching a second device",
+                    rec.nbd_index
+                )));
+            }
+        }
         if named.is_none() && rec.phase == StagePhase::Staged {
             if let Some(other) = attach::find_backed_by(&rec.image).first() {
                 return Err(super::Error::FailedPrecondition(format!(

@@ -108,6 +108,14 @@ pub struct StagedVolume {
 }
 
 impl StagedVolume {
+    /// The kernel's name of the device the record names (`loop3`, `nbd0`).
+    pub fn device_name(&self) -> Option<String> {
+        match self.attach {
+            AttachKind::Loop => self.loop_number.map(|n| format!("loop{n}")),
+            AttachKind::Nbd => self.nbd_index.map(|n| format!("nbd{n}")),
+        }
+    }
+
     /// For block volumes, the file under the staging directory the device is
     /// bound onto; for mount volumes, the staging directory itself.
     pub fn staged_at(&self) -> PathBuf {
@@ -381,6 +389,29 @@ fn quarantine_file(dir: &Path, name: &str, reason: &str) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attach_kind_defaults_to_loop_and_round_trips() {
+        // A record written before the attach kind existed is a loop volume.
+        let old = br#"{"volume_id":"v","image":"/p/v.img","staging_path":"/k/s","access":{"kind":"block"},
+            "read_only":false,"phase":"staged","loop_number":4}"#;
+        let r = decode(old, "v").unwrap();
+        assert_eq!((r.attach, r.nbd_index, r.device_name().as_deref()), (AttachKind::Loop, None, Some("loop4")));
+        let mut n = r.clone();
+        n.attach = AttachKind::Nbd;
+        n.loop_number = None;
+        n.nbd_index = Some(2);
+        let bytes = serde_json::to_vec(&n).unwrap();
+        assert!(String::from_utf8_lossy(&bytes).contains(r#""attach":"nbd","nbd_index":2"#));
+        assert_eq!(decode(&bytes, "v").unwrap(), n);
+        assert_eq!(n.device_name().as_deref(), Some("nbd2"));
+        // A loop record carries no nbd_index field at all.
+        assert!(!String::from_utf8_lossy(&serde_json::to_vec(&r).unwrap()).contains("nbd_index"));
+        assert_eq!(AttachKind::parse("nbd"), Some(AttachKind::Nbd));
+        assert_eq!(AttachKind::parse("loop"), Some(AttachKind::Loop));
+        assert_eq!(AttachKind::parse("NBD"), None);
+        assert_eq!(AttachKind::parse(""), None);
+    }
 
     #[test]
     fn survives_reopen() {

@@ -169,7 +169,7 @@ fn read_store(path: &Path, no_agent: bool, out: &mut StatusReport) -> Result<(),
 fn staged_status(r: staged::StagedVolume, health: Option<serde_json::Value>) -> StagedStatus {
     StagedStatus {
         attached: attach::of_record(&r).is_some(),
-        device: r.loop_number.map(|n| PathBuf::from(format!("/dev/loop{n}"))),
+        device: r.device_name().map(|n| PathBuf::from(format!("/dev/{n}"))),
         access: match &r.access {
             AccessKind::Block => "block".into(),
             AccessKind::Mount { fs_type, .. } => fs_type.clone(),

@@ -12,7 +12,7 @@
 # short dead-connection timeout) and the writer must see the errors.
 #
 # Environment: VOLRING (the binary), CYCLES (default 5), FILE_KIB (default
-# 256), PER_CYCLE (files written between kills, default 6), DOWN (seconds
+# 256), PER_CYCLE (files written between kills, default 4), DOWN (seconds
 # the agent stays dead, default 1), DCT (--nbd-dead-conn-timeout, default
 # 120; 4 in the control). Results in $VM_RESULTS.
 
@@ -20,7 +20,7 @@ set -u
 : "${VOLRING:?}" "${VM_RESULTS:?}"
 CYCLES=${CYCLES:-5}
 FILE_KIB=${FILE_KIB:-256}
-PER_CYCLE=${PER_CYCLE:-6}
+PER_CYCLE=${PER_CYCLE:-4}
 DOWN=${DOWN:-1}
 NO_HEAL=${NO_HEAL:-0}
 if [ "$NO_HEAL" = 1 ]; then DCT=${DCT:-4}; else DCT=${DCT:-120}; fi
@@ -123,12 +123,14 @@ while [ $c -le "$CYCLES" ]; do
   kill -9 $agent
   t_kill=$(now)
   wait $agent 2>/dev/null
-  before=$(wc -l <"$R/writes")
   sleep "$DOWN"
   start_agent
   grep -q "nbd device reconnected" "$R/agent$n_agent.err" || fail "cycle $c: the healer did not reconnect: $(tail -5 "$R/agent$n_agent.err")"
+  # The writer resumes: a write completed after the new agent started (a
+  # write that completed before the kill may be logged a moment later, so
+  # the completion time decides, not the line count).
   i=0
-  while [ "$(wc -l <"$R/writes")" -le "$before" ]; do
+  while [ -z "$(awk -v b="$t_start" '$3 >= b { print $3; exit }' "$R/writes")" ]; do
     i=$((i + 1))
     [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the restart"
     kill -0 $writer 2>/dev/null || break
@@ -136,9 +138,14 @@ while [ $c -le "$CYCLES" ]; do
   done
   t_resume=$(awk -v b="$t_start" '$3 >= b { print $3; exit }' "$R/writes")
   [ -n "$t_resume" ] || fail "cycle $c: no write completed after the restart: $(cat "$R/writer.err")"
-  # start: from exec of the new agent; ready: from its first ready Probe
-  # (negative when the writer resumed before the probe loop saw ready).
-  echo "cycle $c: down $(echo "$t_start - $t_kill" | bc) s, ready $(echo "$t_ready - $t_start" | bc) s after start, resumed $(echo "$t_resume - $t_start" | bc) s after start, $(echo "$t_resume - $t_ready" | bc) s after ready" | tee -a "$R/resume"
+  # When the healer gave the device its sockets, from the agent's own log.
+  ts=$(sed 's/\x1b\[[0-9;]*m//g' "$R/agent$n_agent.err" | grep "nbd device reconnected" | head -1 | cut -d' ' -f1)
+  t_heal=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the reconnect line: $ts"
+  # start: exec of the new agent; healed: its reconnect; ready: the probe
+  # loop's first ready answer (the CLI is slow under TCG, so it may come
+  # after the writer resumed).
+  echo "cycle $c: down $(echo "$t_start - $t_kill" | bc) s, healed $(echo "$t_heal - $t_start" | bc) s after start, resumed $(echo "$t_resume - $t_heal" | bc) s after the heal (probe ready $(echo "$t_ready - $t_start" | bc) s after start)" | tee -a "$R/resume"
+  echo "$(echo "$t_resume - $t_heal" | bc)" >>"$R/latency"
   c=$((c + 1))
 done
 
@@ -165,6 +172,52 @@ dmesg >"$R/dmesg"
 if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd; then
   fail "I/O errors in dmesg: $(grep -E 'I/O error|EXT4-fs error' "$R/dmesg" | head -5)"
 fi
+
+# Drift: the recorded device carries another backend identifier when the
+# agent comes back (its device was disconnected and reused meanwhile): the
+# healer reports it and does not touch it.
+csi stage --id pvc-heal --staging "$S" --fs ext4 >"$R/stage3.out" 2>&1 || fail "stage 3: $(cat "$R/stage3.out")"
+dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
+idx=${dev#/dev/nbd}
+kill -9 $agent
+wait $agent 2>/dev/null
+umount -l "$S"
+"$VOLRING" nbd detach --index "$idx" >"$R/detach.out" 2>&1 || fail "detach: $(cat "$R/detach.out")"
+truncate -s 64M /tmp/other.img
+"$VOLRING" nbd attach --export "other=/tmp/other.img" --backend-id intruder --index "$idx" --timeout 3 >"$R/intruder.out" 2>"$R/intruder.err" &
+intruder=$!
+i=0
+while ! grep -q '"attached"' "$R/intruder.out" 2>/dev/null; do
+  i=$((i + 1))
+  [ $i -gt 600 ] && fail "intruder: no attached line: $(cat "$R/intruder.err")"
+  kill -0 $intruder 2>/dev/null || fail "intruder exited: $(cat "$R/intruder.err")"
+  sleep 0.1
+done
+start_agent
+grep -q "carries another backend identifier" "$R/agent$n_agent.err" || fail "drift not reported: $(tail -5 "$R/agent$n_agent.err")"
+[ "$(cat /sys/block/nbd$idx/backend)" = intruder ] || fail "the healer touched /dev/nbd$idx: backend $(cat /sys/block/nbd$idx/backend)"
+"$VOLRING" nbd status --json >"$R/status.json"
+grep -q '"connected":true' "$R/status.json" || fail "the intruder's device lost its connection: $(cat "$R/status.json")"
+echo "drift: /dev/nbd$idx carrying 'intruder' reported and left alone" | tee -a "$R/resume"
+# The volume itself is re-staged from its record on another device (its
+# old one is not its own any more, and the staging path was left empty).
+i=0
+while :; do
+  now_dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | tail -1)
+  case "$now_dev" in /dev/nbd*) [ "$now_dev" != "$dev" ] && [ "$(cat /sys/block/${now_dev#/dev/}/backend 2>/dev/null)" = pvc-heal ] && break ;; esac
+  i=$((i + 1))
+  [ $i -gt 300 ] && fail "not re-staged after the drift: '$now_dev': $(tail -5 "$R/agent$n_agent.err")"
+  sleep 0.1
+done
+bad=0
+while read -r n sum _; do
+  [ "$(sha256sum <"$S/f$n" | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
+done <"$R/writes"
+[ $bad -eq 0 ] || fail "$bad files differ after the re-stage on $now_dev"
+echo "re-staged on $now_dev from the record, data verified" | tee -a "$R/resume"
+kill $intruder
 kill $agent
 wait $agent 2>/dev/null
+lat=$(sort -n "$R/latency" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f p90 %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[int(NR * 0.9 + 0.999)], v[NR], NR }')
+echo "writer resume after the heal: $lat" | tee -a "$R/resume"
 echo "ok: $FILES writes of $FILE_KIB KiB through $dev, $CYCLES kill -9/restart cycles healed, data verified after re-stage, e2fsck clean" | tee "$R/verdict"
