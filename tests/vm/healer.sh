@@ -66,12 +66,14 @@ name=${dev#/dev/}
 [ "$(cat /sys/block/$name/backend)" = pvc-heal ] || fail "backend is $(cat /sys/block/$name/backend)"
 echo "staged on $dev" >"$R/device"
 
-# The writer: one file at a time, each fsynced; a line per completed write.
-FILES=$(((CYCLES + 1) * PER_CYCLE))
+# The writer: one file at a time, each fsynced; a line per completed write;
+# until told to stop (at most MAXF files: 150 MiB of the 192 MiB volume).
+MAXF=$((150 * 1024 / FILE_KIB))
 : >"$R/writes"
+rm -f /tmp/stop-writer
 (
   i=1
-  while [ $i -le "$FILES" ]; do
+  while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
     head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
     if ! dd if=/tmp/src of="$S/f$i" bs=64k conv=fsync status=none 2>>"$R/writer.err"; then
       echo "write $i failed" >>"$R/writer.err"
@@ -110,16 +112,22 @@ if [ "$NO_HEAL" = 1 ]; then
   exit 0
 fi
 
-: >"$R/resume"
-c=1
-while [ $c -le "$CYCLES" ]; do
+# Waits (bounded) until PER_CYCLE more writes completed than $1.
+more_writes() {
   i=0
-  while [ "$(wc -l <"$R/writes")" -lt $((c * PER_CYCLE)) ]; do
+  while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
     i=$((i + 1))
-    [ $i -gt 3000 ] && fail "cycle $c: writer too slow ($(wc -l <"$R/writes") writes)"
-    kill -0 $writer 2>/dev/null || fail "writer died before kill $c: $(cat "$R/writer.err")"
+    [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
+    kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
     sleep 0.1
   done
+}
+
+: >"$R/resume"
+c=1
+done_writes=0
+while [ $c -le "$CYCLES" ]; do
+  more_writes $done_writes
   kill -9 $agent
   t_kill=$(now)
   wait $agent 2>/dev/null
@@ -146,11 +154,13 @@ while [ $c -le "$CYCLES" ]; do
   # after the writer resumed).
   echo "cycle $c: down $(echo "$t_start - $t_kill" | bc) s, healed $(echo "$t_heal - $t_start" | bc) s after start, resumed $(echo "$t_resume - $t_heal" | bc) s after the heal (probe ready $(echo "$t_ready - $t_start" | bc) s after start)" | tee -a "$R/resume"
   echo "$(echo "$t_resume - $t_heal" | bc)" >>"$R/latency"
+  done_writes=$(wc -l <"$R/writes")
   c=$((c + 1))
 done
-
+more_writes $done_writes
+touch /tmp/stop-writer
 wait $writer || fail "writer failed: $(cat "$R/writer.err")"
-[ "$(wc -l <"$R/writes")" -eq "$FILES" ] || fail "$(wc -l <"$R/writes") of $FILES writes"
+FILES=$(wc -l <"$R/writes")
 errors=$(cat /sys/fs/ext4/$name/errors_count 2>/dev/null || echo missing)
 [ "$errors" = 0 ] || fail "ext4 errors_count $errors"
 csi stats --id pvc-heal --path "$S" >"$R/stats.out" 2>&1
@@ -177,6 +187,7 @@ fi
 # agent comes back (its device was disconnected and reused meanwhile): the
 # healer reports it and does not touch it.
 csi stage --id pvc-heal --staging "$S" --fs ext4 >"$R/stage3.out" 2>&1 || fail "stage 3: $(cat "$R/stage3.out")"
+sync
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 idx=${dev#/dev/nbd}
 kill -9 $agent
@@ -215,9 +226,13 @@ while read -r n sum _; do
 done <"$R/writes"
 [ $bad -eq 0 ] || fail "$bad files differ after the re-stage on $now_dev"
 echo "re-staged on $now_dev from the record, data verified" | tee -a "$R/resume"
+# Nothing of ours left mounted on a device whose server is about to go
+# (the guest's shutdown would wait out the dead-connection timeout).
+csi unstage --id pvc-heal --staging "$S" >"$R/unstage3.out" 2>&1 || fail "unstage 3: $(cat "$R/unstage3.out")"
+"$VOLRING" nbd detach --index "$idx" --backend-id intruder >>"$R/detach.out" 2>&1 || fail "detach intruder: $(cat "$R/detach.out")"
 kill $intruder
 kill $agent
 wait $agent 2>/dev/null
 lat=$(sort -n "$R/latency" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f p90 %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[int(NR * 0.9 + 0.999)], v[NR], NR }')
 echo "writer resume after the heal: $lat" | tee -a "$R/resume"
-echo "ok: $FILES writes of $FILE_KIB KiB through $dev, $CYCLES kill -9/restart cycles healed, data verified after re-stage, e2fsck clean" | tee "$R/verdict"
+echo "ok: $FILES writes of $FILE_KIB KiB through /dev/$name, $CYCLES kill -9/restart cycles healed, data verified after re-stage, e2fsck clean" | tee "$R/verdict"
