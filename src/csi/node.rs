@@ -238,7 +238,7 @@ impl Driver {
     /// True when the staged volume is still what its record says: attached
     /// to its image and its own device mounted where it was staged.
     pub(super) fn stage_intact(&self, r: &StagedVolume) -> Result<bool> {
-        let Some(att) = attach::of_record(&r) else { return Ok(false) };
+        let Some(att) = attach::of_record(r) else { return Ok(false) };
         Ok(matches!(self.look(&r.staged_at(), Some(Expect::of(r, &att)))?, Found::Ours(_)))
     }
 
@@ -286,7 +286,7 @@ impl Driver {
     /// its record removed — each step a no-op when already done.
     pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
         let id = rec.volume_id.as_str();
-        let att = attach::of_record(&rec);
+        let att = attach::of_record(rec);
         let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();
         self.unmount_ours(id, &at, expect)?;

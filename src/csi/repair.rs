@@ -124,7 +124,7 @@ impl DriverVolumes {
         }
         // Never a second device on one image: a device serving the image
         // that the record does not name is not volring's to mount over.
-        let named = attach::of_record(&rec);
+        let named = attach::of_record(rec);
         if named.is_none() && rec.phase == StagePhase::Staged && rec.attach == AttachKind::Nbd {
             if let Some(n) = attach::nbd_backed_by(&rec.volume_id).first() {
                 return Err(super::Error::FailedPrecondition(format!(

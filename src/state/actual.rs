@@ -41,7 +41,7 @@ pub struct VolumeActual {
 
 /// Reads the actual state of the volume `rec` describes.
 pub fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
-    let device = attach::of_record(&rec);
+    let device = attach::of_record(rec);
     let staging = at_path(table, &rec.staged_at(), rec, device);
     let targets = rec.published.keys().map(|t| (t.clone(), at_path(table, t, rec, device))).collect();
     VolumeActual { device, staging, targets }
