@@ -26,7 +26,8 @@ fn healer(test: &str, env: &[(&str, &str)]) {
     vm.cpus = 2;
     let run = vm.run(&script, Duration::from_secs(1200)).expect("vm run");
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
+    let exited = run.console.lines().find(|l| l.contains("script exited")).unwrap_or("no exit line").trim().to_string();
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s; {exited})", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
     let agents: String = (1..=3).map(|i| format!("--- agent{i}.err (tail)\n{}\n", tail(&read(&format!("agent{i}.err")), 15))).collect();
     assert!(
         run.status == Some(0),
