@@ -31,10 +31,11 @@ fn healer(test: &str, env: &[(&str, &str)]) {
     let agents: String = (1..=3).map(|i| format!("--- agent{i}.err (tail)\n{}\n", tail(&read(&format!("agent{i}.err")), 15))).collect();
     assert!(
         run.status == Some(0),
-        "{test}:\n{}\n{agents}--- writer.err\n{}\n--- stats.out\n{}",
+        "{test}:\n{}\n{agents}--- writer.err\n{}\n--- stats.out\n{}\n--- agent threads\n{}",
         run.describe(),
         read("writer.err"),
-        read("stats.out")
+        read("stats.out"),
+        read("agent-threads")
     );
 }
 
@@ -48,7 +49,8 @@ fn tail(s: &str, n: usize) -> String {
 #[test]
 fn agent_restarts_under_a_writer() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
-    healer("vm_healer::agent_restarts_under_a_writer", &[("CYCLES", &cycles)]);
+    let conns = std::env::var("VOLRING_HEALER_CONNS").unwrap_or_else(|_| "1".into());
+    healer("vm_healer::agent_restarts_under_a_writer", &[("CYCLES", &cycles), ("CONNS", &conns)]);
 }
 
 /// The control: the same restart with the healer off (--nbd-no-heal) and a

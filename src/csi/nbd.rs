@@ -106,7 +106,10 @@ impl NbdSide {
         let control = NbdControl::open().map_err(unavailable)?;
         // Joined before any device is attached, so no notice is missed.
         let listener = if self.config.heal { Some(LinkDeadListener::open().map_err(unavailable)?) } else { None };
-        let server = NbdServer::start_unlistened(ServerConfig { threads: 1, ..ServerConfig::default() }, Arc::new(Exports::new()))
+        // A ring per connection of a device: one ring serving two
+        // connections stalls on 6.1 (the known bug in tests/vm_nbd.rs).
+        let threads = self.config.connections.max(1);
+        let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner { server, control: Mutex::new(control), live: Mutex::new(HashMap::new()) });
         if let Some(l) = listener {

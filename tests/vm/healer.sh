@@ -14,7 +14,8 @@
 # Environment: VOLRING (the binary), CYCLES (default 5), FILE_KIB (default
 # 256), PER_CYCLE (files written between kills, default 4), DOWN (seconds
 # the agent stays dead, default 1), DCT (--nbd-dead-conn-timeout, default
-# 120; 4 in the control). Results in $VM_RESULTS.
+# 120; 4 in the control), CONNS (--nbd-attach-connections, default 1).
+# Results in $VM_RESULTS.
 
 set -u
 : "${VOLRING:?}" "${VM_RESULTS:?}"
@@ -23,9 +24,18 @@ FILE_KIB=${FILE_KIB:-256}
 PER_CYCLE=${PER_CYCLE:-4}
 DOWN=${DOWN:-1}
 NO_HEAL=${NO_HEAL:-0}
+CONNS=${CONNS:-1}
 if [ "$NO_HEAL" = 1 ]; then DCT=${DCT:-4}; else DCT=${DCT:-120}; fi
 R=$VM_RESULTS
-fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
+# On failure, where the agent's threads wait (a hang shows here).
+dump_agent() {
+  [ -n "${agent:-}" ] && [ -d /proc/$agent ] || return 0
+  for t in /proc/$agent/task/*; do
+    echo "== $(cat $t/comm) $(cat $t/wchan 2>/dev/null)"
+    cat $t/stack 2>/dev/null | head -12
+  done >"$R/agent-threads" 2>&1
+}
+fail() { dump_agent; echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
 
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
@@ -43,7 +53,7 @@ start_agent() {
   [ "$NO_HEAL" = 1 ] && heal=--nbd-no-heal
   "$VOLRING" node --metrics-addr off --node-id vm --stats-interval 5 --csi-endpoint "$E" \
     --kubelet-root "$K" --state-dir /tmp/vr --nbd-dead-conn-timeout "$DCT" --nbd-request-timeout 3 \
-    $heal >"$R/agent$n_agent.out" 2>"$R/agent$n_agent.err" &
+    --nbd-attach-connections "$CONNS" $heal >"$R/agent$n_agent.out" 2>"$R/agent$n_agent.err" &
   agent=$!
   t_start=$(now)
   i=0
@@ -59,7 +69,7 @@ start_agent() {
 start_agent
 csi create --name pvc-heal --size 192M --param attach=nbd --param fsType=ext4 --fs ext4 >"$R/create.out" 2>&1 \
   || fail "create: $(cat "$R/create.out")"
-csi stage --id pvc-heal --staging "$S" --fs ext4 >"$R/stage.out" 2>&1 || fail "stage: $(cat "$R/stage.out")"
+timeout 120 "$VOLRING" csi --endpoint "$E" stage --id pvc-heal --staging "$S" --fs ext4 >"$R/stage.out" 2>&1 || fail "stage: $(cat "$R/stage.out")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "staged on '$dev', not an nbd device: $(cat /proc/mounts)" ;; esac
 name=${dev#/dev/}
