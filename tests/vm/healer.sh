@@ -200,10 +200,14 @@ csi stage --id pvc-heal --staging "$S" --fs ext4 >"$R/stage3.out" 2>&1 || fail "
 sync
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 idx=${dev#/dev/nbd}
+# Disconnected while its server still lives (a device whose connection is
+# already dead makes the disconnect wait out the dead-connection timeout),
+# then the agent killed; the repair the agent may try in between fails on
+# the staging mount of the old device, which is then lazily unmounted.
+"$VOLRING" nbd detach --index "$idx" >"$R/detach.out" 2>&1 || fail "detach: $(cat "$R/detach.out")"
 kill -9 $agent
 wait $agent 2>/dev/null
 umount -l "$S"
-"$VOLRING" nbd detach --index "$idx" >"$R/detach.out" 2>&1 || fail "detach: $(cat "$R/detach.out")"
 truncate -s 64M /tmp/other.img
 "$VOLRING" nbd attach --export "other=/tmp/other.img" --backend-id intruder --index "$idx" --timeout 3 >"$R/intruder.out" 2>"$R/intruder.err" &
 intruder=$!
