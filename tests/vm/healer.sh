@@ -74,6 +74,8 @@ dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "staged on '$dev', not an nbd device: $(cat /proc/mounts)" ;; esac
 name=${dev#/dev/}
 [ "$(cat /sys/block/$name/backend)" = pvc-heal ] || fail "backend is $(cat /sys/block/$name/backend)"
+sed 's/\x1b\[[0-9;]*m//g' "$R/agent1.err" | grep "nbd device connected" | grep -q "connections=$CONNS " \
+  || fail "not $CONNS connections: $(grep 'nbd device connected' "$R/agent1.err")"
 echo "staged on $dev" >"$R/device"
 
 # The writer: one file at a time, each fsynced; a line per completed write;
