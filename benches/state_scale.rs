@@ -51,6 +51,8 @@ fn record(i: usize) -> StagedVolume {
         phase: StagePhase::Staged,
         // Numbers no loop device has here: one failed sysfs read each.
         loop_number: Some(1_000_000 + i as u32),
+        attach: Default::default(),
+        nbd_index: None,
         published: BTreeMap::from([(PathBuf::from(format!("/var/lib/kubelet/pods/p{i}/volumes/kubernetes.io~csi/{id}/mount")), false)]),
         volume_id: id,
     }

@@ -364,6 +364,22 @@ struct CsiArgs {
     /// explains (and nothing mounts); without it they are only reported.
     #[arg(long, env = "VOLRING_REMOVE_ORPHANS")]
     remove_orphans: bool,
+    /// Seconds the kernel queues I/O of an `attach: nbd` volume while its
+    /// connection is dead (NBD_ATTR_DEAD_CONN_TIMEOUT): an agent restart
+    /// must fit in it.
+    #[arg(long, default_value_t = 120)]
+    nbd_dead_conn_timeout: u64,
+    /// Seconds before the kernel resends an unanswered request of an
+    /// `attach: nbd` volume (NBD_ATTR_TIMEOUT).
+    #[arg(long, default_value_t = 5)]
+    nbd_request_timeout: u64,
+    /// Connections (sockets) per `attach: nbd` device.
+    #[arg(long, default_value_t = 1)]
+    nbd_attach_connections: usize,
+    /// Do not reconnect nbd devices at start or on LINK_DEAD (shows what an
+    /// agent restart does to its nbd volumes without the healer).
+    #[arg(long, env = "VOLRING_NBD_NO_HEAL")]
+    nbd_no_heal: bool,
     /// Which service grows a volume's image: `controller`
     /// (ControllerExpandVolume, then NodeExpandVolume for the filesystem)
     /// or `node` (NodeExpandVolume does all of it on the volume's node;
@@ -404,6 +420,14 @@ impl CsiArgs {
         c.expansion = match self.expansion {
             ExpansionArg::Controller => volring::csi::Expansion::Controller,
             ExpansionArg::Node => volring::csi::Expansion::Node,
+        };
+        anyhow::ensure!(self.nbd_request_timeout >= 1, "--nbd-request-timeout must be at least 1 s");
+        anyhow::ensure!((1..=16).contains(&self.nbd_attach_connections), "--nbd-attach-connections: 1 to 16");
+        c.nbd = volring::csi::nbd::NbdAttachConfig {
+            dead_conn_timeout: std::time::Duration::from_secs(self.nbd_dead_conn_timeout),
+            request_timeout: std::time::Duration::from_secs(self.nbd_request_timeout),
+            connections: self.nbd_attach_connections,
+            heal: !self.nbd_no_heal,
         };
         Ok(Some(c))
     }

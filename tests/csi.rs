@@ -448,6 +448,36 @@ fn condition_and_repair() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// An ext4 that recorded an error (and, with the default errors=
+/// behaviour, may have shut itself down while /proc/mounts still says rw)
+/// is an abnormal volume, though its mount is where it should be.
+fn ext4_errors_are_abnormal() -> Result<(), Failed> {
+    let a = Agent::start();
+    a.create("pvc-err", 32 * MIB, "ext4")?;
+    let staging = a.k("plugins/stage/err");
+    a.stage("pvc-err", &staging, mount_cap("ext4"))?;
+    let s = a.stats("pvc-err", &staging)?;
+    check(s.volume_condition.as_ref().is_some_and(|c| !c.abnormal), format!("healthy at first: {:?}", s.volume_condition))?;
+    let loops = volring::volumes::attach::find_backed_by(&a.image("pvc-err"));
+    check(loops.len() == 1, "one loop device")?;
+    let sys = format!("/sys/fs/ext4/loop{}", loops[0].number);
+    // ext4's own knob: records an error exactly as a failed I/O would.
+    std::fs::write(format!("{sys}/trigger_fs_error"), b"volring test")?;
+    // The kernel saves the count from a work item: poll (bounded).
+    let mut c = VolumeCondition::default();
+    for _ in 0..100 {
+        c = a.stats("pvc-err", &staging)?.volume_condition.unwrap_or_default();
+        if c.abnormal {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    check(std::fs::read_to_string(format!("{sys}/errors_count"))?.trim() != "0", "the kernel counted the error")?;
+    check(c.abnormal && c.message.contains("errors"), format!("an ext4 with errors is abnormal: {c:?}"))?;
+    a.unstage("pvc-err", &staging)?;
+    all_gone(&a)
+}
+
 fn identity_controller_and_listing() -> Result<(), Failed> {
     let a = Agent::start();
     let mut id = a.c.identity.clone();
@@ -589,6 +619,54 @@ fn staged_record_quarantined() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// `attach: nbd` through CreateVolume and NodeStageVolume on a host: the
+/// parameter is checked and recorded (and returned in the volume context);
+/// a volume cannot change its attach kind by name; and where the kernel
+/// has no nbd driver the stage fails FailedPrecondition saying so, leaving
+/// no record, no device and the agent serving.
+fn nbd_attach_kind() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    fn create(a: &Agent, name: &str, attach: &str) -> Result<Volume, tonic::Status> {
+        let mut c = a.c.controller.clone();
+        let params = [("fsType".to_string(), "ext4".to_string()), ("attach".to_string(), attach.to_string())].into();
+        a.run(c.create_volume(CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![mount_cap("ext4")],
+            parameters: params,
+            ..Default::default()
+        }))
+        .map(|r| r.into_inner().volume.expect("volume"))
+    }
+    expect_code(create(&a, "pvc-bogus", "iscsi"), Code::InvalidArgument, "attach: iscsi")?;
+    let v = create(&a, "pvc-nbd", "nbd")?;
+    check(v.volume_context.get("attach").map(String::as_str) == Some("nbd"), format!("volume context {:?}", v.volume_context))?;
+    check(create(&a, "pvc-nbd", "nbd").is_ok(), "the same create again")?;
+    expect_code(create(&a, "pvc-nbd", "loop"), Code::AlreadyExists, "same name, other attach kind")?;
+    let staging = a.k("plugins/stage/nbd");
+    if std::path::Path::new("/sys/module/nbd").exists() {
+        eprintln!("note: this kernel has the nbd driver; the refusal is not checked here (tests/vm_healer.rs stages nbd volumes)");
+    } else {
+        let r = a.stage("pvc-nbd", &staging, mount_cap("ext4"));
+        let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();
+        expect_code(r, Code::FailedPrecondition, "attach: nbd without the nbd driver")?;
+        check(msg.contains("nbd"), format!("the refusal names nbd: {msg:?}"))?;
+        check(a.alive(), "the agent survives the refusal")?;
+        check(volring::volumes::attach::find_backed_by(&a.image("pvc-nbd")).is_empty(), "no loop device instead")?;
+        check(mounts_under(std::path::Path::new(&staging)).is_empty(), "nothing mounted")?;
+        // No record left: the volume can be deleted (a staged one cannot).
+        a.delete("pvc-nbd")?;
+    }
+    // A loop volume beside it still stages as before.
+    let l = create(&a, "pvc-loop", "loop")?;
+    check(l.volume_context.get("attach").map(String::as_str) == Some("loop"), "loop in the context")?;
+    let ls = a.k("plugins/stage/loop");
+    a.stage("pvc-loop", &ls, mount_cap("ext4"))?;
+    check(volring::volumes::attach::find_backed_by(&a.image("pvc-loop")).len() == 1, "the loop volume is on a loop device")?;
+    a.unstage("pvc-loop", &ls)?;
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("csi::lifecycle_mount_ext4", lifecycle_mount("ext4")),
@@ -607,6 +685,8 @@ fn main() {
         Trial::test("csi::stale_socket_and_cli", stale_socket_and_cli),
         Trial::test("csi::status_shows_volumes_staged_and_quarantined", status_shows_volumes_staged_and_quarantined),
         Trial::test("csi::staged_record_quarantined", staged_record_quarantined),
+        Trial::test("csi::nbd_attach_kind", nbd_attach_kind),
+        Trial::test("csi::ext4_errors_are_abnormal", ext4_errors_are_abnormal),
     ];
     common::run_in_private_namespace(trials)
 }

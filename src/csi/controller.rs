@@ -5,11 +5,13 @@ use std::collections::{BTreeMap, HashMap};
 use super::proto::*;
 use super::validate::{self, Access};
 use super::{Driver, Error, Expansion, Result};
-use crate::volumes::{attach, AccessKind, FsKind, StagePhase, VolumeMeta};
+use crate::volumes::{attach, AccessKind, AttachKind, FsKind, StagePhase, VolumeMeta};
 
 /// StorageClass parameters volring understands; the external-provisioner's
 /// own `csi.storage.k8s.io/` keys are passed through and ignored.
 const PARAM_FS_TYPE: &str = "fsType";
+/// `loop` (the default) or `nbd`: how the node attaches the image.
+pub(super) const PARAM_ATTACH: &str = "attach";
 const PROVISIONER_PREFIX: &str = "csi.storage.k8s.io/";
 
 impl Driver {
@@ -33,6 +35,15 @@ impl Driver {
             let fits = have.size_bytes >= min_required(req.capacity_range.as_ref())
                 && limit(req.capacity_range.as_ref()).is_none_or(|l| have.size_bytes <= l);
             let same_fs = have.fs_type.as_deref() == fs_type.map(FsKind::as_str);
+            let kind = |p: &BTreeMap<String, String>| p.get(PARAM_ATTACH).and_then(|v| AttachKind::parse(v)).unwrap_or_default();
+            let wanted: BTreeMap<String, String> = req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            if kind(&have.parameters) != kind(&wanted) {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} exists with attach {}; the request asks for {}",
+                    kind(&have.parameters).as_str(),
+                    kind(&wanted).as_str()
+                )));
+            }
             if !fits || !same_fs {
                 return Err(Error::AlreadyExists(format!(
                     "volume {id} exists with {} bytes and fsType {:?}; the request does not match",
@@ -61,7 +72,7 @@ impl Driver {
         // device: nothing of the volume is in use, so it may go (the intent
         // is dropped once no device is found either).
         let abandoned_stage = match self.records.get(id) {
-            Some(r) if r.phase == StagePhase::Formatting && r.loop_number.is_none() => true,
+            Some(r) if r.phase == StagePhase::Formatting && r.loop_number.is_none() && r.nbd_index.is_none() => true,
             Some(r) => return Err(Error::FailedPrecondition(format!("volume {id} is staged at {}", r.staging_path.display()))),
             None => false,
         };
@@ -106,7 +117,7 @@ impl Driver {
         let size = self.grow_image(id, range, have.size_bytes)?;
         // A staged device sees the new size at once, so block volumes need
         // no node step; a filesystem still has to be grown by the node.
-        if let Some(a) = staged.and_then(|r| attach::existing(r.loop_number?, &r.image)) {
+        if let Some(a) = staged.as_ref().and_then(attach::of_record).filter(|a| a.kind == crate::volumes::AttachKind::Loop) {
             attach::refresh_capacity(&a)?;
             crate::fault::point("expand:refreshed");
         }
@@ -198,6 +209,9 @@ impl Driver {
         if let Some(fs) = &m.fs_type {
             volume_context.insert(PARAM_FS_TYPE.to_string(), fs.clone());
         }
+        if let Some(a) = m.parameters.get(PARAM_ATTACH) {
+            volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
+        }
         Volume {
             capacity_bytes: m.size_bytes as i64,
             volume_id: m.id.clone(),
@@ -214,8 +228,11 @@ fn parameters(p: &HashMap<String, String>) -> Result<Option<FsKind>> {
     for (k, v) in p {
         match k.as_str() {
             PARAM_FS_TYPE => fs = Some(FsKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("fsType {v:?}: ext4 or xfs")))?),
+            PARAM_ATTACH => {
+                AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
+            }
             k if k.starts_with(PROVISIONER_PREFIX) => {}
-            k => return Err(Error::InvalidArgument(format!("unknown parameter {k:?} (volring knows {PARAM_FS_TYPE})"))),
+            k => return Err(Error::InvalidArgument(format!("unknown parameter {k:?} (volring knows {PARAM_FS_TYPE} and {PARAM_ATTACH})"))),
         }
     }
     Ok(fs)

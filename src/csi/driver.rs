@@ -28,6 +28,8 @@ pub struct CsiConfig {
     pub max_volumes: i64,
     /// Attach loop devices with direct I/O when the pool allows it.
     pub direct_io: bool,
+    /// How `attach: nbd` volumes are attached and healed.
+    pub nbd: super::nbd::NbdAttachConfig,
     /// Which service grows a volume's image.
     pub expansion: Expansion,
 }
@@ -58,6 +60,7 @@ impl CsiConfig {
             max_volumes: 0,
             direct_io: true,
             expansion: Expansion::Controller,
+            nbd: Default::default(),
         }
     }
 }
@@ -96,6 +99,8 @@ pub struct Driver {
     pub(super) in_flight: AtomicUsize,
     /// Calls by RPC and outcome, for `/metrics`.
     pub(super) rpc_stats: Arc<super::rpc_stats::RpcStats>,
+    /// The nbd devices this agent serves (`attach: nbd` volumes).
+    pub(super) nbd: super::nbd::NbdSide,
 }
 
 impl Driver {
@@ -108,6 +113,7 @@ impl Driver {
             .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
+        let config_nbd = config.nbd.clone();
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         Ok(Arc::new(Self {
@@ -122,6 +128,7 @@ impl Driver {
             health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
             rpc_stats: Default::default(),
+            nbd: super::nbd::NbdSide::new(config_nbd),
         }))
     }
 

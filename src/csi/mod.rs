@@ -13,6 +13,7 @@ mod controller;
 mod driver;
 mod identity;
 mod locks;
+pub mod nbd;
 mod node;
 mod node_stats;
 mod owned;

@@ -17,7 +17,7 @@ use super::proto::*;
 use super::validate::{self, Access, AccessType};
 use super::{Driver, Error, Result};
 use crate::volumes::filesystem::{self, Content, FsKind};
-use crate::volumes::{attach, mounting, AccessKind, Attachment, StagePhase, StagedVolume};
+use crate::volumes::{attach, mounting, AccessKind, AttachKind, Attachment, StagePhase, StagedVolume};
 
 impl Driver {
     pub(super) fn node_stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
@@ -31,6 +31,7 @@ impl Driver {
             Some(ProtoAccessType::Mount(m)) if !m.fs_type.is_empty() => Some(m.fs_type.clone()),
             _ => meta.fs_type.clone(),
         };
+        let kind = attach_kind(&req.volume_context, &meta.parameters)?;
         let prior = self.records.get(id);
         if let Some(r) = &prior {
             if r.staging_path != staging {
@@ -57,6 +58,8 @@ impl Driver {
             read_only: access.read_only(),
             phase: StagePhase::Attaching,
             loop_number: None,
+            attach: kind,
+            nbd_index: None,
             published: Default::default(),
         });
         self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
@@ -84,6 +87,7 @@ impl Driver {
                 // a half-written filesystem it may not touch.
                 _ if rec.phase == StagePhase::Formatting => {
                     rec.loop_number = None;
+                    rec.nbd_index = None;
                     self.records.put(&rec)
                 }
                 Some(p) => self.records.put(p),
@@ -94,7 +98,7 @@ impl Driver {
             }
             return Err(e);
         }
-        tracing::info!(volume = %id, device = ?rec.loop_number, path = %rec.staging_path.display(), "staged");
+        tracing::info!(volume = %id, attach = rec.attach.as_str(), loop_device = ?rec.loop_number, nbd_device = ?rec.nbd_index, path = %rec.staging_path.display(), "staged");
         Ok(())
     }
 
@@ -109,6 +113,7 @@ impl Driver {
         // device on one image would corrupt it.
         let leftover = rec.phase != StagePhase::Staged
             && rec.loop_number.is_none()
+            && rec.nbd_index.is_none()
             && (self.records.contains(&rec.volume_id) || self.records.quarantined_record(&rec.volume_id).is_some());
         // An owed mkfs stays owed until it has run.
         if rec.phase != StagePhase::Formatting {
@@ -116,16 +121,24 @@ impl Driver {
         }
         self.records.put(rec)?;
         crate::fault::point("stage:attach");
-        let known = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
-        let att = match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
-            Some(a) => a,
-            None => {
-                let a = attach::attach(&rec.image, rec.read_only, self.config.direct_io && self.pool.direct_io())?;
-                undo.push(Undo::Detach(a.number, rec.image.clone()));
-                a
+        let att = match rec.attach {
+            AttachKind::Loop => {
+                let known = attach::of_record(rec);
+                match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
+                    Some(a) => a,
+                    None => {
+                        let a = attach::attach(&rec.image, rec.read_only, self.config.direct_io && self.pool.direct_io())?;
+                        undo.push(Undo::Detach(a.number, rec.image.clone()));
+                        a
+                    }
+                }
             }
+            AttachKind::Nbd => self.nbd_device(rec, leftover, undo)?,
         };
-        rec.loop_number = Some(att.number);
+        match att.kind {
+            AttachKind::Loop => rec.loop_number = Some(att.number),
+            AttachKind::Nbd => rec.nbd_index = Some(att.number),
+        }
         self.records.put(rec)?;
         crate::fault::point("stage:attached");
         let at = rec.staged_at();
@@ -225,7 +238,7 @@ impl Driver {
     /// True when the staged volume is still what its record says: attached
     /// to its image and its own device mounted where it was staged.
     pub(super) fn stage_intact(&self, r: &StagedVolume) -> Result<bool> {
-        let Some(att) = r.loop_number.and_then(|n| attach::existing(n, &r.image)) else { return Ok(false) };
+        let Some(att) = attach::of_record(r) else { return Ok(false) };
         Ok(matches!(self.look(&r.staged_at(), Some(Expect::of(r, &att)))?, Found::Ours(_)))
     }
 
@@ -246,7 +259,7 @@ impl Driver {
         if rec.staging_path != staging {
             return Err(Error::NotFound(format!("volume {id} is not staged at {}", staging.display())));
         }
-        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let att = attach::of_record(&rec);
         let expect = att.map(|a| Expect::of(&rec, &a));
         // A target still counts while the volume's own mount is on it.
         let mut still = None;
@@ -273,7 +286,7 @@ impl Driver {
     /// its record removed — each step a no-op when already done.
     pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
         let id = rec.volume_id.as_str();
-        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let att = attach::of_record(rec);
         let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();
         self.unmount_ours(id, &at, expect)?;
@@ -282,13 +295,20 @@ impl Driver {
             self.beneath.remove(&at).map_err(|e| Error::Internal(format!("remove {}: {e}", at.display())))?;
         }
         crate::fault::point("unstage:removed");
-        match rec.loop_number {
-            Some(n) => attach::detach(n, &rec.image)?,
+        match (rec.attach, rec.loop_number, rec.nbd_index) {
+            (AttachKind::Loop, Some(n), _) => attach::detach(n, &rec.image)?,
             // A crash between attaching and recording the number leaves a
             // device only the image path can find.
-            None => {
+            (AttachKind::Loop, None, _) => {
                 for a in attach::find_backed_by(&rec.image) {
                     attach::detach(a.number, &rec.image)?;
+                }
+            }
+            (AttachKind::Nbd, _, Some(n)) => self.nbd.detach(n, id)?,
+            // The same for nbd: such a device carries the volume id.
+            (AttachKind::Nbd, _, None) => {
+                for n in attach::nbd_backed_by(id) {
+                    self.nbd.detach(n, id)?;
                 }
             }
         }
@@ -334,10 +354,53 @@ fn access_flags(a: &Access) -> Vec<String> {
     }
 }
 
+/// The attach kind a stage asks for: the volume context's `attach` (what
+/// CreateVolume returned), else the pool record's parameters; loop when
+/// neither says.
+fn attach_kind(
+    context: &std::collections::HashMap<String, String>,
+    params: &std::collections::BTreeMap<String, String>,
+) -> Result<AttachKind> {
+    match context.get(super::controller::PARAM_ATTACH).or_else(|| params.get(super::controller::PARAM_ATTACH)) {
+        None => Ok(AttachKind::Loop),
+        Some(v) => AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd"))),
+    }
+}
+
+impl Driver {
+    /// The nbd device for a stage: the recorded one when it still carries
+    /// the volume id; after a crash between connecting and recording the
+    /// index, the device carrying the volume id (given fresh sockets, its
+    /// server died with that agent); else a new one.
+    fn nbd_device(&self, rec: &StagedVolume, leftover: bool, undo: &mut Rollback) -> Result<Attachment> {
+        let found = match rec.nbd_index {
+            Some(n) => attach::nbd_existing(n, &rec.volume_id).map(|a| a.number),
+            None if leftover => attach::nbd_backed_by(&rec.volume_id).first().copied(),
+            None => None,
+        };
+        if let Some(n) = found {
+            if !self.nbd.serving(n) {
+                let mut named = rec.clone();
+                named.nbd_index = Some(n);
+                if let crate::csi::nbd::Healed::Failed(e) = self.nbd.heal(&named) {
+                    return Err(Error::Internal(format!("reconnect /dev/nbd{n}: {e}")));
+                }
+            }
+            if let Some(a) = attach::nbd_existing(n, &rec.volume_id) {
+                return Ok(a);
+            }
+        }
+        let a = self.nbd.attach(rec)?;
+        undo.push(Undo::NbdDetach(a.number, rec.volume_id.clone()));
+        Ok(a)
+    }
+}
+
 /// What a failed stage must take back, newest first.
 enum Undo {
     Unmount(std::path::PathBuf, Expect),
     Detach(u32, std::path::PathBuf),
+    NbdDetach(u32, String),
 }
 
 #[derive(Default)]
@@ -353,6 +416,7 @@ impl Rollback {
             let r = match &u {
                 Undo::Unmount(p, expect) => driver.unmount_ours("(rollback)", p, Some(*expect)).map_err(|e| e.to_string()),
                 Undo::Detach(n, image) => attach::detach(*n, image).map_err(|e| e.to_string()),
+                Undo::NbdDetach(n, id) => driver.nbd.detach(*n, id).map_err(|e| e.to_string()),
             };
             if let Err(e) = r {
                 tracing::error!(error = %e, "rolling back a failed stage");

@@ -26,7 +26,7 @@ impl Driver {
         let path = self.path(&req.volume_path, "volume_path")?;
         let rec = self.located(id, &path)?;
         let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
-        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let att = attach::of_record(&rec);
         let mut usage = Vec::new();
         let problem = match att {
             None => Some("the loop device behind the volume is gone".to_string()),
@@ -40,7 +40,7 @@ impl Driver {
                         Some(why) => Some(why),
                         None => match &rec.access {
                             AccessKind::Block => {
-                                let size = attach::size_bytes(a.number)?;
+                                let size = attach::device_bytes(&a)?;
                                 usage.push(bytes_usage(size, 0, size));
                                 None
                             }
@@ -63,6 +63,13 @@ impl Driver {
                 }
             }
         };
+        // The device may be there and mounted and still serve nothing: an
+        // nbd connection that is dead, an ext4 that shut itself down after
+        // an I/O error (the mount table still says rw then).
+        let problem = match (problem, att.and_then(|a| self.device_problem(&a))) {
+            (Some(p), Some(d)) => Some(format!("{p}; {d}")),
+            (p, d) => p.or(d),
+        };
         // The path was proven above; the reconciler adds what it knows of
         // the volume as a whole (its staging mount and device, a failed or
         // a past repair).
@@ -79,6 +86,16 @@ impl Driver {
         };
         let volume_condition = Some(VolumeCondition { abnormal: problem.is_some(), message });
         Ok(NodeGetVolumeStatsResponse { usage, volume_condition })
+    }
+
+    /// What is wrong below the mount: the nbd connection, or ext4's own
+    /// error count (`/sys/fs/ext4/<device>/errors_count`).
+    fn device_problem(&self, a: &crate::volumes::Attachment) -> Option<String> {
+        let fs_errors = ext4_errors(&a.name()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
+        match (self.nbd_problem(a), fs_errors) {
+            (Some(n), Some(f)) => Some(format!("{n}; {f}")),
+            (n, f) => n.or(f),
+        }
     }
 
     /// The watcher's table, where it knows the mount `fd` is the root of
@@ -182,4 +199,9 @@ impl Driver {
 
 fn bytes_usage(total: u64, available: u64, used: u64) -> VolumeUsage {
     VolumeUsage { total: total as i64, available: available as i64, used: used as i64, unit: volume_usage::Unit::Bytes as i32 }
+}
+
+/// ext4's error count for device `name` (`None` when it has no ext4 mounted).
+fn ext4_errors(name: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/sys/fs/ext4/{name}/errors_count")).ok()?.trim().parse().ok()
 }

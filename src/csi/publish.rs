@@ -30,7 +30,7 @@ impl Driver {
         if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
             return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
         }
-        let att = rec.loop_number.and_then(|n| attach::existing(n, &rec.image)).ok_or_else(not_staged)?;
+        let att = attach::of_record(&rec).ok_or_else(not_staged)?;
         let expect = Expect::of(&rec, &att);
         let read_only = req.readonly || access.read_only() || rec.read_only;
         // The source is the volume's own staging mount, proven so on the
@@ -123,7 +123,7 @@ impl Driver {
                 Found::Ours(_) | Found::Foreign(_) => Err(Error::NotFound(format!("volume {id} is not published at {}", target.display()))),
             };
         };
-        let expect = rec.loop_number.and_then(|n| attach::existing(n, &rec.image)).map(|a| Expect::of(&rec, &a));
+        let expect = attach::of_record(&rec).map(|a| Expect::of(&rec, &a));
         self.unmount_ours(id, &target, expect)?;
         crate::fault::point("unpublish:unmounted");
         self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;

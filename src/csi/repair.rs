@@ -12,7 +12,7 @@ use super::Driver;
 use crate::state::actual::Action;
 use crate::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
 use crate::volumes::filesystem::FsKind;
-use crate::volumes::{attach, AccessKind, MountOptions, StagePhase, StagedVolume};
+use crate::volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
 
 /// The driver, as the reconciler sees it.
 pub struct DriverVolumes(pub Arc<Driver>);
@@ -23,6 +23,12 @@ impl Driver {
     /// then follows the events. Every record change is passed on to it, and
     /// NodeGetVolumeStats reads its published verdicts.
     pub fn start_reconciler(self: &Arc<Self>, config: ReconcileConfig) -> std::io::Result<Reconciler> {
+        // nbd devices first: a device whose server died with the last agent
+        // gets fresh sockets before the first pass looks at its mount (and
+        // before Probe answers ready); the pass re-stages the ones gone.
+        for (id, healed) in self.heal_nbd() {
+            tracing::debug!(volume = %id, ?healed, "nbd start walk");
+        }
         let store = self.records.store().clone();
         let r = Reconciler::start(config, Arc::new(DriverVolumes(self.clone())), self.mounts.clone(), store)?;
         let notify = r.notifier();
@@ -118,7 +124,15 @@ impl DriverVolumes {
         }
         // Never a second device on one image: a device serving the image
         // that the record does not name is not volring's to mount over.
-        let named = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+        let named = attach::of_record(rec);
+        if named.is_none() && rec.phase == StagePhase::Staged && rec.attach == AttachKind::Nbd {
+            if let Some(n) = attach::nbd_backed_by(&rec.volume_id).first() {
+                return Err(super::Error::FailedPrecondition(format!(
+                    "/dev/nbd{n} carries the volume id but the record names {:?}; not attaching a second device",
+                    rec.nbd_index
+                )));
+            }
+        }
         if named.is_none() && rec.phase == StagePhase::Staged {
             if let Some(other) = attach::find_backed_by(&rec.image).first() {
                 return Err(super::Error::FailedPrecondition(format!(

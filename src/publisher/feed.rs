@@ -89,7 +89,7 @@ pub fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) -> Volume
         fs_type,
         read_only: rec.read_only,
         phase: phase.to_string(),
-        device: rec.loop_number.map(|n| format!("/dev/loop{n}")),
+        device: rec.device_name().map(|n| format!("/dev/{n}")),
         staging_path: rec.staging_path.display().to_string(),
         targets: rec.published.keys().map(|p| p.display().to_string()).collect(),
         health: health.to_string(),
@@ -129,6 +129,8 @@ mod tests {
             phase: StagePhase::Staged,
             loop_number: Some(4),
             published: [("/k/t/v1".into(), false)].into(),
+            attach: Default::default(),
+            nbd_index: None,
         };
         let e = volume_entry(&rec, Some(&VolumeHealth { drift: vec![Drift::StagingMissing], ..Default::default() }));
         assert_eq!((e.health.as_str(), e.drift.as_slice()), ("Drifting", &["staging_missing".to_string()][..]));

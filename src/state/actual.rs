@@ -41,7 +41,7 @@ pub struct VolumeActual {
 
 /// Reads the actual state of the volume `rec` describes.
 pub fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
-    let device = rec.loop_number.and_then(|n| attach::existing(n, &rec.image));
+    let device = attach::of_record(rec);
     let staging = at_path(table, &rec.staged_at(), rec, device);
     let targets = rec.published.keys().map(|t| (t.clone(), at_path(table, t, rec, device))).collect();
     VolumeActual { device, staging, targets }
@@ -298,13 +298,15 @@ mod tests {
             read_only: false,
             phase,
             loop_number: Some(3),
+            attach: Default::default(),
+            nbd_index: None,
             published: [(PathBuf::from("/k/t"), false)].into(),
         }
     }
 
     fn actual(device: bool, staging: AtPath, target: AtPath) -> VolumeActual {
         VolumeActual {
-            device: device.then_some(attach::Attachment { number: 3, dev: DevNum { major: 7, minor: 3 } }),
+            device: device.then_some(attach::Attachment { number: 3, dev: DevNum { major: 7, minor: 3 }, kind: Default::default() }),
             staging,
             targets: [(PathBuf::from("/k/t"), target)].into(),
         }

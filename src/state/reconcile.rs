@@ -414,7 +414,7 @@ impl Core {
     fn index(&mut self, rec: &StagedVolume) {
         let mut paths: Vec<PathBuf> = vec![rec.staged_at(), rec.staging_path.clone()];
         paths.extend(rec.published.keys().cloned());
-        let device = rec.loop_number.map(|n| format!("loop{n}"));
+        let device = rec.device_name();
         if self.keys.get(&rec.volume_id).is_some_and(|(p, d)| *p == paths && *d == device) {
             return;
         }

@@ -23,19 +23,48 @@ use crate::devices::sysfs::parse_devnum;
 use crate::mounts::DevNum;
 use crate::sys::loopdev::{self, LoopDevice, LoopOptions};
 
+use super::staged::{AttachKind, StagedVolume};
 use super::Error;
 
-/// A loop device serving one image.
+/// A block device serving one image: `/dev/loop<number>` or
+/// `/dev/nbd<number>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attachment {
     pub number: u32,
     pub dev: DevNum,
+    pub kind: AttachKind,
 }
 
 impl Attachment {
     pub fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/dev/loop{}", self.number))
+        PathBuf::from(format!("/dev/{}", self.name()))
     }
+
+    /// The kernel's name of the device (`loop3`, `nbd0`).
+    pub fn name(&self) -> String {
+        format!("{}{}", self.kind.as_str(), self.number)
+    }
+}
+
+/// The device a staged record names, if it still serves the volume: a loop
+/// device still backed by the image, or an nbd device still carrying the
+/// volume id as its backend identifier.
+pub fn of_record(rec: &StagedVolume) -> Option<Attachment> {
+    match rec.attach {
+        AttachKind::Loop => existing(rec.loop_number?, &rec.image),
+        AttachKind::Nbd => nbd_existing(rec.nbd_index?, &rec.volume_id),
+    }
+}
+
+/// `/dev/nbd<index>` if its backend identifier is `backend` (the kernel
+/// removes the identifier when the device's configuration goes, so a torn
+/// down or reused device never matches).
+pub fn nbd_existing(index: u32, backend: &str) -> Option<Attachment> {
+    let sys = Path::new("/sys/block");
+    (crate::nbd::attach::control::read_backend(sys, index)?.as_str() == backend).then_some(())?;
+    let p = format!("/sys/block/nbd{index}/dev");
+    let dev = parse_devnum(std::fs::read_to_string(p).ok()?.trim())?;
+    Some(Attachment { number: index, dev, kind: AttachKind::Nbd })
 }
 
 /// Attaches `image`, with direct I/O when asked and the kernel accepts it
@@ -60,12 +89,24 @@ pub fn attach(image: &Path, read_only: bool, direct_io: bool) -> Result<Attachme
             return Err(e);
         }
     };
-    Ok(Attachment { number, dev })
+    Ok(Attachment { number, dev, kind: AttachKind::Loop })
 }
 
 /// The device `/dev/loop<number>` if it is attached to `image`.
 pub fn existing(number: u32, image: &Path) -> Option<Attachment> {
-    (backing_file(number)?.as_path() == image).then(|| device_number(number).ok().map(|dev| Attachment { number, dev }))?
+    (backing_file(number)?.as_path() == image)
+        .then(|| device_number(number).ok().map(|dev| Attachment { number, dev, kind: AttachKind::Loop }))?
+}
+
+/// The indexes of every nbd device carrying `backend` (normally none or
+/// one; more only after a crash between connecting and recording).
+pub fn nbd_backed_by(backend: &str) -> Vec<u32> {
+    std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("nbd")?.parse::<u32>().ok())
+        .filter(|&n| nbd_existing(n, backend).is_some())
+        .collect()
 }
 
 /// Every loop device attached to `image` (normally none or one; more only
@@ -87,7 +128,7 @@ pub fn serving_images_in(dir: &Path) -> Vec<(Attachment, PathBuf)> {
         .filter_map(|n| {
             let b = backing_file(n)?;
             (b.parent() == Some(dir)).then_some(())?;
-            Some((Attachment { number: n, dev: device_number(n).ok()? }, b))
+            Some((Attachment { number: n, dev: device_number(n).ok()?, kind: AttachKind::Loop }, b))
         })
         .collect()
 }
@@ -202,7 +243,16 @@ pub fn refresh_capacity(a: &Attachment) -> Result<u64, Error> {
 }
 
 pub fn size_bytes(number: u32) -> Result<u64, Error> {
-    let p = format!("/sys/block/loop{number}/size");
+    sysfs_size(&format!("loop{number}"))
+}
+
+/// The size of the device in bytes, as the kernel sees it.
+pub fn device_bytes(a: &Attachment) -> Result<u64, Error> {
+    sysfs_size(&a.name())
+}
+
+fn sysfs_size(name: &str) -> Result<u64, Error> {
+    let p = format!("/sys/block/{name}/size");
     let s = std::fs::read_to_string(&p).map_err(Error::io("read", &p))?;
     let sectors: u64 = s.trim().parse().map_err(|_| Error::Corrupt { path: p.into(), detail: format!("size {s:?}") })?;
     Ok(sectors * 512)

@@ -33,6 +33,37 @@ pub enum AccessKind {
     Mount { fs_type: String, flags: Vec<String> },
 }
 
+/// What puts the volume's image on a block device: a loop device (the
+/// default, and what every record from before the choice existed means) or
+/// the kernel's nbd driver served by the agent's own NBD server, which lets
+/// the agent restart under a mounted filesystem (the device queues I/O
+/// until the restarted agent gives it fresh sockets).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachKind {
+    #[default]
+    Loop,
+    Nbd,
+}
+
+impl AttachKind {
+    /// The StorageClass parameter's value (`attach: loop|nbd`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "loop" => Some(Self::Loop),
+            "nbd" => Some(Self::Nbd),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Loop => "loop",
+            Self::Nbd => "nbd",
+        }
+    }
+}
+
 /// How far a stage got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -63,12 +94,28 @@ pub struct StagedVolume {
     pub phase: StagePhase,
     #[serde(default)]
     pub loop_number: Option<u32>,
+    /// How the image is attached; `loop_number` is used for loop devices,
+    /// `nbd_index` for nbd devices.
+    #[serde(default)]
+    pub attach: AttachKind,
+    /// The `/dev/nbdN` serving the volume, once the kernel picked it (its
+    /// backend identifier is the volume id, checked before any use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_index: Option<u32>,
     /// Published target paths, each with whether it is read-only.
     #[serde(default)]
     pub published: BTreeMap<PathBuf, bool>,
 }
 
 impl StagedVolume {
+    /// The kernel's name of the device the record names (`loop3`, `nbd0`).
+    pub fn device_name(&self) -> Option<String> {
+        match self.attach {
+            AttachKind::Loop => self.loop_number.map(|n| format!("loop{n}")),
+            AttachKind::Nbd => self.nbd_index.map(|n| format!("nbd{n}")),
+        }
+    }
+
     /// For block volumes, the file under the staging directory the device is
     /// bound onto; for mount volumes, the staging directory itself.
     pub fn staged_at(&self) -> PathBuf {
@@ -344,6 +391,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn attach_kind_defaults_to_loop_and_round_trips() {
+        // A record written before the attach kind existed is a loop volume.
+        let old = br#"{"volume_id":"v","image":"/p/v.img","staging_path":"/k/s","access":{"kind":"block"},
+            "read_only":false,"phase":"staged","loop_number":4}"#;
+        let r = decode(old, "v").unwrap();
+        assert_eq!((r.attach, r.nbd_index, r.device_name().as_deref()), (AttachKind::Loop, None, Some("loop4")));
+        let mut n = r.clone();
+        n.attach = AttachKind::Nbd;
+        n.loop_number = None;
+        n.nbd_index = Some(2);
+        let bytes = serde_json::to_vec(&n).unwrap();
+        assert!(String::from_utf8_lossy(&bytes).contains(r#""attach":"nbd","nbd_index":2"#));
+        assert_eq!(decode(&bytes, "v").unwrap(), n);
+        assert_eq!(n.device_name().as_deref(), Some("nbd2"));
+        // A loop record carries no nbd_index field at all.
+        assert!(!String::from_utf8_lossy(&serde_json::to_vec(&r).unwrap()).contains("nbd_index"));
+        assert_eq!(AttachKind::parse("nbd"), Some(AttachKind::Nbd));
+        assert_eq!(AttachKind::parse("loop"), Some(AttachKind::Loop));
+        assert_eq!(AttachKind::parse("NBD"), None);
+        assert_eq!(AttachKind::parse(""), None);
+    }
+
+    #[test]
     fn survives_reopen() {
         let d = tempfile::tempdir().unwrap();
         let recs = StagedRecords::open(d.path()).unwrap();
@@ -355,6 +425,8 @@ mod tests {
             read_only: false,
             phase: StagePhase::Attaching,
             loop_number: None,
+            attach: AttachKind::Loop,
+            nbd_index: None,
             published: BTreeMap::new(),
         };
         recs.put(&r).unwrap();

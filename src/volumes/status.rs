@@ -168,8 +168,8 @@ fn read_store(path: &Path, no_agent: bool, out: &mut StatusReport) -> Result<(),
 
 fn staged_status(r: staged::StagedVolume, health: Option<serde_json::Value>) -> StagedStatus {
     StagedStatus {
-        attached: r.loop_number.and_then(|n| attach::existing(n, &r.image)).is_some(),
-        device: r.loop_number.map(|n| PathBuf::from(format!("/dev/loop{n}"))),
+        attached: attach::of_record(&r).is_some(),
+        device: r.device_name().map(|n| PathBuf::from(format!("/dev/{n}"))),
         access: match &r.access {
             AccessKind::Block => "block".into(),
             AccessKind::Mount { fs_type, .. } => fs_type.clone(),
@@ -234,6 +234,8 @@ mod tests {
             read_only: false,
             phase: StagePhase::Staged,
             loop_number: Some(u32::MAX),
+            attach: Default::default(),
+            nbd_index: None,
             published: [(PathBuf::from("/k/p"), true)].into(),
         })
         .unwrap();
