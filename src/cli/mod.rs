@@ -1,3 +1,50 @@
-//! Subcommands of the `volring` binary that live outside main.rs.
+//! The `volring` binary's subcommands (main.rs holds the argument types
+//! and the dispatch), and what they share: stdout that may close, the
+//! runtime, the "needs root" hint.
 
+pub mod devices;
+pub mod mounts;
 pub mod nbd;
+pub mod serve;
+pub mod status;
+
+use anyhow::Context;
+
+/// The reader of stdout went away (`volring mounts --watch | head -1`): the
+/// command stops and exits quietly with status 0. Only stdout writes make
+/// it, so an EPIPE from anything else stays an error.
+#[derive(Debug)]
+pub(crate) struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// An error writing stdout, as the command's error.
+pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        StdoutClosed.into()
+    } else {
+        anyhow::Error::new(e).context("write to stdout")
+    }
+}
+
+/// Whether a permission refusal is among the causes of `e`.
+pub(crate) fn denied(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+            || c.downcast_ref::<rustix::io::Errno>().is_some_and(|n| *n == rustix::io::Errno::PERM || *n == rustix::io::Errno::ACCESS)
+            || {
+                let text = c.to_string();
+                text.contains("Permission denied") || text.contains("Operation not permitted")
+            }
+    })
+}
+
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
+}
