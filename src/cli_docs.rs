@@ -77,6 +77,17 @@ fn write_stdout(buf: &[u8]) -> anyhow::Result<()> {
 mod tests {
     use clap::CommandFactory;
 
+    /// `volring node --help` is grouped by subsystem, not one long list.
+    #[test]
+    fn node_help_is_grouped_by_subsystem() {
+        let mut cmd = super::super::Cli::command();
+        let node = cmd.find_subcommand_mut("node").expect("node subcommand");
+        let help = node.render_long_help().to_string();
+        for heading in ["Mount watcher:", "Block devices:", "CSI driver:", "NBD server:", "Kubernetes publisher:"] {
+            assert!(help.lines().any(|l| l == heading), "no {heading:?} group in:\n{help}");
+        }
+    }
+
     /// Every argument of every command (`volring csi`'s calls above all)
     /// says what it is for in `--help`.
     #[test]

@@ -258,6 +258,7 @@ enum NbdCommand {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "NBD server")]
 struct NbdTuning {
     /// Ring threads (0: one per core, at most 4); each ring holds up to
     /// 32 MiB of buffers of its own, outside --nbd-max-server-bytes.
@@ -309,6 +310,7 @@ impl NbdTuning {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "NBD exports")]
 struct NodeNbdArgs {
     /// Serve NBD here: HOST:PORT or unix:PATH (repeatable; none: no NBD server).
     #[arg(long = "nbd-listen", value_name = "ADDR")]
@@ -335,6 +337,7 @@ impl NodeNbdArgs {
 const DEFAULT_CSI_ENDPOINT: &str = "unix:///var/lib/kubelet/plugins/volring.csi.io/csi.sock";
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "CSI driver")]
 struct CsiArgs {
     /// Serve the CSI driver on this unix socket ("off" to disable).
     #[arg(long, default_value = DEFAULT_CSI_ENDPOINT)]
@@ -440,6 +443,7 @@ impl CsiArgs {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Kubernetes publisher")]
 struct PublishArgs {
     /// Publish to the cluster (default: when running in a pod; otherwise
     /// the objects go to the node's store).
@@ -479,6 +483,7 @@ impl PublishArgs {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Block devices")]
 struct ScanArgs {
     /// Keep only devices whose /dev path starts with this (repeatable).
     #[arg(long = "include", value_name = "PREFIX")]
@@ -514,6 +519,7 @@ impl ScanArgs {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Mount watcher")]
 struct WatchArgs {
     /// How to watch mounts: fanotify+statmount, or re-reading mountinfo.
     #[arg(long, value_enum, default_value = "auto")]
