@@ -106,9 +106,13 @@ impl NbdSide {
         let control = NbdControl::open().map_err(unavailable)?;
         // Joined before any device is attached, so no notice is missed.
         let listener = if self.config.heal { Some(LinkDeadListener::open().map_err(unavailable)?) } else { None };
-        // A ring per connection of a device: one ring serving two
-        // connections stalls on 6.1 (the known bug in tests/vm_nbd.rs).
-        let threads = self.config.connections.max(1);
+        // One server for every nbd volume of the node, so its rings serve
+        // all their connections: as many rings as the server's default
+        // (one per core, at most 4), and never fewer than one device's
+        // connections. (A ring serving two connections stalls on 6.1, the
+        // known bug in tests/vm_nbd.rs, so more volumes than rings can hit
+        // it there until the server is fixed.)
+        let threads = self.config.connections.max(1).max(crate::nbd::server::default_rings());
         let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner { server, control: Mutex::new(control), live: Mutex::new(HashMap::new()) });

@@ -200,11 +200,7 @@ impl NbdServer {
             listeners.push(listener);
             addrs.push(addr);
         }
-        let threads = if config.threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
-        } else {
-            config.threads
-        };
+        let threads = if config.threads == 0 { default_rings() } else { config.threads };
         let mut boxes = Vec::with_capacity(threads);
         for _ in 0..threads {
             let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
@@ -292,4 +288,10 @@ impl Drop for NbdServer {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// The rings a server starts with `threads: 0`: one per core, at most
+/// [`DEFAULT_MAX_RINGS`].
+pub fn default_rings() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
 }
