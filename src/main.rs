@@ -533,11 +533,11 @@ struct WatchArgs {
     mount_namespace: Option<std::path::PathBuf>,
     /// Microseconds the mount watcher gathers events before handling them
     /// (a storm costs one ring turn per window; 0: one per event). Adds up
-    /// to about this much latency to a change. Default: 1000 for
-    /// `mounts --watch`; 0 for `node`, whose reconciler still decides some
-    /// repairs from the table and must see a change at once (see README).
-    #[arg(long, value_name = "US", env = "VOLRING_MOUNT_BATCH_US")]
-    mount_batch_us: Option<u64>,
+    /// to about this much latency to a change. The node's reconciler proves
+    /// every drift through descriptors before it reports or repairs it, so
+    /// a table one window old never decides anything (see README).
+    #[arg(long, value_name = "US", env = "VOLRING_MOUNT_BATCH_US", default_value_t = 1000)]
+    mount_batch_us: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -568,7 +568,7 @@ impl WatchArgs {
                 IoArg::Epoll => BackendChoice::Epoll,
             },
             namespace: self.mount_namespace.clone(),
-            batch_window: std::time::Duration::from_micros(self.mount_batch_us.unwrap_or(1000)),
+            batch_window: std::time::Duration::from_micros(self.mount_batch_us),
             ..WatchConfig::default()
         }
     }
@@ -610,7 +610,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
             };
             let config = volring::agent::AgentConfig {
-                mounts: WatchConfig { batch_window: std::time::Duration::from_micros(watch.mount_batch_us.unwrap_or(0)), ..watch.config() },
+                mounts: watch.config(),
                 devices: ScanConfig { io: watch.config().backend, ..scan.config() },
                 stats: CollectorConfig {
                     interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),

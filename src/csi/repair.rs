@@ -9,7 +9,8 @@ use std::sync::Arc;
 use super::proto::volume_capability::access_mode::Mode;
 use super::validate::{Access, AccessType};
 use super::Driver;
-use crate::state::actual::Action;
+use super::owned::{Expect, Found};
+use crate::state::actual::{Action, AtPath, Proof, VolumeActual};
 use crate::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
 use crate::volumes::filesystem::FsKind;
 use crate::volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
@@ -51,10 +52,19 @@ impl Volumes for DriverVolumes {
         self.orphan_devices(remove)
     }
 
+    fn prove(&self, rec: &StagedVolume) -> Proof {
+        self.0.prove(rec)
+    }
+
     fn act(&self, id: &str, action: Action) -> Acted {
         let Some(_guard) = self.0.locks.try_lock_for_repair(id) else { return Acted::Busy };
         // Read again under the lock: a call may have changed it since.
         let Some(rec) = self.0.records.get(id) else { return Acted::Done };
+        // A device someone is taking away is neither re-mounted (its I/O
+        // fails) nor replaced (the image would have two) until it is gone.
+        if let attach::DeviceProof::Unsettled(why) = attach::prove(&rec) {
+            return Acted::Unsettled(why);
+        }
         let result = match action {
             Action::None => return Acted::Intact,
             Action::FinishUnstage if rec.phase == StagePhase::Unstaging => self.0.finish_unstage(&rec),
@@ -86,8 +96,19 @@ impl DriverVolumes {
                 table.on_device(att.dev).map(|m| m.mount_point_path().display().to_string()).collect()
             };
             let mut what = format!("{} serves {} with no record", att.path().display(), image.display());
+            // The table says where it is mounted; the kernel says whether
+            // anything holds it now. Detached only when both say nothing
+            // does and the device still serves that very image.
+            let claimed = if mounted.is_empty() && remove { attach::claimed(att.number) } else { Ok(false) };
             if !mounted.is_empty() {
                 what.push_str(&format!(", mounted at {}", mounted.join(", ")));
+            } else if !matches!(claimed, Ok(false)) {
+                what.push_str(match claimed {
+                    Ok(_) => ", held by a mount or another exclusive opener the mount table does not show yet",
+                    Err(_) => ", not detached: could not tell whether anything holds it",
+                });
+            } else if remove && !matches!(attach::prove_loop(att.number, &image), attach::DeviceProof::Ours(_)) {
+                what.push_str(" (changing; not detached)");
             } else if remove {
                 // Under the volume's lock, so a stage cannot be starting.
                 if let Some(_g) = d.locks.try_lock_for_repair(id) {
@@ -108,19 +129,15 @@ impl DriverVolumes {
         let d = &self.0;
         // A mount over a directory between the kubelet root and the staging
         // path puts the path inside someone else's filesystem: mounting the
-        // volume there would act on what is not volring's.
+        // volume there would act on what is not volring's. Asked of the
+        // kernel now, under the lock: the table may not have the mount yet.
         let at = rec.staged_at();
-        {
-            let table = d.mounts.read().unwrap_or_else(|e| e.into_inner());
-            for dir in at.ancestors().skip(1).take_while(|p| p.starts_with(&d.config.kubelet_root) && *p != d.config.kubelet_root) {
-                if table.top_at(dir.as_os_str().as_encoded_bytes()).is_some() {
-                    return Err(super::Error::FailedPrecondition(format!(
-                        "{} is covered by a mount at {}; not repairing under it",
-                        at.display(),
-                        dir.display()
-                    )));
-                }
-            }
+        if let Some(dir) = d.covering_mount(&at)? {
+            return Err(super::Error::FailedPrecondition(format!(
+                "{} is covered by a mount at {}; not repairing under it",
+                at.display(),
+                dir.display()
+            )));
         }
         // Never a second device on one image: a device serving the image
         // that the record does not name is not volring's to mount over.
@@ -148,6 +165,51 @@ impl DriverVolumes {
         };
         let access = access_of(rec, requested.as_deref())?;
         d.stage_locked(rec.clone(), Some(rec), &access, requested.as_deref())
+    }
+}
+
+impl Driver {
+    /// What is really there for `rec` now: its device asked what backs it,
+    /// its staging path and targets opened beneath the kubelet root and
+    /// judged by `statx` (the same rule every node call acts by), and
+    /// whether a mount covers the way to the staging path.
+    pub(super) fn prove(&self, rec: &StagedVolume) -> Proof {
+        let device = match attach::prove(rec) {
+            attach::DeviceProof::Ours(a) => Some(a),
+            attach::DeviceProof::Gone => None,
+            attach::DeviceProof::Unsettled(why) => return Proof::Unsettled(why),
+        };
+        let expect = device.map(|a| Expect::of(rec, &a));
+        let at = |p: &std::path::Path| match self.look(p, expect) {
+            Ok(Found::Missing | Found::Unmounted) => Ok(AtPath::Missing),
+            Ok(Found::Ours(_)) => Ok(AtPath::Ours),
+            Ok(Found::Foreign(_)) => Ok(AtPath::Foreign),
+            Err(e) => Err(format!("{}: {e}", p.display())),
+        };
+        let seen = (|| {
+            let staging = at(&rec.staged_at())?;
+            let targets = rec.published.keys().map(|t| Ok((t.clone(), at(t)?))).collect::<Result<_, String>>()?;
+            let covered = self.covering_mount(&rec.staged_at()).map_err(|e| e.to_string())?;
+            Ok::<_, String>(Proof::Seen { actual: VolumeActual { device, staging, targets }, covered })
+        })();
+        seen.unwrap_or_else(Proof::Unsettled)
+    }
+
+    /// The directory between the kubelet root and `at` (exclusive of both)
+    /// that is a mount's root now, if one is: opened beneath the root and
+    /// asked by `statx`, nearest the root first.
+    pub(super) fn covering_mount(&self, at: &std::path::Path) -> super::Result<Option<std::path::PathBuf>> {
+        let root = &self.config.kubelet_root;
+        let mut dirs: Vec<&std::path::Path> = at.ancestors().skip(1).take_while(|p| p.starts_with(root) && *p != root).collect();
+        dirs.reverse();
+        for dir in dirs {
+            match self.look(dir, None)? {
+                Found::Missing => return Ok(None),
+                Found::Unmounted => {}
+                Found::Ours(_) | Found::Foreign(_) => return Ok(Some(dir.to_path_buf())),
+            }
+        }
+        Ok(None)
     }
 }
 

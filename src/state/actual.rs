@@ -142,6 +142,78 @@ pub fn assess(rec: &StagedVolume, actual: &VolumeActual) -> (Vec<Drift>, Action)
     (drift, if repairable { Action::Restage } else { Action::None })
 }
 
+/// A volume as the kernel shows it when asked just now — its paths opened
+/// beneath the kubelet root and judged by `statx` of the descriptor, its
+/// device asked what backs it — rather than as the mount table says. The
+/// table is as old as the last event the watcher handed over (up to its
+/// batch window, more under load); a repair or a reported drift must be
+/// what the kernel shows, not what the table last heard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Proof {
+    Seen {
+        actual: VolumeActual,
+        /// A directory between the kubelet root and the staging path that
+        /// is itself a mount's root: the path now lies in someone else's
+        /// filesystem, and nothing is mounted under it.
+        covered: Option<PathBuf>,
+    },
+    /// Something is between states (a device being detached) or could not
+    /// be asked: decide nothing until it settles.
+    Unsettled(String),
+}
+
+/// What the reconciler may do about a volume whose table view drifts,
+/// once the proof is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checked {
+    /// The kernel shows what the table shows: report `drift`; take
+    /// `action`, unless `blocked` says why not.
+    Confirmed { drift: Vec<Drift>, action: Action, blocked: Option<String> },
+    /// The kernel shows something else than the table: the watcher has not
+    /// caught up (or a device is mid-change). Neither act nor report; look
+    /// again once it has.
+    Lagging(String),
+}
+
+/// Checks the table's view of a volume (`table`) against a proof. Only a
+/// drift the proof shows too is reported, and only an action it supports
+/// is taken; a repair never mounts under a covered path.
+pub fn check(rec: &StagedVolume, table: &VolumeActual, proof: &Proof) -> Checked {
+    let (actual, covered) = match proof {
+        Proof::Unsettled(why) => return Checked::Lagging(why.clone()),
+        Proof::Seen { actual, covered } => (actual, covered),
+    };
+    if actual != table {
+        return Checked::Lagging(difference(table, actual));
+    }
+    let (drift, action) = assess(rec, actual);
+    match covered {
+        Some(dir) if action == Action::Restage => {
+            let why = format!("{} is covered by a mount at {}; not repairing under it", rec.staged_at().display(), dir.display());
+            Checked::Confirmed { drift, action: Action::None, blocked: Some(why) }
+        }
+        _ => Checked::Confirmed { drift, action, blocked: None },
+    }
+}
+
+/// Where the table and the kernel part, for the log.
+fn difference(table: &VolumeActual, kernel: &VolumeActual) -> String {
+    let mut parts = Vec::new();
+    if table.device != kernel.device {
+        parts.push(format!("device: table view {:?}, kernel {:?}", table.device.map(|a| a.name()), kernel.device.map(|a| a.name())));
+    }
+    if table.staging != kernel.staging {
+        parts.push(format!("staging: table {:?}, kernel {:?}", table.staging, kernel.staging));
+    }
+    for (path, at) in &kernel.targets {
+        let t = table.targets.get(path);
+        if t != Some(at) {
+            parts.push(format!("target {}: table {t:?}, kernel {at:?}", path.display()));
+        }
+    }
+    parts.join("; ")
+}
+
 /// What a caller proved of a volume just now, through a descriptor.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Proven {

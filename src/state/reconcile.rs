@@ -22,10 +22,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::actual::{self, Action, HealthView, Repair, VolumeHealth};
+use super::actual::{self, Action, Checked, HealthView, Proof, Repair, VolumeHealth};
 use super::store::{Change, Store};
 use crate::mounts::MountTable;
-use crate::volumes::StagedVolume;
+use crate::volumes::{StagePhase, StagedVolume};
 
 /// What the reconciler acts through: the desired records and the one place
 /// that may change the machine for a volume (the CSI driver, under the
@@ -34,6 +34,9 @@ pub trait Volumes: Send + Sync + 'static {
     fn record(&self, id: &str) -> Option<StagedVolume>;
     fn ids(&self) -> Vec<String>;
     fn act(&self, id: &str, action: Action) -> Acted;
+    /// What is really there for the volume now, asked of the kernel through
+    /// descriptors and the device itself, not read from the mount table.
+    fn prove(&self, rec: &StagedVolume) -> Proof;
     /// Devices and mounts under volring's paths that no record explains,
     /// described; removed too when `remove` (only what nothing holds).
     fn orphans(&self, remove: bool) -> Vec<String>;
@@ -48,7 +51,21 @@ pub enum Acted {
     Intact,
     /// A CSI call holds the volume: look again shortly.
     Busy,
+    /// Under the lock, the kernel showed the volume between states (its
+    /// device being detached): nothing was done; look again once it
+    /// settles.
+    Unsettled(String),
     Failed(String),
+}
+
+/// What a look at one volume came to.
+enum Outcome {
+    Verdict(VolumeHealth),
+    /// A CSI call holds it.
+    Busy,
+    /// The kernel and the table disagree: no verdict, no action, a look
+    /// again soon.
+    Lagging,
 }
 
 #[derive(Debug, Clone)]
@@ -199,6 +216,21 @@ impl Notifier {
 const BUSY_RETRY: Duration = Duration::from_millis(200);
 /// The first wait after a failed repair; each failure doubles it.
 const RETRY_FIRST: Duration = Duration::from_millis(500);
+/// The first wait for the watcher to catch up with the kernel (its batch
+/// window is a millisecond); each look that still disagrees doubles it...
+const LAG_FIRST: Duration = Duration::from_millis(5);
+/// ...up to this.
+const LAG_MAX: Duration = Duration::from_millis(500);
+/// A disagreement older than this is not lag: the kernel's word decides.
+const LAG_LIMIT: Duration = Duration::from_secs(10);
+
+/// A volume waiting for the watcher to catch up.
+struct Lag {
+    since: Instant,
+    pause: Duration,
+    next: Instant,
+    warned: bool,
+}
 
 /// The reconciler's state, owned by its thread.
 struct Core {
@@ -221,6 +253,9 @@ struct Core {
     /// Volumes whose repair failed: how many times in a row, and when to
     /// try again (backing off from half a second up to the resync period).
     failed: HashMap<String, (u32, Instant)>,
+    /// Volumes whose table view the kernel contradicted: looked at again
+    /// when the watcher should have caught up.
+    lagging: HashMap<String, Lag>,
 }
 
 impl Core {
@@ -249,6 +284,7 @@ impl Core {
             keys: HashMap::new(),
             startup: false,
             failed: HashMap::new(),
+            lagging: HashMap::new(),
         }
     }
 
@@ -256,7 +292,7 @@ impl Core {
         let mut next_resync = Instant::now() + self.config.resync;
         let mut busy: HashSet<String> = HashSet::new();
         loop {
-            let retry = self.failed.values().map(|(_, at)| *at).min();
+            let retry = self.failed.values().map(|(_, at)| *at).chain(self.lagging.values().map(|l| l.next)).min();
             let mut wake = retry.map_or(next_resync, |r| r.min(next_resync));
             if !busy.is_empty() {
                 wake = wake.min(Instant::now() + BUSY_RETRY);
@@ -272,6 +308,7 @@ impl Core {
             resync |= first.is_none() && Instant::now() >= next_resync;
             let now = Instant::now();
             dirty.extend(self.failed.iter().filter(|(_, (_, at))| *at <= now).map(|(id, _)| id.clone()));
+            dirty.extend(self.lagging.iter().filter(|(_, l)| l.next <= now).map(|(id, _)| id.clone()));
             // Everything queued meanwhile joins this pass.
             for m in first.into_iter().chain(rx.try_iter()) {
                 match m {
@@ -309,6 +346,7 @@ impl Core {
             let Some(rec) = self.volumes.record(&id) else {
                 self.unindex(&id);
                 self.failed.remove(&id);
+                self.lagging.remove(&id);
                 if self.view.get(&id).is_some() {
                     self.view.remove(&id);
                 }
@@ -316,11 +354,13 @@ impl Core {
             };
             self.index(&rec);
             let health = match self.assess_and_act(&rec) {
-                Some(h) => h,
-                None => {
+                Outcome::Verdict(h) => h,
+                Outcome::Busy => {
                     busy.insert(id);
                     continue;
                 }
+                // The verdict stays what it was until the table agrees.
+                Outcome::Lagging => continue,
             };
             let before = self.view.get(&id);
             if before.as_deref() != Some(&health) {
@@ -337,57 +377,117 @@ impl Core {
         busy
     }
 
-    /// The verdict on one volume after acting on it; `None` when a CSI call
-    /// holds it.
-    fn assess_and_act(&mut self, rec: &StagedVolume) -> Option<VolumeHealth> {
+    /// The verdict on one volume after acting on it, or why there is none
+    /// yet.
+    ///
+    /// The table only says where to look: a drift it shows is proven
+    /// through descriptors ([`Volumes::prove`]) before it is reported or
+    /// acted on, and when the kernel shows something else the volume waits
+    /// for the watcher to catch up ([`Outcome::Lagging`]) — a table one
+    /// batch window old must never decide a re-mount, a re-attach or a
+    /// report.
+    fn assess_and_act(&mut self, rec: &StagedVolume) -> Outcome {
+        let id = rec.volume_id.as_str();
         let observed = actual::observe(rec, &read(&self.table));
-        let (drift, mut action) = actual::assess(rec, &observed);
-        if !self.startup && rec.phase != crate::volumes::StagePhase::Staged {
+        let (mut drift, mut action) = actual::assess(rec, &observed);
+        let mut blocked = None;
+        if rec.phase == StagePhase::Staged && !drift.is_empty() {
+            let proof = self.volumes.prove(rec);
+            // Disagreeing for longer than any watcher lags is a table that
+            // misses something (a mount it cannot see): the kernel's word
+            // alone decides then, still proven, never the table's.
+            let table_view = match (&proof, self.lag_expired(id)) {
+                (Proof::Seen { actual, .. }, true) => actual.clone(),
+                _ => observed,
+            };
+            match actual::check(rec, &table_view, &proof) {
+                Checked::Lagging(why) => {
+                    self.lag(id, why);
+                    return Outcome::Lagging;
+                }
+                Checked::Confirmed { drift: d, action: a, blocked: b } => (drift, action, blocked) = (d, a, b),
+            }
+        }
+        self.lagging.remove(id);
+        if !self.startup && rec.phase != StagePhase::Staged {
             action = Action::None;
         }
-        let previous = self.view.get(&rec.volume_id);
+        let previous = self.view.get(id);
         let mut health = VolumeHealth { drift, last_repair: previous.as_ref().and_then(|p| p.last_repair.clone()), repair_error: None };
-        if action == Action::None || !self.config.repair {
-            return Some(health);
+        if (action == Action::None && blocked.is_none()) || !self.config.repair {
+            return Outcome::Verdict(health);
         }
-        if self.failed.get(&rec.volume_id).is_some_and(|(_, at)| *at > Instant::now()) {
+        if self.failed.get(id).is_some_and(|(_, at)| *at > Instant::now()) {
             health.repair_error = previous.and_then(|p| p.repair_error.clone());
-            return Some(health);
+            return Outcome::Verdict(health);
         }
-        match self.volumes.act(&rec.volume_id, action) {
-            Acted::Busy => None,
+        let acted = match blocked {
+            Some(why) => Acted::Failed(why),
+            None => self.volumes.act(id, action),
+        };
+        match acted {
+            Acted::Busy => Outcome::Busy,
+            Acted::Unsettled(why) => {
+                self.lag(id, why);
+                Outcome::Lagging
+            }
             Acted::Intact => {
-                self.failed.remove(&rec.volume_id);
+                self.failed.remove(id);
                 health.drift.retain(|d| !matches!(d, actual::Drift::DeviceDetached | actual::Drift::StagingMissing));
-                Some(health)
+                Outcome::Verdict(health)
             }
             Acted::Done => {
-                self.failed.remove(&rec.volume_id);
+                self.failed.remove(id);
                 self.stats.repairs_done.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(volume = %rec.volume_id, ?action, drift = ?health.drift, "repaired");
+                tracing::warn!(volume = %id, ?action, drift = ?health.drift, "repaired");
                 let what = std::mem::take(&mut health.drift);
                 health.last_repair = Some(Repair { what, at_unix: now_unix() });
-                // What is there now, after the repair.
-                match self.volumes.record(&rec.volume_id) {
-                    Some(r) => health.drift = actual::assess(&r, &actual::observe(&r, &read(&self.table))).0,
+                // What is there now, after the repair: proven, since the
+                // table has not seen the repair's own mount yet.
+                match self.volumes.record(id) {
+                    Some(r) => match self.volumes.prove(&r) {
+                        Proof::Seen { actual, .. } => health.drift = actual::assess(&r, &actual).0,
+                        Proof::Unsettled(why) => self.lag(id, why),
+                    },
                     None => {
-                        self.unindex(&rec.volume_id);
-                        self.view.remove(&rec.volume_id);
-                        return Some(VolumeHealth::default());
+                        self.unindex(id);
+                        self.view.remove(id);
+                        return Outcome::Verdict(VolumeHealth::default());
                     }
                 }
-                Some(health)
+                Outcome::Verdict(health)
             }
             Acted::Failed(e) => {
                 self.stats.repairs_failed.fetch_add(1, Ordering::Relaxed);
-                let attempts = self.failed.get(&rec.volume_id).map_or(1, |(n, _)| n + 1);
+                let attempts = self.failed.get(id).map_or(1, |(n, _)| n + 1);
                 let backoff = (RETRY_FIRST * 2u32.saturating_pow(attempts.min(16) - 1)).min(self.config.resync);
-                tracing::error!(volume = %rec.volume_id, ?action, error = %e, attempts, retry_in = ?backoff, "repair failed");
-                self.failed.insert(rec.volume_id.clone(), (attempts, Instant::now() + backoff));
+                tracing::error!(volume = %id, ?action, error = %e, attempts, retry_in = ?backoff, "repair failed");
+                self.failed.insert(id.to_string(), (attempts, Instant::now() + backoff));
                 health.repair_error = Some(e);
-                Some(health)
+                Outcome::Verdict(health)
             }
         }
+    }
+
+    /// Marks `id` as waiting for the watcher: it is looked at again after a
+    /// pause that starts at [`LAG_FIRST`] and doubles up to [`LAG_MAX`].
+    fn lag(&mut self, id: &str, why: String) {
+        let now = Instant::now();
+        let entry = self.lagging.entry(id.to_string()).or_insert(Lag { since: now, pause: LAG_FIRST, next: now, warned: false });
+        entry.next = now + entry.pause;
+        entry.pause = (entry.pause * 2).min(LAG_MAX);
+        if !entry.warned && now.duration_since(entry.since) >= LAG_LIMIT {
+            entry.warned = true;
+            tracing::warn!(volume = %id, %why, waited = ?now.duration_since(entry.since),
+                "the mount table still disagrees with the kernel; deciding from what the kernel shows");
+        } else {
+            tracing::debug!(volume = %id, %why, "the kernel shows something the mount table does not yet; waiting for the watcher");
+        }
+    }
+
+    /// Whether `id` has waited for the watcher longer than it ever lags.
+    fn lag_expired(&self, id: &str) -> bool {
+        self.lagging.get(id).is_some_and(|l| l.since.elapsed() >= LAG_LIMIT)
     }
 
     fn look_for_orphans(&self) {

@@ -16,6 +16,7 @@
 
 use std::fs::OpenOptions;
 use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -53,6 +54,80 @@ pub fn of_record(rec: &StagedVolume) -> Option<Attachment> {
     match rec.attach {
         AttachKind::Loop => existing(rec.loop_number?, &rec.image),
         AttachKind::Nbd => nbd_existing(rec.nbd_index?, &rec.volume_id),
+    }
+}
+
+/// A volume's device as the device itself says it is now, for decisions
+/// that must not rest on a name alone (the reconciler's repairs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceProof {
+    /// Attached to the volume's very image (for a loop device: the same
+    /// file, by device and inode, not only the same path) and staying.
+    Ours(Attachment),
+    /// The record names no device, or it no longer serves the image.
+    Gone,
+    /// Between states: a loop device told to detach when its last opener
+    /// closes (volring never sets that; someone is taking it away), or a
+    /// device that could not be asked. Decide nothing until it settles.
+    Unsettled(String),
+}
+
+/// Proves what serves the volume `rec` describes: a loop device by its
+/// `LOOP_GET_STATUS64` record against the image's inode, an nbd device by
+/// its backend identifier.
+pub fn prove(rec: &StagedVolume) -> DeviceProof {
+    match (rec.attach, rec.loop_number) {
+        (AttachKind::Loop, Some(n)) => prove_loop(n, &rec.image),
+        (AttachKind::Loop, None) => DeviceProof::Gone,
+        (AttachKind::Nbd, _) => of_record(rec).map_or(DeviceProof::Gone, DeviceProof::Ours),
+    }
+}
+
+/// [`prove`] for `/dev/loop<number>` and `image`. The sysfs path is only
+/// the cheap first look: a path can name another file by now, so the
+/// device's own record of its backing file's device and inode decides.
+pub fn prove_loop(number: u32, image: &Path) -> DeviceProof {
+    if backing_file(number).as_deref() != Some(image) {
+        return DeviceProof::Gone;
+    }
+    let dev = match OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(format!("/dev/loop{number}")) {
+        Ok(f) => f,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENXIO)) => return DeviceProof::Gone,
+        Err(e) => return DeviceProof::Unsettled(format!("open /dev/loop{number}: {e}")),
+    };
+    let status = match loopdev::status(dev.as_fd()) {
+        Ok(Some(s)) => s,
+        Ok(None) => return DeviceProof::Gone,
+        Err(e) => return DeviceProof::Unsettled(format!("/dev/loop{number} status: {e}")),
+    };
+    let file = match rustix::fs::statx(rustix::fs::CWD, image, rustix::fs::AtFlags::empty(), rustix::fs::StatxFlags::INO) {
+        Ok(s) => s,
+        Err(rustix::io::Errno::NOENT) => return DeviceProof::Gone,
+        Err(e) => return DeviceProof::Unsettled(format!("statx {}: {e}", image.display())),
+    };
+    if status.backing_dev != (file.stx_dev_major, file.stx_dev_minor) || status.backing_inode != file.stx_ino {
+        return DeviceProof::Gone;
+    }
+    if status.autoclear {
+        return DeviceProof::Unsettled(format!("/dev/loop{number} is being detached"));
+    }
+    match device_number(number) {
+        Ok(dev) => DeviceProof::Ours(Attachment { number, dev, kind: AttachKind::Loop }),
+        Err(e) => DeviceProof::Unsettled(e.to_string()),
+    }
+}
+
+/// Whether anything holds `/dev/loop<number>` exclusively now: a mounted
+/// filesystem, a device-mapper or md stack, another `O_EXCL` opener. The
+/// kernel answers an exclusive open with EBUSY then; this asks it and
+/// closes at once. (A bind mount of the device node holds nothing and is
+/// not seen here.)
+pub fn claimed(number: u32) -> Result<bool, Error> {
+    let p = format!("/dev/loop{number}");
+    match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(&p) {
+        Ok(_) => Ok(false),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
+        Err(e) => Err(Error::io("open exclusively", &p)(e)),
     }
 }
 
