@@ -241,12 +241,190 @@ fn orphans_reported_and_removed_only_when_asked() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// An in-process driver whose mount table is a snapshot that never moves:
+/// the table lags the kernel by as much as a test needs, deterministically.
+struct Frozen {
+    driver: std::sync::Arc<volring::csi::Driver>,
+    table: std::sync::Arc<std::sync::RwLock<volring::mounts::MountTable>>,
+    rt: tokio::runtime::Runtime,
+    c: volring::csi::client::Clients,
+    _socket: volring::csi::server::BoundSocket,
+    scratch: Option<common::Scratch>,
+}
+
+fn snapshot() -> volring::mounts::MountTable {
+    volring::mounts::MountTable::from_mountinfo(&std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default()).0
+}
+
+impl Frozen {
+    fn start() -> Result<Self, Failed> {
+        let scratch = common::Scratch::new();
+        let state = scratch.dir("state");
+        let mut config = volring::csi::CsiConfig::new(scratch.path().join("csi.sock"), "test-node".into());
+        config.kubelet_root = scratch.dir("kubelet");
+        config.pool_dir = state.join("pool");
+        config.state_dir = state;
+        let table = std::sync::Arc::new(std::sync::RwLock::new(snapshot()));
+        let ready = volring::csi::Readiness::default();
+        ready.set(true);
+        let driver = volring::csi::Driver::new(config.clone(), table.clone(), ready).map_err(|e| e.to_string())?;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let (listener, socket) = rt.block_on(async { volring::csi::server::bind(&config.endpoint) })?;
+        rt.spawn(volring::csi::server::serve(driver.clone(), listener, std::future::pending()));
+        let c = rt.block_on(volring::csi::client::Clients::connect(config.endpoint.clone())).map_err(|e| e.to_string())?;
+        Ok(Self { driver, table, rt, c, _socket: socket, scratch: Some(scratch) })
+    }
+
+    fn k(&self, rel: &str) -> String {
+        self.driver.config().kubelet_root.join(rel).to_string_lossy().into_owned()
+    }
+
+    fn create(&self, name: &str, fs: &str) -> Result<(), Failed> {
+        let mut c = self.c.controller.clone();
+        let params = [("fsType".to_string(), fs.to_string())].into();
+        self.rt.block_on(c.create_volume(volring::csi::proto::CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(volring::csi::proto::CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![mount_cap(fs)],
+            parameters: params,
+            ..Default::default()
+        }))?;
+        Ok(())
+    }
+
+    fn stage(&self, id: &str, staging: &str) -> Result<(), Failed> {
+        let mut c = self.c.node.clone();
+        self.rt.block_on(c.node_stage_volume(volring::csi::proto::NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            volume_capability: Some(mount_cap("ext4")),
+            ..Default::default()
+        }))?;
+        Ok(())
+    }
+
+    fn publish(&self, id: &str, staging: &str, target: &str) -> Result<(), Failed> {
+        let mut c = self.c.node.clone();
+        self.rt.block_on(c.node_publish_volume(volring::csi::proto::NodePublishVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            target_path: target.into(),
+            volume_capability: Some(mount_cap("ext4")),
+            ..Default::default()
+        }))?;
+        Ok(())
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // Every mount below the scratch directory goes first (lazily), then
+        // every loop device whose image lived there.
+        let dir = self.scratch.as_ref().map(|s| s.path().to_path_buf());
+        self.scratch.take();
+        if let Some(dir) = dir {
+            for n in loops_under(&dir) {
+                if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
+                    let _ = d.detach();
+                }
+            }
+        }
+    }
+}
+
+/// The reconciler handed a mount table that lags the kernel (a snapshot
+/// taken before anything was staged, never updated) decides nothing from
+/// it: a staged and published volume the table has not heard of is not
+/// reported as drifting; a staging mount that vanished under a mount which
+/// now covers its parent — a cover the table has not heard of either — is
+/// not re-mounted under that cover; a loop device serving a pool image with
+/// no record, mounted where the table does not show it, is not detached
+/// even with orphan removal on. Once the table catches up, the verdicts
+/// follow it.
+fn a_stale_table_decides_nothing() -> Result<(), Failed> {
+    let f = Frozen::start()?;
+    // Staged and published: the table knows neither mount.
+    f.create("pvc-a", "ext4")?;
+    let (staging_a, target_a) = (f.k("plugins/a/stage"), f.k("pods/a/mount"));
+    f.stage("pvc-a", &staging_a)?;
+    f.publish("pvc-a", &staging_a, &target_a)?;
+    // Staged, then a tmpfs over the staging path's parent and the (now
+    // hidden) staging mount pulled away through a descriptor taken before.
+    f.create("pvc-b", "ext4")?;
+    let staging_b = f.k("plugins/b/stage");
+    f.stage("pvc-b", &staging_b)?;
+    let parent_b = Path::new(&staging_b).parent().ok_or("parent")?.to_path_buf();
+    let hidden = rustix::fs::open(staging_b.as_str(), rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY, rustix::fs::Mode::empty())?;
+    common::tmpfs_at(&parent_b);
+    std::fs::create_dir_all(&staging_b)?;
+    rustix::mount::unmount(
+        format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&hidden)).as_str(),
+        rustix::mount::UnmountFlags::DETACH,
+    )?;
+    drop(hidden);
+    // An orphan: an ext4 image in the pool on a loop device with no record,
+    // mounted outside the kubelet root.
+    let pool = f.driver.pool_dir().to_path_buf();
+    let image = pool.join("pvc-orphan.img");
+    std::fs::File::create(&image)?.set_len(32 * MIB as u64)?;
+    let out = std::process::Command::new("mkfs.ext4").arg("-q").arg(&image).output()?;
+    check(out.status.success(), format!("mkfs.ext4: {}", String::from_utf8_lossy(&out.stderr)))?;
+    let orphan = attach::attach(&image, false, false)?;
+    let orphan_at = f.scratch.as_ref().ok_or("scratch")?.dir("orphan");
+    rustix::mount::mount(orphan.path().as_path(), orphan_at.as_path(), "ext4", rustix::mount::MountFlags::empty(), None)?;
+
+    let config = volring::state::reconcile::ReconcileConfig { remove_orphans: true, ..Default::default() };
+    // The first pass runs before this returns.
+    let r = f.driver.start_reconciler(config)?;
+    let a = r.view().get("pvc-a");
+    let b = r.view().get("pvc-b");
+    let repairs = r.stats().repairs_done.load(std::sync::atomic::Ordering::Relaxed);
+    let under_cover = mounts_under(Path::new(&staging_b));
+    let autoclear = std::fs::read_to_string(format!("/sys/block/{}/loop/autoclear", orphan.name())).unwrap_or_default();
+    let orphan_served = attach::existing(orphan.number, &image).is_some();
+    // Every wrong decision is listed, not only the first.
+    let orphans = r.stats().orphans.lock().map_err(|e| e.to_string())?.clone();
+    let wrong: Vec<String> = [
+        (a.as_ref().is_none_or(|h| h.drift.is_empty()), format!("pvc-a reported from the stale table: {a:?}")),
+        (repairs == 0, format!("{repairs} repairs made from a stale table")),
+        (under_cover.is_empty(), format!("pvc-b re-mounted under the covering tmpfs: {under_cover:?}")),
+        (
+            b.as_ref().and_then(|h| h.repair_error.as_deref()).is_some_and(|e| e.contains("covered")),
+            format!("pvc-b: the cover is not reported: {b:?}"),
+        ),
+        (orphan_served && autoclear.trim() == "0", format!("the mounted orphan was detached (autoclear {:?})", autoclear.trim())),
+        (
+            orphans.iter().any(|o| o.contains("pvc-orphan.img") && !o.contains("detach")),
+            format!("the orphan is not reported as left alone: {orphans:?}"),
+        ),
+    ]
+    .into_iter()
+    .filter(|(ok, _)| !ok)
+    .map(|(_, why)| why)
+    .collect();
+    check(wrong.is_empty(), wrong.join("\n"))?;
+
+    // The watcher catches up: the verdicts follow the (now true) table.
+    *f.table.write().map_err(|e| e.to_string())? = snapshot();
+    r.notifier().resync();
+    let mut seen = None;
+    let caught_up = eventually(Duration::from_secs(10), || {
+        seen = r.view().get("pvc-a");
+        seen.as_ref().is_some_and(|h| h.drift.is_empty())
+    });
+    check(caught_up, format!("pvc-a healthy once the table agrees: {seen:?}"))?;
+    check(mounts_under(Path::new(&staging_b)).is_empty(), "still nothing under the cover")?;
+    r.stop();
+    Ok(())
+}
+
 fn main() {
     let trials = vec![
         Trial::test("state::behind_the_back_repairs", behind_the_back_repairs),
         Trial::test("state::interrupted_operations_finish_before_ready", interrupted_operations_finish_before_ready),
         Trial::test("state::legacy_records_imported_and_status_after_crash", legacy_records_imported_and_status_after_crash),
         Trial::test("state::orphans_reported_and_removed_only_when_asked", orphans_reported_and_removed_only_when_asked),
+        Trial::test("state::a_stale_table_decides_nothing", a_stale_table_decides_nothing),
     ];
     common::run_in_private_namespace(trials)
 }
