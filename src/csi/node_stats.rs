@@ -74,7 +74,11 @@ impl Driver {
         // the volume as a whole (its staging mount and device, a failed or
         // a past repair).
         let verdict = self.health.get().and_then(|v| v.get(id));
-        let proven = crate::state::actual::Proven { staging: problem.is_none() && checked == rec.staged_at(), device: problem.is_none() };
+        let proven = crate::state::actual::Proven {
+            staging: problem.is_none() && checked == rec.staged_at(),
+            device: problem.is_none(),
+            settled: rec.phase == crate::volumes::StagePhase::Staged,
+        };
         let problem = match (problem, verdict.as_deref().and_then(|h| h.volume_problem_beside(proven))) {
             (Some(p), Some(v)) => Some(format!("{p}; {v}")),
             (p, v) => p.or(v),

@@ -221,6 +221,9 @@ pub struct Proven {
     pub staging: bool,
     /// The volume's device is attached (a path holds a mount of it).
     pub device: bool,
+    /// The volume's record says it is staged now, no operation in flight:
+    /// a verdict that saw a call mid-way ("interrupted") is older than it.
+    pub settled: bool,
 }
 
 /// The reconciler's verdict on one volume, as published and stored.
@@ -273,7 +276,7 @@ impl VolumeHealth {
             Drift::StagingMissing | Drift::StagingForeign => proven.staging,
             Drift::DeviceDetached => proven.device,
             Drift::TargetMissing { .. } | Drift::TargetForeign { .. } => true,
-            Drift::Interrupted { .. } => false,
+            Drift::Interrupted { .. } => proven.settled,
         };
         let whole = VolumeHealth {
             drift: self.drift.iter().filter(|d| !stale(d)).cloned().collect(),
@@ -415,6 +418,65 @@ mod tests {
             assert_eq!(assess(&rec(p), &actual(false, AtPath::Missing, AtPath::Missing)).1, Action::Restage);
         }
         assert_eq!(assess(&rec(StagePhase::Unstaging), &actual(true, AtPath::Ours, AtPath::Missing)).1, Action::FinishUnstage);
+    }
+
+    fn seen(a: VolumeActual, covered: Option<&str>) -> Proof {
+        Proof::Seen { actual: a, covered: covered.map(PathBuf::from) }
+    }
+
+    #[test]
+    fn a_table_the_kernel_contradicts_decides_nothing() {
+        let r = rec(StagePhase::Staged);
+        // The table has not seen the stage's mount yet; the kernel has it.
+        let stale = actual(true, AtPath::Missing, AtPath::Missing);
+        assert!(matches!(check(&r, &stale, &seen(actual(true, AtPath::Ours, AtPath::Ours), None)), Checked::Lagging(_)));
+        // The table still has a mount the kernel no longer shows: not
+        // reported healthy-but-foreign, not acted on either way.
+        let old = actual(true, AtPath::Foreign, AtPath::Ours);
+        assert!(matches!(check(&r, &old, &seen(actual(true, AtPath::Missing, AtPath::Ours), None)), Checked::Lagging(_)));
+        // A device mid-detach: wait.
+        assert!(matches!(check(&r, &stale, &Proof::Unsettled("detaching".into())), Checked::Lagging(_)));
+    }
+
+    #[test]
+    fn a_proven_drift_is_reported_and_acted_on() {
+        let r = rec(StagePhase::Staged);
+        let gone = actual(false, AtPath::Missing, AtPath::Ours);
+        assert_eq!(
+            check(&r, &gone, &seen(gone.clone(), None)),
+            Checked::Confirmed { drift: vec![Drift::DeviceDetached, Drift::StagingMissing], action: Action::Restage, blocked: None }
+        );
+        let target = actual(true, AtPath::Ours, AtPath::Missing);
+        assert_eq!(
+            check(&r, &target, &seen(target.clone(), None)),
+            Checked::Confirmed { drift: vec![Drift::TargetMissing { path: "/k/t".into() }], action: Action::None, blocked: None }
+        );
+    }
+
+    #[test]
+    fn a_covered_staging_path_is_never_mounted_under() {
+        let r = rec(StagePhase::Staged);
+        let missing = actual(true, AtPath::Missing, AtPath::Ours);
+        match check(&r, &missing, &seen(missing.clone(), Some("/k"))) {
+            Checked::Confirmed { drift, action: Action::None, blocked: Some(why) } => {
+                assert_eq!(drift, vec![Drift::StagingMissing]);
+                assert!(why.contains("covered by a mount at /k"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Nothing to repair: the cover blocks nothing.
+        let foreign = actual(true, AtPath::Foreign, AtPath::Ours);
+        assert_eq!(
+            check(&r, &foreign, &seen(foreign.clone(), Some("/k"))),
+            Checked::Confirmed { drift: vec![Drift::StagingForeign], action: Action::None, blocked: None }
+        );
+    }
+
+    #[test]
+    fn an_interrupted_verdict_is_older_than_a_staged_record() {
+        let h = VolumeHealth { drift: vec![Drift::Interrupted { phase: StagePhase::Mounting }], ..Default::default() };
+        assert!(h.volume_problem_beside(Proven::default()).is_some_and(|p| p.contains("interrupted")));
+        assert_eq!(h.volume_problem_beside(Proven { settled: true, ..Default::default() }), None);
     }
 
     #[test]

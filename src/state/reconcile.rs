@@ -403,7 +403,7 @@ impl Core {
             match actual::check(rec, &table_view, &proof) {
                 Checked::Lagging(why) => {
                     self.lag(id, why);
-                    return Outcome::Lagging;
+                    return self.disproved(rec, &proof);
                 }
                 Checked::Confirmed { drift: d, action: a, blocked: b } => (drift, action, blocked) = (d, a, b),
             }
@@ -467,6 +467,28 @@ impl Core {
                 Outcome::Verdict(health)
             }
         }
+    }
+
+    /// While the table lags nothing new is reported, but what the kernel
+    /// (or the record: the volume is staged now) has already disproved of
+    /// the last verdict goes — a stage that finished a moment ago must not
+    /// stay "interrupted" until the watcher hears of its mount.
+    fn disproved(&self, rec: &StagedVolume, proof: &Proof) -> Outcome {
+        let Some(prev) = self.view.get(&rec.volume_id) else { return Outcome::Lagging };
+        let shown = match proof {
+            Proof::Seen { actual, .. } => Some(actual::assess(rec, actual).0),
+            Proof::Unsettled(_) => None,
+        };
+        let still: Vec<actual::Drift> = prev
+            .drift
+            .iter()
+            .filter(|d| !matches!(d, actual::Drift::Interrupted { .. }) && shown.as_ref().is_none_or(|s| s.contains(d)))
+            .cloned()
+            .collect();
+        if still == prev.drift {
+            return Outcome::Lagging;
+        }
+        Outcome::Verdict(VolumeHealth { drift: still, ..VolumeHealth::clone(&prev) })
     }
 
     /// Marks `id` as waiting for the watcher: it is looked at again after a
