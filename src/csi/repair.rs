@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
+use super::owned::{Expect, Found};
 use super::proto::volume_capability::access_mode::Mode;
 use super::validate::{Access, AccessType};
 use super::Driver;
-use super::owned::{Expect, Found};
 use crate::state::actual::{Action, AtPath, Proof, VolumeActual};
 use crate::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
 use crate::volumes::filesystem::FsKind;

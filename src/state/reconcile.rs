@@ -14,6 +14,14 @@
 //! Published targets are kubelet's: their drift is reported, never
 //! repaired. Acting takes the same per-volume lock a CSI call takes (a
 //! volume a call is working on is left to the call, and looked at again).
+//!
+//! The mount table only says where to look. It is as old as the last batch
+//! the watcher handed over (up to `--mount-batch-us`, more under load), so
+//! a drift it shows is proven through descriptors before it is reported or
+//! acted on ([`Volumes::prove`], [`actual::check`]); when the kernel shows
+//! something the table does not yet, the volume waits for the watcher
+//! (looked at again after a few milliseconds, doubling) and its verdict
+//! only loses what the kernel has already disproved.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;

@@ -92,7 +92,8 @@ pub fn prove_loop(number: u32, image: &Path) -> DeviceProof {
     }
     let dev = match OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(format!("/dev/loop{number}")) {
         Ok(f) => f,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENXIO)) => return DeviceProof::Gone,
+        // Torn down between the sysfs read and the open.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return DeviceProof::Gone,
         Err(e) => return DeviceProof::Unsettled(format!("open /dev/loop{number}: {e}")),
     };
     let status = match loopdev::status(dev.as_fd()) {
