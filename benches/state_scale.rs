@@ -3,7 +3,8 @@
 //! For each size it prints: the time to open the store and load every
 //! record (agent start, first half), the reconciler's first pass over every
 //! volume (agent start, second half: each volume observed from the mount
-//! table and its loop device's sysfs record, then assessed), the cost of
+//! table and its loop device's sysfs record, assessed, and — drifting —
+//! checked against a proof that agrees), the cost of
 //! one mount event (one volume's path) — which must not grow with the
 //! number of volumes —, store commit latency per intent (p50/p99), and the
 //! resident memory the records and the reconciler add.
