@@ -490,10 +490,13 @@ impl IoRing {
         self.core.submit_and_wait(min, timeout)
     }
 
-    /// Submits, then waits for `want` completions for at most `min_wait`
-    /// (and for the first one as long as it takes): gathers a burst of
-    /// requests into one loop turn when traffic is heavy (Linux 6.12+; on
-    /// older kernels it waits for the first completion only).
+    /// Submits, then waits for `want` completions for at most `min_wait`:
+    /// gathers a burst of requests into one loop turn when traffic is heavy
+    /// (Linux 6.12+; older kernels wait for the first completion only).
+    /// No timeout is passed, so the wait may also end empty when the window
+    /// passes (see `Reactor::set_batch_window`, which adds one because its
+    /// rings idle); the server calls this only after a busy turn, where an
+    /// empty turn costs one more loop.
     pub fn submit_and_wait_batch(&mut self, want: usize, min_wait: Duration) -> io::Result<()> {
         if self.no_min_wait {
             return self.submit_and_wait(1, None);
