@@ -422,6 +422,9 @@ pub(super) struct RecvPool {
     size: usize,
     tail: u16,
     pub(super) group: u16,
+    /// Buffers a completion handed to the driver and not recycled yet.
+    taken: Vec<bool>,
+    taken_count: u16,
 }
 
 impl RecvPool {
@@ -431,12 +434,43 @@ impl RecvPool {
         }
         let ring = Mapping::new((usize::from(entries) * std::mem::size_of::<BufRingEntry>()).next_multiple_of(PAGE))?;
         let data = Mapping::new(usize::from(entries) * size)?;
-        let mut pool = Self { ring, data, entries, size, tail: 0, group };
-        for bid in 0..entries {
-            pool.push(bid);
-        }
-        pool.publish();
+        let mut pool = Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0 };
+        pool.refill();
         Ok(pool)
+    }
+
+    /// Puts every buffer the driver does not hold into an empty ring, from
+    /// the start: for a ring (re-)registered with the kernel, whose head is 0.
+    pub(super) fn refill(&mut self) {
+        self.tail = 0;
+        for bid in 0..self.entries {
+            if !self.taken[usize::from(bid)] {
+                self.push(bid);
+            }
+        }
+        self.publish();
+    }
+
+    /// A completion handed buffer `bid` to the driver.
+    pub(super) fn mark_taken(&mut self, bid: u16) {
+        let slot = &mut self.taken[usize::from(bid % self.entries)];
+        if !*slot {
+            *slot = true;
+            self.taken_count += 1;
+        }
+    }
+
+    /// Buffers the driver holds (taken and not recycled).
+    pub(super) fn taken(&self) -> u16 {
+        self.taken_count
+    }
+
+    /// Makes the ring look empty to a kernel that registers it next, as a
+    /// kernel that lost every buffer sees it (tests only).
+    #[cfg(test)]
+    pub(super) fn forget_all(&mut self) {
+        self.tail = 0;
+        self.publish();
     }
 
     pub(super) fn ring_addr(&self) -> u64 {
@@ -476,7 +510,16 @@ impl RecvPool {
     }
 
     pub(super) fn recycle(&mut self, bid: u16) {
-        self.push(bid % self.entries);
+        let bid = bid % self.entries;
+        let slot = &mut self.taken[usize::from(bid)];
+        if !*slot {
+            // Not handed out (or already back): pushing it again would put
+            // one buffer in the ring twice, for two receives at once.
+            return;
+        }
+        *slot = false;
+        self.taken_count -= 1;
+        self.push(bid);
         self.publish();
     }
 }

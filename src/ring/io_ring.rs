@@ -116,6 +116,13 @@ enum Held {
     ),
     /// A close of this fixed slot: the slot is free once it completes.
     Close(u32),
+    /// A multishot receive from the provided buffers, armed when the
+    /// ring had handed out `epoch` buffers and the driver held none
+    /// (`idle`).
+    Recv {
+        epoch: u64,
+        idle: bool,
+    },
 }
 
 struct Op {
@@ -142,6 +149,15 @@ pub struct IoRing {
     idle_pipes: Vec<u32>,
     /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
     no_min_wait: bool,
+    /// Multishot receives armed and not ended.
+    armed_recvs: usize,
+    /// Completions that carried a provided buffer, since the ring was made.
+    recv_epoch: u64,
+    /// The kernel said its provided buffers ran out while it should have
+    /// held them all: it lost some (see [`IoRing::recv_pool_lost`]).
+    recv_lost: bool,
+    /// Times the receive pool was handed to the kernel afresh.
+    recv_resets: u64,
 }
 
 /// Capacity asked of each splice pipe (the unprivileged maximum).
@@ -184,6 +200,10 @@ impl IoRing {
             pipes: Vec::new(),
             idle_pipes: Vec::new(),
             no_min_wait: false,
+            armed_recvs: 0,
+            recv_epoch: 0,
+            recv_lost: false,
+            recv_resets: 0,
         })
     }
 
@@ -206,7 +226,8 @@ impl IoRing {
         (self.recv.data(bid, len), &mut self.bufs)
     }
 
-    /// Hands a provided buffer back to the kernel.
+    /// Hands a provided buffer back to the kernel (a buffer that is not
+    /// out, or already back, is ignored).
     pub fn recycle(&mut self, bid: u16) {
         self.recv.recycle(bid);
     }
@@ -262,7 +283,50 @@ impl IoRing {
     /// peer closes, or the pool runs dry (ENOBUFS: arm again after recycling).
     pub fn recv_multi(&mut self, token: u64, socket: u32) -> io::Result<OpId> {
         let group = self.recv.group;
-        self.start(token, Held::Nothing, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))
+        let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
+        let op = self.start(token, held, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))?;
+        self.armed_recvs += 1;
+        Ok(op)
+    }
+
+    /// Whether the kernel lost provided buffers: a receive armed while the
+    /// driver held none ended with ENOBUFS before any buffer came back, so
+    /// the kernel's ring was empty although every buffer had been given to
+    /// it. Debian 12's 6.1 kernel does this when multishot receives are
+    /// cancelled (about one buffer per cancel); without a remedy the pool
+    /// drains and every connection of the ring stops being read. The
+    /// remedy: end every multishot receive, then [`IoRing::reset_recv_pool`].
+    pub fn recv_pool_lost(&self) -> bool {
+        self.recv_lost
+    }
+
+    /// Multishot receives armed and not yet ended.
+    pub fn armed_recvs(&self) -> usize {
+        self.armed_recvs
+    }
+
+    /// Times the receive pool was handed to the kernel afresh.
+    pub fn recv_pool_resets(&self) -> u64 {
+        self.recv_resets
+    }
+
+    /// Hands the kernel a fresh ring of every provided buffer the driver
+    /// does not hold. Only when no multishot receive is armed: a receive
+    /// holds no buffer once it has ended (its last completion returns
+    /// any), so a buffer the kernel lost is referenced by nothing and can
+    /// be given again; an armed one might still pick from the old ring.
+    pub fn reset_recv_pool(&mut self) -> io::Result<()> {
+        if self.armed_recvs != 0 {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "multishot receives still armed"));
+        }
+        self.core.submitter().unregister_buf_ring(self.recv.group)?;
+        self.recv.refill();
+        // SAFETY: the ring memory belongs to `recv`, which lives as long as
+        // the ring (dropped after it, or leaked with it).
+        unsafe { self.core.submitter().register_buf_ring_with_flags(self.recv.ring_addr(), self.recv.entries(), self.recv.group, 0)? };
+        self.recv_lost = false;
+        self.recv_resets += 1;
+        Ok(())
     }
 
     /// Receives from a fixed socket straight into `buf[start..end]`, waiting
@@ -426,10 +490,13 @@ impl IoRing {
         self.core.submit_and_wait(min, timeout)
     }
 
-    /// Submits, then waits for `want` completions for at most `min_wait`
-    /// (and for the first one as long as it takes): gathers a burst of
-    /// requests into one loop turn when traffic is heavy (Linux 6.12+; on
-    /// older kernels it waits for the first completion only).
+    /// Submits, then waits for `want` completions for at most `min_wait`:
+    /// gathers a burst of requests into one loop turn when traffic is heavy
+    /// (Linux 6.12+; older kernels wait for the first completion only).
+    /// No timeout is passed, so the wait may also end empty when the window
+    /// passes (see `Reactor::set_batch_window`, which adds one because its
+    /// rings idle); the server calls this only after a busy turn, where an
+    /// empty turn costs one more loop.
     pub fn submit_and_wait_batch(&mut self, want: usize, min_wait: Duration) -> io::Result<()> {
         if self.no_min_wait {
             return self.submit_and_wait(1, None);
@@ -451,8 +518,18 @@ impl IoRing {
         let mut reaped = std::mem::take(&mut self.reaped);
         self.core.reap(&mut reaped);
         for c in reaped.drain(..) {
+            let recv_buf = cqueue::buffer_select(c.flags);
+            if let Some(bid) = recv_buf {
+                self.recv.mark_taken(bid);
+                self.recv_epoch += 1;
+            }
             let token = match c.last {
                 Some(op) => {
+                    if let Held::Recv { epoch, idle } = op.held {
+                        if c.res == -libc::ENOBUFS && idle && epoch == self.recv_epoch {
+                            self.recv_lost = true;
+                        }
+                    }
                     self.release(op.held);
                     op.token
                 }
@@ -461,7 +538,7 @@ impl IoRing {
                     None => continue, // cancel requests
                 },
             };
-            out.push(Cqe { token, result: c.res, more: c.more, recv_buf: cqueue::buffer_select(c.flags) });
+            out.push(Cqe { token, result: c.res, more: c.more, recv_buf });
         }
         self.reaped = reaped;
     }
@@ -470,6 +547,7 @@ impl IoRing {
     fn release(&mut self, held: Held) {
         match held {
             Held::Nothing | Held::Timeout(_) => {}
+            Held::Recv { .. } => self.armed_recvs -= 1,
             Held::Buf(id) => self.bufs.give_back(id),
             Held::Send { mut bufs, iov, msg } => {
                 for id in bufs.drain(..) {
@@ -526,3 +604,7 @@ impl Drop for IoRing {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "io_ring_tests.rs"]
+mod tests;

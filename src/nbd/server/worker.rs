@@ -109,6 +109,13 @@ pub(super) struct Worker {
     /// zero a range itself; shared, never written after it is made.
     pub(super) zeroes: Option<BufId>,
     pub(super) inline: super::inline::RingInline,
+    /// The kernel lost provided buffers: multishot receives are being ended
+    /// so the pool can be handed over afresh; none is armed meanwhile.
+    pub(super) recv_recovering: bool,
+    /// Large payloads are received directly (cancelling the multishot
+    /// receive first); off for good on a ring whose kernel lost buffers,
+    /// since those cancels are what lose them.
+    pub(super) direct_receive: bool,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -162,6 +169,8 @@ impl Worker {
             active: false,
             zeroes: None,
             inline: Default::default(),
+            recv_recovering: false,
+            direct_receive: true,
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -356,6 +365,9 @@ impl Worker {
         if !self.server_waiters.is_empty() && self.budget.releases() != self.waiters_seen {
             self.wake_server_waiters();
         }
+        if self.ring.recv_pool_lost() && !self.recv_recovering {
+            self.begin_recv_recovery();
+        }
         // Servicing a connection can queue replies on it (or free memory
         // for another): a few rounds, and the loop does not sleep on the rest.
         for _ in 0..SERVICE_ROUNDS {
@@ -370,8 +382,48 @@ impl Worker {
                 self.dirty = dirty;
             }
         }
+        if self.recv_recovering && self.ring.armed_recvs() == 0 {
+            self.finish_recv_recovery();
+        }
         for (export, pending) in self.stats.values_mut() {
             export.stats.fold(pending);
+        }
+    }
+
+    /// The kernel lost provided buffers (see `IoRing::recv_pool_lost`):
+    /// every multishot receive of the ring is ended, and none is armed
+    /// until the pool has been handed over afresh.
+    fn begin_recv_recovery(&mut self) {
+        self.recv_recovering = true;
+        if self.direct_receive {
+            self.direct_receive = false;
+            tracing::warn!(
+                ring = self.id,
+                "the kernel lost NBD receive buffers when a multishot receive was cancelled; \
+                 large writes are no longer received directly on this ring"
+            );
+        }
+        for ci in 0..self.conns.len() {
+            let Some(c) = self.conns[ci].as_mut() else { continue };
+            if let Some(op) = c.recv_op.filter(|_| !c.recv_direct && !c.recv_cancelled) {
+                c.recv_cancelled = true;
+                let _ = self.ring.cancel(op);
+            }
+        }
+    }
+
+    /// No multishot receive is armed any more: the pool goes back to the
+    /// kernel whole and every connection is read again.
+    fn finish_recv_recovery(&mut self) {
+        match self.ring.reset_recv_pool() {
+            Ok(()) => {
+                tracing::warn!(ring = self.id, resets = self.ring.recv_pool_resets(), "NBD receive buffers handed to the kernel afresh")
+            }
+            Err(e) => tracing::error!(ring = self.id, error = %e, "NBD receive buffers could not be handed over afresh"),
+        }
+        self.recv_recovering = false;
+        for ci in 0..self.conns.len() as u32 {
+            self.mark(ci);
         }
     }
 
@@ -412,7 +464,11 @@ impl Worker {
         }
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         let want_recv = !c.closing && c.paused.is_none();
-        let direct = want_recv && super::direct::wants_direct(c);
+        let direct = want_recv && self.direct_receive && super::direct::wants_direct(c);
+        // While the pool is being handed over no multishot receive is
+        // armed; a direct receive may start or run on (it uses no pool
+        // buffer, and cancelling one would cut a payload in two).
+        let want_recv = want_recv && (direct || c.recv_direct || !self.recv_recovering);
         match (want_recv, c.recv_op) {
             (true, None) => {
                 let armed =

@@ -1,0 +1,114 @@
+//! The receive pool's recovery when the kernel loses provided buffers.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use super::*;
+
+fn small_ring() -> IoRing {
+    let cfg = IoRingConfig {
+        sq_entries: 32,
+        cq_entries: 64,
+        files: 8,
+        arena_slots: 1,
+        arena_slot_size: 4096,
+        heap_cache: 0,
+        recv_bufs: 4,
+        recv_buf_size: 4096,
+    };
+    IoRing::new(&cfg).expect("io_uring with provided buffer rings")
+}
+
+/// Waits (bounded) for the completions of `token`'s op until its last one.
+fn until_ended(ring: &mut IoRing, token: u64) -> Vec<Cqe> {
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        let ended = out.iter().any(|c| c.token == token && !c.more);
+        seen.extend(out);
+        if ended {
+            return seen;
+        }
+    }
+    panic!("op {token} did not end: {seen:?}");
+}
+
+/// As Debian 12's 6.1 kernel does when multishot receives are cancelled:
+/// the kernel's ring is empty although the pool gave it every buffer. The
+/// ring must notice (not re-arm into ENOBUFS forever) and hand the pool
+/// over afresh; afterwards receives land in buffers again.
+#[test]
+fn buffers_the_kernel_lost_are_noticed_and_handed_over_afresh() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    // The kernel's view: a registered ring with nothing in it.
+    ring.core.submitter().unregister_buf_ring(ring.recv.group).unwrap();
+    ring.recv.forget_all();
+    // SAFETY: the ring memory belongs to `ring.recv`, which outlives this use.
+    unsafe { ring.core.submitter().register_buf_ring_with_flags(ring.recv.ring_addr(), ring.recv.entries(), ring.recv.group, 0) }.unwrap();
+
+    peer.write_all(b"first").unwrap();
+    ring.recv_multi(1, socket).unwrap();
+    let done = until_ended(&mut ring, 1);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    assert!(ring.recv_pool_lost(), "every buffer was given and none came back: lost");
+    assert_eq!(ring.armed_recvs(), 0);
+
+    ring.reset_recv_pool().unwrap();
+    assert!(!ring.recv_pool_lost());
+    assert_eq!(ring.recv_pool_resets(), 1);
+    let op = ring.recv_multi(2, socket).unwrap();
+    let got = until_ended_or_data(&mut ring, 2);
+    let bid = got.recv_buf.expect("a provided buffer again");
+    assert_eq!(ring.received(bid, got.result as usize).0, b"first");
+    ring.recycle(bid);
+    ring.cancel(op).unwrap();
+    until_ended(&mut ring, 2);
+}
+
+/// An ordinary ENOBUFS (the driver still holds buffers) is not a loss, and
+/// a buffer recycled twice enters the ring once.
+#[test]
+fn a_pool_drained_by_the_driver_is_not_a_loss() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let mut held = Vec::new();
+    // Four buffers, taken one 4 KiB chunk each and kept by the driver.
+    for i in 0..4u64 {
+        peer.write_all(&[i as u8; 4096]).unwrap();
+        let op = ring.recv_multi(10 + i, socket).unwrap();
+        let c = until_ended_or_data(&mut ring, 10 + i);
+        held.push(c.recv_buf.expect("a buffer"));
+        if c.more {
+            ring.cancel(op).unwrap();
+            until_ended(&mut ring, 10 + i);
+        }
+    }
+    peer.write_all(b"more").unwrap();
+    ring.recv_multi(20, socket).unwrap();
+    let done = until_ended(&mut ring, 20);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    assert!(!ring.recv_pool_lost(), "the driver held every buffer: an ordinary ENOBUFS");
+    ring.recycle(held[0]);
+    ring.recycle(held[0]);
+    assert_eq!(ring.recv.taken(), 3, "a second recycle of one buffer is ignored");
+}
+
+/// Waits (bounded) for the first completion of `token` that carries data.
+fn until_ended_or_data(ring: &mut IoRing, token: u64) -> Cqe {
+    for _ in 0..50 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        if let Some(c) = out.into_iter().find(|c| c.token == token && (c.recv_buf.is_some() || !c.more)) {
+            return c;
+        }
+    }
+    panic!("op {token} gave nothing");
+}
