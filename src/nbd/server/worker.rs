@@ -543,7 +543,10 @@ impl Worker {
             self.reqs = Vec::new();
             self.free_reqs = Vec::new();
         }
-        if self.live == 0 && self.conns.capacity() > 1024 {
+        // Only when no list still names a slot: `dirty` and the waiters
+        // index `conns` directly.
+        let unnamed = self.dirty.is_empty() && self.server_waiters.is_empty();
+        if self.live == 0 && unnamed && self.conns.capacity() > 1024 {
             freed += self.conns.capacity() * std::mem::size_of::<Option<Conn>>() + self.free_conns.capacity() * 4;
             self.conns = Vec::new();
             self.free_conns = Vec::new();
