@@ -227,6 +227,13 @@ impl Buffers {
         released
     }
 
+    /// Counts memory the owner freed outside the buffers (request tables,
+    /// vectors of a past burst), so the next [`Buffers::trim`] also asks
+    /// the allocator to return free pages when no buffer was freed.
+    pub fn note_freed(&mut self, bytes: usize) {
+        self.freed_since_trim += bytes;
+    }
+
     /// The arena as iovecs, one per slot, in slot order (for registration).
     pub(super) fn arena_iovecs(&self) -> Vec<libc::iovec> {
         let n = self.arena.len / self.arena_slot;

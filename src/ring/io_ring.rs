@@ -512,6 +512,24 @@ impl IoRing {
         }
     }
 
+    /// Gives back what a past burst left behind: the spare send vectors
+    /// (one per send that was in flight at once, each as long as its
+    /// longest send), an oversized completion scratch, cached buffers, and
+    /// then the allocator's free pages. For a ring with nothing to do.
+    pub fn trim(&mut self) {
+        let iov: usize = self.spare_iov.iter().map(|v| v.capacity() * std::mem::size_of::<libc::iovec>()).sum();
+        let ids: usize = self.spare_bufs.iter().map(|v| v.capacity() * std::mem::size_of::<BufId>()).sum();
+        let mut freed = iov + ids;
+        self.spare_iov = Vec::new();
+        self.spare_bufs = Vec::new();
+        if self.reaped.capacity() > 1024 {
+            freed += self.reaped.capacity() * std::mem::size_of::<Reaped<Op>>();
+            self.reaped = Vec::with_capacity(1024);
+        }
+        self.bufs.note_freed(freed);
+        self.bufs.trim();
+    }
+
     /// Moves every available completion into `out`, releasing what finished
     /// operations held.
     pub fn complete(&mut self, out: &mut Vec<Cqe>) {

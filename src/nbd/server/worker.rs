@@ -116,6 +116,8 @@ pub(super) struct Worker {
     /// receive first); off for good on a ring whose kernel lost buffers,
     /// since those cancels are what lose them.
     pub(super) direct_receive: bool,
+    /// Connections closed since the last trim.
+    pub(super) closed_since_trim: usize,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -171,6 +173,7 @@ impl Worker {
             inline: Default::default(),
             recv_recovering: false,
             direct_receive: true,
+            closed_since_trim: 0,
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -570,6 +573,7 @@ impl Worker {
         let Some(mut c) = self.conns[ci as usize].take() else { return };
         self.free_conns.push(ci);
         self.live -= 1;
+        self.closed_since_trim += 1;
         if let Some(p) = c.payload.take() {
             self.ring.buffers_mut().free(p.buf);
         }
@@ -585,12 +589,36 @@ impl Worker {
 
     /// A ring with nothing to do gives memory back: cached buffers, the
     /// allocator's free pages, and request slots of a past burst.
+    ///
+    /// Everything is dropped before the ring trims (which ends in
+    /// malloc_trim), or what was dropped last would stay resident.
     fn trim(&mut self) {
-        self.ring.buffers_mut().trim();
+        let mut freed = 0;
         if self.free_reqs.len() == self.reqs.len() && self.reqs.capacity() > 1024 {
+            freed += self.reqs.capacity() * std::mem::size_of::<Option<Req>>() + self.free_reqs.capacity() * 4;
             self.reqs = Vec::new();
             self.free_reqs = Vec::new();
         }
+        // Only when no list still names a slot: `dirty` and the waiters
+        // index `conns` directly.
+        let unnamed = self.dirty.is_empty() && self.server_waiters.is_empty();
+        if self.live == 0 && unnamed && self.conns.capacity() > 1024 {
+            freed += self.conns.capacity() * std::mem::size_of::<Option<Conn>>() + self.free_conns.capacity() * 4;
+            self.conns = Vec::new();
+            self.free_conns = Vec::new();
+        }
+        if self.dirty.is_empty() && self.dirty.capacity() > 1024 {
+            freed += self.dirty.capacity() * 4;
+            self.dirty = Vec::new();
+        }
+        if self.server_waiters.is_empty() && self.server_waiters.capacity() > 1024 {
+            freed += self.server_waiters.capacity() * 4;
+            self.server_waiters = Vec::new();
+        }
+        // Closed connections freed their vectors: worth a malloc_trim too.
+        freed += std::mem::take(&mut self.closed_since_trim) * std::mem::size_of::<Conn>();
+        self.ring.buffers_mut().note_freed(freed);
+        self.ring.trim();
     }
 
     /// The server refused a light connection: drops the heaviest of this
