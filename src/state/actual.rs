@@ -301,6 +301,7 @@ mod tests {
             attach: Default::default(),
             nbd_index: None,
             published: [(PathBuf::from("/k/t"), false)].into(),
+            remote: None,
         }
     }
 
