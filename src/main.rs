@@ -322,7 +322,7 @@ struct NodeNbdArgs {
     /// TCP address (HOST:PORT; port 0 picks one). Only volumes created
     /// here with a secret are served, and only to a client naming it; no
     /// TLS, so bind an address on the storage network. Off by default.
-    #[arg(long = "nbd-export-listen", value_name = "HOST:PORT")]
+    #[arg(long = "nbd-export-listen", value_name = "HOST:PORT", env = "VOLRING_NBD_EXPORT_LISTEN")]
     nbd_export_listen: Option<std::net::SocketAddr>,
     /// HOST:PORT other nodes reach --nbd-export-listen at, written into
     /// volume contexts (default: the bound address; needed for 0.0.0.0).

@@ -163,19 +163,27 @@ impl NbdSide {
     /// Attaches `rec`'s image (or its remote export) to a new `/dev/nbdN`
     /// carrying the volume id.
     pub fn attach(&self, rec: &StagedVolume) -> Result<Attachment> {
-        let inner = self.inner()?;
         let cfg = &self.config;
+        // A remote export is reached first: an unreachable or refusing one
+        // is the answer whether or not this node has the nbd driver.
+        let remote = match &rec.remote {
+            Some(r) => {
+                let source = remote_source(r)?;
+                let (sockets, details) =
+                    nbdattach::remote::connected_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
+                Some((source, sockets, details))
+            }
+            None => None,
+        };
+        let inner = self.inner()?;
         let tune = |s: &mut nbdattach::ConnectSpec| {
             s.timeout = cfg.request_timeout;
             s.dead_conn_timeout = cfg.dead_conn_timeout;
         };
-        let served = match &rec.remote {
-            Some(r) => {
-                let source = remote_source(r)?;
-                // Connected before the control lock: a slow peer does not
-                // hold up other volumes' attaches.
-                let (sockets, details) =
-                    nbdattach::remote::connected_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
+        let served = match remote {
+            // Connected before the control lock: a slow peer does not hold
+            // up other volumes' attaches.
+            Some((source, sockets, details)) => {
                 let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
                 let att = RemoteAttachment::connect(&mut control, &source, &rec.volume_id, sockets, details, tune).map_err(attach_error)?;
                 Served::Remote(att)
