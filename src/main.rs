@@ -645,10 +645,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 metrics,
                 log_events,
                 state_dir: csi.state_dir.clone(),
-                csi: csi.config()?.map(|mut c| nbd.export().map(|e| {
-                    c.nbd_export = e;
-                    c
-                })).transpose()?,
+                csi: csi
+                    .config()?
+                    .map(|mut c| {
+                        nbd.export().map(|e| {
+                            c.nbd_export = e;
+                            c
+                        })
+                    })
+                    .transpose()?,
                 nbd: nbd.config()?,
                 reconcile: csi.reconcile(),
                 publish: publish.config(),

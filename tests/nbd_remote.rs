@@ -80,7 +80,9 @@ fn real_clients_need_the_secret() -> Result<(), Failed> {
         messages.push(err.replace(uri, "URI"));
     }
     // A wrong secret and an unknown export look the same to the client.
-    let kind = |m: &str| m.lines().find(|l| l.contains("server replied with error")).and_then(|l| l.split(" for export").next()).map(str::to_string);
+    let kind = |m: &str| {
+        m.lines().find(|l| l.contains("server replied with error")).and_then(|l| l.split(" for export").next()).map(str::to_string)
+    };
     check(kind(&messages[1]).is_some(), format!("a GO refusal: {}", messages[1]))?;
     check(kind(&messages[1]) == kind(&messages[4]), format!("wrong secret vs unknown export:\n{}\n{}", messages[1], messages[4]))?;
 
@@ -98,7 +100,10 @@ fn real_clients_need_the_secret() -> Result<(), Failed> {
     );
     check(ok && !out.contains("failed") && !out.contains("Pattern verification"), format!("qemu-io: {out}{err}"))?;
     let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read -P 0xa5 1M 4096", &g.uri(&wire_name("vol", &other))], T);
-    check(!ok || out.contains("failed") || err.contains("Could not") || err.contains("Requested export not available"), format!("qemu-io with a wrong secret: {out}{err}"))?;
+    check(
+        !ok || out.contains("failed") || err.contains("Could not") || err.contains("Requested export not available"),
+        format!("qemu-io with a wrong secret: {out}{err}"),
+    )?;
     check(!out.contains("read 4096/4096"), format!("qemu-io read with a wrong secret: {out}"))
 }
 
@@ -187,7 +192,9 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
             ..Default::default()
         }))
     };
-    let ctx = |uri: &str, secret: &str| HashMap::from([(CONTEXT_URI.to_string(), uri.to_string()), (CONTEXT_SECRET.to_string(), secret.to_string())]);
+    let ctx = |uri: &str, secret: &str| {
+        HashMap::from([(CONTEXT_URI.to_string(), uri.to_string()), (CONTEXT_SECRET.to_string(), secret.to_string())])
+    };
     let secret = v.volume_context[CONTEXT_SECRET].clone();
     let uri = v.volume_context[CONTEXT_URI].clone();
 

@@ -258,7 +258,11 @@ impl NbdSide {
                                 connections: self.config.connections,
                                 details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
                             };
-                            inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: true });
+                            inner
+                                .live
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(index, Live { served: Served::Remote(att), stale: true });
                             return Ok(Some(remote_error(&source, e).to_string()));
                         }
                     }
@@ -267,8 +271,15 @@ impl NbdSide {
                     inner.export(rec)?;
                     let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
                     Served::Local(
-                        LocalAttachment::reattach(&mut control, &inner.server, index, &rec.volume_id, &rec.volume_id, self.config.connections)
-                            .map_err(attach_error)?,
+                        LocalAttachment::reattach(
+                            &mut control,
+                            &inner.server,
+                            index,
+                            &rec.volume_id,
+                            &rec.volume_id,
+                            self.config.connections,
+                        )
+                        .map_err(attach_error)?,
                     )
                 }
             };

@@ -396,7 +396,15 @@ mod tests {
     use super::*;
 
     fn meta(id: &str, size: u64) -> VolumeMeta {
-        VolumeMeta { id: id.into(), name: id.into(), size_bytes: size, fs_type: None, parameters: BTreeMap::new(), created_unix: 0, nbd_secret: None }
+        VolumeMeta {
+            id: id.into(),
+            name: id.into(),
+            size_bytes: size,
+            fs_type: None,
+            parameters: BTreeMap::new(),
+            created_unix: 0,
+            nbd_secret: None,
+        }
     }
 
     #[test]
