@@ -61,6 +61,7 @@ fn record(i: usize) -> StagedVolume {
         attach: Default::default(),
         nbd_index: None,
         published: BTreeMap::from([(PathBuf::from(format!("/var/lib/kubelet/pods/p{i}/volumes/kubernetes.io~csi/{id}/mount")), false)]),
+        remote: None,
         volume_id: id,
     }
 }

@@ -123,6 +123,16 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         None => None,
     };
 
+    let export_listener = match config.csi.as_ref().and_then(|c| c.nbd_export.clone()) {
+        Some(e) => {
+            let listen = e.listen;
+            Some(
+                crate::csi::nbd_export::ExportListener::start(e)
+                    .map_err(|e| anyhow::anyhow!("cannot start the nbd export listener on {listen}: {e}"))?,
+            )
+        }
+        None => None,
+    };
     let (watcher, table, mount_events) = MountWatcher::start(config.mounts.clone())?;
     tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
     let table = Arc::new(RwLock::new(table));
@@ -131,6 +141,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let mut csi = match (&config.csi, csi_socket) {
         (Some(c), Some((listener, socket))) => {
             let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
+            if let Some(l) = export_listener {
+                driver.serve_exports(l)?;
+            }
             let server = tokio::spawn(crate::csi::server::serve(driver.clone(), listener, async {
                 let _ = csi_stopped.await;
             }));
@@ -194,6 +207,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         metrics = metrics_url.as_deref().unwrap_or("off"),
         csi = csi.as_ref().map_or_else(|| "off".to_string(), |c| format!("unix://{}", c.socket.path().display())),
         nbd = nbd.as_ref().map_or_else(|| "off".to_string(), |s| s.addresses().join(",")),
+        nbd_export = csi.as_ref().and_then(|c| c.driver.export_address()).unwrap_or_else(|| "off".to_string()),
         volumes = reconciler.as_ref().map_or(0, |r| r.view().all().len()),
         "ready"
     );

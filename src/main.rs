@@ -318,8 +318,33 @@ struct NodeNbdArgs {
     /// An export of the node's NBD server (repeatable; see `nbd serve --export`).
     #[arg(long = "nbd-export", value_name = "SPEC")]
     nbd_export: Vec<String>,
+    /// Serve this node's `attach: nbd` CSI volumes to other nodes on this
+    /// TCP address (HOST:PORT; port 0 picks one). Only volumes created
+    /// here with a secret are served, and only to a client naming it; no
+    /// TLS, so bind an address on the storage network. Off by default.
+    #[arg(long = "nbd-export-listen", value_name = "HOST:PORT", env = "VOLRING_NBD_EXPORT_LISTEN")]
+    nbd_export_listen: Option<std::net::SocketAddr>,
+    /// HOST:PORT other nodes reach --nbd-export-listen at, written into
+    /// volume contexts (default: the bound address; needed for 0.0.0.0).
+    #[arg(long = "nbd-export-advertise", value_name = "HOST:PORT")]
+    nbd_export_advertise: Option<String>,
     #[command(flatten)]
     tuning: NbdTuning,
+}
+
+impl NodeNbdArgs {
+    /// The export listener's settings (the NBD tuning flags apply to it).
+    fn export(&self) -> anyhow::Result<Option<volring::csi::nbd_export::ExportConfig>> {
+        let Some(listen) = self.nbd_export_listen else {
+            anyhow::ensure!(self.nbd_export_advertise.is_none(), "--nbd-export-advertise needs --nbd-export-listen");
+            return Ok(None);
+        };
+        Ok(Some(volring::csi::nbd_export::ExportConfig {
+            listen,
+            advertise: self.nbd_export_advertise.clone(),
+            server: self.tuning.config(Vec::new()),
+        }))
+    }
 }
 
 impl NodeNbdArgs {
@@ -620,7 +645,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 metrics,
                 log_events,
                 state_dir: csi.state_dir.clone(),
-                csi: csi.config()?,
+                csi: csi
+                    .config()?
+                    .map(|mut c| {
+                        nbd.export().map(|e| {
+                            c.nbd_export = e;
+                            c
+                        })
+                    })
+                    .transpose()?,
                 nbd: nbd.config()?,
                 reconcile: csi.reconcile(),
                 publish: publish.config(),

@@ -9,7 +9,7 @@ use crate::volumes::{attach, AccessKind, AttachKind, FsKind, StagePhase, VolumeM
 
 /// StorageClass parameters volring understands; the external-provisioner's
 /// own `csi.storage.k8s.io/` keys are passed through and ignored.
-const PARAM_FS_TYPE: &str = "fsType";
+pub(super) const PARAM_FS_TYPE: &str = "fsType";
 /// `loop` (the default) or `nbd`: how the node attaches the image.
 pub(super) const PARAM_ATTACH: &str = "attach";
 const PROVISIONER_PREFIX: &str = "csi.storage.k8s.io/";
@@ -50,8 +50,11 @@ impl Driver {
                     have.size_bytes, have.fs_type
                 )));
             }
+            self.export_volume(&have)?;
             return Ok(CreateVolumeResponse { volume: Some(self.volume(&have)) });
         }
+        let nbd = req.parameters.get(PARAM_ATTACH).and_then(|v| AttachKind::parse(v)) == Some(AttachKind::Nbd);
+        let nbd_secret = if nbd { self.new_export_secret()? } else { None };
         let meta = self.pool.create(VolumeMeta {
             id: id.clone(),
             name: req.name.clone(),
@@ -59,7 +62,9 @@ impl Driver {
             fs_type: fs_type.map(|f| f.as_str().to_string()),
             parameters: req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>(),
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            nbd_secret,
         })?;
+        self.export_volume(&meta)?;
         tracing::info!(volume = %id, bytes = size, "created volume");
         Ok(CreateVolumeResponse { volume: Some(self.volume(&meta)) })
     }
@@ -84,9 +89,17 @@ impl Driver {
         if abandoned_stage {
             self.records.remove(id)?;
         }
+        // Other nodes lose it first (their connections are closed); put
+        // back if the delete fails.
+        self.withdraw_export(id);
         // Unconditional: the pool also removes what an interrupted delete
         // left, and the image of a volume whose record is quarantined.
-        if self.pool.delete(id)? {
+        let deleted = self.pool.delete(id).inspect_err(|_| {
+            if let Some(m) = self.pool.get(id) {
+                let _ = self.export_volume(&m);
+            }
+        })?;
+        if deleted {
             tracing::info!(volume = %id, "deleted volume");
         }
         Ok(DeleteVolumeResponse {})
@@ -212,13 +225,12 @@ impl Driver {
         if let Some(a) = m.parameters.get(PARAM_ATTACH) {
             volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
         }
-        Volume {
-            capacity_bytes: m.size_bytes as i64,
-            volume_id: m.id.clone(),
-            volume_context,
-            content_source: None,
-            accessible_topology: vec![self.topology()],
-        }
+        self.export_context(m, &mut volume_context);
+        // An exported volume is reachable from every node (no topology:
+        // "equally accessible from all nodes"); others only here.
+        let accessible_topology =
+            if volume_context.contains_key(super::nbd_export::CONTEXT_URI) { Vec::new() } else { vec![self.topology()] };
+        Volume { capacity_bytes: m.size_bytes as i64, volume_id: m.id.clone(), volume_context, content_source: None, accessible_topology }
     }
 }
 

@@ -32,6 +32,9 @@ pub struct CsiConfig {
     pub nbd: super::nbd::NbdAttachConfig,
     /// Which service grows a volume's image.
     pub expansion: Expansion,
+    /// Serve this node's nbd volumes to other nodes (the agent starts the
+    /// listener; see `nbd_export`).
+    pub nbd_export: Option<super::nbd_export::ExportConfig>,
 }
 
 /// Where a volume grows. Volumes are node-local, so in a cluster the
@@ -61,6 +64,7 @@ impl CsiConfig {
             direct_io: true,
             expansion: Expansion::Controller,
             nbd: Default::default(),
+            nbd_export: None,
         }
     }
 }
@@ -101,6 +105,9 @@ pub struct Driver {
     pub(super) rpc_stats: Arc<super::rpc_stats::RpcStats>,
     /// The nbd devices this agent serves (`attach: nbd` volumes).
     pub(super) nbd: super::nbd::NbdSide,
+    /// The listener serving this node's nbd volumes to other nodes, when
+    /// the node exports (`--nbd-export-listen`).
+    pub(super) exports: std::sync::OnceLock<super::nbd_export::ExportListener>,
 }
 
 impl Driver {
@@ -129,6 +136,7 @@ impl Driver {
             in_flight: AtomicUsize::new(0),
             rpc_stats: Default::default(),
             nbd: super::nbd::NbdSide::new(config_nbd),
+            exports: std::sync::OnceLock::new(),
         }))
     }
 

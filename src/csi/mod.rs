@@ -14,6 +14,7 @@ mod driver;
 mod identity;
 mod locks;
 pub mod nbd;
+pub mod nbd_export;
 mod node;
 mod node_stats;
 mod owned;
@@ -55,6 +56,10 @@ pub enum Error {
     ResourceExhausted(String),
     #[error("{0} is not implemented by volring")]
     Unimplemented(&'static str),
+    /// Something the call needs is out of reach for now (another node's
+    /// export): the CO retries.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -70,6 +75,7 @@ impl Error {
             Error::OutOfRange(_) => tonic::Code::OutOfRange,
             Error::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
             Error::Unimplemented(_) => tonic::Code::Unimplemented,
+            Error::Unavailable(_) => tonic::Code::Unavailable,
             Error::Internal(_) => tonic::Code::Internal,
         }
     }

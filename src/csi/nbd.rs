@@ -13,16 +13,30 @@
 //! down is left to the reconciler, which re-stages the record. While the
 //! agent lives, a LINK_DEAD notice for one of its devices is answered the
 //! same way.
+//!
+//! A volume another node holds (`remote` in its record, from the volume
+//! context's export URI and secret) is attached the same way to TCP
+//! sockets negotiated with that node's export (`nbd::attach::remote`). Its
+//! server can go away while this agent lives (the owning node's agent
+//! restarts): LINK_DEAD marks the device, and the reconnect is retried
+//! every half second until the export answers again or the device is gone,
+//! so the kernel's queued I/O completes as soon as the export is back.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use super::{Driver, Error, Result};
-use crate::nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl};
+use crate::nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl, RemoteAttachment, RemoteSource};
+use crate::nbd::client::ExportDetails;
+use crate::nbd::remote::{ExportUri, Secret};
 use crate::nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 use crate::volumes::attach::{self, Attachment};
-use crate::volumes::{AttachKind, StagedVolume};
+use crate::volumes::{AttachKind, RemoteExport, StagedVolume};
+
+/// How often a device whose reconnect failed (its remote export is away)
+/// is tried again.
+const RETRY_EVERY: Duration = Duration::from_millis(500);
 
 /// How nbd volumes are attached; set from the node's flags.
 #[derive(Debug, Clone)]
@@ -68,7 +82,23 @@ struct Inner {
     server: NbdServer,
     control: Mutex<NbdControl>,
     /// The devices this process serves, by index (what LINK_DEAD refreshes).
-    live: Mutex<HashMap<u32, LocalAttachment>>,
+    live: Mutex<HashMap<u32, Live>>,
+}
+
+/// Who serves a device this process keeps connected.
+#[derive(Debug, Clone)]
+enum Served {
+    /// This agent's own server, over socketpairs.
+    Local(LocalAttachment),
+    /// Another node's export, over TCP.
+    Remote(RemoteAttachment),
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    served: Served,
+    /// Its connections died and fresh ones are still owed (retried).
+    stale: bool,
 }
 
 /// What the start walk found for one record.
@@ -81,6 +111,9 @@ pub enum Healed {
     Drift { index: u32, found: Option<String> },
     /// No configured device carries the volume id: the reconciler re-stages.
     Gone,
+    /// The remote export did not answer: the device stays as it is (the
+    /// kernel queues its I/O) and the reconnect is retried until it does.
+    Retrying { index: u32, why: String },
     /// Reconnecting failed.
     Failed(String),
 }
@@ -127,21 +160,44 @@ impl NbdSide {
         Ok(inner)
     }
 
-    /// Attaches `rec`'s image to a new `/dev/nbdN` carrying the volume id.
+    /// Attaches `rec`'s image (or its remote export) to a new `/dev/nbdN`
+    /// carrying the volume id.
     pub fn attach(&self, rec: &StagedVolume) -> Result<Attachment> {
-        let inner = self.inner()?;
-        inner.export(rec)?;
         let cfg = &self.config;
-        let att = {
-            let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-            LocalAttachment::attach(&mut control, &inner.server, &rec.volume_id, &rec.volume_id, cfg.connections, |s| {
-                s.timeout = cfg.request_timeout;
-                s.dead_conn_timeout = cfg.dead_conn_timeout;
-            })
-            .map_err(attach_error)?
+        // A remote export is reached first: an unreachable or refusing one
+        // is the answer whether or not this node has the nbd driver.
+        let remote = match &rec.remote {
+            Some(r) => {
+                let source = remote_source(r)?;
+                let (sockets, details) =
+                    nbdattach::remote::connected_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
+                Some((source, sockets, details))
+            }
+            None => None,
         };
-        let index = att.index;
-        inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, att);
+        let inner = self.inner()?;
+        let tune = |s: &mut nbdattach::ConnectSpec| {
+            s.timeout = cfg.request_timeout;
+            s.dead_conn_timeout = cfg.dead_conn_timeout;
+        };
+        let served = match remote {
+            // Connected before the control lock: a slow peer does not hold
+            // up other volumes' attaches.
+            Some((source, sockets, details)) => {
+                let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
+                let att = RemoteAttachment::connect(&mut control, &source, &rec.volume_id, sockets, details, tune).map_err(attach_error)?;
+                Served::Remote(att)
+            }
+            None => {
+                inner.export(rec)?;
+                let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
+                let att = LocalAttachment::attach(&mut control, &inner.server, &rec.volume_id, &rec.volume_id, cfg.connections, tune)
+                    .map_err(attach_error)?;
+                Served::Local(att)
+            }
+        };
+        let index = served.index();
+        inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served, stale: false });
         attach::nbd_existing(index, &rec.volume_id)
             .ok_or_else(|| Error::Internal(format!("/dev/nbd{index} connected but does not carry backend {}", rec.volume_id)))
     }
@@ -181,17 +237,58 @@ impl NbdSide {
             };
         }
         let result = self.inner().and_then(|inner| {
-            inner.export(rec)?;
-            let att = {
-                let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-                LocalAttachment::reattach(&mut control, &inner.server, index, &rec.volume_id, &rec.volume_id, self.config.connections)
-                    .map_err(attach_error)?
+            let served = match &rec.remote {
+                Some(r) => {
+                    let source = remote_source(r)?;
+                    match nbdattach::remote::connected_sockets(&source, self.config.connections) {
+                        Ok((sockets, details)) => {
+                            let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
+                            let att = RemoteAttachment::reconnect(&mut control, index, &source, &rec.volume_id, sockets, details)
+                                .map_err(attach_error)?;
+                            Served::Remote(att)
+                        }
+                        Err(e) => {
+                            // The export is away: the device keeps queueing
+                            // I/O, and the retry loop reconnects it once the
+                            // export answers.
+                            let att = RemoteAttachment {
+                                index,
+                                source: source.clone(),
+                                backend_id: rec.volume_id.clone(),
+                                connections: self.config.connections,
+                                details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
+                            };
+                            inner
+                                .live
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(index, Live { served: Served::Remote(att), stale: true });
+                            return Ok(Some(remote_error(&source, e).to_string()));
+                        }
+                    }
+                }
+                None => {
+                    inner.export(rec)?;
+                    let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
+                    Served::Local(
+                        LocalAttachment::reattach(
+                            &mut control,
+                            &inner.server,
+                            index,
+                            &rec.volume_id,
+                            &rec.volume_id,
+                            self.config.connections,
+                        )
+                        .map_err(attach_error)?,
+                    )
+                }
             };
-            inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, att);
-            Ok(())
+            inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served, stale: false });
+            Ok(None)
         });
         match result {
-            Ok(()) => Healed::Reconnected(index),
+            Ok(None) => Healed::Reconnected(index),
+            Ok(Some(why)) => Healed::Retrying { index, why },
             Err(e) => Healed::Failed(e.to_string()),
         }
     }
@@ -205,7 +302,8 @@ impl NbdSide {
         s.iter().find(|d| d.index == index).map(|d| d.connected)
     }
 
-    /// Whether this process serves `/dev/nbd<index>` now.
+    /// Whether this process keeps `/dev/nbd<index>` connected (or is
+    /// retrying its reconnect).
     pub fn serving(&self, index: u32) -> bool {
         self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&index))
     }
@@ -230,29 +328,109 @@ impl Inner {
     }
 }
 
-/// Gives a device of ours whose connections died fresh sockets; ends when
-/// the side is dropped.
+impl Served {
+    fn index(&self) -> u32 {
+        match self {
+            Served::Local(a) => a.index,
+            Served::Remote(a) => a.index,
+        }
+    }
+
+    fn backend_id(&self) -> &str {
+        match self {
+            Served::Local(a) => &a.backend_id,
+            Served::Remote(a) => &a.backend_id,
+        }
+    }
+}
+
+/// Gives devices of ours whose connections died fresh sockets, retrying
+/// the ones whose server is away; ends when the side is dropped.
 fn watch_link_dead(mut l: LinkDeadListener, inner: Weak<Inner>) {
     loop {
-        let got = l.recv_timeout(Duration::from_millis(500));
+        let got = l.recv_timeout(RETRY_EVERY);
         let Some(inner) = inner.upgrade() else { return };
         match got {
             Ok(Some(index)) => {
                 let mut live = inner.live.lock().unwrap_or_else(|e| e.into_inner());
-                let Some(att) = live.get_mut(&index) else { continue };
-                tracing::warn!(index, backend = %att.backend_id, "nbd connection died; reconnecting");
-                let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-                if let Err(e) = att.refresh(&mut control, &inner.server) {
-                    tracing::error!(index, error = %e, "nbd reconnect failed");
+                if let Some(d) = live.get_mut(&index) {
+                    tracing::warn!(index, backend = %d.served.backend_id(), "nbd connection died; reconnecting");
+                    d.stale = true;
                 }
             }
             Ok(None) => {}
             Err(e) => {
                 tracing::error!(error = %e, "LINK_DEAD listener failed");
                 drop(inner);
-                std::thread::sleep(Duration::from_millis(500));
+                std::thread::sleep(RETRY_EVERY);
+                continue;
             }
         }
+        inner.reconnect_stale();
+    }
+}
+
+impl Inner {
+    /// One try at every device owed fresh sockets. Remote sockets are
+    /// connected with no lock held (a peer that does not answer holds up
+    /// nothing else); a device no longer carrying its volume id (torn down,
+    /// or given to someone else) is forgotten, not touched.
+    fn reconnect_stale(&self) {
+        let owed: Vec<Live> = self.live.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|d| d.stale).cloned().collect();
+        for d in owed {
+            let index = d.served.index();
+            if attach::nbd_existing(index, d.served.backend_id()).is_none() {
+                tracing::warn!(index, backend = %d.served.backend_id(), "nbd device gone while its reconnect was owed; forgotten");
+                self.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&index);
+                continue;
+            }
+            let result = match d.served.clone() {
+                Served::Local(mut a) => {
+                    let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                    a.refresh(&mut control, &self.server).map(|()| Served::Local(a))
+                }
+                Served::Remote(mut a) => nbdattach::remote::connected_sockets(&a.source, a.connections).and_then(|(sockets, details)| {
+                    let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                    a.refresh_with(&mut control, sockets, details).map(|()| Served::Remote(a))
+                }),
+            };
+            match result {
+                Ok(served) => {
+                    tracing::info!(index, backend = %served.backend_id(), "nbd device reconnected");
+                    let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+                    if live.contains_key(&index) {
+                        live.insert(index, Live { served, stale: false });
+                    }
+                }
+                Err(e) => tracing::debug!(index, error = %e, "nbd reconnect failed; retrying"),
+            }
+        }
+    }
+}
+
+/// The device's size as the kernel has it (what a device configured by
+/// an earlier process was given).
+fn device_size(index: u32) -> u64 {
+    std::fs::read_to_string(format!("/sys/block/nbd{index}/size")).ok().and_then(|s| s.trim().parse::<u64>().ok()).map_or(0, |s| s * 512)
+}
+
+/// A record's remote export as a connectable source.
+fn remote_source(r: &RemoteExport) -> Result<RemoteSource> {
+    let uri = ExportUri::parse(&r.uri).map_err(|e| Error::Internal(format!("recorded export: {e}")))?;
+    let secret = Secret::from_hex(&r.secret).map_err(|e| Error::Internal(format!("recorded export {}: {e}", r.uri)))?;
+    Ok(RemoteSource { uri, secret })
+}
+
+/// A remote export that cannot be reached is Unavailable (the CO retries);
+/// one that refuses us (unknown export or wrong secret, told apart by
+/// nobody) is NotFound: no such volume is served to this secret.
+fn remote_error(source: &RemoteSource, e: nbdattach::Error) -> Error {
+    match e {
+        nbdattach::Error::Negotiation(crate::nbd::Error::Refused { .. }) => {
+            Error::NotFound(format!("{} refused the export (no such volume, or the volume context's secret is not its own)", source.uri))
+        }
+        nbdattach::Error::Io { .. } | nbdattach::Error::Negotiation(_) => Error::Unavailable(format!("{}: {e}", source.uri)),
+        e => attach_error(e),
     }
 }
 
@@ -290,6 +468,9 @@ impl Driver {
                 Healed::Drift { index, found } => tracing::error!(volume = %rec.volume_id, index, ?found,
                     "the recorded nbd device carries another backend identifier; not touched"),
                 Healed::Gone => tracing::warn!(volume = %rec.volume_id, "the recorded nbd device is gone; re-staging"),
+                Healed::Retrying { index, why } => {
+                    tracing::warn!(volume = %rec.volume_id, index, why = %why, "the remote export does not answer yet; retrying")
+                }
                 Healed::Failed(e) => tracing::error!(volume = %rec.volume_id, error = %e, "nbd reconnect failed"),
             }
             out.push((rec.volume_id.clone(), h));

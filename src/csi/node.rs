@@ -26,12 +26,29 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
-        let meta = self.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+        // A volume this node holds is attached here (even when it is also
+        // exported); one it does not hold, through the export its context
+        // names.
+        let meta = self.pool.get(id);
+        let remote = match meta {
+            Some(_) => None,
+            None => Some(
+                super::nbd_export::remote_from_context(id, &req.volume_context)?
+                    .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?,
+            ),
+        };
+        let default_fs = match &meta {
+            Some(m) => m.fs_type.clone(),
+            None => req.volume_context.get(super::controller::PARAM_FS_TYPE).cloned(),
+        };
         let requested_fs = match req.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()) {
             Some(ProtoAccessType::Mount(m)) if !m.fs_type.is_empty() => Some(m.fs_type.clone()),
-            _ => meta.fs_type.clone(),
+            _ => default_fs,
         };
-        let kind = attach_kind(&req.volume_context, &meta.parameters)?;
+        let kind = match &meta {
+            Some(m) => attach_kind(&req.volume_context, &m.parameters)?,
+            None => AttachKind::Nbd,
+        };
         let prior = self.records.get(id);
         if let Some(r) = &prior {
             if r.staging_path != staging {
@@ -61,6 +78,7 @@ impl Driver {
             attach: kind,
             nbd_index: None,
             published: Default::default(),
+            remote,
         });
         self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
         Ok(NodeStageVolumeResponse {})

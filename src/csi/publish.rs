@@ -19,7 +19,8 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
-        if self.pool.get(id).is_none() {
+        // A remote volume is known here by its staged record only.
+        if self.pool.get(id).is_none() && !self.records.contains(id) {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::handshake::{Catalog, ExportInfo};
+use super::remote::Secret;
 use super::stats::{ExportSnapshot, ExportStats};
 use super::Error;
 
@@ -191,10 +192,18 @@ impl Export {
 
 /// The exports of one server, by name; shared by the ring threads and
 /// whoever adds and removes exports.
+///
+/// A guarded catalog ([`Exports::guarded`], the one a node's TCP export
+/// listener serves) holds only exports added with a secret, finds one only
+/// for a client that names `<export>/<secret>` with the right secret
+/// (compared in constant time), answers a wrong secret exactly as an
+/// unknown export, and lists nothing.
 #[derive(Default)]
 pub struct Exports {
     map: RwLock<BTreeMap<String, Arc<Export>>>,
     next_id: AtomicU64,
+    /// `Some` for a guarded catalog: each export's secret, by export name.
+    secrets: Option<RwLock<BTreeMap<String, Secret>>>,
 }
 
 impl Exports {
@@ -202,8 +211,37 @@ impl Exports {
         Self::default()
     }
 
-    /// Opens and adds an export; the name must be free.
+    /// A catalog whose every export needs its secret (see the type's doc).
+    pub fn guarded() -> Self {
+        Self { secrets: Some(RwLock::default()), ..Self::default() }
+    }
+
+    pub fn is_guarded(&self) -> bool {
+        self.secrets.is_some()
+    }
+
+    /// Adds an export to a guarded catalog with the secret a client must
+    /// present; an unguarded catalog refuses (its exports need none).
+    pub fn add_guarded(&self, spec: &ExportSpec, secret: Secret) -> Result<Arc<Export>, Error> {
+        let Some(secrets) = &self.secrets else { return Err(Error::Secret("this catalog serves exports without secrets")) };
+        if !super::remote::valid_export(&spec.name) {
+            return Err(Error::Spec { spec: spec.name.clone(), why: "a guarded export's name is 1 to 128 of [A-Za-z0-9._-]".into() });
+        }
+        let e = self.insert(spec)?;
+        secrets.write().unwrap_or_else(|p| p.into_inner()).insert(spec.name.clone(), secret);
+        Ok(e)
+    }
+
+    /// Opens and adds an export; the name must be free. A guarded catalog
+    /// refuses: every export it serves has a secret ([`Exports::add_guarded`]).
     pub fn add(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
+        if self.secrets.is_some() {
+            return Err(Error::Secret("a guarded catalog serves only exports with a secret"));
+        }
+        self.insert(spec)
+    }
+
+    fn insert(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
         if self.get(&spec.name).is_some() {
             return Err(Error::Exists(spec.name.clone()));
         }
@@ -222,7 +260,27 @@ impl Exports {
         let export =
             self.map.write().unwrap_or_else(|p| p.into_inner()).remove(name).ok_or_else(|| Error::NoSuchExport(name.to_string()))?;
         export.removed.store(true, Ordering::Release);
+        if let Some(secrets) = &self.secrets {
+            secrets.write().unwrap_or_else(|p| p.into_inner()).remove(name);
+        }
         Ok(export)
+    }
+
+    /// A guarded lookup: the export `name` names, if it presents the
+    /// export's secret. The map lookup is by the export part only (volume
+    /// ids are not secret); the secret is compared whole, in constant time.
+    fn find_guarded(&self, secrets: &RwLock<BTreeMap<String, Secret>>, name: &str) -> Option<Arc<Export>> {
+        let (export, presented) = super::remote::split_wire_name(name)?;
+        let secret = secrets.read().unwrap_or_else(|p| p.into_inner()).get(export).cloned();
+        let e = self.get(export);
+        // Compared even when the export is unknown, so a miss costs what a
+        // wrong secret costs.
+        let dummy = Secret::from_hex(&"0".repeat(64)).ok()?;
+        let ok = secret.as_ref().unwrap_or(&dummy).matches(presented);
+        match (ok, secret.is_some()) {
+            (true, true) => e,
+            _ => None,
+        }
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Export>> {
@@ -242,17 +300,32 @@ impl Catalog for Exports {
     type Handle = Arc<Export>;
 
     fn find(&self, name: &str) -> Option<(Arc<Export>, ExportInfo)> {
-        let e = self.get(name)?;
+        let e = match &self.secrets {
+            Some(secrets) => self.find_guarded(secrets, name)?,
+            None => self.get(name)?,
+        };
         let info = e.info();
         Some((e, info))
     }
 
+    /// A guarded catalog's names are not for listing.
     fn names(&self) -> Vec<(String, String)> {
+        if self.secrets.is_some() {
+            return Vec::new();
+        }
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().map(|e| (e.name.clone(), e.description.clone())).collect()
     }
 
     fn admit(&self, export: &Arc<Export>) -> bool {
         export.admit()
+    }
+
+    /// The secret never leaves the handshake (the server logs the name).
+    fn public_name<'a>(&self, name: &'a str) -> &'a str {
+        match (&self.secrets, super::remote::split_wire_name(name)) {
+            (Some(_), Some((export, _))) => export,
+            _ => name,
+        }
     }
 }
 
@@ -289,5 +362,45 @@ mod tests {
         e.release();
         assert!(!e.admit(), "a removed export takes no new connections");
         assert!(exports.find("a").is_none());
+    }
+
+    #[test]
+    fn a_guarded_catalog_finds_only_with_the_secret_and_lists_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let spec = |name: &str| ExportSpec {
+            name: name.into(),
+            path: path.clone(),
+            read_only: false,
+            direct_io: false,
+            max_connections: 0,
+            description: String::new(),
+        };
+        let g = Exports::guarded();
+        let secret = Secret::generate().unwrap();
+        assert!(matches!(g.add(&spec("v")), Err(Error::Secret(_))), "no export without a secret");
+        assert!(Exports::new().add_guarded(&spec("v"), secret.clone()).is_err(), "no secret in an open catalog");
+        assert!(g.add_guarded(&spec("a/b"), secret.clone()).is_err(), "a name holding the separator");
+        g.add_guarded(&spec("v"), secret.clone()).unwrap();
+        let good = super::super::remote::wire_name("v", &secret);
+        assert!(g.find(&good).is_some());
+        assert_eq!(g.public_name(&good), "v");
+        let other = Secret::generate().unwrap();
+        for bad in [
+            "v".to_string(),
+            "v/".into(),
+            super::super::remote::wire_name("v", &other),
+            format!("{good}0"),
+            format!("w/{}", secret.to_hex()),
+        ] {
+            assert!(g.find(&bad).is_none(), "{bad:?} found");
+        }
+        assert!(g.names().is_empty());
+        g.remove("v").unwrap();
+        assert!(g.find(&good).is_none());
+        // The same name again takes the new secret only.
+        g.add_guarded(&spec("v"), other.clone()).unwrap();
+        assert!(g.find(&good).is_none() && g.find(&super::super::remote::wire_name("v", &other)).is_some());
     }
 }

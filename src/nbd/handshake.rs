@@ -34,6 +34,11 @@ pub trait Catalog {
     fn names(&self) -> Vec<(String, String)>;
     /// Takes a connection slot on the export; false when it is full.
     fn admit(&self, export: &Self::Handle) -> bool;
+    /// The name the server keeps (and logs) for the name a client sent:
+    /// a guarded catalog drops the secret from it.
+    fn public_name<'a>(&self, name: &'a str) -> &'a str {
+        name
+    }
 }
 
 /// What the client negotiated, handed to the transmission phase.
@@ -301,15 +306,17 @@ impl Handshake {
         if !self.no_zeroes {
             out.extend_from_slice(&[0u8; 124]);
         }
-        Outcome::Enter(self.negotiated(handle, name, info, tx_flags))
+        Outcome::Enter(self.negotiated(handle, name, catalog.public_name(name), info, tx_flags))
     }
 
-    fn negotiated<H>(&self, export: H, name: &str, info: ExportInfo, tx_flags: u16) -> Negotiated<H> {
+    /// `name` as the client sent it (what SET_META_CONTEXT named), `public`
+    /// what the server keeps.
+    fn negotiated<H>(&self, export: H, name: &str, public: &str, info: ExportInfo, tx_flags: u16) -> Negotiated<H> {
         let base_allocation = match &self.meta {
             Some((meta_export, true)) if meta_export == name => Some(BASE_ALLOCATION_ID),
             _ => None,
         };
-        Negotiated { export, name: name.to_string(), info, style: self.style, base_allocation, tx_flags }
+        Negotiated { export, name: public.to_string(), info, style: self.style, base_allocation, tx_flags }
     }
 
     fn info_or_go<C: Catalog>(&mut self, option: u32, data: &[u8], catalog: &C, out: &mut Vec<u8>) -> Outcome<C::Handle> {
@@ -364,7 +371,7 @@ impl Handshake {
             return Outcome::Continue;
         }
         option_reply(out, option, rep::ACK, &[]);
-        Outcome::Enter(self.negotiated(handle, name, info, tx_flags))
+        Outcome::Enter(self.negotiated(handle, name, catalog.public_name(name), info, tx_flags))
     }
 
     fn meta_context<C: Catalog>(&mut self, option: u32, data: &[u8], catalog: &C, out: &mut Vec<u8>) {

@@ -10,6 +10,7 @@ pub mod attach;
 pub mod client;
 pub mod export;
 pub mod handshake;
+pub mod remote;
 pub mod server;
 pub mod stats;
 pub mod wire;
@@ -37,6 +38,12 @@ pub enum Error {
     Listen { addr: String, why: String },
     #[error("invalid {what} {value:?}: {why}")]
     Setting { what: &'static str, value: String, why: &'static str },
+    /// An export URI that is not `nbd://HOST[:PORT]/EXPORT`.
+    #[error("invalid export URI {uri:?}: {why}")]
+    Uri { uri: String, why: &'static str },
+    /// A secret that is not 64 hex digits, or an export that needs one.
+    #[error("export secret: {0}")]
+    Secret(&'static str),
     #[error("export {0:?} already exists")]
     Exists(String),
     #[error("no export named {0:?}")]

@@ -129,6 +129,7 @@ mod tests {
             phase: StagePhase::Staged,
             loop_number: Some(4),
             published: [("/k/t/v1".into(), false)].into(),
+            remote: None,
             attach: Default::default(),
             nbd_index: None,
         };

@@ -376,6 +376,7 @@ mod tests {
             attach: Default::default(),
             nbd_index: None,
             published: [(PathBuf::from("/k/t"), false)].into(),
+            remote: None,
         }
     }
 

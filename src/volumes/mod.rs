@@ -23,7 +23,7 @@ pub use filesystem::{Content, FsKind};
 pub use mounting::MountOptions;
 pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
-pub use staged::{AccessKind, AttachKind, StagePhase, StagedRecords, StagedVolume};
+pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume};
 pub use status::StatusReport;
 
 use std::path::PathBuf;

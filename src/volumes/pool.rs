@@ -42,6 +42,11 @@ pub struct VolumeMeta {
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
     pub created_unix: u64,
+    /// For an nbd volume this node exports to others: the hex secret a
+    /// client must present (see `nbd::remote`). As readable as the image
+    /// beside it, and no more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_secret: Option<String>,
 }
 
 pub struct ImagePool {
@@ -391,7 +396,15 @@ mod tests {
     use super::*;
 
     fn meta(id: &str, size: u64) -> VolumeMeta {
-        VolumeMeta { id: id.into(), name: id.into(), size_bytes: size, fs_type: None, parameters: BTreeMap::new(), created_unix: 0 }
+        VolumeMeta {
+            id: id.into(),
+            name: id.into(),
+            size_bytes: size,
+            fs_type: None,
+            parameters: BTreeMap::new(),
+            created_unix: 0,
+            nbd_secret: None,
+        }
     }
 
     #[test]

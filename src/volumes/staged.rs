@@ -105,6 +105,24 @@ pub struct StagedVolume {
     /// Published target paths, each with whether it is read-only.
     #[serde(default)]
     pub published: BTreeMap<PathBuf, bool>,
+    /// For an nbd volume another node holds: its export and secret, so a
+    /// restarted agent can reconnect the device without the CO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteExport>,
+}
+
+/// Where a remote nbd volume is served: the URI and the hex secret the
+/// owning node checks. `Debug` does not show the secret.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteExport {
+    pub uri: String,
+    pub secret: String,
+}
+
+impl std::fmt::Debug for RemoteExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteExport").field("uri", &self.uri).finish_non_exhaustive()
+    }
 }
 
 impl StagedVolume {
@@ -428,6 +446,7 @@ mod tests {
             attach: AttachKind::Loop,
             nbd_index: None,
             published: BTreeMap::new(),
+            remote: None,
         };
         recs.put(&r).unwrap();
         r.loop_number = Some(7);

@@ -222,6 +222,7 @@ mod tests {
                 fs_type: None,
                 parameters: Default::default(),
                 created_unix: 1,
+                nbd_secret: None,
             };
             pool.create(meta).unwrap();
         }
@@ -237,6 +238,7 @@ mod tests {
             attach: Default::default(),
             nbd_index: None,
             published: [(PathBuf::from("/k/p"), true)].into(),
+            remote: None,
         })
         .unwrap();
         std::fs::write(pool_dir.join("b.json"), b"{").unwrap();

@@ -9,17 +9,20 @@
 //! - [`control`]: [`NbdControl`] with [`ConnectSpec`], the backend
 //!   identifier check before any reconfigure;
 //! - [`local`]: a device served by this process's own NBD server over
-//!   socketpairs.
+//!   socketpairs;
+//! - [`remote`]: a device served by another node's export over TCP.
 
 pub mod control;
 pub mod local;
 pub mod messages;
 pub mod netlink;
+pub mod remote;
 
 pub use control::{ConnectSpec, NbdControl};
 pub use local::LocalAttachment;
 pub use messages::DeviceStatus;
 pub use netlink::LinkDeadListener;
+pub use remote::{RemoteAttachment, RemoteSource};
 
 /// Everything that can go wrong attaching a device.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,311 @@
+//! Exports served to other nodes: the export URI a volume's context
+//! carries, and the per-volume secret that guards it.
+//!
+//! NBD has no authentication of its own besides TLS, and the kernel's
+//! driver (whose sockets the agent negotiates for it) cannot do TLS. So a
+//! remote export is guarded by a secret the client must name: the export
+//! name on the wire is `<export>/<secret>` (what `nbd://host:port/<export>/
+//! <secret>` gives qemu-io or nbdinfo), the server compares the secret in
+//! constant time and answers a wrong one exactly as it answers an unknown
+//! export. The secret is 32 random bytes (64 hex digits), made by the
+//! owning node's CreateVolume and carried to the consuming node in the
+//! volume context, which only the CO sees.
+//!
+//! Everything here is pure: parsing outside bytes (a URI from a volume
+//! context, a name from a client) into typed values, fuzzed.
+
+use std::fmt;
+
+use subtle::ConstantTimeEq;
+
+use super::Error;
+
+/// The port NBD servers listen on unless told otherwise (IANA).
+pub const DEFAULT_PORT: u16 = 10809;
+/// Bytes of randomness in a secret.
+pub const SECRET_BYTES: usize = 32;
+/// Longest URI accepted (a host name of 253 bytes, a port and an export
+/// name of 128 bytes fit with room to spare).
+pub const MAX_URI_LEN: usize = 1024;
+
+/// `nbd://HOST[:PORT]/EXPORT`: where a remote volume is served. The export
+/// is a volume id; the secret is never part of the URI (it travels in its
+/// own volume-context key, so the URI can be logged).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportUri {
+    /// A DNS name, an IPv4 address, or an IPv6 address (without brackets).
+    pub host: String,
+    pub port: u16,
+    pub export: String,
+}
+
+fn uri_error(uri: &str, why: &'static str) -> Error {
+    // A URI too long to be real is not echoed whole into an error.
+    let mut shown: String = uri.chars().take(200).collect();
+    if shown.len() < uri.len() {
+        shown.push('…');
+    }
+    Error::Uri { uri: shown, why }
+}
+
+/// What an export name (a volume id) may hold: the CSI volume id rule, so
+/// `/` (the secret's separator) and anything needing escapes never occur.
+pub fn valid_export(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 128 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn valid_hostname(h: &str) -> bool {
+    h.len() <= 253
+        && h.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
+impl ExportUri {
+    /// Parses a URI from a volume context. Only what the agent itself
+    /// writes is accepted: the `nbd` scheme, a host, an optional port, one
+    /// path segment naming the export; no user info, query or fragment
+    /// (so a secret cannot hide in one and be logged with the URI).
+    pub fn parse(uri: &str) -> Result<Self, Error> {
+        if uri.len() > MAX_URI_LEN {
+            return Err(uri_error(uri, "longer than 1024 bytes"));
+        }
+        let rest = uri.strip_prefix("nbd://").ok_or_else(|| uri_error(uri, "the scheme must be nbd://"))?;
+        if rest.contains(['?', '#', '@', '%']) {
+            return Err(uri_error(uri, "no user info, query, fragment or escapes"));
+        }
+        let (authority, export) = rest.split_once('/').ok_or_else(|| uri_error(uri, "no /EXPORT"))?;
+        if !valid_export(export) {
+            return Err(uri_error(uri, "the export must be 1 to 128 of [A-Za-z0-9._-]"));
+        }
+        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+            let (addr, after) = v6.split_once(']').ok_or_else(|| uri_error(uri, "unclosed [ in the host"))?;
+            if addr.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(uri_error(uri, "not an IPv6 address inside [ ]"));
+            }
+            let port = match after {
+                "" => None,
+                p => Some(p.strip_prefix(':').ok_or_else(|| uri_error(uri, "junk after ]"))?),
+            };
+            (addr, port)
+        } else {
+            match authority.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            }
+        };
+        if !authority.starts_with('[') && host.parse::<std::net::Ipv4Addr>().is_err() && !valid_hostname(host) {
+            return Err(uri_error(uri, "the host must be a DNS name, an IPv4 address or [IPv6]"));
+        }
+        let port = match port {
+            None => DEFAULT_PORT,
+            Some(p) => match p.parse::<u16>() {
+                Ok(n) if n > 0 && !p.starts_with('+') => n,
+                _ => return Err(uri_error(uri, "the port must be 1 to 65535")),
+            },
+        };
+        Ok(ExportUri { host: host.to_string(), port, export: export.to_string() })
+    }
+
+    /// The address to connect to, as `ToSocketAddrs` takes it.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl fmt::Display for ExportUri {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "nbd://{}/{}", self.authority(), self.export)
+    }
+}
+
+/// A per-volume secret. Its `Debug` never shows it, so a record or a
+/// request that holds one can be logged.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret([u8; SECRET_BYTES]);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// A fresh secret from the kernel's random source.
+    pub fn generate() -> Result<Self, Error> {
+        let mut b = [0u8; SECRET_BYTES];
+        getrandom::getrandom(&mut b).map_err(|e| Error::Io { what: "getrandom".into(), source: std::io::Error::other(e.to_string()) })?;
+        Ok(Secret(b))
+    }
+
+    /// Exactly 64 lower- or upper-case hex digits.
+    pub fn from_hex(s: &str) -> Result<Self, Error> {
+        let b = s.as_bytes();
+        if b.len() != 2 * SECRET_BYTES {
+            return Err(Error::Secret("a secret is 64 hex digits"));
+        }
+        let mut out = [0u8; SECRET_BYTES];
+        for (i, pair) in b.chunks_exact(2).enumerate() {
+            let hi = hex_value(pair[0]).ok_or(Error::Secret("a secret is 64 hex digits"))?;
+            let lo = hex_value(pair[1]).ok_or(Error::Secret("a secret is 64 hex digits"))?;
+            out[i] = hi << 4 | lo;
+        }
+        Ok(Secret(out))
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Whether `presented` (hex, from a client) is this secret. The time it
+    /// takes does not depend on where the two differ: a wrong secret of the
+    /// right length is decoded and compared whole, and the decode itself
+    /// has no data-dependent branch past the length.
+    pub fn matches(&self, presented: &str) -> bool {
+        let b = presented.as_bytes();
+        if b.len() != 2 * SECRET_BYTES {
+            return false;
+        }
+        let mut got = [0u8; SECRET_BYTES];
+        let mut bad = 0u8;
+        for (i, pair) in b.chunks_exact(2).enumerate() {
+            let (hi, hi_bad) = hex_value_ct(pair[0]);
+            let (lo, lo_bad) = hex_value_ct(pair[1]);
+            got[i] = hi << 4 | lo;
+            bad |= hi_bad | lo_bad;
+        }
+        bool::from(self.0.ct_eq(&got) & bad.ct_eq(&0))
+    }
+}
+
+fn hex_value(c: u8) -> Option<u8> {
+    let (v, bad) = hex_value_ct(c);
+    (bad == 0).then_some(v)
+}
+
+/// A hex digit's value and 1 if it is not one, computed without branches
+/// on the digit (masks from comparisons done in arithmetic).
+fn hex_value_ct(c: u8) -> (u8, u8) {
+    // in_range(c, lo, hi) is 0xff when lo <= c <= hi, else 0.
+    let in_range = |lo: u8, hi: u8| -> u8 {
+        let below = (u16::from(c).wrapping_sub(u16::from(lo)) >> 8) as u8; // 0xff if c < lo
+        let above = (u16::from(hi).wrapping_sub(u16::from(c)) >> 8) as u8; // 0xff if c > hi
+        !(below | above)
+    };
+    let digit = in_range(b'0', b'9');
+    let lower = in_range(b'a', b'f');
+    let upper = in_range(b'A', b'F');
+    let v = (digit & c.wrapping_sub(b'0')) | (lower & c.wrapping_sub(b'a' - 10)) | (upper & c.wrapping_sub(b'A' - 10));
+    (v, !(digit | lower | upper) & 1)
+}
+
+/// The name a client sends for a guarded export.
+pub fn wire_name(export: &str, secret: &Secret) -> String {
+    format!("{export}/{}", secret.to_hex())
+}
+
+/// A client's export name split into the export and the secret it
+/// presents; `None` when it has no `/` (it names no guarded export).
+pub fn split_wire_name(name: &str) -> Option<(&str, &str)> {
+    name.split_once('/')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_parse_to_host_port_and_export() {
+        let u = ExportUri::parse("nbd://10.0.0.5:10900/pvc-1").unwrap();
+        assert_eq!((u.host.as_str(), u.port, u.export.as_str()), ("10.0.0.5", 10900, "pvc-1"));
+        assert_eq!(u.to_string(), "nbd://10.0.0.5:10900/pvc-1");
+        let u = ExportUri::parse("nbd://node-a.example/v.1_x").unwrap();
+        assert_eq!((u.port, u.authority()), (DEFAULT_PORT, "node-a.example:10809".to_string()));
+        let u = ExportUri::parse("nbd://[fd00::1]:99/v").unwrap();
+        assert_eq!((u.host.as_str(), u.authority()), ("fd00::1", "[fd00::1]:99".to_string()));
+        assert_eq!(ExportUri::parse(&u.to_string()).unwrap(), u);
+    }
+
+    #[test]
+    fn uris_outside_the_agents_own_form_are_refused() {
+        for bad in [
+            "",
+            "nbd://",
+            "nbds://h/v",
+            "nbd+unix:///v?socket=/x",
+            "http://h/v",
+            "nbd://h",
+            "nbd://h/",
+            "nbd://h/v/extra",
+            "nbd://h/v?secret=x",
+            "nbd://h/v#f",
+            "nbd://user@h/v",
+            "nbd://h/v%2f",
+            "nbd://h:0/v",
+            "nbd://h:65536/v",
+            "nbd://h:+5/v",
+            "nbd://h:/v",
+            "nbd://[fd00::1/v",
+            "nbd://[nothex]/v",
+            "nbd://[::1]x/v",
+            "nbd://-h/v",
+            "nbd://h..x/v",
+            "nbd://h_x/v",
+            "nbd://:10809/v",
+        ] {
+            assert!(ExportUri::parse(bad).is_err(), "{bad:?} parsed");
+        }
+        let long = format!("nbd://h/{}", "v".repeat(2000));
+        let e = ExportUri::parse(&long).unwrap_err().to_string();
+        assert!(e.len() < 400, "the error quotes a bounded part: {e}");
+    }
+
+    #[test]
+    fn secrets_round_trip_and_compare_whole() {
+        let s = Secret::generate().unwrap();
+        let t = Secret::generate().unwrap();
+        assert_ne!(s, t, "two fresh secrets differ");
+        let hex = s.to_hex();
+        assert_eq!(hex.len(), 64);
+        assert_eq!(Secret::from_hex(&hex).unwrap(), s);
+        assert_eq!(Secret::from_hex(&hex.to_uppercase()).unwrap(), s);
+        assert!(s.matches(&hex) && s.matches(&hex.to_uppercase()));
+        assert!(!s.matches(&t.to_hex()));
+        // One digit off anywhere, a short or long one, non-hex of the right length.
+        for i in [0, 31, 63] {
+            let mut b = hex.clone().into_bytes();
+            b[i] = if b[i] == b'0' { b'1' } else { b'0' };
+            assert!(!s.matches(std::str::from_utf8(&b).unwrap()), "digit {i}");
+        }
+        assert!(!s.matches(&hex[..63]) && !s.matches(&format!("{hex}0")) && !s.matches(""));
+        let mut g = hex.clone().into_bytes();
+        g[10] = b'g';
+        assert!(!s.matches(std::str::from_utf8(&g).unwrap()));
+        assert!(Secret::from_hex(std::str::from_utf8(&g).unwrap()).is_err());
+        assert_eq!(format!("{s:?}"), "Secret(..)");
+    }
+
+    #[test]
+    fn hex_digits_decode_exactly() {
+        for c in 0..=255u8 {
+            let want = (c as char).to_digit(16).map(|d| d as u8);
+            assert_eq!(hex_value(c), want, "{c}");
+        }
+    }
+
+    #[test]
+    fn wire_names_split_at_the_first_slash() {
+        let s = Secret::from_hex(&"ab".repeat(32)).unwrap();
+        let n = wire_name("pvc-1", &s);
+        assert_eq!(split_wire_name(&n), Some(("pvc-1", "ab".repeat(32).as_str())));
+        assert_eq!(split_wire_name("pvc-1"), None);
+    }
+}
