@@ -13,7 +13,8 @@
 # cover both: the VM runs under TCG.)
 #
 # Environment: VOLRING, KIND, SIZE_MIB, DATA_MIB (default 64), GROW_MIB
-# (default 64), EXPANSION (node or controller). Results in $VM_RESULTS.
+# (default 64), EXPANSION (node or controller), AGENT_FLAGS (more flags of
+# `volring node`). Results in $VM_RESULTS.
 
 set -u
 : "${VOLRING:?}" "${VM_RESULTS:?}" "${KIND:?}"
@@ -21,6 +22,7 @@ SIZE_MIB=${SIZE_MIB:-160}
 DATA_MIB=${DATA_MIB:-64}
 GROW_MIB=${GROW_MIB:-64}
 EXPANSION=${EXPANSION:-controller}
+AGENT_FLAGS=${AGENT_FLAGS:-}
 R=$VM_RESULTS
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
@@ -35,7 +37,7 @@ E=unix:///tmp/volring-csi.sock
 mkdir -p "$K" /tmp/vr
 csi() { timeout 120 "$VOLRING" csi --endpoint "$E" "$@"; }
 "$VOLRING" node --metrics-addr off --node-id vm --stats-interval 5 --csi-endpoint "$E" \
-  --kubelet-root "$K" --state-dir /tmp/vr --expansion "$EXPANSION" >"$R/agent.out" 2>"$R/agent.err" &
+  --kubelet-root "$K" --state-dir /tmp/vr --expansion "$EXPANSION" $AGENT_FLAGS >"$R/agent.out" 2>"$R/agent.err" &
 agent=$!
 i=0
 while ! csi probe 2>/dev/null | grep -q true; do
