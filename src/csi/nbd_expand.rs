@@ -142,3 +142,19 @@ impl Driver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_caller_can_fix_is_a_precondition_the_rest_internal() {
+        let code = |e: GrowError| Error::from(e).code();
+        assert_eq!(code(GrowError::NotServed(3)), tonic::Code::FailedPrecondition);
+        assert_eq!(code(GrowError::KernelRefused { index: 3, have: 1 << 20, want: 2 << 20 }), tonic::Code::FailedPrecondition);
+        assert_eq!(code(GrowError::Stuck { index: 3, dropped: 1, connections: 2 }), tonic::Code::Internal);
+        assert_eq!(code(GrowError::Export("gone".into())), tonic::Code::Internal);
+        let msg = Error::from(GrowError::KernelRefused { index: 3, have: 1 << 20, want: 2 << 20 }).to_string();
+        assert!(msg.contains("does not resize nbd devices"), "{msg}");
+    }
+}
