@@ -97,6 +97,9 @@ kill $vpid $qpid
     )
 }
 
+/// One (job, server)'s runs: MiB/s, IOPS, server CPU ms per 1000 requests.
+type Samples = (Vec<f64>, Vec<f64>, Vec<f64>);
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -124,8 +127,7 @@ fn main() {
         panic!("guest run failed:\n{}\n--- volring.err\n{err}", run.describe());
     }
     let rows = fs::read_to_string(run.results.join("rows")).expect("rows");
-    // (job, server) -> (MiB/s, IOPS, CPU ticks per 1000 requests)
-    let mut by: BTreeMap<(String, String), (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    let mut by: BTreeMap<(String, String), Samples> = BTreeMap::new();
     for l in rows.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
         let [_, job, srv, kib, iops, ticks] = f[..] else { continue };
