@@ -30,11 +30,13 @@ use std::time::Duration;
 use volring::nbd::attach::{ConnectSpec, NbdControl};
 
 /// fio jobs: name, rw, block size, queue depth.
+/// Sequential writes last: on 6.1 they stall volring's server today (the
+/// bug tests/vm_volumes.rs's xfs case hits), which ends its device.
 const JOBS: &[(&str, &str, &str, u32)] = &[
-    ("seq-write-1m", "write", "1M", 8),
-    ("seq-read-1m", "read", "1M", 8),
     ("rand-read-4k", "randread", "4k", 32),
+    ("seq-read-1m", "read", "1M", 8),
     ("rand-write-4k", "randwrite", "4k", 32),
+    ("seq-write-1m", "write", "1M", 8),
 ];
 
 /// In the guest: `vm_nbd_fio attach-unix SOCKET EXPORT INDEX BACKEND`
@@ -49,6 +51,8 @@ fn attach_unix(args: &[String]) -> Result<(), String> {
     }
     let mut spec = ConnectSpec::for_export(&details, backend);
     spec.index = Some(index.parse().map_err(|_| format!("index {index:?}"))?);
+    // As `volring nbd attach` is run: a dead device fails its I/O soon.
+    spec.dead_conn_timeout = Duration::from_secs(10);
     let mut control = NbdControl::open().map_err(|e| e.to_string())?;
     let i = control.connect(&spec, &[s.as_fd()]).map_err(|e| e.to_string())?;
     println!("attached /dev/nbd{i}");
@@ -63,7 +67,7 @@ R=$VM_RESULTS
 fail() {{ echo "FAIL: $*"; exit 1; }}
 modprobe nbd nbds_max=4 || fail modprobe
 truncate -s 256M /tmp/volring.img /tmp/qemu.img
-'{volring}' nbd attach --export v=/tmp/volring.img --backend-id bench-volring --index 0 --nbd-threads 1 >"$R/volring.out" 2>"$R/volring.err" &
+'{volring}' nbd attach --export v=/tmp/volring.img --backend-id bench-volring --index 0 --nbd-threads 1 --dead-conn-timeout 10 >"$R/volring.out" 2>"$R/volring.err" &
 vpid=$!
 qemu-nbd -k /tmp/qemu.sock -f raw -x q /tmp/qemu.img >"$R/qemu.err" 2>&1 &
 qpid=$!
@@ -73,22 +77,28 @@ while ! grep -q attached "$R/volring.out" 2>/dev/null || [ ! -S /tmp/qemu.sock ]
 done
 '{me}' attach-unix /tmp/qemu.sock q 1 bench-qemu >"$R/attach.out" 2>&1 || fail "attach qemu-nbd: $(cat "$R/attach.out")"
 cpu() {{ awk '{{ print $14 + $15 }}' /proc/$1/stat; }}
-r=1
-while [ $r -le {rounds} ]; do
-  for j in {jobs}; do
-    name=${{j%%:*}}; rest=${{j#*:}}; rw=${{rest%%:*}}; rest=${{rest#*:}}; bs=${{rest%%:*}}; qd=${{rest#*:}}
+dead=
+for j in {jobs}; do
+  name=${{j%%:*}}; rest=${{j#*:}}; rw=${{rest%%:*}}; rest=${{rest#*:}}; bs=${{rest%%:*}}; qd=${{rest#*:}}
+  r=1
+  while [ $r -le {rounds} ]; do
     for s in volring:0:$vpid qemu:1:$qpid; do
       srv=${{s%%:*}}; rest=${{s#*:}}; d=${{rest%%:*}}; pid=${{rest#*:}}
+      case " $dead " in *" $srv "*) continue ;; esac
       c0=$(cpu $pid)
-      fio --name=$name --filename=/dev/nbd$d --rw=$rw --bs=$bs --iodepth=$qd --ioengine=libaio --direct=1 \
-        --time_based --runtime={secs} --size=256M --output-format=terse --terse-version=3 >"$R/fio.out" 2>"$R/fio.err" \
-        || fail "fio $name on $srv: $(cat "$R/fio.err")"
+      if ! fio --name=$name --filename=/dev/nbd$d --rw=$rw --bs=$bs --iodepth=$qd --ioengine=libaio --direct=1 \
+        --time_based --runtime={secs} --size=256M --output-format=terse --terse-version=3 >"$R/fio.out" 2>"$R/fio.err"; then
+        # A device whose server stalled is dead from here on: say so, go on with the other.
+        echo "$name $srv $(head -c 300 "$R/fio.err" | tr '\n' ' ')" >>"$R/failed"
+        dead="$dead $srv"
+        continue
+      fi
       c1=$(cpu $pid)
       # terse v3: 7 read KiB/s, 8 read IOPS, 48 write KiB/s, 49 write IOPS.
       awk -F';' -v r=$r -v n=$name -v s=$srv -v c=$((c1 - c0)) '{{ print r, n, s, $7 + $48, $8 + $49, c }}' "$R/fio.out" >>"$R/rows"
     done
+    r=$((r + 1))
   done
-  r=$((r + 1))
 done
 '{volring}' nbd detach --index 0 >/dev/null 2>&1
 '{volring}' nbd detach --index 1 >/dev/null 2>&1
@@ -157,6 +167,10 @@ fn main() {
             median(&mut v.2),
             median(&mut q.2)
         );
+    }
+    let failed = fs::read_to_string(run.results.join("failed")).unwrap_or_default();
+    for l in failed.lines() {
+        println!("failed (and no later run on that server): {l}");
     }
     println!("(guest {:.0} s)", run.elapsed.as_secs_f64());
 }
