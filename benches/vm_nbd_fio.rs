@@ -149,7 +149,7 @@ fn main() {
         e.2.push(ticks * 10.0 / (iops * f64::from(secs)).max(1.0) * 1000.0);
     }
     println!(
-        "fio on /dev/nbdN in the 6.1 VM (TCG, 2 vCPUs), {rounds} rounds x {secs} s, medians; CPU = server process ms per 1000 requests"
+        "fio on /dev/nbdN in the 6.1 VM (TCG, 2 vCPUs), {rounds} rounds x {secs} s, medians; CPU = server process ms per 1000 fio I/Os (a 1 MiB I/O is 8 nbd requests)"
     );
     println!(
         "{:<14} {:>12} {:>12} {:>9} {:>12} {:>12} {:>9} {:>8}",
