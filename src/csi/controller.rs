@@ -130,8 +130,8 @@ impl Driver {
         let size = self.grow_image(id, range, have.size_bytes)?;
         // A staged device sees the new size at once, so block volumes need
         // no node step; a filesystem still has to be grown by the node.
-        if let Some(a) = staged.as_ref().and_then(attach::of_record).filter(|a| a.kind == crate::volumes::AttachKind::Loop) {
-            attach::refresh_capacity(&a)?;
+        if let Some((rec, a)) = staged.as_ref().and_then(|r| Some((r, attach::of_record(r)?))) {
+            self.refresh_device(rec, &a)?;
             crate::fault::point("expand:refreshed");
         }
         tracing::info!(volume = %id, bytes = size, "expanded volume");
