@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Driver, Error, NbdSide, Result};
+use super::{Driver, Error, NbdSide, Result, Served};
 use crate::nbd::attach::local::connected_sockets;
 use crate::nbd::attach::{self as nbdattach, LinkDeadListener};
 use crate::volumes::attach::{self, Attachment};
@@ -77,7 +77,12 @@ impl NbdSide {
         // Held throughout: the LINK_DEAD watcher waits, and then finds
         // nothing dead (the kernel ignores sockets it has no slot for).
         let mut live = inner.live.lock().unwrap_or_else(|e| e.into_inner());
-        let att = live.get_mut(&index).ok_or(GrowError::NotServed(index))?;
+        // A remote volume grows where its image lives; this agent serves
+        // only its own images' devices.
+        let att = match live.get_mut(&index).map(|l| &mut l.served) {
+            Some(Served::Local(att)) => att,
+            Some(Served::Remote(_)) | None => return Err(GrowError::NotServed(index)),
+        };
         let image = std::fs::metadata(&rec.image).map_err(crate::volumes::Error::io("stat", &rec.image))?.len();
         // The device takes whole blocks (4096 unless the export needs more).
         let block = nbdattach::ConnectSpec::for_export(&att.details, &att.backend_id).block_size;
