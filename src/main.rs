@@ -617,7 +617,7 @@ fn main() -> std::process::ExitCode {
         Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
-            let _ = writeln!(std::io::stderr(), "Error: {e:#}");
+            let _ = writeln!(std::io::stderr(), "Error: {}", cli::one_line(&e));
             if !rustix::process::geteuid().is_root() && denied(&e) {
                 let _ =
                     writeln!(std::io::stderr(), "hint: this needs root (mounts, loop devices, fanotify and block devices are privileged)");
