@@ -92,6 +92,8 @@ const fn ex(cmd: &'static str, how: How) -> Example {
 }
 
 const NO_CLUSTER: &str = "needs a Kubernetes cluster; tests/deploy.rs checks every manifest it applies";
+/// The remote-volume example spans two nodes and needs the nbd module.
+const REMOTE: &str = "two nodes (the owner at 10.0.0.5) and the nbd module on the second: tests/nbd_remote.rs runs the export side here, tests/vm_remote.rs the attach in the 6.1 VM";
 const BENCH: &str = "a bench: minutes of load on every core; run by hand, its figures are quoted in the README";
 const NBD_MODULE: &str = "needs the kernel's nbd module, which this machine's kernel lacks; tests/vm_nbd.rs runs the same attach, kill -9, reattach, status, watch and detach in the 6.1 VM";
 
@@ -173,6 +175,15 @@ const EXAMPLES: &[Example] = &[
     ex("cargo bench --bench devices", How::Skip(BENCH)),
     ex("cargo bench --bench csi_volumes", How::Skip(BENCH)),
     ex("cargo bench --bench state_scale", How::Skip(BENCH)),
+    // README: remote nbd volumes (two nodes, an address that is not this machine's).
+    ex("volring node --nbd-export-listen 10.0.0.5:10809", How::Skip(REMOTE)),
+    ex("volring csi create --name pvc-r --size 1G --param attach=nbd", How::Skip(REMOTE)),
+    ex(
+        "volring csi stage --id pvc-r --staging /var/lib/kubelet/plugins/volring.csi.io/staging/pvc-r --context volring.io/nbd-uri=nbd://10.0.0.5:10809/pvc-r --context volring.io/nbd-secret=<64 hex digits>",
+        How::Skip(REMOTE),
+    ),
+    ex("nbdinfo \"nbd://10.0.0.5:10809/pvc-r/<secret>\"", How::Skip(REMOTE)),
+    ex("cargo bench --bench node_storm", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_wire", How::Skip(BENCH)),
