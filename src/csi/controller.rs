@@ -231,7 +231,7 @@ impl Driver {
         if let Some(a) = m.parameters.get(PARAM_ATTACH) {
             volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
         }
-        crate::share::context(&m.parameters, &mut volume_context);
+        crate::share::context(&m.id, &m.parameters, self.share.config().advertised().as_deref(), &mut volume_context);
         Volume {
             capacity_bytes: m.size_bytes as i64,
             volume_id: m.id.clone(),

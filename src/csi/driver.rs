@@ -32,6 +32,8 @@ pub struct CsiConfig {
     pub nbd: super::nbd::NbdAttachConfig,
     /// Which service grows a volume's image.
     pub expansion: Expansion,
+    /// How shared (RWX) volumes are served over NFS.
+    pub share: crate::share::ShareConfig,
 }
 
 /// Where a volume grows. Volumes are node-local, so in a cluster the
@@ -61,6 +63,7 @@ impl CsiConfig {
             direct_io: true,
             expansion: Expansion::Controller,
             nbd: Default::default(),
+            share: Default::default(),
         }
     }
 }
@@ -101,6 +104,8 @@ pub struct Driver {
     pub(super) rpc_stats: Arc<super::rpc_stats::RpcStats>,
     /// The nbd devices this agent serves (`attach: nbd` volumes).
     pub(super) nbd: super::nbd::NbdSide,
+    /// The NFS exports of shared volumes (`crate::share`).
+    pub(super) share: crate::share::ShareSide,
 }
 
 impl Driver {
@@ -116,7 +121,9 @@ impl Driver {
         let config_nbd = config.nbd.clone();
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
+        let share = crate::share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
         Ok(Arc::new(Self {
+            share,
             config,
             real_root,
             beneath,

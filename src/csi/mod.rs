@@ -23,6 +23,7 @@ pub mod repair;
 pub mod rpc_stats;
 pub mod server;
 mod service;
+mod share;
 pub mod validate;
 
 pub use driver::{CsiConfig, Driver, Expansion, Readiness};

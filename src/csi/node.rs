@@ -41,6 +41,7 @@ impl Driver {
                 return Err(Error::AlreadyExists(format!("volume {id} is staged at {} with another capability", staging.display())));
             }
             if r.phase == StagePhase::Staged && self.stage_intact(r)? {
+                self.export_if_shared(id, &access)?;
                 return Ok(NodeStageVolumeResponse {});
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
@@ -63,6 +64,7 @@ impl Driver {
             published: Default::default(),
         });
         self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
+        self.export_if_shared(id, &access)?;
         Ok(NodeStageVolumeResponse {})
     }
 
@@ -286,6 +288,7 @@ impl Driver {
     /// its record removed — each step a no-op when already done.
     pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
         let id = rec.volume_id.as_str();
+        self.unexport(id)?;
         let att = attach::of_record(rec);
         let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();

@@ -129,10 +129,12 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
         Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter => {}
         Mode::MultiNodeMultiWriter => {}
         Mode::Unknown => return Err(Error::InvalidArgument("volume_capability.access_mode is required".into())),
-        m => return Err(Error::InvalidArgument(format!(
+        m => {
+            return Err(Error::InvalidArgument(format!(
             "access mode {} is not supported: volumes are node-local, and only MULTI_NODE_MULTI_WRITER mount volumes are shared (over NFS)",
             m.as_str_name()
-        ))),
+        )))
+        }
     }
     let read_only = matches!(mode, Mode::SingleNodeReaderOnly);
     let access = match &cap.access_type {

@@ -17,6 +17,35 @@
 //! stages such a volume exports it.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub mod ganesha;
+mod records;
+mod server;
+mod side;
+
+pub use records::ShareRecord;
+pub use server::{NfsServer, ServerFiles};
+pub use side::{ShareConfig, ShareSide};
+
+/// Why sharing a volume failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("NFS server configuration: {0}")]
+    Config(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("share records: {0}")]
+    Store(String),
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl Error {
+    fn io(path: &Path, source: std::io::Error) -> Self {
+        Error::Io { path: path.to_path_buf(), source }
+    }
+}
 
 /// Parameter (recorded with the volume) and volume-context key marking a
 /// shared volume; its one value is [`SHARE_NFS`].
@@ -33,11 +62,26 @@ pub fn mark_shared(parameters: &mut BTreeMap<String, String>) {
     parameters.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
 }
 
+/// Volume-context key: the export's `host:port` as other nodes reach it.
+pub const CTX_SERVER: &str = "nfsServer";
+/// Volume-context key: the path clients mount on that server.
+pub const CTX_EXPORT: &str = "nfsExport";
+
+/// The path volume `id` is exported as (`server:/<id>`).
+pub fn pseudo_path(id: &str) -> String {
+    format!("/{id}")
+}
+
 /// The volume-context entries of a shared volume: the marker, so every
-/// node knows the volume is served over NFS.
-pub fn context(parameters: &BTreeMap<String, String>, context: &mut HashMap<String, String>) {
+/// node knows the volume is served over NFS, and where, when the node that
+/// holds it serves NFS (`server`, its advertised address).
+pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+        if let Some(s) = server {
+            context.insert(CTX_SERVER.to_string(), s.to_string());
+            context.insert(CTX_EXPORT.to_string(), pseudo_path(id));
+        }
     }
 }
 
@@ -50,11 +94,15 @@ mod tests {
         let mut p = BTreeMap::new();
         assert!(!is_shared(&p));
         let mut c = HashMap::new();
-        context(&p, &mut c);
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
         assert!(c.is_empty());
         mark_shared(&mut p);
         assert!(is_shared(&p));
-        context(&p, &mut c);
+        context("pvc-1", &p, None, &mut c);
         assert_eq!(c.get(PARAM_SHARE).map(String::as_str), Some(SHARE_NFS));
+        assert!(!c.contains_key(CTX_SERVER));
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
+        assert_eq!(c.get(CTX_SERVER).map(String::as_str), Some("10.0.0.1:2049"));
+        assert_eq!(c.get(CTX_EXPORT).map(String::as_str), Some("/pvc-1"));
     }
 }
