@@ -171,6 +171,10 @@ pub enum Call {
         /// The staging path, under the kubelet root.
         #[arg(long)]
         staging: String,
+        /// A volume-context entry, key=value, as CreateVolume returned it
+        /// (repeatable; a shared volume's share, nfsServer, nfsExport).
+        #[arg(long = "context", value_parser = parse_param)]
+        context: Vec<(String, String)>,
         #[command(flatten)]
         volume: VolumeArgs,
     },
@@ -282,12 +286,13 @@ pub async fn call(c: &mut Clients, call: Call) -> Result<serde_json::Value, toni
         Call::List { max, token } => json(c.controller.list_volumes(ListVolumesRequest { max_entries: max, starting_token: token }).await?),
         Call::Capacity => json(c.controller.get_capacity(GetCapacityRequest::default()).await?),
         Call::ControllerCapabilities => json(c.controller.controller_get_capabilities(ControllerGetCapabilitiesRequest {}).await?),
-        Call::Stage { id, staging, volume } => json(
+        Call::Stage { id, staging, context, volume } => json(
             c.node
                 .node_stage_volume(NodeStageVolumeRequest {
                     volume_id: id,
                     staging_target_path: staging,
                     volume_capability: Some(volume.capability()),
+                    volume_context: context.into_iter().collect::<HashMap<_, _>>(),
                     ..Default::default()
                 })
                 .await?,

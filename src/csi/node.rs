@@ -26,6 +26,9 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        if let Some(done) = self.stage_remote_share(id, &staging, &access, &req.volume_context)? {
+            return Ok(done);
+        }
         let meta = self.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
         let requested_fs = match req.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()) {
             Some(ProtoAccessType::Mount(m)) if !m.fs_type.is_empty() => Some(m.fs_type.clone()),
@@ -249,6 +252,9 @@ impl Driver {
         let staging = self.path(&req.staging_target_path, "staging_target_path")?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        if let Some(done) = self.unstage_remote_share(id, &staging)? {
+            return Ok(done);
+        }
         let Some(mut rec) = self.records.get(id) else {
             if self.pool.get(id).is_none() {
                 return Err(Error::NotFound(format!("volume {id} does not exist")));

@@ -19,12 +19,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+pub mod client;
 pub mod ganesha;
 mod records;
 mod server;
 mod side;
 
-pub use records::ShareRecord;
+pub use records::{MountRecord, ShareRecord};
 pub use server::{NfsServer, ServerFiles};
 pub use side::{ShareConfig, ShareSide};
 

@@ -50,6 +50,45 @@ pub(super) fn remove(store: &Store, volume_id: &str) -> Result<(), Error> {
     store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
 }
 
+/// A shared volume another node serves, mounted here over NFS.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MountRecord {
+    pub volume_id: String,
+    pub staging_path: PathBuf,
+    pub remote: super::client::Remote,
+    pub read_only: bool,
+    /// The NFS mount's device (`major:minor` of its anonymous superblock),
+    /// once mounted: what tells the volume's own mount from anything else
+    /// at its paths.
+    pub dev: Option<(u32, u32)>,
+    /// Targets it is published at, and whether read-only.
+    #[serde(default)]
+    pub published: std::collections::BTreeMap<PathBuf, bool>,
+}
+
+const MOUNT_PREFIX: &str = "NfsMount/";
+
+pub(super) fn get_mount(store: &Store, volume_id: &str) -> Result<Option<MountRecord>, Error> {
+    let key = format!("{MOUNT_PREFIX}{volume_id}");
+    let Some(bytes) = store.published(&key).map_err(|e| Error::Store(e.to_string()))? else { return Ok(None) };
+    match serde_json::from_slice::<MountRecord>(&bytes) {
+        Ok(r) if r.volume_id == volume_id => Ok(Some(r)),
+        _ => Err(Error::Store(format!("{key} does not decode"))),
+    }
+}
+
+pub(super) fn put_mount(store: &Store, r: &MountRecord) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(r).map_err(|e| Error::Store(e.to_string()))?;
+    let key = format!("{MOUNT_PREFIX}{}", r.volume_id);
+    store.apply(&[Change::PutPublished(&key, &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+pub(super) fn remove_mount(store: &Store, volume_id: &str) -> Result<(), Error> {
+    let key = format!("{MOUNT_PREFIX}{volume_id}");
+    store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
+}
+
 /// The export id for `volume_id`: the one it has, else the smallest free.
 pub(super) fn export_id(have: &[ShareRecord], volume_id: &str) -> Result<u16, Error> {
     if let Some(r) = have.iter().find(|r| r.volume_id == volume_id) {

@@ -98,6 +98,19 @@ impl ShareSide {
         self.server.get().map_or(0, NfsServer::starts)
     }
 
+    /// The record of shared volume `id` mounted here from another node.
+    pub fn mount_record(&self, id: &str) -> Result<Option<super::MountRecord>, Error> {
+        records::get_mount(&self.store, id)
+    }
+
+    pub fn put_mount_record(&self, r: &super::MountRecord) -> Result<(), Error> {
+        records::put_mount(&self.store, r)
+    }
+
+    pub fn remove_mount_record(&self, id: &str) -> Result<(), Error> {
+        records::remove_mount(&self.store, id)
+    }
+
     /// Exports volume `id`'s staged filesystem at `path`; idempotent.
     pub fn export(&self, id: &str, path: &Path) -> Result<ShareRecord, Error> {
         let server = self.config.advertised().ok_or_else(|| Error::Config("this node serves no NFS (--nfs-listen)".into()))?;
