@@ -75,6 +75,7 @@ fn two_clients() -> Result<(), Failed> {
     }))?;
     let staging = a.k("plugins/stage/shared");
     a.stage(VOLUME, &staging, rwx())?;
+    wait(30, "the NFS server's pid file", || ganesha_pid(&a).is_some_and(alive))?;
     let pid = ganesha_pid(&a).ok_or("no NFS server after the stage")?;
 
     // Each guest connection to 10.0.2.100:2049 becomes a socat to the
@@ -106,10 +107,13 @@ fn two_clients() -> Result<(), Failed> {
 
     // Both guests writing: kill the server; the agent starts another.
     let on_volume = |name: &str| Path::new(&staging).join(name).exists();
+    let first_kill = std::cell::RefCell::new(None);
+    let restarted = std::cell::RefCell::new(None);
     let disrupted = (|| -> Result<(), Failed> {
         wait(1700, "both guests writing", || (on_volume("writing-1") && on_volume("writing-2")) || guests.iter().any(|g| g.is_finished()))?;
         check(!guests.iter().any(|g| g.is_finished()), "a guest ended before writing")?;
         std::thread::sleep(Duration::from_secs(3));
+        *first_kill.borrow_mut() = Some(std::time::SystemTime::now());
         rustix::process::kill_process(rustix::process::Pid::from_raw(pid).ok_or("pid")?, rustix::process::Signal::KILL)?;
         eprintln!("note: killed the NFS server (pid {pid})");
         wait(60, "the NFS server restarted", || ganesha_pid(&a).is_some_and(|p| p != pid && alive(p)))?;
@@ -123,6 +127,7 @@ fn two_clients() -> Result<(), Failed> {
         a.respawn_with(&borrowed(&env));
         wait(60, "the NFS server of the new agent", || ganesha_pid(&a).is_some_and(|p| Some(p) != before && alive(p)))?;
         eprintln!("note: agent and NFS server restarted");
+        *restarted.borrow_mut() = Some(std::time::SystemTime::now());
         std::fs::write(Path::new(&staging).join("restarted-2"), b"")?;
         Ok(())
     })();
@@ -147,15 +152,25 @@ fn two_clients() -> Result<(), Failed> {
         // whole.
         let manifest = std::fs::read_to_string(run.results.join("manifest"))?;
         let mut n = 0;
+        let (killed, back) = (first_kill.borrow().ok_or("no kill time")?, restarted.borrow().ok_or("no restart time")?);
+        let (mut before, mut after) = (0, 0);
         for line in manifest.lines() {
             let (sum, f) = line.split_once(' ').ok_or("manifest line")?;
             let out = std::process::Command::new("md5sum").arg(Path::new(&staging).join(f)).output()?;
             let got = String::from_utf8_lossy(&out.stdout);
             check(got.split_whitespace().next() == Some(sum), format!("{f}: {got} on the host, {sum} written"))?;
+            let mtime = std::fs::metadata(Path::new(&staging).join(f))?.modified()?;
+            before += usize::from(mtime < killed);
+            after += usize::from(mtime > back);
             n += 1;
         }
-        check(n >= 3, format!("guest {} wrote {n} files", i + 1))?;
-        eprintln!("note: guest {} wrote {n} files through two server restarts; all verify on the host", i + 1);
+        // The writes spanned both disruptions: some before the first kill,
+        // some after the agent came back.
+        check(before >= 1 && after >= 3, format!("guest {}: {before} files before the kill, {after} after the restart", i + 1))?;
+        eprintln!(
+            "note: guest {} wrote {n} files ({before} before the first kill, {after} after the agent's restart); all verify on the host",
+            i + 1
+        );
     }
     a.unstage(VOLUME, &staging)?;
     Ok(())

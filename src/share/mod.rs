@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub mod client;
 pub mod ganesha;
+pub mod kube;
 mod records;
 mod server;
 mod side;

@@ -161,14 +161,16 @@ while :; do
   [ $i -gt 400 ] && fail "wrote 400 files without seeing the restart"
   dd if=/dev/urandom of=/tmp/src bs=64k count=4 2>/dev/null
   f="w$NODE-$i"
+  t0=$(cut -d' ' -f1 /proc/uptime)
   dd if=/tmp/src of="$M/$f" bs=64k conv=fsync 2>"$R/dd.err" || fail "write $f: $(cat "$R/dd.err")"
   echo "$(md5sum </tmp/src | cut -d' ' -f1) $f" >>"$R/manifest"
+  echo "$f $t0 $(cut -d' ' -f1 /proc/uptime)" >>"$R/timing"
   if [ -e "$M/restarted-2" ]; then
     after=$((after + 1))
     [ $after -ge 3 ] && break
   fi
 done
-note "wrote $i files"
+note "wrote $i files; the slowest write+fsync took $(awk '{ d = $3 - $2; if (d > m) m = d } END { printf "%.1f", m }' "$R/timing") s"
 echo 3 >/proc/sys/vm/drop_caches
 while read -r sum f; do
   [ "$(md5sum <"$M/$f" | cut -d' ' -f1)" = "$sum" ] || fail "$f does not verify"
