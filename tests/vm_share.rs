@@ -165,8 +165,9 @@ fn two_clients() -> Result<(), Failed> {
             n += 1;
         }
         // The writes spanned both disruptions: some before the first kill,
-        // some after the agent came back.
-        check(before >= 1 && after >= 3, format!("guest {}: {before} files before the kill, {after} after the restart", i + 1))?;
+        // some after the agent came back (a guest writes 3 files once it
+        // sees the marker; the first may have started before it was there).
+        check(before >= 1 && after >= 2, format!("guest {}: {before} files before the kill, {after} after the restart", i + 1))?;
         eprintln!(
             "note: guest {} wrote {n} files ({before} before the first kill, {after} after the agent's restart); all verify on the host",
             i + 1

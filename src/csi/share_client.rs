@@ -122,7 +122,7 @@ impl Driver {
     fn unmount_if_nfs(&self, id: &str, p: &Path) -> Result<()> {
         let Some(fd) = self.beneath.open_path(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
         let st = rustix::fs::fstatfs(&fd).map_err(|e| Error::Internal(format!("statfs {}: {e}", p.display())))?;
-        if st.f_type as i64 != client::NFS_SUPER_MAGIC {
+        if st.f_type != client::NFS_SUPER_MAGIC {
             return Err(Error::FailedPrecondition(format!("{} holds a mount that is not volume {id}'s NFS mount", p.display())));
         }
         let node = crate::volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", p.display())))?;
@@ -250,7 +250,7 @@ fn probe(path: PathBuf) -> std::result::Result<Probe, String> {
     }
     match rx.recv_timeout(STATS_WAIT) {
         Ok(Ok((t, v))) => Ok(Probe {
-            f_type: t.f_type as i64,
+            f_type: t.f_type,
             frsize: v.f_frsize,
             blocks: v.f_blocks,
             bfree: v.f_bfree,

@@ -290,7 +290,7 @@ pub fn service_equivalent(have: &Service, want: &Service) -> bool {
             .flat_map(|s| s.ports.iter().flatten())
             .map(|p| (p.name.clone(), p.port, p.target_port.clone(), p.protocol.clone().unwrap_or_else(|| "TCP".into())))
             .collect();
-        p.sort_by(|a, b| (a.0.clone(), a.1).cmp(&(b.0.clone(), b.1)));
+        p.sort_by_key(|a| (a.0.clone(), a.1));
         p
     };
     let kind = |s: &Service| s.spec.as_ref().and_then(|s| s.type_.clone()).unwrap_or_else(|| "ClusterIP".into());
@@ -299,7 +299,8 @@ pub fn service_equivalent(have: &Service, want: &Service) -> bool {
 }
 
 pub fn endpoints_equivalent(have: &Endpoints, want: &Endpoints) -> bool {
-    let flat = |e: &Endpoints| -> (Vec<String>, Vec<(Option<String>, i32, String)>) {
+    type Ports = Vec<(Option<String>, i32, String)>;
+    let flat = |e: &Endpoints| -> (Vec<String>, Ports) {
         let mut ips = Vec::new();
         let mut ports = Vec::new();
         for s in e.subsets.iter().flatten() {
