@@ -129,6 +129,19 @@ fn two_clients() -> Result<(), Failed> {
         eprintln!("note: agent and NFS server restarted");
         *restarted.borrow_mut() = Some(std::time::SystemTime::now());
         std::fs::write(Path::new(&staging).join("restarted-2"), b"")?;
+        // Once both verified their files: away for 40 s, for the guests'
+        // NodeGetVolumeStats to see (they ask 12 s after answering).
+        wait(900, "both guests verified", || {
+            (on_volume("verified-1") && on_volume("verified-2")) || guests.iter().any(|g| g.is_finished())
+        })?;
+        std::fs::write(Path::new(&staging).join("going-down"), b"")?;
+        wait(300, "both guests saw going-down", || {
+            (on_volume("saw-down-1") && on_volume("saw-down-2")) || guests.iter().any(|g| g.is_finished())
+        })?;
+        a.kill_hard();
+        std::thread::sleep(Duration::from_secs(40));
+        a.respawn_with(&borrowed(&env));
+        eprintln!("note: agent away for 40 s, back");
         Ok(())
     })();
     let runs: Vec<_> = guests.into_iter().map(|g| g.join().expect("guest thread")).collect();
@@ -136,11 +149,13 @@ fn two_clients() -> Result<(), Failed> {
     for (i, run) in runs.iter().enumerate() {
         let read = |n: &str| std::fs::read_to_string(run.results.join(n)).unwrap_or_default();
         report.push_str(&format!(
-            "=== guest {} ({:.0} s): {}\n{}\n--- agent.err (tail)\n{}\n",
+            "=== guest {} ({:.0} s, status {:?}): {}\n{}\n--- qemu\n{}\n--- agent.err (tail)\n{}\n",
             i + 1,
             run.elapsed.as_secs_f64(),
+            run.status,
             read("verdict").trim(),
             run.stdout,
+            run.qemu_stderr,
             read("agent.err").lines().rev().take(12).collect::<Vec<_>>().join("\n")
         ));
     }

@@ -178,6 +178,23 @@ done <"$R/manifest"
 touch "$M/verified-$NODE"
 wait_for "[ -e '$M/verified-$OTHER' ]" 600
 
+# 6. The volume's condition: the host writes `going-down`; once both
+# guests answered `saw-down-N` it kills its agent (and server) for 40 s.
+# Stats 12 s after the answer must say abnormal (the driver waits 5 s for
+# the server), and normal again once it is back.
+wait_for "[ -e '$M/going-down' ]" 300
+touch "$M/saw-down-$NODE"
+sleep 12
+csi stats --id "$VOLUME" --path "$T" >"$R/stats-down.json" 2>&1 || fail "stats while down: $(cat "$R/stats-down.json")"
+grep -q '"abnormal": *true' "$R/stats-down.json" || fail "stats normal while the server is down: $(cat "$R/stats-down.json")"
+i=0
+until csi stats --id "$VOLUME" --path "$T" >"$R/stats-up.json" 2>&1 && grep -q '"abnormal": *false' "$R/stats-up.json"; do
+  i=$((i + 1))
+  [ $i -gt 60 ] && fail "stats not normal again: $(cat "$R/stats-up.json")"
+  sleep 1
+done
+note "condition abnormal while the server was away, normal after"
+
 csi unpublish --id "$VOLUME" --target "$T" >"$R/unpublish.out" 2>&1 || fail "unpublish: $(cat "$R/unpublish.out")"
 csi unstage --id "$VOLUME" --staging "$S" >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
 grep -q nfs4 /proc/mounts && fail "still mounted: $(grep nfs4 /proc/mounts)"
