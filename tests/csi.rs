@@ -225,7 +225,8 @@ fn error_codes() -> Result<(), Failed> {
     expect_code(a.stage("pvc-e", "/etc/volring", mount_cap("")), Code::InvalidArgument, "staging path outside the root")?;
     expect_code(a.stage("pvc-e", "relative/path", mount_cap("")), Code::InvalidArgument, "relative staging path")?;
     expect_code(a.stage("pvc-e", &staging, VolumeCapability::default()), Code::InvalidArgument, "capability without access")?;
-    expect_code(a.stage("pvc-e", &staging, capability(false, "", &[], Mode::MultiNodeMultiWriter)), Code::InvalidArgument, "multi-node")?;
+    expect_code(a.stage("pvc-e", &staging, capability(false, "", &[], Mode::MultiNodeSingleWriter)), Code::InvalidArgument, "multi-node")?;
+    expect_code(a.stage("pvc-e", &staging, capability(true, "", &[], Mode::MultiNodeMultiWriter)), Code::InvalidArgument, "block RWX")?;
     expect_code(a.stage("pvc-e", &staging, mount_cap("vfat")), Code::InvalidArgument, "unsupported fs")?;
     expect_code(
         a.stage("pvc-e", &staging, capability(false, "", &["bind".into()], Mode::SingleNodeWriter)),

@@ -22,6 +22,9 @@ impl Driver {
     pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
         validate::volume_id(&req.volume_id)?;
         let id = req.volume_id.as_str();
+        if let Some(r) = self.stats_remote_share(id, &req.volume_path)? {
+            return Ok(r);
+        }
         self.known(id)?;
         let path = self.path(&req.volume_path, "volume_path")?;
         let rec = self.located(id, &path)?;
