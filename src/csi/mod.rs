@@ -7,6 +7,7 @@
 //! `service` adapts them to the generated tonic traits and is the one place
 //! where errors become gRPC codes; `server` runs it all on the socket.
 
+mod attached;
 pub mod authority;
 pub mod client;
 mod controller;
@@ -25,6 +26,7 @@ pub mod server;
 mod service;
 pub mod validate;
 
+pub use attached::AttachedCheck;
 pub use driver::{CsiConfig, Driver, Expansion, Readiness};
 pub use locks::{VolumeGuard, VolumeLocks};
 
