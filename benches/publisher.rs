@@ -300,7 +300,9 @@ fn main() {
         }
         results.push((name, objects, median(a), median(b)));
     }
-    println!("publisher vs the node-disk-manager model, medians of {runs} runs, stand-in API over loopback, each client in its own process");
+    println!(
+        "publisher vs the node-disk-manager model, medians of {runs} runs, stand-in API over loopback, each client in its own process"
+    );
     for (name, objects, a, b) in results {
         report(name, objects, qps, a, b);
     }

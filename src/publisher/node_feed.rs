@@ -220,7 +220,10 @@ mod tests {
         let bad = cond(&storage_node("n1", &[], None, None, Some(&ids))).unwrap();
         assert_eq!((bad["status"].as_str(), bad["reason"].as_str()), (Some("False"), Some("UnknownVolumeAttachments")));
         let msg = bad["message"].as_str().unwrap();
-        assert!(msg.starts_with("25 VolumeAttachments") && msg.contains("pvc-19") && !msg.contains("pvc-20") && msg.ends_with("..."), "{msg}");
+        assert!(
+            msg.starts_with("25 VolumeAttachments") && msg.contains("pvc-19") && !msg.contains("pvc-20") && msg.ends_with("..."),
+            "{msg}"
+        );
         // The Ready condition is untouched by it.
         let ready = storage_node("n1", &[], None, None, Some(&ids)).status["conditions"][0].clone();
         assert_eq!(ready["type"], "Ready");

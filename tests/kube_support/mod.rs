@@ -337,7 +337,10 @@ fn list_of(g: &Inner, plural: &str, api_version: &str, kind: &str, q: &BTreeMap<
     let mut items = Vec::new();
     let mut more = None;
     for ((p, name), s) in &g.objects {
-        if p != plural || (!after.is_empty() && name.as_str() <= after.as_str()) || !matches(&s.obj, &selector) || !name_matches(name, fields)
+        if p != plural
+            || (!after.is_empty() && name.as_str() <= after.as_str())
+            || !matches(&s.obj, &selector)
+            || !name_matches(name, fields)
         {
             continue;
         }
