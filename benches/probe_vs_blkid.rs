@@ -137,6 +137,8 @@ fn main() {
         make("LVM2_member", 256 << 20, &["pvcreate", "-ff", "-y", "-q"]),
         make("ntfs", 256 << 20, &["mkfs.ntfs", "-Q", "-F", "-q"]),
         make("xfs", 320 << 20, &["mkfs.xfs", "-q", "-f"]),
+        make("exfat", 256 << 20, &["mkfs.exfat"]),
+        make("udf", 256 << 20, &["mkudffs"]),
     ];
     println!("{runs} runs per device and mode; time is the median wall time of one probe; CPU is user+sys per probe");
     println!(

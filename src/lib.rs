@@ -16,6 +16,7 @@ pub mod publisher;
 // The two homes of `unsafe` (see Cargo.toml's [lints]).
 #[allow(unsafe_code)]
 pub mod ring;
+pub mod share;
 pub mod state;
 #[allow(unsafe_code)]
 pub mod sys;

@@ -420,6 +420,25 @@ struct CsiArgs {
     /// the controller does not offer expansion; what deploy/ uses).
     #[arg(long, env = "VOLRING_EXPANSION", value_enum, default_value_t = ExpansionArg::Controller)]
     expansion: ExpansionArg,
+    /// Serve shared (MULTI_NODE_MULTI_WRITER) volumes staged here over
+    /// NFSv4 (nfs-ganesha) on this address:port ("off": not served).
+    #[arg(long, env = "VOLRING_NFS_LISTEN", default_value = "off")]
+    nfs_listen: String,
+    /// The host:port other nodes mount shared volumes from (default: the
+    /// listen address).
+    #[arg(long, env = "VOLRING_NFS_ADVERTISE")]
+    nfs_advertise: Option<String>,
+    /// The nfs-ganesha daemon to run.
+    #[arg(long, env = "VOLRING_NFS_GANESHA", default_value = "ganesha.nfsd")]
+    nfs_ganesha: std::path::PathBuf,
+    /// NFSv4 grace period (s) after the server starts: clients reclaim
+    /// their opens and locks.
+    #[arg(long, env = "VOLRING_NFS_GRACE", default_value_t = 20)]
+    nfs_grace: u32,
+    /// NFSv4 lease (s): a client that does not renew within it loses its
+    /// locks.
+    #[arg(long, env = "VOLRING_NFS_LEASE", default_value_t = 15)]
+    nfs_lease: u32,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -463,6 +482,18 @@ impl CsiArgs {
             connections: self.nbd_attach_connections,
             heal: !self.nbd_no_heal,
         };
+        c.share.listen = match self.nfs_listen.as_str() {
+            "off" => None,
+            a => Some(a.parse().map_err(|e| anyhow::anyhow!("--nfs-listen {a:?}: {e} (address:port or off)"))?),
+        };
+        c.share.advertise = self.nfs_advertise.clone();
+        c.share.ganesha = self.nfs_ganesha.clone();
+        anyhow::ensure!(
+            self.nfs_lease >= 5 && self.nfs_grace >= self.nfs_lease,
+            "--nfs-lease at least 5 s, --nfs-grace at least the lease"
+        );
+        c.share.grace_secs = self.nfs_grace;
+        c.share.lease_secs = self.nfs_lease;
         Ok(Some(c))
     }
 }
@@ -617,7 +648,7 @@ fn main() -> std::process::ExitCode {
         Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
-            let _ = writeln!(std::io::stderr(), "Error: {e:#}");
+            let _ = writeln!(std::io::stderr(), "Error: {}", cli::one_line(&e));
             if !rustix::process::geteuid().is_root() && denied(&e) {
                 let _ =
                     writeln!(std::io::stderr(), "hint: this needs root (mounts, loop devices, fanotify and block devices are privileged)");

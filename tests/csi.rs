@@ -225,7 +225,8 @@ fn error_codes() -> Result<(), Failed> {
     expect_code(a.stage("pvc-e", "/etc/volring", mount_cap("")), Code::InvalidArgument, "staging path outside the root")?;
     expect_code(a.stage("pvc-e", "relative/path", mount_cap("")), Code::InvalidArgument, "relative staging path")?;
     expect_code(a.stage("pvc-e", &staging, VolumeCapability::default()), Code::InvalidArgument, "capability without access")?;
-    expect_code(a.stage("pvc-e", &staging, capability(false, "", &[], Mode::MultiNodeMultiWriter)), Code::InvalidArgument, "multi-node")?;
+    expect_code(a.stage("pvc-e", &staging, capability(false, "", &[], Mode::MultiNodeSingleWriter)), Code::InvalidArgument, "multi-node")?;
+    expect_code(a.stage("pvc-e", &staging, capability(true, "", &[], Mode::MultiNodeMultiWriter)), Code::InvalidArgument, "block RWX")?;
     expect_code(a.stage("pvc-e", &staging, mount_cap("vfat")), Code::InvalidArgument, "unsupported fs")?;
     expect_code(
         a.stage("pvc-e", &staging, capability(false, "", &["bind".into()], Mode::SingleNodeWriter)),
@@ -478,6 +479,27 @@ fn ext4_errors_are_abnormal() -> Result<(), Failed> {
     all_gone(&a)
 }
 
+/// An xfs that shut itself down still answers statfs and /proc/mounts
+/// still says rw (and xfs keeps no error count in sysfs): the volume is
+/// abnormal all the same.
+fn xfs_shutdown_is_abnormal() -> Result<(), Failed> {
+    let a = Agent::start();
+    a.create("pvc-xshut", 320 * MIB, "xfs")?;
+    let staging = a.k("plugins/stage/xshut");
+    a.stage("pvc-xshut", &staging, mount_cap("xfs"))?;
+    let s = a.stats("pvc-xshut", &staging)?;
+    check(s.volume_condition.as_ref().is_some_and(|c| !c.abnormal), format!("healthy at first: {:?}", s.volume_condition))?;
+    // What a failed metadata write does, asked for directly.
+    let out = std::process::Command::new("xfs_io").args(["-x", "-c", "shutdown"]).arg(&staging).output()?;
+    check(out.status.success(), format!("xfs_io shutdown: {}", String::from_utf8_lossy(&out.stderr)))?;
+    let opts = String::from_utf8(std::process::Command::new("findmnt").args(["-no", "OPTIONS"]).arg(&staging).output()?.stdout)?;
+    check(opts.starts_with("rw"), format!("the mount still says rw: {opts:?}"))?;
+    let c = a.stats("pvc-xshut", &staging)?.volume_condition.unwrap_or_default();
+    check(c.abnormal && c.message.contains("shut down"), format!("a shut-down xfs is abnormal: {c:?}"))?;
+    a.unstage("pvc-xshut", &staging)?;
+    all_gone(&a)
+}
+
 fn identity_controller_and_listing() -> Result<(), Failed> {
     let a = Agent::start();
     let mut id = a.c.identity.clone();
@@ -687,6 +709,7 @@ fn main() {
         Trial::test("csi::staged_record_quarantined", staged_record_quarantined),
         Trial::test("csi::nbd_attach_kind", nbd_attach_kind),
         Trial::test("csi::ext4_errors_are_abnormal", ext4_errors_are_abnormal),
+        Trial::test("csi::xfs_shutdown_is_abnormal", xfs_shutdown_is_abnormal),
     ];
     common::run_in_private_namespace(trials)
 }

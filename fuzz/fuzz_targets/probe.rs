@@ -4,17 +4,28 @@
 //!
 //! The input is split into a head and a tail read, laid out as
 //! `read_plan` would for a device size taken from the input, so the
-//! end-of-device parsers (md 0.90/1.0, ZFS's last labels) see fuzzed bytes
-//! too; the same bytes are also probed as a whole device.
+//! end-of-device parsers (md 0.90/1.0, ZFS's last labels, UDF's last-sector
+//! anchor) see fuzzed bytes too; the same bytes are also probed as a whole
+//! device. Labels and UUIDs stay within what their on-disk fields can hold
+//! (a UDF dstring of 126 bytes is the longest: at most 3 UTF-8 bytes each).
+//! Seeds (fuzz/seeds/probe) hold a real or hand-made image of every format.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::probe::{probe, probe_sample, read_plan, Sample, READ_BUDGET};
+use volring::devices::probe::{probe, probe_sample, read_plan, Content, Sample, READ_BUDGET};
+
+fn bounded(c: &Content) {
+    if let Some(f) = &c.filesystem {
+        assert!(f.label.as_ref().is_none_or(|l| l.len() <= 126 * 3), "{f:?}");
+        assert!(f.uuid.as_ref().is_none_or(|u| u.len() <= 64), "{f:?}");
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     let Some((&sel, rest)) = data.split_first() else { return };
     let lb = [512u32, 4096, 1024, 2048, 0, 7][sel as usize % 6];
     let c = probe(rest, lb);
+    bounded(&c);
     if let Some(t) = c.table {
         assert!(t.partitions.len() <= rest.len() / 128 + 4);
     }
@@ -31,5 +42,5 @@ fuzz_target!(|data: &[u8]| {
         sample.add(offset, got);
         left = more;
     }
-    let _ = probe_sample(&sample, lb);
+    bounded(&probe_sample(&sample, lb));
 });

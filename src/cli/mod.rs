@@ -33,6 +33,24 @@ pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
     }
 }
 
+/// `e` and its causes on one line, each cause once: an error whose text
+/// already ends with its source's text (thiserror's `"{path}: {source}"`
+/// with `#[source]`) would otherwise print that cause twice.
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 /// Whether a permission refusal is among the causes of `e`.
 pub(crate) fn denied(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
@@ -47,4 +65,31 @@ pub(crate) fn denied(e: &anyhow::Error) -> bool {
 
 pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("tokio runtime")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{path}: {source}")]
+    struct Open {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    }
+
+    /// The NBD export error as the agent and `nbd serve` reported it: the
+    /// io error's text came out twice.
+    #[test]
+    fn each_cause_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let io_text = io.to_string();
+        let e = anyhow::Error::new(Open { path: "/srv/vol1.img".into(), source: io }).context("NBD export vol1");
+        let line = one_line(&e);
+        assert_eq!(line, format!("NBD export vol1: /srv/vol1.img: {io_text}"));
+        assert_eq!(line.matches(&io_text).count(), 1);
+        let plain = anyhow::anyhow!("bind").context("cannot bind CSI socket /x");
+        assert_eq!(one_line(&plain), "cannot bind CSI socket /x: bind");
+    }
 }

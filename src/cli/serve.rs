@@ -27,7 +27,7 @@ pub(crate) async fn nbd_serve(
         None => Vec::new(),
     };
     for spec in specs.iter().chain(&from_file) {
-        server.add_export(spec)?;
+        server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;
     }
     // Tests and scripts wait for this line: the server accepts from here on.
     // A closed stdout does not stop the server; it stops the printing.

@@ -172,8 +172,8 @@ pub enum Call {
         #[arg(long)]
         staging: String,
         /// A volume context entry, key=value, as CreateVolume returned it
-        /// (repeatable; e.g. a remote volume's volring.io/nbd-uri and
-        /// volring.io/nbd-secret).
+        /// (repeatable; a remote volume's volring.io/nbd-uri and
+        /// volring.io/nbd-secret, a shared volume's share, nfsServer, nfsExport).
         #[arg(long = "context", value_parser = parse_param)]
         context: Vec<(String, String)>,
         #[command(flatten)]
@@ -293,7 +293,7 @@ pub async fn call(c: &mut Clients, call: Call) -> Result<serde_json::Value, toni
                     volume_id: id,
                     staging_target_path: staging,
                     volume_capability: Some(volume.capability()),
-                    volume_context: context.into_iter().collect(),
+                    volume_context: context.into_iter().collect::<HashMap<_, _>>(),
                     ..Default::default()
                 })
                 .await?,

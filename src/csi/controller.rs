@@ -27,6 +27,8 @@ impl Driver {
                 return Err(Error::ResourceExhausted(format!("volumes can only be created on node {}", self.config.node_id)));
             }
         }
+        // MULTI_NODE_MULTI_WRITER: the volume is shared over NFS (crate::share).
+        let shared = caps.iter().any(Access::shared);
         let min = min_size(fs_type, &caps);
         let size = validate::capacity(req.capacity_range.as_ref(), min, self.max_volume_size())?;
         let id = req.name.clone();
@@ -44,6 +46,13 @@ impl Driver {
                     kind(&wanted).as_str()
                 )));
             }
+            if crate::share::is_shared(&have.parameters) != shared {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} exists {}shared; the request asks for {}",
+                    if shared { "not " } else { "" },
+                    if shared { "MULTI_NODE_MULTI_WRITER" } else { "single-node access" }
+                )));
+            }
             if !fits || !same_fs {
                 return Err(Error::AlreadyExists(format!(
                     "volume {id} exists with {} bytes and fsType {:?}; the request does not match",
@@ -55,12 +64,16 @@ impl Driver {
         }
         let nbd = req.parameters.get(PARAM_ATTACH).and_then(|v| AttachKind::parse(v)) == Some(AttachKind::Nbd);
         let nbd_secret = if nbd { self.new_export_secret()? } else { None };
+        let mut parameters = req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
+        if shared {
+            crate::share::mark_shared(&mut parameters);
+        }
         let meta = self.pool.create(VolumeMeta {
             id: id.clone(),
             name: req.name.clone(),
             size_bytes: size,
             fs_type: fs_type.map(|f| f.as_str().to_string()),
-            parameters: req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>(),
+            parameters,
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             nbd_secret,
         })?;
@@ -130,8 +143,8 @@ impl Driver {
         let size = self.grow_image(id, range, have.size_bytes)?;
         // A staged device sees the new size at once, so block volumes need
         // no node step; a filesystem still has to be grown by the node.
-        if let Some(a) = staged.as_ref().and_then(attach::of_record).filter(|a| a.kind == crate::volumes::AttachKind::Loop) {
-            attach::refresh_capacity(&a)?;
+        if let Some((rec, a)) = staged.as_ref().and_then(|r| Some((r, attach::of_record(r)?))) {
+            self.refresh_device(rec, &a)?;
             crate::fault::point("expand:refreshed");
         }
         tracing::info!(volume = %id, bytes = size, "expanded volume");
@@ -182,10 +195,16 @@ impl Driver {
                 (validate::AccessType::Mount { fs, .. }, Some(want)) if fs.as_str() != want => Some(want.clone()),
                 _ => None,
             });
-            match wrong_fs {
-                Some(want) => Err(Error::InvalidArgument(format!("the volume was created for {want}"))),
-                None => Ok(()),
+            if let Some(want) = wrong_fs {
+                return Err(Error::InvalidArgument(format!("the volume was created for {want}")));
             }
+            if caps.iter().any(Access::shared) && !crate::share::is_shared(&have.parameters) {
+                return Err(Error::InvalidArgument(format!(
+                    "volume {} was created for single-node access; MULTI_NODE_MULTI_WRITER needs a volume created with it",
+                    req.volume_id
+                )));
+            }
+            Ok(())
         });
         Ok(match checked {
             Ok(()) => ValidateVolumeCapabilitiesResponse {
@@ -226,10 +245,12 @@ impl Driver {
             volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
         }
         self.export_context(m, &mut volume_context);
-        // An exported volume is reachable from every node (no topology:
-        // "equally accessible from all nodes"); others only here.
-        let accessible_topology =
-            if volume_context.contains_key(super::nbd_export::CONTEXT_URI) { Vec::new() } else { vec![self.topology()] };
+        crate::share::context(&m.id, &m.parameters, self.share.config().advertised().as_deref(), &mut volume_context);
+        // A volume other nodes reach (an nbd export, an NFS share) has no
+        // topology: "equally accessible from all nodes"; others only here.
+        let reachable =
+            volume_context.contains_key(super::nbd_export::CONTEXT_URI) || volume_context.contains_key(crate::share::CTX_SERVER);
+        let accessible_topology = if reachable { Vec::new() } else { vec![self.topology()] };
         Volume { capacity_bytes: m.size_bytes as i64, volume_id: m.id.clone(), volume_context, content_source: None, accessible_topology }
     }
 }

@@ -35,6 +35,8 @@ pub struct CsiConfig {
     /// Serve this node's nbd volumes to other nodes (the agent starts the
     /// listener; see `nbd_export`).
     pub nbd_export: Option<super::nbd_export::ExportConfig>,
+    /// How shared (RWX) volumes are served over NFS.
+    pub share: crate::share::ShareConfig,
 }
 
 /// Where a volume grows. Volumes are node-local, so in a cluster the
@@ -65,6 +67,7 @@ impl CsiConfig {
             expansion: Expansion::Controller,
             nbd: Default::default(),
             nbd_export: None,
+            share: Default::default(),
         }
     }
 }
@@ -108,6 +111,8 @@ pub struct Driver {
     /// The listener serving this node's nbd volumes to other nodes, when
     /// the node exports (`--nbd-export-listen`).
     pub(super) exports: std::sync::OnceLock<super::nbd_export::ExportListener>,
+    /// The NFS exports of shared volumes (`crate::share`).
+    pub(super) share: crate::share::ShareSide,
 }
 
 impl Driver {
@@ -123,7 +128,9 @@ impl Driver {
         let config_nbd = config.nbd.clone();
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
+        let share = crate::share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
         Ok(Arc::new(Self {
+            share,
             config,
             real_root,
             beneath,

@@ -24,6 +24,8 @@ pub mod repair;
 pub mod rpc_stats;
 pub mod server;
 mod service;
+mod share;
+mod share_client;
 pub mod validate;
 
 pub use driver::{CsiConfig, Driver, Expansion, Readiness};

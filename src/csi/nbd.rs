@@ -26,6 +26,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
+#[path = "nbd_expand.rs"]
+mod expand;
+pub use expand::GrowError;
+
 use super::{Driver, Error, Result};
 use crate::nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl, RemoteAttachment, RemoteSource};
 use crate::nbd::client::ExportDetails;

@@ -26,6 +26,10 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        // A shared volume another node holds: mounted over NFS.
+        if let Some(done) = self.stage_remote_share(id, &staging, &access, &req.volume_context)? {
+            return Ok(done);
+        }
         // A volume this node holds is attached here (even when it is also
         // exported); one it does not hold, through the export its context
         // names.
@@ -58,6 +62,7 @@ impl Driver {
                 return Err(Error::AlreadyExists(format!("volume {id} is staged at {} with another capability", staging.display())));
             }
             if r.phase == StagePhase::Staged && self.stage_intact(r)? {
+                self.export_if_shared(id, &access)?;
                 return Ok(NodeStageVolumeResponse {});
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
@@ -81,6 +86,7 @@ impl Driver {
             remote,
         });
         self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
+        self.export_if_shared(id, &access)?;
         Ok(NodeStageVolumeResponse {})
     }
 
@@ -265,6 +271,9 @@ impl Driver {
         let staging = self.path(&req.staging_target_path, "staging_target_path")?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        if let Some(done) = self.unstage_remote_share(id, &staging)? {
+            return Ok(done);
+        }
         let Some(mut rec) = self.records.get(id) else {
             if self.pool.get(id).is_none() {
                 return Err(Error::NotFound(format!("volume {id} does not exist")));
@@ -304,6 +313,7 @@ impl Driver {
     /// its record removed — each step a no-op when already done.
     pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
         let id = rec.volume_id.as_str();
+        self.unexport(id)?;
         let att = attach::of_record(rec);
         let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();

@@ -22,6 +22,9 @@ impl Driver {
     pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
         validate::volume_id(&req.volume_id)?;
         let id = req.volume_id.as_str();
+        if let Some(r) = self.stats_remote_share(id, &req.volume_path)? {
+            return Ok(r);
+        }
         self.known(id)?;
         let path = self.path(&req.volume_path, "volume_path")?;
         let rec = self.located(id, &path)?;
@@ -54,7 +57,7 @@ impl Driver {
                                         used: s.f_files.saturating_sub(s.f_ffree) as i64,
                                         unit: volume_usage::Unit::Inodes as i32,
                                     });
-                                    None
+                                    shut_down(fd.as_fd(), &checked)
                                 }
                                 Err(e) => Some(format!("statfs {}: {e}", checked.display())),
                             },
@@ -130,10 +133,8 @@ impl Driver {
         }
         let _guard = self.lock(id)?;
         let rec = self.located(id, &path)?;
-        let att = rec
-            .loop_number
-            .and_then(|n| attach::existing(n, &rec.image))
-            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no loop device; stage it again")))?;
+        let att = attach::of_record(&rec)
+            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach.as_str())))?;
         if let (Expansion::Node, Some(range)) = (self.config.expansion, &req.capacity_range) {
             // This node holds the image: grow it here (the controller does
             // not offer expansion in this mode). Growing an image is
@@ -143,7 +144,7 @@ impl Driver {
             let have = self.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
             self.grow_image(id, range, have.size_bytes)?;
         }
-        let size = attach::refresh_capacity(&att)?;
+        let size = self.refresh_device(&rec, &att)?;
         crate::fault::point("node_expand:refreshed");
         let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes.max(0) as u64);
         if required > size {
@@ -208,4 +209,24 @@ fn bytes_usage(total: u64, available: u64, used: u64) -> VolumeUsage {
 /// ext4's error count for device `name` (`None` when it has no ext4 mounted).
 fn ext4_errors(name: &str) -> Option<u64> {
     std::fs::read_to_string(format!("/sys/fs/ext4/{name}/errors_count")).ok()?.trim().parse().ok()
+}
+
+/// Why the filesystem at `root` refuses I/O although it is mounted where it
+/// should be, if it does. A filesystem that shut itself down (xfs after a
+/// failed metadata write or `xfs_io -x -c shutdown`; ext4 after
+/// EXT4_IOC_SHUTDOWN) still answers statfs and /proc/mounts still says
+/// `rw`, and xfs has no sysfs counter like ext4's errors_count; but its
+/// open(2) fails with EIO for everything, its root directory included
+/// (xfs_file_open checks the shutdown flag first). Opening the root afresh
+/// through the proven `O_PATH` descriptor asks exactly that, reads nothing
+/// and writes nothing.
+fn shut_down(root: std::os::fd::BorrowedFd<'_>, path: &Path) -> Option<String> {
+    use rustix::fs::{Mode, OFlags};
+    match rustix::fs::openat(root, ".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty()) {
+        Ok(_) => None,
+        Err(rustix::io::Errno::IO) => Some(format!("the filesystem at {} has shut down (open: I/O error)", path.display())),
+        // Anything else (EACCES under an LSM, EMFILE) says nothing about the
+        // filesystem; statfs above already answered.
+        Err(_) => None,
+    }
 }

@@ -19,6 +19,9 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        if let Some(done) = self.publish_remote_share(id, &staging, &target, req.readonly || access.read_only())? {
+            return Ok(done);
+        }
         // A remote volume is known here by its staged record only.
         if self.pool.get(id).is_none() && !self.records.contains(id) {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
@@ -114,6 +117,9 @@ impl Driver {
         let target = self.path(&req.target_path, "target_path")?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        if let Some(done) = self.unpublish_remote_share(id, &target)? {
+            return Ok(done);
+        }
         let rec = self.records.get(id);
         if rec.is_none() && self.pool.get(id).is_none() {
             return Err(Error::NotFound(format!("volume {id} does not exist")));

@@ -35,6 +35,7 @@ impl Driver {
         let notify = r.notifier();
         self.records.on_change(move |id| notify.volume(id));
         let _ = self.health.set(r.view().clone());
+        self.resume_shares();
         Ok(r)
     }
 }

@@ -109,22 +109,42 @@ impl Access {
     pub fn is_mount(&self) -> bool {
         matches!(self.access, AccessType::Mount { .. })
     }
+
+    /// A shared (ReadWriteMany) volume: the node holding it exports its
+    /// staged filesystem over NFS and other nodes mount that export.
+    pub fn shared(&self) -> bool {
+        self.mode == Mode::MultiNodeMultiWriter
+    }
 }
 
-/// Validates one capability. Volumes live on one node, so multi-node access
-/// modes cannot be honoured and are refused.
+/// Validates one capability. Volumes live on one node: the single-node
+/// modes are served there, and MULTI_NODE_MULTI_WRITER is served to the
+/// other nodes over NFS, which carries a filesystem, so only as a mount
+/// volume. The other multi-node modes are refused.
 pub fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
     let cap = cap.ok_or_else(|| Error::InvalidArgument("volume_capability is required".into()))?;
     let mode = cap.access_mode.as_ref().ok_or_else(|| Error::InvalidArgument("volume_capability.access_mode is required".into()))?;
     let mode = Mode::try_from(mode.mode).map_err(|_| Error::InvalidArgument(format!("unknown access mode {}", mode.mode)))?;
     match mode {
         Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter => {}
+        Mode::MultiNodeMultiWriter => {}
         Mode::Unknown => return Err(Error::InvalidArgument("volume_capability.access_mode is required".into())),
-        m => return Err(Error::InvalidArgument(format!("access mode {} is not supported: volumes are node-local", m.as_str_name()))),
+        m => {
+            return Err(Error::InvalidArgument(format!(
+            "access mode {} is not supported: volumes are node-local, and only MULTI_NODE_MULTI_WRITER mount volumes are shared (over NFS)",
+            m.as_str_name()
+        )))
+        }
     }
     let read_only = matches!(mode, Mode::SingleNodeReaderOnly);
     let access = match &cap.access_type {
         None => return Err(Error::InvalidArgument("volume_capability needs block or mount".into())),
+        Some(ProtoAccessType::Block(_)) if mode == Mode::MultiNodeMultiWriter => {
+            return Err(Error::InvalidArgument(
+                "MULTI_NODE_MULTI_WRITER needs a mount volume: shared volumes are exported over NFS, which carries a filesystem, not a block device"
+                    .into(),
+            ))
+        }
         Some(ProtoAccessType::Block(_)) => AccessType::Block,
         Some(ProtoAccessType::Mount(m)) => {
             let fs = FsKind::parse(&m.fs_type)
@@ -293,7 +313,18 @@ mod tests {
         assert!(capability(None).is_err());
         assert!(capability(Some(&cap(Mode::SingleNodeWriter, None))).is_err());
         assert!(capability(Some(&cap(Mode::Unknown, mount("", &[])))).is_err());
-        assert!(capability(Some(&cap(Mode::MultiNodeMultiWriter, mount("", &[])))).is_err());
+        // Shared volumes: a mount volume only; the other multi-node modes stay refused.
+        let rwx = capability(Some(&cap(Mode::MultiNodeMultiWriter, mount("ext4", &[])))).unwrap();
+        assert!(rwx.shared() && rwx.is_mount() && !rwx.read_only());
+        assert!(!ok.shared());
+        let block_rwx = capability(Some(&cap(Mode::MultiNodeMultiWriter, Some(ProtoAccessType::Block(BlockVolume {})))));
+        assert!(
+            matches!(&block_rwx, Err(Error::InvalidArgument(m)) if m.contains("MULTI_NODE_MULTI_WRITER") && m.contains("mount")),
+            "{block_rwx:?}"
+        );
+        for m in [Mode::MultiNodeReaderOnly, Mode::MultiNodeSingleWriter] {
+            assert!(matches!(capability(Some(&cap(m, mount("", &[])))), Err(Error::InvalidArgument(_))), "{m:?}");
+        }
         assert!(capability(Some(&cap(Mode::SingleNodeWriter, mount("vfat", &[])))).is_err());
         assert!(capability(Some(&cap(Mode::SingleNodeWriter, mount("ext4", &["bind"])))).is_err());
         assert!(capabilities(&[]).is_err());

@@ -12,12 +12,16 @@ use serde::Serialize;
 
 mod fs;
 mod members;
+mod udf;
+mod windows;
 
-/// How much of the start of a device the probe reads: the first ZFS label
-/// (its nvlist at 16 KiB and uberblock array at 128–256 KiB), which also
-/// covers btrfs's superblock at 64 KiB, the ISO 9660 volume descriptors
-/// from 32 KiB, GPT entries on 4 KiB sectors and swap on 64 KiB pages.
-pub const PROBE_LEN: usize = 256 << 10;
+/// How much of the start of a device the probe reads: the first two ZFS
+/// labels (each with its nvlist at 16 KiB and uberblock array at 128–256
+/// KiB), so a pool whose first label is damaged is still seen; this also
+/// covers btrfs's superblock at 64 KiB, the ISO 9660 and UDF volume
+/// descriptors from 32 KiB, UDF's anchor at sector 256 of 512 and 1024-byte
+/// sectors, GPT entries on 4 KiB sectors and swap on 64 KiB pages.
+pub const PROBE_LEN: usize = 512 << 10;
 
 /// How much of the end of a device the probe reads, at most: the last two
 /// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
@@ -107,9 +111,16 @@ pub enum FsType {
     /// FAT12/16/32.
     Vfat,
     Ntfs,
+    Exfat,
     Iso9660,
+    Udf,
     Squashfs,
+    /// squashfs before version 4 (either byte order), a type of its own in blkid.
+    Squashfs3,
     Erofs,
+    /// A BitLocker-encrypted NTFS or FAT volume.
+    #[serde(rename = "BitLocker")]
+    BitLocker,
     /// An LVM2 physical volume.
     #[serde(rename = "LVM2_member")]
     Lvm2Member,
@@ -138,9 +149,13 @@ impl FsType {
             FsType::Luks => "crypto_LUKS",
             FsType::Vfat => "vfat",
             FsType::Ntfs => "ntfs",
+            FsType::Exfat => "exfat",
             FsType::Iso9660 => "iso9660",
+            FsType::Udf => "udf",
             FsType::Squashfs => "squashfs",
+            FsType::Squashfs3 => "squashfs3",
             FsType::Erofs => "erofs",
+            FsType::BitLocker => "BitLocker",
             FsType::Lvm2Member => "LVM2_member",
             FsType::LinuxRaidMember => "linux_raid_member",
             FsType::Bcache => "bcache",
@@ -227,18 +242,23 @@ pub fn probe(buf: &[u8], logical_block: u32) -> Content {
 /// Probes what [`read_plan`] read from a device. Members (md, LVM, bcache,
 /// BlueStore, ZFS) come first: an md 1.0 mirror half also holds the
 /// filesystem of the array at offset 0, and it is the membership that makes
-/// the device busy. A FAT or NTFS boot sector ends in 0x55AA like an MBR; when
-/// one is found there is no MBR.
+/// the device busy. BitLocker comes before FAT and NTFS, whose boot sectors
+/// it imitates. A FAT, exFAT, NTFS or BitLocker boot sector ends in 0x55AA
+/// like an MBR; when one is found there is no MBR.
 pub fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
     let buf = s.head();
     let filesystem = members::probe(s)
         .or_else(|| luks(buf))
+        .or_else(|| windows::bitlocker(s))
         .or_else(|| xfs(buf))
         .or_else(|| ext(buf))
         .or_else(|| btrfs(buf))
+        .or_else(|| windows::probe(s))
+        .or_else(|| udf::probe(s, logical_block))
         .or_else(|| fs::probe(buf))
         .or_else(|| swap(buf));
-    let boot_sector = filesystem.as_ref().is_some_and(|f| matches!(f.fstype, FsType::Vfat | FsType::Ntfs));
+    let boot_sector =
+        filesystem.as_ref().is_some_and(|f| matches!(f.fstype, FsType::Vfat | FsType::Ntfs | FsType::Exfat | FsType::BitLocker));
     let table =
         gpt(buf, logical_block).or_else(|| gpt(buf, 512)).or_else(|| gpt(buf, 4096)).or_else(|| if boot_sector { None } else { mbr(buf) });
     Content { filesystem, table }

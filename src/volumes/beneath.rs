@@ -186,7 +186,11 @@ impl Beneath {
 
 /// `statx` of the descriptor itself (no path walk).
 pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Node> {
-    Ok(node(&rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID)?))
+    match rustix::fs::statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID) {
+        Ok(s) => Ok(node(&s)),
+        Err(rustix::io::Errno::IO) => stat_refused(fd),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `statx` of one entry of an open directory, not following a symlink (but
@@ -196,8 +200,45 @@ pub fn stat_entry(dir: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<Opt
     match rustix::fs::statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID) {
         Ok(s) => Ok(Some(node(&s))),
         Err(rustix::io::Errno::NOENT) => Ok(None),
+        Err(rustix::io::Errno::IO) => {
+            let fd = rustix::fs::openat(dir, name, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+            stat_refused(fd.as_fd()).map(Some)
+        }
         Err(e) => Err(e.into()),
     }
+}
+
+/// What `statx` would have said of `fd` on a filesystem that refuses it.
+/// One that shut itself down (xfs after a failed metadata write) answers
+/// EIO to every getattr, its root's included, so a failed volume could be
+/// neither recognised nor unmounted. Its mount still says what it is: the
+/// descriptor's mount id (from fdinfo) names the mountinfo line with the
+/// device. Only a mount's root can be reached by a walk into such a
+/// filesystem (crossing the mount point asks it nothing; any name below
+/// would need its failing lookup), and the line's mount point must be the
+/// descriptor's own path too, or EIO stands.
+fn stat_refused(fd: BorrowedFd<'_>) -> io::Result<Node> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let refused = || io::Error::from_raw_os_error(libc::EIO);
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
+    let mnt_id: u32 = fdinfo.lines().find_map(|l| l.strip_prefix("mnt_id:")?.trim().parse().ok()).ok_or_else(refused)?;
+    let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let mut info = Vec::new();
+    crate::mounts::read_mountinfo(std::fs::File::open("/proc/self/mountinfo")?, &mut info)?;
+    let m = crate::mounts::parse::parse(&info).flatten().find(|m| m.id == mnt_id).ok_or_else(refused)?;
+    if crate::mounts::unescape(m.mount_point).as_ref() != path.as_os_str().as_bytes() {
+        return Err(refused());
+    }
+    // O_DIRECTORY is checked on the dentry, without asking the filesystem.
+    let dir = rustix::fs::openat(fd, ".", OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()).is_ok();
+    Ok(Node {
+        kind: if dir { Kind::Dir } else { Kind::Other },
+        dev: m.dev,
+        rdev: DevNum::default(),
+        mount_root: true,
+        mnt_id: mnt_id.into(),
+    })
 }
 
 fn node(s: &rustix::fs::Statx) -> Node {

@@ -42,13 +42,19 @@ pub struct Agent {
 
 impl Agent {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts an agent with `env` added to its environment (its flags'
+    /// variables, such as `VOLRING_NFS_LISTEN`).
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
         let scratch = Scratch::new();
         let kubelet = scratch.dir("kubelet");
         let state = scratch.dir("state");
         let socket = scratch.path().join("csi.sock");
         let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let child = spawn(&kubelet, &state, &socket, &log, &[]);
+        let child = spawn(&kubelet, &state, &socket, &log, env);
         let c = rt.block_on(connect(&socket));
         Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }

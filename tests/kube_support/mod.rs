@@ -24,6 +24,8 @@
 
 #![allow(dead_code)]
 
+mod core;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -84,6 +86,13 @@ struct Inner {
     uid: u64,
     log: Vec<Logged>,
     faults: VecDeque<Fault>,
+    /// core/v1 namespaced objects (`core.rs`).
+    core: BTreeMap<core::Key, Value>,
+    /// Created core objects still invisible to this many GETs.
+    core_hidden: BTreeMap<core::Key, usize>,
+    /// How many GETs a created core object stays invisible to.
+    core_lag: usize,
+    next_cluster_ip: u32,
 }
 
 #[derive(Clone, Default)]
@@ -140,6 +149,29 @@ impl StandIn {
         let mut g = self.lock();
         g.objects.clear();
         g.log.clear();
+    }
+
+    /// A core/v1 object (`namespace`, `plural`, `name`).
+    pub fn core_object(&self, namespace: &str, plural: &str, name: &str) -> Option<Value> {
+        self.lock().core.get(&(namespace.to_string(), plural.to_string(), name.to_string())).cloned()
+    }
+
+    /// Stores a core/v1 object as another writer would have; returns it
+    /// with its uid and resourceVersion.
+    pub fn seed_core(&self, namespace: &str, plural: &str, obj: Value) -> Value {
+        let body = serde_json::to_vec(&obj).unwrap();
+        let mut g = self.lock();
+        let r = core::serve(&mut g, &Method::POST, &format!("{namespace}/{plural}"), &body);
+        assert_eq!(r.status(), StatusCode::CREATED);
+        g.core_hidden.clear();
+        let name = obj["metadata"]["name"].as_str().unwrap().to_string();
+        g.core[&(namespace.to_string(), plural.to_string(), name)].clone()
+    }
+
+    /// Makes every core object created from now on invisible to the next
+    /// `gets` GETs of it.
+    pub fn set_create_lag(&self, gets: usize) {
+        self.lock().core_lag = gets;
     }
 
     pub fn clear_log(&self) {
@@ -237,6 +269,9 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
             r.headers_mut().insert("retry-after", HeaderValue::from_str(&s.to_string()).unwrap());
         }
         return r;
+    }
+    if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
+        return core::serve(g, method, rest, body);
     }
     let Some(rest) = path.strip_prefix(PREFIX) else {
         return reply(

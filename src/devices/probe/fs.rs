@@ -1,15 +1,16 @@
-//! Filesystems beyond Linux's own: FAT, NTFS, ISO 9660, squashfs and EROFS,
-//! each from its superblock or boot sector in the head of the device.
+//! Filesystems beyond Linux's own: FAT, ISO 9660, squashfs (4 and older) and
+//! EROFS, each from its superblock or boot sector in the head of the device
+//! (NTFS, exFAT and BitLocker are in `windows`, UDF in `udf`).
 //!
-//! A FAT or NTFS boot sector ends in 0x55AA like an MBR; telling them apart
+//! A FAT boot sector ends in 0x55AA like an MBR; telling them apart
 //! takes the BIOS parameter block's sanity rules (jump opcode, power-of-two
 //! sector and cluster sizes, media byte), which a partition table's boot
 //! code does not satisfy by chance.
 
-use super::{bytes, label, le16, le32, le64, uuid, Filesystem, FsType};
+use super::{be16, bytes, label, le16, le32, uuid, Filesystem, FsType};
 
 pub(super) fn probe(head: &[u8]) -> Option<Filesystem> {
-    vfat(head).or_else(|| ntfs(head)).or_else(|| iso9660(head)).or_else(|| squashfs(head)).or_else(|| erofs(head))
+    vfat(head).or_else(|| iso9660(head)).or_else(|| squashfs(head)).or_else(|| erofs(head))
 }
 
 fn pow2_in(v: u32, lo: u32, hi: u32) -> bool {
@@ -82,68 +83,6 @@ fn fat_root_label(b: &[u8], at: u64, entries: u64) -> Option<String> {
     None
 }
 
-fn ntfs(b: &[u8]) -> Option<Filesystem> {
-    if b.get(3..11)? != b"NTFS    " {
-        return None;
-    }
-    let sector = u32::from(le16(b, 11)?);
-    let spc = *b.get(13)?;
-    let spc = if spc > 0x80 { 1u32.checked_shl(256 - u32::from(spc))? } else { u32::from(spc) };
-    // The FAT fields NTFS leaves unused must be zero.
-    if !pow2_in(sector, 256, 4096)
-        || !pow2_in(spc, 1, 1 << 16)
-        || le16(b, 14)? != 0
-        || *b.get(16)? != 0
-        || le16(b, 17)? != 0
-        || le16(b, 19)? != 0
-    {
-        return None;
-    }
-    let cluster = u64::from(sector) * u64::from(spc);
-    let per_rec = *b.get(0x40)? as i8;
-    let rec = if per_rec < 0 { 1u64.checked_shl(u32::from(per_rec.unsigned_abs()))? } else { u64::from(per_rec as u8) * cluster };
-    let serial = format!("{:016X}", le64(b, 0x48)?);
-    let lbl =
-        le64(b, 0x30)?.checked_mul(cluster).and_then(|mft| mft.checked_add(3 * rec)).and_then(|at| ntfs_volume_name(b, at, rec, sector));
-    Some(Filesystem::new(FsType::Ntfs, Some(serial), lbl))
-}
-
-/// The $VOLUME_NAME attribute (0x60) of MFT record 3 ($Volume) at byte
-/// `at`, after undoing the record's update-sequence fixups.
-fn ntfs_volume_name(b: &[u8], at: u64, rec: u64, sector: u32) -> Option<String> {
-    let (at, len) = (usize::try_from(at).ok()?, usize::try_from(rec).ok()?);
-    if !(256..=4096).contains(&len) {
-        return None;
-    }
-    let mut r = b.get(at..at.checked_add(len)?)?.to_vec();
-    if &r[..4] != b"FILE" {
-        return None;
-    }
-    let (usa, count) = (le16(&r, 4)? as usize, le16(&r, 6)? as usize);
-    let stride = sector as usize;
-    for i in 1..count {
-        let fix: [u8; 2] = bytes(&r, usa + 2 * i)?;
-        let end = (i * stride).checked_sub(2)?;
-        r.get_mut(end..end + 2)?.copy_from_slice(&fix);
-    }
-    let mut a = le16(&r, 0x14)? as usize;
-    for _ in 0..64 {
-        let (ty, alen) = (le32(&r, a)?, le32(&r, a + 4)? as usize);
-        if ty == 0xFFFF_FFFF || alen == 0 {
-            return None;
-        }
-        if ty == 0x60 && *r.get(a + 8)? == 0 {
-            let (vlen, voff) = (le32(&r, a + 16)? as usize, le16(&r, a + 20)? as usize);
-            let v = r.get(a + voff..a + voff + vlen)?;
-            let units: Vec<u16> = v.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-            let s = String::from_utf16_lossy(&units);
-            return (!s.is_empty()).then_some(s);
-        }
-        a = a.checked_add(alen)?;
-    }
-    None
-}
-
 /// The volume descriptors from 32 KiB, 2 KiB each, up to the terminator
 /// (type 255); the primary one (type 1) holds the label and the dates that
 /// blkid turns into a UUID (modification date, else creation date).
@@ -175,9 +114,21 @@ fn iso_date(d: &[u8]) -> Option<String> {
     Some(format!("{}-{}-{}-{}-{}-{}-{}", &t[0..4], &t[4..6], &t[6..8], &t[8..10], &t[10..12], &t[12..14], &t[14..16]))
 }
 
-/// squashfs 4: little-endian magic `hsqs`, major version 4 at 28.
+/// squashfs: magic `hsqs` (little-endian) or `sqsh` (big-endian, only
+/// before version 4), the major version at 28 in the magic's byte order.
+/// blkid calls 4 and later `squashfs` and the older ones `squashfs3`.
 fn squashfs(b: &[u8]) -> Option<Filesystem> {
-    (b.get(..4)? == b"hsqs" && le16(b, 28)? == 4).then(|| Filesystem::new(FsType::Squashfs, None, None))
+    let major = match b.get(..4)? {
+        b"hsqs" => le16(b, 28)?,
+        b"sqsh" => be16(b, 28)?,
+        _ => return None,
+    };
+    let fstype = match (major, b[0]) {
+        (4.., b'h') => FsType::Squashfs,
+        (4.., _) => return None,
+        _ => FsType::Squashfs3,
+    };
+    Some(Filesystem::new(fstype, None, None))
 }
 
 /// EROFS: the superblock at 1 KiB; block size 512 B–64 KiB.

@@ -124,14 +124,39 @@ fn lvm2(head: &[u8]) -> Option<Filesystem> {
 
 const BCACHE_MAGIC: [u8; 16] = [0xc6, 0x85, 0x73, 0xf6, 0x4e, 0x1a, 0x45, 0xca, 0x82, 0x65, 0xf5, 0x7f, 0x48, 0xba, 0x6d, 0x81];
 
-/// The superblock at 4 KiB records its own sector (8); the UUID is the
-/// device's.
+/// The superblock at 4 KiB records its own sector (8) and carries a
+/// CRC-64 over everything after the checksum up to the end of its journal
+/// bucket list (`keys` entries of 8 bytes from 208); the kernel refuses a
+/// superblock whose checksum does not match, and so does the probe. The
+/// UUID is the device's.
 fn bcache(head: &[u8]) -> Option<Filesystem> {
     const SB: usize = 4096;
     if bytes::<16>(head, SB + 24)? != BCACHE_MAGIC || le64(head, SB + 8)? != 8 {
         return None;
     }
+    let keys = usize::from(u16::from_le_bytes(bytes(head, SB + 206)?));
+    if keys > 256 {
+        return None;
+    }
+    let body = head.get(SB + 8..SB + 208 + 8 * keys)?;
+    if crc64_we(body) != le64(head, SB)? {
+        return None;
+    }
     Some(Filesystem::new(FsType::Bcache, uuid(bytes(head, SB + 40)?), None))
+}
+
+/// CRC-64/WE (ECMA-182's polynomial, not reflected, all ones in and out),
+/// bcache's superblock checksum. Bitwise: one superblock, a few hundred bytes.
+pub(super) fn crc64_we(data: &[u8]) -> u64 {
+    const POLY: u64 = 0x42F0_E1EB_A9EA_3693;
+    let mut crc = u64::MAX;
+    for &b in data {
+        crc ^= u64::from(b) << 56;
+        for _ in 0..8 {
+            crc = if crc & (1 << 63) != 0 { (crc << 1) ^ POLY } else { crc << 1 };
+        }
+    }
+    !crc
 }
 
 /// BlueStore's label starts with a fixed text line.
@@ -161,10 +186,11 @@ fn uberblocks(s: &Sample<'_>, label_at: u64) -> usize {
 }
 
 /// A vdev: at least four uberblocks across the labels, counted in blkid's
-/// order (the second label, at 256 KiB, lies outside the read budget and
-/// is not counted). blkid only looks on devices of 64 MiB or more. The
-/// label's nvlist names the pool (LABEL), its guid (UUID) and the vdev's
-/// (UUID_SUB), both in decimal.
+/// order (the two at the start, then the two at the end), so a pool with a
+/// damaged label is still found from the others. blkid only looks on
+/// devices of 64 MiB or more. The nvlist of the label where the fourth was
+/// found names the pool (LABEL), its guid (UUID) and the vdev's (UUID_SUB),
+/// both in decimal.
 fn zfs(s: &Sample<'_>) -> Option<Filesystem> {
     let size = s.size();
     if size < 64 << 20 {
@@ -173,7 +199,7 @@ fn zfs(s: &Sample<'_>) -> Option<Filesystem> {
     let tail = size - zfs_tail_len(size);
     let mut found = 0;
     let mut at = None;
-    for l in [0, tail, tail + ZFS_LABEL] {
+    for l in [0, ZFS_LABEL, tail, tail + ZFS_LABEL] {
         found += uberblocks(s, l);
         if found >= 4 {
             at = Some(l);
@@ -220,4 +246,34 @@ fn zfs_nvlist(nv: &[u8], f: &mut Filesystem) {
 
 fn be64(buf: &[u8], at: usize) -> Option<u64> {
     bytes(buf, at).map(u64::from_be_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CRC-64/WE's published check value.
+    #[test]
+    fn crc64_we_check_value() {
+        assert_eq!(crc64_we(b"123456789"), 0x62EC_59E3_F1A4_F00A);
+    }
+
+    /// Eight uberblocks in the second label alone (the first wiped, the
+    /// last two gone) make a member, with the second label's names.
+    #[test]
+    fn zfs_from_the_second_label_alone() {
+        let size = 64u64 << 20;
+        let mut dev = vec![0u8; 1 << 20];
+        let l1 = ZFS_LABEL as usize;
+        for i in 0..8 {
+            let at = l1 + (128 << 10) + i * 1024;
+            dev[at..at + 8].copy_from_slice(&ZFS_UB_MAGIC.to_le_bytes());
+        }
+        let mut s = Sample::new(size);
+        s.add(0, &dev[..super::super::PROBE_LEN]);
+        assert_eq!(zfs(&s).map(|f| f.fstype), Some(FsType::ZfsMember));
+        let mut short = Sample::new(size);
+        short.add(0, &dev[..l1]);
+        assert_eq!(zfs(&short), None, "only what was read counts");
+    }
 }

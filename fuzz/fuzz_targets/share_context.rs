@@ -1,0 +1,28 @@
+//! NodeStage volume context → the NFS export a shared volume is mounted
+//! from (`volring::share::client::remote`). Whatever the CO sends, the
+//! parser answers without panicking, and what it accepts is safe to hand
+//! the kernel: an address with a port, an absolute export path of plain
+//! characters with no `..`, and a mount source/options string with no
+//! separator an attacker could use to add options.
+#![no_main]
+
+use std::collections::HashMap;
+
+use libfuzzer_sys::fuzz_target;
+use volring::share::client;
+
+fuzz_target!(|data: &[u8]| {
+    let text = String::from_utf8_lossy(data);
+    let mut fields = text.splitn(3, '\n');
+    let (server, export) = (fields.next().unwrap_or(""), fields.next().unwrap_or(""));
+    let ctx: HashMap<String, String> =
+        [("share", "nfs"), ("nfsServer", server), ("nfsExport", export)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    if let Ok(Some(r)) = client::remote(&ctx) {
+        assert!(r.server.port() != 0);
+        assert!(r.export.starts_with('/') && !r.export.split('/').any(|c| c == ".."));
+        let src = client::source(&r);
+        assert!(!src.contains(','), "{src:?}");
+        let opts = client::options(&r, false);
+        assert_eq!(opts.data.split(',').count(), 9, "{:?}", opts.data);
+    }
+});

@@ -1,0 +1,365 @@
+//! In a cluster: a Service and its Endpoints per shared volume, in the
+//! PVC's namespace with the PVC's name, so pods on any node mount
+//! `<ClusterIP>:2049` and the address behind it can move (StorageOS's
+//! shared-volume controller does the same).
+//!
+//! What one reconcile does, and why:
+//! - Reads the PVC for its uid: both objects carry an owner reference to
+//!   it, so deleting the PVC removes them (the garbage collector's job; the
+//!   controller never deletes them itself).
+//! - Reads each object first and writes only what differs: create when
+//!   absent, update when not equivalent (only the fields volring owns are
+//!   compared, so defaults the API server fills in never cause a write).
+//! - After a create, re-reads until the object is visible (poll interval
+//!   and total wait configurable, 1 s / 20 s by default): the endpoint is
+//!   published only once the objects are really there.
+//! - Publishes `ClusterIP:2049` only when it changed since the last
+//!   publish: a changed endpoint turns NFS clients' handles stale.
+//! - Failover (the server moved to another address): the Service keeps its
+//!   ClusterIP, only the Endpoints are updated, nothing is republished.
+//! - Every reconcile's duration goes into one histogram.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{
+    EndpointAddress, EndpointPort, EndpointSubset, Endpoints, PersistentVolumeClaim, Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, PostParams};
+use prometheus_client::metrics::histogram::Histogram;
+
+/// The port clients mount on the Service.
+pub const NFS_PORT: u16 = 2049;
+/// Label naming the volume on both objects.
+pub const VOLUME_LABEL: &str = "volring.io/volume";
+const PORT_NAME: &str = "nfs";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("PVC {namespace}/{name} does not exist")]
+    PvcGone { namespace: String, name: String },
+    #[error("{what}: {source}")]
+    Api { what: String, source: kube::Error },
+    #[error("{0} was created but not visible after {1:?}")]
+    NotVisible(String, Duration),
+    #[error("Service {0} has no ClusterIP")]
+    NoClusterIp(String),
+}
+
+/// Poll interval and total wait of the re-read after a create.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    pub poll: Duration,
+    pub total_wait: Duration,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self { poll: Duration::from_secs(1), total_wait: Duration::from_secs(20) }
+    }
+}
+
+/// One shared volume as the controller sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedVolume {
+    pub volume_id: String,
+    pub pvc_namespace: String,
+    pub pvc_name: String,
+    /// Where the NFS server answers now.
+    pub server: IpAddr,
+    pub server_port: u16,
+}
+
+/// What a reconcile wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub service_created: bool,
+    pub service_updated: bool,
+    pub endpoints_created: bool,
+    pub endpoints_updated: bool,
+    /// The endpoint published by this reconcile (None: unchanged).
+    pub published: Option<String>,
+}
+
+pub struct ShareController {
+    client: kube::Client,
+    config: ControllerConfig,
+    /// Volume id → the endpoint last published.
+    published: Mutex<HashMap<String, String>>,
+    duration: Histogram,
+}
+
+impl ShareController {
+    pub fn new(client: kube::Client, config: ControllerConfig) -> Self {
+        // 5 ms to ~41 s: a reconcile that waits for a create's visibility
+        // takes seconds.
+        let duration = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.005, 2.0, 14));
+        Self { client, config, published: Mutex::new(HashMap::new()), duration }
+    }
+
+    /// Registers the reconcile-duration histogram.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "volring_share_reconcile_duration_seconds",
+            "Time one reconcile of a shared volume's Service and Endpoints took",
+            self.duration.clone(),
+        );
+    }
+
+    /// Brings volume `v`'s Service and Endpoints to what they should be;
+    /// `publish` is called with `ClusterIP:2049` when that changed.
+    pub async fn reconcile(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
+        let start = Instant::now();
+        let r = self.reconcile_inner(v, publish).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        r
+    }
+
+    /// Forgets what was published for a volume (it is no longer shared).
+    pub fn forget(&self, volume_id: &str) {
+        self.published.lock().unwrap_or_else(|e| e.into_inner()).remove(volume_id);
+    }
+
+    async fn reconcile_inner(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
+        let ns = v.pvc_namespace.as_str();
+        let name = v.pvc_name.as_str();
+        let what = |kind: &str| format!("{kind} {ns}/{name}");
+        let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), ns);
+        let pvc = pvcs
+            .get_opt(name)
+            .await
+            .map_err(|e| Error::Api { what: what("PersistentVolumeClaim"), source: e })?
+            .ok_or_else(|| Error::PvcGone { namespace: ns.into(), name: name.into() })?;
+        let owner = OwnerReference {
+            api_version: "v1".into(),
+            kind: "PersistentVolumeClaim".into(),
+            name: name.into(),
+            uid: pvc.metadata.uid.clone().unwrap_or_default(),
+            block_owner_deletion: None,
+            controller: None,
+        };
+        let mut out = Outcome::default();
+
+        let services: Api<Service> = Api::namespaced(self.client.clone(), ns);
+        let want = desired_service(v, &owner);
+        let svc = match services.get_opt(name).await.map_err(|e| Error::Api { what: what("Service"), source: e })? {
+            None => {
+                services.create(&PostParams::default(), &want).await.map_err(|e| Error::Api { what: what("Service"), source: e })?;
+                out.service_created = true;
+                self.visible(&services, &what("Service")).await?
+            }
+            Some(have) if service_equivalent(&have, &want) => have,
+            Some(have) => {
+                let mut next = want.clone();
+                next.metadata.resource_version = have.metadata.resource_version.clone();
+                // The ClusterIP is immutable, and what clients mount: kept.
+                if let (Some(spec), Some(have_spec)) = (next.spec.as_mut(), have.spec.as_ref()) {
+                    spec.cluster_ip = have_spec.cluster_ip.clone();
+                    spec.cluster_ips = have_spec.cluster_ips.clone();
+                }
+                out.service_updated = true;
+                services.replace(name, &PostParams::default(), &next).await.map_err(|e| Error::Api { what: what("Service"), source: e })?
+            }
+        };
+
+        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
+        let want = desired_endpoints(v, &owner);
+        match endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })? {
+            None => {
+                endpoints.create(&PostParams::default(), &want).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })?;
+                out.endpoints_created = true;
+                self.visible(&endpoints, &what("Endpoints")).await?;
+            }
+            Some(have) if endpoints_equivalent(&have, &want) => {}
+            Some(have) => {
+                let mut next = want;
+                next.metadata.resource_version = have.metadata.resource_version;
+                endpoints
+                    .replace(name, &PostParams::default(), &next)
+                    .await
+                    .map_err(|e| Error::Api { what: what("Endpoints"), source: e })?;
+                out.endpoints_updated = true;
+            }
+        }
+
+        let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
+        let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
+        let endpoint = match ip.parse::<IpAddr>() {
+            Ok(IpAddr::V6(a)) => format!("[{a}]:{NFS_PORT}"),
+            _ => format!("{ip}:{NFS_PORT}"),
+        };
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        if published.get(&v.volume_id) != Some(&endpoint) {
+            publish(&endpoint);
+            published.insert(v.volume_id.clone(), endpoint.clone());
+            out.published = Some(endpoint);
+        }
+        Ok(out)
+    }
+
+    /// Re-reads a just-created object every `poll` until it is visible, at
+    /// most `total_wait`.
+    async fn visible<K>(&self, api: &Api<K>, what: &str) -> Result<K, Error>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let name = what.rsplit('/').next().unwrap_or_default().to_string();
+        let deadline = Instant::now() + self.config.total_wait;
+        loop {
+            if let Some(o) = api.get_opt(&name).await.map_err(|e| Error::Api { what: what.into(), source: e })? {
+                return Ok(o);
+            }
+            if Instant::now() + self.config.poll > deadline {
+                return Err(Error::NotVisible(what.into(), self.config.total_wait));
+            }
+            tokio::time::sleep(self.config.poll).await;
+        }
+    }
+}
+
+fn labels(v: &SharedVolume) -> BTreeMap<String, String> {
+    [(VOLUME_LABEL.to_string(), v.volume_id.clone())].into()
+}
+
+fn meta(v: &SharedVolume, owner: &OwnerReference) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(v.pvc_name.clone()),
+        namespace: Some(v.pvc_namespace.clone()),
+        labels: Some(labels(v)),
+        owner_references: Some(vec![owner.clone()]),
+        ..Default::default()
+    }
+}
+
+/// A ClusterIP Service with no selector (its Endpoints are written here),
+/// port 2049 to the server's port.
+pub fn desired_service(v: &SharedVolume, owner: &OwnerReference) -> Service {
+    Service {
+        metadata: meta(v, owner),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            ports: Some(vec![ServicePort {
+                name: Some(PORT_NAME.into()),
+                port: NFS_PORT.into(),
+                target_port: Some(IntOrString::Int(v.server_port.into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+pub fn desired_endpoints(v: &SharedVolume, owner: &OwnerReference) -> Endpoints {
+    Endpoints {
+        metadata: meta(v, owner),
+        subsets: Some(vec![EndpointSubset {
+            addresses: Some(vec![EndpointAddress { ip: v.server.to_string(), ..Default::default() }]),
+            ports: Some(vec![EndpointPort {
+                name: Some(PORT_NAME.into()),
+                port: v.server_port.into(),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            not_ready_addresses: None,
+        }]),
+    }
+}
+
+/// The labels and owner references volring sets are there (others may be
+/// added by anyone).
+fn meta_holds(have: &ObjectMeta, want: &ObjectMeta) -> bool {
+    let labels = have.labels.clone().unwrap_or_default();
+    let owners = have.owner_references.clone().unwrap_or_default();
+    want.labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v))
+        && want.owner_references.iter().flatten().all(|o| owners.iter().any(|h| h.uid == o.uid && h.kind == o.kind && h.name == o.name))
+}
+
+/// Equivalent: the fields volring sets agree; what the API server fills
+/// in (ClusterIP, session affinity, IP families...) is not compared.
+pub fn service_equivalent(have: &Service, want: &Service) -> bool {
+    let ports = |s: &Service| -> Vec<(Option<String>, i32, Option<IntOrString>, String)> {
+        let mut p: Vec<_> = s
+            .spec
+            .iter()
+            .flat_map(|s| s.ports.iter().flatten())
+            .map(|p| (p.name.clone(), p.port, p.target_port.clone(), p.protocol.clone().unwrap_or_else(|| "TCP".into())))
+            .collect();
+        p.sort_by_key(|a| (a.0.clone(), a.1));
+        p
+    };
+    let kind = |s: &Service| s.spec.as_ref().and_then(|s| s.type_.clone()).unwrap_or_else(|| "ClusterIP".into());
+    let selector = |s: &Service| s.spec.as_ref().and_then(|s| s.selector.clone()).unwrap_or_default();
+    meta_holds(&have.metadata, &want.metadata) && ports(have) == ports(want) && kind(have) == kind(want) && selector(have).is_empty()
+}
+
+pub fn endpoints_equivalent(have: &Endpoints, want: &Endpoints) -> bool {
+    type Ports = Vec<(Option<String>, i32, String)>;
+    let flat = |e: &Endpoints| -> (Vec<String>, Ports) {
+        let mut ips = Vec::new();
+        let mut ports = Vec::new();
+        for s in e.subsets.iter().flatten() {
+            ips.extend(s.addresses.iter().flatten().map(|a| a.ip.clone()));
+            // Not-ready addresses are not served: one there is a difference.
+            ips.extend(s.not_ready_addresses.iter().flatten().map(|a| format!("not-ready:{}", a.ip)));
+            ports.extend(s.ports.iter().flatten().map(|p| (p.name.clone(), p.port, p.protocol.clone().unwrap_or_else(|| "TCP".into()))));
+        }
+        ips.sort();
+        ports.sort();
+        (ips, ports)
+    };
+    meta_holds(&have.metadata, &want.metadata) && flat(have) == flat(want)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol(ip: &str) -> SharedVolume {
+        SharedVolume {
+            volume_id: "pvc-1".into(),
+            pvc_namespace: "apps".into(),
+            pvc_name: "data".into(),
+            server: ip.parse().unwrap(),
+            server_port: 2049,
+        }
+    }
+
+    fn owner() -> OwnerReference {
+        OwnerReference {
+            api_version: "v1".into(),
+            kind: "PersistentVolumeClaim".into(),
+            name: "data".into(),
+            uid: "u1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn equivalence_ignores_server_defaults() {
+        let want = desired_service(&vol("10.0.0.1"), &owner());
+        let mut have = want.clone();
+        let spec = have.spec.as_mut().unwrap();
+        spec.cluster_ip = Some("10.96.0.7".into());
+        spec.session_affinity = Some("None".into());
+        have.metadata.labels.as_mut().unwrap().insert("team".into(), "x".into());
+        assert!(service_equivalent(&have, &want));
+        have.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].target_port = Some(IntOrString::Int(20490));
+        assert!(!service_equivalent(&have, &want));
+        let mut orphan = want.clone();
+        orphan.metadata.owner_references = None;
+        assert!(!service_equivalent(&orphan, &want));
+        // The Endpoints follow the server's address.
+        let e1 = desired_endpoints(&vol("10.0.0.1"), &owner());
+        let e2 = desired_endpoints(&vol("10.0.0.2"), &owner());
+        assert!(endpoints_equivalent(&e1, &e1.clone()));
+        assert!(!endpoints_equivalent(&e1, &e2));
+        // The Service does not.
+        assert!(service_equivalent(&desired_service(&vol("10.0.0.2"), &owner()), &want));
+    }
+}

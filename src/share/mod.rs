@@ -1,0 +1,110 @@
+//! Shared (ReadWriteMany) volumes: the node holding a volume exports its
+//! staged filesystem over NFSv4, and other nodes mount that export.
+//!
+//! Why NFS from the owning node: a volring volume lives in one node's pool;
+//! a filesystem cannot be mounted read-write by two kernels, so the node
+//! that stages it serves it and everyone else is an NFS client. Why
+//! nfs-ganesha and not a Rust NFS server crate: the crates that exist serve
+//! NFSv3 only, without the NLM side protocol, so fcntl and flock locks —
+//! what RWX workloads (databases' lock files, mail spools, build caches)
+//! rely on — would not exclude across nodes; ganesha serves NFSv4.1/4.2
+//! with byte-range locks, leases and a grace period for reclaiming them
+//! after a restart, from userspace (the kernel server needs the node's
+//! nfsd module), on one TCP port with no rpcbind.
+//!
+//! The CSI side marks a volume shared when it is created with
+//! MULTI_NODE_MULTI_WRITER (the `share` parameter below), and the node that
+//! stages such a volume exports it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub mod client;
+pub mod ganesha;
+pub mod kube;
+mod records;
+mod server;
+mod side;
+
+pub use records::{MountRecord, ShareRecord};
+pub use server::{NfsServer, ServerFiles};
+pub use side::{ShareConfig, ShareSide};
+
+/// Why sharing a volume failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("NFS server configuration: {0}")]
+    Config(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("share records: {0}")]
+    Store(String),
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl Error {
+    fn io(path: &Path, source: std::io::Error) -> Self {
+        Error::Io { path: path.to_path_buf(), source }
+    }
+}
+
+/// Parameter (recorded with the volume) and volume-context key marking a
+/// shared volume; its one value is [`SHARE_NFS`].
+pub const PARAM_SHARE: &str = "share";
+pub const SHARE_NFS: &str = "nfs";
+
+/// Whether a volume's recorded parameters mark it shared.
+pub fn is_shared(parameters: &BTreeMap<String, String>) -> bool {
+    parameters.get(PARAM_SHARE).is_some_and(|v| v == SHARE_NFS)
+}
+
+/// Marks recorded parameters shared.
+pub fn mark_shared(parameters: &mut BTreeMap<String, String>) {
+    parameters.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+}
+
+/// Volume-context key: the export's `host:port` as other nodes reach it.
+pub const CTX_SERVER: &str = "nfsServer";
+/// Volume-context key: the path clients mount on that server.
+pub const CTX_EXPORT: &str = "nfsExport";
+
+/// The path volume `id` is exported as (`server:/<id>`).
+pub fn pseudo_path(id: &str) -> String {
+    format!("/{id}")
+}
+
+/// The volume-context entries of a shared volume: the marker, so every
+/// node knows the volume is served over NFS, and where, when the node that
+/// holds it serves NFS (`server`, its advertised address).
+pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
+    if is_shared(parameters) {
+        context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+        if let Some(s) = server {
+            context.insert(CTX_SERVER.to_string(), s.to_string());
+            context.insert(CTX_EXPORT.to_string(), pseudo_path(id));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker() {
+        let mut p = BTreeMap::new();
+        assert!(!is_shared(&p));
+        let mut c = HashMap::new();
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
+        assert!(c.is_empty());
+        mark_shared(&mut p);
+        assert!(is_shared(&p));
+        context("pvc-1", &p, None, &mut c);
+        assert_eq!(c.get(PARAM_SHARE).map(String::as_str), Some(SHARE_NFS));
+        assert!(!c.contains_key(CTX_SERVER));
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
+        assert_eq!(c.get(CTX_SERVER).map(String::as_str), Some("10.0.0.1:2049"));
+        assert_eq!(c.get(CTX_EXPORT).map(String::as_str), Some("/pvc-1"));
+    }
+}

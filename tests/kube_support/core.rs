@@ -1,0 +1,142 @@
+//! The stand-in's core/v1 namespaced resources, for the shared-volume
+//! controller: services, endpoints and persistentvolumeclaims under
+//! `/api/v1/namespaces/{ns}/{plural}[/{name}]`, with the real server's
+//! HTTP semantics as the controller can observe them:
+//!
+//! - GET 200 or 404 (a Status); POST creates (201; 409 AlreadyExists when
+//!   the name is taken; 400 when the body's namespace or name disagree with
+//!   the URL) and fills in uid, resourceVersion, creationTimestamp and, for
+//!   a Service without one, a ClusterIP from 10.96.0.0/16.
+//! - PUT replaces (200; 404 when absent; 409 Conflict when the body's
+//!   resourceVersion is stale; 422 Invalid when a Service's ClusterIP is
+//!   changed, an empty one keeps the old as the API server does).
+//! - DELETE (200), and then what the garbage collector does: objects whose
+//!   ownerReferences name the deleted uid are deleted too.
+//! - A lag knob: a created object stays invisible to the next N GETs, as
+//!   behind a lagging cache, so the controller's re-read is exercised.
+
+use axum::http::{Method, StatusCode};
+use axum::response::Response;
+use serde_json::{json, Value};
+
+use super::{reply, status_body, Inner};
+
+/// (namespace, plural, name).
+pub(super) type Key = (String, String, String);
+
+pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8]) -> Response {
+    let parts: Vec<&str> = rest.split('/').collect();
+    let (ns, plural, name) = match parts.as_slice() {
+        [ns, plural] => (*ns, *plural, None),
+        [ns, plural, name] => (*ns, *plural, Some(*name)),
+        _ => return not_served(),
+    };
+    if !matches!(plural, "services" | "endpoints" | "persistentvolumeclaims") {
+        return not_served();
+    }
+    let key = |n: &str| (ns.to_string(), plural.to_string(), n.to_string());
+    match (method.clone(), name) {
+        (Method::GET, Some(n)) => {
+            let k = key(n);
+            if let Some(left) = g.core_hidden.get_mut(&k) {
+                *left -= 1;
+                if *left == 0 {
+                    g.core_hidden.remove(&k);
+                }
+                return not_found(plural, n);
+            }
+            match g.core.get(&k) {
+                Some(o) => reply(StatusCode::OK, o.clone()),
+                None => not_found(plural, n),
+            }
+        }
+        (Method::POST, None) => {
+            let Ok(mut obj) = serde_json::from_slice::<Value>(body) else { return bad("body is not JSON") };
+            let Some(n) = obj["metadata"]["name"].as_str().map(str::to_string) else { return bad("metadata.name is required") };
+            if obj["metadata"]["namespace"].as_str().is_some_and(|x| x != ns) {
+                return bad("the namespace of the object does not match the namespace on the request");
+            }
+            let k = key(&n);
+            if g.core.contains_key(&k) {
+                let msg = format!("{plural} \"{n}\" already exists");
+                return reply(StatusCode::CONFLICT, status_body(StatusCode::CONFLICT, "AlreadyExists", &msg));
+            }
+            g.rv += 1;
+            g.uid += 1;
+            obj["metadata"]["namespace"] = json!(ns);
+            obj["metadata"]["uid"] = json!(format!("uid-{}", g.uid));
+            obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+            obj["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+            if plural == "services" && obj["spec"]["clusterIP"].as_str().is_none_or(str::is_empty) {
+                g.next_cluster_ip += 1;
+                let ip = format!("10.96.{}.{}", g.next_cluster_ip / 250, g.next_cluster_ip % 250 + 1);
+                obj["spec"]["clusterIP"] = json!(ip);
+                obj["spec"]["clusterIPs"] = json!([ip]);
+                obj["spec"]["sessionAffinity"] = json!("None");
+            }
+            if g.core_lag > 0 {
+                g.core_hidden.insert(k.clone(), g.core_lag);
+            }
+            g.core.insert(k, obj.clone());
+            reply(StatusCode::CREATED, obj)
+        }
+        (Method::PUT, Some(n)) => {
+            let Ok(mut obj) = serde_json::from_slice::<Value>(body) else { return bad("body is not JSON") };
+            if obj["metadata"]["name"].as_str() != Some(n) {
+                return bad("the name of the object does not match the name on the URL");
+            }
+            let k = key(n);
+            let Some(old) = g.core.get(&k).cloned() else { return not_found(plural, n) };
+            if let Some(rv) = obj["metadata"]["resourceVersion"].as_str() {
+                if Some(rv) != old["metadata"]["resourceVersion"].as_str() {
+                    let msg = format!("Operation cannot be fulfilled on {plural} \"{n}\": the object has been modified");
+                    return reply(StatusCode::CONFLICT, status_body(StatusCode::CONFLICT, "Conflict", &msg));
+                }
+            }
+            if plural == "services" {
+                let old_ip = old["spec"]["clusterIP"].clone();
+                match obj["spec"]["clusterIP"].as_str() {
+                    None | Some("") => {
+                        obj["spec"]["clusterIP"] = old_ip;
+                        obj["spec"]["clusterIPs"] = old["spec"]["clusterIPs"].clone();
+                    }
+                    Some(ip) if Some(ip) != old_ip.as_str() => {
+                        let code = StatusCode::UNPROCESSABLE_ENTITY;
+                        return reply(code, status_body(code, "Invalid", "spec.clusterIP: Invalid value: field is immutable"));
+                    }
+                    Some(_) => {}
+                }
+            }
+            g.rv += 1;
+            for f in ["uid", "creationTimestamp", "namespace"] {
+                obj["metadata"][f] = old["metadata"][f].clone();
+            }
+            obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+            g.core.insert(k, obj.clone());
+            reply(StatusCode::OK, obj)
+        }
+        (Method::DELETE, Some(n)) => match g.core.remove(&key(n)) {
+            Some(obj) => {
+                g.rv += 1;
+                let uid = obj["metadata"]["uid"].clone();
+                // The garbage collector: dependents of the deleted object.
+                g.core.retain(|_, o| !o["metadata"]["ownerReferences"].as_array().is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid)));
+                reply(StatusCode::OK, obj)
+            }
+            None => not_found(plural, n),
+        },
+        _ => not_served(),
+    }
+}
+
+fn not_served() -> Response {
+    reply(StatusCode::METHOD_NOT_ALLOWED, status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"))
+}
+
+fn not_found(plural: &str, name: &str) -> Response {
+    reply(StatusCode::NOT_FOUND, status_body(StatusCode::NOT_FOUND, "NotFound", &format!("{plural} \"{name}\" not found")))
+}
+
+fn bad(msg: &str) -> Response {
+    reply(StatusCode::BAD_REQUEST, status_body(StatusCode::BAD_REQUEST, "BadRequest", msg))
+}

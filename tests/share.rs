@@ -1,0 +1,266 @@
+//! Shared (ReadWriteMany) volumes through the CSI socket of a real
+//! `volring node`: the access-mode checks, and the NFS export the owning
+//! node serves (read and written with libnfs's userspace client, since
+//! this machine's kernel has no NFS client; the kernel client runs in the
+//! VM test, tests/vm_share.rs).
+
+mod common;
+mod csi_support;
+
+use common::check;
+use csi_support::{mount_cap, Agent, MIB};
+use libtest_mimic::{Failed, Trial};
+use tonic::Code;
+use volring::csi::client::capability;
+use volring::csi::proto::volume_capability::access_mode::Mode;
+use volring::csi::proto::*;
+
+fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
+    match r {
+        Err(s) if s.code() == want => Ok(()),
+        Err(s) => Err(format!("{what}: expected {want:?}, got {:?}: {}", s.code(), s.message()).into()),
+        Ok(_) => Err(format!("{what}: expected {want:?}, got success").into()),
+    }
+}
+
+fn rwx(fs: &str) -> VolumeCapability {
+    capability(false, fs, &[], Mode::MultiNodeMultiWriter)
+}
+
+fn rwx_block() -> VolumeCapability {
+    capability(true, "", &[], Mode::MultiNodeMultiWriter)
+}
+
+fn create(a: &Agent, name: &str, caps: Vec<VolumeCapability>) -> Result<Volume, tonic::Status> {
+    let mut c = a.c.controller.clone();
+    let r = a.run(c.create_volume(CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+        volume_capabilities: caps,
+        ..Default::default()
+    }))?;
+    Ok(r.into_inner().volume.expect("volume"))
+}
+
+fn validate(a: &Agent, id: &str, caps: Vec<VolumeCapability>) -> Result<ValidateVolumeCapabilitiesResponse, tonic::Status> {
+    let mut c = a.c.controller.clone();
+    a.run(c.validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
+        volume_id: id.into(),
+        volume_capabilities: caps,
+        ..Default::default()
+    }))
+    .map(|r| r.into_inner())
+}
+
+/// MULTI_NODE_MULTI_WRITER: accepted for mount volumes by CreateVolume,
+/// ValidateVolumeCapabilities and NodeStage; refused for block volumes
+/// with INVALID_ARGUMENT (CreateVolume, NodeStage) or an unconfirmed reply
+/// with a message (ValidateVolumeCapabilities, as the spec has it); the
+/// single-node modes as before.
+fn access_modes() -> Result<(), Failed> {
+    let a = Agent::start();
+    let v = create(&a, "pvc-rwx", vec![rwx("ext4")])?;
+    check(v.volume_context.get("share").map(String::as_str) == Some("nfs"), format!("shared in the context: {:?}", v.volume_context))?;
+    check(create(&a, "pvc-rwx", vec![rwx("ext4")])? == v, "create is idempotent")?;
+    expect_code(create(&a, "pvc-rwx", vec![mount_cap("ext4")]), Code::AlreadyExists, "same name, single-node")?;
+    // Block RWX is refused with a message naming why.
+    match create(&a, "pvc-rwx-block", vec![rwx_block()]) {
+        Err(s) if s.code() == Code::InvalidArgument && s.message().contains("MULTI_NODE_MULTI_WRITER") && s.message().contains("mount") => {
+        }
+        other => return Err(format!("block RWX create: {other:?}").into()),
+    }
+    expect_code(create(&a, "pvc-rwx-mix", vec![rwx("ext4"), rwx_block()]), Code::InvalidArgument, "one block RWX among others")?;
+    // The other multi-node modes stay refused.
+    for m in [Mode::MultiNodeReaderOnly, Mode::MultiNodeSingleWriter] {
+        expect_code(create(&a, "pvc-mn", vec![capability(false, "ext4", &[], m)]), Code::InvalidArgument, m.as_str_name())?;
+    }
+    // ValidateVolumeCapabilities confirms RWX mount on a shared volume, and
+    // answers block RWX (and RWX on a single-node volume) unconfirmed.
+    let ok = validate(&a, "pvc-rwx", vec![rwx("ext4")])?;
+    check(ok.confirmed.is_some(), format!("RWX mount confirmed: {:?}", ok.message))?;
+    let no = validate(&a, "pvc-rwx", vec![rwx_block()])?;
+    check(no.confirmed.is_none() && no.message.contains("MULTI_NODE_MULTI_WRITER"), format!("RWX block unconfirmed: {no:?}"))?;
+    a.create("pvc-single", 32 * MIB, "ext4")?;
+    let single = validate(&a, "pvc-single", vec![rwx("ext4")])?;
+    check(single.confirmed.is_none() && !single.message.is_empty(), format!("RWX on a single-node volume: {single:?}"))?;
+    check(validate(&a, "pvc-single", vec![mount_cap("ext4")])?.confirmed.is_some(), "single-node mode unchanged")?;
+    // NodeStage: RWX mount stages on the owning node; block RWX is refused.
+    let staging = a.k("plugins/stage/rwx");
+    expect_code(a.stage("pvc-rwx", &staging, rwx_block()), Code::InvalidArgument, "stage block RWX")?;
+    a.stage("pvc-rwx", &staging, rwx("ext4"))?;
+    a.stage("pvc-rwx", &staging, rwx("ext4"))?;
+    let target = a.k("pods/p/rwx");
+    a.publish("pvc-rwx", &staging, &target, rwx("ext4"), false)?;
+    std::fs::write(format!("{target}/hello"), b"shared")?;
+    check(std::fs::read(format!("{staging}/hello"))? == b"shared", "the publish is the staged filesystem")?;
+    a.unpublish("pvc-rwx", &target)?;
+    a.unstage("pvc-rwx", &staging)?;
+    // Single-node stage unchanged.
+    let s2 = a.k("plugins/stage/single");
+    a.stage("pvc-single", &s2, mount_cap("ext4"))?;
+    a.unstage("pvc-single", &s2)?;
+    Ok(())
+}
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+/// Runs one of libnfs's tools (nfs-cat, nfs-cp, nfs-ls), killed by PID after
+/// 20 s; its stdout, or its stderr as the error.
+fn libnfs(tool: &str, args: &[&str]) -> Result<Vec<u8>, String> {
+    let mut child = std::process::Command::new(tool)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{tool}: {e}"))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while child.try_wait().map_err(|e| e.to_string())?.is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{tool} {args:?} timed out"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(format!("{tool} {args:?}: {}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout)))
+    }
+}
+
+/// Retries `f` every 250 ms for at most `secs` seconds (a restarted server
+/// answers NFS4ERR_GRACE until its grace period ends).
+fn eventually<T>(secs: u64, mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() > deadline => return Err(e),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(250)),
+        }
+    }
+}
+
+fn url(port: u16, path: &str) -> String {
+    format!("nfs://127.0.0.1{path}?version=4&nfsport={port}")
+}
+
+/// The ganesha the agent runs, by the pid file it writes.
+fn server_pid(a: &Agent) -> Option<u32> {
+    std::fs::read_to_string(a.state.join("nfs/ganesha.pid")).ok()?.trim().parse().ok()
+}
+
+/// The TCP sockets process `pid` listens on, as `ss` prints them.
+fn listening(pid: u32) -> Vec<String> {
+    let out = std::process::Command::new("ss").args(["-Hltnp"]).output().map(|o| o.stdout).unwrap_or_default();
+    String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.contains(&format!("pid={pid},")))
+        .filter_map(|l| l.split_whitespace().nth(3).map(str::to_string))
+        .collect()
+}
+
+fn share_records(a: &Agent) -> Result<Vec<serde_json::Value>, Failed> {
+    let c = volring::state::store::Store::read_only(&a.state.join("state.redb"), false)?;
+    Ok(c.published.iter().filter(|(k, _)| k.starts_with("NfsShare/")).map(|(_, v)| serde_json::from_slice(v)).collect::<Result<_, _>>()?)
+}
+
+const GRACE: &str = "5";
+
+fn nfs_agent(port: u16) -> Agent {
+    let listen = format!("127.0.0.1:{port}");
+    Agent::start_with(&[("VOLRING_NFS_LISTEN", &listen), ("VOLRING_NFS_GRACE", GRACE), ("VOLRING_NFS_LEASE", GRACE)])
+}
+
+/// The owning node exports a staged RWX volume over NFSv4 from the ganesha
+/// it supervises: one TCP port on the configured address, only the staged
+/// volumes exported, a userspace NFS client reads and writes through it,
+/// the server is restarted when killed and when the agent is, the export
+/// follows the volume's life, and the store records it.
+fn export_served() -> Result<(), Failed> {
+    let port = free_port();
+    let mut a = nfs_agent(port);
+    let v = create(&a, "pvc-nfs", vec![rwx("ext4")])?;
+    let server = format!("127.0.0.1:{port}");
+    check(v.volume_context.get("nfsServer") == Some(&server), format!("server in the context: {:?}", v.volume_context))?;
+    check(v.volume_context.get("nfsExport").map(String::as_str) == Some("/pvc-nfs"), "export path in the context")?;
+    a.create("pvc-local", 32 * MIB, "ext4")?;
+    let (staging, local) = (a.k("plugins/stage/nfs"), a.k("plugins/stage/local"));
+    // A single-node volume staged here is not exported, and starts no server.
+    a.stage("pvc-local", &local, mount_cap("ext4"))?;
+    check(server_pid(&a).is_none(), "no NFS server without a shared volume")?;
+    a.stage("pvc-nfs", &staging, rwx("ext4"))?;
+    std::fs::write(format!("{staging}/from-node"), b"written on the owning node\n")?;
+    let got = eventually(30, || libnfs("nfs-cat", &[&url(port, "/pvc-nfs/from-node")]))?;
+    check(got == b"written on the owning node\n", format!("read over NFS: {:?}", String::from_utf8_lossy(&got)))?;
+    // Debian 12's libnfs (4.0) fails NFSv4 writes of more than a few KiB
+    // (a client limit: the kernel client in tests/vm_share.rs writes MiBs),
+    // so the userspace client writes small files.
+    let src = a.scratch.path().join("src");
+    let payload: Vec<u8> = (0..1500u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&src, &payload)?;
+    libnfs("nfs-cp", &[src.to_str().unwrap_or(""), &url(port, "/pvc-nfs/from-client")])?;
+    check(std::fs::read(format!("{staging}/from-client"))? == payload, "written over NFS, on the staged filesystem")?;
+    // Only the staged shared volume is exported: not the other volume, not
+    // the node's root.
+    let root = String::from_utf8(libnfs("nfs-ls", &[&url(port, "/")])?)?;
+    check(root.contains("pvc-nfs") && !root.contains("pvc-local"), format!("pseudo root lists only pvc-nfs: {root}"))?;
+    // One TCP port, on the configured address.
+    let pid = server_pid(&a).ok_or("no ganesha pid file")?;
+    let socks = listening(pid);
+    // ganesha binds an IPv6 socket to the v4-mapped address: `[::ffff:127.0.0.1]:port`.
+    let on_loopback = |s: &str| s == format!("127.0.0.1:{port}") || s == format!("[::ffff:127.0.0.1]:{port}");
+    check(socks.len() == 1 && on_loopback(&socks[0]), format!("ganesha listens on {socks:?}"))?;
+    let conf = std::fs::read_to_string(a.state.join("nfs/ganesha.conf"))?;
+    check(conf.contains("Attr_Expiration_Time = 0;") && conf.contains("Protocols = 4;"), "config: v4, attribute cache off")?;
+    // The store records the share.
+    let recs = share_records(&a)?;
+    check(recs.len() == 1 && recs[0]["volumeId"] == "pvc-nfs" && recs[0]["server"] == server.as_str(), format!("records: {recs:?}"))?;
+    let export_id = recs[0]["exportId"].clone();
+
+    // The server killed: the agent starts it again (with backoff) and the
+    // export answers once its grace period is over.
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).ok_or("pid 0")?, rustix::process::Signal::KILL)?;
+    let got = eventually(60, || {
+        let p = server_pid(&a).ok_or("no pid")?;
+        if p == pid {
+            return Err("not restarted yet".into());
+        }
+        libnfs("nfs-cat", &[&url(port, "/pvc-nfs/from-node")])
+    })?;
+    check(got == b"written on the owning node\n", "read after the server's restart")?;
+
+    // The agent killed (the server dies with it) and started again: the
+    // export is resumed from the record, with the same export id.
+    let before = server_pid(&a);
+    let listen = format!("127.0.0.1:{port}");
+    a.respawn_with(&[("VOLRING_NFS_LISTEN", &listen), ("VOLRING_NFS_GRACE", GRACE), ("VOLRING_NFS_LEASE", GRACE)]);
+    let got = eventually(60, || {
+        if server_pid(&a) == before {
+            return Err("old server".into());
+        }
+        libnfs("nfs-cat", &[&url(port, "/pvc-nfs/from-client")])
+    })?;
+    check(got == payload, "read after the agent's restart")?;
+    let recs = share_records(&a)?;
+    check(recs.len() == 1 && recs[0]["exportId"] == export_id, format!("same export id after a restart: {recs:?}"))?;
+
+    // Unstage: the export goes, then the filesystem (the server let go of it).
+    a.unstage("pvc-nfs", &staging)?;
+    check(share_records(&a)?.is_empty(), "record removed with the export")?;
+    let gone = libnfs("nfs-ls", &[&url(port, "/pvc-nfs")]);
+    check(gone.is_err(), format!("the export is gone: {gone:?}"))?;
+    a.unstage("pvc-local", &local)?;
+    Ok(())
+}
+
+fn main() {
+    let trials = vec![Trial::test("share::access_modes", access_modes), Trial::test("share::export_served", export_served)];
+    common::run_in_private_namespace(trials)
+}

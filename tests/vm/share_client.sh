@@ -1,0 +1,203 @@
+#!/bin/sh
+# Runs in each of the two VMs of tests/vm_share.rs: a client node of one
+# shared (MULTI_NODE_MULTI_WRITER) volume that the host's agent exports
+# over NFSv4. The guest's own `volring node` stages it (the kernel NFS
+# client, through qemu's guestfwd at 10.0.2.100:2049 to the host's
+# ganesha) and publishes it; the two guests then meet on the volume:
+# each other's files, alternate appends, rename and unlink, flock and
+# fcntl locks that exclude each other, and writers that must not fail
+# while the host kills and restarts the NFS server and its agent.
+#
+# The guests coordinate through marker files on the volume (bounded
+# waits); the host reads and writes the same filesystem where it is staged.
+# Environment: VOLRING (the binary), NODE (1 or 2), VOLUME, GRACE (the
+# server's grace period, s). Results in $VM_RESULTS: verdict, manifest (the
+# writer's files and checksums), stats.json, agent.err.
+
+set -u
+: "${VOLRING:?}" "${VM_RESULTS:?}" "${NODE:?}" "${VOLUME:?}"
+R=$VM_RESULTS
+OTHER=$((3 - NODE))
+fail() { echo "FAIL(node $NODE): $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
+note() { echo "node $NODE $(cut -d' ' -f1 /proc/uptime): $*"; }
+
+# Waits until $1 (a test on the volume) holds, every 0.25 s, at most $2 s.
+wait_for() {
+  i=0
+  while ! eval "$1"; do
+    i=$((i + 1))
+    [ $i -gt $(($2 * 4)) ] && fail "waited $2 s for: $1"
+    sleep 0.25
+  done
+}
+
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || fail "network: $(ip link 2>&1)"
+modprobe nfsv4 || fail "modprobe nfsv4"
+# Two guests booted from one image share a hostname; NFSv4 tells clients
+# apart by their owner string, which this makes unique.
+echo "volring-node$NODE" >/sys/module/nfs/parameters/nfs4_unique_id || fail "nfs4_unique_id"
+
+K=/tmp/kubelet
+S=$K/plugins/kubernetes.io/csi/volring.csi.io/stage/$VOLUME
+T=$K/pods/pod$NODE/volumes/$VOLUME
+E=unix:///tmp/volring-csi.sock
+mkdir -p "$K" /tmp/vr
+csi() { timeout 300 "$VOLRING" csi --endpoint "$E" "$@"; }
+"$VOLRING" node --metrics-addr off --node-id "vm$NODE" --stats-interval 5 --csi-endpoint "$E" \
+  --kubelet-root "$K" --state-dir /tmp/vr >"$R/agent.out" 2>"$R/agent.err" &
+agent=$!
+i=0
+while ! csi probe 2>/dev/null | grep -q true; do
+  i=$((i + 1))
+  [ $i -gt 600 ] && fail "agent not ready: $(tail -5 "$R/agent.err")"
+  kill -0 $agent 2>/dev/null || fail "agent exited: $(tail -5 "$R/agent.err")"
+  sleep 0.1
+done
+
+RWX="--fs ext4 --mode multi-node-multi-writer"
+csi stage --id "$VOLUME" --staging "$S" $RWX --context share=nfs --context nfsServer=10.0.2.100:2049 \
+  --context "nfsExport=/$VOLUME" >"$R/stage.out" 2>&1 || fail "stage: $(cat "$R/stage.out")"
+csi stage --id "$VOLUME" --staging "$S" $RWX --context share=nfs --context nfsServer=10.0.2.100:2049 \
+  --context "nfsExport=/$VOLUME" >>"$R/stage.out" 2>&1 || fail "stage again: $(cat "$R/stage.out")"
+grep -q " $S nfs4 .*hard" /proc/mounts || fail "no hard nfs4 mount at $S: $(grep nfs /proc/mounts)"
+csi publish --id "$VOLUME" --staging "$S" --target "$T" $RWX >"$R/publish.out" 2>&1 || fail "publish: $(cat "$R/publish.out")"
+csi stats --id "$VOLUME" --path "$T" >"$R/stats.json" 2>&1 || fail "stats: $(cat "$R/stats.json")"
+grep -q '"abnormal": *false' "$R/stats.json" || fail "stats not normal: $(cat "$R/stats.json")"
+grep -q '"unit": *"BYTES"\|"unit": *1' "$R/stats.json" || fail "no byte usage: $(cat "$R/stats.json")"
+M=$T
+note "published"
+
+# 1. Each other's files.
+echo "hello from node $NODE" >"$M/hello-$NODE" || fail "write hello"
+wait_for "[ -s '$M/hello-$OTHER' ]" 300
+[ "$(cat "$M/hello-$OTHER")" = "hello from node $OTHER" ] || fail "hello-$OTHER reads '$(cat "$M/hello-$OTHER")'"
+note "files exchanged"
+
+# 2. Appends, alternately: node 1 on even line counts, node 2 on odd.
+ROUNDS=4
+r=0
+while [ $r -lt $ROUNDS ]; do
+  want=$((2 * r + NODE - 1))
+  wait_for "[ \"\$(cat '$M/log' 2>/dev/null | wc -l)\" -eq $want ]" 300
+  echo "node $NODE round $r" >>"$M/log" || fail "append round $r"
+  r=$((r + 1))
+done
+wait_for "[ \"\$(cat '$M/log' | wc -l)\" -eq $((2 * ROUNDS)) ]" 300
+expect=""
+r=0
+while [ $r -lt $ROUNDS ]; do
+  expect="${expect}node 1 round $r
+node 2 round $r
+"
+  r=$((r + 1))
+done
+[ "$(cat "$M/log")
+" = "$expect" ] || fail "log is: $(cat "$M/log")"
+note "appends alternated"
+
+# 3. Rename and unlink: node 1 creates, node 2 renames, node 1 reads and
+# unlinks, node 2 sees it gone.
+if [ "$NODE" = 1 ]; then
+  echo "moved" >"$M/ren-src"
+  wait_for "[ -e '$M/ren-dst' ] && [ ! -e '$M/ren-src' ]" 300
+  [ "$(cat "$M/ren-dst")" = moved ] || fail "ren-dst holds '$(cat "$M/ren-dst")'"
+  rm "$M/ren-dst" || fail "unlink"
+  touch "$M/unlinked"
+else
+  wait_for "[ -e '$M/ren-src' ]" 300
+  mv "$M/ren-src" "$M/ren-dst" || fail "rename"
+  wait_for "[ -e '$M/unlinked' ]" 300
+  [ ! -e "$M/ren-dst" ] || fail "ren-dst still there after node 1 unlinked it"
+fi
+note "rename and unlink seen"
+
+# 4. Locks. flock: node 1 holds, node 2 is refused, then gets it once
+# released. fcntl (POSIX) locks the other way round.
+PY=/usr/bin/python3
+hold_fcntl='import fcntl, os, sys, time
+f = open(sys.argv[1], "a"); fcntl.lockf(f, fcntl.LOCK_EX)
+open(sys.argv[2], "w").close()
+for _ in range(1200):
+    if os.path.exists(sys.argv[3]): sys.exit(0)
+    time.sleep(0.25)
+sys.exit(3)'
+try_fcntl='import fcntl, sys
+f = open(sys.argv[1], "a")
+try: fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError: sys.exit(1)
+sys.exit(0)'
+if [ "$NODE" = 1 ]; then
+  exec 9>>"$M/flock"
+  flock -x 9 || fail "flock"
+  touch "$M/flock-held"
+  wait_for "[ -e '$M/flock-tried' ]" 300
+  flock -u 9
+  exec 9>&-
+  wait_for "[ -e '$M/fcntl-held' ]" 300
+  $PY -c "$try_fcntl" "$M/fcntl" && fail "fcntl lock granted while node 2 holds it"
+  touch "$M/fcntl-tried"
+  wait_for "[ -e '$M/fcntl-released' ]" 300
+  timeout 300 $PY -c "$try_fcntl" "$M/fcntl" || fail "fcntl lock refused after node 2 released it"
+else
+  wait_for "[ -e '$M/flock-held' ]" 300
+  flock -n "$M/flock" true && fail "flock granted while node 1 holds it"
+  touch "$M/flock-tried"
+  timeout 300 flock -w 290 "$M/flock" true || fail "flock not granted after node 1 released it"
+  $PY -c "$hold_fcntl" "$M/fcntl" "$M/fcntl-held" "$M/fcntl-tried" || fail "holding the fcntl lock"
+  touch "$M/fcntl-released"
+fi
+note "locks excluded each other"
+
+# 5. Writers while the host kills the NFS server, then its agent, and
+# restarts them: every write and fsync must succeed, every file verify.
+# The host writes `restarted-2` once the agent is back; each writer then
+# writes 3 more files.
+: >"$R/manifest"
+touch "$M/writing-$NODE"
+i=0
+after=0
+while :; do
+  i=$((i + 1))
+  [ $i -gt 400 ] && fail "wrote 400 files without seeing the restart"
+  dd if=/dev/urandom of=/tmp/src bs=64k count=4 2>/dev/null
+  f="w$NODE-$i"
+  t0=$(cut -d' ' -f1 /proc/uptime)
+  dd if=/tmp/src of="$M/$f" bs=64k conv=fsync 2>"$R/dd.err" || fail "write $f: $(cat "$R/dd.err")"
+  echo "$(md5sum </tmp/src | cut -d' ' -f1) $f" >>"$R/manifest"
+  echo "$f $t0 $(cut -d' ' -f1 /proc/uptime)" >>"$R/timing"
+  if [ -e "$M/restarted-2" ]; then
+    after=$((after + 1))
+    [ $after -ge 3 ] && break
+  fi
+done
+note "wrote $i files; the slowest write+fsync took $(awk '{ d = $3 - $2; if (d > m) m = d } END { printf "%.1f", m }' "$R/timing") s"
+echo 3 >/proc/sys/vm/drop_caches
+while read -r sum f; do
+  [ "$(md5sum <"$M/$f" | cut -d' ' -f1)" = "$sum" ] || fail "$f does not verify"
+done <"$R/manifest"
+touch "$M/verified-$NODE"
+wait_for "[ -e '$M/verified-$OTHER' ]" 600
+
+# 6. The volume's condition: the host writes `going-down`; once both
+# guests answered `saw-down-N` it kills its agent (and server) for 40 s.
+# Stats 12 s after the answer must say abnormal (the driver waits 5 s for
+# the server), and normal again once it is back.
+wait_for "[ -e '$M/going-down' ]" 300
+touch "$M/saw-down-$NODE"
+sleep 12
+csi stats --id "$VOLUME" --path "$T" >"$R/stats-down.json" 2>&1 || fail "stats while down: $(cat "$R/stats-down.json")"
+grep -q '"abnormal": *true' "$R/stats-down.json" || fail "stats normal while the server is down: $(cat "$R/stats-down.json")"
+i=0
+until csi stats --id "$VOLUME" --path "$T" >"$R/stats-up.json" 2>&1 && grep -q '"abnormal": *false' "$R/stats-up.json"; do
+  i=$((i + 1))
+  [ $i -gt 60 ] && fail "stats not normal again: $(cat "$R/stats-up.json")"
+  sleep 1
+done
+note "condition abnormal while the server was away, normal after"
+
+csi unpublish --id "$VOLUME" --target "$T" >"$R/unpublish.out" 2>&1 || fail "unpublish: $(cat "$R/unpublish.out")"
+csi unstage --id "$VOLUME" --staging "$S" >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
+grep -q nfs4 /proc/mounts && fail "still mounted: $(grep nfs4 /proc/mounts)"
+kill $agent
+echo ok >"$R/verdict"
+note "done"

