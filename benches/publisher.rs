@@ -1,26 +1,37 @@
-//! The publisher against the one-write-per-change model (node-disk-manager's),
-//! both measured in the same run against the API stand-in
-//! (tests/kube_support) over loopback HTTP:
+//! The publisher against node-disk-manager's model (one write per change,
+//! a full LIST per event message), both measured in the same run against
+//! the API stand-in (tests/kube_support) over loopback HTTP:
 //!
 //! 1. a storm: 10,000 device events spread over 1,000 devices that are
-//!    already stored; the publisher submits each event to the updater, the
-//!    peer applies each event's status as it comes (one PATCH per event);
-//! 2. a restart sync: 5,000 devices stored, nothing changed; the publisher
-//!    LISTs and diffs, the peer writes each object again (spec, then status:
-//!    two writes per object).
+//!    already stored. The publisher submits each event to the updater. The
+//!    peer does what node-disk-manager's udev listener does with each event
+//!    message (one device each): a LIST of every BlockDevice in the cluster
+//!    (`ListBlockDeviceResource(true)`, unpaginated, read in full) to find
+//!    the device's object, then one write — one event at a time, as its
+//!    single listener goroutine does.
+//! 2. an initial sync at start: 5,000 devices stored, nothing changed. The
+//!    publisher LISTs (paginated, this node's label) and diffs. The peer
+//!    does what node-disk-manager's start scan does: a LIST of this node's
+//!    objects to deactivate stale ones, then one event message carrying
+//!    every device, so one cluster-wide LIST, then each object written
+//!    again (spec, then status: the two writes per object of a restart).
 //!
-//! For each it prints requests (writes and reads), writes per object, wall
-//! time with no rate limit, the wall time those writes would take at the
-//! agent's default 20 QPS (requests / 20: the token bucket makes it so), and
-//! client CPU (the client runs on its own thread; its thread CPU time is
-//! read, the stand-in's is not counted), as medians of the runs, with the
-//! ratio peer / publisher.
+//! For each it prints writes, reads, writes per object, requests, wall time
+//! with no rate limit, the wall time those requests take at `--qps`
+//! (requests / QPS: a client held to that rate, as the agent's token bucket
+//! and client-go's limiter hold theirs, cannot go faster), client CPU and
+//! **peak memory**. Each client runs in a child process of its own (this
+//! binary again, `--child`), so its peak RSS (VmHWM) is the client's alone:
+//! the stand-in stays in the parent and its memory is not counted. RSS at
+//! the child's start (runtime and binary, the same for both) is printed too,
+//! and the growth above it. Medians of `--runs` runs (by wall time).
 //!
-//! `cargo bench --bench publisher [-- --runs 3]`
+//! `cargo bench --bench publisher [-- --runs 3 --qps 20]`
 
 #[path = "../tests/kube_support/mod.rs"]
 mod kube_support;
 
+use std::io::BufRead;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +39,10 @@ use serde_json::json;
 use volring::publisher::kube_sink::KubeSink;
 use volring::publisher::objects::{self, Key, Kind, Object, NODE_LABEL};
 use volring::publisher::{Part, Sink, Updater, UpdaterConfig};
+
+const DEVICES: usize = 1000;
+const EVENTS: usize = 10_000;
+const SYNC: usize = 5000;
 
 fn bd(i: usize, gen: usize) -> Object {
     let stable = format!("serial-bench-{i}");
@@ -42,27 +57,34 @@ fn bd(i: usize, gen: usize) -> Object {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-struct Run {
-    writes: usize,
-    reads: usize,
-    wall: Duration,
-    cpu: Duration,
+/// The storm's events: which device, and its new generation.
+fn storm() -> Vec<(usize, usize)> {
+    (0..EVENTS).map(|e| ((e * 7919) % DEVICES, 1 + e / DEVICES)).collect()
 }
 
-fn thread_cpu() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Who {
+    StormPublisher,
+    StormPeer,
+    SyncPublisher,
+    SyncPeer,
 }
 
-/// Runs `f` on a fresh current-thread runtime on this thread; wall and
-/// this thread's CPU.
-fn measured<F: std::future::Future<Output = ()>>(f: F) -> (Duration, Duration) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (w, c) = (Instant::now(), thread_cpu());
-    rt.block_on(f);
-    (w.elapsed(), thread_cpu() - c)
+impl Who {
+    fn name(self) -> &'static str {
+        match self {
+            Who::StormPublisher => "storm-publisher",
+            Who::StormPeer => "storm-peer",
+            Who::SyncPublisher => "sync-publisher",
+            Who::SyncPeer => "sync-peer",
+        }
+    }
+    fn parse(s: &str) -> Option<Who> {
+        [Who::StormPublisher, Who::StormPeer, Who::SyncPublisher, Who::SyncPeer].into_iter().find(|w| w.name() == s)
+    }
 }
+
+// ---- the child: one client, measured ----
 
 fn unlimited() -> UpdaterConfig {
     let mut c = UpdaterConfig::new("n1");
@@ -72,7 +94,99 @@ fn unlimited() -> UpdaterConfig {
     c
 }
 
-/// Stores `n` devices at generation 0 (not measured).
+/// A LIST as node-disk-manager's client makes it: no limit, the whole
+/// body decoded and held while the event is handled.
+async fn list_all(client: &kube::Client, selector: Option<&str>) -> serde_json::Value {
+    let mut uri = "/apis/volring.io/v1alpha1/blockdevices".to_string();
+    if let Some(s) = selector {
+        uri.push_str(&format!("?labelSelector={}", volring::publisher::kube_sink::query_escape(s)));
+    }
+    let req = http::Request::get(uri).body(Vec::new()).unwrap();
+    client.request::<serde_json::Value>(req).await.expect("list")
+}
+
+fn find<'a>(list: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    list["items"].as_array()?.iter().find(|i| i["metadata"]["name"] == name)
+}
+
+async fn run_client(who: Who, config: kube::Config) {
+    let sink = Arc::new(KubeSink::new(config.clone()).unwrap());
+    let client = kube::Client::try_from(config).unwrap();
+    match who {
+        Who::StormPublisher => {
+            let initial: Vec<Object> = (0..DEVICES).map(|i| bd(i, 0)).collect();
+            let up = Updater::start(sink, unlimited(), initial);
+            for (d, g) in storm() {
+                up.submit(bd(d, g));
+            }
+            up.shutdown(Duration::from_secs(300)).await;
+        }
+        Who::StormPeer => {
+            for (d, g) in storm() {
+                let o = bd(d, g);
+                let list = list_all(&client, None).await;
+                assert!(find(&list, &o.key.name).is_some(), "the device's object is stored");
+                sink.write(&o, Part::Status).await.expect("write");
+            }
+        }
+        Who::SyncPublisher => {
+            let initial: Vec<Object> = (0..SYNC).map(|i| bd(i, 0)).collect();
+            Updater::start(sink, unlimited(), initial).shutdown(Duration::from_secs(300)).await;
+        }
+        Who::SyncPeer => {
+            let stale = list_all(&client, Some(&format!("{NODE_LABEL}=n1"))).await;
+            assert_eq!(stale["items"].as_array().map(Vec::len), Some(SYNC));
+            drop(stale);
+            let all = list_all(&client, None).await;
+            for i in 0..SYNC {
+                let o = bd(i, 0);
+                assert!(find(&all, &o.key.name).is_some(), "the device's object is stored");
+                sink.write(&o, Part::Main).await.expect("write");
+                sink.write(&o, Part::Status).await.expect("write");
+            }
+        }
+    }
+}
+
+fn status_kb(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn process_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+fn child(who: Who, addr: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    let rss_start = status_kb("VmRSS:");
+    let (w, c) = (Instant::now(), process_cpu());
+    rt.block_on(run_client(who, config));
+    let (wall, cpu) = (w.elapsed(), process_cpu() - c);
+    println!(
+        "{}",
+        json!({"wall_us": wall.as_micros() as u64, "cpu_us": cpu.as_micros() as u64,
+            "rss_start_kb": rss_start, "rss_peak_kb": status_kb("VmHWM:")})
+    );
+}
+
+// ---- the parent: the stand-in, the runs, the table ----
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    writes: usize,
+    reads: usize,
+    wall: Duration,
+    cpu: Duration,
+    rss_start_kb: u64,
+    rss_peak_kb: u64,
+}
+
+/// Stores `n` devices at generation 0 as another writer did (not measured).
 fn seed(server: &kube_support::Server, n: usize) {
     server.api.clear();
     for i in 0..n {
@@ -81,93 +195,28 @@ fn seed(server: &kube_support::Server, n: usize) {
     server.api.clear_log();
 }
 
-fn counts(server: &kube_support::Server) -> (usize, usize) {
+fn measure(server: &kube_support::Server, who: Who, objects: usize) -> Run {
+    seed(server, objects);
+    let exe = std::env::current_exe().expect("this bench's path");
+    let out = std::process::Command::new(exe)
+        .args(["--child", who.name(), "--addr", &server.addr.to_string()])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run the client");
+    assert!(out.status.success(), "{} failed: {:?}", who.name(), out.status);
+    let line = out.stdout.lines().map_while(Result::ok).find(|l| l.starts_with('{')).expect("the client's figures");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     let log = server.api.log();
+    assert!(log.iter().all(|l| l.status < 400), "{}: the stand-in refused a request", who.name());
     let writes = log.iter().filter(|l| l.method != axum::http::Method::GET).count();
-    (writes, log.len() - writes)
-}
-
-const DEVICES: usize = 1000;
-const EVENTS: usize = 10_000;
-const SYNC: usize = 5000;
-
-/// The storm's events: which device, and its new generation.
-fn storm() -> Vec<(usize, usize)> {
-    (0..EVENTS).map(|e| ((e * 7919) % DEVICES, 1 + e / DEVICES)).collect()
-}
-
-fn storm_publisher(server: &kube_support::Server, config: &kube::Config) -> Run {
-    seed(server, DEVICES);
-    let initial: Vec<Object> = (0..DEVICES).map(|i| bd(i, 0)).collect();
-    let (wall, cpu) = measured(async {
-        let sink = Arc::new(KubeSink::new(config.clone()).unwrap());
-        let up = Updater::start(sink, unlimited(), initial);
-        for (d, g) in storm() {
-            up.submit(bd(d, g));
-        }
-        up.shutdown(Duration::from_secs(120)).await;
-    });
-    let (writes, reads) = counts(server);
-    Run { writes, reads, wall, cpu }
-}
-
-/// One PATCH per event, 4 at a time (the same concurrency).
-fn storm_peer(server: &kube_support::Server, config: &kube::Config) -> Run {
-    seed(server, DEVICES);
-    let (wall, cpu) = measured(async {
-        let sink = Arc::new(KubeSink::new(config.clone()).unwrap());
-        let mut events = storm().into_iter();
-        let mut jobs = tokio::task::JoinSet::new();
-        loop {
-            while jobs.len() < 4 {
-                let Some((d, g)) = events.next() else { break };
-                let sink = sink.clone();
-                jobs.spawn(async move { sink.write(&bd(d, g), Part::Status).await.expect("write") });
-            }
-            if jobs.join_next().await.is_none() {
-                break;
-            }
-        }
-    });
-    let (writes, reads) = counts(server);
-    Run { writes, reads, wall, cpu }
-}
-
-fn sync_publisher(server: &kube_support::Server, config: &kube::Config) -> Run {
-    seed(server, SYNC);
-    let initial: Vec<Object> = (0..SYNC).map(|i| bd(i, 0)).collect();
-    let (wall, cpu) = measured(async {
-        let sink = Arc::new(KubeSink::new(config.clone()).unwrap());
-        Updater::start(sink, unlimited(), initial).shutdown(Duration::from_secs(120)).await;
-    });
-    let (writes, reads) = counts(server);
-    Run { writes, reads, wall, cpu }
-}
-
-/// Every object written again, spec then status, 4 at a time.
-fn sync_peer(server: &kube_support::Server, config: &kube::Config) -> Run {
-    seed(server, SYNC);
-    let (wall, cpu) = measured(async {
-        let sink = Arc::new(KubeSink::new(config.clone()).unwrap());
-        let mut todo = 0..SYNC;
-        let mut jobs = tokio::task::JoinSet::new();
-        loop {
-            while jobs.len() < 4 {
-                let Some(i) = todo.next() else { break };
-                let sink = sink.clone();
-                jobs.spawn(async move {
-                    let o = bd(i, 0);
-                    sink.write(&o, Part::Main).await.expect("write");
-                    sink.write(&o, Part::Status).await.expect("write");
-                });
-            }
-            if jobs.join_next().await.is_none() {
-                break;
-            }
-        }
-    });
-    let (writes, reads) = counts(server);
-    Run { writes, reads, wall, cpu }
+    Run {
+        writes,
+        reads: log.len() - writes,
+        wall: Duration::from_micros(v["wall_us"].as_u64().unwrap()),
+        cpu: Duration::from_micros(v["cpu_us"].as_u64().unwrap()),
+        rss_start_kb: v["rss_start_kb"].as_u64().unwrap(),
+        rss_peak_kb: v["rss_peak_kb"].as_u64().unwrap(),
+    }
 }
 
 fn median(mut v: Vec<Run>) -> Run {
@@ -175,58 +224,86 @@ fn median(mut v: Vec<Run>) -> Run {
     let mid = v[v.len() / 2];
     let mut cpus: Vec<Duration> = v.iter().map(|r| r.cpu).collect();
     cpus.sort();
-    Run { cpu: cpus[cpus.len() / 2], ..mid }
+    let mut peaks: Vec<u64> = v.iter().map(|r| r.rss_peak_kb).collect();
+    peaks.sort();
+    Run { cpu: cpus[cpus.len() / 2], rss_peak_kb: peaks[peaks.len() / 2], ..mid }
 }
 
-fn report(name: &str, objects: usize, ours: Run, peer: Run) {
+fn report(name: &str, objects: usize, qps: f64, ours: Run, peer: Run) {
     let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.1}x", a / b) } else { "inf".to_string() };
+    let mib = |kb: u64| kb as f64 / 1024.0;
     println!("\n{name} ({objects} objects)");
     println!(
-        "{:<28} {:>10} {:>10} {:>12} {:>12} {:>14} {:>12}",
-        "", "writes", "reads", "writes/obj", "wall (ms)", "at 20 QPS (s)", "client CPU (ms)"
+        "{:<34} {:>7} {:>7} {:>10} {:>9} {:>10} {:>13} {:>9} {:>10} {:>10}",
+        "",
+        "writes",
+        "reads",
+        "writes/obj",
+        "requests",
+        "wall (ms)",
+        format!("at {qps} QPS (s)"),
+        "CPU (ms)",
+        "peak (MiB)",
+        "+start (MiB)"
     );
-    for (who, r) in [("publisher (coalescing)", ours), ("one write per change", peer)] {
+    for (who, r) in [("publisher (coalescing, diffing)", ours), ("node-disk-manager model", peer)] {
         println!(
-            "{:<28} {:>10} {:>10} {:>12.2} {:>12.1} {:>14.1} {:>12.1}",
+            "{:<34} {:>7} {:>7} {:>10.2} {:>9} {:>10.1} {:>13.1} {:>9.1} {:>10.1} {:>10.1}",
             who,
             r.writes,
             r.reads,
             r.writes as f64 / objects as f64,
+            r.writes + r.reads,
             r.wall.as_secs_f64() * 1e3,
-            (r.writes + r.reads) as f64 / 20.0,
-            r.cpu.as_secs_f64() * 1e3
+            (r.writes + r.reads) as f64 / qps,
+            r.cpu.as_secs_f64() * 1e3,
+            mib(r.rss_peak_kb),
+            mib(r.rss_peak_kb.saturating_sub(r.rss_start_kb)),
         );
     }
     println!(
-        "peer / publisher: writes {}, requests {}, wall {}, client CPU {}",
+        "peer / publisher: writes {}, requests {}, wall {}, client CPU {}, peak RSS {}, RSS growth {}",
         ratio(peer.writes as f64, ours.writes as f64),
         ratio((peer.writes + peer.reads) as f64, (ours.writes + ours.reads) as f64),
         ratio(peer.wall.as_secs_f64(), ours.wall.as_secs_f64()),
-        ratio(peer.cpu.as_secs_f64(), ours.cpu.as_secs_f64())
+        ratio(peer.cpu.as_secs_f64(), ours.cpu.as_secs_f64()),
+        ratio(peer.rss_peak_kb as f64, ours.rss_peak_kb as f64),
+        ratio(peer.rss_peak_kb.saturating_sub(peer.rss_start_kb) as f64, ours.rss_peak_kb.saturating_sub(ours.rss_start_kb) as f64),
     );
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|r| r.parse().ok())
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let runs = args.iter().position(|a| a == "--runs").and_then(|i| args.get(i + 1)).and_then(|r| r.parse().ok()).unwrap_or(3usize);
-    // The stand-in runs on its own runtime and threads.
+    if let Some(who) = arg::<String>(&args, "--child") {
+        let who = Who::parse(&who).expect("a known client");
+        child(who, &arg::<String>(&args, "--addr").expect("--addr"));
+        return;
+    }
+    let runs = arg(&args, "--runs").unwrap_or(3usize).max(1);
+    let qps = arg(&args, "--qps").unwrap_or(20.0f64).max(0.001);
+    // The stand-in runs on its own runtime and threads, in this process.
     let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let server = server_rt.block_on(kube_support::Server::start());
-    let config = server.config();
     let mut results = Vec::new();
     for (name, objects, ours, peer) in [
-        ("storm: 10,000 events over 1,000 devices", DEVICES, storm_publisher as fn(&_, &_) -> Run, storm_peer as fn(&_, &_) -> Run),
-        ("restart sync, nothing changed", SYNC, sync_publisher, sync_peer),
+        ("storm: 10,000 events over 1,000 devices", DEVICES, Who::StormPublisher, Who::StormPeer),
+        ("initial sync at start: 5,000 devices stored, nothing changed", SYNC, Who::SyncPublisher, Who::SyncPeer),
     ] {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for _ in 0..runs {
-            a.push(ours(&server, &config));
-            b.push(peer(&server, &config));
+            a.push(measure(&server, ours, objects));
+            b.push(measure(&server, peer, objects));
         }
         results.push((name, objects, median(a), median(b)));
     }
-    println!("publisher vs one write per change, medians of {runs} runs, stand-in API over loopback");
+    println!(
+        "publisher vs the node-disk-manager model, medians of {runs} runs, stand-in API over loopback, each client in its own process"
+    );
     for (name, objects, a, b) in results {
-        report(name, objects, a, b);
+        report(name, objects, qps, a, b);
     }
 }

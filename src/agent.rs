@@ -194,10 +194,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let view = reconciler.as_ref().map(|r| r.view().clone());
     let driver = csi.as_ref().map(|c| c.driver.clone());
     let mut publisher = match &config.publish {
-        Some(p) => Some(start_publisher(p, &config.state_dir, &node, driver.as_deref(), view.as_deref(), &inventory).await?),
+        Some(p) => Some(start_publisher(p, &config.state_dir, &node, driver.clone(), view.clone(), &inventory).await?),
         None => None,
     };
-    let mut node_tick = tokio::time::interval(Duration::from_secs(2));
     ready.set(true);
     // One line that says what this agent serves, for the person who just
     // started it.
@@ -266,16 +265,10 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 }
                 published.store(Arc::new(inventory.clone()));
                 mount_stats.store(Arc::new(watcher.stats()));
-                if let Some((up, feed)) = &mut publisher {
-                    feed.devices(up, &inventory, &node);
-                }
-            }
-            // The volumes' records and verdicts change on the CSI and
-            // reconciler threads; the node object is rebuilt from memory
-            // and handed over only when it differs.
-            _ = node_tick.tick(), if publisher.is_some() => {
-                if let Some((up, feed)) = &mut publisher {
-                    feed.node(up, storage_node(&node, driver.as_deref(), view.as_deref()));
+                if let Some(p) = &mut publisher {
+                    p.feed.devices(&p.up, &inventory, &node);
+                    // The pool's figures ride along with device changes.
+                    p.node_signal.signal();
                 }
             }
             _ = report.tick() => {
@@ -295,9 +288,11 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
     ready.set(false);
-    if let Some((up, mut feed)) = publisher {
+    if let Some(Publisher { up, mut feed, node_follower, node_build, .. }) = publisher {
+        node_follower.abort();
         feed.devices(&up, &inventory, &node);
-        feed.node(&up, storage_node(&node, driver.as_deref(), view.as_deref()));
+        // What is already stored is not written again.
+        up.submit(node_build());
         let s = up.shutdown(Duration::from_secs(10)).await;
         tracing::info!(
             writes = s.writes_main + s.writes_status,
@@ -327,55 +322,126 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     result
 }
 
+/// The running publisher: the updater, the devices' feed, and the
+/// StorageNode's follower (a task woken by the CSI records, the
+/// reconciler's verdicts and device relinks; never by a timer).
+struct Publisher {
+    up: crate::publisher::Updater,
+    feed: crate::publisher::feed::Feed,
+    node_signal: crate::publisher::node_feed::NodeSignal,
+    node_follower: JoinHandle<()>,
+    node_build: crate::publisher::node_feed::Builder,
+}
+
 /// Starts the updater on the cluster or the node's store, with this node's
-/// objects as they are now.
+/// objects as they are now, and the StorageNode's follower.
 async fn start_publisher(
     p: &PublishConfig,
     state_dir: &Path,
     node: &str,
-    driver: Option<&crate::csi::Driver>,
-    view: Option<&crate::state::actual::HealthView>,
+    driver: Option<Arc<crate::csi::Driver>>,
+    view: Option<Arc<crate::state::actual::HealthView>>,
     inventory: &Inventory,
-) -> anyhow::Result<(crate::publisher::Updater, crate::publisher::feed::Feed)> {
+) -> anyhow::Result<Publisher> {
+    use crate::publisher::node_feed::{self, NodeFeed, NodeSignal};
     use crate::publisher::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
     let mut uc = UpdaterConfig::new(node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
-    let initial = crate::publisher::feed::Feed::initial(inventory, node, storage_node(node, driver, view));
+    // Listen before the first build, so no change falls between.
+    let node_signal = NodeSignal::default();
+    if let Some(d) = &driver {
+        let s = node_signal.clone();
+        d.on_volume_change(move |_| s.signal());
+    }
+    if let Some(v) = &view {
+        let s = node_signal.clone();
+        v.on_change(move || s.signal());
+    }
+    let store = driver.as_ref().map(|d| d.store());
+    let (name, hook_driver) = (node.to_string(), driver.clone());
+    // What the healer hook's cross-check found (cluster only).
+    let unknown: Arc<std::sync::Mutex<Option<Vec<String>>>> = Default::default();
+    let u = unknown.clone();
+    let mut node_feed = NodeFeed::new(
+        node_signal.clone(),
+        Arc::new(move || {
+            let u = u.lock().unwrap_or_else(|e| e.into_inner());
+            match &driver {
+                Some(d) => node_feed::storage_node(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref()),
+                None => node_feed::storage_node(&name, &[], None, None, u.as_deref()),
+            }
+        }),
+    );
+    let initial = crate::publisher::feed::Feed::initial(inventory, node, node_feed.current());
     let mut feed = crate::publisher::feed::Feed::default();
     feed.seed(&initial);
     let up = if p.kube.unwrap_or_else(KubeSink::in_cluster) {
-        let sink = KubeSink::infer().await.context("--kube")?;
+        let sink = Arc::new(KubeSink::infer().await.context("--kube")?);
         tracing::info!(objects = initial.len(), "publishing to the cluster");
-        Updater::start(Arc::new(sink), uc, initial)
+        if let Some(d) = hook_driver {
+            tokio::spawn(healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
+        }
+        Updater::start(sink, uc, initial)
     } else {
-        let store = match driver {
-            Some(d) => d.store(),
+        let store = match store {
+            Some(s) => s,
             None => Arc::new(crate::state::store::Store::open(&state_dir.join(crate::state::store::FILE))?),
         };
         tracing::info!(objects = initial.len(), "no cluster: publishing to the node's store");
         Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
     };
-    Ok((up, feed))
+    let node_build = node_feed.builder();
+    let node_follower = tokio::spawn(node_feed.follow(up.handle()));
+    Ok(Publisher { up, feed, node_signal, node_follower, node_build })
 }
 
-/// The StorageNode object from the volumes' records and verdicts.
-fn storage_node(
-    node: &str,
-    driver: Option<&crate::csi::Driver>,
-    view: Option<&crate::state::actual::HealthView>,
-) -> crate::publisher::Object {
-    let (volumes, pool) = match driver {
-        Some(d) => {
-            let vols = d
-                .staged()
-                .iter()
-                .map(|r| crate::publisher::feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref()))
-                .collect();
-            (vols, crate::publisher::feed::pool(d.pool_dir()))
+/// The in-cluster healer hook: lists the VolumeAttachments of this driver
+/// on this node (retrying a failed LIST, with backoff, for a minute or so)
+/// and hands them to the driver's cross-check; what the store does not know
+/// becomes the StorageNode's AttachmentsKnown condition and a log line.
+async fn healer_hook(
+    sink: Arc<crate::publisher::kube_sink::KubeSink>,
+    driver: Arc<crate::csi::Driver>,
+    node: String,
+    unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>,
+    signal: crate::publisher::node_feed::NodeSignal,
+) {
+    use crate::publisher::attachments;
+    let mut wait = Duration::from_millis(500);
+    let ids = loop {
+        match attachments::attached_here(&sink, crate::csi::DRIVER_NAME, &node).await {
+            Ok(ids) => break ids,
+            Err(e) if wait < Duration::from_secs(30) => {
+                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "healer hook: listing VolumeAttachments failed");
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "healer hook: cannot list VolumeAttachments; the store's walk at start stands alone");
+                return;
+            }
         }
-        None => (Vec::new(), None),
     };
-    crate::publisher::objects::storage_node(node, pool, volumes)
+    let check = match tokio::task::spawn_blocking(move || driver.heal_attached(&ids)).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "healer hook failed");
+            return;
+        }
+    };
+    if !check.unknown.is_empty() {
+        tracing::warn!(volumes = ?check.unknown, "VolumeAttachments name this node for volumes it has no record of");
+    }
+    tracing::info!(
+        handed_over = check.healed.len(),
+        serving = check.serving.len(),
+        kernel = check.kernel.len(),
+        skipped = check.skipped.len(),
+        unknown = check.unknown.len(),
+        "healer hook: VolumeAttachments checked"
+    );
+    *unknown.lock().unwrap_or_else(|e| e.into_inner()) = Some(check.unknown);
+    signal.signal();
 }
 
 /// The running CSI driver, its server task and the socket it bound.

@@ -297,3 +297,38 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let s = Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
 }
+
+/// The healer hook's listing: VolumeAttachments have no field selector on
+/// their spec, so every page is LISTed (500 a page, no selector the real
+/// server would refuse) and filtered here: this driver, this node, attached.
+#[tokio::test]
+async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_driver() {
+    use volring::publisher::attachments;
+    let server = Server::start().await;
+    let mut want = Vec::new();
+    for i in 0..1200 {
+        let (attacher, node, attached) = match i % 4 {
+            0 => ("volring.csi.io", "n1", true),
+            1 => ("volring.csi.io", "n2", true),
+            2 => ("other.csi.io", "n1", true),
+            _ => ("volring.csi.io", "n1", false),
+        };
+        let pv = format!("pvc-{i:04}");
+        if i % 4 == 0 {
+            want.push(pv.clone());
+        }
+        server.api.seed(
+            "volumeattachments",
+            json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": format!("csi-{i:04}")},
+                "spec": {"attacher": attacher, "nodeName": node, "source": {"persistentVolumeName": pv}},
+                "status": {"attached": attached}}),
+        );
+    }
+    let sink = KubeSink::new(server.config()).unwrap();
+    let got = attachments::attached_here(&sink, "volring.csi.io", "n1").await.unwrap();
+    assert_eq!(got, want);
+    let log = server.api.log();
+    assert_eq!(log.len(), 3, "three pages of 500: {log:?}");
+    assert!(log.iter().all(|l| l.path == attachments::PATH && l.status == 200 && l.query.contains("limit=500")), "{log:?}");
+    assert!(log.iter().all(|l| !l.query.contains("fieldSelector")));
+}

@@ -6,10 +6,13 @@
 //!   its API form gives the same object (so a restart compares like with
 //!   like and writes nothing);
 //! - a retired BlockDevice keeps its key, labels and spec;
-//! - a Retry-After is never longer than a minute.
+//! - a Retry-After is never longer than a minute;
+//! - a VolumeAttachment LIST page (the healer hook's) yields only
+//!   non-empty volume ids, and only from items naming the driver and node.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use volring::publisher::attachments;
 use volring::publisher::embedded_sink::api_form;
 use volring::publisher::kube_sink::retry_after_of;
 use volring::publisher::Kind;
@@ -22,6 +25,11 @@ fuzz_target!(|data: &[u8]| {
         assert!(retry_after_of(Some(s)) <= std::time::Duration::from_secs(60));
     }
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else { return };
+    let (ids, _) = attachments::page(&v, "volring.csi.io", "n1");
+    assert!(ids.iter().all(|i| !i.is_empty()));
+    if let Some(items) = v.get("items").and_then(|i| i.as_array()) {
+        assert!(ids.len() <= items.len());
+    }
     let Some(o) = Object::from_api(kind, &v) else { return };
     assert!(o.labels.keys().all(|l| l.starts_with("volring.io/")));
     let back = Object::from_api(kind, &api_form(&o)).expect("an object in API form reads back");

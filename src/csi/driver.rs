@@ -189,6 +189,12 @@ impl Driver {
         self.records.all()
     }
 
+    /// Calls `f` with the id of every staged record put or removed from
+    /// now on (the publisher's StorageNode follows them).
+    pub fn on_volume_change(&self, f: impl Fn(&str) + Send + 'static) {
+        self.records.on_change(f);
+    }
+
     pub fn pool_dir(&self) -> &std::path::Path {
         self.pool.dir()
     }

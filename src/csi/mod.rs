@@ -7,6 +7,7 @@
 //! `service` adapts them to the generated tonic traits and is the one place
 //! where errors become gRPC codes; `server` runs it all on the socket.
 
+mod attached;
 pub mod authority;
 pub mod client;
 mod controller;
@@ -28,6 +29,7 @@ mod share;
 mod share_client;
 pub mod validate;
 
+pub use attached::AttachedCheck;
 pub use driver::{CsiConfig, Driver, Expansion, Readiness};
 pub use locks::{VolumeGuard, VolumeLocks};
 

@@ -49,11 +49,6 @@ impl Feed {
         }
     }
 
-    /// Submits the StorageNode if it changed.
-    pub fn node(&mut self, up: &Updater, o: Object) {
-        self.offer(up, o.key.clone(), o);
-    }
-
     fn offer(&mut self, up: &Updater, k: Key, o: Object) {
         if self.last.get(&k) != Some(&o) {
             self.last.insert(k, o.clone());

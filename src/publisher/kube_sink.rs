@@ -59,6 +59,19 @@ impl KubeSink {
         std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && std::env::var_os("KUBERNETES_SERVICE_PORT").is_some()
     }
 
+    /// GETs `uri` and reads the reply as JSON (for the LISTs that are not
+    /// the updater's: the healer's VolumeAttachments).
+    pub(super) async fn get_json(&self, uri: &str) -> Result<serde_json::Value, SinkError> {
+        let (status, body) = self.call(Method::GET, uri, None).await?;
+        if !status.is_success() {
+            return Err(match status {
+                StatusCode::GONE => SinkError::Unavailable(format!("list continue token expired ({status})")),
+                _ => classify(status, &body),
+            });
+        }
+        serde_json::from_slice(&body).map_err(|e| SinkError::Unavailable(format!("reply body: {e}")))
+    }
+
     async fn call(&self, method: Method, uri: &str, body: Option<Vec<u8>>) -> Result<(StatusCode, Bytes), SinkError> {
         let mut req = Request::builder().method(method).uri(uri).header(http::header::ACCEPT, "application/json");
         if body.is_some() {

@@ -9,11 +9,16 @@
 //!   subresource, paginated LIST).
 //! - [`embedded_sink`]: with no cluster, the node's own store as the sink.
 //! - [`feed`]: the agent's side: inventory and volumes to objects.
+//! - [`node_feed`]: the StorageNode, rebuilt when the agent's queues say
+//!   something changed (never on a timer).
+//! - [`attachments`]: the healer hook's VolumeAttachment listing.
 //! - [`show`]: `volring get`.
 
+pub mod attachments;
 pub mod embedded_sink;
 pub mod feed;
 pub mod kube_sink;
+pub mod node_feed;
 pub mod objects;
 mod pace;
 pub mod show;
@@ -21,4 +26,4 @@ pub mod sink;
 pub mod updater;
 
 pub use objects::{Key, Kind, Object};
-pub use updater::{GonePolicy, Part, Sink, SinkError, Updater, UpdaterConfig};
+pub use updater::{GonePolicy, Part, Sink, SinkError, Submitter, Updater, UpdaterConfig};

@@ -197,21 +197,18 @@ impl Updater {
 
     /// The object's state now; replaces any pending state of it.
     pub fn submit(&self, obj: Object) {
-        self.put(obj.key.clone(), Want::Put(obj));
+        self.handle().submit(obj);
     }
 
     /// The object's device is gone: mark it Inactive (or delete it).
     pub fn retire(&self, key: Key) {
-        self.put(key, Want::Retire);
+        self.handle().retire(key);
     }
 
-    fn put(&self, key: Key, want: Want) {
-        bump(&self.shared.stats.submitted);
-        let replaced = lock(&self.shared.inbox).changes.insert(key, want).is_some();
-        if replaced {
-            bump(&self.shared.stats.coalesced);
-        }
-        self.shared.wake.notify_one();
+    /// A handle that submits to this updater, for a task of its own (the
+    /// StorageNode's follower).
+    pub fn handle(&self) -> Submitter {
+        Submitter { shared: self.shared.clone() }
     }
 
     pub fn stats(&self) -> &Arc<Stats> {
@@ -233,6 +230,34 @@ impl Updater {
             tracing::warn!("publisher did not stop by its deadline; stopped");
         }
         self.shared.stats.snapshot()
+    }
+}
+
+/// Submits to a running updater; cheap to clone. Once the updater has
+/// stopped, what is submitted is dropped.
+#[derive(Clone)]
+pub struct Submitter {
+    shared: Arc<Shared>,
+}
+
+impl Submitter {
+    /// See [`Updater::submit`].
+    pub fn submit(&self, obj: Object) {
+        self.put(obj.key.clone(), Want::Put(obj));
+    }
+
+    /// See [`Updater::retire`].
+    pub fn retire(&self, key: Key) {
+        self.put(key, Want::Retire);
+    }
+
+    fn put(&self, key: Key, want: Want) {
+        bump(&self.shared.stats.submitted);
+        let replaced = lock(&self.shared.inbox).changes.insert(key, want).is_some();
+        if replaced {
+            bump(&self.shared.stats.coalesced);
+        }
+        self.shared.wake.notify_one();
     }
 }
 

@@ -313,6 +313,8 @@ type Slots = HashMap<Arc<str>, Arc<ArcSwap<VolumeHealth>>>;
 #[derive(Default)]
 pub struct HealthView {
     slots: ArcSwap<Slots>,
+    /// Told after verdicts change (the publisher's StorageNode follows it).
+    changed: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl HealthView {
@@ -325,10 +327,24 @@ impl HealthView {
         self.slots.load().iter().map(|(k, v)| (k.clone(), v.load_full())).collect()
     }
 
+    /// Calls `f` after each change of verdicts (one listener).
+    pub fn on_change(&self, f: impl Fn() + Send + Sync + 'static) {
+        let _ = self.changed.set(Box::new(f));
+    }
+
+    fn notify(&self) {
+        if let Some(f) = self.changed.get() {
+            f();
+        }
+    }
+
     /// Sets many verdicts: existing slots in place, and every new volume in
     /// one copy of the map (a first pass over 10,000 volumes would
     /// otherwise copy it 10,000 times).
     pub(crate) fn set_many(&self, verdicts: Vec<(String, VolumeHealth)>) {
+        if verdicts.is_empty() {
+            return;
+        }
         let mut new = Vec::new();
         {
             let slots = self.slots.load();
@@ -346,6 +362,7 @@ impl HealthView {
                 m
             });
         }
+        self.notify();
     }
 
     pub(crate) fn remove(&self, id: &str) {
@@ -355,6 +372,7 @@ impl HealthView {
                 m.remove(id);
                 m
             });
+            self.notify();
         }
     }
 }

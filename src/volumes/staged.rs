@@ -151,8 +151,9 @@ pub struct StagedRecords {
     store: Arc<Store>,
     records: Mutex<HashMap<String, StagedVolume>>,
     quarantined: Vec<Quarantined>,
-    /// Told the id of every record that changed (the reconciler listens).
-    changed: Mutex<Option<ChangeHook>>,
+    /// Told the id of every record that changed (the reconciler and the
+    /// publisher's StorageNode listen).
+    changed: Mutex<Vec<ChangeHook>>,
 }
 
 pub(crate) const SUFFIX: &str = ".json";
@@ -220,7 +221,7 @@ impl StagedRecords {
         }
         let mut quarantined = quarantined_in(state_dir)?;
         quarantined.extend(in_store);
-        Ok(Self { store: Arc::new(store), records: Mutex::new(records), quarantined, changed: Mutex::new(None) })
+        Ok(Self { store: Arc::new(store), records: Mutex::new(records), quarantined, changed: Mutex::new(Vec::new()) })
     }
 
     /// The node's store (the reconciler keeps its verdicts there too).
@@ -228,9 +229,10 @@ impl StagedRecords {
         &self.store
     }
 
-    /// Calls `f` with the id of every record put or removed from now on.
+    /// Calls `f` (beside any listener added before) with the id of every
+    /// record put or removed from now on.
     pub fn on_change(&self, f: impl Fn(&str) + Send + 'static) {
-        *self.changed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(f));
+        self.changed.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(f));
     }
 
     /// The records quarantined (by this run or earlier ones).
@@ -288,7 +290,7 @@ impl StagedRecords {
     }
 
     fn notify(&self, id: &str) {
-        if let Some(f) = self.changed.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        for f in self.changed.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             f(id);
         }
     }

@@ -16,6 +16,9 @@
 //! - The status subresource: the main endpoint ignores `status`, the
 //!   `/status` endpoint changes only `status` and answers 404 for an object
 //!   that does not exist.
+//! - VolumeAttachments (storage.k8s.io/v1), read-only: LIST (paginated,
+//!   label selector, and `metadata.name` as the one field selector the real
+//!   server allows on them: any other is a 400) and GET.
 //! - Injected failures: the next N matching requests answer 429 (with
 //!   Retry-After), 500 or 409.
 //!
@@ -38,6 +41,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 const PREFIX: &str = "/apis/volring.io/v1alpha1/";
+/// Read-only: VolumeAttachments (seeded by the test, as the attacher would).
+const STORAGE_PREFIX: &str = "/apis/storage.k8s.io/v1/";
 
 /// One request as the stand-in saw it.
 #[derive(Debug, Clone)]
@@ -273,6 +278,9 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
     if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
         return core::serve(g, method, rest, body);
     }
+    if let Some(rest) = path.strip_prefix(STORAGE_PREFIX) {
+        return storage(g, method, rest, query);
+    }
     let Some(rest) = path.strip_prefix(PREFIX) else {
         return reply(
             StatusCode::NOT_FOUND,
@@ -316,14 +324,59 @@ fn matches(obj: &Value, selector: &str) -> bool {
     })
 }
 
+/// storage.k8s.io/v1: LIST and GET of volumeattachments. Like the real
+/// server, the only field selector a VolumeAttachment supports is
+/// `metadata.name`; any other is a 400.
+fn storage(g: &Inner, method: &Method, rest: &str, query: &str) -> Response {
+    let parts: Vec<&str> = rest.split('/').collect();
+    let q = query_pairs(query);
+    match (method, parts.as_slice()) {
+        (&Method::GET, ["volumeattachments"]) => {
+            let fields = q.get("fieldSelector").cloned().unwrap_or_default();
+            for term in fields.split(',').filter(|t| !t.is_empty()) {
+                let field = term.split(['=', '!']).next().unwrap_or_default();
+                if field != "metadata.name" {
+                    let code = StatusCode::BAD_REQUEST;
+                    return reply(code, status_body(code, "BadRequest", &format!("field label not supported: {field}")));
+                }
+            }
+            list_of(g, "volumeattachments", "storage.k8s.io/v1", "VolumeAttachmentList", &q, &fields)
+        }
+        (&Method::GET, ["volumeattachments", name]) => match g.objects.get(&("volumeattachments".to_string(), name.to_string())) {
+            Some(s) => reply(StatusCode::OK, s.obj.clone()),
+            None => not_found("volumeattachments", name),
+        },
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
+        ),
+    }
+}
+
 fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
+    list_of(g, plural, "volring.io/v1alpha1", "List", q, "")
+}
+
+/// `fields`: `metadata.name=x` / `metadata.name!=x` terms (checked by the caller).
+fn name_matches(name: &str, fields: &str) -> bool {
+    fields.split(',').filter(|t| !t.is_empty()).all(|t| match t.split_once("!=") {
+        Some((_, v)) => name != v,
+        None => t.rsplit('=').next() == Some(name),
+    })
+}
+
+fn list_of(g: &Inner, plural: &str, api_version: &str, kind: &str, q: &BTreeMap<String, String>, fields: &str) -> Response {
     let selector = q.get("labelSelector").cloned().unwrap_or_default();
     let limit: usize = q.get("limit").and_then(|l| l.parse().ok()).filter(|&l| l > 0).unwrap_or(usize::MAX);
     let after = q.get("continue").cloned().unwrap_or_default();
     let mut items = Vec::new();
     let mut more = None;
     for ((p, name), s) in &g.objects {
-        if p != plural || (!after.is_empty() && name.as_str() <= after.as_str()) || !matches(&s.obj, &selector) {
+        if p != plural
+            || (!after.is_empty() && name.as_str() <= after.as_str())
+            || !matches(&s.obj, &selector)
+            || !name_matches(name, fields)
+        {
             continue;
         }
         if items.len() == limit {
@@ -336,7 +389,7 @@ fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
     if let Some(c) = more {
         meta["continue"] = json!(c);
     }
-    reply(StatusCode::OK, json!({"apiVersion": "volring.io/v1alpha1", "kind": "List", "metadata": meta, "items": items}))
+    reply(StatusCode::OK, json!({"apiVersion": api_version, "kind": kind, "metadata": meta, "items": items}))
 }
 
 fn fields_of(obj: &Value, top: &str) -> BTreeSet<String> {
