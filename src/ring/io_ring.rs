@@ -306,6 +306,11 @@ impl IoRing {
         self.armed_recvs
     }
 
+    /// Provided buffers the driver holds (handed out, not recycled).
+    pub fn recv_taken(&self) -> u16 {
+        self.recv.taken()
+    }
+
     /// Times the receive pool was handed to the kernel afresh.
     pub fn recv_pool_resets(&self) -> u64 {
         self.recv_resets

@@ -73,6 +73,18 @@ pub(super) struct Registered {
     pub(super) writes: super::inline::WritePath,
 }
 
+/// Loop turns of a ring between two ticks: a ring that turns without
+/// completions this often is spinning on something, and says on what.
+#[derive(Default)]
+pub(super) struct SpinWatch {
+    turns: u64,
+    empty_turns: u64,
+    reported: Option<Instant>,
+}
+
+/// Empty turns per tick past which a ring reports itself spinning.
+const SPIN_TURNS: u64 = 20_000;
+
 pub(super) struct Worker {
     pub(super) id: usize,
     pub(super) config: ServerConfig,
@@ -116,6 +128,8 @@ pub(super) struct Worker {
     /// receive first); off for good on a ring whose kernel lost buffers,
     /// since those cancels are what lose them.
     pub(super) direct_receive: bool,
+    /// Loop turns since the last tick, for noticing a ring that spins.
+    pub(super) spin: SpinWatch,
     /// Connections closed since the last trim.
     pub(super) closed_since_trim: usize,
 }
@@ -173,6 +187,7 @@ impl Worker {
             inline: Default::default(),
             recv_recovering: false,
             direct_receive: true,
+            spin: SpinWatch::default(),
             closed_since_trim: 0,
         };
         for i in 0..w.listeners.len() {
@@ -205,6 +220,10 @@ impl Worker {
             self.seeks_left = SEEKS_PER_TURN;
             cqes.clear();
             self.ring.complete(&mut cqes);
+            self.spin.turns += 1;
+            if cqes.is_empty() {
+                self.spin.empty_turns += 1;
+            }
             busy = cqes.len() >= BUSY_TURN;
             for c in cqes.drain(..) {
                 self.on_cqe(c);
@@ -430,6 +449,55 @@ impl Worker {
         }
     }
 
+    /// Reports (at most every 10 s) a ring that turned more than
+    /// [`SPIN_TURNS`] times since the last tick without completions, with
+    /// what its connections are waiting for.
+    fn check_spin(&mut self) {
+        let spin = std::mem::take(&mut self.spin.empty_turns);
+        let turns = std::mem::take(&mut self.spin.turns);
+        if spin < SPIN_TURNS || self.spin.reported.is_some_and(|at| self.now.duration_since(at) < Duration::from_secs(10)) {
+            return;
+        }
+        self.spin.reported = Some(self.now);
+        let conns: Vec<String> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c)))
+            .take(8)
+            .map(|(i, c)| {
+                format!(
+                    "#{i} serving={} paused={:?} closing={} broken={} recv_op={} direct={} cancelled={} send={} out={} ops={} payload={} dirty={}",
+                    matches!(c.phase, Phase::Serving { .. }),
+                    c.paused,
+                    c.closing,
+                    c.broken,
+                    c.recv_op.is_some(),
+                    c.recv_direct,
+                    c.recv_cancelled,
+                    c.send_in_flight,
+                    c.out.len(),
+                    c.socket_ops,
+                    c.payload.is_some(),
+                    c.dirty
+                )
+            })
+            .collect();
+        tracing::warn!(
+            ring = self.id,
+            turns,
+            empty_turns = spin,
+            dirty = self.dirty.len(),
+            live = self.live,
+            in_flight = self.ring.in_flight(),
+            armed_recvs = self.ring.armed_recvs(),
+            recv_taken = self.ring.recv_taken(),
+            recovering = self.recv_recovering,
+            conns = ?conns,
+            "NBD ring is spinning: many loop turns without a completion"
+        );
+    }
+
     /// Memory was released somewhere: connections the server's budget
     /// stopped try their next request again.
     fn wake_server_waiters(&mut self) {
@@ -644,6 +712,7 @@ impl Worker {
         if let Err(e) = self.ring.timeout(token(K_TICK, 0), self.tick) {
             tracing::error!(error = %e, "NBD ring lost its timer");
         }
+        self.check_spin();
         if !self.server_waiters.is_empty() {
             self.wake_server_waiters();
         }
