@@ -82,8 +82,11 @@ pub(super) struct SpinWatch {
     reported: Option<Instant>,
 }
 
-/// Empty turns per tick past which a ring reports itself spinning.
-const SPIN_TURNS: u64 = 20_000;
+/// Empty turns per tick (50–250 ms) past which a ring reports itself
+/// spinning: a healthy ring turns without completions only while it still
+/// has connections to look at, a few times per burst; under TCG a turn
+/// takes tens of microseconds, so the mark sits well below a tick's worth.
+const SPIN_TURNS: u64 = 2_000;
 
 pub(super) struct Worker {
     pub(super) id: usize,
