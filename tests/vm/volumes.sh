@@ -24,7 +24,20 @@ GROW_MIB=${GROW_MIB:-64}
 EXPANSION=${EXPANSION:-controller}
 AGENT_FLAGS=${AGENT_FLAGS:-}
 R=$VM_RESULTS
-fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
+# On failure: what each of the agent's threads is doing (state, wait
+# channel, CPU ticks 1 s apart, kernel stack) -- a stalled NBD ring shows
+# whether it blocks, spins or waits.
+threads() {
+  [ -n "${agent:-}" ] && kill -0 "$agent" 2>/dev/null || return 0
+  for pass in 1 2; do
+    for t in /proc/"$agent"/task/*; do
+      echo "agent pass $pass tid $(basename "$t") $(cut -d' ' -f2,3,14,15 "$t/stat") wchan=$(cat "$t/wchan")"
+      [ $pass = 2 ] && sed 's/^/    /' "$t/stack" 2>/dev/null
+    done
+    [ $pass = 1 ] && sleep 1
+  done
+}
+fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; threads; exit 1; }
 now() { date +%s.%N; }
 t0=$(now)
 lap() { echo "$1 at $(echo "$(now) - $t0" | bc) s" >>"$R/timeline"; }
