@@ -49,7 +49,7 @@ fn ext4_round_trip_and_grow() {
 /// `--nbd-inline-writes off` the same), the healer's reconnect then fails
 /// its handshake. mkfs.ext4 and the block volume's writes pass.
 #[test]
-#[ignore = "known bug on 6.1: the agent's nbd server stops reading one connection under mkfs.xfs (4 of 6 runs); run with --ignored"]
+#[ignore = "known bug on 6.1: the agent's nbd server stops reading one connection under mkfs.xfs (4 of 7 runs); run with --ignored"]
 fn xfs_round_trip_grow_and_shutdown() {
     volume("vm_volumes::xfs_round_trip_grow_and_shutdown", &[("KIND", "xfs"), ("SIZE_MIB", "320"), ("EXPANSION", "controller")]);
 }
