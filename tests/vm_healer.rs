@@ -17,11 +17,7 @@ const SCRIPT: &str = include_str!("vm/healer.sh");
 
 fn healer(test: &str, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
-    let mut script = format!("export VOLRING='{}'\n", env!("CARGO_BIN_EXE_volring"));
-    for (k, v) in env {
-        script.push_str(&format!("export {k}='{v}'\n"));
-    }
-    script.push_str(SCRIPT);
+    let script = harness::script(env!("CARGO_BIN_EXE_volring"), env, SCRIPT);
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = 2;
     let run = vm.run(&script, Duration::from_secs(1200)).expect("vm run");

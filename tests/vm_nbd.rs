@@ -16,11 +16,7 @@ const SMOKE: &str = include_str!("vm/nbd_smoke.sh");
 
 fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
-    let mut script = format!("export VOLRING='{}'\n", env!("CARGO_BIN_EXE_volring"));
-    for (k, v) in env {
-        script.push_str(&format!("export {k}='{v}'\n"));
-    }
-    script.push_str(SMOKE);
+    let script = harness::script(env!("CARGO_BIN_EXE_volring"), env, SMOKE);
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = cpus;
     let run = vm.run(&script, Duration::from_secs(900)).expect("vm run");

@@ -63,6 +63,17 @@ impl VmImage {
 }
 
 /// True when CI runs us: there a missing VM is a failure, not a skip.
+/// A guest script: `VOLRING` (the binary under test) and `env` exported,
+/// then `body`.
+pub fn script(volring: &str, env: &[(&str, &str)], body: &str) -> String {
+    let mut script = format!("export VOLRING='{volring}'\n");
+    for (k, v) in env {
+        script.push_str(&format!("export {k}='{v}'\n"));
+    }
+    script.push_str(body);
+    script
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
 }
