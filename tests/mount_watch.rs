@@ -723,20 +723,28 @@ impl WatchChild {
         Err("child did not stop".into())
     }
 
-    /// Mounts and unmounts `probe` until the child prints a line (5 s at
-    /// most), then drains what follows for 150 ms.
+    /// Mounts or unmounts `probe` in turn, holding each state 500 ms, until
+    /// the child prints a line (30 s at most: a debug binary starting on a
+    /// loaded 2-core CI machine once missed a 5 s budget), then drains what
+    /// follows. Each state is held long enough for a re-parse to see it: a
+    /// mount made and gone within one re-parse window shows no change.
     fn wait_ready(&self, probe: &std::path::Path) -> Result<(), Failed> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut mounted = false;
         let mut ready = false;
-        for _ in 0..50 {
-            tmpfs_at(probe);
-            // Mounted while waiting: the re-parse watcher must see it too.
-            ready = self.lines.recv_timeout(Duration::from_millis(100)).is_ok();
-            umount(probe);
-            if ready {
-                break;
+        while !ready && Instant::now() < deadline {
+            if mounted {
+                umount(probe);
+            } else {
+                tmpfs_at(probe);
             }
+            mounted = !mounted;
+            ready = self.lines.recv_timeout(Duration::from_millis(500)).is_ok();
         }
-        check(ready, "the watcher printed nothing")?;
+        if mounted {
+            umount(probe);
+        }
+        check(ready, "the watcher printed nothing in 30 s")?;
         self.lines_until(Duration::from_secs(5), |_| true);
         Ok(())
     }
