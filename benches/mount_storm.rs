@@ -20,7 +20,12 @@
 //! change (CPU over the 2 lines a pair should print), context switches,
 //! lines seen against expected and the mount-to-line latency.
 //!
-//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse|process --runs 9 --volring-bin A:B]` (root)
+//! With the C peer the process rows are followed by mount moves: one tmpfs
+//! moved 500 times 1 ms apart (`--moves`, `--gap-us`) under each watcher in
+//! turn, counting the `moved` lines each printed (`--watcher moves` runs
+//! only those).
+//!
+//! `cargo bench --bench mount_storm [-- --sizes 1000,10000 --pairs 1000 --watcher volring|reparse|process|moves --runs 9 --volring-bin A:B]` (root)
 
 #[path = "support/process_storm.rs"]
 mod process_storm;
@@ -137,9 +142,12 @@ fn main() {
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
     let probe = farm.dir("probe");
+    let moves = arg_list(&args, "--moves", &[500])[0];
+    let gap = Duration::from_micros(arg_list(&args, "--gap-us", &[1_000])[0] as u64);
+    let move_dirs: Vec<PathBuf> = (0..=moves).map(|i| farm.dir(&format!("moves/m{i}"))).collect();
     let peer_dir = tempfile::tempdir().expect("tempdir");
     let peer = match only.as_deref() {
-        None | Some("process") => match process_storm::build_peer(peer_dir.path()) {
+        None | Some("process") | Some("moves") => match process_storm::build_peer(peer_dir.path()) {
             Ok(p) => Some(p),
             Err(e) => {
                 println!("process comparison skipped: cannot build the C peer ({e})");
@@ -149,7 +157,7 @@ fn main() {
         Some(_) => None,
     };
     // In-process rows measure this build only: not in an A/B run.
-    let lib_rows = only.as_deref() != Some("process") && bins.len() == 1;
+    let lib_rows = !matches!(only.as_deref(), Some("process" | "moves")) && bins.len() == 1;
     println!("mount storm: {pairs} short-lived mounts per run; latency = mount(2) return -> event at a consumer thread");
     println!(
         "{:>7} {:>9} {:>11} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9}",
@@ -172,7 +180,10 @@ fn main() {
             )
         };
         if let Some(peer) = &peer {
-            process_rows(n, runs, peer, &bins, &dirs, &probe);
+            if only.as_deref() != Some("moves") {
+                process_rows(n, runs, peer, &bins, &dirs, &probe);
+            }
+            moves_rows(n, runs, peer, &bins, &move_dirs, &probe, gap);
         }
         if !lib_rows {
             continue;
@@ -187,6 +198,56 @@ fn main() {
             n,
             ours.seen as f64 / base.seen.max(1) as f64,
             ours.cpu.as_secs_f64() / base.cpu.as_secs_f64().max(1e-9)
+        );
+    }
+}
+
+/// Mount moves `gap` apart under each volring binary and the C peer, `runs`
+/// rounds in rotating order: how many kernel moves each reported as `moved`
+/// lines (medians, min–max) and its CPU per move.
+fn moves_rows(
+    n: usize,
+    runs: usize,
+    peer: &std::path::Path,
+    bins: &[(String, PathBuf)],
+    dirs: &[PathBuf],
+    probe: &std::path::Path,
+    gap: Duration,
+) {
+    let expected = dirs.len() - 1;
+    let k = bins.len() + 1;
+    let mut costs: Vec<Vec<process_storm::Cost>> = vec![Vec::new(); k];
+    for round in 0..runs {
+        for j in 0..k {
+            let who = (round + j) % k;
+            let mut cmd = match bins.get(who) {
+                Some((_, bin)) => {
+                    let mut c = std::process::Command::new(bin);
+                    c.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
+                    c
+                }
+                None => std::process::Command::new(peer),
+            };
+            match process_storm::move_storm(&mut cmd, dirs, probe, gap) {
+                Ok(c) => costs[who].push(c),
+                Err(e) => println!("{n:>7} moves round {round}: {} failed: {e}", bins.get(who).map_or("C", |b| b.0.as_str())),
+            }
+        }
+    }
+    for (i, name) in bins.iter().map(|b| b.0.as_str()).chain(["C"]).enumerate() {
+        let v = &costs[i];
+        if v.is_empty() {
+            continue;
+        }
+        let seen: Vec<f64> = v.iter().map(|c| c.moved as f64).collect();
+        let (lo, hi) = (seen.iter().copied().fold(f64::MAX, f64::min), seen.iter().copied().fold(0.0, f64::max));
+        let cpu_ms = median(v.iter().map(|c| c.cpu.as_secs_f64() * 1e3).collect());
+        println!(
+            "{n:>7} moves {name:>7} ({} rounds, {} us apart): moved lines {:.0}/{expected} median ({lo:.0}-{hi:.0}); {cpu_ms:.1} ms CPU, {:.1} us per move",
+            v.len(),
+            gap.as_micros(),
+            median(seen.clone()),
+            cpu_ms * 1e3 / expected as f64,
         );
     }
 }

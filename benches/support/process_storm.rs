@@ -38,6 +38,8 @@ pub fn build_peer(dir: &Path) -> Result<PathBuf, String> {
 struct Watcher {
     child: Child,
     lines: Arc<AtomicUsize>,
+    /// `moved` lines (both watchers start them `{"event":"moved"`).
+    moved: Arc<AtomicUsize>,
     /// When the first `attached` line of each mount id was read.
     attached: Arc<Mutex<HashMap<u64, Instant>>>,
     reader: Option<std::thread::JoinHandle<()>>,
@@ -49,6 +51,8 @@ pub struct Cost {
     pub cpu: Duration,
     pub switches: u64,
     pub lines: usize,
+    /// `moved` lines among them.
+    pub moved: usize,
     /// mount(2) return to the attached line, in µs, sorted; one per storm
     /// mount whose attach was reported.
     pub latency_us: Vec<f64>,
@@ -66,20 +70,23 @@ impl Watcher {
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
         let stdout = child.stdout.take().expect("piped");
         let lines = Arc::new(AtomicUsize::new(0));
+        let moved = Arc::new(AtomicUsize::new(0));
         let attached = Arc::new(Mutex::new(HashMap::new()));
-        let (count, seen) = (lines.clone(), attached.clone());
+        let (count, moves, seen) = (lines.clone(), moved.clone(), attached.clone());
         let reader = std::thread::spawn(move || {
             let mut r = BufReader::with_capacity(1 << 16, stdout);
             let mut line = Vec::new();
             while r.read_until(b'\n', &mut line).map(|n| n > 0).unwrap_or(false) {
                 if let Some(id) = attached_id(&line) {
                     seen.lock().expect("attached map").entry(id).or_insert_with(Instant::now);
+                } else if line.starts_with(b"{\"event\":\"moved\"") {
+                    moves.fetch_add(1, Ordering::Relaxed);
                 }
                 count.fetch_add(1, Ordering::Relaxed);
                 line.clear();
             }
         });
-        Ok(Self { child, lines, attached, reader: Some(reader) })
+        Ok(Self { child, lines, moved, attached, reader: Some(reader) })
     }
 
     fn tasks(&self) -> Vec<PathBuf> {
@@ -104,6 +111,23 @@ impl Watcher {
             }
         }
         (Duration::from_nanos(ns), switches)
+    }
+
+    /// Mounts and unmounts `probe` in turn, each state held 100 ms, until the
+    /// watcher prints (so it is watching; 30 s at most), then lets it settle.
+    fn wait_ready(&self, probe: &Path) -> std::io::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.lines.load(Ordering::Relaxed) == 0 {
+            if Instant::now() > deadline {
+                return Err(std::io::Error::other("watcher printed nothing in 30 s"));
+            }
+            mount("tmpfs", probe, "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
+            std::thread::sleep(Duration::from_millis(100));
+            unmount(probe, UnmountFlags::empty())?;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.settle(Duration::from_millis(200));
+        Ok(())
     }
 
     /// Waits until the line count stays put for `quiet` (30 s at most).
@@ -140,20 +164,7 @@ impl Drop for Watcher {
 /// prints (so it is watching) before the storm.
 pub fn storm(cmd: &mut Command, dirs: &[PathBuf], probe: &Path) -> std::io::Result<Cost> {
     let w = Watcher::spawn(cmd)?;
-    let mut ready = false;
-    for _ in 0..100 {
-        mount("tmpfs", probe, "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
-        std::thread::sleep(Duration::from_millis(20));
-        unmount(probe, UnmountFlags::empty())?;
-        if w.lines.load(Ordering::Relaxed) > 0 {
-            ready = true;
-            break;
-        }
-    }
-    if !ready {
-        return Err(std::io::Error::other("watcher printed nothing"));
-    }
-    w.settle(Duration::from_millis(200));
+    w.wait_ready(probe)?;
     let before = w.lines.load(Ordering::Relaxed);
     let (cpu0, sw0) = w.usage();
     let mut made = Vec::with_capacity(dirs.len());
@@ -174,6 +185,37 @@ pub fn storm(cmd: &mut Command, dirs: &[PathBuf], probe: &Path) -> std::io::Resu
         cpu: cpu1.saturating_sub(cpu0),
         switches: sw1.saturating_sub(sw0),
         lines: w.lines.load(Ordering::Relaxed) - before,
+        moved: w.moved.load(Ordering::Relaxed),
         latency_us,
+    })
+}
+
+/// One tmpfs moved from `dirs[0]` through every following directory, `gap`
+/// apart (issue 12's "mount moves 1 ms apart"), under the watcher that
+/// `cmd` starts: how many of the `dirs.len() - 1` kernel moves it reported
+/// as `moved` lines, and its CPU for them.
+pub fn move_storm(cmd: &mut Command, dirs: &[PathBuf], probe: &Path, gap: Duration) -> std::io::Result<Cost> {
+    let w = Watcher::spawn(cmd)?;
+    w.wait_ready(probe)?;
+    let before = w.lines.load(Ordering::Relaxed);
+    let (cpu0, sw0) = w.usage();
+    mount("tmpfs", &dirs[0], "tmpfs", MountFlags::empty(), Some(c"size=64k"))?;
+    let mut last = &dirs[0];
+    let result = dirs[1..].iter().try_for_each(|d| {
+        std::thread::sleep(gap);
+        rustix::mount::mount_move(last, d)?;
+        last = d;
+        Ok::<(), std::io::Error>(())
+    });
+    unmount(last, UnmountFlags::empty())?;
+    result?;
+    w.settle(Duration::from_millis(300));
+    let (cpu1, sw1) = w.usage();
+    Ok(Cost {
+        cpu: cpu1.saturating_sub(cpu0),
+        switches: sw1.saturating_sub(sw0),
+        lines: w.lines.load(Ordering::Relaxed) - before,
+        moved: w.moved.load(Ordering::Relaxed),
+        latency_us: Vec::new(),
     })
 }
