@@ -1,33 +1,36 @@
 #!/bin/sh
-# Runs in the VM (tests/vm_remote.rs boots it): a remote nbd volume. Two
-# `volring node` agents play two nodes: the owner (its pool holds the
-# image; --nbd-export-listen on the guest's 127.0.0.1) and the consumer
-# (no image; NodeStage attaches /dev/nbdN through the kernel's netlink
-# interface to TCP sockets negotiated with the owner's export, using the
-# URI and secret the owner's CreateVolume put in the volume context).
+# Runs in the VM (tests/vm_remote.rs boots it): the consuming node of a
+# remote nbd volume. The owning node is the host: tests/vm_remote.rs runs
+# its `volring node --nbd-export-listen 127.0.0.1:PORT` there, created the
+# volume (URI and SECRET from its volume context), and qemu's guestfwd turns
+# each guest connection to 10.0.2.100:10809 into a relay process to that
+# port. The guest's `volring node` stages the volume: /dev/nbdN attached
+# through the kernel's netlink interface to TCP sockets it negotiated with
+# the owner's export.
 #
 # - a wrong secret is refused and no device is connected;
 # - the right one stages ext4 on /dev/nbdN over TCP; a writer writes and
 #   fsyncs checksummed files in a loop;
-# - the owner is killed -9 and restarted CYCLES times while the consumer
-#   lives: the consumer's LINK_DEAD handler reconnects (retrying until the
-#   export is back) and every write succeeds;
-# - then: errors_count 0, no I/O error in dmesg, unstage, e2fsck -n of the
-#   owner's image, re-stage over TCP and every checksum verified.
+# - CYCLES times the guest asks the host (file `kill-C` in $VM_RESULTS) to
+#   kill -9 the owner and start it again (the host answers with `back-C`);
+#   the consumer's LINK_DEAD handler reconnects (retrying until the export
+#   is back) and every write succeeds;
+# - then: errors_count 0, no I/O error in dmesg, unstage, re-stage over TCP
+#   (from the owner's disk, not this page cache) and every checksum
+#   verified; the host runs e2fsck -n on the owner's image after the guest.
 #
 # NO_HEAL=1 is the control: the consumer runs with --nbd-no-heal (and a
 # short dead-connection timeout) and the writer must fail.
 #
-# Environment: VOLRING, CYCLES (3), FILE_KIB (1024), PER_CYCLE (4), DOWN (1),
-# CONNS (consumer's --nbd-attach-connections, 1), MIN_MIB (data written at
-# least, 64). Results in $VM_RESULTS.
+# Environment: VOLRING, URI, SECRET, CYCLES (3), FILE_KIB (1024), PER_CYCLE
+# (4), CONNS (consumer's --nbd-attach-connections, 1), MIN_MIB (data
+# written at least, 64). Results in $VM_RESULTS.
 
 set -u
-: "${VOLRING:?}" "${VM_RESULTS:?}"
+: "${VOLRING:?}" "${VM_RESULTS:?}" "${URI:?}" "${SECRET:?}"
 CYCLES=${CYCLES:-3}
 FILE_KIB=${FILE_KIB:-1024}
 PER_CYCLE=${PER_CYCLE:-4}
-DOWN=${DOWN:-1}
 NO_HEAL=${NO_HEAL:-0}
 CONNS=${CONNS:-1}
 MIN_MIB=${MIN_MIB:-64}
@@ -37,37 +40,20 @@ fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
 plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
 
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || fail "network: $(ip link 2>&1)"
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
-PORT=10809
-OE=unix:///tmp/owner.sock
+GPORT=10809
 CE=unix:///tmp/consumer.sock
 K=/tmp/kubelet
 S=$K/plugins/stage/pvc-r
-mkdir -p "$K" /tmp/kowner /tmp/owner /tmp/consumer
-ocsi() { "$VOLRING" csi --endpoint "$OE" "$@"; }
+mkdir -p "$K" /tmp/consumer
 ccsi() { "$VOLRING" csi --endpoint "$CE" "$@"; }
+[ "$URI" = "nbd://10.0.2.100:$GPORT/pvc-r" ] || fail "the owner advertises '$URI'"
 
-# wait_ready ENDPOINT PID LOG: bounded wait for Probe ready.
-wait_ready() {
-  i=0
-  while ! "$VOLRING" csi --endpoint "$1" probe 2>/dev/null | grep -q true; do
-    i=$((i + 1))
-    [ $i -gt 600 ] && fail "agent on $1 not ready after 60 s: $(tail -5 "$3")"
-    kill -0 "$2" 2>/dev/null || fail "agent on $1 exited: $(tail -5 "$3")"
-    sleep 0.1
-  done
-}
-
-n_owner=0
-start_owner() {
-  n_owner=$((n_owner + 1))
-  "$VOLRING" node --metrics-addr off --node-id owner --stats-interval 5 --csi-endpoint "$OE" --kubelet-root /tmp/kowner \
-    --state-dir /tmp/owner --nbd-export-listen 127.0.0.1:$PORT --nbd-threads 2 --no-publish \
-    >"$R/owner$n_owner.out" 2>"$R/owner$n_owner.err" &
-  owner=$!
-  t_owner_start=$(now)
-  wait_ready "$OE" $owner "$R/owner$n_owner.err"
-  t_owner_ready=$(now)
+# stage ARGS...: NodeStage of the remote volume over TCP.
+stage() {
+  timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" --fs ext4 \
+    --context "volring.io/nbd-uri=$URI" "$@"
 }
 
 heal=""
@@ -76,20 +62,17 @@ heal=""
   --state-dir /tmp/consumer --nbd-dead-conn-timeout $DCT --nbd-request-timeout 3 --nbd-attach-connections "$CONNS" --no-publish $heal \
   >"$R/consumer.out" 2>"$R/consumer.err" &
 consumer=$!
-start_owner
-wait_ready "$CE" $consumer "$R/consumer.err"
-
-ocsi create --name pvc-r --size 192M --param attach=nbd --param fsType=ext4 --fs ext4 >"$R/create.json" 2>&1 \
-  || fail "create: $(cat "$R/create.json")"
-URI=$(jq -r '.volume.volume_context["volring.io/nbd-uri"]' "$R/create.json")
-SECRET=$(jq -r '.volume.volume_context["volring.io/nbd-secret"]' "$R/create.json")
-[ "$URI" = "nbd://127.0.0.1:$PORT/pvc-r" ] || fail "context URI '$URI': $(cat "$R/create.json")"
-[ ${#SECRET} -eq 64 ] || fail "context secret of ${#SECRET} characters"
+i=0
+while ! ccsi probe 2>/dev/null | grep -q true; do
+  i=$((i + 1))
+  [ $i -gt 600 ] && fail "consumer not ready after 60 s: $(tail -5 "$R/consumer.err")"
+  kill -0 $consumer 2>/dev/null || fail "consumer exited: $(tail -5 "$R/consumer.err")"
+  sleep 0.1
+done
 
 # A wrong secret: refused (NotFound), and no device connected.
 WRONG=$(echo "$SECRET" | tr '0-9a-f' '1-9a-f0')
-if timeout 60 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" --fs ext4 \
-  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$WRONG" >"$R/stage-wrong.out" 2>&1; then
+if stage --context "volring.io/nbd-secret=$WRONG" >"$R/stage-wrong.out" 2>&1; then
   fail "staged with a wrong secret"
 fi
 grep -q NotFound "$R/stage-wrong.out" || fail "wrong secret: $(cat "$R/stage-wrong.out")"
@@ -98,19 +81,18 @@ for b in /sys/block/nbd*/backend; do
 done
 echo "wrong secret refused: $(tr -d '\n' <"$R/stage-wrong.out" | head -c 200)" | tee "$R/notes"
 
-timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" --fs ext4 \
-  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" >"$R/stage.out" 2>&1 \
+stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage.out" 2>&1 \
   || fail "stage: $(cat "$R/stage.out"); $(tail -5 "$R/consumer.err")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "staged on '$dev', not an nbd device" ;; esac
 name=${dev#/dev/}
 [ "$(cat /sys/block/$name/backend)" = pvc-r ] || fail "backend is $(cat /sys/block/$name/backend)"
-# The kernel holds TCP connections to the owner's port (hex in /proc/net/tcp).
-hexport=$(printf '%04X' $PORT)
-conns=$(awk -v p=":$hexport" '$3 ~ p"$" && $4 == "01"' /proc/net/tcp | wc -l)
-[ "$conns" -ge 1 ] || fail "no established TCP connection to port $PORT: $(cat /proc/net/tcp)"
+# The kernel holds TCP connections to the host's forwarded port (hex in
+# /proc/net/tcp: 10.0.2.100 is 6402000A).
+hexport=$(printf '%04X' $GPORT)
+conns=$(awk -v p="6402000A:$hexport" '$3 == p && $4 == "01"' /proc/net/tcp | wc -l)
+[ "$conns" -ge 1 ] || fail "no established TCP connection to 10.0.2.100:$GPORT: $(cat /proc/net/tcp)"
 grep -q "$SECRET" "$R/consumer.err" && fail "the secret is in the consumer's log"
-grep -q "$SECRET" "$R/owner1.err" && fail "the secret is in the owner's log"
 echo "staged on $dev over $conns TCP connection(s) to $URI" | tee -a "$R/notes"
 
 # The writer: one file at a time, each fsynced; a line per completed write.
@@ -132,6 +114,7 @@ rm -f /tmp/stop-writer
 ) &
 writer=$!
 
+# more_writes N: waits until the writer completed N + PER_CYCLE writes.
 more_writes() {
   i=0
   while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
@@ -142,13 +125,23 @@ more_writes() {
   done
 }
 
+# restart_owner C: the host kills the owner -9 and starts it again; returns
+# once the host says it is back (ready), with t_back the guest's time then.
+restart_owner() {
+  touch "$R/kill-$1"
+  i=0
+  while [ ! -e "$R/back-$1" ]; do
+    i=$((i + 1))
+    [ $i -gt 1200 ] && fail "cycle $1: the host did not restart the owner within 60 s"
+    sleep 0.05
+  done
+  t_back=$(now)
+}
+
 if [ "$NO_HEAL" = 1 ]; then
   more_writes 0
-  kill -9 $owner
   t_kill=$(now)
-  wait $owner 2>/dev/null
-  sleep "$DOWN"
-  start_owner
+  restart_owner 1
   i=0
   while kill -0 $writer 2>/dev/null; do
     i=$((i + 1))
@@ -158,8 +151,8 @@ if [ "$NO_HEAL" = 1 ]; then
   if wait $writer; then fail "without reconnecting every write still succeeded"; fi
   dmesg >"$R/dmesg"
   grep -q "I/O error, dev $name" "$R/dmesg" || fail "no I/O error in dmesg without reconnecting"
-  echo "ok: without reconnecting the writer failed $(echo "$(now) - $t_kill" | bc) s after the owner's kill: $(tail -1 "$R/writer.err")" | tee "$R/verdict"
-  kill -9 $consumer $owner
+  echo "ok: without reconnecting the writer failed $(echo "$(now) - $t_kill" | bc) s after the owner's kill was asked for: $(tail -1 "$R/writer.err")" | tee "$R/verdict"
+  kill -9 $consumer
   exit 0
 fi
 
@@ -168,25 +161,24 @@ c=1
 done_writes=0
 while [ $c -le "$CYCLES" ]; do
   more_writes $done_writes
-  kill -9 $owner
-  t_kill=$(now)
-  wait $owner 2>/dev/null
-  sleep "$DOWN"
-  start_owner
+  restart_owner $c
+  # The first write completed after the reconnect.
   i=0
-  while [ -z "$(awk -v b="$t_owner_start" '$3 >= b { print $3; exit }' "$R/writes")" ]; do
+  while :; do
+    n_rec=$(plain "$R/consumer.err" | grep -c "nbd device reconnected")
+    if [ "$n_rec" -ge "$c" ]; then
+      ts=$(plain "$R/consumer.err" | grep "nbd device reconnected" | tail -1 | cut -d' ' -f1)
+      t_rec=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the reconnect line: $ts"
+      t_resume=$(awk -v b="$t_rec" '$3 >= b { print $3; exit }' "$R/writes")
+      [ -n "$t_resume" ] && break
+    fi
     i=$((i + 1))
-    [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the owner's restart: $(plain "$R/consumer.err" | tail -5)"
+    [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the owner's return: $(plain "$R/consumer.err" | tail -5)"
     kill -0 $writer 2>/dev/null || fail "cycle $c: writer failed: $(cat "$R/writer.err")"
     sleep 0.05
   done
-  t_resume=$(awk -v b="$t_owner_start" '$3 >= b { print $3; exit }' "$R/writes")
-  n_rec=$(plain "$R/consumer.err" | grep -c "nbd device reconnected")
-  [ "$n_rec" -ge "$c" ] || fail "cycle $c: $n_rec reconnects in the consumer's log"
-  ts=$(plain "$R/consumer.err" | grep "nbd device reconnected" | tail -1 | cut -d' ' -f1)
-  t_rec=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the reconnect line: $ts"
-  echo "cycle $c: owner down $(echo "$t_owner_start - $t_kill" | bc) s, reconnected $(echo "$t_rec - $t_owner_start" | bc) s after its exec, writer resumed $(echo "$t_resume - $t_rec" | bc) s after the reconnect" | tee -a "$R/resume"
-  echo "$(echo "$t_resume - $t_rec" | bc)" >>"$R/latency"
+  echo "cycle $c: $(cat "$R/back-$c"); reconnected $(echo "$t_rec - $t_back" | bc) s after the guest saw the owner back, writer resumed $(echo "$t_resume - $t_rec" | bc) s after the reconnect" | tee -a "$R/resume"
+  echo "$(echo "$t_resume - $t_back" | bc)" >>"$R/latency"
   done_writes=$(wc -l <"$R/writes")
   c=$((c + 1))
 done
@@ -207,14 +199,11 @@ errors=$(cat /sys/fs/ext4/$name/errors_count 2>/dev/null || echo missing)
 ccsi stats --id pvc-r --path "$S" >"$R/stats.out" 2>&1
 grep -q '"abnormal": *true' "$R/stats.out" && fail "condition abnormal after reconnecting: $(cat "$R/stats.out")"
 
-# From the owner's disk, not the consumer's page cache: unstage, e2fsck the
-# owner's image, stage again over TCP, read back.
+# From the owner's disk, not this page cache: unstage, stage again over
+# TCP, read back.
 ccsi unstage --id pvc-r --staging "$S" >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
 [ -s /sys/block/$name/backend ] && fail "$dev still carries a backend after unstage"
-e2fsck -fn /tmp/owner/pool/pvc-r.img >"$R/fsck" 2>&1 || fail "e2fsck: $(cat "$R/fsck")"
-timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" --fs ext4 \
-  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" >"$R/stage2.out" 2>&1 \
-  || fail "re-stage: $(cat "$R/stage2.out")"
+stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage2.out" 2>&1 || fail "re-stage: $(cat "$R/stage2.out")"
 bad=0
 while read -r n sum _; do
   [ "$(sha256sum <"$S/f$n" | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
@@ -225,8 +214,8 @@ dmesg >"$R/dmesg"
 if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd; then
   fail "I/O errors in dmesg: $(grep -E 'I/O error|EXT4-fs error' "$R/dmesg" | head -5)"
 fi
-kill $consumer $owner
-wait $consumer $owner 2>/dev/null
+kill $consumer
+wait $consumer 2>/dev/null
 lat=$(sort -n "$R/latency" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[NR], NR }')
-echo "writer resume after the reconnect: $lat" | tee -a "$R/resume"
-echo "ok: $FILES writes of $FILE_KIB KiB ($((FILES * FILE_KIB / 1024)) MiB) through /dev/$name over TCP, $CYCLES owner kill -9/restarts ridden through, data verified after re-stage, e2fsck clean" | tee "$R/verdict"
+echo "writer resumed after the guest saw the owner back: $lat" | tee -a "$R/resume"
+echo "ok: $FILES writes of $FILE_KIB KiB ($((FILES * FILE_KIB / 1024)) MiB) through /dev/$name over TCP to the host's owner, $CYCLES owner kill -9/restarts ridden through, data verified after re-stage" | tee "$R/verdict"
