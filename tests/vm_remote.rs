@@ -206,10 +206,11 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let ready: Vec<String> = restarts.iter().map(|(d, r)| format!("{:.2}", (*r - *d).as_secs_f64())).collect();
     eprintln!(
-        "note: {test}: {}\n{}{}(owner ready after its exec, s: {}; guest {:.1} s)",
+        "note: {test}: {}\n{}{}{}(owner ready after its exec, s: {}; guest {:.1} s)",
         read("verdict").trim(),
         read("notes"),
         read("resume"),
+        read("phases"),
         ready.join(" "),
         run.elapsed.as_secs_f64()
     );

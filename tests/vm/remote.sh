@@ -39,6 +39,14 @@ R=$VM_RESULTS
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
 plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
+# phase WHAT: the guest's uptime at each step, for the test's wall-time note.
+phase() { echo "$(cut -d' ' -f1 /proc/uptime) s: $* (guest idle $(awk '/^cpu / { printf "%.1f", $5 / 100 }' /proc/stat) s$(cpu_of consumer))" >>"$R/phases"; }
+# cpu_of NAME: ", NAME cpu S s" for the process whose pid is in $NAME.
+cpu_of() {
+  eval "p=\${$1:-}"
+  [ -n "$p" ] && [ -r /proc/$p/stat ] && awk -v n="$1" '{ printf ", %s cpu %.1f s", n, ($14 + $15) / 100 }' /proc/$p/stat
+}
+phase "script starts"
 
 ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || fail "network: $(ip link 2>&1)"
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
@@ -70,6 +78,8 @@ while ! ccsi probe 2>/dev/null | grep -q true; do
   sleep 0.1
 done
 
+phase "consumer ready"
+
 # A wrong secret: refused (NotFound), and no device connected.
 WRONG=$(echo "$SECRET" | tr '0-9a-f' '1-9a-f0')
 if stage --context "volring.io/nbd-secret=$WRONG" >"$R/stage-wrong.out" 2>&1; then
@@ -93,9 +103,12 @@ hexport=$(printf '%04X' $GPORT)
 conns=$(awk -v p="6402000A:$hexport" '$3 == p && $4 == "01"' /proc/net/tcp | wc -l)
 [ "$conns" -ge 1 ] || fail "no established TCP connection to 10.0.2.100:$GPORT: $(cat /proc/net/tcp)"
 grep -q "$SECRET" "$R/consumer.err" && fail "the secret is in the consumer's log"
+phase "staged"
 echo "staged on $dev over $conns TCP connection(s) to $URI" | tee -a "$R/notes"
 
 # The writer: one file at a time, each fsynced; a line per completed write.
+# Few processes per write: under TCG each exec costs more than writing
+# the file.
 MAXF=$((150 * 1024 / FILE_KIB))
 MINF=$((MIN_MIB * 1024 / FILE_KIB))
 : >"$R/writes"
@@ -108,7 +121,8 @@ rm -f /tmp/stop-writer
       echo "write $i failed" >>"$R/writer.err"
       exit 1
     fi
-    echo "$i $(sha256sum </tmp/src | cut -d' ' -f1) $(now)" >>"$R/writes"
+    set -- $(sha256sum </tmp/src)
+    echo "$i $1 $(now)" >>"$R/writes"
     i=$((i + 1))
   done
 ) &
@@ -119,9 +133,9 @@ more_writes() {
   i=0
   while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
     i=$((i + 1))
-    [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
+    [ $i -gt 600 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
     kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
-    sleep 0.1
+    sleep 0.5
   done
 }
 
@@ -149,6 +163,7 @@ if [ "$NO_HEAL" = 1 ]; then
     sleep 0.1
   done
   if wait $writer; then fail "without reconnecting every write still succeeded"; fi
+  phase "writer failed"
   dmesg >"$R/dmesg"
   grep -q "I/O error, dev $name" "$R/dmesg" || fail "no I/O error in dmesg without reconnecting"
   echo "ok: without reconnecting the writer failed $(echo "$(now) - $t_kill" | bc) s after the owner's kill was asked for: $(tail -1 "$R/writer.err")" | tee "$R/verdict"
@@ -162,20 +177,20 @@ done_writes=0
 while [ $c -le "$CYCLES" ]; do
   more_writes $done_writes
   restart_owner $c
-  # The first write completed after the reconnect.
+  # The first write completed after the reconnect. The times come from
+  # the logs, so this polls slowly (its processes would slow the writer).
   i=0
   while :; do
-    n_rec=$(plain "$R/consumer.err" | grep -c "nbd device reconnected")
-    if [ "$n_rec" -ge "$c" ]; then
+    if [ "$(grep -c "nbd device reconnected" "$R/consumer.err")" -ge "$c" ]; then
       ts=$(plain "$R/consumer.err" | grep "nbd device reconnected" | tail -1 | cut -d' ' -f1)
       t_rec=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the reconnect line: $ts"
       t_resume=$(awk -v b="$t_rec" '$3 >= b { print $3; exit }' "$R/writes")
       [ -n "$t_resume" ] && break
     fi
     i=$((i + 1))
-    [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the owner's return: $(plain "$R/consumer.err" | tail -5)"
+    [ $i -gt 240 ] && fail "cycle $c: writer did not resume within 60 s of the owner's return: $(plain "$R/consumer.err" | tail -5)"
     kill -0 $writer 2>/dev/null || fail "cycle $c: writer failed: $(cat "$R/writer.err")"
-    sleep 0.05
+    sleep 0.25
   done
   echo "cycle $c: $(cat "$R/back-$c"); reconnected $(echo "$t_rec - $t_back" | bc) s after the guest saw the owner back, writer resumed $(echo "$t_resume - $t_rec" | bc) s after the reconnect" | tee -a "$R/resume"
   echo "$(echo "$t_resume - $t_back" | bc)" >>"$R/latency"
@@ -187,12 +202,13 @@ more_writes $done_writes
 i=0
 while [ "$(wc -l <"$R/writes")" -lt "$MINF" ]; do
   i=$((i + 1))
-  [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") of $MINF writes)"
+  [ $i -gt 600 ] && fail "writer too slow ($(wc -l <"$R/writes") of $MINF writes)"
   kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
-  sleep 0.1
+  sleep 0.5
 done
 touch /tmp/stop-writer
 wait $writer || fail "writer failed: $(cat "$R/writer.err")"
+phase "writer done"
 FILES=$(wc -l <"$R/writes")
 errors=$(cat /sys/fs/ext4/$name/errors_count 2>/dev/null || echo missing)
 [ "$errors" = 0 ] || fail "ext4 errors_count $errors"
@@ -204,11 +220,10 @@ grep -q '"abnormal": *true' "$R/stats.out" && fail "condition abnormal after rec
 ccsi unstage --id pvc-r --staging "$S" >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
 [ -s /sys/block/$name/backend ] && fail "$dev still carries a backend after unstage"
 stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage2.out" 2>&1 || fail "re-stage: $(cat "$R/stage2.out")"
-bad=0
-while read -r n sum _; do
-  [ "$(sha256sum <"$S/f$n" | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
-done <"$R/writes"
-[ $bad -eq 0 ] || fail "$bad files differ"
+# One sha256sum for every file (not one process per file).
+awk '{ print $2 "  f" $1 }' "$R/writes" >/tmp/sums
+(cd "$S" && sha256sum -c --quiet /tmp/sums) >"$R/verify" 2>&1 || fail "files differ: $(head -5 "$R/verify")"
+phase "re-staged and verified"
 ccsi unstage --id pvc-r --staging "$S" >"$R/unstage2.out" 2>&1 || fail "unstage 2: $(cat "$R/unstage2.out")"
 dmesg >"$R/dmesg"
 if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd; then
