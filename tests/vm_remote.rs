@@ -33,6 +33,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use harness::{image_or_skip, Vm};
+use sha2::Digest;
 
 const SCRIPT: &str = include_str!("vm/remote.sh");
 /// The address the guest connects to (qemu's guestfwd).
@@ -152,6 +153,7 @@ impl Drop for Owner {
 /// the owner restarts the guest asks for.
 fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
     let no_heal = env.contains(&("NO_HEAL", "1"));
+    let block = env.contains(&("KIND", "block"));
     let Some(image) = image_or_skip(test) else { return };
     if Command::new("socat").arg("-V").output().is_err() {
         // .ci/deps installs it; a missing relay is a broken setup, not a skip.
@@ -160,7 +162,8 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
     let mut owner = Owner::new();
     owner.spawn();
     owner.wait_ready(60).unwrap_or_else(|e| panic!("{test}: {e}"));
-    let out = owner.csi(&["create", "--name", VOLUME, "--size", "192M", "--param", "attach=nbd", "--param", "fsType=ext4", "--fs", "ext4"]);
+    let access: &[&str] = if block { &["--block"] } else { &["--param", "fsType=ext4", "--fs", "ext4"] };
+    let out = owner.csi(&[&["create", "--name", VOLUME, "--size", "192M", "--param", "attach=nbd"], access].concat());
     assert!(out.status.success(), "{test}: create: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let created: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create's JSON");
     let context = &created["volume"]["volume_context"];
@@ -234,9 +237,22 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
         let log = fs::read_to_string(owner.log(run)).unwrap_or_default();
         assert!(!log.contains(&secret), "{test}: the secret is in owner{run}.err");
     }
-    if !no_heal {
+    owner.kill_hard();
+    if block {
+        // Every piece the guest wrote, at its offset in the owner's image
+        // (pieces of remote.sh's default FILE_KIB, 1 MiB).
+        let image = fs::read(owner.image()).expect("the owner's image");
+        let writes = read("writes");
+        for line in writes.lines() {
+            let mut f = line.split_whitespace();
+            let (n, sum): (usize, &str) = (f.next().and_then(|n| n.parse().ok()).expect("piece number"), f.next().expect("piece sum"));
+            let piece = &image[(n - 1) << 20..n << 20];
+            let got: String = sha2::Sha256::digest(piece).iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(got, sum, "{test}: piece {n} in the owner's image");
+        }
+        assert!(writes.lines().count() >= 64, "{test}: {} pieces written", writes.lines().count());
+    } else if !no_heal {
         // The filesystem the consumer left, as the owner's disk holds it.
-        owner.kill_hard();
         let fsck = Command::new("e2fsck").arg("-fn").arg(owner.image()).output().expect("e2fsck");
         assert!(fsck.status.success(), "{test}: e2fsck -fn of the owner's image:\n{}", String::from_utf8_lossy(&fsck.stdout));
     }
@@ -251,6 +267,15 @@ fn owner_restarts_under_a_remote_writer() {
     let conns = std::env::var("VOLRING_REMOTE_CONNS").unwrap_or_else(|_| "1".into());
     let n = cycles.parse().expect("VOLRING_REMOTE_CYCLES");
     remote("vm_remote::owner_restarts_under_a_remote_writer", &[("CYCLES", &cycles), ("CONNS", &conns)], n);
+}
+
+/// A block volume (volumeMode Block: NodeStage, NodePublish of the device
+/// node) served by the host's owner, written in pieces at their offsets
+/// while the owner restarts twice; the pieces verify in the guest after a
+/// re-stage and in the owner's image on the host.
+#[test]
+fn block_volume_rides_owner_restarts() {
+    remote("vm_remote::block_volume_rides_owner_restarts", &[("KIND", "block"), ("CYCLES", "2")], 2);
 }
 
 /// The control: the consumer does not reconnect (--nbd-no-heal, 4 s

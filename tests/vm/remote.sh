@@ -19,10 +19,15 @@
 #   (from the owner's disk, not this page cache) and every checksum
 #   verified; the host runs e2fsck -n on the owner's image after the guest.
 #
+# KIND=block: the volume is a raw block volume (volumeMode Block): staged
+# without a filesystem, published as a block device node at $T, written in
+# 1 MiB pieces at their offsets; the host checks the pieces in the owner's
+# image. KIND=ext4 (the default) stages ext4.
+#
 # NO_HEAL=1 is the control: the consumer runs with --nbd-no-heal (and a
 # short dead-connection timeout) and the writer must fail.
 #
-# Environment: VOLRING, URI, SECRET, CYCLES (3), FILE_KIB (1024), PER_CYCLE
+# Environment: VOLRING, URI, SECRET, KIND (ext4), CYCLES (3), FILE_KIB (1024), PER_CYCLE
 # (4), CONNS (consumer's --nbd-attach-connections, 1), MIN_MIB (data
 # written at least, 64). Results in $VM_RESULTS.
 
@@ -32,6 +37,7 @@ CYCLES=${CYCLES:-3}
 FILE_KIB=${FILE_KIB:-1024}
 PER_CYCLE=${PER_CYCLE:-4}
 NO_HEAL=${NO_HEAL:-0}
+KIND=${KIND:-ext4}
 CONNS=${CONNS:-1}
 MIN_MIB=${MIN_MIB:-64}
 if [ "$NO_HEAL" = 1 ]; then DCT=4; else DCT=120; fi
@@ -40,7 +46,7 @@ fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 now() { date +%s.%N; }
 plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
 # phase WHAT: the guest's uptime at each step, for the test's wall-time note.
-phase() { echo "$(cut -d' ' -f1 /proc/uptime) s: $* (guest idle $(awk '/^cpu / { printf "%.1f", $5 / 100 }' /proc/stat) s$(cpu_of consumer))" >>"$R/phases"; }
+phase() { echo "$(cut -d' ' -f1 /proc/uptime) s: $* (guest idle $(awk '/^cpu / { printf "%.1f s, iowait %.1f", $5 / 100, $6 / 100 }' /proc/stat) s$(cpu_of consumer))" >>"$R/phases"; }
 # cpu_of NAME: ", NAME cpu S s" for the process whose pid is in $NAME.
 cpu_of() {
   eval "p=\${$1:-}"
@@ -54,14 +60,25 @@ GPORT=10809
 CE=unix:///tmp/consumer.sock
 K=/tmp/kubelet
 S=$K/plugins/stage/pvc-r
+T=$K/pods/p1/volumeDevices/pvc-r
 mkdir -p "$K" /tmp/consumer
 ccsi() { "$VOLRING" csi --endpoint "$CE" "$@"; }
 [ "$URI" = "nbd://10.0.2.100:$GPORT/pvc-r" ] || fail "the owner advertises '$URI'"
 
-# stage ARGS...: NodeStage of the remote volume over TCP.
+if [ "$KIND" = block ]; then access=--block; else access="--fs $KIND"; fi
+# stage ARGS...: NodeStage of the remote volume over TCP (and NodePublish
+# of a block volume's device node at $T).
 stage() {
-  timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" --fs ext4 \
-    --context "volring.io/nbd-uri=$URI" "$@"
+  timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-r --staging "$S" $access \
+    --context "volring.io/nbd-uri=$URI" "$@" || return 1
+  [ "$KIND" = block ] || return 0
+  ccsi publish --id pvc-r --staging "$S" --target "$T" --block || return 1
+  [ -b "$T" ] || { echo "$T is not a block device"; return 1; }
+}
+# unstage: NodeUnpublish (block) and NodeUnstage.
+unstage() {
+  if [ "$KIND" = block ]; then ccsi unpublish --id pvc-r --target "$T" || return 1; fi
+  ccsi unstage --id pvc-r --staging "$S"
 }
 
 heal=""
@@ -73,9 +90,10 @@ consumer=$!
 i=0
 while ! ccsi probe 2>/dev/null | grep -q true; do
   i=$((i + 1))
-  [ $i -gt 600 ] && fail "consumer not ready after 60 s: $(tail -5 "$R/consumer.err")"
+  [ $i -gt 240 ] && fail "consumer not ready after 60 s: $(tail -5 "$R/consumer.err")"
   kill -0 $consumer 2>/dev/null || fail "consumer exited: $(tail -5 "$R/consumer.err")"
-  sleep 0.1
+  # Each probe is a run of the (debug) binary: not too often.
+  sleep 0.25
 done
 
 phase "consumer ready"
@@ -93,7 +111,15 @@ echo "wrong secret refused: $(tr -d '\n' <"$R/stage-wrong.out" | head -c 200)" |
 
 stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage.out" 2>&1 \
   || fail "stage: $(cat "$R/stage.out"); $(tail -5 "$R/consumer.err")"
-dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
+if [ "$KIND" = block ]; then
+  dev=
+  for b in /sys/block/nbd*/backend; do
+    [ "$(cat "$b" 2>/dev/null)" = pvc-r ] && dev=/dev/$(basename "$(dirname "$b")")
+  done
+  [ "$(stat -c %t:%T "$T")" = "$(stat -c %t:%T "$dev")" ] || fail "$T is not $dev"
+else
+  dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
+fi
 case "$dev" in /dev/nbd*) ;; *) fail "staged on '$dev', not an nbd device" ;; esac
 name=${dev#/dev/}
 [ "$(cat /sys/block/$name/backend)" = pvc-r ] || fail "backend is $(cat /sys/block/$name/backend)"
@@ -117,7 +143,12 @@ rm -f /tmp/stop-writer
   i=1
   while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
     head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
-    if ! dd if=/tmp/src of="$S/f$i" bs=64k conv=fsync status=none 2>>"$R/writer.err"; then
+    if [ "$KIND" = block ]; then
+      set -- of="$T" seek=$(((i - 1) * FILE_KIB / 64)) conv=notrunc,fsync
+    else
+      set -- of="$S/f$i" conv=fsync
+    fi
+    if ! dd if=/tmp/src bs=64k "$@" status=none 2>>"$R/writer.err"; then
       echo "write $i failed" >>"$R/writer.err"
       exit 1
     fi
@@ -193,7 +224,7 @@ while [ $c -le "$CYCLES" ]; do
     sleep 0.25
   done
   echo "cycle $c: $(cat "$R/back-$c"); reconnected $(echo "$t_rec - $t_back" | bc) s after the guest saw the owner back, writer resumed $(echo "$t_resume - $t_rec" | bc) s after the reconnect" | tee -a "$R/resume"
-  echo "$(echo "$t_resume - $t_back" | bc)" >>"$R/latency"
+  echo "$(echo "$t_resume - $t_rec" | bc)" >>"$R/latency"
   done_writes=$(wc -l <"$R/writes")
   c=$((c + 1))
 done
@@ -210,21 +241,33 @@ touch /tmp/stop-writer
 wait $writer || fail "writer failed: $(cat "$R/writer.err")"
 phase "writer done"
 FILES=$(wc -l <"$R/writes")
-errors=$(cat /sys/fs/ext4/$name/errors_count 2>/dev/null || echo missing)
-[ "$errors" = 0 ] || fail "ext4 errors_count $errors"
-ccsi stats --id pvc-r --path "$S" >"$R/stats.out" 2>&1
+if [ "$KIND" = ext4 ]; then
+  errors=$(cat /sys/fs/ext4/$name/errors_count 2>/dev/null || echo missing)
+  [ "$errors" = 0 ] || fail "ext4 errors_count $errors"
+  ccsi stats --id pvc-r --path "$S" >"$R/stats.out" 2>&1
+else
+  ccsi stats --id pvc-r --path "$T" >"$R/stats.out" 2>&1
+fi
 grep -q '"abnormal": *true' "$R/stats.out" && fail "condition abnormal after reconnecting: $(cat "$R/stats.out")"
 
 # From the owner's disk, not this page cache: unstage, stage again over
 # TCP, read back.
-ccsi unstage --id pvc-r --staging "$S" >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
+unstage >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
 [ -s /sys/block/$name/backend ] && fail "$dev still carries a backend after unstage"
 stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage2.out" 2>&1 || fail "re-stage: $(cat "$R/stage2.out")"
-# One sha256sum for every file (not one process per file).
-awk '{ print $2 "  f" $1 }' "$R/writes" >/tmp/sums
-(cd "$S" && sha256sum -c --quiet /tmp/sums) >"$R/verify" 2>&1 || fail "files differ: $(head -5 "$R/verify")"
+# One sha256sum for every file (not one process per file); a block
+# volume's pieces are read in one pass and cut at their offsets.
+if [ "$KIND" = block ]; then
+  mkdir -p /tmp/pieces
+  dd if="$T" bs=$((FILE_KIB * 1024)) count=$(wc -l <"$R/writes") iflag=direct status=none | (cd /tmp/pieces && split -d -a 4 -b $((FILE_KIB * 1024)) - p) \
+    || fail "read back $T"
+  awk '{ printf "%s  /tmp/pieces/p%04d\n", $2, $1 - 1 }' "$R/writes" >/tmp/sums
+else
+  awk '{ print $2 "  f" $1 }' "$R/writes" >/tmp/sums
+fi
+(if [ "$KIND" = block ]; then cd /tmp/pieces; else cd "$S"; fi && sha256sum -c --quiet /tmp/sums) >"$R/verify" 2>&1 || fail "pieces differ: $(head -5 "$R/verify")"
 phase "re-staged and verified"
-ccsi unstage --id pvc-r --staging "$S" >"$R/unstage2.out" 2>&1 || fail "unstage 2: $(cat "$R/unstage2.out")"
+unstage >"$R/unstage2.out" 2>&1 || fail "unstage 2: $(cat "$R/unstage2.out")"
 dmesg >"$R/dmesg"
 if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd; then
   fail "I/O errors in dmesg: $(grep -E 'I/O error|EXT4-fs error' "$R/dmesg" | head -5)"
@@ -232,5 +275,5 @@ fi
 kill $consumer
 wait $consumer 2>/dev/null
 lat=$(sort -n "$R/latency" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[NR], NR }')
-echo "writer resumed after the guest saw the owner back: $lat" | tee -a "$R/resume"
-echo "ok: $FILES writes of $FILE_KIB KiB ($((FILES * FILE_KIB / 1024)) MiB) through /dev/$name over TCP to the host's owner, $CYCLES owner kill -9/restarts ridden through, data verified after re-stage" | tee "$R/verdict"
+echo "writer resumed after the consumer's reconnect: $lat" | tee -a "$R/resume"
+echo "ok: $KIND, $FILES writes of $FILE_KIB KiB ($((FILES * FILE_KIB / 1024)) MiB) through /dev/$name over TCP to the host's owner, $CYCLES owner kill -9/restarts ridden through, data verified after re-stage" | tee "$R/verdict"
