@@ -48,6 +48,8 @@ struct Owner {
     port: u16,
     child: Option<Child>,
     runs: u32,
+    /// Owners that died at their start (see [`Owner::wait_ready`]).
+    respawns: Vec<String>,
 }
 
 impl Owner {
@@ -55,7 +57,7 @@ impl Owner {
         let dir = tempfile::Builder::new().prefix("volring-owner-").tempdir().expect("tempdir");
         // A free port on loopback; each run of the owner binds it again.
         let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-        Owner { dir, port, child: None, runs: 0 }
+        Owner { dir, port, child: None, runs: 0, respawns: Vec::new() }
     }
 
     fn endpoint(&self) -> String {
@@ -97,14 +99,26 @@ impl Owner {
         Command::new(env!("CARGO_BIN_EXE_volring")).args(["csi", "--endpoint", &self.endpoint()]).args(args).output().expect("volring csi")
     }
 
-    /// Waits (every 100 ms, at most `secs`) for Probe to answer ready.
+    /// Waits (every 100 ms, at most `secs`) for Probe to answer ready. An
+    /// owner that exits first is started again, up to 4 times, 1 s apart,
+    /// as its supervisor would: on a host short of free memory its ring
+    /// setup has failed with ENOMEM (a fatal error for the agent, by
+    /// design). The restarts are counted in `respawns`.
     fn wait_ready(&mut self, secs: u64) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(secs);
+        let mut tries = 0;
         loop {
             if String::from_utf8_lossy(&self.csi(&["probe"]).stdout).contains("true") {
                 return Ok(());
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                if tries < 4 && Instant::now() < deadline {
+                    tries += 1;
+                    self.respawns.push(format!("owner{} exited ({status}) before it was ready", self.runs));
+                    std::thread::sleep(Duration::from_secs(1));
+                    self.spawn();
+                    continue;
+                }
                 return Err(format!("the owner exited ({status}):\n{}", self.logs()));
             }
             if Instant::now() > deadline {
@@ -209,12 +223,13 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let ready: Vec<String> = restarts.iter().map(|(d, r)| format!("{:.2}", (*r - *d).as_secs_f64())).collect();
     eprintln!(
-        "note: {test}: {}\n{}{}{}(owner ready after its exec, s: {}; guest {:.1} s)",
+        "note: {test}: {}\n{}{}{}(owner ready after its exec, s: {}; started again at its start: {:?}; guest {:.1} s)",
         read("verdict").trim(),
         read("notes"),
         read("resume"),
         read("phases"),
         ready.join(" "),
+        owner.respawns,
         run.elapsed.as_secs_f64()
     );
     let tail = |n: &str| {
