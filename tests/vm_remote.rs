@@ -5,8 +5,10 @@
 //! TCP to that export. A wrong secret is refused, data is written and
 //! verified with checksums, and the owner is killed -9 and restarted on the
 //! host under a writer in the guest while the consumer lives; e2fsck -n of
-//! the owner's image on the host at the end. Skips (saying why) without the
-//! VM image; fails in CI.
+//! the owner's image on the host at the end. A block volume (volumeMode
+//! Block: staged without a filesystem, published as a device node) rides
+//! the same restarts, its pieces checked in the owner's image. Skips
+//! (saying why) without the VM image; fails in CI.
 //!
 //! The guest reaches the host through qemu's user network, restricted to
 //! one forward: `guestfwd=tcp:10.0.2.100:10809-cmd:RELAY`. A `cmd:` forward
