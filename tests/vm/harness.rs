@@ -220,10 +220,50 @@ impl Vm {
     /// Boots the guest, runs `script` under /bin/sh as root in it, powers it
     /// off. Kills qemu once `timeout` passed.
     pub fn run(&self, script: &str, timeout: Duration) -> io::Result<GuestRun> {
+        self.start(script)?.wait(timeout)
+    }
+
+    /// Boots the guest on `script` and returns at once, so the caller can
+    /// play the other side of what the script does (a server on the host,
+    /// files exchanged through [`Guest::xfer`]) while it runs.
+    pub fn start(&self, script: &str) -> io::Result<Guest> {
         let (work, mut cmd) = self.prepare(script)?;
-        let xfer = work.path().join("xfer");
         let start = Instant::now();
-        let mut qemu = Running(cmd.spawn()?);
+        let qemu = Running(cmd.spawn()?);
+        Ok(Guest { work, qemu, start })
+    }
+}
+
+/// A guest booted by [`Vm::start`]; qemu is killed (by PID) if this is
+/// dropped before [`Guest::wait`].
+pub struct Guest {
+    work: tempfile::TempDir,
+    qemu: Running,
+    start: Instant,
+}
+
+impl Guest {
+    /// The read-write share: the guest sees it as /run/vm (cache=none, so
+    /// a file the host writes here is seen by the guest's next open), its
+    /// `$VM_RESULTS` is `results/` in it.
+    pub fn xfer(&self) -> PathBuf {
+        self.work.path().join("xfer")
+    }
+
+    pub fn qemu_pid(&self) -> u32 {
+        self.qemu.0.id()
+    }
+
+    /// Whether qemu has exited (the script ended, or the guest died).
+    pub fn finished(&mut self) -> bool {
+        !matches!(self.qemu.0.try_wait(), Ok(None))
+    }
+
+    /// Waits for the guest to power off; kills qemu once `timeout` (counted
+    /// from its start) passed.
+    pub fn wait(self, timeout: Duration) -> io::Result<GuestRun> {
+        let Guest { work, mut qemu, start } = self;
+        let xfer = work.path().join("xfer");
         let qemu_pid = qemu.0.id();
         let deadline = start + timeout;
         let mut timed_out = false;
