@@ -347,6 +347,7 @@ async fn start_publisher(
     use crate::publisher::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
     let mut uc = UpdaterConfig::new(node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
+    uc.unread_paths = crate::publisher::feed::unread_paths(inventory);
     // Listen before the first build, so no change falls between.
     let node_signal = NodeSignal::default();
     if let Some(d) = &driver {

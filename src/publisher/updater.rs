@@ -57,6 +57,9 @@ pub struct UpdaterConfig {
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub gone: GonePolicy,
+    /// `/dev` paths of devices present whose stable id could not be read
+    /// at start: their stored objects are not retired by the first diff.
+    pub unread_paths: HashSet<String>,
 }
 
 impl UpdaterConfig {
@@ -71,6 +74,7 @@ impl UpdaterConfig {
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             gone: GonePolicy::MarkInactive,
+            unread_paths: HashSet::new(),
         }
     }
 }
@@ -144,6 +148,8 @@ enum Want {
     Put(Object),
     /// Its device is gone.
     Retire,
+    /// Stored under a superseded name: deleted whatever the gone policy.
+    Remove,
 }
 
 /// The door: changes wait here, one per object, until the loop takes them.
@@ -400,12 +406,18 @@ impl<S: Sink> Worker<S> {
             }
         }
         let present: HashSet<Key> = initial.iter().map(|o| o.key.clone()).collect();
-        let gone: Vec<Key> = self.known.keys().filter(|k| !present.contains(k)).cloned().collect();
+        let unread = |o: &Object| o.spec.get("path").and_then(|p| p.as_str()).is_some_and(|p| self.config.unread_paths.contains(p));
+        let gone: Vec<(Key, bool)> = self
+            .known
+            .iter()
+            .filter(|(k, o)| !present.contains(*k) && (o.superseded() || !unread(o)))
+            .map(|(k, o)| (k.clone(), o.superseded()))
+            .collect();
         for o in initial {
             self.enqueue(o.key.clone(), Want::Put(o));
         }
-        for k in gone {
-            self.enqueue(k, Want::Retire);
+        for (k, superseded) in gone {
+            self.enqueue(k, if superseded { Want::Remove } else { Want::Retire });
         }
         true
     }
@@ -519,6 +531,7 @@ fn plan(key: &Key, want: &Want, stored: Option<&Object>, gone: GonePolicy) -> Op
                 GonePolicy::MarkInactive => s.retired().filter(|r| needs(r, stored)).map(Plan::Write),
             }
         }
+        Want::Remove => stored.map(|_| Plan::Delete),
     }
 }
 
