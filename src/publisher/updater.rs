@@ -349,6 +349,11 @@ impl<S: Sink> Worker<S> {
             let due = self.window_ends.is_some_and(|w| now >= w) || self.ready.len() >= self.config.batch;
             if due {
                 let batch = self.take_batch();
+                // A change that comes during the flush starts a window of
+                // its own; what a full batch left behind is due already.
+                if self.ready.is_empty() {
+                    self.window_ends = None;
+                }
                 self.flush(batch).await;
                 continue;
             }
@@ -392,14 +397,22 @@ impl<S: Sink> Worker<S> {
                             return false;
                         }
                         let wait = match &e {
-                            SinkError::Throttled { retry_after } => *retry_after,
-                            _ => backoff(&self.config, attempts),
+                            SinkError::Throttled { retry_after } => {
+                                bump(&self.shared.stats.throttled);
+                                self.gate.pause(*retry_after);
+                                *retry_after
+                            }
+                            _ => {
+                                bump(&self.shared.stats.unavailable);
+                                backoff(&self.config, attempts)
+                            }
                         };
                         attempts += 1;
                         tracing::warn!(error = %e, kind = kind.as_str(), retry_in_ms = wait.as_millis() as u64, "publisher: initial list failed");
-                        tokio::select! {
-                            _ = tokio::time::sleep(wait) => {}
-                            _ = self.shared.wake.notified() => {}
+                        // Submissions wake the loop too, and the agent submits
+                        // on every relink: only a shutdown ends the wait early.
+                        if !self.wait_unless_stopping(wait).await {
+                            return false;
                         }
                     }
                 }
@@ -420,6 +433,20 @@ impl<S: Sink> Worker<S> {
             self.enqueue(k, if superseded { Want::Remove } else { Want::Retire });
         }
         true
+    }
+
+    /// Sleeps `wait`; false when a shutdown began meanwhile.
+    async fn wait_unless_stopping(&self, wait: Duration) -> bool {
+        let until = Instant::now() + wait;
+        loop {
+            if self.shared.stopping.load(Ordering::Relaxed) {
+                return false;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => return true,
+                _ = self.shared.wake.notified() => {}
+            }
+        }
     }
 
     fn take_inbox(&mut self) {
