@@ -48,8 +48,8 @@ pub struct AgentConfig {
 #[derive(Debug, Clone)]
 pub struct PublishConfig {
     /// `Some(true)`: the cluster (fails when no client configuration is
-    /// found); `Some(false)`: the node's store; `None`: the cluster when
-    /// running in a pod, else the store.
+    /// found); `Some(false)`: the node's store; `None`: the cluster when a
+    /// kubeconfig or a pod's service account is found, else the store.
     pub kube: Option<bool>,
     pub qps: f64,
     pub burst: u32,
@@ -376,9 +376,11 @@ async fn start_publisher(
     let initial = crate::publisher::feed::Feed::initial(inventory, node, node_feed.current());
     let mut feed = crate::publisher::feed::Feed::default();
     feed.seed(&initial);
-    let up = if p.kube.unwrap_or_else(KubeSink::in_cluster) {
+    let source = KubeSink::detect();
+    let up = if p.kube.unwrap_or(source.is_some()) {
         let sink = Arc::new(KubeSink::infer().await.context("--kube")?);
-        tracing::info!(objects = initial.len(), "publishing to the cluster");
+        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
+        tracing::info!(objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = hook_driver {
             tokio::spawn(healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
         }

@@ -644,3 +644,80 @@ async fn requests_in_flight_stay_within_the_concurrency() {
     let max = server.api.max_in_flight();
     assert!((2..=3).contains(&max), "{max} requests at once with concurrency 3");
 }
+
+/// A kubeconfig that points at the stand-in.
+fn kubeconfig_for(server: &Server, dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("kubeconfig");
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: stand-in\n  cluster:\n    server: http://{}\nusers:\n- name: tester\n  user:\n    token: not-checked\ncontexts:\n- name: stand-in\n  context:\n    cluster: stand-in\n    user: tester\ncurrent-context: stand-in\n",
+        server.addr
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Runs `volring` with `args` and a clean environment (`env` added);
+/// returns (status, stdout, stderr).
+async fn volring(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (std::process::ExitStatus, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_volring"));
+    cmd.args(args).env_clear().env("PATH", "/usr/bin:/bin");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+    (out.status, String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+/// H2: `volring get` reads the cluster a kubeconfig names (and says so),
+/// reads the node's store when there is none or `--local-store` asks.
+#[tokio::test]
+async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
+    let server = Server::start().await;
+    for i in 0..3 {
+        server.api.seed("blockdevices", volring::publisher::embedded_sink::api_form(&bd("n1", i, 0)));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let cfg = kubeconfig_for(&server, dir.path());
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let state_arg = format!("--state-dir={}", state.display());
+
+    let (st, out, err) = volring(&["get", "bd", "-o", "json", &state_arg], &[("HOME", home.as_os_str()), ("KUBECONFIG", cfg.as_os_str())]).await;
+    assert!(st.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut names: Vec<&str> = v["items"].as_array().unwrap().iter().map(|i| i["metadata"]["name"].as_str().unwrap()).collect();
+    names.sort();
+    let mut want: Vec<String> = (0..3).map(|i| bd("n1", i, 0).key.name).collect();
+    want.sort();
+    assert_eq!(names, want);
+    assert!(err.contains("from the cluster") && err.contains(&cfg.display().to_string()), "{err}");
+    assert!(server.api.log().iter().any(|l| l.path.ends_with("/blockdevices")));
+
+    // ~/.kube/config counts too.
+    std::fs::create_dir(home.join(".kube")).unwrap();
+    std::fs::copy(&cfg, home.join(".kube/config")).unwrap();
+    let (st, out, err) = volring(&["get", "bd", &state_arg], &[("HOME", home.as_os_str())]).await;
+    assert!(st.success() && out.lines().count() == 4 && err.contains("from the cluster"), "{out}{err}");
+
+    // --local-store: the node's store, even with a kubeconfig.
+    server.api.clear_log();
+    let store = Arc::new(volring::state::store::Store::open(&state.join(volring::state::store::FILE)).unwrap());
+    Updater::start(Arc::new(EmbeddedSink::new(store.clone())), config("n9"), vec![bd("n9", 0, 0)]).shutdown(Duration::from_secs(10)).await;
+    drop(store);
+    let (st, out, err) = volring(&["get", "bd", "--local-store", "-o", "json", &state_arg], &[("HOME", home.as_os_str())]).await;
+    assert!(st.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["items"].as_array().unwrap().len(), 1, "{out}");
+    assert_eq!(v["items"][0]["spec"]["nodeName"], "n9");
+    assert!(err.contains("from the node's store"), "{err}");
+    assert!(server.api.log().is_empty(), "the cluster was not asked");
+
+    // No kubeconfig, no service account: the store, as before.
+    let empty = dir.path().join("empty-home");
+    std::fs::create_dir(&empty).unwrap();
+    let (st, out, err) = volring(&["get", "bd", &state_arg], &[("HOME", empty.as_os_str())]).await;
+    assert!(st.success() && out.lines().count() == 2 && err.contains("from the node's store"), "{out}{err}");
+    assert!(server.api.log().is_empty());
+}
