@@ -98,6 +98,8 @@ pub struct Stats {
     pub flushes: AtomicU64,
     /// Objects still pending when a shutdown's deadline passed.
     pub abandoned: AtomicU64,
+    /// Objects waiting to be written now (a gauge; set by the loop).
+    pub queued: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -115,6 +117,7 @@ pub struct StatsSnapshot {
     pub refused: u64,
     pub flushes: u64,
     pub abandoned: u64,
+    pub queued: u64,
 }
 
 impl Stats {
@@ -134,6 +137,7 @@ impl Stats {
             refused: g(&self.refused),
             flushes: g(&self.flushes),
             abandoned: g(&self.abandoned),
+            queued: g(&self.queued),
         }
     }
 }
@@ -178,10 +182,16 @@ impl Updater {
     /// first LIST is diffed against it, and this node's stored objects
     /// missing from it are retired.
     pub fn start<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>) -> Updater {
+        Self::start_counting(sink, config, initial, Arc::default())
+    }
+
+    /// [`Updater::start`], counting into `stats` (made before the updater,
+    /// so `/metrics` can hold them from its start).
+    pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             wake: Notify::new(),
-            stats: Arc::new(Stats::default()),
+            stats,
             stopping: AtomicBool::new(false),
         });
         let gate = Arc::new(Gate::new(config.qps, config.burst));
@@ -315,6 +325,7 @@ impl<S: Sink> Worker<S> {
                 stop_at = lock(&self.shared.inbox).stop;
             }
             self.take_inbox();
+            self.shared.stats.queued.store(self.pending.len() as u64, Ordering::Relaxed);
             let now = Instant::now();
             while let Some(Reverse((due, _, _))) = self.delayed.peek() {
                 if *due > now {
@@ -377,6 +388,7 @@ impl<S: Sink> Worker<S> {
             tracing::warn!(objects = left, "publisher stopped with objects unwritten");
         }
         self.shared.stats.abandoned.fetch_add(left as u64, Ordering::Relaxed);
+        self.shared.stats.queued.store(0, Ordering::Relaxed);
     }
 
     /// LISTs this node's objects until it succeeds (or the agent stops),
@@ -408,6 +420,8 @@ impl<S: Sink> Worker<S> {
                             }
                         };
                         attempts += 1;
+                        let waiting = lock(&self.shared.inbox).changes.len() + initial.len();
+                        self.shared.stats.queued.store(waiting as u64, Ordering::Relaxed);
                         tracing::warn!(error = %e, kind = kind.as_str(), retry_in_ms = wait.as_millis() as u64, "publisher: initial list failed");
                         // Submissions wake the loop too, and the agent submits
                         // on every relink: only a shutdown ends the wait early.
