@@ -34,3 +34,46 @@ pub(super) fn encode(e: &mut DescriptorEncoder<'_>, s: &Stats) -> Result<(), Fmt
     }
     how_many(e, "volring_publish_queued", "Objects waiting to be written", usize::try_from(g(&s.queued)).unwrap_or(usize::MAX))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use prometheus_client::collector::Collector;
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+
+    #[derive(Debug)]
+    struct Only(Arc<Stats>);
+
+    impl Collector for Only {
+        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
+            encode(&mut e, &self.0)
+        }
+    }
+
+    #[test]
+    fn the_publishers_counters_are_exported() {
+        let s = Arc::new(Stats::default());
+        for (a, v) in [(&s.writes_main, 7), (&s.writes_status, 9), (&s.refused, 2), (&s.throttled, 4), (&s.conflicts, 1), (&s.queued, 12)] {
+            a.store(v, Ordering::Relaxed);
+        }
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Only(s)));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        for line in [
+            "volring_publish_writes_total{part=\"main\"} 7",
+            "volring_publish_writes_total{part=\"status\"} 9",
+            "volring_publish_refused_total 2",
+            "volring_publish_throttled_total 4",
+            "volring_publish_conflicts_total 1",
+            "volring_publish_unavailable_total 0",
+            "volring_publish_abandoned_total 0",
+            "volring_publish_queued 12",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
+    }
+}
