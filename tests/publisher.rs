@@ -763,12 +763,19 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = kubeconfig_for(&server, dir.path());
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let kubelet = dir.path().join("kubelet");
+    std::fs::create_dir(&kubelet).unwrap();
     let mut agent = Reaped(std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
-        .args(["node", "--node-id", "e2e-node", "--no-probe", "--publish-window", "0.2", "--metrics-addr", &format!("127.0.0.1:{port}")])
+        .args(["node", "--node-id", "e2e-node", "--publish-window", "0.2", "--metrics-addr", &format!("127.0.0.1:{port}")])
         .arg("--state-dir")
         .arg(dir.path().join("state"))
+        .arg("--kubelet-root")
+        .arg(&kubelet)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", dir.path().join("csi.sock").display()))
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
+        .env("NODE_NAME", "e2e-node")
         .env("HOME", dir.path())
         .env("KUBECONFIG", &cfg)
         .env("RUST_LOG", "volring=info")
