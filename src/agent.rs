@@ -199,8 +199,16 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let driver = csi.as_ref().map(|c| c.driver.clone());
     let mut publisher = match &config.publish {
         Some(p) => Some(
-            start_publisher(p, &config.state_dir, &node, driver.clone(), view.clone(), &inventory, publish_stats.clone().unwrap_or_default())
-                .await?,
+            start_publisher(
+                p,
+                &config.state_dir,
+                &node,
+                driver.clone(),
+                view.clone(),
+                &inventory,
+                publish_stats.clone().unwrap_or_default(),
+            )
+            .await?,
         ),
         None => None,
     };

@@ -455,7 +455,8 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
-    let mut paths: Vec<String> = server.api.objects("blockdevices").iter().map(|o| o["spec"]["path"].as_str().unwrap().to_string()).collect();
+    let mut paths: Vec<String> =
+        server.api.objects("blockdevices").iter().map(|o| o["spec"]["path"].as_str().unwrap().to_string()).collect();
     paths.sort();
     assert_eq!(paths, ["/dev/vdz0", "/dev/vdz1"]);
 }
@@ -575,7 +576,8 @@ async fn a_failing_initial_list_waits_while_changes_arrive() {
         let mut c = config("n1");
         c.backoff_min = Duration::from_secs(1);
         let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
-        let lists = || server.api.log().into_iter().filter(|l| l.method == Method::GET && l.path.ends_with("blockdevices")).collect::<Vec<_>>();
+        let lists =
+            || server.api.log().into_iter().filter(|l| l.method == Method::GET && l.path.ends_with("blockdevices")).collect::<Vec<_>>();
         for g in 0..500 {
             if lists().len() >= 2 {
                 break;
@@ -684,7 +686,8 @@ async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
     std::fs::create_dir(&state).unwrap();
     let state_arg = format!("--state-dir={}", state.display());
 
-    let (st, out, err) = volring(&["get", "bd", "-o", "json", &state_arg], &[("HOME", home.as_os_str()), ("KUBECONFIG", cfg.as_os_str())]).await;
+    let (st, out, err) =
+        volring(&["get", "bd", "-o", "json", &state_arg], &[("HOME", home.as_os_str()), ("KUBECONFIG", cfg.as_os_str())]).await;
     assert!(st.success(), "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let mut names: Vec<&str> = v["items"].as_array().unwrap().iter().map(|i| i["metadata"]["name"].as_str().unwrap()).collect();
@@ -759,30 +762,38 @@ fn sample(scrape: &str, series: &str) -> Option<f64> {
 #[tokio::test]
 async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     let server = Server::start().await;
-    server.api.inject(Fault { status: 422, retry_after: None, method: Some(Method::PATCH), path_contains: "storagenodes".into(), times: 1 });
+    server.api.inject(Fault {
+        status: 422,
+        retry_after: None,
+        method: Some(Method::PATCH),
+        path_contains: "storagenodes".into(),
+        times: 1,
+    });
     let dir = tempfile::tempdir().unwrap();
     let cfg = kubeconfig_for(&server, dir.path());
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let kubelet = dir.path().join("kubelet");
     std::fs::create_dir(&kubelet).unwrap();
-    let mut agent = Reaped(std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
-        .args(["node", "--node-id", "e2e-node", "--publish-window", "0.2", "--metrics-addr", &format!("127.0.0.1:{port}")])
-        .arg("--state-dir")
-        .arg(dir.path().join("state"))
-        .arg("--kubelet-root")
-        .arg(&kubelet)
-        .arg("--csi-endpoint")
-        .arg(format!("unix://{}", dir.path().join("csi.sock").display()))
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .env("NODE_NAME", "e2e-node")
-        .env("HOME", dir.path())
-        .env("KUBECONFIG", &cfg)
-        .env("RUST_LOG", "volring=info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
-        .spawn()
-        .unwrap());
+    let mut agent = Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+            .args(["node", "--node-id", "e2e-node", "--publish-window", "0.2", "--metrics-addr", &format!("127.0.0.1:{port}")])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--kubelet-root")
+            .arg(&kubelet)
+            .arg("--csi-endpoint")
+            .arg(format!("unix://{}", dir.path().join("csi.sock").display()))
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("NODE_NAME", "e2e-node")
+            .env("HOME", dir.path())
+            .env("KUBECONFIG", &cfg)
+            .env("RUST_LOG", "volring=info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
     let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
     let mut scrape = String::new();
     for _ in 0..600 {

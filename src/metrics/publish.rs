@@ -14,7 +14,12 @@ use crate::publisher::updater::Stats;
 
 pub(super) fn encode(e: &mut DescriptorEncoder<'_>, s: &Stats) -> Result<(), FmtError> {
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let mut fam = e.encode_descriptor("volring_publish_writes", "Objects written, by part (main: labels and spec; status)", None, MetricType::Counter)?;
+    let mut fam = e.encode_descriptor(
+        "volring_publish_writes",
+        "Objects written, by part (main: labels and spec; status)",
+        None,
+        MetricType::Counter,
+    )?;
     for (part, v) in [("main", &s.writes_main), ("status", &s.writes_status)] {
         ConstCounter::new(g(v)).encode(fam.encode_family(&[("part", part)])?)?;
     }

@@ -75,7 +75,9 @@ impl Feed {
         let gone: Vec<Key> = self
             .last
             .iter()
-            .filter(|(k, o)| k.kind == objects::Kind::BlockDevice && !now.contains_key(*k) && !path_of(o).is_some_and(|p| unread.contains(p)))
+            .filter(|(k, o)| {
+                k.kind == objects::Kind::BlockDevice && !now.contains_key(*k) && !path_of(o).is_some_and(|p| unread.contains(p))
+            })
             .map(|(k, _)| k.clone())
             .collect();
         for k in gone {

@@ -100,7 +100,6 @@ pub fn cluster_source(kubeconfig: Option<&std::ffi::OsStr>, home: Option<&std::f
 }
 
 impl KubeSink {
-
     /// GETs `uri` and reads the reply as JSON (for the LISTs that are not
     /// the updater's: the healer's VolumeAttachments).
     pub(super) async fn get_json(&self, uri: &str) -> Result<serde_json::Value, SinkError> {

@@ -188,12 +188,7 @@ impl Updater {
     /// [`Updater::start`], counting into `stats` (made before the updater,
     /// so `/metrics` can hold them from its start).
     pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
-        let shared = Arc::new(Shared {
-            inbox: Mutex::new(Inbox::default()),
-            wake: Notify::new(),
-            stats,
-            stopping: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), wake: Notify::new(), stats, stopping: AtomicBool::new(false) });
         let gate = Arc::new(Gate::new(config.qps, config.burst));
         let worker = Worker {
             sink,
