@@ -605,8 +605,11 @@ async fn repeated_429s_pause_every_request() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let mut c = config("n1");
-    c.concurrency = 4;
     let objs = seeded(&server, &sink, &c, 40).await;
+    // Slow enough that the writes span the pauses, and each request held
+    // at the server so four are in flight at once.
+    (c.concurrency, c.qps, c.burst) = (4, 20.0, 4);
+    server.api.set_hold(Duration::from_millis(150));
     server.api.inject(Fault { status: 429, retry_after: Some(1), method: Some(Method::PATCH), path_contains: String::new(), times: 3 });
     let up = Updater::start(sink, c, vec![]);
     let now: Vec<Object> = objs.iter().enumerate().map(|(i, _)| bd("n1", i, 1)).collect();
@@ -616,6 +619,7 @@ async fn repeated_429s_pause_every_request() {
     until("every object", || now.iter().all(|o| stored_status(&server, o) == o.status)).await;
     let s = up.shutdown(Duration::from_secs(10)).await;
     assert_eq!(s.throttled, 3, "{s:?}");
+    assert!(server.api.max_in_flight() > 1, "requests overlapped");
     let log = server.api.log();
     let throttled: Vec<_> = log.iter().filter(|l| l.status == 429).collect();
     assert_eq!(throttled.len(), 3);
