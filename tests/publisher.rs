@@ -645,8 +645,12 @@ async fn requests_in_flight_stay_within_the_concurrency() {
     c.concurrency = 3;
     server.api.set_hold(Duration::from_millis(50));
     let objs: Vec<Object> = (0..40).map(|i| bd("n1", i, 1)).collect();
-    let s = Updater::start(sink, c, objs).shutdown(Duration::from_secs(30)).await;
-    assert_eq!((s.writes_main, s.writes_status, s.abandoned), (40, 40, 0), "{s:?}");
+    let up = Updater::start(sink, c, objs);
+    // The queue gauge (volring_publish_queued) counts what is being written.
+    let queued = || up.stats().queued.load(std::sync::atomic::Ordering::Relaxed);
+    until("the queue gauge to count the batch", || queued() >= 30).await;
+    let s = up.shutdown(Duration::from_secs(30)).await;
+    assert_eq!((s.writes_main, s.writes_status, s.abandoned, s.queued), (40, 40, 0, 0), "{s:?}");
     let max = server.api.max_in_flight();
     assert!((2..=3).contains(&max), "{max} requests at once with concurrency 3");
 }

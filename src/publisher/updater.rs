@@ -98,7 +98,8 @@ pub struct Stats {
     pub flushes: AtomicU64,
     /// Objects still pending when a shutdown's deadline passed.
     pub abandoned: AtomicU64,
-    /// Objects waiting to be written now (a gauge; set by the loop).
+    /// Objects waiting to be written or being written now (a gauge; set
+    /// by the loop as it takes changes and as each write ends).
     pub queued: AtomicU64,
 }
 
@@ -517,6 +518,8 @@ impl<S: Sink> Worker<S> {
                     Outcome { key, want: entry.want, attempts: entry.attempts, stored, error }
                 });
             }
+            let waiting = self.pending.len() + todo.len() + jobs.len();
+            self.shared.stats.queued.store(waiting as u64, Ordering::Relaxed);
             let Some(done) = jobs.join_next().await else { break };
             match done {
                 Ok(o) => self.settle(o),
