@@ -853,3 +853,34 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     assert!(status.success(), "{status}:\n{}", log());
     assert!(log().contains("publisher stopped"), "{}", log());
 }
+
+/// The feed at run time: a device removed is retired (Inactive), one that
+/// changes is written once, one that did not is not submitted at all.
+#[tokio::test]
+async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
+    use volring::publisher::feed::Feed;
+    let mut inv = cloned_inventory("n1", 3);
+    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let up = Updater::start(sink, config("n1"), initial.clone());
+    let mut feed = Feed::default();
+    feed.seed(&initial);
+    until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
+    let before = up.stats().snapshot().submitted;
+    let devs: Vec<_> = inv.devices.keys().copied().collect();
+    inv.devices.remove(&devs[0]);
+    inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
+    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1");
+    assert_eq!(up.stats().snapshot().submitted - before, 2, "one retire and one change; nothing for the third, or for the repeat");
+    let s = up.shutdown(Duration::from_secs(10)).await;
+    let state = |k: &Key| server.api.object("blockdevices", &k.name).unwrap()["status"]["state"].clone();
+    assert_eq!(state(&initial[0].key), "Inactive");
+    assert_eq!((state(&initial[1].key), state(&initial[2].key)), (json!("Active"), json!("Active")));
+    assert_eq!(
+        server.api.object("blockdevices", &initial[1].key.name).unwrap()["spec"]["capacity"]["storage"],
+        json!(inv.devices[&devs[1]].size_bytes)
+    );
+    assert_eq!((s.writes_main, s.writes_status), (4 + 1, 4 + 1), "{s:?}");
+}
