@@ -47,7 +47,7 @@ const SYNC: usize = 5000;
 fn bd(i: usize, gen: usize) -> Object {
     let stable = format!("serial-bench-{i}");
     Object {
-        key: Key { kind: Kind::BlockDevice, name: objects::block_device_name(&stable) },
+        key: Key { kind: Kind::BlockDevice, name: objects::block_device_name("n1", &stable) },
         labels: [(NODE_LABEL.to_string(), "n1".to_string()), (objects::KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
         spec: json!({"nodeName": "n1", "path": format!("/dev/x{i}"), "stableId": stable,
             "capacity": {"storage": 1u64 << 30, "logicalSectorSize": 512, "physicalSectorSize": 4096},

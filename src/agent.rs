@@ -48,8 +48,8 @@ pub struct AgentConfig {
 #[derive(Debug, Clone)]
 pub struct PublishConfig {
     /// `Some(true)`: the cluster (fails when no client configuration is
-    /// found); `Some(false)`: the node's store; `None`: the cluster when
-    /// running in a pod, else the store.
+    /// found); `Some(false)`: the node's store; `None`: the cluster when a
+    /// kubeconfig or a pod's service account is found, else the store.
     pub kube: Option<bool>,
     pub qps: f64,
     pub burst: u32,
@@ -176,6 +176,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Made before /metrics serves, so the publisher's series are there from
+    // the first scrape.
+    let publish_stats = config.publish.as_ref().map(|_| Arc::new(crate::publisher::updater::Stats::default()));
     let sources = crate::metrics::Sources {
         stats: collector.reader(),
         inventory: published.clone(),
@@ -186,6 +189,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         reconcile: reconciler.as_ref().map(|r| crate::metrics::Reconcile { stats: r.stats().clone(), view: r.view().clone() }),
         csi: csi.as_ref().map(|c| c.driver.clone()),
         ready: ready.clone(),
+        publish: publish_stats.clone(),
     };
     let metrics_url = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| format!("http://{a}/metrics"));
     let mut metrics = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, sources)));
@@ -194,7 +198,18 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let view = reconciler.as_ref().map(|r| r.view().clone());
     let driver = csi.as_ref().map(|c| c.driver.clone());
     let mut publisher = match &config.publish {
-        Some(p) => Some(start_publisher(p, &config.state_dir, &node, driver.clone(), view.clone(), &inventory).await?),
+        Some(p) => Some(
+            start_publisher(
+                p,
+                &config.state_dir,
+                &node,
+                driver.clone(),
+                view.clone(),
+                &inventory,
+                publish_stats.clone().unwrap_or_default(),
+            )
+            .await?,
+        ),
         None => None,
     };
     ready.set(true);
@@ -342,11 +357,13 @@ async fn start_publisher(
     driver: Option<Arc<crate::csi::Driver>>,
     view: Option<Arc<crate::state::actual::HealthView>>,
     inventory: &Inventory,
+    stats: Arc<crate::publisher::updater::Stats>,
 ) -> anyhow::Result<Publisher> {
     use crate::publisher::node_feed::{self, NodeFeed, NodeSignal};
     use crate::publisher::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
     let mut uc = UpdaterConfig::new(node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
+    uc.unread_paths = crate::publisher::feed::unread_paths(inventory);
     // Listen before the first build, so no change falls between.
     let node_signal = NodeSignal::default();
     if let Some(d) = &driver {
@@ -375,20 +392,22 @@ async fn start_publisher(
     let initial = crate::publisher::feed::Feed::initial(inventory, node, node_feed.current());
     let mut feed = crate::publisher::feed::Feed::default();
     feed.seed(&initial);
-    let up = if p.kube.unwrap_or_else(KubeSink::in_cluster) {
+    let source = KubeSink::detect();
+    let up = if p.kube.unwrap_or(source.is_some()) {
         let sink = Arc::new(KubeSink::infer().await.context("--kube")?);
-        tracing::info!(objects = initial.len(), "publishing to the cluster");
+        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
+        tracing::info!(objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = hook_driver {
             tokio::spawn(healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
         }
-        Updater::start(sink, uc, initial)
+        Updater::start_counting(sink, uc, initial, stats)
     } else {
         let store = match store {
             Some(s) => s,
             None => Arc::new(crate::state::store::Store::open(&state_dir.join(crate::state::store::FILE))?),
         };
         tracing::info!(objects = initial.len(), "no cluster: publishing to the node's store");
-        Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
+        Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, stats)
     };
     let node_build = node_feed.builder();
     let node_follower = tokio::spawn(node_feed.follow(up.handle()));

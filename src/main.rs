@@ -134,17 +134,21 @@ enum Command {
     /// Print the CustomResourceDefinitions volring publishes (YAML).
     Crds,
     /// Print published objects like kubectl: blockdevices (bd) or
-    /// storagenodes (sn, volumes). From the cluster with --kube or in a
-    /// pod, else from the node's store.
+    /// storagenodes (sn, volumes). From the cluster when a kubeconfig
+    /// ($KUBECONFIG, ~/.kube/config) or a pod's service account is found,
+    /// else from the node's store; stderr says which was read.
     Get {
         /// blockdevices (bd), storagenodes (sn) or volumes.
         resource: String,
         /// json, yaml or wide (default: a table).
         #[arg(short = 'o', long = "output")]
         output: Option<String>,
-        /// Read the cluster (default: when running in a pod).
+        /// Read the cluster; fail when no client configuration is found.
         #[arg(long)]
         kube: bool,
+        /// Read the node's store even when a cluster is configured.
+        #[arg(long, conflicts_with = "kube")]
+        local_store: bool,
         /// The agent's state directory (its store holds the objects with no cluster).
         #[arg(long, default_value = "/var/lib/volring")]
         state_dir: std::path::PathBuf,
@@ -501,10 +505,14 @@ impl CsiArgs {
 #[derive(clap::Args)]
 #[command(next_help_heading = "Kubernetes publisher")]
 struct PublishArgs {
-    /// Publish to the cluster (default: when running in a pod; otherwise
-    /// the objects go to the node's store).
+    /// Publish to the cluster (default: when a kubeconfig or a pod's
+    /// service account is found; otherwise the objects go to the node's
+    /// store).
     #[arg(long)]
     kube: bool,
+    /// Publish to the node's store even when a cluster is configured.
+    #[arg(long = "publish-local-store", conflicts_with = "kube")]
+    local_store: bool,
     /// Do not publish BlockDevice and StorageNode objects at all.
     #[arg(long)]
     no_publish: bool,
@@ -525,7 +533,13 @@ struct PublishArgs {
 impl PublishArgs {
     fn config(&self) -> Option<volring::agent::PublishConfig> {
         (!self.no_publish).then(|| volring::agent::PublishConfig {
-            kube: self.kube.then_some(true),
+            kube: if self.kube {
+                Some(true)
+            } else if self.local_store {
+                Some(false)
+            } else {
+                None
+            },
             qps: self.publish_qps.max(0.01),
             burst: self.publish_burst.max(1),
             window: std::time::Duration::from_secs_f64(self.publish_window.max(0.0)),
@@ -731,12 +745,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", volring::publisher::objects::crds_yaml());
             Ok(())
         }
-        Command::Get { resource, output, kube, state_dir } => {
-            use volring::publisher::show;
+        Command::Get { resource, output, kube, local_store, state_dir } => {
+            use volring::publisher::{kube_sink::KubeSink, show};
             let (kind, format) = (show::resource(&resource)?, show::format(output.as_deref())?);
-            let items = if kube || volring::publisher::kube_sink::KubeSink::in_cluster() {
+            let source = if local_store { None } else { KubeSink::detect() };
+            let items = if kube || source.is_some() {
+                let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
+                eprintln!("# {} from the cluster ({from})", kind.plural());
                 runtime()?.block_on(show::read_cluster(kind))?
             } else {
+                let store = state_dir.join(volring::state::store::FILE);
+                eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
                 show::read_store(&state_dir, kind)?
             };
             std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;

@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 mod classic;
 mod csi;
 mod device_info;
+mod publish;
 
 pub use classic::Format;
 
@@ -48,6 +49,8 @@ pub struct Sources {
     /// What `/readyz` answers: set once the start pass is done, cleared
     /// when the agent begins to stop.
     pub ready: crate::csi::Readiness,
+    /// The publisher's counters, when it runs.
+    pub publish: Option<Arc<crate::publisher::updater::Stats>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -201,6 +204,9 @@ impl Collector for Sources {
         }
         if let Some(d) = &self.csi {
             csi::encode(&mut e, d)?;
+        }
+        if let Some(p) = &self.publish {
+            publish::encode(&mut e, p)?;
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! with what is stored; this keeps a relink of 1,000 unchanged devices from
 //! costing 1,000 submissions).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::objects::{self, Key, Object, Pool, VolumeEntry};
@@ -19,10 +19,44 @@ pub struct Feed {
     last: HashMap<Key, Object>,
 }
 
+/// This node's BlockDevices now. Devices whose id could not be read are
+/// left out (see [`Feed::devices`] and [`unread_paths`]); devices that share
+/// an id on this node each get their own object, told apart by kernel name.
+pub fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for d in inventory.devices.values().filter(|d| !d.id.is_empty()) {
+        *count.entry(d.id.as_str()).or_default() += 1;
+    }
+    inventory
+        .devices
+        .values()
+        .filter(|d| !d.id.is_empty())
+        .map(|d| {
+            let mut o = objects::block_device(d, node);
+            if count[d.id.as_str()] > 1 {
+                o.key.name = objects::duplicate_block_device_name(node, &d.id, &d.name);
+            }
+            o
+        })
+        .collect()
+}
+
+/// The paths of devices present whose id could not be read now (a
+/// transient sysfs or probe error): their objects are neither rewritten
+/// nor retired until the id reads again.
+pub fn unread_paths(inventory: &Inventory) -> HashSet<String> {
+    inventory.devices.values().filter(|d| d.id.is_empty()).map(|d| d.path.display().to_string()).collect()
+}
+
+/// The `/dev` path a BlockDevice describes.
+pub fn path_of(o: &Object) -> Option<&str> {
+    o.spec.get("path").and_then(|p| p.as_str())
+}
+
 impl Feed {
     /// Every object of `node` now: its devices and the StorageNode.
     pub fn initial(inventory: &Inventory, node: &str, storage_node: Object) -> Vec<Object> {
-        let mut v: Vec<Object> = inventory.devices.values().filter(|d| !d.id.is_empty()).map(|d| objects::block_device(d, node)).collect();
+        let mut v = block_devices(inventory, node);
         v.push(storage_node);
         v
     }
@@ -33,13 +67,19 @@ impl Feed {
     }
 
     /// Submits the devices that changed and retires those that are gone.
+    /// A device still present whose id cannot be read now keeps its
+    /// object as it was: an unreadable input is not a removal.
     pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str) {
-        let mut now: HashMap<Key, Object> = HashMap::with_capacity(inventory.devices.len());
-        for d in inventory.devices.values().filter(|d| !d.id.is_empty()) {
-            let o = objects::block_device(d, node);
-            now.insert(o.key.clone(), o);
-        }
-        let gone: Vec<Key> = self.last.keys().filter(|k| k.kind == objects::Kind::BlockDevice && !now.contains_key(*k)).cloned().collect();
+        let now: HashMap<Key, Object> = block_devices(inventory, node).into_iter().map(|o| (o.key.clone(), o)).collect();
+        let unread = unread_paths(inventory);
+        let gone: Vec<Key> = self
+            .last
+            .iter()
+            .filter(|(k, o)| {
+                k.kind == objects::Kind::BlockDevice && !now.contains_key(*k) && !path_of(o).is_some_and(|p| unread.contains(p))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
         for k in gone {
             self.last.remove(&k);
             up.retire(k);

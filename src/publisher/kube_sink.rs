@@ -59,6 +59,47 @@ impl KubeSink {
         std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && std::env::var_os("KUBERNETES_SERVICE_PORT").is_some()
     }
 
+    /// Which cluster configuration [`KubeSink::infer`] would read, in its
+    /// order (a kubeconfig first, then the pod's service account); `None`
+    /// when there is neither, and the node's store stands in.
+    pub fn detect() -> Option<ClusterSource> {
+        cluster_source(std::env::var_os("KUBECONFIG").as_deref(), std::env::var_os("HOME").as_deref(), Self::in_cluster())
+    }
+}
+
+/// Where a cluster's client configuration comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// A kubeconfig file (from `KUBECONFIG`, or `~/.kube/config`).
+    Kubeconfig(std::path::PathBuf),
+    /// The pod's service account.
+    InCluster,
+}
+
+impl std::fmt::Display for ClusterSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClusterSource::Kubeconfig(p) => write!(f, "kubeconfig {}", p.display()),
+            ClusterSource::InCluster => f.write_str("in-cluster service account"),
+        }
+    }
+}
+
+/// Pure part of [`KubeSink::detect`]: `KUBECONFIG` is a list of files of
+/// which the first that exists counts (kubectl merges them; any one
+/// present means a cluster was configured); without it `~/.kube/config`.
+pub fn cluster_source(kubeconfig: Option<&std::ffi::OsStr>, home: Option<&std::ffi::OsStr>, in_cluster: bool) -> Option<ClusterSource> {
+    let found = match kubeconfig.filter(|v| !v.is_empty()) {
+        Some(list) => std::env::split_paths(list).find(|p| !p.as_os_str().is_empty() && p.is_file()),
+        None => home.map(|h| std::path::Path::new(h).join(".kube/config")).filter(|p| p.is_file()),
+    };
+    match found {
+        Some(p) => Some(ClusterSource::Kubeconfig(p)),
+        None => in_cluster.then_some(ClusterSource::InCluster),
+    }
+}
+
+impl KubeSink {
     /// GETs `uri` and reads the reply as JSON (for the LISTs that are not
     /// the updater's: the healer's VolumeAttachments).
     pub(super) async fn get_json(&self, uri: &str) -> Result<serde_json::Value, SinkError> {
@@ -220,6 +261,24 @@ mod tests {
         assert!(matches!(classify(StatusCode::SERVICE_UNAVAILABLE, b""), SinkError::Unavailable(_)));
         let e = classify(StatusCode::UNPROCESSABLE_ENTITY, br#"{"message":"spec.x: Invalid"}"#);
         assert!(matches!(&e, SinkError::Refused(m) if m.contains("spec.x: Invalid")));
+    }
+
+    #[test]
+    fn a_kubeconfig_is_found_before_the_service_account() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("cfg");
+        std::fs::write(&cfg, "apiVersion: v1\nkind: Config\n").unwrap();
+        let missing = dir.path().join("missing");
+        let list = std::env::join_paths([&missing, &cfg]).unwrap();
+        assert_eq!(cluster_source(Some(&list), None, true), Some(ClusterSource::Kubeconfig(cfg.clone())));
+        assert_eq!(cluster_source(Some(missing.as_os_str()), None, true), Some(ClusterSource::InCluster));
+        assert_eq!(cluster_source(Some(missing.as_os_str()), None, false), None);
+        std::fs::create_dir(dir.path().join(".kube")).unwrap();
+        std::fs::copy(&cfg, dir.path().join(".kube/config")).unwrap();
+        let home = Some(dir.path().as_os_str());
+        assert_eq!(cluster_source(None, home, false), Some(ClusterSource::Kubeconfig(dir.path().join(".kube/config"))));
+        assert_eq!(cluster_source(Some("".as_ref()), home, false), Some(ClusterSource::Kubeconfig(dir.path().join(".kube/config"))));
+        assert_eq!(cluster_source(None, Some(missing.as_os_str()), false), None);
     }
 
     #[test]

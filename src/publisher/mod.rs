@@ -23,6 +23,7 @@ pub mod objects;
 mod pace;
 pub mod show;
 pub mod sink;
+pub mod stats;
 pub mod updater;
 
 pub use objects::{Key, Kind, Object};

@@ -334,15 +334,49 @@ impl Object {
     pub fn node(&self) -> Option<&str> {
         self.labels.get(NODE_LABEL).map(String::as_str)
     }
+
+    /// True for a BlockDevice stored under the name earlier versions gave
+    /// it (see [`legacy_block_device_name`]): another node may hold the
+    /// same name, so it is removed rather than kept as Inactive.
+    pub fn superseded(&self) -> bool {
+        self.key.kind == Kind::BlockDevice
+            && self.spec.get("stableId").and_then(|i| i.as_str()).is_some_and(|id| legacy_block_device_name(id) == self.key.name)
+    }
 }
 
 fn labels(kind: Kind, node: &str) -> BTreeMap<String, String> {
     [(NODE_LABEL.to_string(), node.to_string()), (KIND_LABEL.to_string(), kind.label().to_string())].into()
 }
 
-/// `bd-` and the first 16 hex digits of the SHA-256 of the stable id: a
-/// valid object name whatever the id holds, the same across reboots.
-pub fn block_device_name(stable_id: &str) -> String {
+/// `bd-` and the first 16 hex digits of the SHA-256 of the node and the
+/// stable id: a valid object name whatever the id holds, the same across
+/// reboots. The node is part of it because BlockDevices are cluster-scoped
+/// and most ids are not unique across nodes: nodes cloned from one image
+/// share their partitions' GUIDs and filesystem UUIDs, and serial-less
+/// virtual disks fall through to those (node-disk-manager puts the host
+/// name into such ids for the same reason).
+pub fn block_device_name(node: &str, stable_id: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(node.as_bytes());
+    // A separator no node name holds: ("a", "bc") and ("ab", "c") differ.
+    h.update([0u8]);
+    h.update(stable_id.as_bytes());
+    let hex: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("bd-{hex}")
+}
+
+/// The name of one of several devices on `node` that share a stable id
+/// (two paths to one LUN, disks of one batch with a blank serial): the
+/// kernel name tells them apart. Each keeps its own object, rather than
+/// one object flipping between them.
+pub fn duplicate_block_device_name(node: &str, stable_id: &str, kernel_name: &str) -> String {
+    block_device_name(node, &format!("{stable_id}\0{kernel_name}"))
+}
+
+/// The name earlier versions gave a BlockDevice: from the stable id alone,
+/// so it collided across nodes. A stored object of this node under such a
+/// name is superseded by its node-qualified name and is deleted.
+pub fn legacy_block_device_name(stable_id: &str) -> String {
     let digest = Sha256::digest(stable_id.as_bytes());
     let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     format!("bd-{hex}")
@@ -403,7 +437,7 @@ pub fn block_device(d: &Device, node: &str) -> Object {
         volume,
     };
     Object {
-        key: Key { kind: Kind::BlockDevice, name: block_device_name(&d.id) },
+        key: Key { kind: Kind::BlockDevice, name: block_device_name(node, &d.id) },
         labels: labels(Kind::BlockDevice, node),
         spec: serde_json::to_value(spec).expect("a spec serialises"),
         status: serde_json::to_value(status).expect("a status serialises"),
@@ -466,11 +500,33 @@ mod tests {
 
     #[test]
     fn names_are_stable_and_valid() {
-        let a = block_device_name("wwn-0x5000-S1");
-        assert_eq!(a, block_device_name("wwn-0x5000-S1"));
-        assert_ne!(a, block_device_name("wwn-0x5000-S2"));
+        let a = block_device_name("n1", "wwn-0x5000-S1");
+        assert_eq!(a, block_device_name("n1", "wwn-0x5000-S1"));
+        assert_ne!(a, block_device_name("n1", "wwn-0x5000-S2"));
         assert_eq!(a.len(), 19);
         assert!(a.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'));
+    }
+
+    /// Cloned nodes share partition GUIDs and filesystem UUIDs: the same id
+    /// on two nodes is two objects (the old name, from the id alone, was one).
+    #[test]
+    fn names_differ_across_nodes_and_between_duplicates() {
+        let id = "partuuid-0e1f-same-on-every-clone";
+        assert_ne!(block_device_name("n1", id), block_device_name("n2", id));
+        assert_ne!(block_device_name("a", "bc"), block_device_name("ab", "c"));
+        let d = duplicate_block_device_name("n1", id, "sdb");
+        assert_ne!(d, duplicate_block_device_name("n1", id, "sdc"));
+        assert_ne!(d, block_device_name("n1", id));
+        assert_eq!(d.len(), 19);
+        let legacy = Object {
+            key: Key { kind: Kind::BlockDevice, name: legacy_block_device_name(id) },
+            labels: labels(Kind::BlockDevice, "n1"),
+            spec: serde_json::json!({"stableId": id}),
+            status: serde_json::Value::Null,
+        };
+        assert!(legacy.superseded());
+        let current = Object { key: Key { kind: Kind::BlockDevice, name: block_device_name("n1", id) }, ..legacy };
+        assert!(!current.superseded());
     }
 
     fn vol(id: &str, health: &str) -> VolumeEntry {

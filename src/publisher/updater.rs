@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -33,6 +32,7 @@ use tokio::time::Instant;
 use super::objects::{Key, Kind, Object};
 use super::pace::{backoff, Gate};
 pub use super::sink::{Part, Sink, SinkError};
+pub use super::stats::{Stats, StatsSnapshot};
 
 /// What to do with the objects of devices that are gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,6 +57,9 @@ pub struct UpdaterConfig {
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub gone: GonePolicy,
+    /// `/dev` paths of devices present whose stable id could not be read
+    /// at start: their stored objects are not retired by the first diff.
+    pub unread_paths: HashSet<String>,
 }
 
 impl UpdaterConfig {
@@ -71,65 +74,7 @@ impl UpdaterConfig {
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             gone: GonePolicy::MarkInactive,
-        }
-    }
-}
-
-/// Counters, readable at any time.
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub submitted: AtomicU64,
-    /// Submissions that replaced a pending state of the same object.
-    pub coalesced: AtomicU64,
-    pub requests: AtomicU64,
-    pub writes_main: AtomicU64,
-    pub writes_status: AtomicU64,
-    pub deletes: AtomicU64,
-    /// Objects due for a write that equalled what is stored.
-    pub unchanged: AtomicU64,
-    pub throttled: AtomicU64,
-    pub conflicts: AtomicU64,
-    pub unavailable: AtomicU64,
-    pub refused: AtomicU64,
-    pub flushes: AtomicU64,
-    /// Objects still pending when a shutdown's deadline passed.
-    pub abandoned: AtomicU64,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct StatsSnapshot {
-    pub submitted: u64,
-    pub coalesced: u64,
-    pub requests: u64,
-    pub writes_main: u64,
-    pub writes_status: u64,
-    pub deletes: u64,
-    pub unchanged: u64,
-    pub throttled: u64,
-    pub conflicts: u64,
-    pub unavailable: u64,
-    pub refused: u64,
-    pub flushes: u64,
-    pub abandoned: u64,
-}
-
-impl Stats {
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        StatsSnapshot {
-            submitted: g(&self.submitted),
-            coalesced: g(&self.coalesced),
-            requests: g(&self.requests),
-            writes_main: g(&self.writes_main),
-            writes_status: g(&self.writes_status),
-            deletes: g(&self.deletes),
-            unchanged: g(&self.unchanged),
-            throttled: g(&self.throttled),
-            conflicts: g(&self.conflicts),
-            unavailable: g(&self.unavailable),
-            refused: g(&self.refused),
-            flushes: g(&self.flushes),
-            abandoned: g(&self.abandoned),
+            unread_paths: HashSet::new(),
         }
     }
 }
@@ -144,6 +89,8 @@ enum Want {
     Put(Object),
     /// Its device is gone.
     Retire,
+    /// Stored under a superseded name: deleted whatever the gone policy.
+    Remove,
 }
 
 /// The door: changes wait here, one per object, until the loop takes them.
@@ -172,12 +119,13 @@ impl Updater {
     /// first LIST is diffed against it, and this node's stored objects
     /// missing from it are retired.
     pub fn start<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>) -> Updater {
-        let shared = Arc::new(Shared {
-            inbox: Mutex::new(Inbox::default()),
-            wake: Notify::new(),
-            stats: Arc::new(Stats::default()),
-            stopping: AtomicBool::new(false),
-        });
+        Self::start_counting(sink, config, initial, Arc::default())
+    }
+
+    /// [`Updater::start`], counting into `stats` (made before the updater,
+    /// so `/metrics` can hold them from its start).
+    pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
+        let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), wake: Notify::new(), stats, stopping: AtomicBool::new(false) });
         let gate = Arc::new(Gate::new(config.qps, config.burst));
         let worker = Worker {
             sink,
@@ -309,6 +257,7 @@ impl<S: Sink> Worker<S> {
                 stop_at = lock(&self.shared.inbox).stop;
             }
             self.take_inbox();
+            self.shared.stats.queued.store(self.pending.len() as u64, Ordering::Relaxed);
             let now = Instant::now();
             while let Some(Reverse((due, _, _))) = self.delayed.peek() {
                 if *due > now {
@@ -343,6 +292,11 @@ impl<S: Sink> Worker<S> {
             let due = self.window_ends.is_some_and(|w| now >= w) || self.ready.len() >= self.config.batch;
             if due {
                 let batch = self.take_batch();
+                // A change that comes during the flush starts a window of
+                // its own; what a full batch left behind is due already.
+                if self.ready.is_empty() {
+                    self.window_ends = None;
+                }
                 self.flush(batch).await;
                 continue;
             }
@@ -366,6 +320,7 @@ impl<S: Sink> Worker<S> {
             tracing::warn!(objects = left, "publisher stopped with objects unwritten");
         }
         self.shared.stats.abandoned.fetch_add(left as u64, Ordering::Relaxed);
+        self.shared.stats.queued.store(0, Ordering::Relaxed);
     }
 
     /// LISTs this node's objects until it succeeds (or the agent stops),
@@ -386,28 +341,58 @@ impl<S: Sink> Worker<S> {
                             return false;
                         }
                         let wait = match &e {
-                            SinkError::Throttled { retry_after } => *retry_after,
-                            _ => backoff(&self.config, attempts),
+                            SinkError::Throttled { retry_after } => {
+                                bump(&self.shared.stats.throttled);
+                                self.gate.pause(*retry_after);
+                                *retry_after
+                            }
+                            _ => {
+                                bump(&self.shared.stats.unavailable);
+                                backoff(&self.config, attempts)
+                            }
                         };
                         attempts += 1;
+                        let waiting = lock(&self.shared.inbox).changes.len() + initial.len();
+                        self.shared.stats.queued.store(waiting as u64, Ordering::Relaxed);
                         tracing::warn!(error = %e, kind = kind.as_str(), retry_in_ms = wait.as_millis() as u64, "publisher: initial list failed");
-                        tokio::select! {
-                            _ = tokio::time::sleep(wait) => {}
-                            _ = self.shared.wake.notified() => {}
+                        // Submissions wake the loop too, and the agent submits
+                        // on every relink: only a shutdown ends the wait early.
+                        if !self.wait_unless_stopping(wait).await {
+                            return false;
                         }
                     }
                 }
             }
         }
         let present: HashSet<Key> = initial.iter().map(|o| o.key.clone()).collect();
-        let gone: Vec<Key> = self.known.keys().filter(|k| !present.contains(k)).cloned().collect();
+        let unread = |o: &Object| o.spec.get("path").and_then(|p| p.as_str()).is_some_and(|p| self.config.unread_paths.contains(p));
+        let gone: Vec<(Key, bool)> = self
+            .known
+            .iter()
+            .filter(|(k, o)| !present.contains(*k) && (o.superseded() || !unread(o)))
+            .map(|(k, o)| (k.clone(), o.superseded()))
+            .collect();
         for o in initial {
             self.enqueue(o.key.clone(), Want::Put(o));
         }
-        for k in gone {
-            self.enqueue(k, Want::Retire);
+        for (k, superseded) in gone {
+            self.enqueue(k, if superseded { Want::Remove } else { Want::Retire });
         }
         true
+    }
+
+    /// Sleeps `wait`; false when a shutdown began meanwhile.
+    async fn wait_unless_stopping(&self, wait: Duration) -> bool {
+        let until = Instant::now() + wait;
+        loop {
+            if self.shared.stopping.load(Ordering::Relaxed) {
+                return false;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => return true,
+                _ = self.shared.wake.notified() => {}
+            }
+        }
     }
 
     fn take_inbox(&mut self) {
@@ -469,6 +454,8 @@ impl<S: Sink> Worker<S> {
                     Outcome { key, want: entry.want, attempts: entry.attempts, stored, error }
                 });
             }
+            let waiting = self.pending.len() + todo.len() + jobs.len();
+            self.shared.stats.queued.store(waiting as u64, Ordering::Relaxed);
             let Some(done) = jobs.join_next().await else { break };
             match done {
                 Ok(o) => self.settle(o),
@@ -519,6 +506,7 @@ fn plan(key: &Key, want: &Want, stored: Option<&Object>, gone: GonePolicy) -> Op
                 GonePolicy::MarkInactive => s.retired().filter(|r| needs(r, stored)).map(Plan::Write),
             }
         }
+        Want::Remove => stored.map(|_| Plan::Delete),
     }
 }
 

@@ -23,7 +23,9 @@
 //!   Retry-After), 500 or 409.
 //!
 //! Every request is logged (time, method, path, query, status) so a test
-//! can count what the publisher asked for.
+//! can count what the publisher asked for. A hold knob keeps each request
+//! for a while before it is served, and the stand-in counts how many are
+//! in its hands at once, so a bound on concurrency can be measured.
 
 #![allow(dead_code)]
 
@@ -47,7 +49,10 @@ const STORAGE_PREFIX: &str = "/apis/storage.k8s.io/v1/";
 /// One request as the stand-in saw it.
 #[derive(Debug, Clone)]
 pub struct Logged {
+    /// When it was served (after any hold).
     pub at: Instant,
+    /// When it reached the stand-in.
+    pub started: Instant,
     pub method: Method,
     pub path: String,
     pub query: String,
@@ -103,6 +108,15 @@ struct Inner {
 #[derive(Clone, Default)]
 pub struct StandIn {
     inner: Arc<Mutex<Inner>>,
+    flight: Arc<Mutex<Flight>>,
+}
+
+/// Requests in the stand-in's hands, and how long each is held.
+#[derive(Default)]
+struct Flight {
+    hold: std::time::Duration,
+    now: usize,
+    max: usize,
 }
 
 /// The running stand-in: its address and its state.
@@ -139,6 +153,16 @@ impl Server {
 impl StandIn {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds every request this long before serving it.
+    pub fn set_hold(&self, d: std::time::Duration) {
+        self.flight.lock().unwrap().hold = d;
+    }
+
+    /// The most requests that were in the stand-in's hands at once.
+    pub fn max_in_flight(&self) -> usize {
+        self.flight.lock().unwrap().max
     }
 
     pub fn inject(&self, f: Fault) {
@@ -248,10 +272,21 @@ fn unescape(s: &str) -> String {
 async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let path = uri.path().to_string();
     let query = uri.query().unwrap_or("").to_string();
+    let started = Instant::now();
+    let hold = {
+        let mut f = api.flight.lock().unwrap();
+        f.now += 1;
+        f.max = f.max.max(f.now);
+        f.hold
+    };
+    if !hold.is_zero() {
+        tokio::time::sleep(hold).await;
+    }
+    api.flight.lock().unwrap().now -= 1;
     let mut g = api.lock();
     let resp = serve(&mut g, &method, &path, &query, &headers, &body);
     let status = resp.status().as_u16();
-    g.log.push(Logged { at: Instant::now(), method, path, query, status });
+    g.log.push(Logged { at: Instant::now(), started, method, path, query, status });
     resp
 }
 

@@ -1,0 +1,162 @@
+//! BlockDevices across nodes and devices: names from (node, stable id), so
+//! cloned nodes keep an object each; old-named objects replaced; duplicate
+//! ids on one node; unread ids; the feed at run time. Against the API
+//! stand-in (tests/kube_support).
+
+mod kube_support;
+mod publisher_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::Method;
+use kube_support::Server;
+use publisher_support::*;
+use serde_json::json;
+use volring::publisher::kube_sink::KubeSink;
+use volring::publisher::objects::{self, Key, NODE_LABEL};
+use volring::publisher::{GonePolicy, Updater};
+
+/// H1: two nodes cloned from one image have devices with the same stable
+/// id. Each node keeps its own objects: both are listed, each restart
+/// writes nothing, and deleting one node's gone devices leaves the other's.
+#[tokio::test]
+async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
+    use volring::publisher::feed::Feed;
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let initial = |node: &str| Feed::initial(&cloned_inventory(node, 3), node, objects::storage_node(node, None, vec![]));
+    for node in ["n1", "n2"] {
+        let s = Updater::start(sink.clone(), config(node), initial(node)).shutdown(Duration::from_secs(10)).await;
+        assert_eq!((s.writes_main, s.refused, s.abandoned), (4, 0, 0), "{node}: {s:?}");
+    }
+    assert_eq!(server.api.objects("blockdevices").len(), 6, "three devices on each of two nodes");
+    let (n1, n2) = (bd_names_of(&server, "n1"), bd_names_of(&server, "n2"));
+    assert_eq!((n1.len(), n2.len()), (3, 3), "{n1:?} {n2:?}");
+    for o in server.api.objects("blockdevices") {
+        assert_eq!(o["metadata"]["labels"][NODE_LABEL], o["spec"]["nodeName"], "{o}");
+    }
+    // Each restart, with nothing changed, finds its own objects.
+    for node in ["n1", "n2", "n1"] {
+        server.api.clear_log();
+        let s = Updater::start(sink.clone(), config(node), initial(node)).shutdown(Duration::from_secs(10)).await;
+        assert_eq!((s.writes_main, s.writes_status, s.unchanged), (0, 0, 4), "{node} restarted: {s:?}");
+        assert!(server.api.log().iter().all(|l| l.method == Method::GET), "{node}: {:#?}", server.api.log());
+    }
+    // n1 loses its devices; with --delete-gone-devices only n1's go.
+    let before_n2: Vec<_> = n2.iter().map(|n| server.api.object("blockdevices", n).unwrap()).collect();
+    let mut c = config("n1");
+    c.gone = GonePolicy::Delete;
+    let only_node = vec![objects::storage_node("n1", None, vec![])];
+    let s = Updater::start(sink, c, only_node).shutdown(Duration::from_secs(10)).await;
+    assert_eq!(s.deletes, 3, "{s:?}");
+    assert!(bd_names_of(&server, "n1").is_empty());
+    let after_n2: Vec<_> = n2.iter().map(|n| server.api.object("blockdevices", n).unwrap()).collect();
+    assert_eq!(before_n2, after_n2, "the other node's objects are untouched");
+}
+
+/// An object stored under the name earlier versions gave it (from the id
+/// alone) is deleted at start, whatever the gone policy, and the device is
+/// published under its node's name: no Inactive twin is left behind.
+#[tokio::test]
+async fn an_object_under_the_old_name_is_replaced() {
+    use volring::publisher::feed::Feed;
+    let server = Server::start().await;
+    let inv = cloned_inventory("n1", 1);
+    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let mut old = volring::publisher::embedded_sink::api_form(&initial[0]);
+    let legacy = objects::legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
+    old["metadata"]["name"] = json!(legacy);
+    server.api.seed("blockdevices", old);
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let s = Updater::start(sink, config("n1"), initial.clone()).shutdown(Duration::from_secs(10)).await;
+    assert_eq!(s.deletes, 1, "{s:?}");
+    assert!(server.api.object("blockdevices", &legacy).is_none());
+    assert_eq!(bd_names_of(&server, "n1"), vec![initial[0].key.name.clone()]);
+}
+
+/// L1: two devices with one id on one node (two paths to one LUN) are two
+/// objects, not one that flips between them.
+#[tokio::test]
+async fn two_devices_with_one_id_on_one_node_are_two_objects() {
+    use volring::publisher::feed::Feed;
+    let mut inv = cloned_inventory("n1", 2);
+    let id = inv.devices.values().next().unwrap().id.clone();
+    for d in inv.devices.values_mut() {
+        d.id = id.clone();
+    }
+    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    assert_eq!(initial.len(), 3);
+    assert_ne!(initial[0].key, initial[1].key, "one id on two devices of one node");
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
+    let mut paths: Vec<String> =
+        server.api.objects("blockdevices").iter().map(|o| o["spec"]["path"].as_str().unwrap().to_string()).collect();
+    paths.sort();
+    assert_eq!(paths, ["/dev/vdz0", "/dev/vdz1"]);
+}
+
+/// L1: a device whose id cannot be read for a while (a transient sysfs
+/// error) is neither retired nor rewritten, at run time or at a restart.
+#[tokio::test]
+async fn an_unread_id_is_not_a_removal() {
+    use volring::publisher::feed::Feed;
+    let mut inv = cloned_inventory("n1", 2);
+    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let up = Updater::start(sink.clone(), config("n1"), initial.clone());
+    let mut feed = Feed::default();
+    feed.seed(&initial);
+    until("both devices", || bd_names_of(&server, "n1").len() == 2).await;
+    let first = *inv.devices.keys().next().unwrap();
+    inv.devices.get_mut(&first).unwrap().id.clear();
+    feed.devices(&up, &inv, "n1");
+    let s = up.shutdown(Duration::from_secs(10)).await;
+    for o in server.api.objects("blockdevices") {
+        assert_eq!(o["status"]["state"], "Active", "{o}");
+    }
+    assert_eq!((s.writes_main, s.writes_status), (3, 3), "nothing after the first writes: {s:?}");
+    // A restart while it cannot be read does not retire it either.
+    let mut c = config("n1");
+    c.unread_paths = volring::publisher::feed::unread_paths(&inv);
+    let now = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    assert_eq!(now.len(), 2);
+    let s = Updater::start(sink, c, now).shutdown(Duration::from_secs(10)).await;
+    assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
+    for o in server.api.objects("blockdevices") {
+        assert_eq!(o["status"]["state"], "Active", "{o}");
+    }
+}
+
+/// The feed at run time: a device removed is retired (Inactive), one that
+/// changes is written once, one that did not is not submitted at all.
+#[tokio::test]
+async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
+    use volring::publisher::feed::Feed;
+    let mut inv = cloned_inventory("n1", 3);
+    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let up = Updater::start(sink, config("n1"), initial.clone());
+    let mut feed = Feed::default();
+    feed.seed(&initial);
+    until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
+    let before = up.stats().snapshot().submitted;
+    let devs: Vec<_> = inv.devices.keys().copied().collect();
+    inv.devices.remove(&devs[0]);
+    inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
+    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1");
+    assert_eq!(up.stats().snapshot().submitted - before, 2, "one retire and one change; nothing for the third, or for the repeat");
+    let s = up.shutdown(Duration::from_secs(10)).await;
+    let state = |k: &Key| server.api.object("blockdevices", &k.name).unwrap()["status"]["state"].clone();
+    assert_eq!(state(&initial[0].key), "Inactive");
+    assert_eq!((state(&initial[1].key), state(&initial[2].key)), (json!("Active"), json!("Active")));
+    assert_eq!(
+        server.api.object("blockdevices", &initial[1].key.name).unwrap()["spec"]["capacity"]["storage"],
+        json!(inv.devices[&devs[1]].size_bytes)
+    );
+    assert_eq!((s.writes_main, s.writes_status), (4 + 1, 4 + 1), "{s:?}");
+}
