@@ -381,7 +381,8 @@ struct CsiArgs {
     /// Where volume images live (default: STATE_DIR/pool).
     #[arg(long)]
     pool_dir: Option<std::path::PathBuf>,
-    /// The node id reported to the CO (default: NODE_NAME or the hostname).
+    /// The node id reported to the CO, and the node name the published
+    /// objects carry (default: NODE_NAME or the hostname).
     #[arg(long)]
     node_id: Option<String>,
     /// The most volumes the CO may put on this node (0: no limit).
@@ -681,7 +682,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let config = volring::agent::AgentConfig {
                 mounts: watch.config(),
-                devices: ScanConfig { io: watch.config().backend, ..scan.config() },
+                // One name for this node everywhere: the CSI node id it
+                // reports is the name its BlockDevices and StorageNode carry.
+                devices: ScanConfig {
+                    io: watch.config().backend,
+                    node_name: csi.node_id.clone().unwrap_or_else(volring::devices::node_name),
+                    ..scan.config()
+                },
                 stats: CollectorConfig {
                     interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),
                     method: stats_method,

@@ -121,7 +121,9 @@ fn sample(scrape: &str, series: &str) -> Option<f64> {
 
 /// M7: the agent itself, pointed at the stand-in by nothing but a
 /// kubeconfig (no --kube: a configured cluster is found): this machine's
-/// devices become BlockDevices labelled with the node, its StorageNode
+/// devices become BlockDevices labelled with the node its `--node-id`
+/// names (no NODE_NAME in its environment: the CSI node id and the
+/// published node name are one name), its StorageNode
 /// (refused once here, with a 422) shows as refused on /metrics, `volring
 /// get -o json` reads them back from the cluster, and SIGTERM stops it
 /// cleanly.
@@ -151,7 +153,6 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
             .arg(format!("unix://{}", dir.path().join("csi.sock").display()))
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
-            .env("NODE_NAME", "e2e-node")
             .env("HOME", dir.path())
             .env("KUBECONFIG", &cfg)
             .env("RUST_LOG", "volring=info")
