@@ -116,6 +116,9 @@ const LOCK_FILE: &str = "agent.lock";
 /// CSI socket, the metrics address and the NBD listeners. Only then do the
 /// rings and servers start.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
+    // The first line: how long the process took to reach its own code
+    // (exec, loading) tells apart from what the start below costs.
+    tracing::info!(pid = std::process::id(), "volring node starting");
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
     lock_state_dir(&config.state_dir)?;

@@ -49,6 +49,14 @@ fn agent_restarts_under_a_writer() {
     healer("vm_healer::agent_restarts_under_a_writer", &[("CYCLES", &cycles), ("CONNS", &conns)]);
 }
 
+/// The same on xfs: every write verifies, no xfs shutdown or I/O error,
+/// `xfs_repair -n` clean on the image after the unstage.
+#[test]
+fn agent_restarts_under_a_writer_on_xfs() {
+    let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
+    healer("vm_healer::agent_restarts_under_a_writer_on_xfs", &[("CYCLES", &cycles), ("FS", "xfs")]);
+}
+
 /// The control: the same restart with the healer off (--nbd-no-heal) and a
 /// 4 s dead-connection timeout fails the writer with EIO and reports the
 /// volume abnormal, so the test above can tell a healer from none.
