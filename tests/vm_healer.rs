@@ -20,11 +20,11 @@ fn healer(test: &str, env: &[(&str, &str)]) {
     let script = harness::script(env!("CARGO_BIN_EXE_volring"), env, SCRIPT);
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = 2;
-    // A hang guard, not a bound: 1200 s, and a minute more per cycle past
-    // fifteen (20 cycles took 13 min under TCG with the machine's 2 cores
-    // loaded ~10x, and 20 min loaded ~30x).
+    // A hang guard, not a bound: 1200 s for the default 5 cycles, and 90 s
+    // more per cycle past them (20 cycles took 13 min under TCG with the
+    // machine's 2 cores loaded ~10x, and over 25 min loaded ~30x).
     let cycles: u64 = env.iter().find(|(k, _)| *k == "CYCLES").and_then(|(_, v)| v.parse().ok()).unwrap_or(5);
-    let run = vm.run(&script, Duration::from_secs(1200 + 60 * cycles.saturating_sub(15))).expect("vm run");
+    let run = vm.run(&script, Duration::from_secs(1200 + 90 * cycles.saturating_sub(5))).expect("vm run");
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let exited = run.console.lines().find(|l| l.contains("script exited")).unwrap_or("no exit line").trim().to_string();
     eprintln!("note: {test}: {}\n{}(guest {:.1} s; {exited})", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
