@@ -54,8 +54,13 @@ fn agent_restarts_under_a_writer() {
 }
 
 /// The same on xfs: every write verifies, no xfs shutdown or I/O error,
-/// `xfs_repair -n` clean on the image after the unstage.
+/// `xfs_repair -n` clean on the image after the unstage. Ignored in the
+/// default run (run it with `--ignored`): mkfs.xfs on `/dev/nbdN` stalls
+/// the agent's server on 6.1 in some runs (the open stall, see
+/// tests/vm_volumes.rs), and it adds ~11 min of TCG to the suite. Passed
+/// its one run so far (5 cycles, the gone-image and drift checks too).
 #[test]
+#[ignore = "mkfs.xfs over nbd can stall the 6.1 server (the open stall); run with --ignored"]
 fn agent_restarts_under_a_writer_on_xfs() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
     healer("vm_healer::agent_restarts_under_a_writer_on_xfs", &[("CYCLES", &cycles), ("FS", "xfs")]);
