@@ -130,19 +130,6 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind the metrics address {addr}"))?),
         None => None,
     };
-    // The nbd healer next, before anything the walk does not need (the
-    // other servers, the mount watcher, the device scan): while the agent
-    // is away the kernel queues the volumes' I/O, so every step taken
-    // before their devices get fresh sockets is time the applications wait.
-    // The walk needs only the store and the driver's own NBD server; the
-    // mount table is filled in below, before the CSI server and the
-    // reconciler (the first to read it) start.
-    let table = Arc::new(RwLock::new(MountTable::new()));
-    let ready = crate::csi::Readiness::default();
-    let driver = match &config.csi {
-        Some(c) => Some(heal_first(c.clone(), table.clone(), ready.clone()).await?),
-        None => None,
-    };
     let nbd = match &config.nbd {
         Some(c) => {
             // The NBD error's text already carries its cause.
@@ -164,6 +151,21 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
                     .map_err(|e| anyhow::anyhow!("cannot start the nbd export listener on {listen}: {e}"))?,
             )
         }
+        None => None,
+    };
+    // The nbd healer next (after the listeners, so an agent that cannot
+    // have them exits before it touches a device), before anything the
+    // walk does not need (the mount watcher, the device scan, the stat
+    // collector, the CSI server, the reconciler): while the agent
+    // is away the kernel queues the volumes' I/O, so every step taken
+    // before their devices get fresh sockets is time the applications wait.
+    // The walk needs only the store and the driver's own NBD server; the
+    // mount table is filled in below, before the CSI server and the
+    // reconciler (the first to read it) start.
+    let table = Arc::new(RwLock::new(MountTable::new()));
+    let ready = crate::csi::Readiness::default();
+    let driver = match &config.csi {
+        Some(c) => Some(heal_first(c.clone(), table.clone(), ready.clone()).await?),
         None => None,
     };
     let (watcher, initial, mount_events) = MountWatcher::start(config.mounts.clone())?;
