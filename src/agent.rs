@@ -88,6 +88,23 @@ impl Default for AgentConfig {
     }
 }
 
+/// Opens the CSI driver (its store and pool) and runs the nbd healer's
+/// start walk on it (see `run`); the reconciler's start, which would run
+/// the walk otherwise, finds it done.
+async fn heal_first(
+    c: crate::csi::CsiConfig,
+    table: Arc<RwLock<MountTable>>,
+    ready: crate::csi::Readiness,
+) -> anyhow::Result<Arc<crate::csi::Driver>> {
+    let driver = crate::csi::Driver::new(c, table, ready)?;
+    let d = driver.clone();
+    let walked = tokio::task::spawn_blocking(move || d.heal_nbd()).await?;
+    if !walked.is_empty() {
+        tracing::info!(volumes = walked.len(), "nbd start walk done");
+    }
+    Ok(driver)
+}
+
 /// The name of the lock file in the state directory.
 const LOCK_FILE: &str = "agent.lock";
 
@@ -99,6 +116,9 @@ const LOCK_FILE: &str = "agent.lock";
 /// CSI socket, the metrics address and the NBD listeners. Only then do the
 /// rings and servers start.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
+    // The first line: how long the process took to reach its own code
+    // (exec, loading) tells apart from what the start below costs.
+    tracing::info!(pid = std::process::id(), "volring node starting");
     let mut term = signal(SignalKind::terminate())?;
     let mut hup = signal(SignalKind::hangup())?;
     lock_state_dir(&config.state_dir)?;
@@ -133,14 +153,27 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let (watcher, table, mount_events) = MountWatcher::start(config.mounts.clone())?;
-    tracing::info!(mounts = table.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
-    let table = Arc::new(RwLock::new(table));
+    // The nbd healer next (after the listeners, so an agent that cannot
+    // have them exits before it touches a device), before anything the
+    // walk does not need (the mount watcher, the device scan, the stat
+    // collector, the CSI server, the reconciler): while the agent
+    // is away the kernel queues the volumes' I/O, so every step taken
+    // before their devices get fresh sockets is time the applications wait.
+    // The walk needs only the store and the driver's own NBD server; the
+    // mount table is filled in below, before the CSI server and the
+    // reconciler (the first to read it) start.
+    let table = Arc::new(RwLock::new(MountTable::new()));
     let ready = crate::csi::Readiness::default();
+    let driver = match &config.csi {
+        Some(c) => Some(heal_first(c.clone(), table.clone(), ready.clone()).await?),
+        None => None,
+    };
+    let (watcher, initial, mount_events) = MountWatcher::start(config.mounts.clone())?;
+    tracing::info!(mounts = initial.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
+    *table.write().unwrap_or_else(|e| e.into_inner()) = initial;
     let (csi_stop, csi_stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut csi = match (&config.csi, csi_socket) {
-        (Some(c), Some((listener, socket))) => {
-            let driver = crate::csi::Driver::new(c.clone(), table.clone(), ready.clone())?;
+    let mut csi = match (driver, csi_socket) {
+        (Some(driver), Some((listener, socket))) => {
             if let Some(l) = export_listener {
                 driver.serve_exports(l)?;
             }

@@ -20,7 +20,11 @@ fn healer(test: &str, env: &[(&str, &str)]) {
     let script = harness::script(env!("CARGO_BIN_EXE_volring"), env, SCRIPT);
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = 2;
-    let run = vm.run(&script, Duration::from_secs(1200)).expect("vm run");
+    // A hang guard, not a bound: 1200 s for the default 5 cycles, and 90 s
+    // more per cycle past them (20 cycles took 13 min under TCG with the
+    // machine's 2 cores loaded ~10x, and over 25 min loaded ~30x).
+    let cycles: u64 = env.iter().find(|(k, _)| *k == "CYCLES").and_then(|(_, v)| v.parse().ok()).unwrap_or(5);
+    let run = vm.run(&script, Duration::from_secs(1200 + 90 * cycles.saturating_sub(5))).expect("vm run");
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let exited = run.console.lines().find(|l| l.contains("script exited")).unwrap_or("no exit line").trim().to_string();
     eprintln!("note: {test}: {}\n{}(guest {:.1} s; {exited})", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
@@ -47,6 +51,19 @@ fn agent_restarts_under_a_writer() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
     let conns = std::env::var("VOLRING_HEALER_CONNS").unwrap_or_else(|_| "1".into());
     healer("vm_healer::agent_restarts_under_a_writer", &[("CYCLES", &cycles), ("CONNS", &conns)]);
+}
+
+/// The same on xfs: every write verifies, no xfs shutdown or I/O error,
+/// `xfs_repair -n` clean on the image after the unstage. Ignored in the
+/// default run (run it with `--ignored`): mkfs.xfs on `/dev/nbdN` stalls
+/// the agent's server on 6.1 in some runs (the open stall, see
+/// tests/vm_volumes.rs), and it adds ~11 min of TCG to the suite. Passed
+/// its one run so far (5 cycles, the gone-image and drift checks too).
+#[test]
+#[ignore = "mkfs.xfs over nbd can stall the 6.1 server (the open stall); run with --ignored"]
+fn agent_restarts_under_a_writer_on_xfs() {
+    let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
+    healer("vm_healer::agent_restarts_under_a_writer_on_xfs", &[("CYCLES", &cycles), ("FS", "xfs")]);
 }
 
 /// The control: the same restart with the healer off (--nbd-no-heal) and a

@@ -106,4 +106,20 @@ mod tests {
         assert_eq!((got.kernel, got.unknown), (vec!["loop-1".to_string()], vec!["ghost".to_string()]));
         assert!(got.serving.is_empty() && got.skipped.is_empty());
     }
+
+    /// The start walk runs once per process: the agent runs it as soon as
+    /// the store is open, and the reconciler's start (which runs it too,
+    /// for callers that did not) finds it done.
+    #[test]
+    fn the_start_walk_runs_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = CsiConfig::new(dir.path().join("csi.sock"), "n1".into());
+        c.kubelet_root = dir.path().join("kubelet");
+        c.pool_dir = dir.path().join("pool");
+        c.state_dir = dir.path().join("state");
+        let d = Driver::new(c, Arc::new(RwLock::new(MountTable::new())), Readiness::default()).unwrap();
+        d.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
+        assert_eq!(d.heal_nbd(), vec![("nbd-1".to_string(), Healed::Gone)]);
+        assert_eq!(d.heal_nbd(), vec![]);
+    }
 }

@@ -80,6 +80,8 @@ pub struct NbdSide {
     inner: OnceLock<Arc<Inner>>,
     /// Serialises the start (so two stages do not start two servers).
     starting: Mutex<()>,
+    /// The start walk ran (it runs once per process).
+    walked: std::sync::atomic::AtomicBool,
 }
 
 struct Inner {
@@ -115,6 +117,11 @@ pub enum Healed {
     Drift { index: u32, found: Option<String> },
     /// No configured device carries the volume id: the reconciler re-stages.
     Gone,
+    /// The device carries the volume id but the volume's image is gone
+    /// (deleted under it): nothing could serve it, so the device is left
+    /// as it is (the kernel keeps queueing its I/O until its dead-connection
+    /// timeout) and reported.
+    ImageGone(u32),
     /// The remote export did not answer: the device stays as it is (the
     /// kernel queues its I/O) and the reconnect is retried until it does.
     Retrying { index: u32, why: String },
@@ -124,7 +131,7 @@ pub enum Healed {
 
 impl NbdSide {
     pub fn new(config: NbdAttachConfig) -> Self {
-        Self { config, inner: OnceLock::new(), starting: Mutex::new(()) }
+        Self { config, inner: OnceLock::new(), starting: Mutex::new(()), walked: Default::default() }
     }
 
     pub fn config(&self) -> &NbdAttachConfig {
@@ -239,6 +246,9 @@ impl NbdSide {
                 Some(other) => Healed::Drift { index, found: Some(other) },
                 None => Healed::Gone,
             };
+        }
+        if rec.remote.is_none() && std::fs::symlink_metadata(&rec.image).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+            return Healed::ImageGone(index);
         }
         let result = self.inner().and_then(|inner| {
             let served = match &rec.remote {
@@ -457,11 +467,13 @@ fn attach_error(e: nbdattach::Error) -> Error {
 }
 
 impl Driver {
-    /// The start walk over every staged nbd record: runs before the
-    /// reconciler's first pass (and so before Probe answers ready).
+    /// The start walk over every staged nbd record, once per process: the
+    /// agent runs it as soon as the store is open, and the reconciler's
+    /// start runs it if nobody did, so it always precedes the first pass
+    /// (and Probe's ready). Later calls return nothing.
     pub fn heal_nbd(&self) -> Vec<(String, Healed)> {
         let mut out = Vec::new();
-        if !self.nbd.config().heal {
+        if !self.nbd.config().heal || self.nbd.walked.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return out;
         }
         for rec in self.records.all().into_iter().filter(|r| r.attach == AttachKind::Nbd && r.nbd_index.is_some()) {
@@ -472,6 +484,8 @@ impl Driver {
                 Healed::Drift { index, found } => tracing::error!(volume = %rec.volume_id, index, ?found,
                     "the recorded nbd device carries another backend identifier; not touched"),
                 Healed::Gone => tracing::warn!(volume = %rec.volume_id, "the recorded nbd device is gone; re-staging"),
+                Healed::ImageGone(index) => tracing::error!(volume = %rec.volume_id, index, image = %rec.image.display(),
+                    "the recorded volume's image is gone; its nbd device is left as it is"),
                 Healed::Retrying { index, why } => {
                     tracing::warn!(volume = %rec.volume_id, index, why = %why, "the remote export does not answer yet; retrying")
                 }

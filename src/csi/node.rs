@@ -410,8 +410,12 @@ impl Driver {
             if !self.nbd.serving(n) {
                 let mut named = rec.clone();
                 named.nbd_index = Some(n);
-                if let crate::csi::nbd::Healed::Failed(e) = self.nbd.heal(&named) {
-                    return Err(Error::Internal(format!("reconnect /dev/nbd{n}: {e}")));
+                match self.nbd.heal(&named) {
+                    crate::csi::nbd::Healed::Failed(e) => return Err(Error::Internal(format!("reconnect /dev/nbd{n}: {e}"))),
+                    crate::csi::nbd::Healed::ImageGone(_) => {
+                        return Err(Error::Internal(format!("reconnect /dev/nbd{n}: the image {} is gone", rec.image.display())))
+                    }
+                    _ => {}
                 }
             }
             if let Some(a) = attach::nbd_existing(n, &rec.volume_id) {
