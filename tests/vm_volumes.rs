@@ -17,13 +17,27 @@ const SCRIPT: &str = include_str!("vm/volumes.sh");
 
 fn volume(test: &str, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
-    let script = harness::script(env!("CARGO_BIN_EXE_volring"), env, SCRIPT);
+    let mut env = env.to_vec();
+    // The agent's log filter in the guest, e.g. volring::nbd::ring=debug
+    // for the NBD rings' per-tick diagnostic.
+    let log = std::env::var("VOLRING_VM_RUST_LOG").unwrap_or_default();
+    if !log.is_empty() {
+        env.push(("RUST_LOG", &log));
+    }
+    let script = harness::script(env!("CARGO_BIN_EXE_volring"), &env, SCRIPT);
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = 2;
     let run = vm.run(&script, Duration::from_secs(600)).expect("vm run");
     let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     eprintln!("note: {test}: {}{}{}(guest {:.1} s)", read("verdict"), read("grow"), read("timeline"), run.elapsed.as_secs_f64());
     let agent = read("agent.err");
+    // The whole agent log kept where VOLRING_VM_KEEP names (a directory).
+    if let Ok(dir) = std::env::var("VOLRING_VM_KEEP") {
+        let _ = fs::create_dir_all(&dir);
+        let name = test.replace("::", "-");
+        let _ = fs::write(std::path::Path::new(&dir).join(format!("{name}.agent.err")), &agent);
+        let _ = fs::write(std::path::Path::new(&dir).join(format!("{name}.describe")), run.describe());
+    }
     // Its nbd, warning and error lines (the whole log is long under TCG).
     let lines: Vec<&str> = agent.lines().filter(|l| l.contains("nbd") || l.contains("WARN") || l.contains("ERROR")).collect();
     let tail = &lines[lines.len().saturating_sub(40)..];

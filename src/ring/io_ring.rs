@@ -311,6 +311,12 @@ impl IoRing {
         self.recv.taken()
     }
 
+    /// Completions that matched no live operation (late ones), since the
+    /// ring was made: a diagnostic (a late receive would strand its buffer).
+    pub fn stale_completions(&self) -> u64 {
+        self.core.ops().stale()
+    }
+
     /// Times the receive pool was handed to the kernel afresh.
     pub fn recv_pool_resets(&self) -> u64 {
         self.recv_resets

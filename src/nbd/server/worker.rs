@@ -135,6 +135,8 @@ pub(super) struct Worker {
     pub(super) spin: SpinWatch,
     /// Connections closed since the last trim.
     pub(super) closed_since_trim: usize,
+    /// Completions since the last tick, for the debug diagnostic.
+    pub(super) tick_stats: super::diag::TickStats,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -192,6 +194,7 @@ impl Worker {
             direct_receive: true,
             spin: SpinWatch::default(),
             closed_since_trim: 0,
+            tick_stats: Default::default(),
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -243,6 +246,7 @@ impl Worker {
     fn on_cqe(&mut self, c: Cqe) {
         let kind = c.token >> 56;
         let index = c.token as u32;
+        self.tick_stats.count(kind, c.result, c.more, c.recv_buf.is_some());
         match kind {
             K_WAKE => {
                 let mut drain = [0u8; 8];
@@ -458,6 +462,7 @@ impl Worker {
     fn check_spin(&mut self) {
         let spin = std::mem::take(&mut self.spin.empty_turns);
         let turns = std::mem::take(&mut self.spin.turns);
+        self.log_tick(turns, spin);
         if spin < SPIN_TURNS || self.spin.reported.is_some_and(|at| self.now.duration_since(at) < Duration::from_secs(10)) {
             return;
         }
@@ -552,6 +557,7 @@ impl Worker {
                         c.recv_op = Some(op);
                         c.recv_direct = direct;
                         c.socket_ops += 1;
+                        self.tick_stats.recv_arms += 1;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "NBD receive could not be armed");

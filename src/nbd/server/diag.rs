@@ -1,0 +1,141 @@
+//! A ring's per-tick diagnostic: what its completions were and what each
+//! connection is waiting for, logged at debug level under the target
+//! `volring::nbd::ring` (e.g. `RUST_LOG=volring::nbd::ring=debug`).
+//!
+//! A server that stops reading a socket shows no error of its own; this
+//! says, tick by tick, whether the ring turned, which operations completed
+//! and with what, and why each connection is or is not being read. The
+//! counters are a few additions per completion, so they are always kept.
+
+use super::conn::{Conn, Phase};
+use super::worker::{Worker, K_RECV, K_RECV_INTO, K_REQ, K_SEND};
+
+/// Completions of one ring since its last tick, by kind and outcome.
+#[derive(Default)]
+pub(super) struct TickStats {
+    /// Multishot receive completions that carried bytes.
+    pub recv_data: u32,
+    pub recv_bytes: u64,
+    /// Multishot receives that ended (no F_MORE), by result.
+    pub recv_ended: u32,
+    pub recv_enobufs: u32,
+    pub recv_cancelled: u32,
+    pub recv_eof: u32,
+    pub recv_other: u32,
+    pub recv_arms: u32,
+    pub direct_ok: u32,
+    pub direct_other: u32,
+    pub sends: u32,
+    pub send_errors: u32,
+    pub file_ok: u32,
+    pub file_errors: u32,
+    /// The last negative result of any kind and its kind.
+    pub last_error: Option<(u64, i32)>,
+}
+
+impl TickStats {
+    pub(super) fn count(&mut self, kind: u64, result: i32, more: bool, with_buf: bool) {
+        if result < 0 {
+            self.last_error = Some((kind, result));
+        }
+        match kind {
+            K_RECV => {
+                if with_buf {
+                    self.recv_data += 1;
+                    self.recv_bytes += result.max(0) as u64;
+                }
+                if !more {
+                    self.recv_ended += 1;
+                    match -result {
+                        libc::ENOBUFS => self.recv_enobufs += 1,
+                        libc::ECANCELED => self.recv_cancelled += 1,
+                        0 if !with_buf => self.recv_eof += 1,
+                        e if e > 0 => self.recv_other += 1,
+                        _ => {}
+                    }
+                }
+            }
+            K_RECV_INTO if result > 0 => self.direct_ok += 1,
+            K_RECV_INTO => self.direct_other += 1,
+            K_SEND if result >= 0 => self.sends += 1,
+            K_SEND => self.send_errors += 1,
+            K_REQ if result >= 0 => self.file_ok += 1,
+            K_REQ => self.file_errors += 1,
+            _ => {}
+        }
+    }
+}
+
+/// One connection's state in a line.
+pub(super) fn describe(i: usize, c: &Conn) -> String {
+    let payload = c.payload.as_ref().map(|p| format!("{}/{}", p.filled, p.req.length));
+    format!(
+        "#{i} serving={} paused={:?} server_wait={:?} closing={} broken={} recv_op={} direct={} cancelled={} \
+         held={} mem={} requests={} inbuf={} payload={:?} discard={} out={} send={} splice={} ops={} dirty={}",
+        matches!(c.phase, Phase::Serving { .. }),
+        c.paused,
+        c.server_wait,
+        c.closing,
+        c.broken,
+        c.recv_op.is_some(),
+        c.recv_direct,
+        c.recv_cancelled,
+        c.account.held,
+        c.account.mem,
+        c.account.requests,
+        c.inbuf.len(),
+        payload,
+        c.discard,
+        c.out.len(),
+        c.send_in_flight,
+        c.splice.is_some(),
+        c.socket_ops,
+        c.dirty
+    )
+}
+
+impl Worker {
+    /// Logs this tick's completions and every connection's state (debug
+    /// level, target `volring::nbd::ring`), then starts the next tick's count.
+    pub(super) fn log_tick(&mut self, turns: u64, empty_turns: u64) {
+        let s = std::mem::take(&mut self.tick_stats);
+        if !tracing::enabled!(target: "volring::nbd::ring", tracing::Level::DEBUG) {
+            return;
+        }
+        let conns: Vec<String> =
+            self.conns.iter().enumerate().filter_map(|(i, c)| c.as_ref().map(|c| describe(i, c))).take(8).collect();
+        tracing::debug!(
+            target: "volring::nbd::ring",
+            ring = self.id,
+            turns,
+            empty_turns,
+            recv_data = s.recv_data,
+            recv_bytes = s.recv_bytes,
+            recv_ended = s.recv_ended,
+            enobufs = s.recv_enobufs,
+            recv_cancelled = s.recv_cancelled,
+            recv_eof = s.recv_eof,
+            recv_other = s.recv_other,
+            recv_arms = s.recv_arms,
+            direct_ok = s.direct_ok,
+            direct_other = s.direct_other,
+            sends = s.sends,
+            send_errors = s.send_errors,
+            file_ok = s.file_ok,
+            file_errors = s.file_errors,
+            last_error = ?s.last_error,
+            in_flight = self.ring.in_flight(),
+            armed_recvs = self.ring.armed_recvs(),
+            recv_taken = self.ring.recv_taken(),
+            stale = self.ring.stale_completions(),
+            budget_used = self.budget.used(),
+            releases = self.budget.releases(),
+            waiters = self.server_waiters.len(),
+            dirty = self.dirty.len(),
+            recovering = self.recv_recovering,
+            direct_receive = self.direct_receive,
+            conns = ?conns,
+            "NBD ring tick"
+        );
+    }
+}
