@@ -31,12 +31,17 @@ pub(super) struct TickStats {
     pub file_errors: u32,
     /// The last negative result of any kind and its kind.
     pub last_error: Option<(u64, i32)>,
+    /// Completions that carried a provided buffer, by kind (index = kind).
+    pub bufs_by_kind: [u32; 12],
 }
 
 impl TickStats {
     pub(super) fn count(&mut self, kind: u64, result: i32, more: bool, with_buf: bool) {
         if result < 0 {
             self.last_error = Some((kind, result));
+        }
+        if with_buf {
+            self.bufs_by_kind[kind.min(11) as usize] += 1;
         }
         match kind {
             K_RECV => {
@@ -128,6 +133,8 @@ impl Worker {
             armed_recvs = self.ring.armed_recvs(),
             recv_taken = self.ring.recv_taken(),
             stale = self.ring.stale_completions(),
+            recv_counts = ?self.ring.recv_counts(),
+            bufs_by_kind = ?s.bufs_by_kind,
             budget_used = self.budget.used(),
             releases = self.budget.releases(),
             waiters = self.server_waiters.len(),
