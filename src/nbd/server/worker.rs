@@ -74,7 +74,8 @@ pub(super) struct Registered {
 }
 
 /// Loop turns of a ring between two ticks: a ring that turns without
-/// completions this often is spinning on something, and says on what.
+/// completions (or with only receives ending ENOBUFS) this often is
+/// spinning on something, and says on what.
 #[derive(Default)]
 pub(super) struct SpinWatch {
     turns: u64,
@@ -227,7 +228,9 @@ impl Worker {
             cqes.clear();
             self.ring.complete(&mut cqes);
             self.spin.turns += 1;
-            if cqes.is_empty() {
+            // A turn whose only completions are receives that ended on an
+            // empty pool (re-armed at once) did nothing either.
+            if cqes.iter().all(|c| c.token >> 56 == K_RECV && c.result == -libc::ENOBUFS && !c.more) {
                 self.spin.empty_turns += 1;
             }
             busy = cqes.len() >= BUSY_TURN;
