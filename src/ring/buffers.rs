@@ -444,7 +444,8 @@ impl RecvPool {
         }
         let ring = Mapping::new((usize::from(entries) * std::mem::size_of::<BufRingEntry>()).next_multiple_of(PAGE))?;
         let data = Mapping::new(usize::from(entries) * size)?;
-        let mut pool = Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0, counts: [0; 4] };
+        let mut pool =
+            Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0, counts: [0; 4] };
         pool.refill();
         Ok(pool)
     }

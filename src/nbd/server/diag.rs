@@ -107,8 +107,7 @@ impl Worker {
         if !tracing::enabled!(target: "volring::nbd::ring", tracing::Level::DEBUG) {
             return;
         }
-        let conns: Vec<String> =
-            self.conns.iter().enumerate().filter_map(|(i, c)| c.as_ref().map(|c| describe(i, c))).take(8).collect();
+        let conns: Vec<String> = self.conns.iter().enumerate().filter_map(|(i, c)| c.as_ref().map(|c| describe(i, c))).take(8).collect();
         tracing::debug!(
             target: "volring::nbd::ring",
             ring = self.id,
