@@ -99,49 +99,60 @@ pub(super) fn describe(i: usize, c: &Conn) -> String {
     )
 }
 
+/// Whether ring ticks are also printed to stderr (`VOLRING_NBD_RING_TRACE`
+/// set): for a server inside a process that installs no log subscriber,
+/// such as a test binary.
+pub(super) fn trace_to_stderr() -> bool {
+    std::env::var_os("VOLRING_NBD_RING_TRACE").is_some_and(|v| !v.is_empty())
+}
+
 impl Worker {
     /// Logs this tick's completions and every connection's state (debug
-    /// level, target `volring::nbd::ring`), then starts the next tick's count.
+    /// level, target `volring::nbd::ring`, or stderr, see
+    /// [`trace_to_stderr`]), then starts the next tick's count.
     pub(super) fn log_tick(&mut self, turns: u64, empty_turns: u64) {
         let s = std::mem::take(&mut self.tick_stats);
-        if !tracing::enabled!(target: "volring::nbd::ring", tracing::Level::DEBUG) {
+        if !self.trace_stderr && !tracing::enabled!(target: "volring::nbd::ring", tracing::Level::DEBUG) {
             return;
         }
         let conns: Vec<String> = self.conns.iter().enumerate().filter_map(|(i, c)| c.as_ref().map(|c| describe(i, c))).take(8).collect();
-        tracing::debug!(
-            target: "volring::nbd::ring",
-            ring = self.id,
-            turns,
-            empty_turns,
-            recv_data = s.recv_data,
-            recv_bytes = s.recv_bytes,
-            recv_ended = s.recv_ended,
-            enobufs = s.recv_enobufs,
-            recv_cancelled = s.recv_cancelled,
-            recv_eof = s.recv_eof,
-            recv_other = s.recv_other,
-            recv_arms = s.recv_arms,
-            direct_ok = s.direct_ok,
-            direct_other = s.direct_other,
-            sends = s.sends,
-            send_errors = s.send_errors,
-            file_ok = s.file_ok,
-            file_errors = s.file_errors,
-            last_error = ?s.last_error,
-            in_flight = self.ring.in_flight(),
-            armed_recvs = self.ring.armed_recvs(),
-            recv_taken = self.ring.recv_taken(),
-            stale = self.ring.stale_completions(),
-            recv_counts = ?self.ring.recv_counts(),
-            bufs_by_kind = ?s.bufs_by_kind,
-            budget_used = self.budget.used(),
-            releases = self.budget.releases(),
-            waiters = self.server_waiters.len(),
-            dirty = self.dirty.len(),
-            recovering = self.recv_recovering,
-            direct_receive = self.direct_receive,
-            conns = ?conns,
-            "NBD ring tick"
+        let line = format!(
+            "ring={} turns={turns} empty_turns={empty_turns} recv_data={} recv_bytes={} recv_ended={} enobufs={} \
+             recv_cancelled={} recv_eof={} recv_other={} recv_arms={} direct_ok={} direct_other={} sends={} send_errors={} \
+             file_ok={} file_errors={} last_error={:?} bufs_by_kind={:?} in_flight={} armed_recvs={} recv_taken={} stale={} \
+             recv_counts={:?} budget_used={} releases={} waiters={} dirty={} recovering={} direct_receive={} conns={conns:?}",
+            self.id,
+            s.recv_data,
+            s.recv_bytes,
+            s.recv_ended,
+            s.recv_enobufs,
+            s.recv_cancelled,
+            s.recv_eof,
+            s.recv_other,
+            s.recv_arms,
+            s.direct_ok,
+            s.direct_other,
+            s.sends,
+            s.send_errors,
+            s.file_ok,
+            s.file_errors,
+            s.last_error,
+            s.bufs_by_kind,
+            self.ring.in_flight(),
+            self.ring.armed_recvs(),
+            self.ring.recv_taken(),
+            self.ring.stale_completions(),
+            self.ring.recv_counts(),
+            self.budget.used(),
+            self.budget.releases(),
+            self.server_waiters.len(),
+            self.dirty.len(),
+            self.recv_recovering,
+            self.direct_receive,
         );
+        if self.trace_stderr {
+            eprintln!("NBD ring tick {line}");
+        }
+        tracing::debug!(target: "volring::nbd::ring", "NBD ring tick {line}");
     }
 }

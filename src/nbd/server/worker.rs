@@ -138,6 +138,8 @@ pub(super) struct Worker {
     pub(super) closed_since_trim: usize,
     /// Completions since the last tick, for the debug diagnostic.
     pub(super) tick_stats: super::diag::TickStats,
+    /// Ticks are printed to stderr too (see `diag::trace_to_stderr`).
+    pub(super) trace_stderr: bool,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -196,6 +198,7 @@ impl Worker {
             spin: SpinWatch::default(),
             closed_since_trim: 0,
             tick_stats: Default::default(),
+            trace_stderr: super::diag::trace_to_stderr(),
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
