@@ -432,6 +432,9 @@ pub(super) struct RecvPool {
     /// Buffers a completion handed to the driver and not recycled yet.
     taken: Vec<bool>,
     taken_count: u16,
+    /// Diagnostic counters: hand-outs, hand-outs of a buffer already out,
+    /// recycles, and recycles of a buffer that was not out.
+    pub(super) counts: [u64; 4],
 }
 
 impl RecvPool {
@@ -441,7 +444,8 @@ impl RecvPool {
         }
         let ring = Mapping::new((usize::from(entries) * std::mem::size_of::<BufRingEntry>()).next_multiple_of(PAGE))?;
         let data = Mapping::new(usize::from(entries) * size)?;
-        let mut pool = Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0 };
+        let mut pool =
+            Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0, counts: [0; 4] };
         pool.refill();
         Ok(pool)
     }
@@ -461,9 +465,12 @@ impl RecvPool {
     /// A completion handed buffer `bid` to the driver.
     pub(super) fn mark_taken(&mut self, bid: u16) {
         let slot = &mut self.taken[usize::from(bid % self.entries)];
+        self.counts[0] += 1;
         if !*slot {
             *slot = true;
             self.taken_count += 1;
+        } else {
+            self.counts[1] += 1;
         }
     }
 
@@ -522,8 +529,10 @@ impl RecvPool {
         if !*slot {
             // Not handed out (or already back): pushing it again would put
             // one buffer in the ring twice, for two receives at once.
+            self.counts[3] += 1;
             return;
         }
+        self.counts[2] += 1;
         *slot = false;
         self.taken_count -= 1;
         self.push(bid);

@@ -311,6 +311,18 @@ impl IoRing {
         self.recv.taken()
     }
 
+    /// Completions that matched no live operation (late ones), since the
+    /// ring was made: a diagnostic (a late receive would strand its buffer).
+    pub fn stale_completions(&self) -> u64 {
+        self.core.ops().stale()
+    }
+
+    /// The receive pool's counters: buffers handed out by completions,
+    /// handed out while already out, recycled, recycled while not out.
+    pub fn recv_counts(&self) -> [u64; 4] {
+        self.recv.counts
+    }
+
     /// Times the receive pool was handed to the kernel afresh.
     pub fn recv_pool_resets(&self) -> u64 {
         self.recv_resets
@@ -538,32 +550,44 @@ impl IoRing {
 
     /// Moves every available completion into `out`, releasing what finished
     /// operations held.
+    ///
+    /// A multishot op's completions that come in one reap with its last one
+    /// are delivered under its token too: the core took the op out of the
+    /// table when it matched the last one, so their token is found on it,
+    /// later in the same batch. (Dropping them lost the bytes a receive had
+    /// taken and its buffers with them: the pool seemed held by the driver,
+    /// and every later receive ended ENOBUFS at once.)
     pub fn complete(&mut self, out: &mut Vec<Cqe>) {
         let mut reaped = std::mem::take(&mut self.reaped);
         self.core.reap(&mut reaped);
-        for c in reaped.drain(..) {
-            let recv_buf = cqueue::buffer_select(c.flags);
+        for i in 0..reaped.len() {
+            let (user_data, res, flags, more) = (reaped[i].user_data, reaped[i].res, reaped[i].flags, reaped[i].more);
+            let token = match reaped[i].last.as_ref() {
+                Some(op) => op.token,
+                None => match self.core.ops().get(user_data) {
+                    Some(op) => op.token,
+                    None => match reaped[i + 1..].iter().find_map(|r| r.last.as_ref().filter(|_| r.user_data == user_data)) {
+                        Some(op) => op.token,
+                        None => continue, // cancel requests
+                    },
+                },
+            };
+            let recv_buf = cqueue::buffer_select(flags);
             if let Some(bid) = recv_buf {
                 self.recv.mark_taken(bid);
                 self.recv_epoch += 1;
             }
-            let token = match c.last {
-                Some(op) => {
-                    if let Held::Recv { epoch, idle } = op.held {
-                        if c.res == -libc::ENOBUFS && idle && epoch == self.recv_epoch {
-                            self.recv_lost = true;
-                        }
+            if let Some(op) = reaped[i].last.take() {
+                if let Held::Recv { epoch, idle } = op.held {
+                    if res == -libc::ENOBUFS && idle && epoch == self.recv_epoch {
+                        self.recv_lost = true;
                     }
-                    self.release(op.held);
-                    op.token
                 }
-                None => match self.core.ops().get(c.user_data) {
-                    Some(op) => op.token,
-                    None => continue, // cancel requests
-                },
-            };
-            out.push(Cqe { token, result: c.res, more: c.more, recv_buf });
+                self.release(op.held);
+            }
+            out.push(Cqe { token, result: res, more, recv_buf });
         }
+        reaped.clear();
         self.reaped = reaped;
     }
 

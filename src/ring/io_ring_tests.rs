@@ -112,3 +112,39 @@ fn until_ended_or_data(ring: &mut IoRing, token: u64) -> Cqe {
     }
     panic!("op {token} gave nothing");
 }
+
+/// A multishot receive whose completions are all posted before the driver
+/// reaps any: the data completions (F_MORE) and the last one (ENOBUFS, the
+/// pool ran dry) come out of one reap. The last one takes the op out of the
+/// table; the data completions before it must still be delivered under the
+/// op's token. They once were dropped: their bytes never reached the NBD
+/// server and their buffers were never recycled, so the pool looked held
+/// by the driver, every later receive ended at once with ENOBUFS and the
+/// ring spun re-arming it (the "6.1 stall": a slow ring thread, as under
+/// TCG, reaps in large batches).
+#[test]
+fn completions_reaped_together_with_their_ops_last_one_are_delivered() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    // More than the four 4 KiB buffers hold, so the receive ends ENOBUFS.
+    let sent: Vec<u8> = (0..5 * 4096).map(|i| (i % 251) as u8).collect();
+    peer.write_all(&sent).unwrap();
+    ring.recv_multi(30, socket).unwrap();
+    // Submitted, then left alone: the kernel posts every completion
+    // (receives with data waiting complete at submission) before the reap.
+    ring.submit_and_wait(0, None).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let done = until_ended(&mut ring, 30);
+    assert!(done.iter().all(|c| c.token == 30), "{done:?}");
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    let mut got = Vec::new();
+    for c in done.iter().filter(|c| c.recv_buf.is_some()) {
+        let bid = c.recv_buf.expect("filtered");
+        got.extend_from_slice(ring.received(bid, c.result as usize).0);
+        ring.recycle(bid);
+    }
+    assert_eq!(got.len(), 4 * 4096, "every buffer's bytes delivered: {done:?}");
+    assert_eq!(got[..], sent[..4 * 4096]);
+    assert_eq!(ring.recv_taken(), 0, "every buffer handed out came back");
+}

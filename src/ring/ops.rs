@@ -121,7 +121,6 @@ impl<T> OpTable<T> {
     }
 
     /// Completions that matched no live op, since the table was made.
-    #[cfg(test)]
     pub(super) fn stale(&self) -> u64 {
         self.stale
     }

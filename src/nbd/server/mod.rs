@@ -9,6 +9,7 @@
 
 mod budget;
 mod conn;
+mod diag;
 mod direct;
 mod inline;
 mod input;

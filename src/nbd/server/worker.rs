@@ -74,7 +74,8 @@ pub(super) struct Registered {
 }
 
 /// Loop turns of a ring between two ticks: a ring that turns without
-/// completions this often is spinning on something, and says on what.
+/// completions (or with only receives ending ENOBUFS) this often is
+/// spinning on something, and says on what.
 #[derive(Default)]
 pub(super) struct SpinWatch {
     turns: u64,
@@ -135,6 +136,10 @@ pub(super) struct Worker {
     pub(super) spin: SpinWatch,
     /// Connections closed since the last trim.
     pub(super) closed_since_trim: usize,
+    /// Completions since the last tick, for the debug diagnostic.
+    pub(super) tick_stats: super::diag::TickStats,
+    /// Ticks are printed to stderr too (see `diag::trace_to_stderr`).
+    pub(super) trace_stderr: bool,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -192,6 +197,8 @@ impl Worker {
             direct_receive: true,
             spin: SpinWatch::default(),
             closed_since_trim: 0,
+            tick_stats: Default::default(),
+            trace_stderr: super::diag::trace_to_stderr(),
         };
         for i in 0..w.listeners.len() {
             w.arm_accept(i)?;
@@ -224,7 +231,9 @@ impl Worker {
             cqes.clear();
             self.ring.complete(&mut cqes);
             self.spin.turns += 1;
-            if cqes.is_empty() {
+            // A turn whose only completions are receives that ended on an
+            // empty pool (re-armed at once) did nothing either.
+            if cqes.iter().all(|c| c.token >> 56 == K_RECV && c.result == -libc::ENOBUFS && !c.more) {
                 self.spin.empty_turns += 1;
             }
             busy = cqes.len() >= BUSY_TURN;
@@ -243,6 +252,7 @@ impl Worker {
     fn on_cqe(&mut self, c: Cqe) {
         let kind = c.token >> 56;
         let index = c.token as u32;
+        self.tick_stats.count(kind, c.result, c.more, c.recv_buf.is_some());
         match kind {
             K_WAKE => {
                 let mut drain = [0u8; 8];
@@ -458,6 +468,7 @@ impl Worker {
     fn check_spin(&mut self) {
         let spin = std::mem::take(&mut self.spin.empty_turns);
         let turns = std::mem::take(&mut self.spin.turns);
+        self.log_tick(turns, spin);
         if spin < SPIN_TURNS || self.spin.reported.is_some_and(|at| self.now.duration_since(at) < Duration::from_secs(10)) {
             return;
         }
@@ -552,6 +563,7 @@ impl Worker {
                         c.recv_op = Some(op);
                         c.recv_direct = direct;
                         c.socket_ops += 1;
+                        self.tick_stats.recv_arms += 1;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "NBD receive could not be armed");
