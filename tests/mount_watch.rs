@@ -381,7 +381,12 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
     let mut lagged = 0;
     let mut attached = std::collections::BTreeSet::new();
     let deadline = Instant::now() + patience();
-    while Instant::now() < deadline && attached.len() < 15 {
+    // Until the table shows the kernel's end state (15 live, 5 gone): with
+    // 15 known, a detach may still be on its way.
+    let settled = |w: &Watch, attached: &std::collections::BTreeSet<std::path::PathBuf>| {
+        attached.len() == 15 && paths[..5].iter().all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none())
+    };
+    while Instant::now() < deadline && !settled(&w, &attached) {
         let Some(d) = w.rx.recv_timeout(Duration::from_millis(200)) else {
             continue;
         };
