@@ -179,7 +179,8 @@ impl Drop for Killed {
 /// (a `resync` line), read afterwards.
 fn watch_outputs(scratch: &Scratch) -> Result<Outputs, Failed> {
     use rustix::mount::{mount_move, mount_remount, MountFlags};
-    let mut child = Killed(Command::new(VOLRING).args(["mounts", "--watch", "--json"]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?);
+    let mut child =
+        Killed(Command::new(VOLRING).args(["mounts", "--watch", "--json"]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?);
     let stdout = child.0.stdout.take().ok_or("stdout")?;
     // A rendezvous channel: while nobody receives, the reader stops
     // reading and the pipe fills.

@@ -336,9 +336,8 @@ fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
 
 /// Applies deliveries until the consumer's table equals the kernel's
 /// (`patience()` at most), and fails with the last difference otherwise. A
-/// fixed quiet window is not enough: an event still on its way (or a
-/// parallel test's mount, in this shared namespace) makes a single
-/// comparison differ for a moment.
+/// fixed quiet window is not enough: an event still on its way (late on a
+/// loaded host) makes a single comparison differ for a moment.
 fn converges_to_kernel(w: &mut Watch, mode: WatchMode) -> Result<(), Failed> {
     let deadline = Instant::now() + patience();
     loop {
