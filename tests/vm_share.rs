@@ -84,23 +84,25 @@ fn two_clients() -> Result<(), Failed> {
     let fwd = work.path().join("fwd.sh");
     std::fs::write(&fwd, format!("#!/bin/sh\nexec socat - TCP:127.0.0.1:{port}\n"))?;
     std::fs::set_permissions(&fwd, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    // A side channel for while the volume is out of reach (its server
-    // down): each guest connection to 10.0.2.100:7000 runs this with the
-    // node's number. The guest sends one line (`abnormal` leaves a mark
-    // here that the node saw its volume abnormal); the answer is the phase
-    // the host wrote last (`down` once the agent and its server are dead).
+    // A side channel that does not go through the volume (whose server the
+    // test kills): each guest connection to 10.0.2.100:7000 runs this with
+    // the node's number. The guest sends one line (`saw-down` or
+    // `abnormal` leaves that mark here for the node); the answer is the
+    // phase the host wrote last (`down` once the agent and its server are
+    // dead). A mark written on the volume could leave the guest blocked on
+    // it when the server dies just after the host saw it.
     let phase = work.path().join("phase");
     let ctl = work.path().join("ctl.sh");
     std::fs::write(
         &ctl,
         format!(
-            "#!/bin/sh\nread -r msg\n[ \"$msg\" = abnormal ] && : >'{dir}/abnormal-'\"$1\"\ncat '{phase}' 2>/dev/null\n",
+            "#!/bin/sh\nread -r msg\ncase \"$msg\" in saw-down|abnormal) : >'{dir}/'\"$msg-$1\" ;; esac\ncat '{phase}' 2>/dev/null\n",
             dir = work.path().display(),
             phase = phase.display()
         ),
     )?;
     std::fs::set_permissions(&ctl, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    let saw_abnormal = |node: u32| work.path().join(format!("abnormal-{node}")).exists();
+    let marked = |what: &str, node: u32| work.path().join(format!("{what}-{node}")).exists();
     let guests: Vec<_> = (1..=2)
         .map(|node| {
             let image = image.clone();
@@ -163,15 +165,15 @@ fn two_clients() -> Result<(), Failed> {
         })?;
         std::fs::write(Path::new(&staging).join("going-down"), b"")?;
         wait(300, "both guests saw going-down", || {
-            (on_volume("saw-down-1") && on_volume("saw-down-2")) || guests.iter().any(|g| g.is_finished())
+            (marked("saw-down", 1) && marked("saw-down", 2)) || guests.iter().any(|g| g.is_finished())
         })?;
         let before = ganesha_pid(&a);
         let away = Instant::now();
         a.kill_hard();
         wait(30, "the NFS server to die with its agent", || before.is_none_or(|p| !alive(p)))?;
         std::fs::write(&phase, b"down\n")?;
-        let seen = wait(600, "both guests to see their volume abnormal", || {
-            (saw_abnormal(1) && saw_abnormal(2)) || guests.iter().any(|g| g.is_finished())
+        let seen = wait(1200, "both guests to see their volume abnormal", || {
+            (marked("abnormal", 1) && marked("abnormal", 2)) || guests.iter().any(|g| g.is_finished())
         });
         std::fs::write(&phase, b"up\n")?;
         a.respawn_with(&borrowed(&env));

@@ -191,13 +191,19 @@ touch "$M/verified-$NODE"
 wait_for "[ -e '$M/verified-$OTHER' ]" 600
 
 # 6. The volume's condition: the host writes `going-down`; once both
-# guests answered `saw-down-N` it kills its agent (and server), and says
-# `down` on the side channel (the volume is out of reach then). Stats must
-# then say abnormal (the driver waits 5 s for the server); the host stays
-# away until both guests told it so, and stats are normal again once it
-# is back.
+# guests answered `saw-down` (on the side channel: a mark written on the
+# volume could block this guest when the server dies right after the host
+# saw it) it kills its agent (and server), and says `down` on the side
+# channel. Stats must then say abnormal (the driver waits 5 s for the
+# server); the host stays away until both guests told it so, and stats are
+# normal again once it is back.
 wait_for "[ -e '$M/going-down' ]" 300
-touch "$M/saw-down-$NODE"
+i=0
+until host saw-down >/dev/null; do
+  i=$((i + 1))
+  [ $i -gt 40 ] && fail "could not tell the host going-down was seen"
+  sleep 0.25
+done
 i=0
 until [ "$(host ask)" = down ]; do
   i=$((i + 1))
