@@ -236,6 +236,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Reads and writes completed on a block device, from its sysfs `stat`.
+fn io_counts(name: &str) -> Result<(u64, u64), Failed> {
+    let text = std::fs::read_to_string(format!("/sys/block/{name}/stat"))?;
+    let f: Vec<u64> = text.split_whitespace().map(str::parse).collect::<Result<_, _>>()?;
+    check(f.len() >= 5, format!("/sys/block/{name}/stat: {text:?}"))?;
+    Ok((f[0], f[4]))
+}
+
 /// Under steady fio load on a loop device, `volring stats` and iostat -x,
 /// sampling the same seconds, agree within sampling tolerance column by
 /// column; the device is named with /dev/ and without.
@@ -250,12 +258,26 @@ fn stats_agree_with_iostat_under_fio() -> Result<(), Failed> {
         "--ioengine=psync".into(),
         "--rate_iops=400,200".into(),
         "--time_based".into(),
-        "--runtime=12".into(),
+        // Long enough to cover both samplers even when they start late on
+        // a loaded host; fio is killed when the test is done with it.
+        "--runtime=20".into(),
         "--output=/dev/null".into(),
     ];
+    let before = io_counts(lo.name())?;
     let mut fio = Command::new("fio").args(&fio_args).stdout(Stdio::null()).spawn()?;
     let result = (|| -> Result<(), Failed> {
-        std::thread::sleep(Duration::from_millis(1500));
+        // Sample only once fio's I/O is moving (0.1 s of its rates seen in
+        // the kernel's counters), not after a fixed sleep a loaded host may
+        // outlast.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = io_counts(lo.name())?;
+            if now.0 >= before.0 + 40 && now.1 >= before.1 + 20 {
+                break;
+            }
+            check(std::time::Instant::now() < deadline, format!("fio's I/O never showed in 30 s: (reads, writes) {before:?} -> {now:?}"))?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
         const N: &str = "6";
         let iostat = Command::new("iostat").args(["-x", "-d", "-y", "-o", "JSON", "1", N, lo.name()]).stdout(Stdio::piped()).spawn()?;
         let ours = Command::new(env!("CARGO_BIN_EXE_volring"))

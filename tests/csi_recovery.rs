@@ -225,7 +225,7 @@ fn hold_open(n: u32, hold: Duration) -> Result<(std::thread::JoinHandle<()>, mps
         let _ = release_rx.recv_timeout(hold);
         drop(f);
     });
-    check(opened_rx.recv_timeout(Duration::from_secs(10)) == Ok(true), format!("open /dev/loop{n}"))?;
+    check(opened_rx.recv_timeout(Duration::from_secs(30)) == Ok(true), format!("open /dev/loop{n}"))?;
     Ok((t, release_tx))
 }
 

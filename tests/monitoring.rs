@@ -1,7 +1,8 @@
 //! deploy/monitoring against a live agent: every series the Grafana
 //! dashboard and the alert rules name exists on a real scrape (with the CSI
 //! driver and an NBD export running), the scrape passes `promtool check
-//! metrics`, and the rules pass `promtool check rules`.
+//! metrics`, the rules pass `promtool check rules`, and every PromQL
+//! expression of the dashboard parses (promtool, as recording rules).
 
 mod common;
 
@@ -142,9 +143,135 @@ fn dashboard_and_rules_name_only_real_series() -> Result<(), Failed> {
     Ok(())
 }
 
+/// Values for Grafana's built-in variables, as Grafana would substitute
+/// them (durations; milliseconds and seconds as plain numbers).
+const GRAFANA_BUILTINS: &[(&str, &str)] = &[
+    ("__rate_interval", "1m"),
+    ("__interval", "15s"),
+    ("__range", "1h"),
+    ("__interval_ms", "15000"),
+    ("__range_ms", "3600000"),
+    ("__range_s", "3600"),
+];
+
+/// Every `expr` in a dashboard (panels, rows' panels, whatever nests
+/// them), with where it sits.
+fn dashboard_exprs(v: &serde_json::Value, at: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match (k.as_str(), x) {
+                    ("expr", serde_json::Value::String(e)) => out.push((at.to_string(), e.clone())),
+                    _ => dashboard_exprs(x, &format!("{at}/{k}"), out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| dashboard_exprs(x, &format!("{at}[{i}]"), out)),
+        _ => {}
+    }
+}
+
+/// `expr` with its Grafana variables (`$name`, `${name}`, `${name:format}`)
+/// replaced: built-ins by their values, the dashboard's own template
+/// variables by `.*` (what "All" selects; they sit in regex matchers).
+/// A variable that is neither is an error: Grafana would leave it as is.
+fn substitute(expr: &str, template_vars: &[String]) -> Result<String, String> {
+    let mut out = String::with_capacity(expr.len());
+    let mut rest = expr;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i + 1..];
+        let (name, used) = match tail.strip_prefix('{') {
+            Some(braced) => {
+                let end = braced.find('}').ok_or_else(|| format!("unclosed ${{ in {expr:?}"))?;
+                (braced[..end].split(':').next().unwrap_or(""), end + 2)
+            }
+            None => {
+                let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+                (&tail[..end], end)
+            }
+        };
+        let value = match GRAFANA_BUILTINS.iter().find(|(n, _)| *n == name) {
+            Some((_, v)) => *v,
+            None if template_vars.iter().any(|v| v == name) => ".*",
+            None => return Err(format!("${name} is neither a Grafana variable nor one of the dashboard's {template_vars:?}: {expr:?}")),
+        };
+        out.push_str(value);
+        rest = &tail[used..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// The dashboard's expressions as one rules file, each a recording rule
+/// (`dashboard:expr_N`), for `promtool check rules` to parse; with the
+/// list of which N is which, for a failure message.
+fn dashboard_as_rules(dashboard: &str) -> Result<(String, String, usize), Failed> {
+    let parsed: serde_json::Value = serde_json::from_str(dashboard)?;
+    let vars: Vec<String> =
+        parsed["templating"]["list"].as_array().into_iter().flatten().filter_map(|v| v["name"].as_str().map(str::to_string)).collect();
+    let mut exprs = Vec::new();
+    dashboard_exprs(&parsed, "", &mut exprs);
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    let mut index = String::new();
+    for (n, (at, expr)) in exprs.iter().enumerate() {
+        let promql = substitute(expr, &vars)?;
+        // A JSON string is a YAML double-quoted scalar.
+        rules.push_str(&format!("      - record: dashboard:expr_{n}\n        expr: {}\n", serde_json::to_string(&promql)?));
+        index.push_str(&format!("  expr_{n} at {at}: {promql}\n"));
+    }
+    Ok((rules, index, exprs.len()))
+}
+
+/// Parses the dashboard's every expression with promtool; `Ok(None)` where
+/// promtool is missing outside CI.
+fn check_dashboard_parses(dashboard: &str, scratch: &Scratch) -> Result<Option<usize>, Failed> {
+    let (rules, index, n) = dashboard_as_rules(dashboard)?;
+    let file = scratch.path().join("dashboard-rules.yaml");
+    std::fs::write(&file, rules)?;
+    match promtool(&["check", "rules", &file.to_string_lossy()], "") {
+        Ok(said) => Ok(said.map(|_| n)),
+        Err(e) => Err(format!("{}\nthe expressions:\n{index}", e.message().unwrap_or("")).into()),
+    }
+}
+
+fn every_dashboard_expression_parses() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring/dashboard.json");
+    let Some(n) = check_dashboard_parses(&std::fs::read_to_string(path)?, &scratch)? else { return Ok(()) };
+    check(n >= 20, format!("only {n} expressions found in the dashboard"))
+}
+
+/// The check itself can fail: a dashboard with one expression that does
+/// not parse, and one with a variable nobody defines.
+fn a_broken_dashboard_expression_is_caught() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let dashboard = |expr: &str| {
+        serde_json::json!({
+            "templating": { "list": [{ "name": "instance" }] },
+            "panels": [{ "targets": [
+                { "expr": "sum(rate(volring_device_reads_completed_total{instance=~\"$instance\"}[$__rate_interval]))" },
+                { "expr": expr },
+            ]}],
+        })
+        .to_string()
+    };
+    let Some(n) = check_dashboard_parses(&dashboard("up{instance=~\"${instance}\"}"), &scratch)? else { return Ok(()) };
+    check(n == 2, format!("{n} expressions in a dashboard of 2"))?;
+    match check_dashboard_parses(&dashboard("sum(rate(volring_device_reads_completed_total[$__rate_interval])"), &scratch) {
+        Err(e) => check(e.message().is_some_and(|m| m.contains("expr_1")), format!("the failure names the expression: {e:?}"))?,
+        Ok(_) => return Err("an unclosed parenthesis parsed".into()),
+    }
+    match check_dashboard_parses(&dashboard("up{instance=~\"$instanse\"}"), &scratch) {
+        Err(e) => check(e.message().is_some_and(|m| m.contains("$instanse")), format!("the failure names the variable: {e:?}")),
+        Ok(_) => Err("an undefined variable passed".into()),
+    }
+}
+
 fn main() {
-    common::run_in_private_namespace(vec![Trial::test(
-        "monitoring::dashboard_and_rules_name_only_real_series",
-        dashboard_and_rules_name_only_real_series,
-    )]);
+    common::run_in_private_namespace(vec![
+        Trial::test("monitoring::dashboard_and_rules_name_only_real_series", dashboard_and_rules_name_only_real_series),
+        Trial::test("monitoring::every_dashboard_expression_parses", every_dashboard_expression_parses),
+        Trial::test("monitoring::a_broken_dashboard_expression_is_caught", a_broken_dashboard_expression_is_caught),
+    ]);
 }

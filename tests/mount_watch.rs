@@ -14,6 +14,21 @@ use rustix::mount::{mount_bind, mount_change, mount_move, mount_remount, unmount
 use volring::mounts::{Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig, WatchEvent, WatchMode};
 use volring::ring::{queue::Receiver, BackendChoice};
 
+/// The longest a test waits for something that should happen: 30 s, and
+/// 120 s in the emulated guest of tests/vm.rs (it exports
+/// `VOLRING_TEST_IN_GUEST`), where time runs 10-50x slower. Every wait
+/// bounded by it ends as soon as its condition holds.
+fn patience() -> Duration {
+    if std::env::var_os("VOLRING_TEST_IN_GUEST").is_some() {
+        Duration::from_secs(120)
+    } else {
+        Duration::from_secs(30)
+    }
+}
+/// How long a test keeps listening after what it waited for arrived, to
+/// catch extra events that must not be there.
+const QUIET: Duration = Duration::from_millis(500);
+
 struct Watch {
     watcher: Option<MountWatcher>,
     rx: Receiver<WatchEvent>,
@@ -41,17 +56,19 @@ impl Watch {
         e.subject().is_none_or(|m| m.mount_point().starts_with(&self.scope))
     }
 
-    /// Takes deliveries until `n` events in scope arrived (5 s at most), then
-    /// keeps listening 150 ms to catch any extra. Applies all to the table.
+    /// Takes deliveries until `n` events in scope arrived, then keeps
+    /// listening `QUIET` to catch any extra. Applies all to the table. The
+    /// wait ends as soon as the events are in, so its bound (`patience()`) only
+    /// matters on a loaded host or in the emulated guest of tests/vm.rs.
     fn take(&mut self, n: usize) -> Vec<MountEvent> {
         let mut got = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + patience();
         let mut quiet_until: Option<Instant> = None;
         loop {
             let now = Instant::now();
             let until = match quiet_until {
                 Some(q) => q,
-                None if got.len() >= n => *quiet_until.insert(now + Duration::from_millis(150)),
+                None if got.len() >= n => *quiet_until.insert(now + QUIET),
                 None => deadline,
             };
             if now >= until {
@@ -317,6 +334,24 @@ fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
     check(key(table) == key(&fresh), "consumer's table matches the kernel's")
 }
 
+/// Applies deliveries until the consumer's table equals the kernel's
+/// (`patience()` at most), and fails with the last difference otherwise. A
+/// fixed quiet window is not enough: an event still on its way (late on a
+/// loaded host) makes a single comparison differ for a moment.
+fn converges_to_kernel(w: &mut Watch, mode: WatchMode) -> Result<(), Failed> {
+    let deadline = Instant::now() + patience();
+    loop {
+        while Instant::now() < deadline {
+            let Some(ev) = w.rx.recv_timeout(Duration::from_millis(100)) else { break };
+            ev.changes().iter().for_each(|e| w.table.apply(e));
+        }
+        match same_as_kernel(&w.table, mode) {
+            Err(_) if Instant::now() < deadline => {}
+            done => return done,
+        }
+    }
+}
+
 /// A consumer that does not read gets one coalesced diff, not a gap.
 fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Failed> {
     let s = Scratch::new();
@@ -331,11 +366,26 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
     for p in &paths[..5] {
         umount(p);
     }
-    std::thread::sleep(Duration::from_millis(100));
+    // Nothing has been read yet: once the watcher has counted two events more
+    // than the queue holds, the last one counted has been fully handled and
+    // went to the backlog (counted events before it filled the queue), so a
+    // coalesced resync must follow. A bounded wait for that, not a fixed
+    // sleep: a watcher slowed by load could otherwise be read as fast as it
+    // emits and never lag.
+    let deadline = Instant::now() + patience();
+    while w.watcher().stats().mount_events < 4 {
+        check(Instant::now() < deadline, format!("the watcher emitted too little: {:?}", w.watcher().stats()))?;
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let mut lagged = 0;
     let mut attached = std::collections::BTreeSet::new();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline && attached.len() < 15 {
+    let deadline = Instant::now() + patience();
+    // Until the table shows the kernel's end state (15 live, 5 gone): with
+    // 15 known, a detach may still be on its way.
+    let settled = |w: &Watch, attached: &std::collections::BTreeSet<std::path::PathBuf>| {
+        attached.len() == 15 && paths[..5].iter().all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none())
+    };
+    while Instant::now() < deadline && !settled(&w, &attached) {
         let Some(d) = w.rx.recv_timeout(Duration::from_millis(200)) else {
             continue;
         };
@@ -351,7 +401,7 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
     check(lagged >= 1, "a coalesced resync was delivered")?;
     check(attached.len() == 15, format!("{} of 15 live mounts known", attached.len()))?;
     check(paths[..5].iter().all(|p| w.table.top_at(p.as_os_str().as_encoded_bytes()).is_none()), "unmounted ones are gone")?;
-    same_as_kernel(&w.table, mode)
+    converges_to_kernel(&mut w, mode)
 }
 
 /// A fanotify queue overflow is answered with one `resync` delivery. The
@@ -382,12 +432,9 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
             break;
         }
     }
-    while let Some(ev) = w.rx.recv_timeout(Duration::from_millis(100)) {
-        ev.changes().iter().for_each(|e| w.table.apply(e));
-    }
     check(overflowed, "an overflow resync was delivered")?;
     check(w.watcher().stats().overflows >= 1, "overflow counted")?;
-    same_as_kernel(&w.table, WatchMode::Fanotify)
+    converges_to_kernel(&mut w, WatchMode::Fanotify)
 }
 
 /// The watcher can watch a namespace other than its caller's (the host's,
@@ -400,10 +447,9 @@ fn other_namespace(mode: WatchMode) -> Result<(), Failed> {
     let result = (|| -> Result<(), Failed> {
         let ns = std::path::PathBuf::from(format!("/proc/{pid}/ns/mnt"));
         // Wait (bounded) until the holder has its own namespace.
-        for _ in 0..100 {
-            if std::fs::read_link(&ns)? != std::fs::read_link("/proc/self/ns/mnt")? {
-                break;
-            }
+        let deadline = Instant::now() + patience();
+        while std::fs::read_link(&ns)? == std::fs::read_link("/proc/self/ns/mnt")? {
+            check(Instant::now() < deadline, "the holder never entered a namespace of its own")?;
             std::thread::sleep(Duration::from_millis(10));
         }
         let (watcher, table, rx) =
@@ -417,7 +463,7 @@ fn other_namespace(mode: WatchMode) -> Result<(), Failed> {
             .status()?;
         check(st.success(), "mount inside the other namespace")?;
         let mut found = false;
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + patience();
         while !found && Instant::now() < deadline {
             if let Some(ev) = rx.recv_timeout(Duration::from_millis(100)) {
                 found = ev.changes().iter().any(|e| e.kind == Attached && e.subject().is_some_and(|m| m.mount_point_path() == d));
@@ -649,25 +695,40 @@ fn cli_watch_streams_json_lines() -> Result<(), Failed> {
             }
         }
     });
-    // The child needs a moment to start watching; retry the mount until seen.
-    // Up to 30 s: a debug build started under an emulated CPU (the 6.1 VM of
-    // tests/vm.rs) took more than 5 s to start watching.
-    let mut seen = None;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        tmpfs_at(&d);
-        umount(&d);
-        if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
-            seen = Some(line);
-            break;
-        }
-    }
+    // The child needs a moment to start watching (a debug build started
+    // under an emulated CPU, the 6.1 VM of tests/vm.rs, took more than 5 s):
+    // change the mount until it reports one.
+    let seen = toggle_until_a_line(&d, &rx);
     let _ = child.kill();
     let _ = child.wait();
     let _ = reader.join();
     let line = seen.ok_or("no event line")?;
     let v: serde_json::Value = serde_json::from_str(&line)?;
     check(v["event"] == "attached" || v["event"] == "detached", format!("line {line}"))
+}
+
+/// Mounts or unmounts `probe` in turn, holding each state 500 ms, until a
+/// line arrives on `lines` (`patience()` at most); leaves `probe` unmounted.
+/// Each state is held long enough for a re-parse to see it: a mount made and
+/// gone within one re-parse window shows no change, so a watcher in the
+/// re-parse mode (the 6.1 guest) could miss every one of a quick series.
+fn toggle_until_a_line(probe: &std::path::Path, lines: &std::sync::mpsc::Receiver<String>) -> Option<String> {
+    let deadline = Instant::now() + patience();
+    let mut mounted = false;
+    let mut line = None;
+    while line.is_none() && Instant::now() < deadline {
+        if mounted {
+            umount(probe);
+        } else {
+            tmpfs_at(probe);
+        }
+        mounted = !mounted;
+        line = lines.recv_timeout(Duration::from_millis(500)).ok();
+    }
+    if mounted {
+        umount(probe);
+    }
+    line
 }
 
 /// `STATX_MNT_ID_UNIQUE` (6.8+): the 64-bit id fanotify and statmount use.
@@ -708,11 +769,12 @@ impl WatchChild {
         Ok(rustix::process::kill_process(pid, sig)?)
     }
 
-    /// Stops the child and waits (2 s at most) until the kernel says so.
+    /// Stops the child and waits (`patience()` at most) until the kernel says so.
     fn stop(&self) -> Result<(), Failed> {
         self.signal(rustix::process::Signal::STOP)?;
         let stat = format!("/proc/{}/stat", self.child.id());
-        for _ in 0..200 {
+        let deadline = Instant::now() + patience();
+        while Instant::now() < deadline {
             let text = std::fs::read_to_string(&stat)?;
             // The state follows the command name's closing parenthesis.
             if text.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T')) {
@@ -723,33 +785,16 @@ impl WatchChild {
         Err("child did not stop".into())
     }
 
-    /// Mounts or unmounts `probe` in turn, holding each state 500 ms, until
-    /// the child prints a line (30 s at most: a debug binary starting on a
-    /// loaded 2-core CI machine once missed a 5 s budget), then drains what
-    /// follows. Each state is held long enough for a re-parse to see it: a
-    /// mount made and gone within one re-parse window shows no change.
+    /// Changes the mount at `probe` until the child prints a line (a debug
+    /// binary starting on a loaded 2-core CI machine once missed a 5 s
+    /// budget), then drains what follows.
     fn wait_ready(&self, probe: &std::path::Path) -> Result<(), Failed> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut mounted = false;
-        let mut ready = false;
-        while !ready && Instant::now() < deadline {
-            if mounted {
-                umount(probe);
-            } else {
-                tmpfs_at(probe);
-            }
-            mounted = !mounted;
-            ready = self.lines.recv_timeout(Duration::from_millis(500)).is_ok();
-        }
-        if mounted {
-            umount(probe);
-        }
-        check(ready, "the watcher printed nothing in 30 s")?;
-        self.lines_until(Duration::from_secs(5), |_| true);
+        check(toggle_until_a_line(probe, &self.lines).is_some(), format!("the watcher printed nothing in {:?}", patience()))?;
+        self.lines_until(patience(), |_| true);
         Ok(())
     }
 
-    /// Parsed lines until `enough` says so or `limit` passes, then 150 ms
+    /// Parsed lines until `enough` says so or `limit` passes, then `QUIET`
     /// more to catch extras.
     fn lines_until(&self, limit: Duration, mut enough: impl FnMut(&[serde_json::Value]) -> bool) -> Vec<serde_json::Value> {
         let deadline = Instant::now() + limit;
@@ -758,7 +803,7 @@ impl WatchChild {
         loop {
             let now = Instant::now();
             if quiet_until.is_none() && enough(&got) {
-                quiet_until = Some(now + Duration::from_millis(150));
+                quiet_until = Some(now + QUIET);
             }
             let until = quiet_until.unwrap_or(deadline);
             if now >= until {
@@ -813,7 +858,7 @@ fn stopped_watcher_reports_every_move(mode: WatchMode, backend: BackendChoice) -
                 || v["previous"]["target"] == places[0].display().to_string().as_str())
     };
     let want = if mode == WatchMode::Fanotify { MOVES } else { 1 };
-    let lines = child.lines_until(Duration::from_secs(5), |got| got.iter().filter(|v| is_move_of(v)).count() >= want);
+    let lines = child.lines_until(patience(), |got| got.iter().filter(|v| is_move_of(v)).count() >= want);
     let moves: Vec<_> = lines.iter().filter(|v| is_move_of(v)).collect();
     check(moves.len() == want, format!("{} moved lines for {want} kernel moves: {moves:?}", moves.len()))?;
     let final_place = moves.iter().rev().find_map(|v| v["mount"]["target"].as_str());

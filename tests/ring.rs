@@ -4,8 +4,9 @@
 //! may still write.
 
 // The poisoning allocator below (it detects a kernel write into a freed
-// buffer) is the one place outside src/sys and src/ring that needs unsafe.
-#![allow(unsafe_code, clippy::undocumented_unsafe_blocks)]
+// buffer) is the one place outside src/sys and src/ring that needs unsafe;
+// each unsafe block still says why it is sound (clippy checks).
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashSet;
@@ -15,6 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use volring::ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
+
+/// The longest a test waits for the ring thread (an event, a report): each
+/// wait ends as soon as it arrives, so the bound only matters on a loaded CI
+/// host and in the emulated 6.1 guest of tests/vm.rs.
+const PATIENCE: Duration = Duration::from_secs(30);
 
 const READY: u64 = 1;
 const READ: u64 = 2;
@@ -72,14 +78,14 @@ fn exercise(choice: BackendChoice, expect: Backend) {
     let t0 = Instant::now();
     let ring = RingThread::spawn("test-ring", Echo { pipe: Arc::new(r), out: tx, reading: false }, choice, 4).expect("ring starts");
     assert_eq!(ring.backend(), expect);
-    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).as_deref(), Some("timer"));
+    assert_eq!(rx.recv_timeout(PATIENCE).as_deref(), Some("timer"));
     assert!(t0.elapsed() >= Duration::from_millis(20));
     rustix::io::write(&w, b"hello").expect("write");
-    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).as_deref(), Some("read:hello"));
+    assert_eq!(rx.recv_timeout(PATIENCE).as_deref(), Some("read:hello"));
     rustix::io::write(&w, b"again").expect("write");
-    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).as_deref(), Some("read:again"));
+    assert_eq!(rx.recv_timeout(PATIENCE).as_deref(), Some("read:again"));
     ring.send("x".into()).expect("command queued");
-    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).as_deref(), Some("cmd:x"));
+    assert_eq!(rx.recv_timeout(PATIENCE).as_deref(), Some("cmd:x"));
     ring.send("stop".into()).expect("command queued");
     ring.stop().expect("stops cleanly");
     assert_eq!(rx.recv_timeout(Duration::from_millis(100)), None, "the driver is gone and said nothing more");
@@ -143,20 +149,33 @@ static KEPT: [(AtomicUsize, AtomicUsize); 64] = [const { (AtomicUsize::new(0), A
 /// Per watched size: the write end of the pipe its read waits on (-1: none).
 static WATCH: [(usize, AtomicI32); 2] = [(PANIC_BUF, AtomicI32::new(-1)), (START_BUF, AtomicI32::new(-1))];
 
+// SAFETY: every block comes from `System` with the caller's layout, so it is
+// as large and as aligned as asked; a block is either given back to `System`
+// with the layout it was allocated with, or kept for good (leaked), which the
+// contract allows. Nothing here allocates or unwinds.
 unsafe impl GlobalAlloc for Quarantine {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: our caller upholds `GlobalAlloc::alloc`'s contract (a
+        // non-zero size), the one `System.alloc` needs.
         unsafe { System.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as in `alloc`: the caller's layout has a non-zero size.
         unsafe { System.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         let Some((_, fd)) = WATCH.iter().find(|(size, _)| *size == layout.size()) else {
+            // SAFETY: the caller guarantees `ptr` came from this allocator
+            // with `layout`, and this allocator got every block it handed out
+            // from `System` with that same layout.
             return unsafe { System.dealloc(ptr, layout) };
         };
         // Poisoned and kept: the test reads it later, nothing reuses it.
+        // SAFETY: `ptr` is a live block of `layout.size()` bytes from this
+        // allocator (the caller's contract) that nobody uses any more, so
+        // writing all of its bytes stays in bounds and races with no one.
         unsafe { std::ptr::write_bytes(ptr, POISON, layout.size()) };
         if let Some((_, n)) = KEPT.iter().find(|(p, _)| p.compare_exchange(0, ptr as usize, Ordering::AcqRel, Ordering::Acquire).is_ok()) {
             n.store(layout.size(), Ordering::Release);
@@ -165,6 +184,10 @@ unsafe impl GlobalAlloc for Quarantine {
         if fd >= 0 {
             // Task work the kernel queued for this thread (the read's retry)
             // runs as these calls return to user space.
+            // SAFETY: `write` reads `LATE.len()` bytes of a static; `fd` is a
+            // plain number (if the test has closed it meanwhile, the call
+            // fails with EBADF, touching no memory). `sched_yield` takes
+            // nothing.
             unsafe {
                 libc::write(fd, LATE.as_ptr().cast(), LATE.len());
                 for _ in 0..3 {
@@ -286,9 +309,9 @@ fn a_driver_that_panics_with_a_read_in_flight_frees_its_buffer_only_after_the_ke
     let before = io_uring_fds();
     let driver = PanicsWithReadQueued { pipe: pipe.clone(), before, held: held_tx };
     let ring = RingThread::spawn("test-panic", driver, BackendChoice::IoUring, 1).expect("ring starts");
-    let held = held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver saw its ring");
+    let held = held_rx.recv_timeout(PATIENCE).expect("the driver saw its ring");
     assert!(!held.is_empty(), "the ring's fd was found");
-    held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver is about to panic");
+    held_rx.recv_timeout(PATIENCE).expect("the driver is about to panic");
     let err = ring.stop().err().expect("the driver panicked");
     assert_eq!(err.to_string(), "ring thread panicked");
     unwatch(PANIC_BUF);
@@ -339,7 +362,7 @@ fn a_start_that_fails_with_reads_in_flight_frees_their_buffers_only_after_the_ke
     let err = RingThread::spawn("test-start", driver, BackendChoice::IoUring, 1).err().expect("start fails");
     assert_eq!(err.to_string(), "start fails with reads in flight");
     unwatch(START_BUF);
-    let held = held_rx.recv_timeout(Duration::from_secs(10)).expect("the driver saw its ring");
+    let held = held_rx.recv_timeout(PATIENCE).expect("the driver saw its ring");
     assert!(!held.is_empty(), "the ring's fd was found");
     let written = written_after_free(START_BUF);
     let left = left_in_pipe(&pipe);

@@ -72,14 +72,14 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
     check(repaired, format!("re-attached and re-mounted: devices {:?}", attach::find_backed_by(&a.image("pvc-det"))))?;
     // The verdict is published right after the repair's own mount.
     let mut c = Default::default();
-    let shown = eventually(Duration::from_secs(5), || {
+    let shown = eventually(Duration::from_secs(20), || {
         c = a.stats("pvc-det", &staging).ok().and_then(|s| s.volume_condition).unwrap_or_default();
         !c.abnormal && c.message.contains("repaired")
     });
     check(shown, format!("condition after repair: {c:?}"))?;
     // The store is written at the end of the reconciler's pass.
     let mut entry = serde_json::Value::Null;
-    let stored = eventually(Duration::from_secs(5), || {
+    let stored = eventually(Duration::from_secs(20), || {
         entry = status_json(&a).ok().and_then(|st| staged_entry(&st, "pvc-det")).unwrap_or_default();
         entry["health"]["last_repair"].is_object()
     });
@@ -122,7 +122,7 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
         rustix::mount::UnmountFlags::DETACH,
     )?;
     drop(hidden);
-    let refused = eventually(Duration::from_secs(10), || {
+    let refused = eventually(Duration::from_secs(20), || {
         a.stats("pvc-sh", &staging4).ok().and_then(|s| s.volume_condition).is_some_and(|c| c.abnormal && c.message.contains("covered"))
     });
     let under = mounts_under(Path::new(&staging4));
@@ -130,7 +130,7 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
     // it declines the repair, so the shadow can be busy for a moment; a
     // descriptor it kept would keep it busy and fail here.
     let gone =
-        eventually(Duration::from_secs(5), || rustix::mount::unmount(parent.as_path(), rustix::mount::UnmountFlags::empty()).is_ok());
+        eventually(Duration::from_secs(20), || rustix::mount::unmount(parent.as_path(), rustix::mount::UnmountFlags::empty()).is_ok());
     check(gone, format!("the shadowing tmpfs stayed busy: {}", parent.display()))?;
     check(refused && under.is_empty(), format!("repair under a shadowing mount: reported {refused}, mounts {under:?}"))?;
     let back = eventually(Duration::from_secs(20), || mounts_under(Path::new(&staging4)).len() == 1);
@@ -408,7 +408,7 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     *f.table.write().map_err(|e| e.to_string())? = snapshot();
     r.notifier().resync();
     let mut seen = None;
-    let caught_up = eventually(Duration::from_secs(10), || {
+    let caught_up = eventually(Duration::from_secs(20), || {
         seen = r.view().get("pvc-a");
         seen.as_ref().is_some_and(|h| h.drift.is_empty())
     });

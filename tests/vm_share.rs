@@ -84,10 +84,30 @@ fn two_clients() -> Result<(), Failed> {
     let fwd = work.path().join("fwd.sh");
     std::fs::write(&fwd, format!("#!/bin/sh\nexec socat - TCP:127.0.0.1:{port}\n"))?;
     std::fs::set_permissions(&fwd, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    // A side channel that does not go through the volume (whose server the
+    // test kills): each guest connection to 10.0.2.100:7000 runs this with
+    // the node's number. The guest sends one line (`saw-down` or
+    // `abnormal` leaves that mark here for the node); the answer is the
+    // phase the host wrote last (`down` once the agent and its server are
+    // dead). A mark written on the volume could leave the guest blocked on
+    // it when the server dies just after the host saw it.
+    let phase = work.path().join("phase");
+    let ctl = work.path().join("ctl.sh");
+    std::fs::write(
+        &ctl,
+        format!(
+            "#!/bin/sh\nread -r msg\ncase \"$msg\" in saw-down|abnormal) : >'{dir}/'\"$msg-$1\" ;; esac\ncat '{phase}' 2>/dev/null\n",
+            dir = work.path().display(),
+            phase = phase.display()
+        ),
+    )?;
+    std::fs::set_permissions(&ctl, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let marked = |what: &str, node: u32| work.path().join(format!("{what}-{node}")).exists();
     let guests: Vec<_> = (1..=2)
         .map(|node| {
             let image = image.clone();
             let fwd = fwd.clone();
+            let ctl = ctl.clone();
             std::thread::spawn(move || {
                 let mut vm = Vm::new(&image).expect("vm");
                 vm.cpus = 1;
@@ -95,7 +115,11 @@ fn two_clients() -> Result<(), Failed> {
                 vm.disk_mib = 1024;
                 vm.extra_args = vec![
                     "-netdev".into(),
-                    format!("user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:2049-cmd:{}", fwd.display()),
+                    format!(
+                        "user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:2049-cmd:{},guestfwd=tcp:10.0.2.100:7000-cmd:{} {node}",
+                        fwd.display(),
+                        ctl.display()
+                    ),
                     "-device".into(),
                     "virtio-net-pci,netdev=n0".into(),
                 ];
@@ -110,39 +134,51 @@ fn two_clients() -> Result<(), Failed> {
     let first_kill = std::cell::RefCell::new(None);
     let restarted = std::cell::RefCell::new(None);
     let disrupted = (|| -> Result<(), Failed> {
-        wait(1700, "both guests writing", || (on_volume("writing-1") && on_volume("writing-2")) || guests.iter().any(|g| g.is_finished()))?;
+        // Once each guest has written a whole file (its second one exists,
+        // and they are written one after the other): the check below wants
+        // one from before the kill.
+        wait(1700, "both guests writing", || (on_volume("w1-2") && on_volume("w2-2")) || guests.iter().any(|g| g.is_finished()))?;
         check(!guests.iter().any(|g| g.is_finished()), "a guest ended before writing")?;
-        std::thread::sleep(Duration::from_secs(3));
         *first_kill.borrow_mut() = Some(std::time::SystemTime::now());
         rustix::process::kill_process(rustix::process::Pid::from_raw(pid).ok_or("pid")?, rustix::process::Signal::KILL)?;
         eprintln!("note: killed the NFS server (pid {pid})");
         wait(60, "the NFS server restarted", || ganesha_pid(&a).is_some_and(|p| p != pid && alive(p)))?;
         std::fs::write(Path::new(&staging).join("restarted-1"), b"")?;
         std::thread::sleep(Duration::from_secs(15));
-        // Then the agent, -9: its server dies with it. Down 3 s.
+        // Then the agent, -9: its server dies with it (bounded wait for the
+        // kernel to deliver that). Down 3 s at least.
         let before = ganesha_pid(&a);
+        let killed = Instant::now();
         a.kill_hard();
-        std::thread::sleep(Duration::from_secs(3));
-        check(before.is_none_or(|p| !alive(p)), "the NFS server died with its agent")?;
+        wait(30, "the NFS server to die with its agent", || before.is_none_or(|p| !alive(p)))?;
+        std::thread::sleep(Duration::from_secs(3).saturating_sub(killed.elapsed()));
         a.respawn_with(&borrowed(&env));
         wait(60, "the NFS server of the new agent", || ganesha_pid(&a).is_some_and(|p| Some(p) != before && alive(p)))?;
         eprintln!("note: agent and NFS server restarted");
         *restarted.borrow_mut() = Some(std::time::SystemTime::now());
         std::fs::write(Path::new(&staging).join("restarted-2"), b"")?;
-        // Once both verified their files: away for 40 s, for the guests'
-        // NodeGetVolumeStats to see (they ask 12 s after answering).
+        // Once both verified their files: away until both guests saw their
+        // volume abnormal (their NodeGetVolumeStats, asked once the side
+        // channel says `down`), then back.
         wait(900, "both guests verified", || {
             (on_volume("verified-1") && on_volume("verified-2")) || guests.iter().any(|g| g.is_finished())
         })?;
         std::fs::write(Path::new(&staging).join("going-down"), b"")?;
         wait(300, "both guests saw going-down", || {
-            (on_volume("saw-down-1") && on_volume("saw-down-2")) || guests.iter().any(|g| g.is_finished())
+            (marked("saw-down", 1) && marked("saw-down", 2)) || guests.iter().any(|g| g.is_finished())
         })?;
+        let before = ganesha_pid(&a);
+        let away = Instant::now();
         a.kill_hard();
-        std::thread::sleep(Duration::from_secs(40));
+        wait(30, "the NFS server to die with its agent", || before.is_none_or(|p| !alive(p)))?;
+        std::fs::write(&phase, b"down\n")?;
+        let seen = wait(1200, "both guests to see their volume abnormal", || {
+            (marked("abnormal", 1) && marked("abnormal", 2)) || guests.iter().any(|g| g.is_finished())
+        });
+        std::fs::write(&phase, b"up\n")?;
         a.respawn_with(&borrowed(&env));
-        eprintln!("note: agent away for 40 s, back");
-        Ok(())
+        eprintln!("note: agent away for {:.0} s, back", away.elapsed().as_secs_f64());
+        seen
     })();
     let runs: Vec<_> = guests.into_iter().map(|g| g.join().expect("guest thread")).collect();
     let mut report = String::new();

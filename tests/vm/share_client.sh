@@ -10,6 +10,8 @@
 #
 # The guests coordinate through marker files on the volume (bounded
 # waits); the host reads and writes the same filesystem where it is staged.
+# While the volume's server is down, a side channel to the host (see
+# `host`) carries the two markers that cannot go through the volume.
 # Environment: VOLRING (the binary), NODE (1 or 2), VOLUME, GRACE (the
 # server's grace period, s). Results in $VM_RESULTS: verdict, manifest (the
 # writer's files and checksums), stats.json, agent.err.
@@ -20,6 +22,16 @@ R=$VM_RESULTS
 OTHER=$((3 - NODE))
 fail() { echo "FAIL(node $NODE): $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
 note() { echo "node $NODE $(cut -d' ' -f1 /proc/uptime): $*"; }
+
+# One line to the host over the side channel (10.0.2.100:7000, which stays
+# up while the volume's server is down); prints the host's phase.
+host() {
+  /usr/bin/python3 -c 'import socket, sys
+s = socket.create_connection(("10.0.2.100", 7000), timeout=10)
+s.sendall((sys.argv[1] + "\n").encode())
+s.shutdown(socket.SHUT_WR)
+sys.stdout.write(s.makefile().read().strip())' "$1" 2>/dev/null
+}
 
 # Waits until $1 (a test on the volume) holds, every 0.25 s, at most $2 s.
 wait_for() {
@@ -179,14 +191,39 @@ touch "$M/verified-$NODE"
 wait_for "[ -e '$M/verified-$OTHER' ]" 600
 
 # 6. The volume's condition: the host writes `going-down`; once both
-# guests answered `saw-down-N` it kills its agent (and server) for 40 s.
-# Stats 12 s after the answer must say abnormal (the driver waits 5 s for
-# the server), and normal again once it is back.
+# guests answered `saw-down` (on the side channel: a mark written on the
+# volume could block this guest when the server dies right after the host
+# saw it) it kills its agent (and server), and says `down` on the side
+# channel. Stats must then say abnormal (the driver waits 5 s for the
+# server); the host stays away until both guests told it so, and stats are
+# normal again once it is back.
 wait_for "[ -e '$M/going-down' ]" 300
-touch "$M/saw-down-$NODE"
-sleep 12
-csi stats --id "$VOLUME" --path "$T" >"$R/stats-down.json" 2>&1 || fail "stats while down: $(cat "$R/stats-down.json")"
-grep -q '"abnormal": *true' "$R/stats-down.json" || fail "stats normal while the server is down: $(cat "$R/stats-down.json")"
+i=0
+until host saw-down >/dev/null; do
+  i=$((i + 1))
+  [ $i -gt 40 ] && fail "could not tell the host going-down was seen"
+  sleep 0.25
+done
+i=0
+until [ "$(host ask)" = down ]; do
+  i=$((i + 1))
+  [ $i -gt 1200 ] && fail "the host never said its server is down"
+  sleep 0.25
+done
+i=0
+while :; do
+  csi stats --id "$VOLUME" --path "$T" >"$R/stats-down.json" 2>&1 || fail "stats while down: $(cat "$R/stats-down.json")"
+  grep -q '"abnormal": *true' "$R/stats-down.json" && break
+  i=$((i + 1))
+  [ $i -gt 60 ] && fail "stats normal while the server is down: $(cat "$R/stats-down.json")"
+  sleep 1
+done
+i=0
+until host abnormal >/dev/null; do
+  i=$((i + 1))
+  [ $i -gt 40 ] && fail "could not tell the host the volume is abnormal"
+  sleep 0.25
+done
 i=0
 until csi stats --id "$VOLUME" --path "$T" >"$R/stats-up.json" 2>&1 && grep -q '"abnormal": *false' "$R/stats-up.json"; do
   i=$((i + 1))
