@@ -632,7 +632,11 @@ impl Worker {
         if c.broken && !c.out.is_empty() {
             drop_parts(c, self.ring.buffers_mut(), &self.budget);
         }
-        let drained = c.account.requests == 0 && c.splice.is_none() && (c.broken || (c.out.is_empty() && !c.send_in_flight));
+        // A broken connection does not wait for its spliced reply: a client
+        // that never reads would hold it (and its export slot) forever. The
+        // shutdown wakes the splice stuck on the full socket with an error,
+        // and its completion returns the pipe.
+        let drained = c.account.requests == 0 && (c.broken || (c.splice.is_none() && c.out.is_empty() && !c.send_in_flight));
         if c.closing && drained && !c.shutdown_sent {
             c.shutdown_sent = true;
             if let (Some(op), false) = (c.recv_op, c.recv_cancelled) {
