@@ -42,6 +42,9 @@ pub struct AgentConfig {
     pub reconcile: crate::state::reconcile::ReconcileConfig,
     /// Publishing BlockDevice and StorageNode objects; `None`: not published.
     pub publish: Option<PublishConfig>,
+    /// The re-read after creating a shared volume's Service or Endpoints
+    /// (the loop runs when the node serves NFS and has a cluster).
+    pub share_kube: crate::share::kube::ControllerConfig,
 }
 
 /// Where and how fast the node's objects are published.
@@ -84,6 +87,7 @@ impl Default for AgentConfig {
             nbd: None,
             reconcile: Default::default(),
             publish: Some(PublishConfig::default()),
+            share_kube: Default::default(),
         }
     }
 }
@@ -176,7 +180,20 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // In a cluster: NodeStage reads the endpoints published on PVCs, and a
+    // node serving NFS keeps a Service and Endpoints per export.
+    let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(crate::publisher::kube_sink::KubeSink::in_cluster);
+    let shares = match &csi {
+        Some(c) if cluster => {
+            let client = kube::Client::try_from(kube::Config::infer().await.context("shared volumes need the cluster")?)?;
+            crate::share::follow::read_endpoints(&c.driver, client.clone());
+            let enabled = c.driver.shares().enabled();
+            enabled.then(|| crate::share::follow::start(c.driver.clone(), client, config.share_kube.clone())).transpose()?
+        }
+        _ => None,
+    };
     let sources = crate::metrics::Sources {
+        share: shares.as_ref().map(|s| s.controller.clone()),
         stats: collector.reader(),
         inventory: published.clone(),
         hotplug: hotplug.stats().clone(),
@@ -308,6 +325,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     if let Some(s) = metrics {
         s.abort();
+    }
+    if let Some(s) = shares {
+        s.task.abort();
     }
     if let Some(c) = csi {
         stop_csi(c, csi_stop).await;

@@ -48,6 +48,9 @@ pub struct Sources {
     /// What `/readyz` answers: set once the start pass is done, cleared
     /// when the agent begins to stop.
     pub ready: crate::csi::Readiness,
+    /// The shared-volume loop's controller, when it runs (its reconcile
+    /// duration histogram).
+    pub share: Option<Arc<crate::share::kube::ShareController>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -338,6 +341,9 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> R
 pub fn render(sources: &Sources) -> Result<String, FmtError> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(sources.clone()));
+    if let Some(s) = &sources.share {
+        s.register(&mut registry);
+    }
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)?;
     Ok(out)

@@ -224,6 +224,18 @@ impl ShareController {
     }
 }
 
+/// What the owning node published for a PVC: its [`ENDPOINT_ANNOTATION`]
+/// (`None`: not yet). Other nodes' NodeStage mounts this.
+pub async fn published_endpoint(client: &kube::Client, namespace: &str, name: &str) -> Result<Option<String>, Error> {
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let pvc = pvcs
+        .get_opt(name)
+        .await
+        .map_err(|e| Error::Api { what: format!("PersistentVolumeClaim {namespace}/{name}"), source: e })?
+        .ok_or_else(|| Error::PvcGone { namespace: namespace.into(), name: name.into() })?;
+    Ok(pvc.metadata.annotations.and_then(|mut a| a.remove(ENDPOINT_ANNOTATION)))
+}
+
 fn labels(v: &SharedVolume) -> BTreeMap<String, String> {
     [(VOLUME_LABEL.to_string(), v.volume_id.clone())].into()
 }

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 pub mod client;
+pub mod follow;
 pub mod ganesha;
 pub mod kube;
 mod records;
@@ -69,6 +70,31 @@ pub const CTX_SERVER: &str = "nfsServer";
 /// Volume-context key: the path clients mount on that server.
 pub const CTX_EXPORT: &str = "nfsExport";
 
+/// Volume-context keys: the namespace and name of the PVC a shared volume
+/// was created for, so other nodes know where its endpoint is published
+/// (the PVC's `volring.io/nfs-endpoint` annotation, see [`kube`]).
+pub const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
+pub const CTX_PVC_NAME: &str = "nfsPvcName";
+
+/// The external-provisioner's keys (`--extra-create-metadata`) in
+/// CreateVolume's parameters, recorded with the volume.
+const PROVISIONER_PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
+const PROVISIONER_PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
+
+/// The PVC (namespace, name) a volume's recorded parameters name.
+pub fn pvc_of(parameters: &BTreeMap<String, String>) -> Option<(String, String)> {
+    let ns = parameters.get(PROVISIONER_PVC_NAMESPACE).filter(|s| !s.is_empty())?;
+    let name = parameters.get(PROVISIONER_PVC_NAME).filter(|s| !s.is_empty())?;
+    Some((ns.clone(), name.clone()))
+}
+
+/// The PVC a volume context names.
+pub fn pvc_in_context(context: &HashMap<String, String>) -> Option<(String, String)> {
+    let ns = context.get(CTX_PVC_NAMESPACE).filter(|s| !s.is_empty())?;
+    let name = context.get(CTX_PVC_NAME).filter(|s| !s.is_empty())?;
+    Some((ns.clone(), name.clone()))
+}
+
 /// The path volume `id` is exported as (`server:/<id>`).
 pub fn pseudo_path(id: &str) -> String {
     format!("/{id}")
@@ -80,6 +106,10 @@ pub fn pseudo_path(id: &str) -> String {
 pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+        if let Some((ns, name)) = pvc_of(parameters) {
+            context.insert(CTX_PVC_NAMESPACE.to_string(), ns);
+            context.insert(CTX_PVC_NAME.to_string(), name);
+        }
         if let Some(s) = server {
             context.insert(CTX_SERVER.to_string(), s.to_string());
             context.insert(CTX_EXPORT.to_string(), pseudo_path(id));
@@ -106,5 +136,10 @@ mod tests {
         context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
         assert_eq!(c.get(CTX_SERVER).map(String::as_str), Some("10.0.0.1:2049"));
         assert_eq!(c.get(CTX_EXPORT).map(String::as_str), Some("/pvc-1"));
+        assert_eq!(pvc_in_context(&c), None, "no PVC recorded");
+        p.insert(PROVISIONER_PVC_NAMESPACE.into(), "apps".into());
+        p.insert(PROVISIONER_PVC_NAME.into(), "data".into());
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
+        assert_eq!(pvc_in_context(&c), Some(("apps".into(), "data".into())));
     }
 }
