@@ -386,11 +386,61 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The reconciler mounts a shared volume again: the NFS server serves the
+/// new mount. The case made here: the staging mount goes away while the
+/// way to it is covered (so the repair waits), and the server restarts
+/// meanwhile — it now exports the empty directory it finds at the path.
+/// Once the cover is gone the reconciler mounts the volume again, and
+/// clients must see the volume's files, not that directory.
+fn export_follows_a_repair() -> Result<(), Failed> {
+    use rustix::mount::{mount_bind, unmount, UnmountFlags};
+    let port = free_port();
+    let a = nfs_agent(port);
+    create(&a, "pvc-rep", vec![rwx("ext4")])?;
+    let staging = a.k("plugins/stage/rep/mnt");
+    a.stage("pvc-rep", &staging, rwx("ext4"))?;
+    std::fs::write(format!("{staging}/kept"), b"on the volume\n")?;
+    let got = eventually(30, || libnfs("nfs-cat", &[&url(port, "/pvc-rep/kept")]))?;
+    check(got == b"on the volume\n", "read over NFS before")?;
+
+    // Cover the staging path's parent with an empty directory, then detach
+    // the staging mount beneath the cover (through a descriptor of it).
+    let cover = a.scratch.dir("cover").display().to_string();
+    std::fs::create_dir_all(format!("{cover}/mnt"))?;
+    let held = std::fs::File::open(&staging)?;
+    let parent = a.k("plugins/stage/rep");
+    mount_bind(cover.as_str(), parent.as_str())?;
+    let via_fd = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held));
+    unmount(via_fd.as_str(), UnmountFlags::DETACH)?;
+    drop(held);
+    // The server restarts while the volume is not there.
+    let pid = server_pid(&a).ok_or("no ganesha pid")?;
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).ok_or("pid 0")?, rustix::process::Signal::KILL)?;
+    let listing = eventually(60, || {
+        if server_pid(&a).is_none_or(|p| p == pid) {
+            return Err("not restarted yet".into());
+        }
+        libnfs("nfs-ls", &[&url(port, "/pvc-rep")])
+    })?;
+    check(!String::from_utf8_lossy(&listing).contains("kept"), "while covered, the server serves the empty directory")?;
+
+    // The cover goes (detached: the server holds it); the reconciler
+    // mounts the volume again, and the server must serve it.
+    unmount(parent.as_str(), UnmountFlags::DETACH)?;
+    let got = eventually(60, || libnfs("nfs-cat", &[&url(port, "/pvc-rep/kept")]));
+    let log = a.log_tail(40);
+    check(got.as_deref() == Ok(b"on the volume\n".as_slice()), format!("read over NFS after the repair: {got:?}\n{log}"))?;
+    check(log.contains("repaired"), "the reconciler repaired the mount")?;
+    a.unstage("pvc-rep", &staging)?;
+    Ok(())
+}
+
 fn main() {
     let trials = vec![
         Trial::test("share::access_modes", access_modes),
         Trial::test("share::export_served", export_served),
         Trial::test("share::service_in_a_cluster", service_in_a_cluster),
+        Trial::test("share::export_follows_a_repair", export_follows_a_repair),
     ];
     common::run_in_private_namespace(trials)
 }

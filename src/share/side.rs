@@ -167,6 +167,31 @@ impl ShareSide {
         Ok(())
     }
 
+    /// After volume `id` was mounted again at `path` (the reconciler's
+    /// repair): the server must serve the new mount. A running ganesha
+    /// keeps an export on what its path resolved to when the export was
+    /// made — the mount that went away, or the empty directory under it
+    /// if the server (re)started in between — so it is restarted on the
+    /// configuration naming `path`. True when the volume is exported here.
+    pub fn refresh(&self, id: &str, path: &Path) -> Result<bool, Error> {
+        let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = records::load(&self.store)?;
+        let Some(rec) = all.iter_mut().find(|r| r.volume_id == id) else { return Ok(false) };
+        if !self.enabled() {
+            return Ok(false);
+        }
+        if rec.path != path {
+            rec.path = path.to_path_buf();
+            records::put(&self.store, rec)?;
+        }
+        self.apply(&all)?;
+        self.server()?.restart();
+        tracing::warn!(volume = id, path = %path.display(), "NFS server restarted to serve the volume's new mount");
+        drop(_g);
+        self.changed();
+        Ok(true)
+    }
+
     /// At agent start: re-exports the recorded shares whose volume
     /// `staged_at` still finds staged intact (returning where), and drops
     /// the records of the others.
