@@ -315,7 +315,10 @@ fn service_in_a_cluster() -> Result<(), Failed> {
         format!("the PVC in the context: {ctx:?}"),
     )?;
     let annotation = || {
-        server.api.core_object("apps", "persistentvolumeclaims", "data").and_then(|p| p["metadata"]["annotations"]["volring.io/nfs-endpoint"].as_str().map(str::to_string))
+        server
+            .api
+            .core_object("apps", "persistentvolumeclaims", "data")
+            .and_then(|p| p["metadata"]["annotations"]["volring.io/nfs-endpoint"].as_str().map(str::to_string))
     };
 
     // Another node (a second agent, serving no NFS) stages the volume:
