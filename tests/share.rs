@@ -339,9 +339,20 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     check(server.api.core_object("apps", "services", "data").is_none(), "no Service before the volume is exported")?;
 
     // The owning node stages it: Service, Endpoints, then the annotation.
+    // The API server fails the first read of the Service: the loop
+    // retries (after 1 s) without another event.
+    server.api.inject(kube_support::Fault {
+        status: 500,
+        retry_after: None,
+        method: Some(axum::http::Method::GET),
+        path_contains: "/services/data".into(),
+        times: 1,
+    });
     let staging = a.k("plugins/stage/svc");
     a.stage("pvc-svc", &staging, rwx("ext4"))?;
     let endpoint = eventually(30, || annotation().ok_or_else(|| "not published yet".to_string()))?;
+    let failed = server.api.log().iter().filter(|l| l.status == 500).count();
+    check(failed == 1, format!("the injected failure was met and retried: {failed}"))?;
     let svc = server.api.core_object("apps", "services", "data").ok_or("no Service")?;
     let ep = server.api.core_object("apps", "endpoints", "data").ok_or("no Endpoints")?;
     let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
