@@ -184,12 +184,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     // node serving NFS keeps a Service and Endpoints per export.
     let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(crate::publisher::kube_sink::KubeSink::in_cluster);
     let shares = match &csi {
-        Some(c) if cluster => {
-            let client = kube::Client::try_from(kube::Config::infer().await.context("shared volumes need the cluster")?)?;
-            crate::share::follow::read_endpoints(&c.driver, client.clone());
-            let enabled = c.driver.shares().enabled();
-            enabled.then(|| crate::share::follow::start(c.driver.clone(), client, config.share_kube.clone())).transpose()?
-        }
+        Some(c) if cluster => crate::share::follow::in_cluster(&c.driver, config.share_kube.clone()).await?,
         _ => None,
     };
     let sources = crate::metrics::Sources {
@@ -399,7 +394,7 @@ async fn start_publisher(
         let sink = Arc::new(KubeSink::infer().await.context("--kube")?);
         tracing::info!(objects = initial.len(), "publishing to the cluster");
         if let Some(d) = hook_driver {
-            tokio::spawn(healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
+            tokio::spawn(crate::publisher::attachments::healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
         }
         Updater::start(sink, uc, initial)
     } else {
@@ -413,55 +408,6 @@ async fn start_publisher(
     let node_build = node_feed.builder();
     let node_follower = tokio::spawn(node_feed.follow(up.handle()));
     Ok(Publisher { up, feed, node_signal, node_follower, node_build })
-}
-
-/// The in-cluster healer hook: lists the VolumeAttachments of this driver
-/// on this node (retrying a failed LIST, with backoff, for a minute or so)
-/// and hands them to the driver's cross-check; what the store does not know
-/// becomes the StorageNode's AttachmentsKnown condition and a log line.
-async fn healer_hook(
-    sink: Arc<crate::publisher::kube_sink::KubeSink>,
-    driver: Arc<crate::csi::Driver>,
-    node: String,
-    unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>,
-    signal: crate::publisher::node_feed::NodeSignal,
-) {
-    use crate::publisher::attachments;
-    let mut wait = Duration::from_millis(500);
-    let ids = loop {
-        match attachments::attached_here(&sink, crate::csi::DRIVER_NAME, &node).await {
-            Ok(ids) => break ids,
-            Err(e) if wait < Duration::from_secs(30) => {
-                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "healer hook: listing VolumeAttachments failed");
-                tokio::time::sleep(wait).await;
-                wait *= 2;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "healer hook: cannot list VolumeAttachments; the store's walk at start stands alone");
-                return;
-            }
-        }
-    };
-    let check = match tokio::task::spawn_blocking(move || driver.heal_attached(&ids)).await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "healer hook failed");
-            return;
-        }
-    };
-    if !check.unknown.is_empty() {
-        tracing::warn!(volumes = ?check.unknown, "VolumeAttachments name this node for volumes it has no record of");
-    }
-    tracing::info!(
-        handed_over = check.healed.len(),
-        serving = check.serving.len(),
-        kernel = check.kernel.len(),
-        skipped = check.skipped.len(),
-        unknown = check.unknown.len(),
-        "healer hook: VolumeAttachments checked"
-    );
-    *unknown.lock().unwrap_or_else(|e| e.into_inner()) = Some(check.unknown);
-    signal.signal();
 }
 
 /// The running CSI driver, its server task and the socket it bound.

@@ -123,6 +123,21 @@ pub struct Running {
 /// published endpoint (kubelet retries a failed stage).
 const LOOKUP_WAIT: Duration = Duration::from_secs(10);
 
+/// In a cluster: `driver`'s NodeStage reads published endpoints, and when
+/// the node serves NFS the loop runs (`None` when it does not).
+pub async fn in_cluster(driver: &Arc<crate::csi::Driver>, config: super::kube::ControllerConfig) -> Result<Option<Running>, super::Error> {
+    let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
+    let kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
+    let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
+    read_endpoints(driver, client.clone());
+    if !driver.shares().enabled() {
+        return Ok(None);
+    }
+    let running = start(driver.clone(), client, config)?;
+    tracing::info!("shared volumes: a Service and Endpoints per NFS export");
+    Ok(Some(running))
+}
+
 /// Lets `driver`'s NodeStage read the endpoints owning nodes publish on
 /// PVCs (every node of a cluster, also one that serves no NFS itself).
 pub fn read_endpoints(driver: &crate::csi::Driver, client: kube::Client) {
