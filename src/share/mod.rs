@@ -81,18 +81,29 @@ pub const CTX_PVC_NAME: &str = "nfsPvcName";
 const PROVISIONER_PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
 const PROVISIONER_PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
 
-/// The PVC (namespace, name) a volume's recorded parameters name.
+/// The PVC (namespace, name) a volume's recorded parameters name, when
+/// both are names Kubernetes allows.
 pub fn pvc_of(parameters: &BTreeMap<String, String>) -> Option<(String, String)> {
-    let ns = parameters.get(PROVISIONER_PVC_NAMESPACE).filter(|s| !s.is_empty())?;
-    let name = parameters.get(PROVISIONER_PVC_NAME).filter(|s| !s.is_empty())?;
-    Some((ns.clone(), name.clone()))
+    pvc(parameters.get(PROVISIONER_PVC_NAMESPACE)?, parameters.get(PROVISIONER_PVC_NAME)?)
 }
 
-/// The PVC a volume context names.
+/// The PVC a volume context names. The names go into API paths, so only
+/// names Kubernetes allows are taken: a namespace is a DNS label, a PVC
+/// name a DNS subdomain (lower-case letters, digits, `-`, and `.` between
+/// labels).
 pub fn pvc_in_context(context: &HashMap<String, String>) -> Option<(String, String)> {
-    let ns = context.get(CTX_PVC_NAMESPACE).filter(|s| !s.is_empty())?;
-    let name = context.get(CTX_PVC_NAME).filter(|s| !s.is_empty())?;
-    Some((ns.clone(), name.clone()))
+    pvc(context.get(CTX_PVC_NAMESPACE)?, context.get(CTX_PVC_NAME)?)
+}
+
+fn pvc(ns: &str, name: &str) -> Option<(String, String)> {
+    let label = |s: &str| {
+        (1..=63).contains(&s.len())
+            && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    };
+    let subdomain = |s: &str| s.len() <= 253 && s.split('.').all(label);
+    (label(ns) && subdomain(name)).then(|| (ns.to_string(), name.to_string()))
 }
 
 /// The path volume `id` is exported as (`server:/<id>`).
@@ -141,5 +152,26 @@ mod tests {
         p.insert(PROVISIONER_PVC_NAME.into(), "data".into());
         context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
         assert_eq!(pvc_in_context(&c), Some(("apps".into(), "data".into())));
+    }
+
+    #[test]
+    fn pvc_names_are_kubernetes_names() {
+        assert_eq!(pvc("apps", "data.v1-x"), Some(("apps".into(), "data.v1-x".into())));
+        for (ns, name) in [
+            ("", "data"),
+            ("apps", ""),
+            ("apps/x", "data"),
+            ("apps", "../data"),
+            ("apps", "da/ta"),
+            ("Apps", "data"),
+            ("apps", "-data"),
+            ("apps", "data..x"),
+            ("a.b", "data"),
+            ("apps", "data?x=1"),
+        ] {
+            assert_eq!(pvc(ns, name), None, "{ns:?} {name:?}");
+        }
+        assert!(pvc(&"a".repeat(64), "d").is_none());
+        assert!(pvc("a", &["b".repeat(63)].repeat(4).join(".")).is_none(), "longer than 253");
     }
 }
