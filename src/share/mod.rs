@@ -172,6 +172,6 @@ mod tests {
             assert_eq!(pvc(ns, name), None, "{ns:?} {name:?}");
         }
         assert!(pvc(&"a".repeat(64), "d").is_none());
-        assert!(pvc("a", &["b".repeat(63)].repeat(4).join(".")).is_none(), "longer than 253");
+        assert!(pvc("a", &format!("{0}.{0}.{0}.{0}", "b".repeat(63))).is_none(), "longer than 253");
     }
 }
