@@ -42,6 +42,9 @@ pub struct AgentConfig {
     pub reconcile: crate::state::reconcile::ReconcileConfig,
     /// Publishing BlockDevice and StorageNode objects; `None`: not published.
     pub publish: Option<PublishConfig>,
+    /// The re-read after creating a shared volume's Service or Endpoints
+    /// (the loop runs when the node serves NFS and has a cluster).
+    pub share_kube: crate::share::kube::ControllerConfig,
 }
 
 /// Where and how fast the node's objects are published.
@@ -84,6 +87,7 @@ impl Default for AgentConfig {
             nbd: None,
             reconcile: Default::default(),
             publish: Some(PublishConfig::default()),
+            share_kube: Default::default(),
         }
     }
 }
@@ -212,7 +216,17 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     // Made before /metrics serves, so the publisher's series are there from
     // the first scrape.
     let publish_stats = config.publish.as_ref().map(|_| Arc::new(crate::publisher::updater::Stats::default()));
+    // In a cluster (the same choice the publisher makes: --kube, else a
+    // kubeconfig or the pod's service account): NodeStage reads the
+    // endpoints published on PVCs, and a node serving NFS keeps a Service
+    // and Endpoints per export.
+    let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| crate::publisher::kube_sink::KubeSink::detect().is_some());
+    let shares = match &csi {
+        Some(c) if cluster => crate::share::follow::in_cluster(&c.driver, config.share_kube.clone()).await?,
+        _ => None,
+    };
     let sources = crate::metrics::Sources {
+        share: shares.as_ref().map(|s| s.controller.clone()),
         stats: collector.reader(),
         inventory: published.clone(),
         hotplug: hotplug.stats().clone(),
@@ -357,6 +371,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     if let Some(s) = metrics {
         s.abort();
     }
+    if let Some(s) = shares {
+        s.task.abort();
+    }
     if let Some(c) = csi {
         stop_csi(c, csi_stop).await;
     }
@@ -431,7 +448,7 @@ async fn start_publisher(
         let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
         tracing::info!(objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = hook_driver {
-            tokio::spawn(healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
+            tokio::spawn(crate::publisher::attachments::healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
         }
         Updater::start_counting(sink, uc, initial, stats)
     } else {
@@ -445,55 +462,6 @@ async fn start_publisher(
     let node_build = node_feed.builder();
     let node_follower = tokio::spawn(node_feed.follow(up.handle()));
     Ok(Publisher { up, feed, node_signal, node_follower, node_build })
-}
-
-/// The in-cluster healer hook: lists the VolumeAttachments of this driver
-/// on this node (retrying a failed LIST, with backoff, for a minute or so)
-/// and hands them to the driver's cross-check; what the store does not know
-/// becomes the StorageNode's AttachmentsKnown condition and a log line.
-async fn healer_hook(
-    sink: Arc<crate::publisher::kube_sink::KubeSink>,
-    driver: Arc<crate::csi::Driver>,
-    node: String,
-    unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>,
-    signal: crate::publisher::node_feed::NodeSignal,
-) {
-    use crate::publisher::attachments;
-    let mut wait = Duration::from_millis(500);
-    let ids = loop {
-        match attachments::attached_here(&sink, crate::csi::DRIVER_NAME, &node).await {
-            Ok(ids) => break ids,
-            Err(e) if wait < Duration::from_secs(30) => {
-                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "healer hook: listing VolumeAttachments failed");
-                tokio::time::sleep(wait).await;
-                wait *= 2;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "healer hook: cannot list VolumeAttachments; the store's walk at start stands alone");
-                return;
-            }
-        }
-    };
-    let check = match tokio::task::spawn_blocking(move || driver.heal_attached(&ids)).await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "healer hook failed");
-            return;
-        }
-    };
-    if !check.unknown.is_empty() {
-        tracing::warn!(volumes = ?check.unknown, "VolumeAttachments name this node for volumes it has no record of");
-    }
-    tracing::info!(
-        handed_over = check.healed.len(),
-        serving = check.serving.len(),
-        kernel = check.kernel.len(),
-        skipped = check.skipped.len(),
-        unknown = check.unknown.len(),
-        "healer hook: VolumeAttachments checked"
-    );
-    *unknown.lock().unwrap_or_else(|e| e.into_inner()) = Some(check.unknown);
-    signal.signal();
 }
 
 /// The running CSI driver, its server task and the socket it bound.

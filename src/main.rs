@@ -444,6 +444,14 @@ struct CsiArgs {
     /// locks.
     #[arg(long, env = "VOLRING_NFS_LEASE", default_value_t = 15)]
     nfs_lease: u32,
+    /// In a cluster: seconds between re-reads of a shared volume's Service
+    /// or Endpoints just created, until it is visible.
+    #[arg(long, env = "VOLRING_NFS_SERVICE_POLL", default_value_t = 1.0)]
+    nfs_service_poll: f64,
+    /// In a cluster: seconds a just-created Service or Endpoints may take
+    /// to become visible before the reconcile fails (and is retried).
+    #[arg(long, env = "VOLRING_NFS_SERVICE_WAIT", default_value_t = 20.0)]
+    nfs_service_wait: f64,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -453,6 +461,13 @@ enum ExpansionArg {
 }
 
 impl CsiArgs {
+    fn share_kube(&self) -> volring::share::kube::ControllerConfig {
+        volring::share::kube::ControllerConfig {
+            poll: std::time::Duration::from_secs_f64(self.nfs_service_poll.max(0.01)),
+            total_wait: std::time::Duration::from_secs_f64(self.nfs_service_wait.max(0.0)),
+        }
+    }
+
     fn reconcile(&self) -> volring::state::reconcile::ReconcileConfig {
         volring::state::reconcile::ReconcileConfig {
             resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
@@ -708,6 +723,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .transpose()?,
                 nbd: nbd.config()?,
                 reconcile: csi.reconcile(),
+                share_kube: csi.share_kube(),
                 publish: publish.config(),
             };
             runtime()?.block_on(volring::agent::run(config))

@@ -6,6 +6,7 @@
 
 mod common;
 mod csi_support;
+mod kube_support;
 
 use common::check;
 use csi_support::{mount_cap, Agent, MIB};
@@ -260,7 +261,200 @@ fn export_served() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The agent in a cluster (the API stand-in, tests/kube_support): staging
+/// a shared volume makes the Service and Endpoints named like its PVC
+/// (re-read after each create), publishes `ClusterIP:2049` on the PVC once
+/// they are there, and the reconcile's duration is on `/metrics`; another
+/// node's NodeStage mounts that endpoint, not the owning node's address,
+/// and waits (UNAVAILABLE) while none is published.
+fn service_in_a_cluster() -> Result<(), Failed> {
+    use kube_support::Server;
+    let api_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let server = api_rt.block_on(Server::start());
+    let pvc = serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteMany"]}});
+    let pvc = server.api.seed_core("apps", "persistentvolumeclaims", pvc);
+    // Created objects stay invisible to the next 2 GETs: only the re-read
+    // after the create lets the agent publish.
+    server.api.set_create_lag(2);
+    let scratch = common::Scratch::new();
+    let kubeconfig = scratch.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user: {{}}\n\
+             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n",
+            server.addr
+        ),
+    )?;
+    let (port, metrics_port) = (free_port(), free_port());
+    let (listen, metrics, kc) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{metrics_port}"), kubeconfig.display().to_string());
+    let api_port = server.addr.port().to_string();
+    // In a pod (the service's env), the configuration from KUBECONFIG.
+    let cluster = [("KUBECONFIG", kc.as_str()), ("KUBERNETES_SERVICE_HOST", "127.0.0.1"), ("KUBERNETES_SERVICE_PORT", api_port.as_str())];
+    let mut env = vec![("VOLRING_NFS_LISTEN", listen.as_str()), ("VOLRING_NFS_GRACE", GRACE), ("VOLRING_NFS_LEASE", GRACE)];
+    env.extend([("VOLRING_NFS_SERVICE_POLL", "0.05"), ("VOLRING_METRICS_ADDR", metrics.as_str())]);
+    env.extend(cluster);
+    let a = Agent::start_with(&env);
+    let mut c = a.c.controller.clone();
+    let params = [("csi.storage.k8s.io/pvc/namespace", "apps"), ("csi.storage.k8s.io/pvc/name", "data")];
+    let v = a
+        .run(c.create_volume(CreateVolumeRequest {
+            name: "pvc-svc".into(),
+            capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![rwx("ext4")],
+            parameters: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        }))?
+        .into_inner()
+        .volume
+        .ok_or("no volume")?;
+    let ctx = v.volume_context.clone();
+    check(
+        ctx.get("nfsPvcNamespace").map(String::as_str) == Some("apps") && ctx.get("nfsPvcName").map(String::as_str) == Some("data"),
+        format!("the PVC in the context: {ctx:?}"),
+    )?;
+    let annotation = || {
+        server
+            .api
+            .core_object("apps", "persistentvolumeclaims", "data")
+            .and_then(|p| p["metadata"]["annotations"]["volring.io/nfs-endpoint"].as_str().map(str::to_string))
+    };
+
+    // Another node (a second agent, serving no NFS) stages the volume:
+    // nothing is published yet, so it waits.
+    let b = Agent::start_with(&cluster);
+    let stage_b = |id: &str, staging: &str| {
+        let mut n = b.c.node.clone();
+        b.run(n.node_stage_volume(NodeStageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.into(),
+            volume_capability: Some(rwx("ext4")),
+            volume_context: ctx.clone(),
+            ..Default::default()
+        }))
+    };
+    let b_staging = b.k("plugins/stage/svc");
+    expect_code(stage_b("pvc-svc", &b_staging), Code::Unavailable, "stage before the endpoint is published")?;
+    check(server.api.core_object("apps", "services", "data").is_none(), "no Service before the volume is exported")?;
+
+    // The owning node stages it: Service, Endpoints, then the annotation.
+    // The API server fails the first read of the Service: the loop
+    // retries (after 1 s) without another event.
+    server.api.inject(kube_support::Fault {
+        status: 500,
+        retry_after: None,
+        method: Some(axum::http::Method::GET),
+        path_contains: "/services/data".into(),
+        times: 1,
+    });
+    let staging = a.k("plugins/stage/svc");
+    a.stage("pvc-svc", &staging, rwx("ext4"))?;
+    let endpoint = eventually(30, || annotation().ok_or_else(|| "not published yet".to_string()))?;
+    let failed = server.api.log().iter().filter(|l| l.status == 500).count();
+    check(failed == 1, format!("the injected failure was met and retried: {failed}"))?;
+    let svc = server.api.core_object("apps", "services", "data").ok_or("no Service")?;
+    let ep = server.api.core_object("apps", "endpoints", "data").ok_or("no Endpoints")?;
+    let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
+    check(endpoint == format!("{ip}:2049"), format!("published {endpoint}, Service {svc}"))?;
+    check(svc["spec"]["ports"][0]["targetPort"] == port, format!("the Service targets the NFS port: {svc}"))?;
+    check(ep["subsets"][0]["addresses"][0]["ip"] == "127.0.0.1" && ep["subsets"][0]["ports"][0]["port"] == port, format!("{ep}"))?;
+    for o in [&svc, &ep] {
+        check(o["metadata"]["ownerReferences"][0]["uid"] == pvc["metadata"]["uid"], format!("owned by the PVC: {o}"))?;
+    }
+    let calls = server.api.log();
+    let created = calls.iter().position(|l| l.method == "POST" && l.path.ends_with("/services")).ok_or("no Service POST")?;
+    let reread = calls[created + 1..].iter().take_while(|l| l.method == "GET" && l.path.ends_with("/services/data")).count();
+    check(reread >= 3, "the Service re-read until visible")?;
+    let patches = calls.iter().filter(|l| l.method == "PATCH" && l.path.ends_with("/persistentvolumeclaims/data")).count();
+    check(patches == 1, format!("published once: {patches} PVC patches"))?;
+
+    // The reconcile's duration on the agent's /metrics.
+    let text = a.run(async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", metrics_port)).await?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    })?;
+    let count = text.lines().find(|l| l.starts_with("volring_share_reconcile_duration_seconds_count")).unwrap_or_default();
+    check(count.split_whitespace().nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0) >= 1, format!("histogram: {count:?}"))?;
+
+    // The other node now mounts the Service's endpoint (this machine's
+    // kernel has no NFS client, so the mount itself fails, naming it).
+    match stage_b("pvc-svc", &b_staging) {
+        Err(s) if s.message().contains(&format!("mount {ip}:/pvc-svc")) => {}
+        other => return Err(format!("stage on the other node: expected a mount of {ip}:/pvc-svc, got {other:?}").into()),
+    }
+    // The owning node restarted: nothing republished.
+    drop(b);
+    let mut a = a;
+    a.respawn_with(&env);
+    a.stage("pvc-svc", &staging, rwx("ext4"))?;
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let patches = server.api.log().iter().filter(|l| l.method == "PATCH" && l.path.ends_with("/persistentvolumeclaims/data")).count();
+    check(patches == 1 && annotation() == Some(endpoint), format!("not republished after a restart: {patches} patches"))?;
+    a.unstage("pvc-svc", &staging)?;
+    drop(api_rt);
+    Ok(())
+}
+
+/// The reconciler mounts a shared volume again: the NFS server serves the
+/// new mount. The case made here: the staging mount goes away while the
+/// way to it is covered (so the repair waits), and the server restarts
+/// meanwhile — it now exports the empty directory it finds at the path.
+/// Once the cover is gone the reconciler mounts the volume again, and
+/// clients must see the volume's files, not that directory.
+fn export_follows_a_repair() -> Result<(), Failed> {
+    use rustix::mount::{mount_bind, unmount, UnmountFlags};
+    let port = free_port();
+    let a = nfs_agent(port);
+    create(&a, "pvc-rep", vec![rwx("ext4")])?;
+    let staging = a.k("plugins/stage/rep/mnt");
+    a.stage("pvc-rep", &staging, rwx("ext4"))?;
+    std::fs::write(format!("{staging}/kept"), b"on the volume\n")?;
+    let got = eventually(30, || libnfs("nfs-cat", &[&url(port, "/pvc-rep/kept")]))?;
+    check(got == b"on the volume\n", "read over NFS before")?;
+
+    // Cover the staging path's parent with an empty directory, then detach
+    // the staging mount beneath the cover (through a descriptor of it).
+    let cover = a.scratch.dir("cover").display().to_string();
+    std::fs::create_dir_all(format!("{cover}/mnt"))?;
+    let held = std::fs::File::open(&staging)?;
+    let parent = a.k("plugins/stage/rep");
+    mount_bind(cover.as_str(), parent.as_str())?;
+    let via_fd = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held));
+    unmount(via_fd.as_str(), UnmountFlags::DETACH)?;
+    drop(held);
+    // The server restarts while the volume is not there.
+    let pid = server_pid(&a).ok_or("no ganesha pid")?;
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).ok_or("pid 0")?, rustix::process::Signal::KILL)?;
+    let listing = eventually(60, || {
+        if server_pid(&a).is_none_or(|p| p == pid) {
+            return Err("not restarted yet".into());
+        }
+        libnfs("nfs-ls", &[&url(port, "/pvc-rep")])
+    })?;
+    check(!String::from_utf8_lossy(&listing).contains("kept"), "while covered, the server serves the empty directory")?;
+
+    // The cover goes (detached: the server holds it); the reconciler
+    // mounts the volume again, and the server must serve it.
+    unmount(parent.as_str(), UnmountFlags::DETACH)?;
+    let got = eventually(60, || libnfs("nfs-cat", &[&url(port, "/pvc-rep/kept")]));
+    let log = a.log_tail(40);
+    check(got.as_deref() == Ok(b"on the volume\n".as_slice()), format!("read over NFS after the repair: {got:?}\n{log}"))?;
+    check(log.contains("repaired"), "the reconciler repaired the mount")?;
+    a.unstage("pvc-rep", &staging)?;
+    Ok(())
+}
+
 fn main() {
-    let trials = vec![Trial::test("share::access_modes", access_modes), Trial::test("share::export_served", export_served)];
+    let trials = vec![
+        Trial::test("share::access_modes", access_modes),
+        Trial::test("share::export_served", export_served),
+        Trial::test("share::service_in_a_cluster", service_in_a_cluster),
+        Trial::test("share::export_follows_a_repair", export_follows_a_repair),
+    ];
     common::run_in_private_namespace(trials)
 }

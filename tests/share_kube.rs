@@ -56,6 +56,12 @@ async fn service_and_endpoints_life_cycle() {
     let svc = server.api.core_object("apps", "services", "data").expect("service");
     let ip = svc["spec"]["clusterIP"].as_str().unwrap().to_string();
     assert_eq!(published.borrow().as_slice(), [format!("{ip}:2049")], "published once, the ClusterIP");
+    // Published where other nodes read it: the PVC's annotation.
+    let annotated = server.api.core_object("apps", "persistentvolumeclaims", "data").expect("pvc");
+    assert_eq!(annotated["metadata"]["annotations"]["volring.io/nfs-endpoint"], format!("{ip}:2049").as_str());
+    assert_eq!(annotated["spec"]["accessModes"][0], "ReadWriteMany", "the merge patch keeps the rest of the PVC");
+    let patches: Vec<_> = writes(&server).into_iter().filter(|(m, _)| *m == Method::PATCH).collect();
+    assert_eq!(patches, [(Method::PATCH, "/api/v1/namespaces/apps/persistentvolumeclaims/data".to_string())]);
     assert_eq!(svc["spec"]["ports"][0]["port"], 2049);
     assert_eq!(svc["spec"]["ports"][0]["targetPort"], 20490);
     assert!(svc["spec"]["selector"].is_null(), "no selector: volring writes the Endpoints");
@@ -77,6 +83,13 @@ async fn service_and_endpoints_life_cycle() {
     // Nothing changed: reads only, nothing written, nothing republished.
     server.api.clear_log();
     let out = c.reconcile(&vol("192.0.2.10"), |e| published.borrow_mut().push(e.to_string())).await.expect("again");
+    assert_eq!(out, Default::default());
+    assert!(writes(&server).is_empty(), "{:?}", writes(&server));
+    assert_eq!(published.borrow().len(), 1);
+    // A restarted agent (a new controller) reads the annotation: nothing
+    // is published again, nothing written.
+    let fresh = controller(&server, 20).await;
+    let out = fresh.reconcile(&vol("192.0.2.10"), |e| published.borrow_mut().push(e.to_string())).await.expect("restarted");
     assert_eq!(out, Default::default());
     assert!(writes(&server).is_empty(), "{:?}", writes(&server));
     assert_eq!(published.borrow().len(), 1);

@@ -113,6 +113,9 @@ pub struct Driver {
     pub(super) exports: std::sync::OnceLock<super::nbd_export::ExportListener>,
     /// The NFS exports of shared volumes (`crate::share`).
     pub(super) share: crate::share::ShareSide,
+    /// How NodeStage finds a shared volume's published endpoint (set by
+    /// the agent when it has a cluster).
+    pub(super) endpoint_lookup: std::sync::OnceLock<super::share::EndpointLookup>,
 }
 
 impl Driver {
@@ -131,6 +134,7 @@ impl Driver {
         let share = crate::share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
         Ok(Arc::new(Self {
             share,
+            endpoint_lookup: std::sync::OnceLock::new(),
             config,
             real_root,
             beneath,

@@ -26,6 +26,7 @@ pub mod rpc_stats;
 pub mod server;
 mod service;
 mod share;
+pub use share::EndpointLookup;
 mod share_client;
 pub mod validate;
 

@@ -74,6 +74,13 @@ impl Volumes for DriverVolumes {
             Action::Restage => self.restage(&rec),
         };
         match result {
+            Ok(()) if action == Action::Restage => {
+                // A shared volume's export must follow the new mount.
+                if let Err(e) = self.0.share.refresh(id, &rec.staged_at()) {
+                    tracing::error!(volume = id, error = %e, "the NFS export does not serve the repaired mount");
+                }
+                Acted::Done
+            }
             Ok(()) => Acted::Done,
             Err(e) => Acted::Failed(e.to_string()),
         }

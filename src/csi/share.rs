@@ -5,6 +5,10 @@
 use super::validate::Access;
 use super::{Driver, Error, Result};
 
+/// Reads the endpoint published on a PVC (namespace, name): `Ok(None)`
+/// when there is none yet. Runs on the CSI call's blocking thread.
+pub type EndpointLookup = Box<dyn Fn(&str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
+
 impl Driver {
     /// After a stage (or finding it already staged): a shared mount volume
     /// is exported when this node serves NFS.
@@ -42,6 +46,56 @@ impl Driver {
             Ok(n) => tracing::info!(shares = n, "NFS exports resumed"),
             Err(e) => tracing::error!(error = %e, "cannot resume the NFS exports"),
         }
+    }
+
+    /// The volumes this node exports over NFS now, each with the PVC it was
+    /// created for (for the cluster's Service loop, `crate::share::follow`).
+    pub fn exported_shares(&self) -> Vec<crate::share::follow::Exported> {
+        let records = match self.share.records() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the share records");
+                return Vec::new();
+            }
+        };
+        records
+            .into_iter()
+            .map(|r| crate::share::follow::Exported {
+                pvc: self.pool.get(&r.volume_id).and_then(|m| crate::share::pvc_of(&m.parameters)),
+                volume_id: r.volume_id,
+            })
+            .collect()
+    }
+
+    /// Sets how NodeStage of a shared volume another node holds finds the
+    /// endpoint published on its PVC (in a cluster; without one the
+    /// context's `nfsServer` is mounted).
+    pub fn set_endpoint_lookup(&self, f: EndpointLookup) {
+        let _ = self.endpoint_lookup.set(f);
+    }
+
+    /// The server a shared volume's NodeStage mounts: the endpoint
+    /// published on the PVC the context names, when this node can read
+    /// it; else the context's own (`remote`). Published but not yet:
+    /// UNAVAILABLE, and kubelet retries.
+    pub(super) fn published_remote(
+        &self,
+        id: &str,
+        context: &std::collections::HashMap<String, String>,
+        mut remote: crate::share::client::Remote,
+    ) -> Result<crate::share::client::Remote> {
+        let (Some(lookup), Some((ns, name))) = (self.endpoint_lookup.get(), crate::share::pvc_in_context(context)) else {
+            return Ok(remote);
+        };
+        let endpoint = lookup(&ns, &name)
+            .map_err(|e| Error::Unavailable(format!("volume {id}: reading the NFS endpoint of PVC {ns}/{name}: {e}")))?
+            .ok_or_else(|| {
+                Error::Unavailable(format!("volume {id}: the owning node has not published the NFS endpoint on PVC {ns}/{name} yet"))
+            })?;
+        remote.server = endpoint.parse().map_err(|_| {
+            Error::FailedPrecondition(format!("volume {id}: PVC {ns}/{name} names the NFS endpoint {endpoint:?}, not address:port"))
+        })?;
+        Ok(remote)
     }
 
     /// The node's share side (its server's pid and records).

@@ -53,6 +53,8 @@ impl Driver {
             return Ok(None);
         }
         let Some(remote) = client::remote(context).map_err(|e| Error::InvalidArgument(e.to_string()))? else { return Ok(None) };
+        // In a cluster: the Service's endpoint, which follows the server.
+        let remote = self.published_remote(id, context, remote)?;
         if let Some(r) = self.nfs_record(id)? {
             if r.staging_path != staging {
                 return Err(Error::FailedPrecondition(format!("volume {id} is already staged at {}", r.staging_path.display())));

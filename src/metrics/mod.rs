@@ -51,6 +51,9 @@ pub struct Sources {
     pub ready: crate::csi::Readiness,
     /// The publisher's counters, when it runs.
     pub publish: Option<Arc<crate::publisher::updater::Stats>>,
+    /// The shared-volume loop's controller, when it runs (its reconcile
+    /// duration histogram).
+    pub share: Option<Arc<crate::share::kube::ShareController>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -344,6 +347,9 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> R
 pub fn render(sources: &Sources) -> Result<String, FmtError> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(sources.clone()));
+    if let Some(s) = &sources.share {
+        s.register(&mut registry);
+    }
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)?;
     Ok(out)

@@ -18,6 +18,9 @@
 //! paginated LIST of all of them, filtered here by `spec.attacher` and
 //! `spec.nodeName`.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use serde_json::Value;
 
 use super::kube_sink::{query_escape, KubeSink, PAGE};
@@ -81,6 +84,54 @@ pub async fn attached_here(sink: &KubeSink, driver: &str, node: &str) -> Result<
         cont = next;
     }
     Err(SinkError::Unavailable(format!("the list of volumeattachments did not end after {MAX_PAGES} pages")))
+}
+
+/// The in-cluster healer hook: lists the VolumeAttachments of this driver
+/// on this node (retrying a failed LIST, with backoff, for a minute or so)
+/// and hands them to the driver's cross-check; what the store does not know
+/// becomes the StorageNode's AttachmentsKnown condition and a log line.
+pub async fn healer_hook(
+    sink: Arc<KubeSink>,
+    driver: Arc<crate::csi::Driver>,
+    node: String,
+    unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>,
+    signal: crate::publisher::node_feed::NodeSignal,
+) {
+    let mut wait = Duration::from_millis(500);
+    let ids = loop {
+        match attached_here(&sink, crate::csi::DRIVER_NAME, &node).await {
+            Ok(ids) => break ids,
+            Err(e) if wait < Duration::from_secs(30) => {
+                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "healer hook: listing VolumeAttachments failed");
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "healer hook: cannot list VolumeAttachments; the store's walk at start stands alone");
+                return;
+            }
+        }
+    };
+    let check = match tokio::task::spawn_blocking(move || driver.heal_attached(&ids)).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "healer hook failed");
+            return;
+        }
+    };
+    if !check.unknown.is_empty() {
+        tracing::warn!(volumes = ?check.unknown, "VolumeAttachments name this node for volumes it has no record of");
+    }
+    tracing::info!(
+        handed_over = check.healed.len(),
+        serving = check.serving.len(),
+        kernel = check.kernel.len(),
+        skipped = check.skipped.len(),
+        unknown = check.unknown.len(),
+        "healer hook: VolumeAttachments checked"
+    );
+    *unknown.lock().unwrap_or_else(|e| e.into_inner()) = Some(check.unknown);
+    signal.signal();
 }
 
 #[cfg(test)]

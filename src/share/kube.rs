@@ -13,15 +13,17 @@
 //! - After a create, re-reads until the object is visible (poll interval
 //!   and total wait configurable, 1 s / 20 s by default): the endpoint is
 //!   published only once the objects are really there.
-//! - Publishes `ClusterIP:2049` only when it changed since the last
-//!   publish: a changed endpoint turns NFS clients' handles stale.
+//! - Publishes `ClusterIP:2049` as the PVC's [`ENDPOINT_ANNOTATION`] (what
+//!   other nodes' NodeStage mounts), only when the annotation differs: a
+//!   changed endpoint turns NFS clients' handles stale, and the annotation
+//!   read back from the PVC (not a memory of this process) decides, so a
+//!   restarted agent does not publish again.
 //! - Failover (the server moved to another address): the Service keeps its
 //!   ClusterIP, only the Endpoints are updated, nothing is republished.
 //! - Every reconcile's duration goes into one histogram.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{
@@ -29,7 +31,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use prometheus_client::metrics::histogram::Histogram;
 
 /// The port clients mount on the Service.
@@ -37,6 +39,9 @@ pub const NFS_PORT: u16 = 2049;
 /// Label naming the volume on both objects.
 pub const VOLUME_LABEL: &str = "volring.io/volume";
 const PORT_NAME: &str = "nfs";
+/// Annotation on the PVC: the endpoint (`ClusterIP:2049`) other nodes
+/// mount the shared volume from.
+pub const ENDPOINT_ANNOTATION: &str = "volring.io/nfs-endpoint";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -88,8 +93,6 @@ pub struct Outcome {
 pub struct ShareController {
     client: kube::Client,
     config: ControllerConfig,
-    /// Volume id → the endpoint last published.
-    published: Mutex<HashMap<String, String>>,
     duration: Histogram,
 }
 
@@ -98,7 +101,7 @@ impl ShareController {
         // 5 ms to ~41 s: a reconcile that waits for a create's visibility
         // takes seconds.
         let duration = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.005, 2.0, 14));
-        Self { client, config, published: Mutex::new(HashMap::new()), duration }
+        Self { client, config, duration }
     }
 
     /// Registers the reconcile-duration histogram.
@@ -117,11 +120,6 @@ impl ShareController {
         let r = self.reconcile_inner(v, publish).await;
         self.duration.observe(start.elapsed().as_secs_f64());
         r
-    }
-
-    /// Forgets what was published for a volume (it is no longer shared).
-    pub fn forget(&self, volume_id: &str) {
-        self.published.lock().unwrap_or_else(|e| e.into_inner()).remove(volume_id);
     }
 
     async fn reconcile_inner(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
@@ -192,10 +190,15 @@ impl ShareController {
             Ok(IpAddr::V6(a)) => format!("[{a}]:{NFS_PORT}"),
             _ => format!("{ip}:{NFS_PORT}"),
         };
-        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
-        if published.get(&v.volume_id) != Some(&endpoint) {
+        let have = pvc.metadata.annotations.as_ref().and_then(|a| a.get(ENDPOINT_ANNOTATION));
+        if have != Some(&endpoint) {
+            // A merge patch of the one annotation: the PVC's other fields
+            // belong to others and are not sent back.
+            let patch = serde_json::json!({"metadata": {"annotations": {ENDPOINT_ANNOTATION: endpoint}}});
+            pvcs.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::Api { what: what("PersistentVolumeClaim"), source: e })?;
             publish(&endpoint);
-            published.insert(v.volume_id.clone(), endpoint.clone());
             out.published = Some(endpoint);
         }
         Ok(out)
@@ -219,6 +222,18 @@ impl ShareController {
             tokio::time::sleep(self.config.poll).await;
         }
     }
+}
+
+/// What the owning node published for a PVC: its [`ENDPOINT_ANNOTATION`]
+/// (`None`: not yet). Other nodes' NodeStage mounts this.
+pub async fn published_endpoint(client: &kube::Client, namespace: &str, name: &str) -> Result<Option<String>, Error> {
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let pvc = pvcs
+        .get_opt(name)
+        .await
+        .map_err(|e| Error::Api { what: format!("PersistentVolumeClaim {namespace}/{name}"), source: e })?
+        .ok_or_else(|| Error::PvcGone { namespace: namespace.into(), name: name.into() })?;
+    Ok(pvc.metadata.annotations.and_then(|mut a| a.remove(ENDPOINT_ANNOTATION)))
 }
 
 fn labels(v: &SharedVolume) -> BTreeMap<String, String> {

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 pub mod client;
+pub mod follow;
 pub mod ganesha;
 pub mod kube;
 mod records;
@@ -69,6 +70,42 @@ pub const CTX_SERVER: &str = "nfsServer";
 /// Volume-context key: the path clients mount on that server.
 pub const CTX_EXPORT: &str = "nfsExport";
 
+/// Volume-context keys: the namespace and name of the PVC a shared volume
+/// was created for, so other nodes know where its endpoint is published
+/// (the PVC's `volring.io/nfs-endpoint` annotation, see [`kube`]).
+pub const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
+pub const CTX_PVC_NAME: &str = "nfsPvcName";
+
+/// The external-provisioner's keys (`--extra-create-metadata`) in
+/// CreateVolume's parameters, recorded with the volume.
+const PROVISIONER_PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
+const PROVISIONER_PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
+
+/// The PVC (namespace, name) a volume's recorded parameters name, when
+/// both are names Kubernetes allows.
+pub fn pvc_of(parameters: &BTreeMap<String, String>) -> Option<(String, String)> {
+    pvc(parameters.get(PROVISIONER_PVC_NAMESPACE)?, parameters.get(PROVISIONER_PVC_NAME)?)
+}
+
+/// The PVC a volume context names. The names go into API paths, so only
+/// names Kubernetes allows are taken: a namespace is a DNS label, a PVC
+/// name a DNS subdomain (lower-case letters, digits, `-`, and `.` between
+/// labels).
+pub fn pvc_in_context(context: &HashMap<String, String>) -> Option<(String, String)> {
+    pvc(context.get(CTX_PVC_NAMESPACE)?, context.get(CTX_PVC_NAME)?)
+}
+
+fn pvc(ns: &str, name: &str) -> Option<(String, String)> {
+    let label = |s: &str| {
+        (1..=63).contains(&s.len())
+            && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    };
+    let subdomain = |s: &str| s.len() <= 253 && s.split('.').all(label);
+    (label(ns) && subdomain(name)).then(|| (ns.to_string(), name.to_string()))
+}
+
 /// The path volume `id` is exported as (`server:/<id>`).
 pub fn pseudo_path(id: &str) -> String {
     format!("/{id}")
@@ -80,6 +117,10 @@ pub fn pseudo_path(id: &str) -> String {
 pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+        if let Some((ns, name)) = pvc_of(parameters) {
+            context.insert(CTX_PVC_NAMESPACE.to_string(), ns);
+            context.insert(CTX_PVC_NAME.to_string(), name);
+        }
         if let Some(s) = server {
             context.insert(CTX_SERVER.to_string(), s.to_string());
             context.insert(CTX_EXPORT.to_string(), pseudo_path(id));
@@ -106,5 +147,31 @@ mod tests {
         context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
         assert_eq!(c.get(CTX_SERVER).map(String::as_str), Some("10.0.0.1:2049"));
         assert_eq!(c.get(CTX_EXPORT).map(String::as_str), Some("/pvc-1"));
+        assert_eq!(pvc_in_context(&c), None, "no PVC recorded");
+        p.insert(PROVISIONER_PVC_NAMESPACE.into(), "apps".into());
+        p.insert(PROVISIONER_PVC_NAME.into(), "data".into());
+        context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
+        assert_eq!(pvc_in_context(&c), Some(("apps".into(), "data".into())));
+    }
+
+    #[test]
+    fn pvc_names_are_kubernetes_names() {
+        assert_eq!(pvc("apps", "data.v1-x"), Some(("apps".into(), "data.v1-x".into())));
+        for (ns, name) in [
+            ("", "data"),
+            ("apps", ""),
+            ("apps/x", "data"),
+            ("apps", "../data"),
+            ("apps", "da/ta"),
+            ("Apps", "data"),
+            ("apps", "-data"),
+            ("apps", "data..x"),
+            ("a.b", "data"),
+            ("apps", "data?x=1"),
+        ] {
+            assert_eq!(pvc(ns, name), None, "{ns:?} {name:?}");
+        }
+        assert!(pvc(&"a".repeat(64), "d").is_none());
+        assert!(pvc("a", &format!("{0}.{0}.{0}.{0}", "b".repeat(63))).is_none(), "longer than 253");
     }
 }

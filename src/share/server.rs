@@ -89,6 +89,18 @@ impl NfsServer {
         self.ensure_thread()
     }
 
+    /// Stops the running server (SIGTERM) for the supervisor to start it
+    /// again on the current configuration: ganesha resolves an export's
+    /// path only when it creates the export, and a reload keeps an
+    /// unchanged export on what it resolved before. Clients ride through
+    /// as through any restart (hard mounts, NFSv4 grace).
+    pub fn restart(&self) {
+        let st = self.shared.lock();
+        if let Some(fd) = &st.pidfd {
+            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::TERM);
+        }
+    }
+
     /// The server's process id while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.shared.lock().pid

@@ -63,6 +63,9 @@ pub struct ShareSide {
     server: OnceLock<NfsServer>,
     /// Serialises export changes (record, then configuration).
     changing: Mutex<()>,
+    /// Called after the set of exports changed (the cluster's Service
+    /// loop follows these, not a timer).
+    watchers: Mutex<Vec<Box<dyn Fn() + Send>>>,
 }
 
 /// How long an unexport waits for the server to let go of the volume's
@@ -72,7 +75,7 @@ const RELEASE_WAIT: Duration = Duration::from_secs(10);
 impl ShareSide {
     /// `state_dir/nfs` holds the server's files and recovery database.
     pub fn new(config: ShareConfig, state_dir: &Path, store: Arc<Store>) -> Self {
-        Self { config, dir: state_dir.join("nfs"), store, server: OnceLock::new(), changing: Mutex::new(()) }
+        Self { config, dir: state_dir.join("nfs"), store, server: OnceLock::new(), changing: Mutex::new(()), watchers: Mutex::default() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -81,6 +84,17 @@ impl ShareSide {
 
     pub fn config(&self) -> &ShareConfig {
         &self.config
+    }
+
+    /// Calls `f` after every export, unexport and resume from now on.
+    pub fn on_change(&self, f: impl Fn() + Send + 'static) {
+        self.watchers.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(f));
+    }
+
+    fn changed(&self) {
+        for f in self.watchers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            f();
+        }
     }
 
     /// Every share this node records.
@@ -130,6 +144,8 @@ impl ShareSide {
         all.push(rec.clone());
         self.apply(&all)?;
         tracing::info!(volume = id, export_id = rec.export_id, path = %path.display(), server = %rec.server, "exported over NFS");
+        drop(_g);
+        self.changed();
         Ok(rec)
     }
 
@@ -146,7 +162,34 @@ impl ShareSide {
         }
         records::remove(&self.store, id)?;
         tracing::info!(volume = id, "NFS export removed");
+        drop(_g);
+        self.changed();
         Ok(())
+    }
+
+    /// After volume `id` was mounted again at `path` (the reconciler's
+    /// repair): the server must serve the new mount. A running ganesha
+    /// keeps an export on what its path resolved to when the export was
+    /// made — the mount that went away, or the empty directory under it
+    /// if the server (re)started in between — so it is restarted on the
+    /// configuration naming `path`. True when the volume is exported here.
+    pub fn refresh(&self, id: &str, path: &Path) -> Result<bool, Error> {
+        let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = records::load(&self.store)?;
+        let Some(rec) = all.iter_mut().find(|r| r.volume_id == id) else { return Ok(false) };
+        if !self.enabled() {
+            return Ok(false);
+        }
+        if rec.path != path {
+            rec.path = path.to_path_buf();
+            records::put(&self.store, rec)?;
+        }
+        self.apply(&all)?;
+        self.server()?.restart();
+        tracing::warn!(volume = id, path = %path.display(), "NFS server restarted to serve the volume's new mount");
+        drop(_g);
+        self.changed();
+        Ok(true)
     }
 
     /// At agent start: re-exports the recorded shares whose volume
@@ -173,6 +216,8 @@ impl ShareSide {
         if !keep.is_empty() {
             self.apply(&keep)?;
         }
+        drop(_g);
+        self.changed();
         Ok(keep.len())
     }
 

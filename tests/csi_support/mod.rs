@@ -298,8 +298,10 @@ fn spawn(kubelet: &Path, state: &Path, socket: &Path, log: &Path, env: &[(&str, 
         Some(_) => Stdio::inherit(),
         None => std::fs::OpenOptions::new().create(true).append(true).open(log).map_or_else(|_| Stdio::null(), Stdio::from),
     };
+    // `/metrics` only when the test asks for it (VOLRING_METRICS_ADDR in `env`).
+    let metrics = env.iter().find(|(k, _)| *k == "VOLRING_METRICS_ADDR").map_or("off", |(_, v)| *v);
     Command::new(env!("CARGO_BIN_EXE_volring"))
-        .args(["node", "--metrics-addr", "off", "--node-id", "test-node", "--stats-interval", "5"])
+        .args(["node", "--metrics-addr", metrics, "--node-id", "test-node", "--stats-interval", "5"])
         .arg("--csi-endpoint")
         .arg(format!("unix://{}", socket.display()))
         .arg("--kubelet-root")

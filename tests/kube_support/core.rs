@@ -10,6 +10,9 @@
 //! - PUT replaces (200; 404 when absent; 409 Conflict when the body's
 //!   resourceVersion is stale; 422 Invalid when a Service's ClusterIP is
 //!   changed, an empty one keeps the old as the API server does).
+//! - PATCH with `application/merge-patch+json` only (415 otherwise): the
+//!   body merged into the object as RFC 7386 has it (null removes a key),
+//!   name, namespace, uid and creationTimestamp kept; 404 when absent.
 //! - DELETE (200), and then what the garbage collector does: objects whose
 //!   ownerReferences name the deleted uid are deleted too.
 //! - A lag knob: a created object stays invisible to the next N GETs, as
@@ -24,7 +27,7 @@ use super::{reply, status_body, Inner};
 /// (namespace, plural, name).
 pub(super) type Key = (String, String, String);
 
-pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8]) -> Response {
+pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], merge_patch: bool) -> Response {
     let parts: Vec<&str> = rest.split('/').collect();
     let (ns, plural, name) = match parts.as_slice() {
         [ns, plural] => (*ns, *plural, None),
@@ -115,6 +118,24 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8]) -> 
             g.core.insert(k, obj.clone());
             reply(StatusCode::OK, obj)
         }
+        (Method::PATCH, Some(n)) => {
+            if !merge_patch {
+                let code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+                return reply(code, status_body(code, "UnsupportedMediaType", "the stand-in serves merge patches only"));
+            }
+            let Ok(patch) = serde_json::from_slice::<Value>(body) else { return bad("body is not JSON") };
+            let k = key(n);
+            let Some(old) = g.core.get(&k).cloned() else { return not_found(plural, n) };
+            let mut obj = old.clone();
+            merge(&mut obj, &patch);
+            g.rv += 1;
+            for f in ["name", "uid", "creationTimestamp", "namespace"] {
+                obj["metadata"][f] = old["metadata"][f].clone();
+            }
+            obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+            g.core.insert(k, obj.clone());
+            reply(StatusCode::OK, obj)
+        }
         (Method::DELETE, Some(n)) => match g.core.remove(&key(n)) {
             Some(obj) => {
                 g.rv += 1;
@@ -126,6 +147,25 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8]) -> 
             None => not_found(plural, n),
         },
         _ => not_served(),
+    }
+}
+
+/// RFC 7386: objects merge key by key, null removes, anything else replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    let Some(p) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let Some(t) = target.as_object_mut() else { return };
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge(t.entry(k.clone()).or_insert(Value::Null), v);
+        }
     }
 }
 

@@ -190,7 +190,7 @@ impl StandIn {
     pub fn seed_core(&self, namespace: &str, plural: &str, obj: Value) -> Value {
         let body = serde_json::to_vec(&obj).unwrap();
         let mut g = self.lock();
-        let r = core::serve(&mut g, &Method::POST, &format!("{namespace}/{plural}"), &body);
+        let r = core::serve(&mut g, &Method::POST, &format!("{namespace}/{plural}"), &body, false);
         assert_eq!(r.status(), StatusCode::CREATED);
         g.core_hidden.clear();
         let name = obj["metadata"]["name"].as_str().unwrap().to_string();
@@ -311,7 +311,8 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         return r;
     }
     if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
-        return core::serve(g, method, rest, body);
+        let merge = headers.get("content-type").is_some_and(|v| v.as_bytes() == b"application/merge-patch+json");
+        return core::serve(g, method, rest, body, merge);
     }
     if let Some(rest) = path.strip_prefix(STORAGE_PREFIX) {
         return storage(g, method, rest, query);
