@@ -20,7 +20,14 @@ set -u
 : "${VOLRING:?}" "${VM_RESULTS:?}" "${NODE:?}" "${VOLUME:?}"
 R=$VM_RESULTS
 OTHER=$((3 - NODE))
-fail() { echo "FAIL(node $NODE): $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
+fail() {
+  echo "FAIL(node $NODE): $*"
+  echo "FAIL: $*" >>"$R/verdict"
+  # What this node saw of the shared log, and what its NFS client said.
+  [ -n "${M:-}" ] && [ -e "$M/log" ] && { echo "log as node $NODE reads it:"; cat "$M/log"; } >>"$R/verdict" 2>&1
+  dmesg | grep -i -E "nfs|rpc|lease" | tail -8 >>"$R/verdict"
+  exit 1
+}
 note() { echo "node $NODE $(cut -d' ' -f1 /proc/uptime): $*"; }
 
 # One line to the host over the side channel (10.0.2.100:7000, which stays
@@ -91,7 +98,11 @@ r=0
 while [ $r -lt $ROUNDS ]; do
   want=$((2 * r + NODE - 1))
   wait_for "[ \"\$(cat '$M/log' 2>/dev/null | wc -l)\" -eq $want ]" 300
-  echo "node $NODE round $r" >>"$M/log" || fail "append round $r"
+  # fsync'd, so a write the NFS client could not get to the server fails
+  # here instead of leaving the other node waiting (a shell does not check
+  # close(2), where an NFS client reports a lost write).
+  printf 'node %s round %s\n' "$NODE" "$r" | dd of="$M/log" oflag=append conv=notrunc,fsync status=none ||
+    fail "append round $r"
   r=$((r + 1))
 done
 wait_for "[ \"\$(cat '$M/log' | wc -l)\" -eq $((2 * ROUNDS)) ]" 300
