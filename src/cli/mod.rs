@@ -2,6 +2,7 @@
 //! and the dispatch), and what they share: stdout that may close, the
 //! runtime, the "needs root" hint.
 
+pub mod args;
 pub mod devices;
 pub mod mounts;
 pub mod nbd;
