@@ -220,14 +220,7 @@ fn moves_rows(
     for round in 0..runs {
         for j in 0..k {
             let who = (round + j) % k;
-            let mut cmd = match bins.get(who) {
-                Some((_, bin)) => {
-                    let mut c = std::process::Command::new(bin);
-                    c.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
-                    c
-                }
-                None => std::process::Command::new(peer),
-            };
+            let mut cmd = contestant(bins, peer, who);
             match process_storm::move_storm(&mut cmd, dirs, probe, gap) {
                 Ok(c) => costs[who].push(c),
                 Err(e) => println!("{n:>7} moves round {round}: {} failed: {e}", bins.get(who).map_or("C", |b| b.0.as_str())),
@@ -249,6 +242,19 @@ fn moves_rows(
             median(seen.clone()),
             cpu_ms * 1e3 / expected as f64,
         );
+    }
+}
+
+/// The command that starts contestant `who`: a volring binary watching in
+/// fanotify mode, or (past the binaries) the C peer.
+fn contestant(bins: &[(String, PathBuf)], peer: &std::path::Path, who: usize) -> std::process::Command {
+    match bins.get(who) {
+        Some((_, bin)) => {
+            let mut c = std::process::Command::new(bin);
+            c.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
+            c
+        }
+        None => std::process::Command::new(peer),
     }
 }
 
@@ -282,14 +288,7 @@ fn process_rows(n: usize, runs: usize, peer: &std::path::Path, bins: &[(String, 
         let mut got = Vec::with_capacity(k);
         for j in 0..k {
             let who = (round + j) % k;
-            let mut cmd = match bins.get(who) {
-                Some((_, bin)) => {
-                    let mut c = std::process::Command::new(bin);
-                    c.args(["mounts", "--watch", "--mount-watch", "fanotify"]);
-                    c
-                }
-                None => std::process::Command::new(peer),
-            };
+            let mut cmd = contestant(bins, peer, who);
             got.push((who, process_storm::storm(&mut cmd, dirs, probe)));
         }
         if let Some((who, Err(e))) = got.iter().find(|(_, r)| r.is_err()) {

@@ -87,17 +87,22 @@ mod tests {
         }
     }
 
+    /// A driver whose kubelet root, pool and store live under `dir`.
+    fn driver_in(dir: &std::path::Path) -> Arc<Driver> {
+        let mut c = CsiConfig::new(dir.join("csi.sock"), "n1".into());
+        c.kubelet_root = dir.join("kubelet");
+        c.pool_dir = dir.join("pool");
+        c.state_dir = dir.join("state");
+        Driver::new(c, Arc::new(RwLock::new(MountTable::new())), Readiness::default()).unwrap()
+    }
+
     /// The healer is reached for the nbd volume (its device, an index no
     /// node has, is gone: the reconciler re-stages it), the loop volume is
     /// the kernel's, and the volume the store never recorded is reported.
     #[test]
     fn attached_volumes_are_sorted_against_the_store_and_nbd_ones_reach_the_healer() {
         let dir = tempfile::tempdir().unwrap();
-        let mut c = CsiConfig::new(dir.path().join("csi.sock"), "n1".into());
-        c.kubelet_root = dir.path().join("kubelet");
-        c.pool_dir = dir.path().join("pool");
-        c.state_dir = dir.path().join("state");
-        let d = Driver::new(c, Arc::new(RwLock::new(MountTable::new())), Readiness::default()).unwrap();
+        let d = driver_in(dir.path());
         d.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
         d.records.put(&rec("loop-1", AttachKind::Loop, None)).unwrap();
         let ids = ["nbd-1", "loop-1", "ghost"].map(String::from);
@@ -113,11 +118,7 @@ mod tests {
     #[test]
     fn the_start_walk_runs_once() {
         let dir = tempfile::tempdir().unwrap();
-        let mut c = CsiConfig::new(dir.path().join("csi.sock"), "n1".into());
-        c.kubelet_root = dir.path().join("kubelet");
-        c.pool_dir = dir.path().join("pool");
-        c.state_dir = dir.path().join("state");
-        let d = Driver::new(c, Arc::new(RwLock::new(MountTable::new())), Readiness::default()).unwrap();
+        let d = driver_in(dir.path());
         d.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
         assert_eq!(d.heal_nbd(), vec![("nbd-1".to_string(), Healed::Gone)]);
         assert_eq!(d.heal_nbd(), vec![]);
