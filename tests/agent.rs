@@ -13,7 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{check, Scratch};
+use common::{check, without_colours, Scratch};
 use libtest_mimic::{Failed, Trial};
 use volring::csi::client::{capability, Clients};
 use volring::csi::proto::volume_capability::access_mode::Mode;
@@ -441,20 +441,6 @@ fn non_root_is_told_it_needs_root() -> Result<(), Failed> {
     let err = String::from_utf8_lossy(&out.stderr);
     check(!out.status.success(), "a non-root agent fails")?;
     check(err.contains("Permission denied") && err.contains("hint: this needs root"), format!("stderr: {err}"))
-}
-
-/// A log line without its terminal colour codes (`ESC [ ... m`).
-fn without_colours(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            chars.by_ref().find(|&c| c == 'm');
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 fn nbd_listener_in_use_is_fatal() -> Result<(), Failed> {

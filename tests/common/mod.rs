@@ -158,3 +158,17 @@ pub fn run_in_private_namespace(trials: Vec<libtest_mimic::Trial>) -> ! {
     args.test_threads = Some(1);
     libtest_mimic::run(&args, trials).exit()
 }
+
+/// A log line without its terminal colour codes (`ESC [ ... m`).
+pub fn without_colours(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
