@@ -78,8 +78,9 @@ pub(super) struct FanotifyDriver {
     resync_interval: Option<Duration>,
     batch_window: Duration,
     /// Mounts already reported detached whose own fanotify events may still
-    /// be queued (a resync found them gone, or an attach event came too late
-    /// to see them): those events must not report them again.
+    /// be queued (a resync found them gone): those events must not report
+    /// them again. A mount statmount finds gone before its detach event is
+    /// read is not put here: that event reports it, after its last moves.
     reported_gone: RecentIds,
 }
 
