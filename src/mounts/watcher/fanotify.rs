@@ -78,8 +78,9 @@ pub(super) struct FanotifyDriver {
     resync_interval: Option<Duration>,
     batch_window: Duration,
     /// Mounts already reported detached whose own fanotify events may still
-    /// be queued (a resync found them gone, or an attach event came too late
-    /// to see them): those events must not report them again.
+    /// be queued (a resync found them gone): those events must not report
+    /// them again. A mount statmount finds gone before its detach event is
+    /// read is not put here: that event reports it, after its last moves.
     reported_gone: RecentIds,
 }
 
@@ -87,7 +88,10 @@ pub(super) struct FanotifyDriver {
 #[derive(Clone, Copy)]
 struct Touched {
     id: u64,
+    /// An attach that was not a move: the mount is new.
     attach: bool,
+    /// A detach that was not a move: the kernel's word that the mount is
+    /// gone, with no event of it after.
     detach: bool,
     /// Events that were moves (attach and detach at once). Each is reported,
     /// also when the mount moved on before statmount could see where to.
@@ -181,17 +185,18 @@ impl FanotifyDriver {
             match ev {
                 Ok(FanEvent::Mount { id, attach, detach }) => {
                     n += 1;
-                    let moved = (attach && detach) as u32;
+                    let moved = attach && detach;
+                    let (attach, detach) = (attach && !moved, detach && !moved);
                     match self.batch_index.get(&id) {
                         Some(&i) => {
                             let t = &mut self.batch[i];
                             t.attach |= attach;
                             t.detach |= detach;
-                            t.moves += moved;
+                            t.moves += moved as u32;
                         }
                         None => {
                             self.batch_index.insert(id, self.batch.len());
-                            self.batch.push(Touched { id, attach, detach, moves: moved });
+                            self.batch.push(Touched { id, attach, detach, moves: moved as u32 });
                         }
                     }
                 }
@@ -267,7 +272,7 @@ impl FanotifyDriver {
     fn apply_batch(&mut self, ring: &mut Reactor) {
         let batch = std::mem::take(&mut self.batch);
         self.batch_index.clear();
-        for &Touched { id, attach, moves, .. } in &batch {
+        for &Touched { id, attach, detach, moves } in &batch {
             self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
@@ -294,6 +299,20 @@ impl FanotifyDriver {
                         }
                     }
                 }
+                Ok(None) if self.reported_gone.contains(id) => {}
+                Ok(None) if !detach => {
+                    // Gone, but its detach event is still unread: statmount
+                    // is ahead of the queue, and moves may be queued before
+                    // that event too. Report this batch's moves only; the
+                    // detach event reports the mount gone, after every move,
+                    // with the state kept in the table until then.
+                    if attach && self.table.get(id).is_none() {
+                        self.emitter.emit(MountEvent::attached(id, None), ring, RETRY);
+                    }
+                    for _ in 0..moves {
+                        self.emitter.emit(moved_unseen(id), ring, RETRY);
+                    }
+                }
                 Ok(None) => match self.table.remove(id) {
                     Some(old) => {
                         self.reported_gone.insert(id);
@@ -302,7 +321,6 @@ impl FanotifyDriver {
                         }
                         self.emitter.emit(MountEvent::detached(id, Some(old)), ring, RETRY);
                     }
-                    None if self.reported_gone.contains(id) => {}
                     None => {
                         // Came and went before we could look: still say both.
                         self.reported_gone.insert(id);
