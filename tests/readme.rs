@@ -169,6 +169,7 @@ const EXAMPLES: &[Example] = &[
     // README: measuring it.
     ex("cargo bench --bench mount_storm", How::Skip(BENCH)),
     ex("cargo bench --bench mount_storm -- --watcher process --volring-bin OLD:NEW", How::Skip(BENCH)),
+    ex("cargo bench --bench mount_storm -- --watcher moves", How::Skip(BENCH)),
     ex("cargo bench --bench mounts", How::Skip(BENCH)),
     ex("cargo bench --features libmount-peer --bench parse_vs_libmount", How::Skip(BENCH)),
     ex("cargo bench --bench device_stats", How::Skip(BENCH)),
