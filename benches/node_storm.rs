@@ -133,13 +133,13 @@ fn measure(child: &mut Child, log: &Path, dirs: &[PathBuf]) -> std::io::Result<C
     // The storm stretch's length is only known after it: an idle stretch of
     // a generous length first, scaled to the storm's.
     let idle_len = Duration::from_millis(1500);
-    let (c0, _) = usage(pid);
+    let (c0, _) = support::thread_usage(pid);
     std::thread::sleep(idle_len);
-    let (c1, _) = usage(pid);
+    let (c1, _) = support::thread_usage(pid);
     let idle_rate = c1.saturating_sub(c0).as_secs_f64() / idle_len.as_secs_f64();
     // Mount events the agent has handled so far come from its log only at
     // the end; the probe-free storm below is all it sees meanwhile.
-    let (s0, sw0) = usage(pid);
+    let (s0, sw0) = support::thread_usage(pid);
     let t0 = ticks(pid);
     let start = Instant::now();
     for d in dirs {
@@ -147,7 +147,7 @@ fn measure(child: &mut Child, log: &Path, dirs: &[PathBuf]) -> std::io::Result<C
         unmount(d, UnmountFlags::empty())?;
     }
     std::thread::sleep(settle);
-    let (s1, sw1) = usage(pid);
+    let (s1, sw1) = support::thread_usage(pid);
     let t1 = ticks(pid);
     let stretch = start.elapsed();
     let idle = Duration::from_secs_f64(idle_rate * stretch.as_secs_f64());
@@ -158,24 +158,6 @@ fn measure(child: &mut Child, log: &Path, dirs: &[PathBuf]) -> std::io::Result<C
         switches: sw1.saturating_sub(sw0),
         events: 0,
     })
-}
-
-/// CPU time and context switches of every thread of `pid`.
-fn usage(pid: u32) -> (Duration, u64) {
-    let (mut ns, mut switches) = (0u64, 0u64);
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
-        }
-        if let Ok(s) = std::fs::read_to_string(t.path().join("status")) {
-            switches += s
-                .lines()
-                .filter(|l| l.contains("ctxt_switches"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum::<u64>();
-        }
-    }
-    (Duration::from_nanos(ns), switches)
 }
 
 /// utime+stime of the whole process from `/proc/<pid>/stat`, clock ticks.

@@ -148,3 +148,21 @@ pub fn pct(sorted: &[f64], p: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i]
 }
+
+/// CPU time and context switches of every thread of `pid`.
+pub fn thread_usage(pid: u32) -> (std::time::Duration, u64) {
+    let (mut ns, mut switches) = (0u64, 0u64);
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        }
+        if let Ok(s) = std::fs::read_to_string(t.path().join("status")) {
+            switches += s
+                .lines()
+                .filter(|l| l.contains("ctxt_switches"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum::<u64>();
+        }
+    }
+    (std::time::Duration::from_nanos(ns), switches)
+}

@@ -89,28 +89,9 @@ impl Watcher {
         Ok(Self { child, lines, moved, attached, reader: Some(reader) })
     }
 
-    fn tasks(&self) -> Vec<PathBuf> {
-        std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
-            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
-            .unwrap_or_default()
-    }
-
     /// (run time of all threads, voluntary + involuntary context switches).
     fn usage(&self) -> (Duration, u64) {
-        let (mut ns, mut switches) = (0u64, 0u64);
-        for t in self.tasks() {
-            if let Ok(s) = std::fs::read_to_string(t.join("schedstat")) {
-                ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
-            }
-            if let Ok(s) = std::fs::read_to_string(t.join("status")) {
-                switches += s
-                    .lines()
-                    .filter(|l| l.contains("ctxt_switches"))
-                    .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                    .sum::<u64>();
-            }
-        }
-        (Duration::from_nanos(ns), switches)
+        super::support::thread_usage(self.child.id())
     }
 
     /// Mounts and unmounts `probe` in turn, each state held 100 ms, until the
