@@ -330,12 +330,7 @@ async fn connect(socket: &Path, child: &mut Child, log: &Path) -> Clients {
         if let Ok(Some(status)) = child.try_wait() {
             panic!("the agent exited ({status}) before it was ready on {}:\n{}", socket.display(), log_tail(log, 40));
         }
-        assert!(
-            Instant::now() < deadline,
-            "the agent did not become ready on {}:\n{}",
-            socket.display(),
-            log_tail(log, 40)
-        );
+        assert!(Instant::now() < deadline, "the agent did not become ready on {}:\n{}", socket.display(), log_tail(log, 40));
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
