@@ -86,11 +86,6 @@ struct Target {
 const ANSWER_WAIT: Duration = Duration::from_secs(2);
 
 impl Follower {
-    /// Runs until the task is aborted.
-    pub async fn run(self) {
-        self.run_until(std::future::pending::<()>()).await
-    }
-
     /// Runs until `stop` completes, then takes this node's address out of
     /// the Endpoints of every volume it still exports (the server stops
     /// with the agent), and returns.
