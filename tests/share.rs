@@ -278,17 +278,9 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     // after the create lets the agent publish.
     server.api.set_create_lag(2);
     let scratch = common::Scratch::new();
-    let kubeconfig = scratch.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user: {{}}\n\
-             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n",
-            server.addr
-        ),
-    )?;
+    let kc = kubeconfig(scratch.path(), server.addr)?;
     let (port, metrics_port) = (free_port(), free_port());
-    let (listen, metrics, kc) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{metrics_port}"), kubeconfig.display().to_string());
+    let (listen, metrics) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{metrics_port}"));
     let api_port = server.addr.port().to_string();
     // In a pod (the service's env), the configuration from KUBECONFIG.
     let cluster = [("KUBECONFIG", kc.as_str()), ("KUBERNETES_SERVICE_HOST", "127.0.0.1"), ("KUBERNETES_SERVICE_PORT", api_port.as_str())];
@@ -507,7 +499,13 @@ fn endpoints_follow_the_server() -> Result<(), Failed> {
 
     // The agent stops (SIGTERM; its server stops with it): emptied.
     rustix::process::kill_process(rustix::process::Pid::from_raw(a.pid() as i32).ok_or("no agent")?, rustix::process::Signal::TERM)?;
-    until(20, "the Endpoints emptied by the stopping agent", &|| addresses() == Some(vec![]) && !a_alive(a.pid()))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while a.alive() {
+        check(std::time::Instant::now() < deadline, "the agent did not stop on SIGTERM")?;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Nobody else writes them: emptied before the agent exited.
+    check(addresses() == Some(vec![]), format!("the Endpoints emptied by the stopping agent: {:?}", addresses()))?;
     check(cluster_ip().as_deref() == Some(ip.as_str()), "the Service and its ClusterIP kept while the agent is away")?;
     a.respawn_with(&e1);
     until(30, "the Endpoints name the restarted server", &|| addresses() == only(&l1))?;
@@ -539,12 +537,6 @@ fn endpoints_follow_the_server() -> Result<(), Failed> {
     a.unstage("pvc-move", &staging)?;
     drop(api_rt);
     Ok(())
-}
-
-fn a_alive(pid: u32) -> bool {
-    pid != 0
-        && std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
 }
 
 /// The reconciler mounts a shared volume again: the NFS server serves the
