@@ -465,5 +465,13 @@ mod tests {
         assert!(!endpoints_equivalent(&e1, &e2));
         // The Service does not.
         assert!(service_equivalent(&desired_service(&vol("10.0.0.2"), &owner()), &want));
+        // A server going away takes out only its own address and port.
+        assert!(lists(&e1, &vol("10.0.0.1")));
+        assert!(!lists(&e2, &vol("10.0.0.1")), "another node's Endpoints are left alone");
+        let mut other_port = vol("10.0.0.1");
+        other_port.server_port = 20490;
+        assert!(!lists(&e1, &other_port));
+        assert!(!lists(&idle_endpoints(&vol("10.0.0.1"), &owner()), &vol("10.0.0.1")));
+        assert!(endpoints_equivalent(&idle_endpoints(&vol("10.0.0.1"), &owner()), &idle_endpoints(&vol("10.0.0.2"), &owner())));
     }
 }
