@@ -377,7 +377,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         s.abort();
     }
     if let Some(s) = shares {
-        s.task.abort();
+        // Empties the Endpoints of this node's exports first: the NFS
+        // server stops with the agent.
+        s.stop(Duration::from_secs(5)).await;
     }
     if let Some(c) = csi {
         stop_csi(c, csi_stop).await;

@@ -278,17 +278,9 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     // after the create lets the agent publish.
     server.api.set_create_lag(2);
     let scratch = common::Scratch::new();
-    let kubeconfig = scratch.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user: {{}}\n\
-             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n",
-            server.addr
-        ),
-    )?;
+    let kc = kubeconfig(scratch.path(), server.addr)?;
     let (port, metrics_port) = (free_port(), free_port());
-    let (listen, metrics, kc) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{metrics_port}"), kubeconfig.display().to_string());
+    let (listen, metrics) = (format!("127.0.0.1:{port}"), format!("127.0.0.1:{metrics_port}"));
     let api_port = server.addr.port().to_string();
     // In a pod (the service's env), the configuration from KUBECONFIG.
     let cluster = [("KUBECONFIG", kc.as_str()), ("KUBERNETES_SERVICE_HOST", "127.0.0.1"), ("KUBERNETES_SERVICE_PORT", api_port.as_str())];
@@ -400,6 +392,153 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The addresses (`ip:port`) the volume's Endpoints send clients to; `None`
+/// while there is no Endpoints object.
+fn endpoint_addresses(server: &kube_support::Server, name: &str) -> Option<Vec<String>> {
+    let ep = server.api.core_object("apps", "endpoints", name)?;
+    let mut out = Vec::new();
+    for s in ep["subsets"].as_array().into_iter().flatten() {
+        for a in s["addresses"].as_array().into_iter().flatten().chain(s["notReadyAddresses"].as_array().into_iter().flatten()) {
+            for p in s["ports"].as_array().into_iter().flatten() {
+                out.push(format!("{}:{}", a["ip"].as_str().unwrap_or_default(), p["port"]));
+            }
+        }
+    }
+    Some(out)
+}
+
+/// A kubeconfig naming the stand-in at `addr`, written under `dir`.
+fn kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> Result<String, Failed> {
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{addr}\nusers:\n- name: u\n  user: {{}}\n\
+             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n"
+        ),
+    )?;
+    Ok(path.display().to_string())
+}
+
+/// "During the move the Service exists but does not answer": whenever the
+/// NFS server stops serving the volume from the address in its Endpoints —
+/// the export removed on this node, the agent stopping, the agent back at
+/// a new advertised address whose server does not answer yet — the
+/// Endpoints are emptied (the Service and its ClusterIP stay), and filled
+/// with the address once a server answers there. The server is started
+/// through a gate the test opens, so "not answering yet" lasts as long as
+/// the test looks.
+fn endpoints_follow_the_server() -> Result<(), Failed> {
+    use kube_support::Server;
+    let api_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let server = api_rt.block_on(Server::start());
+    let pvc = serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "moving"},
+        "spec": {"accessModes": ["ReadWriteMany"]}});
+    server.api.seed_core("apps", "persistentvolumeclaims", pvc);
+    let scratch = common::Scratch::new();
+    let kc = kubeconfig(scratch.path(), server.addr)?;
+    let gate = scratch.path().join("gate");
+    let gated = scratch.path().join("ganesha-gated");
+    // Bounded: 60 s at most at the gate.
+    std::fs::write(
+        &gated,
+        format!(
+            "#!/bin/sh\ni=0\nwhile [ ! -e '{}' ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done\nexec ganesha.nfsd \"$@\"\n",
+            gate.display()
+        ),
+    )?;
+    std::fs::set_permissions(&gated, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    std::fs::write(&gate, b"")?;
+    let api_port = server.addr.port().to_string();
+    let (p1, p2) = (free_port(), free_port());
+    let (l1, l2, ganesha) = (format!("127.0.0.1:{p1}"), format!("127.0.0.1:{p2}"), gated.display().to_string());
+    let env = |listen: &str| -> Vec<(&str, String)> {
+        vec![
+            ("VOLRING_NFS_LISTEN", listen.to_string()),
+            ("VOLRING_NFS_GRACE", GRACE.to_string()),
+            ("VOLRING_NFS_LEASE", GRACE.to_string()),
+            ("VOLRING_NFS_GANESHA", ganesha.clone()),
+            ("VOLRING_NFS_SERVICE_POLL", "0.05".to_string()),
+            ("KUBECONFIG", kc.clone()),
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1".to_string()),
+            ("KUBERNETES_SERVICE_PORT", api_port.clone()),
+        ]
+    };
+    let (e1, e2) = (env(&l1), env(&l2));
+    let e1: Vec<(&str, &str)> = e1.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let e2: Vec<(&str, &str)> = e2.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut a = Agent::start_with(&e1);
+    let mut c = a.c.controller.clone();
+    let params = [("csi.storage.k8s.io/pvc/namespace", "apps"), ("csi.storage.k8s.io/pvc/name", "moving")];
+    a.run(c.create_volume(CreateVolumeRequest {
+        name: "pvc-move".into(),
+        capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+        volume_capabilities: vec![rwx("ext4")],
+        parameters: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        ..Default::default()
+    }))?;
+    let staging = a.k("plugins/stage/move");
+    let addresses = || endpoint_addresses(&server, "moving");
+    let cluster_ip =
+        || server.api.core_object("apps", "services", "moving").and_then(|s| s["spec"]["clusterIP"].as_str().map(str::to_string));
+    let until = |secs: u64, what: &str, f: &dyn Fn() -> bool| -> Result<(), Failed> {
+        eventually(secs, || if f() { Ok(()) } else { Err(format!("{what}: Endpoints {:?}", addresses())) }).map_err(Failed::from)
+    };
+    let only = |addr: &str| Some(vec![addr.to_string()]);
+
+    a.stage("pvc-move", &staging, rwx("ext4"))?;
+    until(30, "the Endpoints name the server", &|| addresses() == only(&l1))?;
+    let ip = cluster_ip().ok_or("no ClusterIP")?;
+
+    // The export removed here: the Endpoints empty, the Service stays.
+    a.unstage("pvc-move", &staging)?;
+    until(10, "the Endpoints emptied after the unexport", &|| addresses() == Some(vec![]))?;
+    check(cluster_ip().as_deref() == Some(ip.as_str()), "the Service and its ClusterIP kept after the unexport")?;
+    a.stage("pvc-move", &staging, rwx("ext4"))?;
+    until(30, "the Endpoints name the server again", &|| addresses() == only(&l1))?;
+
+    // The agent stops (SIGTERM; its server stops with it): emptied.
+    rustix::process::kill_process(rustix::process::Pid::from_raw(a.pid() as i32).ok_or("no agent")?, rustix::process::Signal::TERM)?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while a.alive() {
+        check(std::time::Instant::now() < deadline, "the agent did not stop on SIGTERM")?;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Nobody else writes them: emptied before the agent exited.
+    check(addresses() == Some(vec![]), format!("the Endpoints emptied by the stopping agent: {:?}", addresses()))?;
+    check(cluster_ip().as_deref() == Some(ip.as_str()), "the Service and its ClusterIP kept while the agent is away")?;
+    a.respawn_with(&e1);
+    until(30, "the Endpoints name the restarted server", &|| addresses() == only(&l1))?;
+
+    // The agent dies (no chance to empty anything) and comes back at a new
+    // address whose server does not answer yet: the old address goes, the
+    // new one comes only once its server answers.
+    std::fs::remove_file(&gate)?;
+    a.kill_hard();
+    a.respawn_with(&e2);
+    until(20, "the old address out of the Endpoints", &|| addresses() == Some(vec![]))?;
+    let watch_until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while std::time::Instant::now() < watch_until {
+        check(addresses() == Some(vec![]), format!("the Endpoints stay empty while nothing answers at {l2}: {:?}", addresses()))?;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    check(std::net::TcpStream::connect(&l2).is_err(), "nothing answers at the new address yet")?;
+    let svc = server.api.core_object("apps", "services", "moving").ok_or("the Service is gone during the move")?;
+    check(svc["spec"]["clusterIP"] == ip.as_str(), format!("the ClusterIP kept during the move: {svc}"))?;
+    std::fs::write(&gate, b"")?;
+    until(60, "the new address in the Endpoints once its server answers", &|| addresses() == only(&l2))?;
+    let svc = server.api.core_object("apps", "services", "moving").ok_or("no Service")?;
+    check(
+        svc["spec"]["clusterIP"] == ip.as_str() && svc["spec"]["ports"][0]["targetPort"] == p2,
+        format!("the Service after the move: {svc}"),
+    )?;
+    let patches = server.api.log().iter().filter(|l| l.method == "PATCH" && l.path.ends_with("/persistentvolumeclaims/moving")).count();
+    check(patches == 1, format!("the endpoint was published once: {patches} PVC patches"))?;
+    a.unstage("pvc-move", &staging)?;
+    drop(api_rt);
+    Ok(())
+}
+
 /// The reconciler mounts a shared volume again: the NFS server serves the
 /// new mount. The case made here: the staging mount goes away while the
 /// way to it is covered (so the repair waits), and the server restarts
@@ -455,6 +594,7 @@ fn main() {
         Trial::test("share::export_served", export_served),
         Trial::test("share::service_in_a_cluster", service_in_a_cluster),
         Trial::test("share::export_follows_a_repair", export_follows_a_repair),
+        Trial::test("share::endpoints_follow_the_server", endpoints_follow_the_server),
     ];
     common::run_in_private_namespace(trials)
 }

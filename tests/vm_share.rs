@@ -224,6 +224,10 @@ fn two_clients() -> Result<(), Failed> {
             i + 1
         );
     }
+    // The alternate appends, as the owning node's filesystem has them.
+    let want: String = (0..4).map(|r| format!("node 1 round {r}\nnode 2 round {r}\n")).collect();
+    let log = std::fs::read_to_string(Path::new(&staging).join("log"))?;
+    check(log == want, format!("the appended log on the host:\n{log}"))?;
     a.unstage(VOLUME, &staging)?;
     Ok(())
 }

@@ -7,9 +7,19 @@
 //! start, a volume that moved to this node), and the controller reads
 //! before it writes, so one reconcile per change is enough. A reconcile
 //! that fails (the API server away, the PVC not there yet) is retried with
-//! backoff — that is the only waiting the loop does on its own. At start
-//! every export is reconciled once, which also points the Endpoints back
-//! at this node after the agent or the server moved.
+//! backoff. At start every export is reconciled once, which also points
+//! the Endpoints back at this node after the agent or the server moved.
+//!
+//! The Endpoints name this node's address only while its NFS server
+//! accepts connections there ("during the move the Service exists but
+//! does not answer"): a server not answering yet (starting, or at a new
+//! advertised address) gets the Service with empty Endpoints, looked at
+//! again every poll interval until it answers; an export removed here, and
+//! the agent stopping, take the address out (only if the Endpoints still
+//! name it — another node may have taken the volume over). A client sent
+//! to an address where nothing serves the volume would get errors or hang
+//! on the wrong server; with no endpoint its connection is refused and the
+//! hard mount retries until the new address is in.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -43,21 +53,61 @@ pub struct Follower {
     pub wake: Arc<Notify>,
 }
 
-/// A volume whose last reconcile failed.
+/// A volume whose last write failed.
 struct Failing {
     attempts: u32,
     next: Instant,
 }
 
+impl Failing {
+    /// Counts one more failure and sets the next try (backoff).
+    fn failed(map: &mut HashMap<String, Failing>, id: &str) -> Duration {
+        let f = map.entry(id.to_string()).or_insert(Failing { attempts: 0, next: Instant::now() });
+        f.attempts += 1;
+        let wait = RETRY_MIN.saturating_mul(1 << (f.attempts - 1).min(6)).min(RETRY_MAX);
+        f.next = Instant::now() + wait;
+        wait
+    }
+
+    fn waiting(map: &HashMap<String, Failing>, id: &str) -> bool {
+        map.get(id).is_some_and(|f| f.next > Instant::now())
+    }
+}
+
+/// What a volume's objects were last brought to: `v`, with the server's
+/// address in the Endpoints (`serving`) or with none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    v: SharedVolume,
+    serving: bool,
+}
+
+/// How long the loop waits for a TCP connection to the advertised address.
+const ANSWER_WAIT: Duration = Duration::from_secs(2);
+
 impl Follower {
-    /// Runs until the task is aborted.
-    pub async fn run(self) {
-        // What each volume was last reconciled to, successfully.
-        let mut done: HashMap<String, SharedVolume> = HashMap::new();
+    /// Runs until `stop` completes, then takes this node's address out of
+    /// the Endpoints of every volume it still exports (the server stops
+    /// with the agent), and returns.
+    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        // What each volume was last brought to, successfully.
+        let mut done: HashMap<String, Target> = HashMap::new();
+        // Every exported volume's objects as last tried, so a volume that
+        // stops being exported can be withdrawn even when its last
+        // reconcile failed.
+        let mut known: HashMap<String, SharedVolume> = HashMap::new();
         let mut failing: HashMap<String, Failing> = HashMap::new();
+        // No longer exported here: this node's address still to be taken
+        // out of their Endpoints.
+        let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
+        let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
         loop {
             let now = (self.exports)();
+            // Asked only when a Service is kept: the Endpoints name this
+            // address only while something accepts connections there.
+            let serving = now.iter().any(|e| e.pvc.is_some()) && self.answers().await;
             for e in &now {
                 let Some((ns, name)) = e.pvc.clone() else {
                     if !unnamed.contains(&e.volume_id) {
@@ -74,49 +124,119 @@ impl Follower {
                     server: self.server.ip(),
                     server_port: self.server.port(),
                 };
-                if done.get(&v.volume_id) == Some(&v) || failing.get(&v.volume_id).is_some_and(|f| f.next > Instant::now()) {
+                leaving.remove(&v.volume_id);
+                leave_failing.remove(&v.volume_id);
+                known.insert(v.volume_id.clone(), v.clone());
+                let target = Target { v, serving };
+                let v = &target.v;
+                if done.get(&v.volume_id) == Some(&target) || Failing::waiting(&failing, &v.volume_id) {
                     continue;
                 }
                 let published = |endpoint: &str| tracing::info!(volume = %v.volume_id, endpoint, "NFS endpoint published on the PVC");
-                match self.controller.reconcile(&v, published).await {
+                let r = if serving { self.controller.reconcile(v, published).await } else { self.controller.reconcile_idle(v).await };
+                match r {
                     Ok(out) => {
-                        tracing::debug!(volume = %v.volume_id, ?out, "Service and Endpoints reconciled");
+                        if serving {
+                            tracing::debug!(volume = %v.volume_id, ?out, "Service and Endpoints reconciled");
+                        } else {
+                            tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
+                                "the NFS server does not answer yet: the Service is kept with empty Endpoints");
+                        }
                         failing.remove(&v.volume_id);
-                        done.insert(v.volume_id.clone(), v);
+                        done.insert(v.volume_id.clone(), target);
                     }
                     Err(err) => {
-                        let f = failing.entry(v.volume_id.clone()).or_insert(Failing { attempts: 0, next: Instant::now() });
-                        f.attempts += 1;
-                        let wait = RETRY_MIN.saturating_mul(1 << (f.attempts - 1).min(6)).min(RETRY_MAX);
-                        f.next = Instant::now() + wait;
+                        let wait = Failing::failed(&mut failing, &v.volume_id);
                         done.remove(&v.volume_id);
-                        tracing::warn!(volume = %v.volume_id, error = %err, attempts = f.attempts, retry_in_ms = wait.as_millis() as u64,
+                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
                             "Service and Endpoints not reconciled");
                     }
                 }
             }
-            // A volume no longer exported here is forgotten: if it comes
-            // back (or moves back), it is reconciled again.
-            done.retain(|id, _| now.iter().any(|e| &e.volume_id == id));
-            failing.retain(|id, _| now.iter().any(|e| &e.volume_id == id));
-            unnamed.retain(|id| now.iter().any(|e| &e.volume_id == id));
-            match failing.values().map(|f| f.next).min() {
-                Some(next) => {
-                    tokio::select! {
-                        _ = self.wake.notified() => {}
-                        _ = tokio::time::sleep_until(next) => {}
+            // A volume no longer exported here: its Endpoints must not send
+            // clients to this node any more. Once withdrawn it is
+            // forgotten; if it comes back (or moves back), it is
+            // reconciled again.
+            let exported = |id: &String| now.iter().any(|e| &e.volume_id == id);
+            for (id, v) in known.iter().filter(|(id, _)| !exported(id)) {
+                leaving.insert(id.clone(), v.clone());
+            }
+            known.retain(|id, _| exported(id));
+            done.retain(|id, _| exported(id));
+            failing.retain(|id, _| exported(id));
+            unnamed.retain(|id| exported(id));
+            let due: Vec<SharedVolume> = leaving.values().filter(|v| !Failing::waiting(&leave_failing, &v.volume_id)).cloned().collect();
+            for v in due {
+                match self.controller.withdraw(&v).await {
+                    Ok(wrote) => {
+                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the Endpoints");
+                        leaving.remove(&v.volume_id);
+                        leave_failing.remove(&v.volume_id);
+                    }
+                    Err(err) => {
+                        let wait = Failing::failed(&mut leave_failing, &v.volume_id);
+                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
+                            "Endpoints not emptied after the export went away");
                     }
                 }
-                None => self.wake.notified().await,
+            }
+            // Woken by the next export change; else by the earliest retry,
+            // or the next look at a server that did not answer.
+            let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
+            if done.values().any(|t| !t.serving) {
+                let poll = Instant::now() + self.controller.poll();
+                next = Some(next.map_or(poll, |n| n.min(poll)));
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = sleep_until(next) => {}
+                _ = &mut stop => break,
             }
         }
+        // Stopping: the server goes with the agent. Bounded by the caller.
+        for v in known.values().chain(leaving.values()) {
+            match self.controller.withdraw(v).await {
+                Ok(wrote) => {
+                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the Endpoints")
+                }
+                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: Endpoints not emptied"),
+            }
+        }
+    }
+
+    /// Whether the NFS server accepts a TCP connection at the advertised
+    /// address (what the Endpoints would send clients to).
+    async fn answers(&self) -> bool {
+        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.server)).await, Ok(Ok(_)))
+    }
+}
+
+/// Sleeps until `at`, or forever when there is nothing to wait for.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
 /// The running loop and what `/metrics` reads of it.
 pub struct Running {
-    pub task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::oneshot::Sender<()>,
     pub controller: Arc<ShareController>,
+}
+
+impl Running {
+    /// Stops the loop: it first empties the Endpoints of what this node
+    /// exports (at most `wait`; then it is aborted).
+    pub async fn stop(self, wait: Duration) {
+        let _ = self.stop.send(());
+        let mut task = self.task;
+        if tokio::time::timeout(wait, &mut task).await.is_err() {
+            tracing::warn!(wait_ms = wait.as_millis() as u64, "shared-volume loop did not stop in time; aborted");
+            task.abort();
+        }
+    }
 }
 
 /// How long NodeStage waits for the API server when it reads a PVC's
@@ -170,5 +290,9 @@ pub fn start(
     driver.shares().on_change(move || w.notify_one());
     let d = driver.clone();
     let follower = Follower { controller: controller.clone(), server, exports: Arc::new(move || d.exported_shares()), wake };
-    Ok(Running { task: tokio::spawn(follower.run()), controller })
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(follower.run_until(async move {
+        let _ = stopped.await;
+    }));
+    Ok(Running { task, stop, controller })
 }

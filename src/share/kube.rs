@@ -20,6 +20,13 @@
 //!   restarted agent does not publish again.
 //! - Failover (the server moved to another address): the Service keeps its
 //!   ClusterIP, only the Endpoints are updated, nothing is republished.
+//! - While no server answers for the volume (the export removed here, the
+//!   agent stopping, a new address whose server is not up yet) the
+//!   Endpoints are empty and the Service stays: clients keep the ClusterIP
+//!   they mounted and their connections are refused, which a hard mount
+//!   retries, instead of reaching an address where nothing serves the
+//!   volume ([`ShareController::reconcile_idle`],
+//!   [`ShareController::withdraw`]).
 //! - Every reconcile's duration goes into one histogram.
 
 use std::collections::BTreeMap;
@@ -53,7 +60,13 @@ pub enum Error {
     NotVisible(String, Duration),
     #[error("Service {0} has no ClusterIP")]
     NoClusterIp(String),
+    #[error("{0}: changed by someone else at each of {1} tries")]
+    Contended(String, u32),
 }
+
+/// How many times [`ShareController::withdraw`] reads again after a
+/// conflicting write.
+const WITHDRAW_TRIES: u32 = 5;
 
 /// Poll interval and total wait of the re-read after a create.
 #[derive(Debug, Clone)]
@@ -113,16 +126,73 @@ impl ShareController {
         );
     }
 
-    /// Brings volume `v`'s Service and Endpoints to what they should be;
-    /// `publish` is called with `ClusterIP:2049` when that changed.
+    /// The poll interval of re-reads (also how often the loop looks
+    /// whether a server that does not answer yet does).
+    pub fn poll(&self) -> Duration {
+        self.config.poll
+    }
+
+    /// Brings volume `v`'s Service and Endpoints to what they should be
+    /// while `v.server` serves it; `publish` is called with
+    /// `ClusterIP:2049` when that changed.
     pub async fn reconcile(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
         let start = Instant::now();
-        let r = self.reconcile_inner(v, publish).await;
+        let r = self.reconcile_inner(v, true, publish).await;
         self.duration.observe(start.elapsed().as_secs_f64());
         r
     }
 
-    async fn reconcile_inner(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
+    /// The volume is staged on this node but its server does not answer
+    /// yet (it is starting, or at a new address): the Service is made or
+    /// kept as [`Self::reconcile`] would, the Endpoints are emptied
+    /// (whatever address they held is not serving the volume now), and
+    /// nothing is published — other nodes mount only once an address is
+    /// behind the ClusterIP.
+    pub async fn reconcile_idle(&self, v: &SharedVolume) -> Result<Outcome, Error> {
+        let start = Instant::now();
+        let r = self.reconcile_inner(v, false, |_| {}).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        r
+    }
+
+    /// The server at `v.server` stops serving the volume (its export was
+    /// removed here, or the agent stops): its address is taken out of the
+    /// Endpoints, which are left empty; the Service and its ClusterIP stay.
+    /// Endpoints that do not list this address (another node took the
+    /// volume over meanwhile) are left alone; the replace carries the
+    /// resourceVersion read, so a concurrent takeover is not overwritten
+    /// (the conflict is read again). True when something was written.
+    pub async fn withdraw(&self, v: &SharedVolume) -> Result<bool, Error> {
+        let start = Instant::now();
+        let r = self.withdraw_inner(v).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        r
+    }
+
+    async fn withdraw_inner(&self, v: &SharedVolume) -> Result<bool, Error> {
+        let (ns, name) = (v.pvc_namespace.as_str(), v.pvc_name.as_str());
+        let what = format!("Endpoints {ns}/{name}");
+        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
+        // Bounded: a conflict means someone wrote in between; read again.
+        for _ in 0..WITHDRAW_TRIES {
+            let Some(have) = endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what.clone(), source: e })? else {
+                return Ok(false);
+            };
+            if !lists(&have, v) {
+                return Ok(false);
+            }
+            let mut next = have;
+            next.subsets = None;
+            match endpoints.replace(name, &PostParams::default(), &next).await {
+                Ok(_) => return Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(e) => return Err(Error::Api { what, source: e }),
+            }
+        }
+        Err(Error::Contended(what, WITHDRAW_TRIES))
+    }
+
+    async fn reconcile_inner(&self, v: &SharedVolume, serving: bool, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
         let ns = v.pvc_namespace.as_str();
         let name = v.pvc_name.as_str();
         let what = |kind: &str| format!("{kind} {ns}/{name}");
@@ -165,7 +235,7 @@ impl ShareController {
         };
 
         let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
-        let want = desired_endpoints(v, &owner);
+        let want = if serving { desired_endpoints(v, &owner) } else { idle_endpoints(v, &owner) };
         match endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })? {
             None => {
                 endpoints.create(&PostParams::default(), &want).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })?;
@@ -186,6 +256,9 @@ impl ShareController {
 
         let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
         let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
+        if !serving {
+            return Ok(out);
+        }
         let endpoint = match ip.parse::<IpAddr>() {
             Ok(IpAddr::V6(a)) => format!("[{a}]:{NFS_PORT}"),
             _ => format!("{ip}:{NFS_PORT}"),
@@ -286,6 +359,22 @@ pub fn desired_endpoints(v: &SharedVolume, owner: &OwnerReference) -> Endpoints 
     }
 }
 
+/// The Endpoints of a volume no server answers for: no subsets (the
+/// Service keeps its ClusterIP; connections to it are refused).
+pub fn idle_endpoints(v: &SharedVolume, owner: &OwnerReference) -> Endpoints {
+    Endpoints { metadata: meta(v, owner), subsets: None }
+}
+
+/// Whether `e` sends clients to `v.server:v.server_port` (ready or not).
+fn lists(e: &Endpoints, v: &SharedVolume) -> bool {
+    let ip = v.server.to_string();
+    e.subsets.iter().flatten().any(|s| {
+        let mut addrs = s.addresses.iter().flatten().chain(s.not_ready_addresses.iter().flatten());
+        let port = s.ports.iter().flatten().any(|p| p.port == i32::from(v.server_port));
+        port && addrs.any(|a| a.ip == ip)
+    })
+}
+
 /// The labels and owner references volring sets are there (others may be
 /// added by anyone).
 fn meta_holds(have: &ObjectMeta, want: &ObjectMeta) -> bool {
@@ -376,5 +465,13 @@ mod tests {
         assert!(!endpoints_equivalent(&e1, &e2));
         // The Service does not.
         assert!(service_equivalent(&desired_service(&vol("10.0.0.2"), &owner()), &want));
+        // A server going away takes out only its own address and port.
+        assert!(lists(&e1, &vol("10.0.0.1")));
+        assert!(!lists(&e2, &vol("10.0.0.1")), "another node's Endpoints are left alone");
+        let mut other_port = vol("10.0.0.1");
+        other_port.server_port = 20490;
+        assert!(!lists(&e1, &other_port));
+        assert!(!lists(&idle_endpoints(&vol("10.0.0.1"), &owner()), &vol("10.0.0.1")));
+        assert!(endpoints_equivalent(&idle_endpoints(&vol("10.0.0.1"), &owner()), &idle_endpoints(&vol("10.0.0.2"), &owner())));
     }
 }

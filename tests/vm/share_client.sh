@@ -23,8 +23,12 @@ OTHER=$((3 - NODE))
 fail() {
   echo "FAIL(node $NODE): $*"
   echo "FAIL: $*" >>"$R/verdict"
-  # What this node saw of the shared log, and what its NFS client said.
-  [ -n "${M:-}" ] && [ -e "$M/log" ] && { echo "log as node $NODE reads it:"; cat "$M/log"; } >>"$R/verdict" 2>&1
+  # What this node saw of the shared log (through its page cache, and
+  # as the server has it: O_DIRECT), and what its NFS client said.
+  [ -n "${M:-}" ] && [ -e "$M/log" ] && {
+    echo "log as node $NODE reads it:"; timeout 20 cat "$M/log" | od -c | tail -6
+    echo "log on the server:"; timeout 20 dd if="$M/log" iflag=direct bs=1M status=none | od -c | tail -6
+  } >>"$R/verdict" 2>&1
   dmesg | grep -i -E "nfs|rpc|lease" | tail -8 >>"$R/verdict"
   exit 1
 }
@@ -93,19 +97,34 @@ wait_for "[ -s '$M/hello-$OTHER' ]" 300
 note "files exchanged"
 
 # 2. Appends, alternately: node 1 on even line counts, node 2 on odd.
+# The turn passes with a mark made after the append's close (turn-N: N
+# lines are in, the writer closed the file), not with the line itself:
+# NFS promises a reader what a writer wrote only from close to the
+# reader's next open. A node that appended as soon as it saw the other's
+# line could append while that writer was still between its WRITE and
+# the attributes the server sends back with it; the Linux client takes
+# the change in those attributes for its own write (weak cache
+# consistency), keeps the page it has cached, and reads zeros where the
+# other node's line is on the server. Seen under host load: node 2's
+# `cat` read 364 bytes of lines and 16 zero bytes for 300 s, while an
+# O_DIRECT read showed node 1's line on the server.
 ROUNDS=4
 r=0
 while [ $r -lt $ROUNDS ]; do
-  want=$((2 * r + NODE - 1))
-  wait_for "[ \"\$(cat '$M/log' 2>/dev/null | wc -l)\" -eq $want ]" 300
+  turn=$((2 * r + NODE - 1))
+  [ $turn -gt 0 ] && wait_for "[ -e '$M/turn-$turn' ]" 300
+  # After the other's close, this open must see every line: no waiting.
+  have=$(cat "$M/log" 2>/dev/null | wc -l)
+  [ "$have" -eq $turn ] || fail "turn $turn: the log has $have lines"
   # fsync'd, so a write the NFS client could not get to the server fails
   # here instead of leaving the other node waiting (a shell does not check
   # close(2), where an NFS client reports a lost write).
   printf 'node %s round %s\n' "$NODE" "$r" | dd of="$M/log" oflag=append conv=notrunc,fsync status=none ||
     fail "append round $r"
+  touch "$M/turn-$((turn + 1))" || fail "mark turn $((turn + 1))"
   r=$((r + 1))
 done
-wait_for "[ \"\$(cat '$M/log' | wc -l)\" -eq $((2 * ROUNDS)) ]" 300
+wait_for "[ -e '$M/turn-$((2 * ROUNDS))' ]" 300
 expect=""
 r=0
 while [ $r -lt $ROUNDS ]; do
