@@ -366,6 +366,54 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
     Ok(())
 }
 
+fn holders_cli(a: &Agent, extra: &[&str]) -> (bool, String, String) {
+    let state = a.state.display().to_string();
+    let args = [&["nbd", "holders", "--state-dir", state.as_str()][..], extra].concat();
+    run(env!("CARGO_BIN_EXE_volring"), &args, T)
+}
+
+/// A remote holder that will not come back (its node is gone) is let go
+/// only by the operator, with the agent stopped; a local one only by
+/// NodeUnstage.
+fn operator_releases_a_dead_holder() -> Result<(), Failed> {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
+    let mut a = Agent::start();
+    a.respawn_with(&env);
+    let v = create_nbd(&a, "pvc-d", "nbd")?;
+    let uri = client_uri(&v);
+    let staging = a.k("plugins/stage/pvc-d");
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k", "-c", "sleep 60000", &uri])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records the remote holder", || a.log_tail(400).contains("held by another node"));
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(!ok && err.contains("another volring agent"), format!("released beside a running agent: {err}"))?;
+    a.kill_hard();
+    let (ok, out, err) = holders_cli(&a, &["--json"]);
+    check(ok && out.contains("pvc-d") && out.contains("remote"), format!("holders: {out}{err}"))?;
+    let (ok, out, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(ok, format!("release: {out}{err}"))?;
+    let (ok, out, _) = holders_cli(&a, &["--json"]);
+    check(ok && !out.contains("pvc-d"), format!("still held after the release: {out}"))?;
+    a.respawn_with(&env);
+    stage_ctx(&a, "pvc-d", &staging, local_ctx()).map_err(|s| format!("stage after the release: {s}"))?;
+    a.kill_hard();
+    let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(!ok && err.contains("NodeUnstage"), format!("a local holder released by hand: {err}"))?;
+    a.respawn_with(&env);
+    check(!served(&uri), "handed out while staged, after the refused release")?;
+    a.unstage("pvc-d", &staging)?;
+    Ok(())
+}
+
 /// The consuming node's side of the fence: a volume its owner has staged
 /// is FailedPrecondition (not NotFound: the secret was right), and a
 /// stage that fails after negotiating (no nbd driver here) lets the
@@ -407,6 +455,7 @@ fn main() {
         Trial::test("nbd_remote::owner_fence_one_holder_at_a_time", owner_fence_one_holder_at_a_time),
         Trial::test("nbd_remote::owner_fence_survives_crashes_mid_step", owner_fence_survives_crashes_mid_step),
         Trial::test("nbd_remote::consumer_sees_the_fence", consumer_sees_the_fence),
+        Trial::test("nbd_remote::operator_releases_a_dead_holder", operator_releases_a_dead_holder),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -130,10 +130,13 @@ fn owner_to_guest_and_back() -> Result<(), Failed> {
     while !guest.finished() && start.elapsed() < timeout {
         if next < steps.len() && results.join(format!("ask-{}", steps[next])).exists() {
             let answer = step(&a, &staging, &results, steps[next]);
-            std::fs::write(results.join(format!("done-{}", steps[next])), match &answer {
-                Ok(()) => "ok\n".to_string(),
-                Err(e) => format!("{e}\n"),
-            })?;
+            std::fs::write(
+                results.join(format!("done-{}", steps[next])),
+                match &answer {
+                    Ok(()) => "ok\n".to_string(),
+                    Err(e) => format!("{e}\n"),
+                },
+            )?;
             if let Err(e) = answer {
                 failed = Some(format!("{}: {e}", steps[next]));
             }

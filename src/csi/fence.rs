@@ -96,6 +96,11 @@ impl Fence {
         self.store.apply(&[Change::RemovePublished(&format!("{PREFIX}{id}"))]).map_err(store_err)
     }
 
+    /// Every recorded holder, by volume id.
+    pub fn all(&self) -> std::collections::BTreeMap<String, Holder> {
+        self.lock().holders.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
     /// Who holds `id` now.
     pub fn holder(&self, id: &str) -> Option<Holder> {
         self.lock().holders.get(id).cloned()
