@@ -136,7 +136,7 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut a = Agent::start();
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     let v = create_nbd(&a, "pvc-remote", "nbd")?;
     let uri = v.volume_context.get(CONTEXT_URI).cloned().unwrap_or_default();
     check(uri == format!("nbd://{listen}/pvc-remote"), format!("context: {:?}", v.volume_context.get(CONTEXT_URI)))?;
@@ -157,17 +157,17 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
 
     // A restarted agent serves it again, with the same secret; the
     // repeated create returns the same context.
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     check(served(&client_uri(&v)), format!("not served after a restart: {}", a.log_tail(20)))?;
     let again = create_nbd(&a, "pvc-remote", "nbd")?;
     check(again.volume_context == v.volume_context, "a repeated create returns the same context")?;
 
     // Without the listener, no URI is handed out (it would lead nowhere).
-    a.respawn_with(&[]);
+    respawn_on(&mut a, &listen, &[])?;
     let plain = create_nbd(&a, "pvc-remote", "nbd")?;
     check(!plain.volume_context.contains_key(CONTEXT_URI), "a URI without a listener")?;
 
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     a.delete("pvc-remote")?;
     check(!served(&client_uri(&v)), "served after DeleteVolume")?;
     check(served(&client_uri(&w)), "the other volume stays served")?;
@@ -178,7 +178,7 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut owner = Agent::start();
-    owner.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     let v = create_nbd(&owner, "pvc-r", "nbd")?;
     let consumer = Agent::start();
     let staging = consumer.k("plugins/stage/pvc-r");
@@ -268,7 +268,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     let listen = format!("127.0.0.1:{port}");
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
     let mut a = Agent::start();
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-f", "nbd")?;
     let uri = client_uri(&v);
     let staging = a.k("plugins/stage/pvc-f");
@@ -280,7 +280,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     let (ok, _, err) = run("env", &["LIBNBD_DEBUG=1", "nbdinfo", &uri], T);
     check(!ok, "the export was handed out while its owning node has the volume mounted")?;
     check(err.contains("staged on its owning node"), format!("the refusal says why: {err}"))?;
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     check(!served(&uri), "handed out after the owner restarted with the volume staged")?;
     a.unstage("pvc-f", &staging)?;
     check(served(&uri), format!("not handed out after the unstage: {}", a.log_tail(20)))?;
@@ -305,7 +305,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     // Its connection dropped without NBD_CMD_DISC (killed): held still —
     // a consumer away reconnects — and across an owner crash.
     check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by a dropped connection")?;
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by an owner restart")?;
     check(code(a.delete("pvc-f")) == Some(Code::FailedPrecondition), "deleted while another node holds it")?;
     // The holder comes back (the volume is still served to it) and lets go.
@@ -315,6 +315,16 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     check(!served(&uri), "handed out after the owner staged it again")?;
     a.unstage("pvc-f", &staging)?;
     a.delete("pvc-f")?;
+    Ok(())
+}
+
+/// Kills the agent and starts it again with `env`, once the export port
+/// is free: a killed agent's io_uring lets go of its listening socket a
+/// moment after the process is reaped, and an agent that cannot bind exits.
+fn respawn_on(a: &mut Agent, listen: &str, env: &[(&str, &str)]) -> Result<(), Failed> {
+    a.kill_hard();
+    until("the killed agent's export port is free", || std::net::TcpListener::bind(listen).is_ok())?;
+    a.respawn_with(env);
     Ok(())
 }
 
@@ -329,7 +339,7 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
     let listen = format!("127.0.0.1:{port}");
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
     let mut a = Agent::start();
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-c", "nbd")?;
     let uri = client_uri(&v);
     let image = a.image("pvc-c");
@@ -340,9 +350,9 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
         check(!(attached && served(&uri)), format!("handed out while attached here, {when}"))
     };
     for point in ["stage:held", "stage:attach", "stage:mount", "stage:staged"] {
-        a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
+        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
         check(stage_ctx(&a, "pvc-c", &staging, local_ctx()).is_err(), format!("the agent did not die at {point}"))?;
-        a.respawn_with(&env);
+        respawn_on(&mut a, &listen, &env)?;
         safe(&format!("after a crash at {point}"))?;
         if point == "stage:held" {
             check(served(&uri), format!("fenced by a holder whose stage never wrote its record: {}", a.log_tail(20)))?;
@@ -353,9 +363,9 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
     for point in ["unstage:intent", "unstage:detached", "unstage:done"] {
         stage_ctx(&a, "pvc-c", &staging, local_ctx())?;
         check(!served(&uri), "handed out while staged")?;
-        a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
+        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
         check(a.unstage("pvc-c", &staging).is_err(), format!("the agent did not die at {point}"))?;
-        a.respawn_with(&env);
+        respawn_on(&mut a, &listen, &env)?;
         safe(&format!("after a crash at {point}"))?;
         if point == "unstage:done" {
             check(served(&uri), format!("fenced after the record was removed: {}", a.log_tail(20)))?;
@@ -380,7 +390,7 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
     let listen = format!("127.0.0.1:{port}");
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
     let mut a = Agent::start();
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-d", "nbd")?;
     let uri = client_uri(&v);
     let staging = a.k("plugins/stage/pvc-d");
@@ -403,12 +413,12 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
     check(ok, format!("release: {out}{err}"))?;
     let (ok, out, _) = holders_cli(&a, &["--json"]);
     check(ok && !out.contains("pvc-d"), format!("still held after the release: {out}"))?;
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     stage_ctx(&a, "pvc-d", &staging, local_ctx()).map_err(|s| format!("stage after the release: {s}"))?;
     a.kill_hard();
     let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
     check(!ok && err.contains("NodeUnstage"), format!("a local holder released by hand: {err}"))?;
-    a.respawn_with(&env);
+    respawn_on(&mut a, &listen, &env)?;
     check(!served(&uri), "handed out while staged, after the refused release")?;
     a.unstage("pvc-d", &staging)?;
     Ok(())
@@ -422,7 +432,7 @@ fn consumer_sees_the_fence() -> Result<(), Failed> {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut owner = Agent::start();
-    owner.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     let v = create_nbd(&owner, "pvc-k", "nbd")?;
     let consumer = Agent::start();
     let staging = consumer.k("plugins/stage/pvc-k");
