@@ -424,6 +424,62 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
     Ok(())
 }
 
+/// After a shared volume's NFS server moved to another node (which holds
+/// the volume through this node's export), the owning node's own stage of
+/// it is an NFS client of the context's server, not a local mount (the
+/// fence would refuse that). This host has no NFS client: the stage fails
+/// in the NFSv4 mount, which is what shows the path taken. On the old code
+/// the owner mounted the image itself under the other node's writer.
+fn owner_stages_a_moved_share_over_nfs() -> Result<(), Failed> {
+    use volring::csi::client::capability;
+    use volring::csi::proto::volume_capability::access_mode::Mode;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut a = Agent::start();
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let rwx = capability(false, "ext4", &[], Mode::MultiNodeMultiWriter);
+    let mut c = a.c.controller.clone();
+    let v = a
+        .run(c.create_volume(CreateVolumeRequest {
+            name: "pvc-s".into(),
+            capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![rwx.clone()],
+            parameters: HashMap::from([("attach".to_string(), "nbd".to_string()), ("fsType".to_string(), "ext4".to_string())]),
+            ..Default::default()
+        }))?
+        .into_inner()
+        .volume
+        .ok_or("no volume")?;
+    let uri = client_uri(&v);
+    let staging = a.k("plugins/stage/pvc-s");
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k", "-c", "sleep 60000", &uri])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records the remote holder", || a.log_tail(400).contains("held by another node"));
+    let mut ctx = v.volume_context.clone();
+    ctx.insert("attach".into(), "loop".into());
+    ctx.insert("nfsServer".into(), format!("127.0.0.1:{}", free_port()));
+    ctx.insert("nfsExport".into(), "/pvc-s".into());
+    let mut n = a.c.node.clone();
+    let r = a.run(n.node_stage_volume(NodeStageVolumeRequest {
+        volume_id: "pvc-s".into(),
+        staging_target_path: staging.clone(),
+        volume_capability: Some(rwx),
+        volume_context: ctx,
+        ..Default::default()
+    }));
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    check(csi_support::loops_backed_by(&a.image("pvc-s")).is_empty(), "the owner attached the image under the other node's client")?;
+    let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_else(|| "staged".into());
+    check(msg.contains("NFSv4"), format!("the owner's stage of a share served elsewhere is not an NFS mount: {msg}"))?;
+    Ok(())
+}
+
 /// The consuming node's side of the fence: a volume its owner has staged
 /// is FailedPrecondition (not NotFound: the secret was right), and a
 /// stage that fails after negotiating (no nbd driver here) lets the
@@ -466,6 +522,7 @@ fn main() {
         Trial::test("nbd_remote::owner_fence_survives_crashes_mid_step", owner_fence_survives_crashes_mid_step),
         Trial::test("nbd_remote::consumer_sees_the_fence", consumer_sees_the_fence),
         Trial::test("nbd_remote::operator_releases_a_dead_holder", operator_releases_a_dead_holder),
+        Trial::test("nbd_remote::owner_stages_a_moved_share_over_nfs", owner_stages_a_moved_share_over_nfs),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -101,6 +101,14 @@ impl Driver {
             }
         }
         staged?;
+        // Exported from here though another node holds the pool record:
+        // this node's Service loop needs the PVC the context names.
+        if meta.is_none() && access.shared() && access.is_mount() && self.share.enabled() {
+            if let Some(pvc) = crate::share::pvc_in_context(&req.volume_context) {
+                crate::share::put_pvc(self.records.store(), id, &pvc)
+                    .map_err(|e| Error::Internal(format!("record the PVC of volume {id}: {e}")))?;
+            }
+        }
         self.export_if_shared(id, &access)?;
         Ok(NodeStageVolumeResponse {})
     }
@@ -361,6 +369,9 @@ impl Driver {
         // Other nodes may have it now (a crash before this: the start walk
         // drops a local holder without a record).
         self.fence.drop_local(id)?;
+        if rec.remote.is_some() && self.share.enabled() {
+            crate::share::remove_pvc(self.records.store(), id).map_err(|e| Error::Internal(format!("volume {id}'s PVC record: {e}")))?;
+        }
         tracing::info!(volume = id, "unstaged");
         Ok(())
     }

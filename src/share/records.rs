@@ -89,6 +89,29 @@ pub(super) fn remove_mount(store: &Store, volume_id: &str) -> Result<(), Error> 
     store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
 }
 
+const PVC_PREFIX: &str = "NfsPvc/";
+
+/// Records the PVC (namespace, name) of shared volume `volume_id`, staged
+/// here from another node's nbd export and exported here: the pool record
+/// that names it elsewhere lives on the owning node, and this node's
+/// Service loop needs it to point the PVC's Endpoints here.
+pub fn put_pvc(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
+    store.apply(&[Change::PutPublished(&format!("{PVC_PREFIX}{volume_id}"), &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The PVC recorded by [`put_pvc`], if any (one that does not decode, or
+/// names what Kubernetes does not allow, is none).
+pub fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
+    let bytes = store.published(&format!("{PVC_PREFIX}{volume_id}")).ok()??;
+    let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
+    super::pvc(&ns, &name)
+}
+
+pub fn remove_pvc(store: &Store, volume_id: &str) -> Result<(), Error> {
+    store.apply(&[Change::RemovePublished(&format!("{PVC_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
+}
+
 /// The export id for `volume_id`: the one it has, else the one its id
 /// hashes to (1..=65535), or the next free one after it.
 ///
@@ -140,6 +163,19 @@ mod tests {
         assert!(export_id(&full[1..], "c").is_ok_and(|i| i == 1), "the one free id");
         assert!(export_id(&full, "c").is_err());
         assert_ne!(preferred_export_id("pvc-1"), preferred_export_id("pvc-2"));
+    }
+
+    #[test]
+    fn pvc_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
+        put_pvc(&store, "v", &("apps".into(), "data".into())).unwrap();
+        assert_eq!(get_pvc(&store, "v"), Some(("apps".into(), "data".into())));
+        put_pvc(&store, "w", &("apps".into(), "../x".into())).unwrap();
+        assert_eq!(get_pvc(&store, "w"), None, "not a Kubernetes name");
+        remove_pvc(&store, "v").unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
     }
 
     #[test]
