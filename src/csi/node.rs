@@ -92,7 +92,6 @@ impl Driver {
         let fenced = meta.as_ref().is_some_and(|m| m.nbd_secret.is_some());
         if fenced {
             self.fence.take_local(id)?;
-            crate::fault::point("stage:held");
         }
         let staged = self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref());
         if staged.is_err() && fenced && !self.records.contains(id) {
