@@ -137,8 +137,12 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let nbd = match &config.nbd {
         Some(c) => {
             // The NBD error's text already carries its cause.
-            let server = crate::nbd::NbdServer::start(c.server.clone(), Arc::new(crate::nbd::Exports::new()))
-                .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
+            // Off the runtime: a bind may wait for a killed agent's port.
+            let server_config = c.server.clone();
+            let server =
+                tokio::task::spawn_blocking(move || crate::nbd::NbdServer::start(server_config, Arc::new(crate::nbd::Exports::new())))
+                    .await?
+                    .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
             for spec in &c.exports {
                 server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;
             }
@@ -151,7 +155,8 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Some(e) => {
             let listen = e.listen;
             Some(
-                crate::csi::nbd_export::ExportListener::start(e)
+                tokio::task::spawn_blocking(move || crate::csi::nbd_export::ExportListener::start(e))
+                    .await?
                     .map_err(|e| anyhow::anyhow!("cannot start the nbd export listener on {listen}: {e}"))?,
             )
         }

@@ -1,13 +1,15 @@
 //! The NBD server's unix socket path: claimed by a lock for the server's
 //! life, a stale socket replaced, anything else left alone, and at
-//! shutdown only the server's own socket removed.
+//! shutdown only the server's own socket removed. A server started right
+//! after its predecessor was SIGKILLed gets both its addresses back.
 
 mod common;
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,6 +110,51 @@ fn missing_socket_directory_is_made_and_bad_addresses_are_named() -> Result<(), 
     check(bad.as_ref().is_err_and(|e| e.contains("listen address") && !e.contains("export")), format!("{bad:?}"))
 }
 
+/// Starts `volring nbd serve` on `tcp` and `unix`; the child once it says
+/// it listens, or why it did not (its stderr).
+fn serve(tcp: &str, unix: &Path) -> Result<Child, String> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["nbd", "serve", "--nbd-threads", "1", "--tcp", tcp, "--unix"])
+        .arg(unix)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawn: {e}"))?;
+    let mut line = String::new();
+    let _ = BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line);
+    if line.contains("listening") {
+        return Ok(child);
+    }
+    let _ = child.kill();
+    let status = child.wait().map_err(|e| e.to_string())?;
+    let mut why = String::new();
+    let _ = child.stderr.take().expect("stderr").read_to_string(&mut why);
+    Err(format!("{status}: {why}"))
+}
+
+/// A crashed server's successor, started at once, takes over its TCP port
+/// and unix socket. The kernel closes a SIGKILLed process's io_uring —
+/// and the listening sockets its accepts were armed on — after the process
+/// is reaped; the successor used to find them still listening and exit
+/// (EADDRINUSE, or "another server is listening there").
+fn a_killed_servers_addresses_are_taken_over_at_once() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-listener-").tempdir()?;
+    let path = dir.path().join("nbd.sock");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let tcp = format!("127.0.0.1:{port}");
+    for round in 0..20 {
+        let mut child = serve(&tcp, &path).map_err(|e| format!("start {round} after a SIGKILL: {e}"))?;
+        // A connected client too: its receive is in flight when the server dies.
+        let client = std::net::TcpStream::connect(&tcp);
+        check(greets(&path), format!("round {round}: the server greets on its socket"))?;
+        child.kill()?;
+        child.wait()?;
+        drop(client);
+    }
+    Ok(())
+}
+
 fn main() {
     let args = libtest_mimic::Arguments::from_args();
     let trials = vec![
@@ -120,6 +167,7 @@ fn main() {
             "nbd_listener::missing_socket_directory_is_made_and_bad_addresses_are_named",
             missing_socket_directory_is_made_and_bad_addresses_are_named,
         ),
+        Trial::test("nbd_listener::a_killed_servers_addresses_are_taken_over_at_once", a_killed_servers_addresses_are_taken_over_at_once),
     ];
     libtest_mimic::run(&args, trials).exit()
 }

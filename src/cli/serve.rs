@@ -21,7 +21,8 @@ pub(crate) async fn nbd_serve(
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let exports = std::sync::Arc::new(volring::nbd::Exports::new());
-    let server = std::sync::Arc::new(volring::nbd::NbdServer::start(config, exports)?);
+    // Off the runtime: a bind may wait for a killed server's address.
+    let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring::nbd::NbdServer::start(config, exports)).await??);
     let from_file = match &exports_file {
         Some(p) => read_exports_file(p)?,
         None => Vec::new(),

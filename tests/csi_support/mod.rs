@@ -19,7 +19,7 @@ use volring::csi::client::{capability, Clients};
 use volring::csi::proto::volume_capability::access_mode::Mode;
 use volring::csi::proto::*;
 
-use crate::common::Scratch;
+use crate::common::{without_colours, Scratch};
 
 pub mod crash_model;
 mod machine;
@@ -54,8 +54,8 @@ impl Agent {
         let socket = scratch.path().join("csi.sock");
         let log = scratch.path().join("agent.log");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let child = spawn(&kubelet, &state, &socket, &log, env);
-        let c = rt.block_on(connect(&socket));
+        let mut child = spawn(&kubelet, &state, &socket, &log, env);
+        let c = rt.block_on(connect(&socket, &mut child, &log));
         Self { scratch, kubelet, state, socket, log, child: Some(child), rt, c }
     }
 
@@ -84,8 +84,9 @@ impl Agent {
     /// to its environment, on the same state; returns once it is ready.
     pub fn respawn_with(&mut self, env: &[(&str, &str)]) {
         self.kill_hard();
-        self.child = Some(spawn(&self.kubelet, &self.state, &self.socket, &self.log, env));
-        self.c = self.rt.block_on(connect(&self.socket));
+        let mut child = spawn(&self.kubelet, &self.state, &self.socket, &self.log, env);
+        self.c = self.rt.block_on(connect(&self.socket, &mut child, &self.log));
+        self.child = Some(child);
     }
 
     /// Replaces the agent by one that SIGKILLs itself at fault point `point`
@@ -133,17 +134,7 @@ impl Agent {
 
     /// The last `n` lines of the agent's log file (for a failure message).
     pub fn log_tail(&self, n: usize) -> String {
-        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
-        // Without the terminal colours (ESC [ ... m).
-        let mut text = String::with_capacity(raw.len());
-        let mut rest = raw.as_str();
-        while let Some(i) = rest.find('\x1b') {
-            text.push_str(&rest[..i]);
-            rest = rest[i..].find('m').map_or("", |j| &rest[i + j + 1..]);
-        }
-        text.push_str(rest);
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        log_tail(&self.log, n)
     }
 
     fn stop(&mut self) {
@@ -327,19 +318,26 @@ async fn try_connect(socket: &Path) -> Option<Clients> {
     (r.into_inner().ready == Some(true)).then_some(c)
 }
 
-async fn connect(socket: &Path) -> Clients {
-    let deadline = Instant::now() + Duration::from_secs(20);
+/// Waits for the agent `child` to answer Probe ready on `socket`. A failure
+/// says why, with the end of the agent's `log`: the agent exited (and how),
+/// or it was still not ready after the budget.
+async fn connect(socket: &Path, child: &mut Child, log: &Path) -> Clients {
+    let deadline = Instant::now() + Duration::from_secs(if std::env::var_os("CI").is_some() { 60 } else { 20 });
     loop {
-        if socket.exists() {
-            if let Ok(mut c) = Clients::connect(socket.to_path_buf()).await {
-                if let Ok(r) = c.identity.probe(ProbeRequest {}).await {
-                    if r.into_inner().ready == Some(true) {
-                        return c;
-                    }
-                }
-            }
+        if let Some(c) = try_connect(socket).await {
+            return c;
         }
-        assert!(Instant::now() < deadline, "the agent did not become ready on {}", socket.display());
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the agent exited ({status}) before it was ready on {}:\n{}", socket.display(), log_tail(log, 40));
+        }
+        assert!(Instant::now() < deadline, "the agent did not become ready on {}:\n{}", socket.display(), log_tail(log, 40));
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// The last `n` lines of an agent's log file, without terminal colours.
+fn log_tail(log: &Path, n: usize) -> String {
+    let raw = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<String> = raw.lines().map(without_colours).collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
