@@ -53,8 +53,8 @@ fn parse(c: &mut Criterion) {
             fn names(&self) -> Vec<(String, String)> {
                 Vec::new()
             }
-            fn admit(&self, _: &()) -> bool {
-                true
+            fn admit(&self, _: &()) -> Result<(), String> {
+                Ok(())
             }
         }
         let mut input = 3u32.to_be_bytes().to_vec();

@@ -483,7 +483,7 @@ struct Csi {
 /// held until the process exits (its descriptor is never closed), also
 /// past `run` while the runtime waits for blocking work to end, so a
 /// restarted agent cannot start while the old one still touches the state.
-fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
+pub fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
     use std::io::{Read, Seek, Write};
     use std::os::fd::IntoRawFd;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create the state directory {}", dir.display()))?;

@@ -250,6 +250,21 @@ enum NbdCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Who holds each volume this node exports: this node (staged here) or
+    /// another node (through the nbd export). With --release, lets go of a
+    /// remote holder known dead (its node gone, its device torn down); run
+    /// with the agent stopped.
+    Holders {
+        /// The agent's state directory.
+        #[arg(long, default_value = "/var/lib/volring")]
+        state_dir: std::path::PathBuf,
+        /// Release this volume's remote holder.
+        #[arg(long, value_name = "VOLUME")]
+        release: Option<String>,
+        /// One JSON document instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print each LINK_DEAD notice (every connection of a device died) as a JSON line.
     Watch {
         /// Stop after this many notices.
@@ -338,6 +353,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Nbd { command: NbdCommand::Detach { index, backend_id } } => cli::nbd::detach(index, backend_id.as_deref()),
         Command::Nbd { command: NbdCommand::Status { index, json } } => cli::nbd::status(index, json),
         Command::Nbd { command: NbdCommand::Watch { count, seconds } } => cli::nbd::watch(count, seconds),
+        Command::Nbd { command: NbdCommand::Holders { state_dir, release, json } } => {
+            cli::holders::holders(&state_dir, release.as_deref(), json)
+        }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args, output, target, source, raw, list, tree } => {
             use std::io::IsTerminal;

@@ -136,7 +136,7 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut a = Agent::start();
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     let v = create_nbd(&a, "pvc-remote", "nbd")?;
     let uri = v.volume_context.get(CONTEXT_URI).cloned().unwrap_or_default();
     check(uri == format!("nbd://{listen}/pvc-remote"), format!("context: {:?}", v.volume_context.get(CONTEXT_URI)))?;
@@ -157,17 +157,17 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
 
     // A restarted agent serves it again, with the same secret; the
     // repeated create returns the same context.
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     check(served(&client_uri(&v)), format!("not served after a restart: {}", a.log_tail(20)))?;
     let again = create_nbd(&a, "pvc-remote", "nbd")?;
     check(again.volume_context == v.volume_context, "a repeated create returns the same context")?;
 
     // Without the listener, no URI is handed out (it would lead nowhere).
-    a.respawn_with(&[]);
+    respawn_on(&mut a, &listen, &[])?;
     let plain = create_nbd(&a, "pvc-remote", "nbd")?;
     check(!plain.volume_context.contains_key(CONTEXT_URI), "a URI without a listener")?;
 
-    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     a.delete("pvc-remote")?;
     check(!served(&client_uri(&v)), "served after DeleteVolume")?;
     check(served(&client_uri(&w)), "the other volume stays served")?;
@@ -178,7 +178,7 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut owner = Agent::start();
-    owner.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
+    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
     let v = create_nbd(&owner, "pvc-r", "nbd")?;
     let consumer = Agent::start();
     let staging = consumer.k("plugins/stage/pvc-r");
@@ -229,11 +229,297 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The volume context a test stages a volume on its owning node with:
+/// through a loop device (this host has no nbd driver), which is as much
+/// a local mount of the image as a socketpair nbd device.
+fn local_ctx() -> HashMap<String, String> {
+    HashMap::from([("attach".to_string(), "loop".to_string())])
+}
+
+fn stage_ctx(a: &Agent, id: &str, staging: &str, ctx: HashMap<String, String>) -> Result<(), tonic::Status> {
+    let mut c = a.c.node.clone();
+    a.run(c.node_stage_volume(NodeStageVolumeRequest {
+        volume_id: id.into(),
+        staging_target_path: staging.into(),
+        volume_capability: Some(mount_cap("ext4")),
+        volume_context: ctx,
+        ..Default::default()
+    }))
+    .map(drop)
+}
+
+/// Waits (every 50 ms, at most 20 s) until `f` holds.
+fn until(what: &str, mut f: impl FnMut() -> bool) -> Result<(), Failed> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !f() {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("not within 20 s: {what}").into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// The fence on the owning node: never its own mount and another node's
+/// client on one volume at once. Fails on the old code at the first
+/// check: the export was served while the owner had the volume mounted.
+fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
+    let mut a = Agent::start();
+    respawn_on(&mut a, &listen, &env)?;
+    let v = create_nbd(&a, "pvc-f", "nbd")?;
+    let uri = client_uri(&v);
+    let staging = a.k("plugins/stage/pvc-f");
+    // A client that connects and disconnects (NBD_CMD_DISC) holds nothing after.
+    check(served(&uri), format!("not served: {}", a.log_tail(20)))?;
+
+    // Staged here: the export refuses to hand it out — also after a crash.
+    stage_ctx(&a, "pvc-f", &staging, local_ctx())?;
+    let (ok, _, err) = run("env", &["LIBNBD_DEBUG=1", "nbdinfo", &uri], T);
+    check(!ok, "the export was handed out while its owning node has the volume mounted")?;
+    check(err.contains("staged on its owning node"), format!("the refusal says why: {err}"))?;
+    respawn_on(&mut a, &listen, &env)?;
+    check(!served(&uri), "handed out after the owner restarted with the volume staged")?;
+    a.unstage("pvc-f", &staging)?;
+    check(served(&uri), format!("not handed out after the unstage: {}", a.log_tail(20)))?;
+
+    // Another node's client holds it: no local stage, no delete.
+    let holds = |a: &Agent| a.log_tail(400).matches("held by another node").count();
+    let before = holds(&a);
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k", "-c", "sleep 60000", &uri])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records the remote holder", || holds(&a) > before);
+    let r = stage_ctx(&a, "pvc-f", &staging, local_ctx());
+    let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    check(code(r) == Some(Code::FailedPrecondition), format!("staged while another node's client holds it: {msg}"))?;
+    check(msg.contains("another node"), format!("the refusal says why: {msg}"))?;
+    // Its connection dropped without NBD_CMD_DISC (killed): held still —
+    // a consumer away reconnects — and across an owner crash.
+    check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by a dropped connection")?;
+    respawn_on(&mut a, &listen, &env)?;
+    check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by an owner restart")?;
+    check(code(a.delete("pvc-f")) == Some(Code::FailedPrecondition), "deleted while another node holds it")?;
+    // The holder comes back (the volume is still served to it) and lets go.
+    let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read 0 64k", &uri], T);
+    check(ok && out.contains("read 65536/65536"), format!("the holder again: {out}{err}"))?;
+    stage_ctx(&a, "pvc-f", &staging, local_ctx()).map_err(|s| format!("stage after the holder let go: {s}"))?;
+    check(!served(&uri), "handed out after the owner staged it again")?;
+    a.unstage("pvc-f", &staging)?;
+    a.delete("pvc-f")?;
+    Ok(())
+}
+
+/// Kills the agent and starts it again with `env`, once the export port
+/// is free: a killed agent's io_uring lets go of its listening socket a
+/// moment after the process is reaped, and an agent that cannot bind exits.
+fn respawn_on(a: &mut Agent, listen: &str, env: &[(&str, &str)]) -> Result<(), Failed> {
+    a.kill_hard();
+    until("the killed agent's export port is free", || std::net::TcpListener::bind(listen).is_ok())?;
+    a.respawn_with(env);
+    Ok(())
+}
+
+/// A crash of the owner at each step of a stage and an unstage never
+/// leaves the export handed out while the image is attached here, nor the
+/// volume fenced for good once it is unstaged. A crash between removing
+/// the record and dropping the holder (`unstage:done`) is what the start
+/// walk mends (the same walk drops a holder whose stage crashed before its
+/// record was written: `csi::fence`'s unit tests).
+fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
+    let mut a = Agent::start();
+    respawn_on(&mut a, &listen, &env)?;
+    let v = create_nbd(&a, "pvc-c", "nbd")?;
+    let uri = client_uri(&v);
+    let image = a.image("pvc-c");
+    let staging = a.k("plugins/stage/pvc-c");
+    // Never both: the image attached here and the export handed out.
+    let safe = |when: &str| -> Result<(), Failed> {
+        let attached = !csi_support::loops_backed_by(&image).is_empty();
+        check(!(attached && served(&uri)), format!("handed out while attached here, {when}"))
+    };
+    for point in ["stage:attach", "stage:mount", "stage:staged"] {
+        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
+        check(stage_ctx(&a, "pvc-c", &staging, local_ctx()).is_err(), format!("the agent did not die at {point}"))?;
+        respawn_on(&mut a, &listen, &env)?;
+        safe(&format!("after a crash at {point}"))?;
+        a.unstage("pvc-c", &staging).map_err(|s| format!("unstage after {point}: {s}"))?;
+        check(served(&uri), format!("not handed out after the unstage that followed {point}: {}", a.log_tail(20)))?;
+    }
+    for point in ["unstage:intent", "unstage:detached", "unstage:done"] {
+        stage_ctx(&a, "pvc-c", &staging, local_ctx())?;
+        check(!served(&uri), "handed out while staged")?;
+        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
+        check(a.unstage("pvc-c", &staging).is_err(), format!("the agent did not die at {point}"))?;
+        respawn_on(&mut a, &listen, &env)?;
+        safe(&format!("after a crash at {point}"))?;
+        if point == "unstage:done" {
+            check(served(&uri), format!("fenced after the record was removed: {}", a.log_tail(20)))?;
+        }
+        a.unstage("pvc-c", &staging).map_err(|s| format!("unstage after {point}: {s}"))?;
+        check(served(&uri), format!("not handed out after the unstage finished ({point})"))?;
+    }
+    Ok(())
+}
+
+fn holders_cli(a: &Agent, extra: &[&str]) -> (bool, String, String) {
+    let state = a.state.display().to_string();
+    let args = [&["nbd", "holders", "--state-dir", state.as_str()][..], extra].concat();
+    run(env!("CARGO_BIN_EXE_volring"), &args, T)
+}
+
+/// A remote holder that will not come back (its node is gone) is let go
+/// only by the operator, with the agent stopped; a local one only by
+/// NodeUnstage.
+fn operator_releases_a_dead_holder() -> Result<(), Failed> {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
+    let mut a = Agent::start();
+    respawn_on(&mut a, &listen, &env)?;
+    let v = create_nbd(&a, "pvc-d", "nbd")?;
+    let uri = client_uri(&v);
+    let staging = a.k("plugins/stage/pvc-d");
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k", "-c", "sleep 60000", &uri])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records the remote holder", || a.log_tail(400).contains("held by another node"));
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(!ok && err.contains("another volring agent"), format!("released beside a running agent: {err}"))?;
+    a.kill_hard();
+    let (ok, out, err) = holders_cli(&a, &["--json"]);
+    check(ok && out.contains("pvc-d") && out.contains("remote"), format!("holders: {out}{err}"))?;
+    let (ok, out, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(ok, format!("release: {out}{err}"))?;
+    let (ok, out, _) = holders_cli(&a, &["--json"]);
+    check(ok && !out.contains("pvc-d"), format!("still held after the release: {out}"))?;
+    respawn_on(&mut a, &listen, &env)?;
+    stage_ctx(&a, "pvc-d", &staging, local_ctx()).map_err(|s| format!("stage after the release: {s}"))?;
+    a.kill_hard();
+    let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
+    check(!ok && err.contains("NodeUnstage"), format!("a local holder released by hand: {err}"))?;
+    respawn_on(&mut a, &listen, &env)?;
+    check(!served(&uri), "handed out while staged, after the refused release")?;
+    a.unstage("pvc-d", &staging)?;
+    Ok(())
+}
+
+/// After a shared volume's NFS server moved to another node (which holds
+/// the volume through this node's export), the owning node's own stage of
+/// it is an NFS client of the context's server, not a local mount (the
+/// fence would refuse that). This host has no NFS client: the stage fails
+/// in the NFSv4 mount, which is what shows the path taken. On the old code
+/// the owner mounted the image itself under the other node's writer.
+fn owner_stages_a_moved_share_over_nfs() -> Result<(), Failed> {
+    use volring::csi::client::capability;
+    use volring::csi::proto::volume_capability::access_mode::Mode;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut a = Agent::start();
+    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let rwx = capability(false, "ext4", &[], Mode::MultiNodeMultiWriter);
+    let mut c = a.c.controller.clone();
+    let v = a
+        .run(c.create_volume(CreateVolumeRequest {
+            name: "pvc-s".into(),
+            capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            volume_capabilities: vec![rwx.clone()],
+            parameters: HashMap::from([("attach".to_string(), "nbd".to_string()), ("fsType".to_string(), "ext4".to_string())]),
+            ..Default::default()
+        }))?
+        .into_inner()
+        .volume
+        .ok_or("no volume")?;
+    let uri = client_uri(&v);
+    let staging = a.k("plugins/stage/pvc-s");
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 64k", "-c", "sleep 60000", &uri])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records the remote holder", || a.log_tail(400).contains("held by another node"));
+    let mut ctx = v.volume_context.clone();
+    ctx.insert("attach".into(), "loop".into());
+    ctx.insert("nfsServer".into(), format!("127.0.0.1:{}", free_port()));
+    ctx.insert("nfsExport".into(), "/pvc-s".into());
+    let mut n = a.c.node.clone();
+    let r = a.run(n.node_stage_volume(NodeStageVolumeRequest {
+        volume_id: "pvc-s".into(),
+        staging_target_path: staging.clone(),
+        volume_capability: Some(rwx),
+        volume_context: ctx,
+        ..Default::default()
+    }));
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    check(csi_support::loops_backed_by(&a.image("pvc-s")).is_empty(), "the owner attached the image under the other node's client")?;
+    let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_else(|| "staged".into());
+    check(msg.contains("NFSv4"), format!("the owner's stage of a share served elsewhere is not an NFS mount: {msg}"))?;
+    Ok(())
+}
+
+/// The consuming node's side of the fence: a volume its owner has staged
+/// is FailedPrecondition (not NotFound: the secret was right), and a
+/// stage that fails after negotiating (no nbd driver here) lets the
+/// volume go, so the owner can stage it.
+fn consumer_sees_the_fence() -> Result<(), Failed> {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut owner = Agent::start();
+    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let v = create_nbd(&owner, "pvc-k", "nbd")?;
+    let consumer = Agent::start();
+    let staging = consumer.k("plugins/stage/pvc-k");
+    let ctx = HashMap::from([
+        (CONTEXT_URI.to_string(), v.volume_context[CONTEXT_URI].clone()),
+        (CONTEXT_SECRET.to_string(), v.volume_context[CONTEXT_SECRET].clone()),
+    ]);
+    let owner_staging = owner.k("plugins/stage/pvc-k");
+    stage_ctx(&owner, "pvc-k", &owner_staging, local_ctx())?;
+    let r = stage_ctx(&consumer, "pvc-k", &staging, ctx.clone());
+    let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();
+    check(code(r) == Some(Code::FailedPrecondition) && msg.contains("owning node has it staged"), format!("owner staged: {msg}"))?;
+    owner.unstage("pvc-k", &owner_staging)?;
+    if std::path::Path::new("/sys/module/nbd").exists() {
+        eprintln!("note: this kernel has the nbd driver; the consumer's failed attach is not exercised here");
+        return Ok(());
+    }
+    let r = stage_ctx(&consumer, "pvc-k", &staging, ctx);
+    check(code(r) == Some(Code::FailedPrecondition), "no nbd driver on the consumer")?;
+    stage_ctx(&owner, "pvc-k", &owner_staging, local_ctx()).map_err(|s| format!("the consumer's failed attach kept the volume: {s}"))?;
+    owner.unstage("pvc-k", &owner_staging)?;
+    Ok(())
+}
+
 fn main() {
     let trials = vec![
         Trial::test("nbd_remote::real_clients_need_the_secret", real_clients_need_the_secret),
         Trial::test("nbd_remote::agent_exports_only_what_it_created", agent_exports_only_what_it_created),
         Trial::test("nbd_remote::stage_answers_the_specs_codes", stage_answers_the_specs_codes),
+        Trial::test("nbd_remote::owner_fence_one_holder_at_a_time", owner_fence_one_holder_at_a_time),
+        Trial::test("nbd_remote::owner_fence_survives_crashes_mid_step", owner_fence_survives_crashes_mid_step),
+        Trial::test("nbd_remote::consumer_sees_the_fence", consumer_sees_the_fence),
+        Trial::test("nbd_remote::operator_releases_a_dead_holder", operator_releases_a_dead_holder),
+        Trial::test("nbd_remote::owner_stages_a_moved_share_over_nfs", owner_stages_a_moved_share_over_nfs),
     ];
     common::run_in_private_namespace(trials)
 }

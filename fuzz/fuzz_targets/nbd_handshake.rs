@@ -22,8 +22,12 @@ impl Catalog for Two {
     fn names(&self) -> Vec<(String, String)> {
         vec![(String::new(), "default".into()), ("ro".into(), "read-only".into())]
     }
-    fn admit(&self, h: &u8) -> bool {
-        *h == 0
+    fn admit(&self, h: &u8) -> Result<(), String> {
+        if *h == 0 {
+            Ok(())
+        } else {
+            Err("full".into())
+        }
     }
 }
 

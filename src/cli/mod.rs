@@ -4,6 +4,7 @@
 
 pub mod args;
 pub mod devices;
+pub mod holders;
 pub mod mounts;
 pub mod nbd;
 pub mod serve;

@@ -104,7 +104,7 @@ impl Driver {
         }
         // Other nodes lose it first (their connections are closed); put
         // back if the delete fails.
-        self.withdraw_export(id);
+        self.withdraw_export(id)?;
         // Unconditional: the pool also removes what an interrupted delete
         // left, and the image of a volume whose record is quarantined.
         let deleted = self.pool.delete(id).inspect_err(|_| {
@@ -112,6 +112,7 @@ impl Driver {
                 let _ = self.export_volume(&m);
             }
         })?;
+        self.forget_holder(id);
         if deleted {
             tracing::info!(volume = %id, "deleted volume");
         }

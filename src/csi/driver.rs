@@ -113,6 +113,9 @@ pub struct Driver {
     pub(super) exports: std::sync::OnceLock<super::nbd_export::ExportListener>,
     /// The NFS exports of shared volumes (`crate::share`).
     pub(super) share: crate::share::ShareSide,
+    /// Who holds each exported volume: this node or another, never both
+    /// (`fence`).
+    pub(super) fence: Arc<super::fence::Fence>,
     /// How NodeStage finds a shared volume's published endpoint (set by
     /// the agent when it has a cluster).
     pub(super) endpoint_lookup: std::sync::OnceLock<super::share::EndpointLookup>,
@@ -132,8 +135,13 @@ impl Driver {
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         let share = crate::share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
+        let fence = Arc::new(super::fence::Fence::open(records.store().clone())?);
+        let exported_staged: Vec<String> =
+            records.ids().into_iter().filter(|id| pool.get(id).is_some_and(|m| m.nbd_secret.is_some())).collect();
+        fence.resume(|id| records.contains(id) || records.quarantined_record(id).is_some(), &exported_staged)?;
         Ok(Arc::new(Self {
             share,
+            fence,
             endpoint_lookup: std::sync::OnceLock::new(),
             config,
             real_root,

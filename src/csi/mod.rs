@@ -12,6 +12,7 @@ pub mod authority;
 pub mod client;
 mod controller;
 mod driver;
+pub mod fence;
 mod identity;
 mod locks;
 pub mod nbd;

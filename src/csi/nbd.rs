@@ -186,7 +186,17 @@ impl NbdSide {
             }
             None => None,
         };
-        let inner = self.inner()?;
+        let inner = match self.inner() {
+            Ok(i) => i,
+            Err(e) => {
+                // No device was made: the owning node hears that this
+                // node does not hold the volume.
+                if let Some((_, sockets, _)) = remote {
+                    nbdattach::remote::let_go(sockets);
+                }
+                return Err(e);
+            }
+        };
         let tune = |s: &mut nbdattach::ConnectSpec| {
             s.timeout = cfg.request_timeout;
             s.dead_conn_timeout = cfg.dead_conn_timeout;
@@ -196,8 +206,15 @@ impl NbdSide {
             // up other volumes' attaches.
             Some((source, sockets, details)) => {
                 let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-                let att = RemoteAttachment::connect(&mut control, &source, &rec.volume_id, sockets, details, tune).map_err(attach_error)?;
-                Served::Remote(att)
+                let kept: Vec<std::os::fd::OwnedFd> = sockets.iter().filter_map(|s| s.try_clone().ok()).collect();
+                match RemoteAttachment::connect(&mut control, &source, &rec.volume_id, sockets, details, tune) {
+                    Ok(att) => Served::Remote(att),
+                    Err(e) => {
+                        drop(control);
+                        nbdattach::remote::let_go(kept);
+                        return Err(attach_error(e));
+                    }
+                }
             }
             None => {
                 inner.export(rec)?;
@@ -437,9 +454,15 @@ fn remote_source(r: &RemoteExport) -> Result<RemoteSource> {
 
 /// A remote export that cannot be reached is Unavailable (the CO retries);
 /// one that refuses us (unknown export or wrong secret, told apart by
-/// nobody) is NotFound: no such volume is served to this secret.
+/// nobody) is NotFound: no such volume is served to this secret. One that
+/// knows the secret but will not hand the volume out (the owning node has
+/// it staged, `fence`) is FailedPrecondition, the spec's code for a volume
+/// in use at another node: it is let go there first.
 fn remote_error(source: &RemoteSource, e: nbdattach::Error) -> Error {
     match e {
+        nbdattach::Error::Negotiation(crate::nbd::Error::Refused { reply: crate::nbd::wire::rep::ERR_POLICY, .. }) => {
+            Error::FailedPrecondition(format!("{} will not hand the volume out now: the owning node has it staged", source.uri))
+        }
         nbdattach::Error::Negotiation(crate::nbd::Error::Refused { .. }) => {
             Error::NotFound(format!("{} refused the export (no such volume, or the volume context's secret is not its own)", source.uri))
         }

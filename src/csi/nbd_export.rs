@@ -111,6 +111,13 @@ impl Driver {
     /// Starts serving every exported volume of the pool on `listener` (at
     /// start, before Probe answers ready), and every one created from now on.
     pub fn serve_exports(&self, listener: ExportListener) -> Result<()> {
+        // Fenced from the first export on: nothing is handed out to another
+        // node while this node has it staged (`fence`).
+        listener
+            .server
+            .exports()
+            .set_admission(self.fence.clone())
+            .map_err(|e| Error::Internal(format!("the export listener's fence: {e}")))?;
         for meta in self.pool.page(None, usize::MAX) {
             if let Some(secret) = &meta.nbd_secret {
                 listener.serve(&meta, &self.pool.image_path(&meta.id), secret)?;
@@ -135,10 +142,29 @@ impl Driver {
         }
     }
 
-    /// Before a delete: the volume stops being served.
-    pub(super) fn withdraw_export(&self, id: &str) {
+    /// Before a delete: the volume stops being served (open connections
+    /// are closed). A volume another node holds is served again and the
+    /// delete refused: it is in use (FAILED_PRECONDITION, the spec's code
+    /// for a volume in use).
+    pub(super) fn withdraw_export(&self, id: &str) -> Result<()> {
         if let Some(l) = self.exports.get() {
             l.withdraw(id);
+        }
+        if let Some(super::fence::Holder::Remote { since }) = self.fence.holder(id) {
+            if let Some(m) = self.pool.get(id) {
+                self.export_volume(&m)?;
+            }
+            return Err(Error::FailedPrecondition(format!(
+                "volume {id} is attached on another node through this node's nbd export (since unix time {since})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a delete: whatever held the volume is moot.
+    pub(super) fn forget_holder(&self, id: &str) {
+        if let Err(e) = self.fence.forget(id) {
+            tracing::error!(volume = id, error = %e, "cannot forget the deleted volume's holder");
         }
     }
 

@@ -85,7 +85,29 @@ impl Driver {
             published: Default::default(),
             remote,
         });
-        self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref())?;
+        // A volume this node exports is staged here only while no other
+        // node holds it through the export (`fence`); the holder is taken
+        // before the record is first written and dropped again if the
+        // stage leaves no record.
+        let fenced = meta.as_ref().is_some_and(|m| m.nbd_secret.is_some());
+        if fenced {
+            self.fence.take_local(id)?;
+        }
+        let staged = self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref());
+        if staged.is_err() && fenced && !self.records.contains(id) {
+            if let Err(e) = self.fence.drop_local(id) {
+                tracing::error!(volume = id, error = %e, "cannot drop the local holder of a stage that failed");
+            }
+        }
+        staged?;
+        // Exported from here though another node holds the pool record:
+        // this node's Service loop needs the PVC the context names.
+        if meta.is_none() && access.shared() && access.is_mount() && self.share.enabled() {
+            if let Some(pvc) = crate::share::pvc_in_context(&req.volume_context) {
+                crate::share::put_pvc(self.records.store(), id, &pvc)
+                    .map_err(|e| Error::Internal(format!("record the PVC of volume {id}: {e}")))?;
+            }
+        }
         self.export_if_shared(id, &access)?;
         Ok(NodeStageVolumeResponse {})
     }
@@ -343,6 +365,12 @@ impl Driver {
         crate::fault::point("unstage:detached");
         self.records.remove(id)?;
         crate::fault::point("unstage:done");
+        // Other nodes may have it now (a crash before this: the start walk
+        // drops a local holder without a record).
+        self.fence.drop_local(id)?;
+        if rec.remote.is_some() && self.share.enabled() {
+            crate::share::remove_pvc(self.records.store(), id).map_err(|e| Error::Internal(format!("volume {id}'s PVC record: {e}")))?;
+        }
         tracing::info!(volume = id, "unstaged");
         Ok(())
     }

@@ -61,7 +61,11 @@ impl Driver {
         records
             .into_iter()
             .map(|r| crate::share::follow::Exported {
-                pvc: self.pool.get(&r.volume_id).and_then(|m| crate::share::pvc_of(&m.parameters)),
+                pvc: match self.pool.get(&r.volume_id) {
+                    Some(m) => crate::share::pvc_of(&m.parameters),
+                    // Staged here from another node's export (moved here).
+                    None => crate::share::get_pvc(self.records.store(), &r.volume_id),
+                },
                 volume_id: r.volume_id,
             })
             .collect()

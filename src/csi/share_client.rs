@@ -42,6 +42,9 @@ impl Driver {
 
     /// NodeStage of a shared volume this node does not hold, when its
     /// context names the export; `None` when the stage is not such a one.
+    /// A volume in this node's pool that another node holds through the
+    /// nbd export (its NFS server moved there, `fence`) is such a one too:
+    /// this node's pods reach it over NFS like everyone else's.
     pub(super) fn stage_remote_share(
         &self,
         id: &str,
@@ -49,7 +52,8 @@ impl Driver {
         access: &Access,
         context: &std::collections::HashMap<String, String>,
     ) -> Result<Option<NodeStageVolumeResponse>> {
-        if !access.shared() || self.pool.get(id).is_some() {
+        let served_elsewhere = matches!(self.fence.holder(id), Some(super::fence::Holder::Remote { .. }));
+        if !access.shared() || (self.pool.get(id).is_some() && !served_elsewhere) {
             return Ok(None);
         }
         let Some(remote) = client::remote(context).map_err(|e| Error::InvalidArgument(e.to_string()))? else { return Ok(None) };

@@ -87,6 +87,9 @@ pub struct Export {
     buffered: Option<OwnedFd>,
     removed: AtomicBool,
     pub stats: ExportStats,
+    /// Who else decides whether a client may have it (a guarded catalog's
+    /// [`Admission`]); told of every admitted connection's end.
+    admission: Option<Arc<dyn Admission>>,
 }
 
 impl std::fmt::Debug for Export {
@@ -141,6 +144,7 @@ impl Export {
             buffered: extra,
             removed: AtomicBool::new(false),
             stats: ExportStats::default(),
+            admission: None,
         })
     }
 
@@ -173,21 +177,60 @@ impl Export {
 
     /// Takes a connection slot; false when the limit is reached or the export is gone.
     pub fn admit(&self) -> bool {
+        self.admit_why().is_ok()
+    }
+
+    /// Takes a connection slot, or says why not: the export is gone, full,
+    /// or its [`Admission`] refuses.
+    pub fn admit_why(&self) -> Result<(), String> {
         if self.is_removed() {
-            return false;
+            return Err("no longer served".into());
         }
         let limit = if self.max_connections == 0 { u64::MAX } else { u64::from(self.max_connections) };
         let taken = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).is_ok();
-        if taken {
-            self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
+        if !taken {
+            return Err("has reached its connection limit".into());
         }
-        taken
+        if let Some(a) = &self.admission {
+            if let Err(why) = a.admit(&self.name) {
+                let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+                return Err(why);
+            }
+        }
+        self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
-    /// Gives a connection slot back.
+    /// Gives a connection slot back (a connection that ended without the
+    /// client's NBD_CMD_DISC: see [`Export::release_after`]).
     pub fn release(&self) {
-        let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        self.release_after(false);
     }
+
+    /// Gives a connection slot back; `disconnected`: the client ended the
+    /// connection with NBD_CMD_DISC (it let go of the export on purpose).
+    pub fn release_after(&self, disconnected: bool) {
+        let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if let Some(a) = &self.admission {
+            a.released(&self.name, disconnected);
+        }
+    }
+}
+
+/// Who may hold a guarded export besides its secret: the owning node's
+/// arbiter between serving a volume to other nodes and mounting it itself
+/// (`csi::fence`). Called on the ring thread of the connection, once per
+/// connection at its GO and once at its end, so an implementation may
+/// block briefly (a store commit when the holder changes) but never wait
+/// on the async side.
+pub trait Admission: Send + Sync {
+    /// A client that named the right secret asks for `export`: `Ok` once
+    /// it may have it (anything that must outlive a crash is recorded
+    /// before this returns), else why not.
+    fn admit(&self, export: &str) -> Result<(), String>;
+    /// A connection `admit` let in has ended; `disconnected`: with the
+    /// client's NBD_CMD_DISC.
+    fn released(&self, export: &str, disconnected: bool);
 }
 
 /// The exports of one server, by name; shared by the ring threads and
@@ -204,6 +247,9 @@ pub struct Exports {
     next_id: AtomicU64,
     /// `Some` for a guarded catalog: each export's secret, by export name.
     secrets: Option<RwLock<BTreeMap<String, Secret>>>,
+    /// Asked before a guarded export is handed out; set once, before the
+    /// first export is added (exports copy it when added).
+    admission: std::sync::OnceLock<Arc<dyn Admission>>,
 }
 
 impl Exports {
@@ -214,6 +260,19 @@ impl Exports {
     /// A catalog whose every export needs its secret (see the type's doc).
     pub fn guarded() -> Self {
         Self { secrets: Some(RwLock::default()), ..Self::default() }
+    }
+
+    /// From now on, exports added to this guarded catalog are handed out
+    /// only when `admission` agrees (see [`Admission`]). Refused once
+    /// an export is in (it would be served unfenced) or when already set.
+    pub fn set_admission(&self, admission: Arc<dyn Admission>) -> Result<(), Error> {
+        if self.secrets.is_none() {
+            return Err(Error::Secret("only a guarded catalog takes an admission"));
+        }
+        if !self.map.read().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return Err(Error::Secret("an admission is set before the first export"));
+        }
+        self.admission.set(admission).map_err(|_| Error::Secret("the admission is already set"))
     }
 
     pub fn is_guarded(&self) -> bool {
@@ -245,7 +304,9 @@ impl Exports {
         if self.get(&spec.name).is_some() {
             return Err(Error::Exists(spec.name.clone()));
         }
-        let export = Arc::new(Export::open(spec, self.next_id.fetch_add(1, Ordering::Relaxed))?);
+        let mut export = Export::open(spec, self.next_id.fetch_add(1, Ordering::Relaxed))?;
+        export.admission = self.admission.get().cloned();
+        let export = Arc::new(export);
         let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
         if map.contains_key(&spec.name) {
             return Err(Error::Exists(spec.name.clone()));
@@ -316,8 +377,8 @@ impl Catalog for Exports {
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().map(|e| (e.name.clone(), e.description.clone())).collect()
     }
 
-    fn admit(&self, export: &Arc<Export>) -> bool {
-        export.admit()
+    fn admit(&self, export: &Arc<Export>) -> Result<(), String> {
+        export.admit_why()
     }
 
     /// The secret never leaves the handshake (the server logs the name).

@@ -32,8 +32,10 @@ pub trait Catalog {
     fn find(&self, name: &str) -> Option<(Self::Handle, ExportInfo)>;
     /// Every export's name and description, for NBD_OPT_LIST.
     fn names(&self) -> Vec<(String, String)>;
-    /// Takes a connection slot on the export; false when it is full.
-    fn admit(&self, export: &Self::Handle) -> bool;
+    /// Takes a connection slot on the export, or says why not (it is full,
+    /// or another holder has the volume): the reason goes into the GO
+    /// refusal's message.
+    fn admit(&self, export: &Self::Handle) -> Result<(), String>;
     /// The name the server keeps (and logs) for the name a client sent:
     /// a guarded catalog drops the secret from it.
     fn public_name<'a>(&self, name: &'a str) -> &'a str {
@@ -297,7 +299,7 @@ impl Handshake {
         let Some((handle, info)) = catalog.find(name) else {
             return Outcome::End(Ending::ExportRefused);
         };
-        if !catalog.admit(&handle) {
+        if catalog.admit(&handle).is_err() {
             return Outcome::End(Ending::ExportRefused);
         }
         let tx_flags = transmission_flags(&info, self.style);
@@ -338,9 +340,11 @@ impl Handshake {
             option_error(out, option, rep::ERR_UNKNOWN, &format!("no export named {name:?}"));
             return Outcome::Continue;
         };
-        if option == opt::GO && !catalog.admit(&handle) {
-            option_error(out, option, rep::ERR_POLICY, &format!("export {name:?} has reached its connection limit"));
-            return Outcome::Continue;
+        if option == opt::GO {
+            if let Err(why) = catalog.admit(&handle) {
+                option_error(out, option, rep::ERR_POLICY, &format!("export {:?}: {why}", catalog.public_name(name)));
+                return Outcome::Continue;
+            }
         }
         let tx_flags = transmission_flags(&info, self.style);
         let mut item = Vec::with_capacity(14);
@@ -435,8 +439,12 @@ mod tests {
         fn names(&self) -> Vec<(String, String)> {
             vec![("disk".into(), "d".into())]
         }
-        fn admit(&self, _: &()) -> bool {
-            !self.full.get()
+        fn admit(&self, _: &()) -> Result<(), String> {
+            if self.full.get() {
+                Err("full".into())
+            } else {
+                Ok(())
+            }
         }
     }
 

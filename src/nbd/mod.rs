@@ -15,7 +15,7 @@ pub mod server;
 pub mod stats;
 pub mod wire;
 
-pub use export::{Export, ExportSpec, Exports};
+pub use export::{Admission, Export, ExportSpec, Exports};
 pub use server::{InlineWrites, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.

@@ -27,7 +27,7 @@ mod records;
 mod server;
 mod side;
 
-pub use records::{MountRecord, ShareRecord};
+pub use records::{get_pvc, preferred_export_id, put_pvc, remove_pvc, MountRecord, ShareRecord};
 pub use server::{NfsServer, ServerFiles};
 pub use side::{ShareConfig, ShareSide};
 

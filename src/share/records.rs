@@ -89,13 +89,56 @@ pub(super) fn remove_mount(store: &Store, volume_id: &str) -> Result<(), Error> 
     store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
 }
 
-/// The export id for `volume_id`: the one it has, else the smallest free.
+const PVC_PREFIX: &str = "NfsPvc/";
+
+/// Records the PVC (namespace, name) of shared volume `volume_id`, staged
+/// here from another node's nbd export and exported here: the pool record
+/// that names it elsewhere lives on the owning node, and this node's
+/// Service loop needs it to point the PVC's Endpoints here.
+pub fn put_pvc(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
+    store.apply(&[Change::PutPublished(&format!("{PVC_PREFIX}{volume_id}"), &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The PVC recorded by [`put_pvc`], if any (one that does not decode, or
+/// names what Kubernetes does not allow, is none).
+pub fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
+    let bytes = store.published(&format!("{PVC_PREFIX}{volume_id}")).ok()??;
+    let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
+    super::pvc(&ns, &name)
+}
+
+pub fn remove_pvc(store: &Store, volume_id: &str) -> Result<(), Error> {
+    store.apply(&[Change::RemovePublished(&format!("{PVC_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The export id for `volume_id`: the one it has, else the one its id
+/// hashes to (1..=65535), or the next free one after it.
+///
+/// Why from the volume id and not the smallest free: ganesha's NFSv4 file
+/// handles carry the export id, so when a volume's export moves to another
+/// node (issue 17's failover, the data reached over NBD) its clients'
+/// handles stay valid only if the new node gives it the same id — which a
+/// node that knows nothing of the first one's other exports can only do by
+/// computing it from the volume alone. (The handle also carries the
+/// filesystem's id; ext4 derives it from its UUID, which travels with the
+/// image.) Two volumes whose ids collide on one node differ, and then the
+/// moved one's handles go stale.
 pub(super) fn export_id(have: &[ShareRecord], volume_id: &str) -> Result<u16, Error> {
     if let Some(r) = have.iter().find(|r| r.volume_id == volume_id) {
         return Ok(r.export_id);
     }
     let used: std::collections::BTreeSet<u16> = have.iter().map(|r| r.export_id).collect();
-    (1..=u16::MAX).find(|i| !used.contains(i)).ok_or_else(|| Error::Config("every export id is in use".into()))
+    let first = preferred_export_id(volume_id);
+    (0..u32::from(u16::MAX))
+        .map(|i| ((u32::from(first) - 1 + i) % u32::from(u16::MAX) + 1) as u16)
+        .find(|i| !used.contains(i))
+        .ok_or_else(|| Error::Config("every export id is in use".into()))
+}
+
+/// The export id volume `volume_id` gets on any node where it is free.
+pub fn preferred_export_id(volume_id: &str) -> u16 {
+    (crate::state::store::fnv1a(volume_id.as_bytes()) % u64::from(u16::MAX)) as u16 + 1
 }
 
 #[cfg(test)]
@@ -107,11 +150,32 @@ mod tests {
     }
 
     #[test]
-    fn ids_kept_and_reused() {
+    fn ids_kept_and_the_same_on_every_node() {
         let have = vec![rec("a", 1), rec("b", 3)];
-        assert_eq!(export_id(&have, "b").unwrap(), 3);
-        assert_eq!(export_id(&have, "c").unwrap(), 2);
-        assert_eq!(export_id(&[], "c").unwrap(), 1);
+        assert_eq!(export_id(&have, "b").unwrap(), 3, "a recorded id is kept");
+        let c = preferred_export_id("c");
+        assert!(c >= 1);
+        assert_eq!(export_id(&have, "c").unwrap(), c, "another node's other exports do not change it");
+        assert_eq!(export_id(&[], "c").unwrap(), c);
+        // Taken: the next free one, wrapping past 65535 to 1.
+        assert_eq!(export_id(&[rec("x", c)], "c").unwrap(), if c == u16::MAX { 1 } else { c + 1 });
+        let full: Vec<ShareRecord> = (1..=u16::MAX).map(|i| rec(&format!("v{i}"), i)).collect();
+        assert!(export_id(&full[1..], "c").is_ok_and(|i| i == 1), "the one free id");
+        assert!(export_id(&full, "c").is_err());
+        assert_ne!(preferred_export_id("pvc-1"), preferred_export_id("pvc-2"));
+    }
+
+    #[test]
+    fn pvc_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
+        put_pvc(&store, "v", &("apps".into(), "data".into())).unwrap();
+        assert_eq!(get_pvc(&store, "v"), Some(("apps".into(), "data".into())));
+        put_pvc(&store, "w", &("apps".into(), "../x".into())).unwrap();
+        assert_eq!(get_pvc(&store, "w"), None, "not a Kubernetes name");
+        remove_pvc(&store, "v").unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
     }
 
     #[test]

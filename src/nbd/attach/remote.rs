@@ -84,6 +84,28 @@ pub fn connected_sockets(source: &RemoteSource, wanted: usize) -> Result<(Vec<Ow
     Ok((out, details))
 }
 
+/// Lets the export go on negotiated sockets the kernel never took (an
+/// attach that failed after the negotiation): each is sent NBD_CMD_DISC
+/// before it closes. The owning node keeps a volume held by this node
+/// while its connections merely drop (a consumer away comes back), and
+/// lets it go on DISC — so an attach that failed must say it, or the
+/// volume would stay fenced there. Best effort: a socket that cannot take
+/// the 28 bytes leaves the volume held, the safe side.
+pub fn let_go(sockets: Vec<OwnedFd>) {
+    use crate::nbd::wire::{cmd, encode_request, HeaderStyle, Request};
+    use std::io::Write;
+    let mut disc = Vec::with_capacity(28);
+    encode_request(&Request { flags: 0, kind: cmd::DISC, cookie: 0, offset: 0, length: 0 }, HeaderStyle::Simple, &mut disc);
+    for s in sockets {
+        let mut stream = TcpStream::from(s);
+        let _ = stream.set_write_timeout(Some(CONNECT_TIMEOUT));
+        if let Err(e) = stream.write_all(&disc) {
+            tracing::warn!(error = %e, "could not tell the export this node lets it go");
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+    }
+}
+
 impl RemoteAttachment {
     /// Connects a device to sockets from [`connected_sockets`] (made
     /// before the caller took the control lock), carrying `backend_id`.

@@ -177,6 +177,9 @@ pub(super) struct Conn {
     pub server_wait: Option<u64>,
     /// No more requests are read; the connection closes once drained.
     pub closing: bool,
+    /// The client sent NBD_CMD_DISC: it let go of the export on purpose
+    /// (what tells a holder's clean release from a dropped connection).
+    pub disconnected: bool,
     /// The socket failed: nothing more can be sent.
     pub broken: bool,
     pub shutdown_sent: bool,
@@ -210,6 +213,7 @@ impl Conn {
             paused: None,
             server_wait: None,
             closing: false,
+            disconnected: false,
             broken: false,
             shutdown_sent: false,
             close_sent: false,
@@ -292,6 +296,7 @@ impl Conn {
             if req.kind == cmd::DISC {
                 self.inbuf.clear();
                 self.closing = true;
+                self.disconnected = true;
                 return Ok((used + took, Fed::Closing));
             }
             let (held, mem) = attached.cost(&req);

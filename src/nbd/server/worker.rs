@@ -669,7 +669,7 @@ impl Worker {
         c.account.close(&self.budget);
         if let Phase::Serving { attached, .. } = &c.phase {
             let export = attached.export.clone();
-            export.release();
+            export.release_after(c.disconnected);
             self.detach(&export);
         }
     }
