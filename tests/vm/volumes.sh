@@ -38,7 +38,6 @@ threads() {
   done
 }
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; threads; exit 1; }
-now() { date +%s.%N; }
 t0=$(now)
 lap() { echo "$1 at $(echo "$(now) - $t0" | bc) s" >>"$R/timeline"; }
 
@@ -52,13 +51,7 @@ csi() { timeout 120 "$VOLRING" csi --endpoint "$E" "$@"; }
 "$VOLRING" node --metrics-addr off --node-id vm --stats-interval 5 --csi-endpoint "$E" \
   --kubelet-root "$K" --state-dir /tmp/vr --expansion "$EXPANSION" $AGENT_FLAGS >"$R/agent.out" 2>"$R/agent.err" &
 agent=$!
-i=0
-while ! csi probe 2>/dev/null | grep -q true; do
-  i=$((i + 1))
-  [ $i -gt 600 ] && fail "agent not ready after 60 s: $(tail -5 "$R/agent.err")"
-  kill -0 $agent 2>/dev/null || fail "agent exited: $(tail -5 "$R/agent.err")"
-  sleep 0.1
-done
+wait_ready $agent "$R/agent.err" "$E"
 lap ready
 
 case "$KIND" in
