@@ -65,64 +65,22 @@ impl VmImage {
 /// The shell functions the guest scripts share (writer, waits, checks).
 const LIB: &str = include_str!("lib.sh");
 
-/// A guest script: `VOLRING` (the binary under test, as [`guest_binary`]
-/// gives it to the guest) and `env` exported, tests/vm/lib.sh, then `body`.
+/// A guest script: `VOLRING` (the binary under test) and `env` exported,
+/// tests/vm/lib.sh, then `body`.
+///
+/// The guest runs the debug binary as built. A stripped copy would not
+/// load faster: `objcopy --strip-debug` or `--strip-all` leaves the LOAD
+/// segments as they are (only unmapped sections go), and on the host
+/// `volring --version` took 926-959 minor page faults with each of the
+/// three binaries.
 pub fn script(volring: &str, env: &[(&str, &str)], body: &str) -> String {
-    let volring = guest_binary(Path::new(volring));
-    let mut script = format!("export VOLRING='{}'\n", volring.display());
+    let mut script = format!("export VOLRING='{volring}'\n");
     for (k, v) in env {
         script.push_str(&format!("export {k}='{v}'\n"));
     }
     script.push_str(LIB);
     script.push_str(body);
     script
-}
-
-/// The copy of `bin` the guest runs: the same code without its debug
-/// sections (`objcopy --strip-debug`; the symbols stay, so a backtrace in
-/// the guest still names functions). The guest reads the binary over 9p
-/// under TCG, and every agent restart and CLI call in a guest script is an
-/// exec of it. Made once per build of `bin` (the name carries its size and
-/// mtime) in `vm-guest/` beside it, written under a temporary name and
-/// renamed, so tests making it at once each see a whole file; older copies
-/// are removed. When objcopy fails the guest runs `bin` itself, with a note.
-pub fn guest_binary(bin: &Path) -> PathBuf {
-    match stripped_copy(bin) {
-        Ok(copy) => copy,
-        Err(e) => {
-            eprintln!("note: the guest runs {} unstripped: {e}", bin.display());
-            bin.to_path_buf()
-        }
-    }
-}
-
-fn stripped_copy(bin: &Path) -> io::Result<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = fs::metadata(bin)?;
-    let name = bin.file_name().and_then(|n| n.to_str()).ok_or_else(|| io::Error::other("binary without a name"))?;
-    let dir = bin.parent().ok_or_else(|| io::Error::other("binary without a directory"))?.join("vm-guest");
-    fs::create_dir_all(&dir)?;
-    let stem = format!("{name}-{}-{}.{}", meta.size(), meta.mtime(), meta.mtime_nsec());
-    let copy = dir.join(&stem);
-    if copy.exists() {
-        return Ok(copy);
-    }
-    let tmp = dir.join(format!(".{stem}.{}.{:?}", std::process::id(), std::thread::current().id()));
-    let out = Command::new("objcopy").arg("--strip-debug").arg(bin).arg(&tmp).output()?;
-    if !out.status.success() {
-        let _ = fs::remove_file(&tmp);
-        return Err(io::Error::other(format!("objcopy: {}", String::from_utf8_lossy(&out.stderr).trim())));
-    }
-    fs::rename(&tmp, &copy)?;
-    // Copies of earlier builds are of no more use (the disk is shared).
-    for e in fs::read_dir(&dir)?.flatten() {
-        let f = e.file_name();
-        let f = f.to_string_lossy();
-        if f.starts_with(&format!("{name}-")) && *f != *stem {
-            let _ = fs::remove_file(e.path());
-        }
-    }
-    Ok(copy)
 }
 
 /// True when CI runs us: there a missing VM is a failure, not a skip.
