@@ -2,8 +2,8 @@
 # before every script it builds, so a script calls these as its own; each
 # script defines `fail MESSAGE` (record, dump what it needs, exit 1), which
 # these call. Under TCG every process a script starts costs real time (a
-# run of the debug `volring` binary takes seconds), so these start as few
-# as they can.
+# run of the debug `volring` binary seconds), so these start as few as
+# they can.
 
 now() { date +%s.%N; }
 
