@@ -35,7 +35,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use harness::{image_or_skip, Vm};
-use libtest_mimic::{Arguments, Trial};
 use sha2::Digest;
 
 const SCRIPT: &str = include_str!("vm/remote.sh");
@@ -279,6 +278,7 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
 /// The owner (on the host) is killed -9 and restarted 3 times under a
 /// writer on the consumer (in the guest); the consumer reconnects each
 /// time, no write fails, the data and the filesystem verify.
+#[test]
 fn owner_restarts_under_a_remote_writer() {
     let cycles = std::env::var("VOLRING_REMOTE_CYCLES").unwrap_or_else(|_| "3".into());
     let conns = std::env::var("VOLRING_REMOTE_CONNS").unwrap_or_else(|_| "1".into());
@@ -290,33 +290,14 @@ fn owner_restarts_under_a_remote_writer() {
 /// node) served by the host's owner, written in pieces at their offsets
 /// while the owner restarts twice; the pieces verify in the guest after a
 /// re-stage and in the owner's image on the host.
+#[test]
 fn block_volume_rides_owner_restarts() {
     remote("vm_remote::block_volume_rides_owner_restarts", &[("KIND", "block"), ("CYCLES", "2")], 2);
 }
 
 /// The control: the consumer does not reconnect (--nbd-no-heal, 4 s
 /// dead-connection timeout) and the same restart fails the writer.
+#[test]
 fn without_reconnecting_the_writer_fails() {
     remote("vm_remote::without_reconnecting_the_writer_fails", &[("NO_HEAL", "1")], 1);
-}
-
-fn main() {
-    let mut args = Arguments::from_args();
-    // Each trial boots its own guest: all at once (see harness::TRIAL_THREADS).
-    args.test_threads.get_or_insert(harness::TRIAL_THREADS);
-    let trials = vec![
-        Trial::test("owner_restarts_under_a_remote_writer", || {
-            owner_restarts_under_a_remote_writer();
-            Ok(())
-        }),
-        Trial::test("block_volume_rides_owner_restarts", || {
-            block_volume_rides_owner_restarts();
-            Ok(())
-        }),
-        Trial::test("without_reconnecting_the_writer_fails", || {
-            without_reconnecting_the_writer_fails();
-            Ok(())
-        }),
-    ];
-    libtest_mimic::run(&args, trials).exit();
 }

@@ -12,7 +12,6 @@ use std::fs;
 use std::time::Duration;
 
 use harness::{image_or_skip, Vm};
-use libtest_mimic::{Arguments, Trial};
 
 const SCRIPT: &str = include_str!("vm/volumes.sh");
 
@@ -47,6 +46,7 @@ fn volume(test: &str, env: &[(&str, &str)]) {
 
 /// ext4 on /dev/nbdN; NodeExpandVolume grows image, device and filesystem
 /// (`--expansion node`).
+#[test]
 fn ext4_round_trip_and_grow() {
     volume("vm_volumes::ext4_round_trip_and_grow", &[("KIND", "ext4"), ("SIZE_MIB", "96"), ("EXPANSION", "node")]);
 }
@@ -57,33 +57,14 @@ fn ext4_round_trip_and_grow() {
 /// multishot receive's data completions in one batch with its last one and
 /// dropped them, so the pool's buffers looked held and every receive ended
 /// ENOBUFS at once (see `IoRing::complete`).
+#[test]
 fn xfs_round_trip_grow_and_shutdown() {
     volume("vm_volumes::xfs_round_trip_grow_and_shutdown", &[("KIND", "xfs"), ("SIZE_MIB", "320"), ("EXPANSION", "controller")]);
 }
 
 /// A raw block volume on /dev/nbdN, published; ControllerExpandVolume alone
 /// grows the device (no node step for block).
+#[test]
 fn block_round_trip_and_grow() {
     volume("vm_volumes::block_round_trip_and_grow", &[("KIND", "block"), ("SIZE_MIB", "96"), ("EXPANSION", "controller")]);
-}
-
-fn main() {
-    let mut args = Arguments::from_args();
-    // Each trial boots its own guest: all at once (see harness::TRIAL_THREADS).
-    args.test_threads.get_or_insert(harness::TRIAL_THREADS);
-    let trials = vec![
-        Trial::test("ext4_round_trip_and_grow", || {
-            ext4_round_trip_and_grow();
-            Ok(())
-        }),
-        Trial::test("xfs_round_trip_grow_and_shutdown", || {
-            xfs_round_trip_grow_and_shutdown();
-            Ok(())
-        }),
-        Trial::test("block_round_trip_and_grow", || {
-            block_round_trip_and_grow();
-            Ok(())
-        }),
-    ];
-    libtest_mimic::run(&args, trials).exit();
 }

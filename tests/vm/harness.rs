@@ -83,13 +83,6 @@ pub fn script(volring: &str, env: &[(&str, &str)], body: &str) -> String {
     script
 }
 
-/// How many trials a VM test binary runs at once unless `--test-threads`
-/// says otherwise: every trial of vm_nbd, vm_remote and vm_volumes (three
-/// each) boots its own guest, and a guest spends much of its run waiting
-/// (on 9p, on its disk, on a server or a timeout), so the three run
-/// together rather than two and then one.
-pub const TRIAL_THREADS: usize = 3;
-
 /// True when CI runs us: there a missing VM is a failure, not a skip.
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
