@@ -27,7 +27,8 @@ const SUITES_TIMEOUT: Duration = Duration::from_secs(1200);
 
 /// What the shared guest checks after the suites (see [`shared_run`]):
 /// its kernel, the nbd module this machine's kernel lacks, /tmp on ext4.
-const BOOT_CHECK: &str = "uname -r\nmodprobe nbd nbds_max=4\ntest -b /dev/nbd0\necho nbd0 ok\ngrep -q ' /tmp ext4 ' /proc/mounts\necho tmp ext4\n";
+const BOOT_CHECK: &str =
+    "uname -r\nmodprobe nbd nbds_max=4\ntest -b /dev/nbd0\necho nbd0 ok\ngrep -q ' /tmp ext4 ' /proc/mounts\necho tmp ext4\n";
 
 fn boots_and_loads_nbd() -> Result<(), Failed> {
     let Some(image) = image_or_skip("boot::modprobe_nbd") else { return Ok(()) };
@@ -37,7 +38,11 @@ fn boots_and_loads_nbd() -> Result<(), Failed> {
     if status.trim() != "0" || !log.contains(&image.kernel_version) || !log.contains("nbd0 ok") || !log.contains("tmp ext4") {
         return Err(format!("boot check: status {:?}\n{log}\n--- run\n{}", status.trim(), run.describe()).into());
     }
-    eprintln!("note: guest {} booted, ran the suites and the boot check, powered off in {:.1} s", image.kernel_version, run.elapsed.as_secs_f64());
+    eprintln!(
+        "note: guest {} booted, ran the suites and the boot check, powered off in {:.1} s",
+        image.kernel_version,
+        run.elapsed.as_secs_f64()
+    );
     Ok(())
 }
 
@@ -124,7 +129,9 @@ fn shared_run() -> &'static Result<GuestRun, String> {
             ));
         }
         // After the suites: nbd devices appearing must not change what they see.
-        script.push_str(&format!("echo \"== boot\"\n(set -e\n{BOOT_CHECK}) >\"$VM_RESULTS/boot.log\" 2>&1\necho $? >\"$VM_RESULTS/boot.status\"\n"));
+        script.push_str(&format!(
+            "echo \"== boot\"\n(set -e\n{BOOT_CHECK}) >\"$VM_RESULTS/boot.log\" 2>&1\necho $? >\"$VM_RESULTS/boot.status\"\n"
+        ));
         let run = Vm::new(&image).map_err(|e| e.to_string())?.run(&script, SUITES_TIMEOUT).map_err(|e| e.to_string())?;
         eprintln!("note: guest ran {} suites and the boot check in {:.1} s", bins.len(), run.elapsed.as_secs_f64());
         Ok(run)
