@@ -45,7 +45,6 @@ dump_agent() {
   done >"$R/agent-threads" 2>&1
 }
 fail() { dump_agent; echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
-now() { date +%s.%N; }
 
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
 K=/tmp/kubelet
@@ -54,7 +53,7 @@ E=unix:///tmp/volring-csi.sock
 mkdir -p "$K" /tmp/vr
 csi() { "$VOLRING" csi --endpoint "$E" "$@"; }
 
-# Starts the agent; waits (bounded) until Probe answers ready.
+# Starts the agent; waits (bounded) until Probe answers ready (t_ready).
 n_agent=0
 start_agent() {
   n_agent=$((n_agent + 1))
@@ -67,14 +66,7 @@ start_agent() {
     --kubelet-root "$K" --state-dir /tmp/vr --nbd-dead-conn-timeout "$DCT" --nbd-request-timeout 3 \
     --nbd-attach-connections "$CONNS" $heal >"$R/agent$n_agent.out" 2>"$R/agent$n_agent.err" &
   agent=$!
-  i=0
-  while ! csi probe 2>/dev/null | grep -q true; do
-    i=$((i + 1))
-    [ $i -gt 600 ] && fail "agent $n_agent not ready after 60 s: $(tail -5 "$R/agent$n_agent.err")"
-    kill -0 $agent 2>/dev/null || fail "agent $n_agent exited: $(tail -5 "$R/agent$n_agent.err")"
-    sleep 0.1
-  done
-  t_ready=$(now)
+  wait_ready $agent "$R/agent$n_agent.err" "$E"
 }
 
 start_agent
@@ -85,38 +77,17 @@ dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "staged on '$dev', not an nbd device: $(cat /proc/mounts)" ;; esac
 name=${dev#/dev/}
 [ "$(cat /sys/block/$name/backend)" = pvc-heal ] || fail "backend is $(cat /sys/block/$name/backend)"
-sed 's/\x1b\[[0-9;]*m//g' "$R/agent1.err" | grep "nbd device connected" | grep -q "connections=$CONNS " \
+plain "$R/agent1.err" | grep "nbd device connected" | grep -q "connections=$CONNS " \
   || fail "not $CONNS connections: $(grep 'nbd device connected' "$R/agent1.err")"
 echo "staged on $dev" >"$R/device"
 
-# The writer: one file at a time, each fsynced; a line per completed write;
-# until told to stop (at most MAXF files: 150 MiB of the 192 MiB volume).
+# The writer (lib.sh): files in the staged filesystem until told to stop
+# (at most MAXF files: 150 MiB of the 192 MiB volume).
 MAXF=$((150 * 1024 / FILE_KIB))
-: >"$R/writes"
-rm -f /tmp/stop-writer
-(
-  i=1
-  while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
-    head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
-    if ! dd if=/tmp/src of="$S/f$i" bs=64k conv=fsync status=none 2>>"$R/writer.err"; then
-      echo "write $i failed" >>"$R/writer.err"
-      exit 1
-    fi
-    # The completion time is taken as soon as dd (write + fsync) returned.
-    t=$(now)
-    echo "$i $(sha256sum </tmp/src | cut -d' ' -f1) $t" >>"$R/writes"
-    i=$((i + 1))
-  done
-) &
-writer=$!
+start_writer file "$S"
 
 if [ "$NO_HEAL" = 1 ]; then
-  i=0
-  while [ "$(wc -l <"$R/writes")" -lt "$PER_CYCLE" ]; do
-    i=$((i + 1))
-    [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
-    sleep 0.1
-  done
+  more_writes 0
   kill -9 $agent
   t_kill=$(now)
   sleep "$DOWN"
@@ -136,17 +107,6 @@ if [ "$NO_HEAL" = 1 ]; then
   kill -9 $agent
   exit 0
 fi
-
-# Waits (bounded) until PER_CYCLE more writes completed than $1.
-more_writes() {
-  i=0
-  while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
-    i=$((i + 1))
-    [ $i -gt 3000 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
-    kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
-    sleep 0.1
-  done
-}
 
 : >"$R/resume"
 c=1
@@ -172,11 +132,11 @@ while [ $c -le "$CYCLES" ]; do
   t_resume=$(awk -v b="$t_start" '$3 >= b { print $3; exit }' "$R/writes")
   [ -n "$t_resume" ] || fail "cycle $c: no write completed after the restart: $(cat "$R/writer.err")"
   # When the healer gave the device its sockets, from the agent's own log.
-  ts=$(sed 's/\x1b\[[0-9;]*m//g' "$R/agent$n_agent.err" | grep "nbd device reconnected" | head -1 | cut -d' ' -f1)
+  ts=$(plain "$R/agent$n_agent.err" | grep "nbd device reconnected" | head -1 | cut -d' ' -f1)
   t_heal=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the reconnect line: $ts"
   # When the agent's own code began (its first line): exec -> here is
   # loading the binary (over 9p, under TCG), here -> heal the agent's start.
-  ts=$(sed 's/\x1b\[[0-9;]*m//g' "$R/agent$n_agent.err" | grep "volring node starting" | head -1 | cut -d' ' -f1)
+  ts=$(plain "$R/agent$n_agent.err" | grep "volring node starting" | head -1 | cut -d' ' -f1)
   t_main=$(date -d "$ts" +%s.%N) || fail "cycle $c: no time in the starting line: $ts"
   # start: the new agent's exec (see start_agent); healed: its reconnect;
   # resumed: the writer's first write+fsync completed after the exec (the
@@ -218,11 +178,7 @@ else
   xfs_repair -n -f /tmp/vr/pool/pvc-heal.img >"$R/fsck" 2>&1 || fail "xfs_repair -n: $(tail -20 "$R/fsck")"
 fi
 csi stage --id pvc-heal --staging "$S" --fs $FS >"$R/stage2.out" 2>&1 || fail "re-stage: $(cat "$R/stage2.out")"
-bad=0
-while read -r n sum _; do
-  [ "$(sha256sum <"$S/f$n" | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
-done <"$R/writes"
-[ $bad -eq 0 ] || fail "$bad files differ"
+verify_files "$S" "after the re-stage"
 
 # The recorded volume gone: its image and pool record deleted while the
 # agent was away and the device, still carrying the volume id, waits for
@@ -237,7 +193,7 @@ wait $agent 2>/dev/null
 mkdir -p /tmp/away
 mv /tmp/vr/pool/pvc-heal.* /tmp/away/ || fail "moving the volume away"
 start_agent
-sed 's/\x1b\[[0-9;]*m//g' "$R/agent$n_agent.err" | grep "image is gone" | grep -q "index=${gname#nbd}" \
+plain "$R/agent$n_agent.err" | grep "image is gone" | grep -q "index=${gname#nbd}" \
   || fail "the gone volume was not reported: $(tail -5 "$R/agent$n_agent.err")"
 grep -q "nbd device reconnected" "$R/agent$n_agent.err" && fail "the healer reconnected a device whose volume is gone"
 [ "$(cat /sys/block/$gname/backend 2>/dev/null)" = pvc-heal ] || fail "the healer touched $gdev: backend '$(cat /sys/block/$gname/backend 2>/dev/null)'"
@@ -297,11 +253,7 @@ while :; do
   [ $i -gt 300 ] && fail "not re-staged after the drift: '$now_dev': $(tail -5 "$R/agent$n_agent.err")"
   sleep 0.1
 done
-bad=0
-while read -r n sum _; do
-  [ "$(sha256sum <"$S/f$n" | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
-done <"$R/writes"
-[ $bad -eq 0 ] || fail "$bad files differ after the re-stage on $now_dev"
+verify_files "$S" "after the re-stage on $now_dev"
 echo "re-staged on $now_dev from the record, data verified" | tee -a "$R/resume"
 # Nothing of ours left mounted on a device whose server is about to go
 # (the guest's shutdown would wait out the dead-connection timeout).
@@ -310,13 +262,11 @@ csi unstage --id pvc-heal --staging "$S" >"$R/unstage3.out" 2>&1 || fail "unstag
 kill $intruder
 kill $agent
 wait $agent 2>/dev/null
-# min, median (the lower middle of an even count), p90 (nearest rank) and
-# max of one figure per cycle.
-dist() { sort -n "$1" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f p90 %.3f max %.3f s over %d cycles", v[1], v[int((NR + 1) / 2)], v[int(NR * 0.9 + 0.999)], v[NR], NR }'; }
-echo "agent exec -> writer's next completed write+fsync: $(dist "$R/latency")" | tee -a "$R/resume"
-echo "agent exec -> device reconnected (agent log): $(dist "$R/heal")" | tee -a "$R/resume"
-echo "  of which exec -> the agent's first log line (loading the binary): $(dist "$R/to-main")" | tee -a "$R/resume"
-echo "  of which first log line -> device reconnected (the agent's start): $(dist "$R/main-heal")" | tee -a "$R/resume"
-echo "device reconnected -> writer's next write+fsync: $(dist "$R/after-heal")" | tee -a "$R/resume"
+# One figure per cycle each (dist: lib.sh).
+echo "agent exec -> writer's next completed write+fsync: $(dist "$R/latency") cycles" | tee -a "$R/resume"
+echo "agent exec -> device reconnected (agent log): $(dist "$R/heal") cycles" | tee -a "$R/resume"
+echo "  of which exec -> the agent's first log line (loading the binary): $(dist "$R/to-main") cycles" | tee -a "$R/resume"
+echo "  of which first log line -> device reconnected (the agent's start): $(dist "$R/main-heal") cycles" | tee -a "$R/resume"
+echo "device reconnected -> writer's next write+fsync: $(dist "$R/after-heal") cycles" | tee -a "$R/resume"
 echo "ok: $FILES writes of $FILE_KIB KiB through /dev/$name, $CYCLES kill -9/restart cycles healed, data verified after re-stage, $FS, $(
   [ "$FS" = ext4 ] && echo e2fsck || echo "xfs_repair -n") clean" | tee "$R/verdict"

@@ -42,7 +42,6 @@ threads() {
   done
 }
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; threads; exit 1; }
-now() { date +%s.%N; }
 
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
 img=/tmp/vol.img
@@ -71,21 +70,9 @@ grep -q '"connected":true' "$R/status.json" || fail "status: $(cat "$R/status.js
 mkfs.ext4 -q -F /dev/nbd0 || fail "mkfs"
 mount /dev/nbd0 /mnt/v || fail "mount"
 
-# The writer: one file at a time, each fsynced; a line per completed write.
-: >"$R/writes"
-(
-  i=1
-  while [ $i -le "$FILES" ]; do
-    head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
-    if ! dd if=/tmp/src of=/mnt/v/f$i bs=64k conv=fsync status=none 2>>"$R/writer.err"; then
-      echo "write $i failed" >>"$R/writer.err"
-      exit 1
-    fi
-    echo "$i $(sha256sum </tmp/src | cut -d' ' -f1) $(now)" >>"$R/writes"
-    i=$((i + 1))
-  done
-) &
-writer=$!
+# The writer (lib.sh): FILES files, each fsynced.
+MAXF=$FILES
+start_writer file /mnt/v
 
 if [ "${NO_REATTACH:-0}" = 1 ]; then
   # The control: nobody re-attaches. Once the dead-connection timeout
@@ -159,11 +146,7 @@ wait $writer || fail "writer failed: $(cat "$R/writer.err")"
 # Verify from the device, not the page cache.
 umount /mnt/v || fail "umount"
 mount /dev/nbd0 /mnt/v || fail "remount"
-bad=0
-while read -r n sum _; do
-  [ "$(sha256sum </mnt/v/f$n | cut -d' ' -f1)" = "$sum" ] || bad=$((bad + 1))
-done <"$R/writes"
-[ $bad -eq 0 ] || fail "$bad files differ"
+verify_files /mnt/v "after the remount"
 errors=$(cat /sys/fs/ext4/nbd0/errors_count 2>/dev/null || echo missing)
 [ "$errors" = 0 ] || fail "ext4 errors_count $errors"
 umount /mnt/v || fail "umount 2"

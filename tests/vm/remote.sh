@@ -43,8 +43,6 @@ MIN_MIB=${MIN_MIB:-64}
 if [ "$NO_HEAL" = 1 ]; then DCT=4; else DCT=120; fi
 R=$VM_RESULTS
 fail() { echo "FAIL: $*"; echo "FAIL: $*" >>"$R/verdict"; exit 1; }
-now() { date +%s.%N; }
-plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
 # phase WHAT: the guest's uptime at each step, for the test's wall-time note.
 phase() { echo "$(cut -d' ' -f1 /proc/uptime) s: $* (guest idle $(awk '/^cpu / { printf "%.1f s, iowait %.1f", $5 / 100, $6 / 100 }' /proc/stat) s$(cpu_of consumer))" >>"$R/phases"; }
 # cpu_of NAME: ", NAME cpu S s" for the process whose pid is in $NAME.
@@ -87,14 +85,7 @@ heal=""
   --state-dir /tmp/consumer --nbd-dead-conn-timeout $DCT --nbd-request-timeout 3 --nbd-attach-connections "$CONNS" --no-publish $heal \
   >"$R/consumer.out" 2>"$R/consumer.err" &
 consumer=$!
-i=0
-while ! ccsi probe 2>/dev/null | grep -q true; do
-  i=$((i + 1))
-  [ $i -gt 240 ] && fail "consumer not ready after 60 s: $(tail -5 "$R/consumer.err")"
-  kill -0 $consumer 2>/dev/null || fail "consumer exited: $(tail -5 "$R/consumer.err")"
-  # Each probe is a run of the (debug) binary: not too often.
-  sleep 0.25
-done
+wait_ready $consumer "$R/consumer.err" "$CE"
 
 phase "consumer ready"
 
@@ -132,43 +123,11 @@ grep -q "$SECRET" "$R/consumer.err" && fail "the secret is in the consumer's log
 phase "staged"
 echo "staged on $dev over $conns TCP connection(s) to $URI" | tee -a "$R/notes"
 
-# The writer: one file at a time, each fsynced; a line per completed write.
-# Few processes per write: under TCG each exec costs more than writing
-# the file.
+# The writer (lib.sh): files in the staged filesystem, or pieces at their
+# offsets on the published device, until told to stop.
 MAXF=$((150 * 1024 / FILE_KIB))
 MINF=$((MIN_MIB * 1024 / FILE_KIB))
-: >"$R/writes"
-rm -f /tmp/stop-writer
-(
-  i=1
-  while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
-    head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
-    if [ "$KIND" = block ]; then
-      set -- of="$T" seek=$(((i - 1) * FILE_KIB / 64)) conv=notrunc,fsync
-    else
-      set -- of="$S/f$i" conv=fsync
-    fi
-    if ! dd if=/tmp/src bs=64k "$@" status=none 2>>"$R/writer.err"; then
-      echo "write $i failed" >>"$R/writer.err"
-      exit 1
-    fi
-    set -- $(sha256sum </tmp/src)
-    echo "$i $1 $(now)" >>"$R/writes"
-    i=$((i + 1))
-  done
-) &
-writer=$!
-
-# more_writes N: waits until the writer completed N + PER_CYCLE writes.
-more_writes() {
-  i=0
-  while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
-    i=$((i + 1))
-    [ $i -gt 600 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
-    kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
-    sleep 0.5
-  done
-}
+if [ "$KIND" = block ]; then start_writer block "$T"; else start_writer file "$S"; fi
 
 # restart_owner C: the host kills the owner -9 and starts it again; returns
 # once the host says it is back (ready), with t_back the guest's time then.
@@ -255,17 +214,16 @@ grep -q '"abnormal": *true' "$R/stats.out" && fail "condition abnormal after rec
 unstage >"$R/unstage.out" 2>&1 || fail "unstage: $(cat "$R/unstage.out")"
 [ -s /sys/block/$name/backend ] && fail "$dev still carries a backend after unstage"
 stage --context "volring.io/nbd-secret=$SECRET" >"$R/stage2.out" 2>&1 || fail "re-stage: $(cat "$R/stage2.out")"
-# One sha256sum for every file (not one process per file); a block
-# volume's pieces are read in one pass and cut at their offsets.
+# A block volume's pieces are read in one pass and cut at their offsets
+# into the files verify_files (lib.sh) checks.
 if [ "$KIND" = block ]; then
   mkdir -p /tmp/pieces
-  dd if="$T" bs=$((FILE_KIB * 1024)) count=$(wc -l <"$R/writes") iflag=direct status=none | (cd /tmp/pieces && split -d -a 4 -b $((FILE_KIB * 1024)) - p) \
+  dd if="$T" bs=$((FILE_KIB * 1024)) count=$(wc -l <"$R/writes") iflag=direct status=none | (cd /tmp/pieces && split -a 4 -b $((FILE_KIB * 1024)) --numeric-suffixes=1 - p) \
     || fail "read back $T"
-  awk '{ printf "%s  /tmp/pieces/p%04d\n", $2, $1 - 1 }' "$R/writes" >/tmp/sums
+  verify_files /tmp/pieces "after the re-stage" p%04d
 else
-  awk '{ print $2 "  f" $1 }' "$R/writes" >/tmp/sums
+  verify_files "$S" "after the re-stage"
 fi
-(if [ "$KIND" = block ]; then cd /tmp/pieces; else cd "$S"; fi && sha256sum -c --quiet /tmp/sums) >"$R/verify" 2>&1 || fail "pieces differ: $(head -5 "$R/verify")"
 phase "re-staged and verified"
 unstage >"$R/unstage2.out" 2>&1 || fail "unstage 2: $(cat "$R/unstage2.out")"
 dmesg >"$R/dmesg"
@@ -274,6 +232,5 @@ if grep -E 'I/O error|EXT4-fs error|Buffer I/O' "$R/dmesg" | grep -q nbd; then
 fi
 kill $consumer
 wait $consumer 2>/dev/null
-lat=$(sort -n "$R/latency" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[NR], NR }')
-echo "writer resumed after the consumer's reconnect: $lat" | tee -a "$R/resume"
+echo "writer resumed after the consumer's reconnect: $(dist "$R/latency")" | tee -a "$R/resume"
 echo "ok: $KIND, $FILES writes of $FILE_KIB KiB ($((FILES * FILE_KIB / 1024)) MiB) through /dev/$name over TCP to the host's owner, $CYCLES owner kill -9/restarts ridden through, data verified after re-stage" | tee "$R/verdict"

@@ -1,0 +1,93 @@
+# Shapes the guest scripts share. tests/vm/harness.rs (`script`) puts this
+# before every script it builds, so a script calls these as its own; each
+# script defines `fail MESSAGE` (record, dump what it needs, exit 1), which
+# these call. Under TCG every process a script starts costs real time (a
+# run of the debug `volring` binary seconds), so these start as few as
+# they can.
+
+now() { date +%s.%N; }
+
+# plain FILE: FILE without terminal colour codes.
+plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
+
+# wait_ready PID LOG ENDPOINT: waits (bounded: 60 s for each step) until
+# the agent PID logged its "ready" line to LOG and then until Probe on
+# ENDPOINT answers ready. The probe is what must hold; the log is looked
+# at first (grep is cheap) so that probes, each a run of the debug binary,
+# do not compete with the starting agent for the guest's CPUs. Sets
+# t_ready to when the probe answered ready.
+wait_ready() {
+  i=0
+  while ! grep -q 'agent: ready' "$2" 2>/dev/null; do
+    i=$((i + 1))
+    [ $i -gt 600 ] && fail "agent $1 logged no ready line in 60 s: $(tail -5 "$2")"
+    kill -0 "$1" 2>/dev/null || fail "agent $1 exited: $(tail -5 "$2")"
+    sleep 0.1
+  done
+  i=0
+  while ! "$VOLRING" csi --endpoint "$3" probe 2>/dev/null | grep -q true; do
+    i=$((i + 1))
+    [ $i -gt 600 ] && fail "agent $1 logged ready, Probe did not say so in 60 s: $(tail -5 "$2")"
+    kill -0 "$1" 2>/dev/null || fail "agent $1 exited: $(tail -5 "$2")"
+    sleep 0.1
+  done
+  t_ready=$(now)
+}
+
+# start_writer MODE TARGET: a writer in the background (its PID in
+# $writer): one FILE_KIB piece of random data at a time, written with dd
+# conv=fsync, to TARGET/f<i> (MODE file) or at piece i's offset on the
+# block device TARGET (MODE block). A line "i sha256 completion-time" in
+# $R/writes for each completed write (the time taken as soon as dd
+# returned); the first failure goes to $R/writer.err and ends the writer
+# with status 1. Stops once /tmp/stop-writer exists or MAXF pieces are
+# written.
+start_writer() {
+  : >"$R/writes"
+  rm -f /tmp/stop-writer
+  (
+    mode=$1 target=$2 i=1
+    while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
+      head -c $((FILE_KIB * 1024)) /dev/urandom >/tmp/src
+      if [ "$mode" = block ]; then
+        set -- of="$target" seek=$(((i - 1) * FILE_KIB / 64)) conv=notrunc,fsync
+      else
+        set -- of="$target/f$i" conv=fsync
+      fi
+      if ! dd if=/tmp/src bs=64k "$@" status=none 2>>"$R/writer.err"; then
+        echo "write $i failed" >>"$R/writer.err"
+        exit 1
+      fi
+      t=$(now)
+      set -- $(sha256sum </tmp/src)
+      echo "$i $1 $t" >>"$R/writes"
+      i=$((i + 1))
+    done
+  ) &
+  writer=$!
+}
+
+# more_writes N: waits (bounded: 300 s) until the writer completed N +
+# PER_CYCLE writes; fails if it ended first.
+more_writes() {
+  i=0
+  while [ "$(wc -l <"$R/writes")" -lt $(($1 + PER_CYCLE)) ]; do
+    i=$((i + 1))
+    [ $i -gt 600 ] && fail "writer too slow ($(wc -l <"$R/writes") writes)"
+    kill -0 $writer 2>/dev/null || fail "writer ended early: $(cat "$R/writer.err")"
+    sleep 0.5
+  done
+}
+
+# verify_files DIR WHAT [NAME]: every file the writer wrote to DIR has its
+# checksum (one sha256sum for all of them); fails naming WHAT and the
+# first files that differ. NAME: the printf format of piece i's file name
+# (default f%d, as the writer names them).
+verify_files() {
+  awk -v name="${3:-f%d}" '{ printf "%s  " name "\n", $2, $1 }' "$R/writes" >/tmp/sums
+  (cd "$1" && sha256sum -c --quiet /tmp/sums) >"$R/verify" 2>&1 || fail "$2: files differ: $(head -5 "$R/verify")"
+}
+
+# dist FILE: min, median (the lower middle of an even count), p90 (nearest
+# rank) and max of the figures in FILE, one a line.
+dist() { sort -n "$1" | awk '{ v[NR] = $1 } END { printf "min %.3f median %.3f p90 %.3f max %.3f s over %d", v[1], v[int((NR + 1) / 2)], v[int(NR * 0.9 + 0.999)], v[NR], NR }'; }
