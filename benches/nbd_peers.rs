@@ -18,6 +18,9 @@
 //! the temporary directory's own), VOLRING_BENCH_ONLY=reads|writes runs one
 //! half of the workloads, VOLRING_BENCH_PEERS=volring,nbdkit leaves the
 //! others out. The volring child inherits VOLRING_NBD_* settings.
+//! VOLRING_BENCH_BASELINE=/path/to/an/older/volring adds that binary as
+//! one more peer, "baseline" (served exactly as volring is), for a
+//! before/after comparison measured in the same run.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -58,8 +61,10 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
     let sock = socket.to_str().expect("utf-8 path");
     let volring = env!("CARGO_BIN_EXE_volring");
     let spec = format!("disk={img}");
+    let baseline = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
     let args: Vec<&str> = match name {
         "volring" => vec![volring, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
+        "baseline" => vec![&baseline, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
         "nbdkit" => vec!["nbdkit", "-f", "-U", sock, "-t", "16", "file", img],
         "qemu-nbd-uring" => {
             vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img]
@@ -71,7 +76,7 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
         .arg(cpus)
         .args(&args)
         .stdin(Stdio::null())
-        .stdout(if name == "volring" { Stdio::piped() } else { Stdio::null() })
+        .stdout(if name == "volring" || name == "baseline" { Stdio::piped() } else { Stdio::null() })
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -95,7 +100,8 @@ struct Workload {
     bandwidth: bool,
 }
 
-const WORKLOADS: [Workload; 6] = [
+const WORKLOADS: [Workload; 7] = [
+    Workload { label: "4 KiB random read, QD1, 1 connection", rw: "randread", bs: "4k", depth: 1, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random read, QD32, 1 connection", rw: "randread", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random read, 4 connections x QD8", rw: "randread", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
     Workload { label: "1 MiB sequential read, QD8", rw: "read", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
@@ -301,7 +307,7 @@ fn main() {
     if needs_image {
         make_image(&img);
     }
-    let names = ["volring", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    let names = ["volring", "baseline", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
     if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
         idle_connections(dir.path(), &img, 10_000);
         return;
@@ -320,7 +326,11 @@ fn main() {
         })
         .collect();
     let wanted = std::env::var("VOLRING_BENCH_PEERS").unwrap_or_default();
-    let names: Vec<&'static str> = names.into_iter().filter(|n| wanted.is_empty() || wanted.split(',').any(|w| w == *n)).collect();
+    let with_baseline = std::env::var_os("VOLRING_BENCH_BASELINE").is_some();
+    let names: Vec<&'static str> = names
+        .into_iter()
+        .filter(|n| if *n == "baseline" { with_baseline } else { wanted.is_empty() || wanted.split(',').any(|w| w == *n) })
+        .collect();
     assert!(names.first() == Some(&"volring") && names.len() >= 2, "VOLRING_BENCH_PEERS must name volring and a peer");
     match std::env::var("VOLRING_BENCH_POOLS") {
         Ok(pools) => {

@@ -131,12 +131,15 @@ impl Worker {
         }
         let bufs = self.ring.buffers_mut();
         let mut keep: Vec<Part> = Vec::new();
+        // Released once for the whole send: the server's budget is shared
+        // by every ring, and a send of 32 replies would otherwise update it
+        // 64 times.
+        let mut freed = 0;
         for (b, start, end) in conn.sending.drain(..) {
             let len = end - start;
             if res < 0 || sent >= len {
                 sent = sent.saturating_sub(len);
-                let cost = Buffers::cost_of(bufs.len(b));
-                conn.account.release(&self.budget, cost, cost);
+                freed += Buffers::cost_of(bufs.len(b));
                 if conn.tail == Some(b) {
                     conn.tail = None;
                 }
@@ -146,6 +149,7 @@ impl Worker {
                 sent = 0;
             }
         }
+        conn.account.release(&self.budget, freed, freed);
         if !keep.is_empty() {
             keep.append(&mut conn.out);
             conn.out = keep;

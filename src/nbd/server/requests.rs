@@ -54,8 +54,8 @@ fn kind_of(command: u16) -> Kind {
 }
 
 /// The range check shared by every command with an offset and a length.
-fn in_bounds(e: &Export, r: &Request) -> bool {
-    r.offset.checked_add(r.length).is_some_and(|end| end <= e.size)
+fn in_bounds(size: u64, r: &Request) -> bool {
+    r.offset.checked_add(r.length).is_some_and(|end| end <= size)
 }
 
 fn io_err(res: i32) -> u32 {
@@ -78,7 +78,10 @@ impl Worker {
         };
         let (style, base_allocation) = (*style, *base_allocation);
         let spliced = attached.spliced(req.offset, req.length);
-        let export = attached.export.clone();
+        // The export's few plain fields, not the export: a clone of its Arc
+        // is two shared-counter updates on every request, and only hole
+        // checks and BLOCK_STATUS need the export itself (taken there).
+        let (size, read_only, block_device) = (attached.export.size, attached.export.read_only, attached.export.block_device);
         let (file, buffered) = (attached.file, attached.buffered);
         let (read_file, read_off) = attached.route(req.offset, req.length);
         let refuse =
@@ -102,21 +105,21 @@ impl Worker {
             if req.length == 0 {
                 return refuse(self, errno::EINVAL, "zero-length request");
             }
-            if !in_bounds(&export, &req) {
+            if !in_bounds(size, &req) {
                 let code = if req.kind == cmd::WRITE_ZEROES { errno::ENOSPC } else { errno::EINVAL };
                 return refuse(self, code, "request beyond the end of the export");
             }
         }
-        if export.read_only && matches!(req.kind, cmd::TRIM | cmd::WRITE_ZEROES) {
+        if read_only && matches!(req.kind, cmd::TRIM | cmd::WRITE_ZEROES) {
             return refuse(self, errno::EPERM, "export is read-only");
         }
         match req.kind {
             cmd::READ => {
                 // A hole check is one lseek; past this turn's share of them
                 // a hole is read as data (zeroes), which is always correct.
-                if style.structured() && !export.block_device && req.length >= HOLE_CHECK_MIN && self.seeks_left > 0 {
+                if style.structured() && !block_device && req.length >= HOLE_CHECK_MIN && self.seeks_left > 0 {
                     self.seeks_left -= 1;
-                    if is_hole(&export, req.offset, req.length) {
+                    if self.export_of(ci).is_some_and(|e| is_hole(&e, req.offset, req.length)) {
                         let body = ReplyBody::Hole { offset: req.offset, length: req.length as u32 };
                         return self.reply_small(ci, &req, body, at);
                     }
@@ -142,6 +145,7 @@ impl Worker {
                 };
                 let limit = if req.has(cf::REQ_ONE) { 1 } else { usize::MAX };
                 let seeks = self.seeks_left.min(MAX_STATUS_SEEKS);
+                let Some(export) = self.export_of(ci) else { return };
                 let mut used = 0;
                 let found = extents(&export, req.offset, req.length, limit, seeks, &mut used);
                 self.seeks_left -= used;
@@ -390,10 +394,20 @@ impl Worker {
         self.queue_scratch(ci);
     }
 
+    /// The export connection `ci` is attached to.
+    fn export_of(&self, ci: u32) -> Option<std::sync::Arc<Export>> {
+        self.conns[ci as usize].as_ref().and_then(|c| c.attached()).map(|a| a.export.clone())
+    }
+
     pub(super) fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
-        let Some(export) = self.conns[ci as usize].as_ref().and_then(|c| c.attached()).map(|a| a.export.clone()) else { return };
+        let Some(id) = self.conns[ci as usize].as_ref().and_then(|c| c.attached()).map(|a| a.export.id) else { return };
         let us = self.now.saturating_duration_since(started).as_micros() as u64;
-        self.stats.entry(export.id).or_insert_with(|| (export, Default::default())).1.record(kind, bytes, ok, us);
+        // The export's Arc is cloned only for its first request on this ring.
+        if let Some((_, pending)) = self.stats.get_mut(&id) {
+            return pending.record(kind, bytes, ok, us);
+        }
+        let Some(export) = self.export_of(ci) else { return };
+        self.stats.entry(id).or_insert_with(|| (export, Default::default())).1.record(kind, bytes, ok, us);
     }
 }
 
