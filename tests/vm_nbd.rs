@@ -70,8 +70,9 @@ fn kill_and_reattach_one_ring_two_connections_64mib() {
 /// sends timed out, a new connection was closed during its handshake).
 /// After the completion fix it passed 27 of 28 runs (the failure, at host
 /// load ~35, timed out the client's sends with 2 and 60 WRITEs unanswered
-/// and left no ring trace); then 351 of 351, three guests at a time on a
-/// 2-core host at load average 5-45 (mean 34, 274 runs at 30 or more).
+/// and left no ring trace); then 355 of 355, three guests at a time on a
+/// 2-core host at load average 5-45 (mean 34, 274 runs at 30 or more),
+/// and 125 of 125 (two at a time, load 5-26) with inline writes re-probing.
 /// The ring's per-tick state (VOLRING_NBD_RING_TRACE) is printed with a
 /// failure to show it.
 #[test]
