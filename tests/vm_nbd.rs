@@ -68,13 +68,14 @@ fn kill_and_reattach_one_ring_two_connections_64mib() {
 /// writes sent as the kernel sends them, no kernel nbd involved) run on the
 /// guest's 6.1 kernel: a userspace repro of the stall above (the client's
 /// sends timed out, a new connection was closed during its handshake).
-/// Still ignored: after the completion fix it passed 27 of 28 runs; the one
-/// failure (host at load ~35 with a build running) timed out the client's
-/// sends on both connections with 2 and 60 WRITEs unanswered, cause not
-/// known. The ring's per-tick state (VOLRING_NBD_RING_TRACE) is printed
-/// with a failure to show it.
+/// After the completion fix it passed 27 of 28 runs (the failure, at host
+/// load ~35, timed out the client's sends with 2 and 60 WRITEs unanswered
+/// and left no ring trace); then 355 of 355, three guests at a time on a
+/// 2-core host at load average 5-45 (mean 34, 274 runs at 30 or more),
+/// and 125 of 125 (two at a time, load 5-26) with inline writes re-probing.
+/// The ring's per-tick state (VOLRING_NBD_RING_TRACE) is printed with a
+/// failure to show it.
 #[test]
-#[ignore = "failed 1 of 28 runs after the completion fix, on a host at load ~35 (cause not known; a failure prints the ring's ticks); run with --ignored"]
 fn one_ring_two_connections_on_6_1() {
     let Some(image) = image_or_skip("vm_nbd::one_ring_two_connections_on_6_1") else { return };
     let bins = harness::test_binaries(&["nbd_attach"]).expect("cargo test --no-run --test nbd_attach");

@@ -13,6 +13,14 @@
 //!   every write goes through the ring (where it completes inline anyway);
 //! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
 //!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here;
+//! - that refusal is not final: a file system that refused under a passing
+//!   load (xfs answered EAGAIN 8 times in a row on a busy host) would
+//!   otherwise keep its writes off the ring for good. One write is tried
+//!   with RWF_NOWAIT again after 8, 16, 32... writes, the gap doubling up to
+//!   [`REPROBE_MAX`]: a short streak is undone soon, a file system that
+//!   never takes them pays one refused syscall (no I/O: the file system
+//!   refuses before it starts) in [`REPROBE_MAX`] writes, and a success
+//!   sends writes back through the ring;
 //! - a blocking write that took over [`SLOW`] and slept (the thread's
 //!   voluntary context switches rose: it waited on the disk, writeback or a
 //!   lock) sends writes back to the ring for [`BACKOFF`], so one slow
@@ -20,6 +28,10 @@
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
 //!   burst does not hold its first replies back.
+//!
+//! Once writes go through the ring nothing is probed again: a file system
+//! that takes RWF_NOWAIT writes has said it can, and io_uring itself hands
+//! the odd write that would block to a worker.
 
 use std::io::IoSlice;
 use std::time::{Duration, Instant};
@@ -39,6 +51,11 @@ pub(super) const SLOW: Duration = Duration::from_millis(1);
 pub(super) const BACKOFF: Duration = Duration::from_secs(1);
 /// EAGAINs in a row, with no success, that make the probe give up on the ring.
 pub(super) const PROBES: u8 = 8;
+/// Most writes done blocking between two RWF_NOWAIT tries once the file
+/// system refused: bounds both the refused syscalls a file system that
+/// never takes them costs (one in this many writes) and how long writes
+/// stay off the ring after a refusal that has passed.
+pub(super) const REPROBE_MAX: u32 = 1024;
 /// Inline writes between two flushes of the connection's replies.
 pub(super) const FLUSH_EVERY: u32 = 8;
 
@@ -71,6 +88,9 @@ enum Mode {
     Ring,
     /// Small writes are done blocking on the ring thread.
     Inline,
+    /// Inline, and a write was handed out to be tried with RWF_NOWAIT again;
+    /// until its answer comes, the next write is tried too.
+    Reprobe,
     /// Inline, but a write was slow: through the ring until then.
     Backoff(Instant),
 }
@@ -79,7 +99,7 @@ enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Route {
     Ring,
-    /// pwritev2 with RWF_NOWAIT; on EAGAIN/EOPNOTSUPP through the ring.
+    /// pwritev2 with RWF_NOWAIT; if refused, where [`WritePath::refused`] says.
     Nowait,
     /// Blocking pwritev2 on the ring thread.
     Blocking,
@@ -90,6 +110,12 @@ pub(super) enum Route {
 #[derive(Debug, Clone)]
 pub(super) struct WritePath {
     mode: Mode,
+    /// Writes routed inline since the file system last refused one.
+    since_refusal: u32,
+    /// Writes to route inline before trying RWF_NOWAIT again: as many as
+    /// the probe's tries when it gives up, doubled by every refusal after,
+    /// up to [`REPROBE_MAX`].
+    gap: u32,
 }
 
 impl WritePath {
@@ -98,7 +124,7 @@ impl WritePath {
             InlineWrites::Auto => Mode::Probe { eagain: 0 },
             InlineWrites::Off => Mode::Ring,
         };
-        WritePath { mode }
+        WritePath { mode, since_refusal: 0, gap: PROBES as u32 }
     }
 
     pub(super) fn route(&mut self, len: u64, fua: bool, now: Instant) -> Route {
@@ -110,23 +136,52 @@ impl WritePath {
         }
         match self.mode {
             _ if fua => Route::Ring,
-            Mode::Probe { .. } => Route::Nowait,
-            Mode::Inline if len <= INLINE_MAX => Route::Blocking,
-            _ => Route::Ring,
+            Mode::Probe { .. } | Mode::Reprobe => Route::Nowait,
+            Mode::Inline if self.since_refusal >= self.gap => {
+                self.mode = Mode::Reprobe;
+                Route::Nowait
+            }
+            Mode::Inline => {
+                self.since_refusal += 1;
+                self.refused(len)
+            }
+            Mode::Ring | Mode::Backoff(_) => Route::Ring,
         }
     }
 
-    /// What a RWF_NOWAIT write answered: `Ok` (some bytes written) or its errno.
-    pub(super) fn nowait_done(&mut self, res: Result<usize, Errno>) {
-        let Mode::Probe { eagain } = self.mode else { return };
-        self.mode = match res {
-            Ok(_) => Mode::Ring,
-            Err(Errno::OPNOTSUPP) => Mode::Inline,
-            Err(Errno::AGAIN) if eagain + 1 >= PROBES => Mode::Inline,
-            Err(Errno::AGAIN) => Mode::Probe { eagain: eagain + 1 },
+    /// Where a write of `len` goes once its RWF_NOWAIT try was refused and
+    /// reported: done blocking here if that is what the answer decided,
+    /// rather than one more hand-off to a worker.
+    pub(super) fn refused(&self, len: u64) -> Route {
+        if self.mode == Mode::Inline && len <= INLINE_MAX {
+            Route::Blocking
+        } else {
+            Route::Ring
+        }
+    }
+
+    /// What a RWF_NOWAIT write answered: `Ok` (some bytes written) or its
+    /// errno. True when the answer changed how writes are done.
+    pub(super) fn nowait_done(&mut self, res: Result<usize, Errno>) -> bool {
+        let before = self.mode;
+        self.mode = match (self.mode, res) {
+            (Mode::Probe { .. } | Mode::Reprobe, Ok(_)) => Mode::Ring,
+            (Mode::Probe { .. }, Err(Errno::OPNOTSUPP)) => Mode::Inline,
+            (Mode::Probe { eagain }, Err(Errno::AGAIN)) if eagain + 1 >= PROBES => Mode::Inline,
+            (Mode::Probe { eagain }, Err(Errno::AGAIN)) => Mode::Probe { eagain: eagain + 1 },
             // Not an answer about blocking (ENOSPC, EIO...): ask again.
-            Err(_) => Mode::Probe { eagain },
+            (Mode::Probe { eagain }, Err(_)) => Mode::Probe { eagain },
+            // Refused again, or no answer about blocking: wait longer
+            // before the next try either way, so the tries stay rare.
+            (Mode::Reprobe, Err(_)) => {
+                self.since_refusal = 0;
+                self.gap = (self.gap * 2).min(REPROBE_MAX);
+                Mode::Inline
+            }
+            // Nothing was asked: decided already.
+            (mode, _) => mode,
         };
+        matches!((before, self.mode), (Mode::Probe { .. }, Mode::Inline) | (Mode::Probe { .. } | Mode::Reprobe, Mode::Ring))
     }
 
     /// A blocking write took `took`; `slept` if the thread waited meanwhile.
@@ -177,18 +232,22 @@ impl Worker {
         if route == Route::Nowait {
             let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::NOWAIT);
             let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
-            path.nowait_done(res);
+            let changed = path.nowait_done(res);
             if let Ok(n) = res {
-                tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
+                if changed {
+                    tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
+                }
                 self.on_request_done(ri, n as i32);
                 return true;
             }
-            // Refused: this very write is the first inline one, if that is
-            // what the answer decided (not one hand-off to a worker).
-            if path.route(len, fua, self.now) != Route::Blocking {
+            // Refused: this very write is done here if that is what the
+            // answer decided (not one hand-off to a worker).
+            if path.refused(len) != Route::Blocking {
                 return false;
             }
-            tracing::debug!(export = %export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
+            if changed {
+                tracing::debug!(export = %export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
+            }
         }
         let now = self.now;
         if self.inline.switches.is_none_or(|(turn, _)| turn != now) {
@@ -315,5 +374,149 @@ mod tests {
         assert_eq!("auto".parse::<InlineWrites>().ok(), Some(InlineWrites::Auto));
         assert_eq!("off".parse::<InlineWrites>().ok(), Some(InlineWrites::Off));
         assert!("on".parse::<InlineWrites>().is_err());
+    }
+
+    /// Routes `writes` 4 KiB writes through `p` with the file system
+    /// answering `answer` to each RWF_NOWAIT try; counts (tries, blocking,
+    /// ring) and says after which write the path first went to the ring.
+    fn drive(p: &mut WritePath, writes: u32, answer: impl Fn(u32) -> Result<usize, Errno>) -> (u32, u32, u32, Option<u32>) {
+        let now = Instant::now();
+        let (mut tries, mut blocking, mut ring, mut to_ring) = (0, 0, 0, None);
+        for i in 0..writes {
+            let route = match p.route(4096, false, now) {
+                Route::Nowait => {
+                    tries += 1;
+                    let res = answer(i);
+                    p.nowait_done(res);
+                    if res.is_ok() {
+                        continue;
+                    }
+                    p.refused(4096)
+                }
+                route => route,
+            };
+            match route {
+                Route::Blocking => blocking += 1,
+                Route::Ring => {
+                    ring += 1;
+                    to_ring.get_or_insert(i);
+                }
+                Route::Nowait => unreachable!("refused() never asks again"),
+            }
+        }
+        (tries, blocking, ring, to_ring)
+    }
+
+    #[test]
+    fn a_passing_eagain_streak_is_undone_at_the_next_try() {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        // Loaded: the probe gives up, every refused write done here.
+        let (tries, blocking, ring, _) = drive(&mut p, PROBES as u32, |_| Err(Errno::AGAIN));
+        assert_eq!((tries, blocking, ring), (PROBES as u32, 1, PROBES as u32 - 1));
+        assert!(p.inline_now());
+        // The load is gone: after as many writes as the streak was long they
+        // go through the ring again, and stay.
+        let (tries, blocking, _, to_ring) = drive(&mut p, 100, |_| Ok(4096));
+        assert_eq!((tries, blocking, to_ring), (1, PROBES as u32, Some(PROBES as u32 + 1)));
+        assert!(!p.inline_now());
+        assert_eq!(p.route(4096, false, Instant::now()), Route::Ring);
+    }
+
+    #[test]
+    fn a_late_success_is_found_within_reprobe_max_writes() {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        // Long refused (ext4's answer), so the tries are as far apart as they get.
+        drive(&mut p, 50 * REPROBE_MAX, |_| Err(Errno::OPNOTSUPP));
+        assert_eq!(p.gap, REPROBE_MAX);
+        // Then the file system takes them (the export's file moved, a kernel
+        // that takes them): the ring again after at most REPROBE_MAX writes.
+        let (tries, blocking, _, to_ring) = drive(&mut p, 3 * REPROBE_MAX, |_| Ok(4096));
+        assert_eq!(tries, 1);
+        assert!(blocking <= REPROBE_MAX, "{blocking} writes blocking before the next try");
+        assert_eq!(to_ring, Some(blocking + 1));
+    }
+
+    #[test]
+    fn a_file_system_that_never_takes_them_is_tried_rarely_but_for_ever() {
+        let writes = 1_000_000;
+        for refusal in [Errno::OPNOTSUPP, Errno::AGAIN] {
+            let mut p = WritePath::new(InlineWrites::Auto);
+            let (tries, blocking, ring, _) = drive(&mut p, writes, |_| Err(refusal));
+            // Every write but the first few EAGAINs is done here, the
+            // refused tries included: none is handed to a worker.
+            assert_eq!(ring, if refusal == Errno::AGAIN { PROBES as u32 - 1 } else { 0 }, "{refusal:?}");
+            assert_eq!(blocking + ring, writes);
+            // At most 0.1% of writes pay a refused syscall...
+            assert!(tries * 1000 <= writes, "{refusal:?}: {tries} tries in {writes} writes");
+            // ...and the question is still asked once per REPROBE_MAX writes.
+            assert!(tries >= writes / (REPROBE_MAX + 1), "{refusal:?}: {tries} tries in {writes} writes");
+        }
+    }
+
+    #[test]
+    fn the_gap_between_tries_doubles_up_to_the_cap() {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        let now = Instant::now();
+        assert_eq!(p.route(4096, false, now), Route::Nowait);
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        let mut gaps = Vec::new();
+        let mut since = 0;
+        for _ in 0..5 * REPROBE_MAX {
+            match p.route(4096, false, now) {
+                Route::Blocking => since += 1,
+                Route::Nowait => {
+                    gaps.push(since);
+                    since = 0;
+                    p.nowait_done(Err(Errno::OPNOTSUPP));
+                }
+                Route::Ring => panic!("a small write refused is done here"),
+            }
+        }
+        assert_eq!(&gaps[..10], &[8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]);
+    }
+
+    #[test]
+    fn an_unanswered_try_is_asked_again_and_fua_writes_do_not_count() {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        let now = Instant::now();
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        // FUA writes go through the ring and leave the count alone.
+        for _ in 0..10 {
+            assert_eq!(p.route(4096, true, now), Route::Ring);
+        }
+        for _ in 1..PROBES {
+            assert_eq!(p.route(4096, false, now), Route::Blocking);
+        }
+        assert_eq!(p.route(4096, false, now), Route::Nowait);
+        // The try never ran (no buffer, say): the next write tries.
+        assert_eq!(p.route(1 << 20, false, now), Route::Nowait);
+        // An error that says nothing about blocking waits longer too (no
+        // file system failing every write is asked on every write)...
+        p.nowait_done(Err(Errno::IO));
+        assert!(p.inline_now());
+        assert_eq!(p.gap, 2 * PROBES as u32);
+        // ...and a large write refused still goes through the ring.
+        assert_eq!(p.refused(1 << 20), Route::Ring);
+        assert_eq!(p.refused(4096), Route::Blocking);
+    }
+
+    #[test]
+    fn no_tries_during_a_backoff() {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        let now = Instant::now();
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        p.blocking_done(SLOW * 2, true, now);
+        for _ in 0..10 {
+            assert_eq!(p.route(4096, false, now), Route::Ring);
+        }
+        // After it, the count goes on where it was.
+        for _ in 1..PROBES {
+            assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+        }
+        assert_eq!(p.route(4096, false, now + BACKOFF), Route::Nowait);
+        p.nowait_done(Ok(4096));
+        assert_eq!(p.route(4096, false, now + BACKOFF), Route::Ring);
     }
 }
