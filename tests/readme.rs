@@ -187,6 +187,10 @@ const EXAMPLES: &[Example] = &[
     ex("cargo bench --bench node_storm", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),
+    ex(
+        "VOLRING_BENCH_ONLY=reads VOLRING_BENCH_PEERS=volring,nbdkit VOLRING_BENCH_BASELINE=/path/to/old/volring cargo bench --bench nbd_peers",
+        How::Skip(BENCH),
+    ),
     ex("cargo bench --bench nbd_wire", How::Skip(BENCH)),
     ex("cargo bench --bench probe_vs_blkid", How::Skip(BENCH)),
     ex("(cd fuzz && cargo +nightly fuzz run mountinfo)", How::Skip("fuzzing runs until stopped and needs the nightly toolchain; run by hand")),
