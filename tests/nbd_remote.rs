@@ -111,6 +111,13 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port()
 }
 
+/// An agent serving its nbd volumes to other nodes on a free port, and
+/// that port's `HOST:PORT`.
+fn exporting_agent() -> (Agent, String) {
+    let listen = format!("127.0.0.1:{}", free_port());
+    (Agent::start_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]), listen)
+}
+
 fn create_nbd(a: &Agent, name: &str, attach: &str) -> Result<Volume, tonic::Status> {
     let mut c = a.c.controller.clone();
     let params = HashMap::from([("attach".to_string(), attach.to_string()), ("fsType".to_string(), "ext4".to_string())]);
@@ -133,10 +140,7 @@ fn served(uri: &str) -> bool {
 }
 
 fn agent_exports_only_what_it_created() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut a = Agent::start();
-    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let (mut a, listen) = exporting_agent();
     let v = create_nbd(&a, "pvc-remote", "nbd")?;
     let uri = v.volume_context.get(CONTEXT_URI).cloned().unwrap_or_default();
     check(uri == format!("nbd://{listen}/pvc-remote"), format!("context: {:?}", v.volume_context.get(CONTEXT_URI)))?;
@@ -157,17 +161,17 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
 
     // A restarted agent serves it again, with the same secret; the
     // repeated create returns the same context.
-    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
     check(served(&client_uri(&v)), format!("not served after a restart: {}", a.log_tail(20)))?;
     let again = create_nbd(&a, "pvc-remote", "nbd")?;
     check(again.volume_context == v.volume_context, "a repeated create returns the same context")?;
 
     // Without the listener, no URI is handed out (it would lead nowhere).
-    respawn_on(&mut a, &listen, &[])?;
+    a.respawn_with(&[]);
     let plain = create_nbd(&a, "pvc-remote", "nbd")?;
     check(!plain.volume_context.contains_key(CONTEXT_URI), "a URI without a listener")?;
 
-    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
     a.delete("pvc-remote")?;
     check(!served(&client_uri(&v)), "served after DeleteVolume")?;
     check(served(&client_uri(&w)), "the other volume stays served")?;
@@ -175,10 +179,7 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
 }
 
 fn stage_answers_the_specs_codes() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut owner = Agent::start();
-    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let (owner, _) = exporting_agent();
     let v = create_nbd(&owner, "pvc-r", "nbd")?;
     let consumer = Agent::start();
     let staging = consumer.k("plugins/stage/pvc-r");
@@ -264,11 +265,8 @@ fn until(what: &str, mut f: impl FnMut() -> bool) -> Result<(), Failed> {
 /// client on one volume at once. Fails on the old code at the first
 /// check: the export was served while the owner had the volume mounted.
 fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let (mut a, listen) = exporting_agent();
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
-    let mut a = Agent::start();
-    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-f", "nbd")?;
     let uri = client_uri(&v);
     let staging = a.k("plugins/stage/pvc-f");
@@ -280,7 +278,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     let (ok, _, err) = run("env", &["LIBNBD_DEBUG=1", "nbdinfo", &uri], T);
     check(!ok, "the export was handed out while its owning node has the volume mounted")?;
     check(err.contains("staged on its owning node"), format!("the refusal says why: {err}"))?;
-    respawn_on(&mut a, &listen, &env)?;
+    a.respawn_with(&env);
     check(!served(&uri), "handed out after the owner restarted with the volume staged")?;
     a.unstage("pvc-f", &staging)?;
     check(served(&uri), format!("not handed out after the unstage: {}", a.log_tail(20)))?;
@@ -305,7 +303,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     // Its connection dropped without NBD_CMD_DISC (killed): held still —
     // a consumer away reconnects — and across an owner crash.
     check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by a dropped connection")?;
-    respawn_on(&mut a, &listen, &env)?;
+    a.respawn_with(&env);
     check(code(stage_ctx(&a, "pvc-f", &staging, local_ctx())) == Some(Code::FailedPrecondition), "released by an owner restart")?;
     check(code(a.delete("pvc-f")) == Some(Code::FailedPrecondition), "deleted while another node holds it")?;
     // The holder comes back (the volume is still served to it) and lets go.
@@ -318,16 +316,6 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     Ok(())
 }
 
-/// Kills the agent and starts it again with `env`, once the export port
-/// is free: a killed agent's io_uring lets go of its listening socket a
-/// moment after the process is reaped, and an agent that cannot bind exits.
-fn respawn_on(a: &mut Agent, listen: &str, env: &[(&str, &str)]) -> Result<(), Failed> {
-    a.kill_hard();
-    until("the killed agent's export port is free", || std::net::TcpListener::bind(listen).is_ok())?;
-    a.respawn_with(env);
-    Ok(())
-}
-
 /// A crash of the owner at each step of a stage and an unstage never
 /// leaves the export handed out while the image is attached here, nor the
 /// volume fenced for good once it is unstaged. A crash between removing
@@ -335,11 +323,8 @@ fn respawn_on(a: &mut Agent, listen: &str, env: &[(&str, &str)]) -> Result<(), F
 /// walk mends (the same walk drops a holder whose stage crashed before its
 /// record was written: `csi::fence`'s unit tests).
 fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let (mut a, listen) = exporting_agent();
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
-    let mut a = Agent::start();
-    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-c", "nbd")?;
     let uri = client_uri(&v);
     let image = a.image("pvc-c");
@@ -350,9 +335,9 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
         check(!(attached && served(&uri)), format!("handed out while attached here, {when}"))
     };
     for point in ["stage:attach", "stage:mount", "stage:staged"] {
-        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
+        a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
         check(stage_ctx(&a, "pvc-c", &staging, local_ctx()).is_err(), format!("the agent did not die at {point}"))?;
-        respawn_on(&mut a, &listen, &env)?;
+        a.respawn_with(&env);
         safe(&format!("after a crash at {point}"))?;
         a.unstage("pvc-c", &staging).map_err(|s| format!("unstage after {point}: {s}"))?;
         check(served(&uri), format!("not handed out after the unstage that followed {point}: {}", a.log_tail(20)))?;
@@ -360,9 +345,9 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
     for point in ["unstage:intent", "unstage:detached", "unstage:done"] {
         stage_ctx(&a, "pvc-c", &staging, local_ctx())?;
         check(!served(&uri), "handed out while staged")?;
-        respawn_on(&mut a, &listen, &[env[0], ("VOLRING_FAULT_POINT", point)])?;
+        a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
         check(a.unstage("pvc-c", &staging).is_err(), format!("the agent did not die at {point}"))?;
-        respawn_on(&mut a, &listen, &env)?;
+        a.respawn_with(&env);
         safe(&format!("after a crash at {point}"))?;
         if point == "unstage:done" {
             check(served(&uri), format!("fenced after the record was removed: {}", a.log_tail(20)))?;
@@ -383,11 +368,8 @@ fn holders_cli(a: &Agent, extra: &[&str]) -> (bool, String, String) {
 /// only by the operator, with the agent stopped; a local one only by
 /// NodeUnstage.
 fn operator_releases_a_dead_holder() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let (mut a, listen) = exporting_agent();
     let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
-    let mut a = Agent::start();
-    respawn_on(&mut a, &listen, &env)?;
     let v = create_nbd(&a, "pvc-d", "nbd")?;
     let uri = client_uri(&v);
     let staging = a.k("plugins/stage/pvc-d");
@@ -410,12 +392,12 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
     check(ok, format!("release: {out}{err}"))?;
     let (ok, out, _) = holders_cli(&a, &["--json"]);
     check(ok && !out.contains("pvc-d"), format!("still held after the release: {out}"))?;
-    respawn_on(&mut a, &listen, &env)?;
+    a.respawn_with(&env);
     stage_ctx(&a, "pvc-d", &staging, local_ctx()).map_err(|s| format!("stage after the release: {s}"))?;
     a.kill_hard();
     let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
     check(!ok && err.contains("NodeUnstage"), format!("a local holder released by hand: {err}"))?;
-    respawn_on(&mut a, &listen, &env)?;
+    a.respawn_with(&env);
     check(!served(&uri), "handed out while staged, after the refused release")?;
     a.unstage("pvc-d", &staging)?;
     Ok(())
@@ -430,10 +412,7 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
 fn owner_stages_a_moved_share_over_nfs() -> Result<(), Failed> {
     use volring::csi::client::capability;
     use volring::csi::proto::volume_capability::access_mode::Mode;
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut a = Agent::start();
-    respawn_on(&mut a, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let (a, _) = exporting_agent();
     let rwx = capability(false, "ext4", &[], Mode::MultiNodeMultiWriter);
     let mut c = a.c.controller.clone();
     let v = a
@@ -482,10 +461,7 @@ fn owner_stages_a_moved_share_over_nfs() -> Result<(), Failed> {
 /// stage that fails after negotiating (no nbd driver here) lets the
 /// volume go, so the owner can stage it.
 fn consumer_sees_the_fence() -> Result<(), Failed> {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut owner = Agent::start();
-    respawn_on(&mut owner, &listen, &[("VOLRING_NBD_EXPORT_LISTEN", &listen)])?;
+    let (owner, _) = exporting_agent();
     let v = create_nbd(&owner, "pvc-k", "nbd")?;
     let consumer = Agent::start();
     let staging = consumer.k("plugins/stage/pvc-k");

@@ -123,7 +123,8 @@ fn two_clients() -> Result<(), Failed> {
                     "-device".into(),
                     "virtio-net-pci,netdev=n0".into(),
                 ];
-                let script = format!("export VOLRING='{}' NODE={node} VOLUME={VOLUME}\n{SCRIPT}", env!("CARGO_BIN_EXE_volring"));
+                let node = node.to_string();
+                let script = harness::script(env!("CARGO_BIN_EXE_volring"), &[("NODE", &node), ("VOLUME", VOLUME)], SCRIPT);
                 vm.run(&script, Duration::from_secs(1800)).expect("vm run")
             })
         })

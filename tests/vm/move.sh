@@ -54,13 +54,7 @@ connected() {
 "$VOLRING" node --metrics-addr off --node-id consumer --stats-interval 5 --csi-endpoint "$CE" --kubelet-root "$K" \
   --state-dir /tmp/consumer --nbd-request-timeout 3 --no-publish >"$R/consumer.out" 2>"$R/consumer.err" &
 consumer=$!
-i=0
-while ! ccsi probe 2>/dev/null | grep -q true; do
-  i=$((i + 1))
-  [ $i -gt 240 ] && fail "consumer not ready after 60 s: $(tail -5 "$R/consumer.err")"
-  kill -0 $consumer 2>/dev/null || fail "consumer exited: $(tail -5 "$R/consumer.err")"
-  sleep 0.25
-done
+wait_ready $consumer "$R/consumer.err" "$CE"
 
 ask owner-staged
 if stage >"$R/stage-refused.out" 2>&1; then fail "staged over the export while the owner has it staged"; fi

@@ -69,13 +69,7 @@ csi() { timeout 300 "$VOLRING" csi --endpoint "$E" "$@"; }
 "$VOLRING" node --metrics-addr off --node-id "vm$NODE" --stats-interval 5 --csi-endpoint "$E" \
   --kubelet-root "$K" --state-dir /tmp/vr >"$R/agent.out" 2>"$R/agent.err" &
 agent=$!
-i=0
-while ! csi probe 2>/dev/null | grep -q true; do
-  i=$((i + 1))
-  [ $i -gt 600 ] && fail "agent not ready: $(tail -5 "$R/agent.err")"
-  kill -0 $agent 2>/dev/null || fail "agent exited: $(tail -5 "$R/agent.err")"
-  sleep 0.1
-done
+wait_ready $agent "$R/agent.err" "$E"
 
 RWX="--fs ext4 --mode multi-node-multi-writer"
 csi stage --id "$VOLUME" --staging "$S" $RWX --context share=nfs --context nfsServer=10.0.2.100:2049 \
