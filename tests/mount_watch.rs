@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::{tmpfs_at, umount, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use rustix::mount::{mount_bind, mount_change, mount_move, mount_remount, unmount, MountFlags, MountPropagationFlags, UnmountFlags};
+use rustix::mount::{
+    mount_bind, mount_bind_recursive, mount_change, mount_move, mount_remount, unmount, MountFlags, MountPropagationFlags, UnmountFlags,
+};
 use volring::mounts::{Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig, WatchEvent, WatchMode};
 use volring::ring::{queue::Receiver, BackendChoice};
 
@@ -407,10 +409,24 @@ fn lagging_consumer(mode: WatchMode, backend: BackendChoice) -> Result<(), Faile
 /// A fanotify queue overflow is answered with one `resync` delivery. The
 /// kernel's per-group queue limit is read once, at group creation, so it is
 /// lowered only around the watcher's start.
+///
+/// Mounts made one syscall at a time do not overflow for sure: on an idle
+/// machine the watcher, on the other core, may read each event as it comes
+/// (1 run in 8 never overflowed in 200 rounds). A recursive bind of a tree
+/// of four mounts queues four events in one syscall, past the limit of 2
+/// whatever the watcher does; its lazy unmount queues four more.
 fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
     const KNOB: &str = "/proc/sys/fs/fanotify/max_queued_events";
     let s = Scratch::new();
     let d = s.dir("o");
+    let tree = s.dir("tree");
+    let copy = s.dir("copy");
+    tmpfs_at(&tree);
+    let subs: Vec<_> = (0..3).map(|i| tree.join(i.to_string())).collect();
+    for sub in &subs {
+        std::fs::create_dir(sub)?;
+        tmpfs_at(sub);
+    }
     let old = std::fs::read_to_string(KNOB)?;
     std::fs::write(KNOB, "2")?;
     let started = std::panic::catch_unwind(|| Watch::start(WatchMode::Fanotify, backend, &s));
@@ -422,6 +438,8 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
             tmpfs_at(&d);
             umount(&d);
         }
+        mount_bind_recursive(&tree, &copy)?;
+        unmount(&copy, UnmountFlags::DETACH)?;
         tmpfs_at(&d);
         while let Some(ev) = w.rx.recv_timeout(Duration::from_millis(50)) {
             overflowed |= matches!(ev, WatchEvent::Resync { reason: ResyncReason::Overflow, .. });
@@ -434,7 +452,12 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
     }
     check(overflowed, "an overflow resync was delivered")?;
     check(w.watcher().stats().overflows >= 1, "overflow counted")?;
-    converges_to_kernel(&mut w, WatchMode::Fanotify)
+    converges_to_kernel(&mut w, WatchMode::Fanotify)?;
+    for sub in subs.iter().rev() {
+        umount(sub);
+    }
+    umount(&tree);
+    Ok(())
 }
 
 /// The watcher can watch a namespace other than its caller's (the host's,
