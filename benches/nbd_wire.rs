@@ -53,7 +53,7 @@ fn parse(c: &mut Criterion) {
             fn names(&self) -> Vec<(String, String)> {
                 Vec::new()
             }
-            fn admit(&self, _: &()) -> Result<(), String> {
+            fn admit(&self, _: &(), _: &str) -> Result<(), String> {
                 Ok(())
             }
         }

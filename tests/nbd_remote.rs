@@ -56,7 +56,7 @@ impl Guarded {
 
 fn real_clients_need_the_secret() -> Result<(), Failed> {
     let g = Guarded::new(16 * MIB as u64);
-    let good = g.uri(&wire_name("vol", &g.secret));
+    let good = g.uri(&wire_name("vol", &g.secret, None));
     let (ok, out, err) = run("nbdinfo", &["--json", &good], T);
     check(ok, format!("nbdinfo with the secret: {err}"))?;
     let v: serde_json::Value = serde_json::from_str(&out)?;
@@ -67,10 +67,10 @@ fn real_clients_need_the_secret() -> Result<(), Failed> {
     one_off[63] = if one_off[63] == b'0' { b'1' } else { b'0' };
     let refused = [
         g.uri("vol"),
-        g.uri(&wire_name("vol", &other)),
+        g.uri(&wire_name("vol", &other, None)),
         g.uri(&format!("vol/{}", String::from_utf8(one_off)?)),
         g.uri(&format!("vol/{}", &g.secret.to_hex()[..32])),
-        g.uri(&wire_name("nope", &g.secret)),
+        g.uri(&wire_name("nope", &g.secret, None)),
     ];
     let mut messages = Vec::new();
     for uri in &refused {
@@ -99,7 +99,7 @@ fn real_clients_need_the_secret() -> Result<(), Failed> {
         T,
     );
     check(ok && !out.contains("failed") && !out.contains("Pattern verification"), format!("qemu-io: {out}{err}"))?;
-    let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read -P 0xa5 1M 4096", &g.uri(&wire_name("vol", &other))], T);
+    let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read -P 0xa5 1M 4096", &g.uri(&wire_name("vol", &other, None))], T);
     check(
         !ok || out.contains("failed") || err.contains("Could not") || err.contains("Requested export not available"),
         format!("qemu-io with a wrong secret: {out}{err}"),
@@ -135,8 +135,21 @@ fn client_uri(v: &Volume) -> String {
     format!("{}/{}", v.volume_context[CONTEXT_URI], v.volume_context[CONTEXT_SECRET])
 }
 
-fn served(uri: &str) -> bool {
-    run("nbdinfo", &[uri], T).0
+/// Whether agent `a`'s export hands `uri`'s volume out (to nbdinfo). When
+/// it does, waits until `a` has read nbdinfo's NBD_CMD_DISC and let the
+/// holder go: the owner reads it on its own time, and a stage or a SIGKILL
+/// right after must not race it (a DISC a crash cuts off leaves the holder
+/// recorded, as a dropped connection does).
+fn served(a: &Agent, uri: &str) -> bool {
+    let released = || a.log_tail(400).matches("let go of the volume").count();
+    let before = released();
+    if !run("nbdinfo", &[uri], T).0 {
+        return false;
+    }
+    if let Err(e) = until("the owner reads nbdinfo's NBD_CMD_DISC", || released() > before) {
+        panic!("{e:?}: {}", a.log_tail(20));
+    }
+    true
 }
 
 fn agent_exports_only_what_it_created() -> Result<(), Failed> {
@@ -147,22 +160,22 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
     let secret = v.volume_context.get(CONTEXT_SECRET).cloned().unwrap_or_default();
     check(Secret::from_hex(&secret).is_ok(), "a 64-hex-digit secret in the context")?;
     check(v.accessible_topology.is_empty(), format!("an exported volume is reachable from every node: {:?}", v.accessible_topology))?;
-    check(served(&client_uri(&v)), format!("not served: {}", a.log_tail(20)))?;
-    check(!served(&format!("{uri}/{}", Secret::generate()?.to_hex())), "served with another secret")?;
+    check(served(&a, &client_uri(&v)), format!("not served: {}", a.log_tail(20)))?;
+    check(!served(&a, &format!("{uri}/{}", Secret::generate()?.to_hex())), "served with another secret")?;
     check(!a.log_tail(400).contains(&secret), "the secret is in the agent's log")?;
 
     // A second nbd volume has its own secret; a loop volume is not exported.
     let w = create_nbd(&a, "pvc-other", "nbd")?;
     check(w.volume_context[CONTEXT_SECRET] != secret, "one secret per volume")?;
-    check(!served(&format!("nbd://{listen}/pvc-other/{secret}")), "one volume's secret opens another")?;
+    check(!served(&a, &format!("nbd://{listen}/pvc-other/{secret}")), "one volume's secret opens another")?;
     let l = create_nbd(&a, "pvc-loop", "loop")?;
     check(!l.volume_context.contains_key(CONTEXT_URI) && !l.volume_context.contains_key(CONTEXT_SECRET), "a loop volume has no export")?;
-    check(!served(&format!("nbd://{listen}/pvc-loop/{secret}")), "a loop volume is served")?;
+    check(!served(&a, &format!("nbd://{listen}/pvc-loop/{secret}")), "a loop volume is served")?;
 
     // A restarted agent serves it again, with the same secret; the
     // repeated create returns the same context.
     a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
-    check(served(&client_uri(&v)), format!("not served after a restart: {}", a.log_tail(20)))?;
+    check(served(&a, &client_uri(&v)), format!("not served after a restart: {}", a.log_tail(20)))?;
     let again = create_nbd(&a, "pvc-remote", "nbd")?;
     check(again.volume_context == v.volume_context, "a repeated create returns the same context")?;
 
@@ -173,8 +186,8 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
 
     a.respawn_with(&[("VOLRING_NBD_EXPORT_LISTEN", &listen)]);
     a.delete("pvc-remote")?;
-    check(!served(&client_uri(&v)), "served after DeleteVolume")?;
-    check(served(&client_uri(&w)), "the other volume stays served")?;
+    check(!served(&a, &client_uri(&v)), "served after DeleteVolume")?;
+    check(served(&a, &client_uri(&w)), "the other volume stays served")?;
     Ok(())
 }
 
@@ -271,7 +284,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     let uri = client_uri(&v);
     let staging = a.k("plugins/stage/pvc-f");
     // A client that connects and disconnects (NBD_CMD_DISC) holds nothing after.
-    check(served(&uri), format!("not served: {}", a.log_tail(20)))?;
+    check(served(&a, &uri), format!("not served: {}", a.log_tail(20)))?;
 
     // Staged here: the export refuses to hand it out — also after a crash.
     stage_ctx(&a, "pvc-f", &staging, local_ctx())?;
@@ -279,9 +292,9 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     check(!ok, "the export was handed out while its owning node has the volume mounted")?;
     check(err.contains("staged on its owning node"), format!("the refusal says why: {err}"))?;
     a.respawn_with(&env);
-    check(!served(&uri), "handed out after the owner restarted with the volume staged")?;
+    check(!served(&a, &uri), "handed out after the owner restarted with the volume staged")?;
     a.unstage("pvc-f", &staging)?;
-    check(served(&uri), format!("not handed out after the unstage: {}", a.log_tail(20)))?;
+    check(served(&a, &uri), format!("not handed out after the unstage: {}", a.log_tail(20)))?;
 
     // Another node's client holds it: no local stage, no delete.
     let holds = |a: &Agent| a.log_tail(400).matches("held by another node").count();
@@ -310,7 +323,7 @@ fn owner_fence_one_holder_at_a_time() -> Result<(), Failed> {
     let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read 0 64k", &uri], T);
     check(ok && out.contains("read 65536/65536"), format!("the holder again: {out}{err}"))?;
     stage_ctx(&a, "pvc-f", &staging, local_ctx()).map_err(|s| format!("stage after the holder let go: {s}"))?;
-    check(!served(&uri), "handed out after the owner staged it again")?;
+    check(!served(&a, &uri), "handed out after the owner staged it again")?;
     a.unstage("pvc-f", &staging)?;
     a.delete("pvc-f")?;
     Ok(())
@@ -330,30 +343,30 @@ fn owner_fence_survives_crashes_mid_step() -> Result<(), Failed> {
     let image = a.image("pvc-c");
     let staging = a.k("plugins/stage/pvc-c");
     // Never both: the image attached here and the export handed out.
-    let safe = |when: &str| -> Result<(), Failed> {
+    let safe = |a: &Agent, when: &str| -> Result<(), Failed> {
         let attached = !csi_support::loops_backed_by(&image).is_empty();
-        check(!(attached && served(&uri)), format!("handed out while attached here, {when}"))
+        check(!(attached && served(a, &uri)), format!("handed out while attached here, {when}"))
     };
     for point in ["stage:attach", "stage:mount", "stage:staged"] {
         a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
         check(stage_ctx(&a, "pvc-c", &staging, local_ctx()).is_err(), format!("the agent did not die at {point}"))?;
         a.respawn_with(&env);
-        safe(&format!("after a crash at {point}"))?;
+        safe(&a, &format!("after a crash at {point}"))?;
         a.unstage("pvc-c", &staging).map_err(|s| format!("unstage after {point}: {s}"))?;
-        check(served(&uri), format!("not handed out after the unstage that followed {point}: {}", a.log_tail(20)))?;
+        check(served(&a, &uri), format!("not handed out after the unstage that followed {point}: {}", a.log_tail(20)))?;
     }
     for point in ["unstage:intent", "unstage:detached", "unstage:done"] {
         stage_ctx(&a, "pvc-c", &staging, local_ctx())?;
-        check(!served(&uri), "handed out while staged")?;
+        check(!served(&a, &uri), "handed out while staged")?;
         a.respawn_with(&[env[0], ("VOLRING_FAULT_POINT", point)]);
         check(a.unstage("pvc-c", &staging).is_err(), format!("the agent did not die at {point}"))?;
         a.respawn_with(&env);
-        safe(&format!("after a crash at {point}"))?;
+        safe(&a, &format!("after a crash at {point}"))?;
         if point == "unstage:done" {
-            check(served(&uri), format!("fenced after the record was removed: {}", a.log_tail(20)))?;
+            check(served(&a, &uri), format!("fenced after the record was removed: {}", a.log_tail(20)))?;
         }
         a.unstage("pvc-c", &staging).map_err(|s| format!("unstage after {point}: {s}"))?;
-        check(served(&uri), format!("not handed out after the unstage finished ({point})"))?;
+        check(served(&a, &uri), format!("not handed out after the unstage finished ({point})"))?;
     }
     Ok(())
 }
@@ -398,8 +411,59 @@ fn operator_releases_a_dead_holder() -> Result<(), Failed> {
     let (ok, _, err) = holders_cli(&a, &["--release", "pvc-d"]);
     check(!ok && err.contains("NodeUnstage"), format!("a local holder released by hand: {err}"))?;
     a.respawn_with(&env);
-    check(!served(&uri), "handed out while staged, after the refused release")?;
+    check(!served(&a, &uri), "handed out while staged, after the refused release")?;
     a.unstage("pvc-d", &staging)?;
+    Ok(())
+}
+
+/// Two consuming nodes present the same volume's secret: the owning node
+/// hands the volume to the node that named itself first and refuses the
+/// other, and a client that gives no name, until the first lets go with
+/// NBD_CMD_DISC — across a dropped connection and an owner restart. On the
+/// old code the secret was the only identity: a second node was one more
+/// connection of the same holder, and both could mount the volume (the
+/// old code does not understand the name at all: node-b is refused at
+/// once).
+fn one_consuming_node_at_a_time() -> Result<(), Failed> {
+    let (mut a, listen) = exporting_agent();
+    let env = [("VOLRING_NBD_EXPORT_LISTEN", listen.as_str())];
+    let v = create_nbd(&a, "pvc-n", "nbd")?;
+    let uri = client_uri(&v);
+    let as_node = |n: &str| format!("{uri}/{n}");
+    let held_by = |a: &Agent, n: &str| a.log_tail(400).lines().any(|l| l.contains("held by another node") && l.contains(n));
+    // node-b writes (and lets go: qemu-io ends with DISC), then holds it.
+    let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "write -P 0x5b 4M 64k", &as_node("node-b")], T);
+    check(ok && out.contains("wrote 65536/65536"), format!("node-b's write: {out}{err}"))?;
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 4k", "-c", "sleep 60000", &as_node("node-b")])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let held = until("the owner records node-b as the holder", || held_by(&a, "node-b"));
+    let second = run("qemu-io", &["-f", "raw", "-c", "read -P 0x5b 4M 64k", &as_node("node-b")], T);
+    let other = run("env", &["LIBNBD_DEBUG=1", "nbdinfo", &as_node("node-c")], T);
+    let nameless = run("nbdinfo", &[&uri], T);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    held?;
+    check(second.0 && second.1.contains("read 65536/65536"), format!("node-b's second connection: {}{}", second.1, second.2))?;
+    check(!other.0, "node-c was handed the volume node-b holds")?;
+    check(other.2.contains("held by node node-b"), format!("the refusal says who holds it: {}", other.2))?;
+    check(!nameless.0, "a client without a name was handed the volume node-b holds")?;
+    // node-b's connection dropped without NBD_CMD_DISC: away, not gone.
+    check(!served(&a, &as_node("node-c")), "node-c served after node-b's connection dropped")?;
+    a.respawn_with(&env);
+    check(!served(&a, &as_node("node-c")), "node-c served after an owner restart")?;
+    // node-b comes back, reads its data, and lets go (qemu-io ends with DISC).
+    let (ok, out, err) = run("qemu-io", &["-f", "raw", "-c", "read -P 0x5b 4M 64k", &as_node("node-b")], T);
+    check(ok && out.contains("read 65536/65536"), format!("node-b again: {out}{err}"))?;
+    // The owner reads node-b's DISC on its own time: node-c may be refused
+    // for that moment (its CO retries).
+    until("node-c is served once node-b let go", || served(&a, &as_node("node-c")))?;
+    let staging = a.k("plugins/stage/pvc-n");
+    stage_ctx(&a, "pvc-n", &staging, local_ctx()).map_err(|s| format!("stage after both let go: {s}"))?;
+    a.unstage("pvc-n", &staging)?;
     Ok(())
 }
 
@@ -481,6 +545,9 @@ fn consumer_sees_the_fence() -> Result<(), Failed> {
     }
     let r = stage_ctx(&consumer, "pvc-k", &staging, ctx);
     check(code(r) == Some(Code::FailedPrecondition), "no nbd driver on the consumer")?;
+    // The consumer gave the owner its node id (the fence holds for it alone).
+    let named = owner.log_tail(400).lines().any(|l| l.contains("held by another node") && l.contains("test-node"));
+    check(named, format!("the consumer did not name itself: {}", owner.log_tail(10)))?;
     stage_ctx(&owner, "pvc-k", &owner_staging, local_ctx()).map_err(|s| format!("the consumer's failed attach kept the volume: {s}"))?;
     owner.unstage("pvc-k", &owner_staging)?;
     Ok(())
@@ -494,6 +561,7 @@ fn main() {
         Trial::test("nbd_remote::owner_fence_one_holder_at_a_time", owner_fence_one_holder_at_a_time),
         Trial::test("nbd_remote::owner_fence_survives_crashes_mid_step", owner_fence_survives_crashes_mid_step),
         Trial::test("nbd_remote::consumer_sees_the_fence", consumer_sees_the_fence),
+        Trial::test("nbd_remote::one_consuming_node_at_a_time", one_consuming_node_at_a_time),
         Trial::test("nbd_remote::operator_releases_a_dead_holder", operator_releases_a_dead_holder),
         Trial::test("nbd_remote::owner_stages_a_moved_share_over_nfs", owner_stages_a_moved_share_over_nfs),
     ];

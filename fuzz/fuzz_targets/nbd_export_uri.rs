@@ -3,11 +3,11 @@
 //! Never a panic; a URI that parses prints back to itself and parses to
 //! the same value; a secret that parses round-trips through hex; the
 //! constant-time check agrees with the plain decode, and a name split at
-//! its separator gives back the whole.
+//! its separators gives back the whole (with a valid client part, if any).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::nbd::remote::{split_wire_name, valid_export, wire_name, ExportUri, Secret};
+use volring::nbd::remote::{split_wire_name, valid_client, valid_export, wire_name, ExportUri, Secret, WireName};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
@@ -23,11 +23,18 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(Secret::from_hex(&s.to_hex()).expect("hex round trip"), s);
         assert!(s.matches(text) && s.matches(&s.to_hex()));
     }
-    if let Some((export, presented)) = split_wire_name(text) {
-        assert_eq!(format!("{export}/{presented}"), text);
-        if valid_export(export) {
-            if let Ok(s) = Secret::from_hex(presented) {
-                assert_eq!(split_wire_name(&wire_name(export, &s)), Some((export, s.to_hex().as_str())));
+    if let Some(w) = split_wire_name(text) {
+        let mut whole = format!("{}/{}", w.export, w.secret);
+        if let Some(c) = w.client {
+            assert!(valid_client(c));
+            whole = format!("{whole}/{c}");
+        }
+        assert_eq!(whole, text);
+        if valid_export(w.export) {
+            if let Ok(s) = Secret::from_hex(w.secret) {
+                let again = wire_name(w.export, &s, w.client);
+                let hex = s.to_hex();
+                assert_eq!(split_wire_name(&again), Some(WireName { export: w.export, secret: &hex, client: w.client }));
             }
         }
     }

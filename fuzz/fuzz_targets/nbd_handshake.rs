@@ -22,7 +22,7 @@ impl Catalog for Two {
     fn names(&self) -> Vec<(String, String)> {
         vec![(String::new(), "default".into()), ("ro".into(), "read-only".into())]
     }
-    fn admit(&self, h: &u8) -> Result<(), String> {
+    fn admit(&self, h: &u8, _: &str) -> Result<(), String> {
         if *h == 0 {
             Ok(())
         } else {

@@ -247,7 +247,12 @@ impl CsiArgs {
             request_timeout: std::time::Duration::from_secs(self.nbd_request_timeout),
             connections: self.nbd_attach_connections,
             heal: !self.nbd_no_heal,
+            client: volring::nbd::remote::valid_client(&c.node_id).then(|| c.node_id.clone()),
         };
+        if c.nbd.client.is_none() {
+            tracing::warn!(node = %c.node_id, "the node id is not a valid NBD client name ([A-Za-z0-9._-], at most 253): \
+                remote nbd volumes are attached without a node name, and their owning nodes cannot tell this node from another");
+        }
         c.share.listen = match self.nfs_listen.as_str() {
             "off" => None,
             a => Some(a.parse().map_err(|e| anyhow::anyhow!("--nfs-listen {a:?}: {e} (address:port or off)"))?),

@@ -38,9 +38,9 @@ pub fn holders(state_dir: &Path, release: Option<&str>, json: bool) -> anyhow::R
     }
     println!("{:<40} HOLDER", "VOLUME");
     for (id, h) in all {
-        let who = match h {
-            Holder::Local => "this node".to_string(),
-            Holder::Remote { since } => format!("another node, through the export (since unix time {since})"),
+        let who = match &h {
+            Holder::Local => h.who(),
+            Holder::Remote { since, .. } => format!("{}, through the export (since unix time {since})", h.who()),
         };
         println!("{id:<40} {who}");
     }

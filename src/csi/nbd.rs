@@ -59,6 +59,10 @@ pub struct NbdAttachConfig {
     /// Reconnect recorded devices at start and on LINK_DEAD. Off only to
     /// show what an agent restart does without it.
     pub heal: bool,
+    /// The name this node gives another node's export (its node id, when
+    /// that is a valid client name): the owning node hands a volume to one
+    /// named node at a time.
+    pub client: Option<String>,
 }
 
 impl Default for NbdAttachConfig {
@@ -68,6 +72,7 @@ impl Default for NbdAttachConfig {
             request_timeout: nbdattach::control::DEFAULT_TIMEOUT,
             connections: 1,
             heal: true,
+            client: None,
         }
     }
 }
@@ -179,7 +184,7 @@ impl NbdSide {
         // is the answer whether or not this node has the nbd driver.
         let remote = match &rec.remote {
             Some(r) => {
-                let source = remote_source(r)?;
+                let source = remote_source(r, cfg.client.as_deref())?;
                 let (sockets, details) =
                     nbdattach::remote::connected_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
                 Some((source, sockets, details))
@@ -270,7 +275,7 @@ impl NbdSide {
         let result = self.inner().and_then(|inner| {
             let served = match &rec.remote {
                 Some(r) => {
-                    let source = remote_source(r)?;
+                    let source = remote_source(r, self.config.client.as_deref())?;
                     match nbdattach::remote::connected_sockets(&source, self.config.connections) {
                         Ok((sockets, details)) => {
                             let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
@@ -446,10 +451,10 @@ fn device_size(index: u32) -> u64 {
 }
 
 /// A record's remote export as a connectable source.
-fn remote_source(r: &RemoteExport) -> Result<RemoteSource> {
+fn remote_source(r: &RemoteExport, client: Option<&str>) -> Result<RemoteSource> {
     let uri = ExportUri::parse(&r.uri).map_err(|e| Error::Internal(format!("recorded export: {e}")))?;
     let secret = Secret::from_hex(&r.secret).map_err(|e| Error::Internal(format!("recorded export {}: {e}", r.uri)))?;
-    Ok(RemoteSource { uri, secret })
+    Ok(RemoteSource { uri, secret, client: client.map(str::to_string) })
 }
 
 /// A remote export that cannot be reached is Unavailable (the CO retries);

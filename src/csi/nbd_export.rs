@@ -147,15 +147,17 @@ impl Driver {
     /// delete refused: it is in use (FAILED_PRECONDITION, the spec's code
     /// for a volume in use).
     pub(super) fn withdraw_export(&self, id: &str) -> Result<()> {
+        self.fence.settle(id);
         if let Some(l) = self.exports.get() {
             l.withdraw(id);
         }
-        if let Some(super::fence::Holder::Remote { since }) = self.fence.holder(id) {
+        if let Some(h @ super::fence::Holder::Remote { since, .. }) = self.fence.holder(id) {
             if let Some(m) = self.pool.get(id) {
                 self.export_volume(&m)?;
             }
             return Err(Error::FailedPrecondition(format!(
-                "volume {id} is attached on another node through this node's nbd export (since unix time {since})"
+                "volume {id} is attached on {} through this node's nbd export (since unix time {since})",
+                h.who()
             )));
         }
         Ok(())

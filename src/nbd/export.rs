@@ -177,12 +177,13 @@ impl Export {
 
     /// Takes a connection slot; false when the limit is reached or the export is gone.
     pub fn admit(&self) -> bool {
-        self.admit_why().is_ok()
+        self.admit_why(None).is_ok()
     }
 
     /// Takes a connection slot, or says why not: the export is gone, full,
-    /// or its [`Admission`] refuses.
-    pub fn admit_why(&self) -> Result<(), String> {
+    /// or its [`Admission`] refuses `client` (the name the client gave
+    /// itself, if any).
+    pub fn admit_why(&self, client: Option<&str>) -> Result<(), String> {
         if self.is_removed() {
             return Err("no longer served".into());
         }
@@ -192,7 +193,7 @@ impl Export {
             return Err("has reached its connection limit".into());
         }
         if let Some(a) = &self.admission {
-            if let Err(why) = a.admit(&self.name) {
+            if let Err(why) = a.admit(&self.name, client) {
                 let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
                 return Err(why);
             }
@@ -224,10 +225,11 @@ impl Export {
 /// block briefly (a store commit when the holder changes) but never wait
 /// on the async side.
 pub trait Admission: Send + Sync {
-    /// A client that named the right secret asks for `export`: `Ok` once
-    /// it may have it (anything that must outlive a crash is recorded
-    /// before this returns), else why not.
-    fn admit(&self, export: &str) -> Result<(), String>;
+    /// A client that named the right secret asks for `export`, naming
+    /// itself `client` (the consuming node, when it says): `Ok` once it may
+    /// have it (anything that must outlive a crash is recorded before this
+    /// returns), else why not.
+    fn admit(&self, export: &str, client: Option<&str>) -> Result<(), String>;
     /// A connection `admit` let in has ended; `disconnected`: with the
     /// client's NBD_CMD_DISC.
     fn released(&self, export: &str, disconnected: bool);
@@ -238,8 +240,8 @@ pub trait Admission: Send + Sync {
 ///
 /// A guarded catalog ([`Exports::guarded`], the one a node's TCP export
 /// listener serves) holds only exports added with a secret, finds one only
-/// for a client that names `<export>/<secret>` with the right secret
-/// (compared in constant time), answers a wrong secret exactly as an
+/// for a client that names `<export>/<secret>[/<client>]` with the right
+/// secret (compared in constant time), answers a wrong secret exactly as an
 /// unknown export, and lists nothing.
 #[derive(Default)]
 pub struct Exports {
@@ -331,13 +333,13 @@ impl Exports {
     /// export's secret. The map lookup is by the export part only (volume
     /// ids are not secret); the secret is compared whole, in constant time.
     fn find_guarded(&self, secrets: &RwLock<BTreeMap<String, Secret>>, name: &str) -> Option<Arc<Export>> {
-        let (export, presented) = super::remote::split_wire_name(name)?;
-        let secret = secrets.read().unwrap_or_else(|p| p.into_inner()).get(export).cloned();
-        let e = self.get(export);
+        let wire = super::remote::split_wire_name(name)?;
+        let secret = secrets.read().unwrap_or_else(|p| p.into_inner()).get(wire.export).cloned();
+        let e = self.get(wire.export);
         // Compared even when the export is unknown, so a miss costs what a
         // wrong secret costs.
         let dummy = Secret::from_hex(&"0".repeat(64)).ok()?;
-        let ok = secret.as_ref().unwrap_or(&dummy).matches(presented);
+        let ok = secret.as_ref().unwrap_or(&dummy).matches(wire.secret);
         match (ok, secret.is_some()) {
             (true, true) => e,
             _ => None,
@@ -377,14 +379,20 @@ impl Catalog for Exports {
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().map(|e| (e.name.clone(), e.description.clone())).collect()
     }
 
-    fn admit(&self, export: &Arc<Export>) -> Result<(), String> {
-        export.admit_why()
+    /// A guarded export is admitted for the client the name gives (see
+    /// [`Admission`]); an unguarded one for nobody in particular.
+    fn admit(&self, export: &Arc<Export>, name: &str) -> Result<(), String> {
+        let client = match &self.secrets {
+            Some(_) => super::remote::split_wire_name(name).and_then(|w| w.client),
+            None => None,
+        };
+        export.admit_why(client)
     }
 
     /// The secret never leaves the handshake (the server logs the name).
     fn public_name<'a>(&self, name: &'a str) -> &'a str {
         match (&self.secrets, super::remote::split_wire_name(name)) {
-            (Some(_), Some((export, _))) => export,
+            (Some(_), Some(wire)) => wire.export,
             _ => name,
         }
     }
@@ -444,14 +452,14 @@ mod tests {
         assert!(Exports::new().add_guarded(&spec("v"), secret.clone()).is_err(), "no secret in an open catalog");
         assert!(g.add_guarded(&spec("a/b"), secret.clone()).is_err(), "a name holding the separator");
         g.add_guarded(&spec("v"), secret.clone()).unwrap();
-        let good = super::super::remote::wire_name("v", &secret);
+        let good = super::super::remote::wire_name("v", &secret, None);
         assert!(g.find(&good).is_some());
         assert_eq!(g.public_name(&good), "v");
         let other = Secret::generate().unwrap();
         for bad in [
             "v".to_string(),
             "v/".into(),
-            super::super::remote::wire_name("v", &other),
+            super::super::remote::wire_name("v", &other, None),
             format!("{good}0"),
             format!("w/{}", secret.to_hex()),
         ] {
@@ -462,6 +470,40 @@ mod tests {
         assert!(g.find(&good).is_none());
         // The same name again takes the new secret only.
         g.add_guarded(&spec("v"), other.clone()).unwrap();
-        assert!(g.find(&good).is_none() && g.find(&super::super::remote::wire_name("v", &other)).is_some());
+        assert!(g.find(&good).is_none() && g.find(&super::super::remote::wire_name("v", &other, None)).is_some());
+    }
+
+    /// The admission hears the name the client gave itself in a guarded
+    /// catalog, and nothing in an open one.
+    #[test]
+    fn the_client_name_reaches_the_admission() {
+        struct Seen(std::sync::Mutex<Vec<Option<String>>>);
+        impl Admission for Seen {
+            fn admit(&self, _: &str, client: Option<&str>) -> Result<(), String> {
+                self.0.lock().unwrap().push(client.map(str::to_string));
+                match client {
+                    Some("refused") => Err("no".into()),
+                    _ => Ok(()),
+                }
+            }
+            fn released(&self, _: &str, _: bool) {}
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let spec =
+            ExportSpec { name: "v".into(), path, read_only: false, direct_io: false, max_connections: 0, description: String::new() };
+        let g = Exports::guarded();
+        let seen = Arc::new(Seen(Default::default()));
+        g.set_admission(seen.clone()).unwrap();
+        let secret = Secret::generate().unwrap();
+        let e = g.add_guarded(&spec, secret.clone()).unwrap();
+        let wire = |c| super::super::remote::wire_name("v", &secret, c);
+        let (h, _) = g.find(&wire(Some("node-b"))).expect("found with a client name");
+        assert!(g.admit(&h, &wire(Some("node-b"))).is_ok() && g.admit(&h, &wire(None)).is_ok());
+        assert!(g.admit(&h, &wire(Some("refused"))).is_err());
+        assert_eq!(*seen.0.lock().unwrap(), [Some("node-b".to_string()), None, Some("refused".to_string())]);
+        assert_eq!(e.stats.connections.load(Ordering::Acquire), 2, "a refused client holds no slot");
+        assert_eq!(g.public_name(&wire(Some("node-b"))), "v", "neither secret nor client is kept");
     }
 }

@@ -34,8 +34,9 @@ pub trait Catalog {
     fn names(&self) -> Vec<(String, String)>;
     /// Takes a connection slot on the export, or says why not (it is full,
     /// or another holder has the volume): the reason goes into the GO
-    /// refusal's message.
-    fn admit(&self, export: &Self::Handle) -> Result<(), String>;
+    /// refusal's message. `name` is the name as the client sent it (a
+    /// guarded catalog reads the consuming node's name from it).
+    fn admit(&self, export: &Self::Handle, name: &str) -> Result<(), String>;
     /// The name the server keeps (and logs) for the name a client sent:
     /// a guarded catalog drops the secret from it.
     fn public_name<'a>(&self, name: &'a str) -> &'a str {
@@ -299,7 +300,7 @@ impl Handshake {
         let Some((handle, info)) = catalog.find(name) else {
             return Outcome::End(Ending::ExportRefused);
         };
-        if catalog.admit(&handle).is_err() {
+        if catalog.admit(&handle, name).is_err() {
             return Outcome::End(Ending::ExportRefused);
         }
         let tx_flags = transmission_flags(&info, self.style);
@@ -341,7 +342,7 @@ impl Handshake {
             return Outcome::Continue;
         };
         if option == opt::GO {
-            if let Err(why) = catalog.admit(&handle) {
+            if let Err(why) = catalog.admit(&handle, name) {
                 option_error(out, option, rep::ERR_POLICY, &format!("export {:?}: {why}", catalog.public_name(name)));
                 return Outcome::Continue;
             }
@@ -439,7 +440,7 @@ mod tests {
         fn names(&self) -> Vec<(String, String)> {
             vec![("disk".into(), "d".into())]
         }
-        fn admit(&self, _: &()) -> Result<(), String> {
+        fn admit(&self, _: &(), _: &str) -> Result<(), String> {
             if self.full.get() {
                 Err("full".into())
             } else {

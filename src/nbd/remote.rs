@@ -5,7 +5,10 @@
 //! driver (whose sockets the agent negotiates for it) cannot do TLS. So a
 //! remote export is guarded by a secret the client must name: the export
 //! name on the wire is `<export>/<secret>` (what `nbd://host:port/<export>/
-//! <secret>` gives qemu-io or nbdinfo), the server compares the secret in
+//! <secret>` gives qemu-io or nbdinfo), optionally followed by
+//! `/<client>`, the consuming node's name, which the owning node's fence
+//! holds the volume for (a secret is per volume, not per node, so without
+//! it two consuming nodes could not be told apart); the server compares the secret in
 //! constant time and answers a wrong one exactly as it answers an unknown
 //! export. The secret is 32 random bytes (64 hex digits), made by the
 //! owning node's CreateVolume and carried to the consuming node in the
@@ -207,15 +210,40 @@ fn hex_value_ct(c: u8) -> (u8, u8) {
     (v, !(digit | lower | upper) & 1)
 }
 
-/// The name a client sends for a guarded export.
-pub fn wire_name(export: &str, secret: &Secret) -> String {
-    format!("{export}/{}", secret.to_hex())
+/// What a client name (the consuming node's name on the wire) may hold:
+/// 1 to 253 of `[A-Za-z0-9._-]` (every Kubernetes node name fits).
+pub fn valid_client(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 253 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-/// A client's export name split into the export and the secret it
-/// presents; `None` when it has no `/` (it names no guarded export).
-pub fn split_wire_name(name: &str) -> Option<(&str, &str)> {
-    name.split_once('/')
+/// The name a client sends for a guarded export: `<export>/<secret>`, then
+/// `/<client>` when the client names itself.
+pub fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
+    match client {
+        Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
+        None => format!("{export}/{}", secret.to_hex()),
+    }
+}
+
+/// A client's export name for a guarded export, split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireName<'a> {
+    pub export: &'a str,
+    /// The secret as presented (compared by the catalog, in constant time).
+    pub secret: &'a str,
+    /// The consuming node's name, when the client gave one.
+    pub client: Option<&'a str>,
+}
+
+/// A client's export name split into the export, the secret it presents
+/// and the name it gives itself; `None` when it has no `/` (it names no
+/// guarded export) or its client part is not a [`valid_client`].
+pub fn split_wire_name(name: &str) -> Option<WireName<'_>> {
+    let (export, rest) = name.split_once('/')?;
+    match rest.split_once('/') {
+        None => Some(WireName { export, secret: rest, client: None }),
+        Some((secret, client)) => valid_client(client).then_some(WireName { export, secret, client: Some(client) }),
+    }
 }
 
 #[cfg(test)]
@@ -302,10 +330,19 @@ mod tests {
     }
 
     #[test]
-    fn wire_names_split_at_the_first_slash() {
+    fn wire_names_split_into_export_secret_and_client() {
         let s = Secret::from_hex(&"ab".repeat(32)).unwrap();
-        let n = wire_name("pvc-1", &s);
-        assert_eq!(split_wire_name(&n), Some(("pvc-1", "ab".repeat(32).as_str())));
+        let hex = "ab".repeat(32);
+        let n = wire_name("pvc-1", &s, None);
+        assert_eq!(split_wire_name(&n), Some(WireName { export: "pvc-1", secret: &hex, client: None }));
+        let n = wire_name("pvc-1", &s, Some("node-b.example"));
+        assert_eq!(n, format!("pvc-1/{hex}/node-b.example"));
+        assert_eq!(split_wire_name(&n), Some(WireName { export: "pvc-1", secret: &hex, client: Some("node-b.example") }));
         assert_eq!(split_wire_name("pvc-1"), None);
+        // A client part that is not a node name names nothing.
+        for bad in ["", "a/b", "sp ace", "n\n", &"n".repeat(254)] {
+            assert_eq!(split_wire_name(&format!("pvc-1/{hex}/{bad}")), None, "{bad:?}");
+        }
+        assert!(valid_client(&"n".repeat(253)) && !valid_client("é"));
     }
 }

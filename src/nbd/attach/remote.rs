@@ -25,6 +25,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct RemoteSource {
     pub uri: ExportUri,
     pub secret: Secret,
+    /// This node's name, given to the owning node with each connection so
+    /// its fence holds the volume for this node alone (`None`: no name).
+    pub client: Option<String>,
 }
 
 /// A device this process keeps connected to a remote export.
@@ -53,7 +56,8 @@ fn connect_one(addrs: &[SocketAddr], source: &RemoteSource) -> Result<(OwnedFd, 
         match TcpStream::connect_timeout(a, CONNECT_TIMEOUT) {
             Ok(mut s) => {
                 s.set_nodelay(true).map_err(Error::io("TCP_NODELAY"))?;
-                let d = client::negotiate(&mut s, &wire_name(&source.uri.export, &source.secret), CONNECT_TIMEOUT)?;
+                let d =
+                    client::negotiate(&mut s, &wire_name(&source.uri.export, &source.secret, source.client.as_deref()), CONNECT_TIMEOUT)?;
                 // The kernel's driver waits on the socket itself: no timeouts of ours.
                 s.set_read_timeout(None).and_then(|_| s.set_write_timeout(None)).map_err(Error::io("clear socket timeout"))?;
                 return Ok((OwnedFd::from(s), d));
