@@ -1,0 +1,112 @@
+#!/bin/sh
+# Runs in the VM of tests/vm_share_move.rs: a shared (RWX) volume's NFS
+# server moves from its owning node to this one while a client keeps its
+# mount. The host is node A: its agent owns the volume's image, stages it
+# (loop), exports it with its ganesha and serves the image over nbd. This
+# guest is node B (its own `volring node`, its own ganesha) and also the
+# client node: a kernel NFS mount of one fixed address, 127.0.0.1:2050,
+# the stand-in for the volume's Service (ClusterIP:2049). A socat
+# listener plays kube-proxy: it leads to A's ganesha (10.0.2.100:2049,
+# qemu's guestfwd to the host) until the move, then to B's
+# (127.0.0.1:2049). Connections it already forwarded stay with their
+# old backend, as conntrack keeps an established flow on its endpoint.
+#
+# The client holds a file open (fd 3) and its cwd in the volume and a
+# writer writes files; the move (the host unstages A; B stages the
+# volume over nbd with share=nfs and exports it) must cost no write, the
+# open file and the cwd must keep working, and everything written before
+# and after must verify. Environment: VOLRING, URI, SECRET, VOLUME, FS.
+# Results in $VM_RESULTS.
+
+set -u
+: "${VOLRING:?}" "${VM_RESULTS:?}" "${URI:?}" "${SECRET:?}" "${VOLUME:?}" "${FS:?}"
+R=$VM_RESULTS
+fail() {
+  echo "FAIL: $*"
+  echo "FAIL: $*" >>"$R/verdict"
+  dmesg | grep -i -E "nfs|rpc|stale|nbd|xfs" | tail -12 >>"$R/verdict"
+  [ -e /tmp/b/nfs/ganesha.log ] && tail -8 /tmp/b/nfs/ganesha.log >>"$R/verdict"
+  exit 1
+}
+note() { echo "$(cut -d' ' -f1 /proc/uptime) $*" | tee -a "$R/notes"; }
+# ask STEP: the host does the owner's STEP; fails unless it answers ok.
+ask() {
+  touch "$R/ask-$1"
+  i=0
+  while [ ! -e "$R/done-$1" ]; do
+    i=$((i + 1))
+    [ $i -gt 1200 ] && fail "the host did not answer $1 within 120 s"
+    sleep 0.1
+  done
+  grep -q '^ok' "$R/done-$1" || fail "owner step $1: $(cat "$R/done-$1")"
+}
+# service TARGET: the fixed address now leads to TARGET (host:port).
+service() {
+  [ -n "${svc:-}" ] && kill "$svc" 2>/dev/null
+  socat TCP-LISTEN:2050,bind=127.0.0.1,reuseaddr,fork "TCP:$1" 2>>"$R/service.err" &
+  svc=$!
+}
+
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip link set lo up || fail "network: $(ip link 2>&1)"
+modprobe nbd nbds_max=4 || fail "modprobe nbd"
+modprobe nfsv4 || fail "modprobe nfsv4"
+
+# Node B: its agent serves NFS on 127.0.0.1:2049.
+E=unix:///tmp/b.sock
+K=/tmp/kubelet
+S=$K/plugins/stage/$VOLUME
+mkdir -p "$K" /tmp/b /tmp/c
+"$VOLRING" node --metrics-addr off --node-id node-b --stats-interval 5 --csi-endpoint "$E" --kubelet-root "$K" \
+  --state-dir /tmp/b --nbd-request-timeout 3 --no-publish --nfs-listen 127.0.0.1:2049 --nfs-grace 10 --nfs-lease 10 \
+  >"$R/b.out" 2>"$R/b.err" &
+b=$!
+wait_ready $b "$R/b.err" "$E"
+
+# The client, through the Service to A.
+service 10.0.2.100:2049
+C=/tmp/c
+timeout 120 mount -t nfs4 -o vers=4.1,port=2050,proto=tcp,hard,timeo=100,retrans=3,actimeo=1,lookupcache=positive \
+  "127.0.0.1:/$VOLUME" "$C" 2>"$R/mount.err" || fail "mount through the service: $(cat "$R/mount.err")"
+mkdir -p "$C/d/w" || fail "mkdir on the volume"
+cd "$C/d" || fail "cd"
+exec 3>>held.log || fail "open held.log"
+echo "line 1 before the move" >&3 || fail "write held.log"
+FILE_KIB=128 MAXF=400 PER_CYCLE=3
+start_writer file "$C/d/w"
+more_writes 0
+note "mounted from A; the writer wrote $(wc -l <"$R/writes") files"
+
+# The move. A lets go (unexport, unmount, the fence released)...
+before=$(wc -l <"$R/writes")
+t0=$(now)
+ask owner-unstaged
+note "A unstaged"
+service 127.0.0.1:2049
+# ... and B stages it over nbd and exports it.
+timeout 180 "$VOLRING" csi --endpoint "$E" stage --id "$VOLUME" --staging "$S" --fs "$FS" --mode multi-node-multi-writer \
+  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" --context share=nfs \
+  >"$R/stage.out" 2>&1 || fail "B's stage: $(cat "$R/stage.out"); $(tail -5 "$R/b.err")"
+dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
+case "$dev" in /dev/nbd*) ;; *) fail "B staged on '$dev', not an nbd device" ;; esac
+note "B staged on $dev and exports it"
+more_writes "$before"
+t1=$(now)
+note "the writer resumed: $(wc -l <"$R/writes") files, the move took $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s for the writer"
+echo "line 2 after the move" >&3 || fail "the open file after the move: $(dmesg | grep -i nfs | tail -3)"
+exec 3>&-
+[ "$(timeout -s KILL 60 cat held.log)" = "$(printf 'line 1 before the move\nline 2 after the move')" ] ||
+  fail "held.log through the cwd: $(timeout -s KILL 20 cat held.log 2>&1)"
+touch /tmp/stop-writer
+wait $writer || fail "the writer failed: $(cat "$R/writer.err")"
+verify_files "$C/d/w" "after the move"
+(cd "$S/d/w" && sha256sum -c --quiet /tmp/sums) >"$R/verify-b" 2>&1 || fail "B's own view differs: $(head -3 "$R/verify-b")"
+dmesg | grep -qi stale && fail "the client saw stale handles: $(dmesg | grep -i stale | head -3)"
+note "verified $(wc -l <"$R/writes") files, held.log and the cwd after the move"
+
+cd /
+timeout -s KILL 60 umount "$C" || fail "umount the client"
+timeout 120 "$VOLRING" csi --endpoint "$E" unstage --id "$VOLUME" --staging "$S" >"$R/unstage.out" 2>&1 ||
+  fail "B's unstage: $(cat "$R/unstage.out")"
+kill $svc $b
+wait $b 2>/dev/null
+echo "ok: moved A -> B under a mounted client ($FS)" | tee "$R/verdict"
