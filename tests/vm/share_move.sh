@@ -50,6 +50,7 @@ service() {
 ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip link set lo up || fail "network: $(ip link 2>&1)"
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
 modprobe nfsv4 || fail "modprobe nfsv4"
+[ "$FS" = ext4 ] || modprobe "$FS" || fail "modprobe $FS"
 
 # Node B: its agent serves NFS on 127.0.0.1:2049.
 E=unix:///tmp/b.sock
@@ -84,7 +85,7 @@ note "A unstaged"
 service 127.0.0.1:2049
 # ... and B stages it over nbd and exports it.
 timeout 180 "$VOLRING" csi --endpoint "$E" stage --id "$VOLUME" --staging "$S" --fs "$FS" --mode multi-node-multi-writer \
-  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" --context share=nfs \
+  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" \
   >"$R/stage.out" 2>&1 || fail "B's stage: $(cat "$R/stage.out"); $(tail -5 "$R/b.err")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "B staged on '$dev', not an nbd device" ;; esac
