@@ -43,6 +43,9 @@ struct State {
     pidfd: Option<OwnedFd>,
     starts: u64,
     stopping: bool,
+    /// The running process was ended on purpose (an export removed): its
+    /// death is no crash, so no backoff.
+    killed: bool,
 }
 
 struct Shared {
@@ -75,17 +78,37 @@ impl NfsServer {
         exports.sort();
         let text = ganesha::render(&self.shared.settings, &exports)?;
         let mut st = self.shared.lock();
-        if st.exports == exports && self.thread_running() {
+        if st.exports == exports && (self.thread_running() || exports.is_empty()) {
             return Ok(());
         }
         write_atomic(&self.shared.config_path(), text.as_bytes())?;
+        // An export that goes away must not be answered for: ganesha,
+        // re-reading a configuration without it, tells the clients still
+        // connected that their file handles are stale (ESTALE in their
+        // applications, a dead mount), while those clients should instead
+        // lose the connection and find the volume where it went (the
+        // Service's new endpoint). So a removal ends the process (SIGKILL:
+        // a shutdown would unexport first and answer the same way); the
+        // supervisor starts it again on the file just written when exports
+        // remain, and their clients ride through as through any restart
+        // (hard mounts, NFSv4 grace). An addition is a reload (SIGHUP).
+        let removed = st.exports.iter().any(|e| !exports.iter().any(|n| n.id == e.id && n.path == e.path));
         st.exports = exports;
         if let Some(fd) = &st.pidfd {
             // A server that has not yet set its handler dies of the HUP; the
             // supervisor then starts it again on the file just written.
-            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::HUP);
+            let signal = if removed { rustix::process::Signal::KILL } else { rustix::process::Signal::HUP };
+            let _ = rustix::process::pidfd_send_signal(fd, signal);
+            if removed {
+                st.killed = true;
+            }
         }
+        let none = st.exports.is_empty();
         drop(st);
+        if none {
+            // No export: no server (the supervisor ends with the process).
+            return Ok(());
+        }
         self.ensure_thread()
     }
 
@@ -166,7 +189,7 @@ impl Shared {
             let started = Instant::now();
             let child = {
                 let mut st = self.lock();
-                if st.stopping {
+                if st.stopping || st.exports.is_empty() {
                     return;
                 }
                 match self.spawn() {
@@ -189,11 +212,12 @@ impl Shared {
             let mut st = self.lock();
             st.pid = None;
             st.pidfd = None;
-            if st.stopping {
+            let killed = std::mem::take(&mut st.killed);
+            if st.stopping || (killed && st.exports.is_empty()) {
                 return;
             }
             let ran = started.elapsed();
-            backoff = if ran >= HEALTHY_RUN { BACKOFF_MIN } else { (backoff * 2).min(BACKOFF_MAX) };
+            backoff = if ran >= HEALTHY_RUN || killed { BACKOFF_MIN } else { (backoff * 2).min(BACKOFF_MAX) };
             tracing::warn!(status = ?status, ran_secs = ran.as_secs_f64(), retry_in_ms = backoff.as_millis() as u64,
                 log = %self.files.dir.join("ganesha.log").display(), "NFS server exited; restarting");
             // Bounded wait; a stop wakes it early.

@@ -43,7 +43,9 @@ ask() {
 # service TARGET: the fixed address now leads to TARGET (host:port).
 service() {
   [ -n "${svc:-}" ] && kill "$svc" 2>/dev/null
-  socat TCP-LISTEN:2050,bind=127.0.0.1,reuseaddr,fork "TCP:$1" 2>>"$R/service.err" &
+  # Started away from the volume (no cwd, no fd 3 in it): it outlives the
+  # client's umount.
+  (cd / && exec socat TCP-LISTEN:2050,bind=127.0.0.1,reuseaddr,fork "TCP:$1" 3>&- 2>>"$R/service.err") &
   svc=$!
 }
 
@@ -105,7 +107,7 @@ dmesg | grep -qi stale && fail "the client saw stale handles: $(dmesg | grep -i 
 note "verified $(wc -l <"$R/writes") files, held.log and the cwd after the move"
 
 cd /
-timeout -s KILL 60 umount "$C" || fail "umount the client"
+timeout -s KILL 60 umount "$C" 2>"$R/umount.err" || fail "umount the client: $(cat "$R/umount.err"); $(fuser -vm "$C" 2>&1)"
 timeout 120 "$VOLRING" csi --endpoint "$E" unstage --id "$VOLUME" --staging "$S" >"$R/unstage.out" 2>&1 ||
   fail "B's unstage: $(cat "$R/unstage.out")"
 kill $svc $b
