@@ -25,6 +25,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// A server that ran this long before dying restarts at once (after
 /// [`BACKOFF_MIN`]): it was not crash-looping.
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
+/// How long a removal waits for the process it ended to be reaped.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// Where the server's files go and which binary runs.
 #[derive(Debug, Clone)]
@@ -101,6 +103,11 @@ impl NfsServer {
             let _ = rustix::process::pidfd_send_signal(fd, signal);
             if removed {
                 st.killed = true;
+                // Until it is reaped (bounded): a process still exiting
+                // may hold the removed export's files, and the caller
+                // unmounts its filesystem next.
+                let victim = st.pid;
+                st = self.shared.wake.wait_timeout_while(st, KILL_WAIT, |s| s.pid.is_some() && s.pid == victim).unwrap_or_else(|e| e.into_inner()).0;
             }
         }
         let none = st.exports.is_empty();
@@ -212,6 +219,7 @@ impl Shared {
             let mut st = self.lock();
             st.pid = None;
             st.pidfd = None;
+            self.wake.notify_all();
             let killed = std::mem::take(&mut st.killed);
             if st.stopping || (killed && st.exports.is_empty()) {
                 return;
