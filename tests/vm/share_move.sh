@@ -74,6 +74,44 @@ mkdir -p "$C/d/w" || fail "mkdir on the volume"
 cd "$C/d" || fail "cd"
 exec 3>>held.log || fail "open held.log"
 echo "line 1 before the move" >&3 || fail "write held.log"
+# A POSIX lock held across the move (what the client sees of it is
+# measured, in $R/lock: B's ganesha does not know this client, so nothing
+# the client reclaims is granted).
+(cd / && exec /usr/bin/python3 -c 'import fcntl, os, sys, time
+r = open(sys.argv[2], "a")
+f = open(sys.argv[1], "a")
+fcntl.lockf(f, fcntl.LOCK_EX)
+f.write("locked before the move\n"); f.flush()
+r.write("held\n"); r.flush()
+for _ in range(3000):
+    if os.path.exists("/tmp/moved"):
+        break
+    time.sleep(0.1)
+def step(what, fn):
+    try:
+        fn(); r.write(what + ": ok\n")
+    except OSError as e:
+        r.write(what + ": " + os.strerror(e.errno) + "\n")
+    r.flush()
+step("write through the locked fd", lambda: (f.write("after the move\n"), f.flush(), os.fsync(f.fileno())))
+pid = os.fork()
+if pid == 0:
+    g = open(sys.argv[1], "a")
+    try:
+        fcntl.lockf(g, fcntl.LOCK_EX | fcntl.LOCK_NB); r.write("another process locks it: granted (the lock was lost)\n")
+    except OSError as e:
+        r.write("another process locks it: " + os.strerror(e.errno) + "\n")
+    r.flush(); os._exit(0)
+os.waitpid(pid, 0)
+step("the holder locks it again", lambda: fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB))
+' "$C/d/lock" "$R/lock" 3>&- 2>>"$R/lock.err") &
+locker=$!
+i=0
+while ! grep -q held "$R/lock" 2>/dev/null; do
+  i=$((i + 1))
+  [ $i -gt 600 ] && fail "no lock in 60 s: $(cat "$R/lock.err")"
+  sleep 0.1
+done
 FILE_KIB=128 MAXF=400 PER_CYCLE=3
 start_writer file "$C/d/w"
 more_writes 0
@@ -87,7 +125,7 @@ note "A unstaged"
 service 127.0.0.1:2049
 # ... and B stages it over nbd and exports it.
 timeout 180 "$VOLRING" csi --endpoint "$E" stage --id "$VOLUME" --staging "$S" --fs "$FS" --mode multi-node-multi-writer \
-  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" \
+  --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" --context share=nfs \
   >"$R/stage.out" 2>&1 || fail "B's stage: $(cat "$R/stage.out"); $(tail -5 "$R/b.err")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "B staged on '$dev', not an nbd device" ;; esac
@@ -96,6 +134,9 @@ more_writes "$before"
 t1=$(now)
 note "the writer resumed: $(wc -l <"$R/writes") files, the move took $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s for the writer"
 echo "line 2 after the move" >&3 || fail "the open file after the move: $(dmesg | grep -i nfs | tail -3)"
+touch /tmp/moved
+timeout -s KILL 120 sh -c "while kill -0 $locker 2>/dev/null; do sleep 0.2; done" || fail "the lock holder hangs: $(cat "$R/lock")"
+note "the lock across the move: $(tail -n +2 "$R/lock" | tr '\n' ';') $(dmesg | grep -i 'lock' | grep -i nfs | head -2 | tr '\n' ';')"
 exec 3>&-
 [ "$(timeout -s KILL 60 cat held.log)" = "$(printf 'line 1 before the move\nline 2 after the move')" ] ||
   fail "held.log through the cwd: $(timeout -s KILL 20 cat held.log 2>&1)"
