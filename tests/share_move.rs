@@ -59,7 +59,8 @@ fn server_pid(a: &Agent) -> Option<u32> {
 
 /// Whether `pid` runs (a zombie does not).
 fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| !r.trim_start().starts_with('Z')))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| !r.trim_start().starts_with('Z')))
 }
 
 /// Waits (every 50 ms, at most `secs`) until `f` holds.

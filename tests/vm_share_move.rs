@@ -101,11 +101,8 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         "virtio-net-pci,netdev=n0".into(),
     ];
     let uri = format!("nbd://{GUEST_NBD}/{volume}");
-    let script = harness::script(
-        env!("CARGO_BIN_EXE_volring"),
-        &[("URI", &uri), ("SECRET", &secret), ("VOLUME", &volume), ("FS", fs)],
-        SCRIPT,
-    );
+    let script =
+        harness::script(env!("CARGO_BIN_EXE_volring"), &[("URI", &uri), ("SECRET", &secret), ("VOLUME", &volume), ("FS", fs)], SCRIPT);
     let timeout = Duration::from_secs(900);
     let start = Instant::now();
     let mut guest = vm.start(&script)?;

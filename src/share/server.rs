@@ -107,7 +107,12 @@ impl NfsServer {
                 // may hold the removed export's files, and the caller
                 // unmounts its filesystem next.
                 let victim = st.pid;
-                st = self.shared.wake.wait_timeout_while(st, KILL_WAIT, |s| s.pid.is_some() && s.pid == victim).unwrap_or_else(|e| e.into_inner()).0;
+                st = self
+                    .shared
+                    .wake
+                    .wait_timeout_while(st, KILL_WAIT, |s| s.pid.is_some() && s.pid == victim)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
         }
         let none = st.exports.is_empty();
