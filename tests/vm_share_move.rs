@@ -14,6 +14,7 @@ mod common;
 mod csi_support;
 #[path = "vm/harness.rs"]
 mod harness;
+mod kube_support;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -31,6 +32,40 @@ use volring::csi::proto::*;
 const SCRIPT: &str = include_str!("vm/share_move.sh");
 const GUEST_NBD: &str = "10.0.2.100:10809";
 const GUEST_NFS: &str = "10.0.2.100:2049";
+const GUEST_API: &str = "10.0.2.100:6443";
+/// B's NFS server, as its Endpoints name it.
+const B_NFS: &str = "127.0.0.1:2049";
+
+/// The addresses the Endpoints named like the PVC list, or `None` while
+/// there are none.
+fn endpoints(server: &kube_support::Server) -> Option<Vec<String>> {
+    let ep = server.api.core_object("apps", "endpoints", "data")?;
+    let mut out = Vec::new();
+    for s in ep["subsets"].as_array().into_iter().flatten() {
+        for a in s["addresses"].as_array().into_iter().flatten() {
+            for p in s["ports"].as_array().into_iter().flatten() {
+                out.push(format!("{}:{}", a["ip"].as_str().unwrap_or_default(), p["port"]));
+            }
+        }
+    }
+    Some(out)
+}
+
+fn cluster_ip(server: &kube_support::Server) -> Option<String> {
+    server.api.core_object("apps", "services", "data").and_then(|s| s["spec"]["clusterIP"].as_str().map(str::to_string))
+}
+
+/// Waits (every 100 ms, at most `secs`) until the Endpoints name `want`.
+fn endpoints_become(server: &kube_support::Server, want: &str, secs: u64) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while endpoints(server) != Some(vec![want.to_string()]) {
+        if Instant::now() > deadline {
+            return Err(format!("the Endpoints name {:?}, not {want}, after {secs} s", endpoints(server)));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
 
 /// A relay script for qemu's guestfwd: one socat per guest connection to
 /// the host's `port`.
@@ -52,6 +87,24 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         return Err("socat (the guest connection's relay) is not installed: run .ci/deps".into());
     }
     let volume = format!("pvc-move-{fs}");
+    // The cluster: the API stand-in, which both agents reach (the guest's
+    // through guestfwd), with the PVC the volume is created for.
+    let api_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let api = api_rt.block_on(kube_support::Server::start());
+    let pvc = serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteMany"]}});
+    api.api.seed_core("apps", "persistentvolumeclaims", pvc);
+    let work = tempfile::tempdir()?;
+    let kubeconfig = work.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{}\nusers:\n- name: u\n  user: {{}}\n\
+             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n",
+            api.addr
+        ),
+    )?;
+    let (kc, api_port) = (kubeconfig.display().to_string(), api.addr.port().to_string());
     let (nbd, nfs) = (free_port()?, free_port()?);
     let (nbd_listen, nfs_listen) = (format!("127.0.0.1:{nbd}"), format!("127.0.0.1:{nfs}"));
     let a = Agent::start_with(&[
@@ -59,6 +112,10 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         ("VOLRING_NFS_LISTEN", &nfs_listen),
         ("VOLRING_NFS_GRACE", "10"),
         ("VOLRING_NFS_LEASE", "10"),
+        ("VOLRING_NFS_SERVICE_POLL", "0.2"),
+        ("KUBECONFIG", &kc),
+        ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
+        ("KUBERNETES_SERVICE_PORT", &api_port),
     ]);
     let rwx = capability(false, fs, &[], Mode::MultiNodeMultiWriter);
     let mut c = a.c.controller.clone();
@@ -67,7 +124,12 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
             name: volume.clone(),
             capacity_range: Some(CapacityRange { required_bytes: 320 * MIB, limit_bytes: 0 }),
             volume_capabilities: vec![rwx.clone()],
-            parameters: HashMap::from([("attach".into(), "nbd".into()), ("fsType".into(), fs.into())]),
+            parameters: HashMap::from([
+                ("attach".into(), "nbd".into()),
+                ("fsType".into(), fs.into()),
+                ("csi.storage.k8s.io/pvc/namespace".into(), "apps".into()),
+                ("csi.storage.k8s.io/pvc/name".into(), "data".into()),
+            ]),
             ..Default::default()
         }))?
         .into_inner()
@@ -86,16 +148,18 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         volume_context: HashMap::from([("attach".to_string(), "loop".to_string())]),
         ..Default::default()
     }))?;
+    endpoints_become(&api, &nfs_listen, 30)?;
+    let ip = cluster_ip(&api).ok_or("no ClusterIP")?;
 
-    let work = tempfile::tempdir()?;
     let mut vm = Vm::new(&image)?;
     vm.cpus = 2;
     vm.extra_args = vec![
         "-netdev".into(),
         format!(
-            "user,id=n0,restrict=on,guestfwd=tcp:{GUEST_NBD}-cmd:{},guestfwd=tcp:{GUEST_NFS}-cmd:{}",
+            "user,id=n0,restrict=on,guestfwd=tcp:{GUEST_NBD}-cmd:{},guestfwd=tcp:{GUEST_NFS}-cmd:{},guestfwd=tcp:{GUEST_API}-cmd:{}",
             relay(work.path(), "nbd.sh", nbd)?.display(),
-            relay(work.path(), "nfs.sh", nfs)?.display()
+            relay(work.path(), "nfs.sh", nfs)?.display(),
+            relay(work.path(), "api.sh", api.addr.port())?.display()
         ),
         "-device".into(),
         "virtio-net-pci,netdev=n0".into(),
@@ -108,11 +172,24 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     let mut guest = vm.start(&script)?;
     let results = guest.xfer().join("results");
     let mut unstaged = None;
+    let mut followed = None;
+    let answer = |step: &str, r: &Result<(), String>| {
+        std::fs::write(results.join(format!("done-{step}")), r.as_ref().map_or_else(|e| format!("{e}\n"), |_| "ok\n".into()))
+    };
     while !guest.finished() && start.elapsed() < timeout {
         if unstaged.is_none() && results.join("ask-owner-unstaged").exists() {
             let r = a.unstage(&volume, &staging).map_err(|s| format!("A's unstage: {s}"));
-            std::fs::write(results.join("done-owner-unstaged"), r.as_ref().map_or_else(|e| format!("{e}\n"), |_| "ok\n".into()))?;
+            answer("owner-unstaged", &r)?;
             unstaged = Some(r);
+        }
+        // B exports it: the Endpoints name B, the ClusterIP stays.
+        if followed.is_none() && results.join("ask-endpoints-moved").exists() {
+            let r = endpoints_become(&api, B_NFS, 60).and_then(|()| match cluster_ip(&api) {
+                Some(now) if now == ip => Ok(()),
+                other => Err(format!("the ClusterIP was {ip}, is {other:?}")),
+            });
+            answer("endpoints-moved", &r)?;
+            followed = Some(r);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -121,9 +198,9 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("notes"), run.elapsed.as_secs_f64());
     let tail = |s: String| s.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
     check(
-        run.status == Some(0) && matches!(unstaged, Some(Ok(()))),
+        run.status == Some(0) && matches!(unstaged, Some(Ok(()))) && matches!(followed, Some(Ok(()))),
         format!(
-            "{}\nA's unstage: {unstaged:?}\n--- B's agent\n{}\n--- A's agent\n{}",
+            "{}\nA's unstage: {unstaged:?}\nthe Endpoints: {followed:?}\n--- B's agent\n{}\n--- A's agent\n{}",
             run.describe(),
             tail(read("b.err")),
             a.log_tail(400).lines().filter(|l| !l.contains("ring tick")).collect::<Vec<_>>().join("\n")

@@ -5,9 +5,10 @@
 //! it, and the kernel ties PR_SET_PDEATHSIG to the spawning thread — the
 //! server dies with the agent (a new agent starts its own, and the clients'
 //! hard mounts ride through the gap). Export changes rewrite the
-//! configuration and send SIGHUP, which ganesha answers by re-reading its
-//! exports (adding, updating and removing) without dropping its clients;
-//! a server that dies meanwhile starts again on the new file.
+//! configuration; an added export is a SIGHUP, which ganesha answers by
+//! re-reading its exports without dropping its clients; a removed one
+//! ends the process (see `set_exports`), which starts again on the new
+//! file when exports remain and not at all when none does.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

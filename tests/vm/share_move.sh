@@ -59,9 +59,12 @@ E=unix:///tmp/b.sock
 K=/tmp/kubelet
 S=$K/plugins/stage/$VOLUME
 mkdir -p "$K" /tmp/b /tmp/c
-"$VOLRING" node --metrics-addr off --node-id node-b --stats-interval 5 --csi-endpoint "$E" --kubelet-root "$K" \
+# In the cluster: the API stand-in on the host, through guestfwd.
+printf 'apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://10.0.2.100:6443\nusers:\n- name: u\n  user: {}\ncontexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n' >/tmp/kc
+KUBECONFIG=/tmp/kc KUBERNETES_SERVICE_HOST=10.0.2.100 KUBERNETES_SERVICE_PORT=6443 \
+  "$VOLRING" node --metrics-addr off --node-id node-b --stats-interval 5 --csi-endpoint "$E" --kubelet-root "$K" \
   --state-dir /tmp/b --nbd-request-timeout 3 --no-publish --nfs-listen 127.0.0.1:2049 --nfs-grace 10 --nfs-lease 10 \
-  >"$R/b.out" 2>"$R/b.err" &
+  --nfs-service-poll 0.2 >"$R/b.out" 2>"$R/b.err" &
 b=$!
 wait_ready $b "$R/b.err" "$E"
 
@@ -126,10 +129,13 @@ service 127.0.0.1:2049
 # ... and B stages it over nbd and exports it.
 timeout 180 "$VOLRING" csi --endpoint "$E" stage --id "$VOLUME" --staging "$S" --fs "$FS" --mode multi-node-multi-writer \
   --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" --context share=nfs \
+  --context nfsPvcNamespace=apps --context nfsPvcName=data \
   >"$R/stage.out" 2>&1 || fail "B's stage: $(cat "$R/stage.out"); $(tail -5 "$R/b.err")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "B staged on '$dev', not an nbd device" ;; esac
 note "B staged on $dev and exports it"
+ask endpoints-moved
+note "the Endpoints name B, the ClusterIP stayed"
 more_writes "$before"
 t1=$(now)
 note "the writer resumed: $(wc -l <"$R/writes") files, the move took $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s for the writer"
