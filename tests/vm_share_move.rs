@@ -206,6 +206,21 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
             a.log_tail(400).lines().filter(|l| !l.contains("ring tick")).collect::<Vec<_>>().join("\n")
         ),
     )?;
+    // The filesystem id in the handles: the same from A's loop device and
+    // B's nbd device (ganesha takes it from the filesystem's UUID).
+    let fsid = |log: &str, path: &str| {
+        let want = format!(" {path} namelen=");
+        let line = log.lines().filter(|l| l.contains("Added filesystem") && l.contains(&want)).last()?;
+        let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).map(str::to_string);
+        Some((field("dev=")?, field("fsid=")?))
+    };
+    let on_a = fsid(&std::fs::read_to_string(a.state.join("nfs/ganesha.log"))?, &staging);
+    let on_b = fsid(&read("b-fsid"), &format!("/tmp/kubelet/plugins/stage/{volume}"));
+    eprintln!("note: {test}: ganesha's (dev, fsid) on A {on_a:?}, on B {on_b:?}");
+    check(
+        on_a.is_some() && on_a.as_ref().map(|a| &a.1) == on_b.as_ref().map(|b| &b.1),
+        format!("the fsid in the handles changed with the move: A {on_a:?}, B {on_b:?}"),
+    )?;
     let fsck = match fs {
         "xfs" => std::process::Command::new("xfs_repair").arg("-n").arg(a.image(&volume)).output()?,
         _ => std::process::Command::new("e2fsck").arg("-fn").arg(a.image(&volume)).output()?,

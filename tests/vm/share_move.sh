@@ -151,6 +151,10 @@ wait $writer || fail "the writer failed: $(cat "$R/writer.err")"
 verify_files "$C/d/w" "after the move"
 (cd "$S/d/w" && sha256sum -c --quiet /tmp/sums) >"$R/verify-b" 2>&1 || fail "B's own view differs: $(head -3 "$R/verify-b")"
 dmesg | grep -qi stale && fail "the client saw stale handles: $(dmesg | grep -i stale | head -3)"
+# B's ganesha: the filesystem id it serves the volume with (the host
+# compares it with A's), and no client handle it could not place.
+grep "Added filesystem" /tmp/b/nfs/ganesha.log >"$R/b-fsid"
+grep -q "Could not map fsid" /tmp/b/nfs/ganesha.log && fail "B's ganesha: $(grep "Could not map fsid" /tmp/b/nfs/ganesha.log | head -2)"
 note "verified $(wc -l <"$R/writes") files, held.log and the cwd after the move"
 
 cd /
