@@ -210,7 +210,7 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     // B's nbd device (ganesha takes it from the filesystem's UUID).
     let fsid = |log: &str, path: &str| {
         let want = format!(" {path} namelen=");
-        let line = log.lines().filter(|l| l.contains("Added filesystem") && l.contains(&want)).last()?;
+        let line = log.lines().rev().find(|l| l.contains("Added filesystem") && l.contains(&want))?;
         let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).map(str::to_string);
         Some((field("dev=")?, field("fsid=")?))
     };
