@@ -56,6 +56,12 @@ impl Driver {
         if !access.shared() || (self.pool.get(id).is_some() && !served_elsewhere) {
             return Ok(None);
         }
+        // The nbd export named and no NFS server: this node takes the
+        // volume over (a moved share's new server, README's sequence):
+        // staged through the export like any remote volume, then exported.
+        if !context.contains_key(crate::share::CTX_SERVER) && context.contains_key(super::nbd_export::CONTEXT_URI) {
+            return Ok(None);
+        }
         let Some(remote) = client::remote(context).map_err(|e| Error::InvalidArgument(e.to_string()))? else { return Ok(None) };
         // In a cluster: the Service's endpoint, which follows the server.
         let remote = self.published_remote(id, context, remote)?;

@@ -17,6 +17,19 @@
 //! - `Export_Id` is recorded per volume and kept across restarts: ganesha's
 //!   file handles carry it, and a changed id would turn every client's
 //!   handles stale.
+//! - The other id in a handle is the filesystem's: the VFS FSAL writes one
+//!   flag byte, the filesystem id, then the kernel's handle (inode and
+//!   generation). Debian's ganesha is built with libblkid and takes that id
+//!   from the filesystem's UUID (16 bytes) — the same on every node the
+//!   volume moves to, for ext4 and xfs alike — and only when blkid cannot
+//!   name the device falls back to statfs' f_fsid, which for xfs is the
+//!   device number (a moved volume's handles would then go stale). No
+//!   setting pins it to a value of ours: `fsid_type` in the FSAL block only
+//!   re-encodes the id found, `Filesystem_id` in the EXPORT block changes
+//!   only the fsid attribute, and `Fsid_Device` makes it the device number.
+//!   So the FSAL component logs at INFO: the "Added filesystem ... fsid="
+//!   line of each export, a blkid failure, and "Could not map fsid" for a
+//!   client's handle this server cannot place are in `ganesha.log`.
 
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -73,7 +86,7 @@ pub fn render(settings: &Settings, exports: &[Export]) -> Result<String, Error> 
         "NFSv4 {{\n  Lease_Lifetime = {};\n  Grace_Period = {};\n  RecoveryBackend = fs;\n  RecoveryRoot = {recovery};\n  Only_Numeric_Owners = true;\n}}",
         settings.lease_secs, settings.grace_secs
     );
-    let _ = writeln!(out, "LOG {{\n  Default_Log_Level = EVENT;\n}}");
+    let _ = writeln!(out, "LOG {{\n  Default_Log_Level = EVENT;\n  COMPONENTS {{\n    FSAL = INFO;\n  }}\n}}");
     let mut ids = std::collections::BTreeSet::new();
     let mut pseudos = std::collections::BTreeSet::new();
     for e in exports {
@@ -140,6 +153,7 @@ mod tests {
             "Grace_Period = 15;",
             "RecoveryRoot = \"/var/lib/volring/nfs/recovery\";",
             "Name = VFS;",
+            "FSAL = INFO;",
         ] {
             assert!(c.contains(want), "{want} missing from\n{c}");
         }

@@ -121,9 +121,9 @@ pub fn remove_pvc(store: &Store, volume_id: &str) -> Result<(), Error> {
 /// handles stay valid only if the new node gives it the same id — which a
 /// node that knows nothing of the first one's other exports can only do by
 /// computing it from the volume alone. (The handle also carries the
-/// filesystem's id; ext4 derives it from its UUID, which travels with the
-/// image.) Two volumes whose ids collide on one node differ, and then the
-/// moved one's handles go stale.
+/// filesystem's id, which ganesha takes from the filesystem's UUID: it
+/// travels with the image, see `ganesha`.) Two volumes whose ids collide on
+/// one node differ, and then the moved one's handles go stale.
 pub(super) fn export_id(have: &[ShareRecord], volume_id: &str) -> Result<u16, Error> {
     if let Some(r) = have.iter().find(|r| r.volume_id == volume_id) {
         return Ok(r.export_id);

@@ -5,9 +5,10 @@
 //! it, and the kernel ties PR_SET_PDEATHSIG to the spawning thread — the
 //! server dies with the agent (a new agent starts its own, and the clients'
 //! hard mounts ride through the gap). Export changes rewrite the
-//! configuration and send SIGHUP, which ganesha answers by re-reading its
-//! exports (adding, updating and removing) without dropping its clients;
-//! a server that dies meanwhile starts again on the new file.
+//! configuration; an added export is a SIGHUP, which ganesha answers by
+//! re-reading its exports without dropping its clients; a removed one
+//! ends the process (see `set_exports`), which starts again on the new
+//! file when exports remain and not at all when none does.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// A server that ran this long before dying restarts at once (after
 /// [`BACKOFF_MIN`]): it was not crash-looping.
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
+/// How long a removal waits for the process it ended to be reaped.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// Where the server's files go and which binary runs.
 #[derive(Debug, Clone)]
@@ -43,6 +46,9 @@ struct State {
     pidfd: Option<OwnedFd>,
     starts: u64,
     stopping: bool,
+    /// The running process was ended on purpose (an export removed): its
+    /// death is no crash, so no backoff.
+    killed: bool,
 }
 
 struct Shared {
@@ -75,17 +81,47 @@ impl NfsServer {
         exports.sort();
         let text = ganesha::render(&self.shared.settings, &exports)?;
         let mut st = self.shared.lock();
-        if st.exports == exports && self.thread_running() {
+        if st.exports == exports && (self.thread_running() || exports.is_empty()) {
             return Ok(());
         }
         write_atomic(&self.shared.config_path(), text.as_bytes())?;
+        // An export that goes away must not be answered for: ganesha,
+        // re-reading a configuration without it, tells the clients still
+        // connected that their file handles are stale (ESTALE in their
+        // applications, a dead mount), while those clients should instead
+        // lose the connection and find the volume where it went (the
+        // Service's new endpoint). So a removal ends the process (SIGKILL:
+        // a shutdown would unexport first and answer the same way); the
+        // supervisor starts it again on the file just written when exports
+        // remain, and their clients ride through as through any restart
+        // (hard mounts, NFSv4 grace). An addition is a reload (SIGHUP).
+        let removed = st.exports.iter().any(|e| !exports.iter().any(|n| n.id == e.id && n.path == e.path));
         st.exports = exports;
         if let Some(fd) = &st.pidfd {
             // A server that has not yet set its handler dies of the HUP; the
             // supervisor then starts it again on the file just written.
-            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::HUP);
+            let signal = if removed { rustix::process::Signal::KILL } else { rustix::process::Signal::HUP };
+            let _ = rustix::process::pidfd_send_signal(fd, signal);
+            if removed {
+                st.killed = true;
+                // Until it is reaped (bounded): a process still exiting
+                // may hold the removed export's files, and the caller
+                // unmounts its filesystem next.
+                let victim = st.pid;
+                st = self
+                    .shared
+                    .wake
+                    .wait_timeout_while(st, KILL_WAIT, |s| s.pid.is_some() && s.pid == victim)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
         }
+        let none = st.exports.is_empty();
         drop(st);
+        if none {
+            // No export: no server (the supervisor ends with the process).
+            return Ok(());
+        }
         self.ensure_thread()
     }
 
@@ -166,7 +202,7 @@ impl Shared {
             let started = Instant::now();
             let child = {
                 let mut st = self.lock();
-                if st.stopping {
+                if st.stopping || st.exports.is_empty() {
                     return;
                 }
                 match self.spawn() {
@@ -189,11 +225,13 @@ impl Shared {
             let mut st = self.lock();
             st.pid = None;
             st.pidfd = None;
-            if st.stopping {
+            self.wake.notify_all();
+            let killed = std::mem::take(&mut st.killed);
+            if st.stopping || (killed && st.exports.is_empty()) {
                 return;
             }
             let ran = started.elapsed();
-            backoff = if ran >= HEALTHY_RUN { BACKOFF_MIN } else { (backoff * 2).min(BACKOFF_MAX) };
+            backoff = if ran >= HEALTHY_RUN || killed { BACKOFF_MIN } else { (backoff * 2).min(BACKOFF_MAX) };
             tracing::warn!(status = ?status, ran_secs = ran.as_secs_f64(), retry_in_ms = backoff.as_millis() as u64,
                 log = %self.files.dir.join("ganesha.log").display(), "NFS server exited; restarting");
             // Bounded wait; a stop wakes it early.

@@ -1,8 +1,8 @@
 //! The CSI driver's share side: which staged volumes this node exports, and
 //! the one NFS server that exports them.
 //!
-//! The server starts with the first export (a node with no shared volume
-//! runs no NFS server) and serves exactly the volumes recorded here: every
+//! The server starts with the first export and ends with the last (a node
+//! with no shared volume runs no NFS server) and serves exactly the volumes recorded here: every
 //! export is a staged, shared volume of this node, never another path.
 
 use std::net::SocketAddr;

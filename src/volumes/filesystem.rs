@@ -52,7 +52,12 @@ impl FsKind {
     /// minutes), lazy inode-table and journal init for ext4 (formatting is
     /// then seconds at any size), no root reserve (a volume is not a root
     /// filesystem), and 4 KiB blocks even on small volumes (mke2fs would
-    /// pick 1 KiB, which caps how far the volume can later grow).
+    /// pick 1 KiB, which caps how far the volume can later grow). xfs gets
+    /// 4 KiB sectors whatever the device says: mkfs.xfs takes the sector
+    /// size from the device it formats (512 B on a loop device), and the
+    /// kernel refuses to mount an xfs whose sector size is smaller than
+    /// the device's logical block size — the 4 KiB of an nbd device on
+    /// another node, where the volume moves to (issue 17).
     pub fn mkfs_command(self, device: &str) -> (&'static str, Vec<String>) {
         match self {
             FsKind::Ext4 => (
@@ -61,7 +66,7 @@ impl FsKind {
                     .map(String::from)
                     .to_vec(),
             ),
-            FsKind::Xfs => ("mkfs.xfs", ["-f", "-q", "-K", device].map(String::from).to_vec()),
+            FsKind::Xfs => ("mkfs.xfs", ["-f", "-q", "-K", "-s", "size=4096", device].map(String::from).to_vec()),
         }
     }
 }
@@ -308,5 +313,6 @@ mod tests {
         let (p, a) = FsKind::Xfs.mkfs_command("/dev/loop3");
         assert_eq!(p, "mkfs.xfs");
         assert_eq!(a.last().map(String::as_str), Some("/dev/loop3"));
+        assert!(a.windows(2).any(|w| w == ["-s", "size=4096"]), "xfs mountable on 4 KiB-sector devices: {a:?}");
     }
 }
