@@ -66,7 +66,9 @@ fn step(a: &Agent, staging: &str, results: &Path, name: &str) -> Result<(), Stri
         }
         "owner-unstaged" => a.unstage(VOLUME, staging).map_err(|s| format!("unstage: {s}")),
         "owner-refused" => match stage_here(a, staging) {
-            Err(s) if s.code() == Code::FailedPrecondition => Ok(()),
+            // The guest's agent named itself (`--node-id consumer`) on the wire.
+            Err(s) if s.code() == Code::FailedPrecondition && s.message().contains("node consumer") => Ok(()),
+            Err(s) if s.code() == Code::FailedPrecondition => Err(format!("the refusal does not name the holding node: {}", s.message())),
             Err(s) => Err(format!("refused with {:?}, not FailedPrecondition: {}", s.code(), s.message())),
             Ok(()) => Err("the owner staged the volume while the guest holds it".into()),
         },
