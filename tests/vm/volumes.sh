@@ -189,6 +189,7 @@ if [ "$KIND" = xfs ]; then
   lap "shutdown reported, unstaged"
 else
   unstage
+  lap "unstaged, checked"
 fi
 dmesg >"$R/dmesg"
 if grep -E 'I/O error|EXT4-fs error|Buffer I/O|Corruption' "$R/dmesg" | grep -q nbd; then
@@ -196,4 +197,5 @@ if grep -E 'I/O error|EXT4-fs error|Buffer I/O|Corruption' "$R/dmesg" | grep -q 
 fi
 kill $agent
 wait $agent 2>/dev/null
+lap "agent stopped"
 echo "ok: $KIND on $dev: $DATA_MIB MiB written, unstaged, checked, re-staged and verified; grown by $GROW_MIB MiB ($EXPANSION expansion) and verified" | tee "$R/verdict"
