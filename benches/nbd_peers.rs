@@ -6,6 +6,7 @@
 //! Placement is the same for every server: the server on CPU 1, fio on
 //! CPU 0 (on 2 cores, unpinned runs measure the scheduler as much as the
 //! servers: client and server land on one core in some runs and not others).
+//! VOLRING_BENCH_UNPINNED=1 lets both run on either CPU instead.
 //!
 //! Last, hostile clients against volring's default limits: its peak
 //! resident memory while they sit, and once they left.
@@ -154,7 +155,16 @@ fn make_image(img: &Path) {
         f.write_all(&block).expect("write image");
     }
     f.sync_all().expect("sync");
-    let _ = std::fs::read(img);
+    warm(img);
+}
+
+/// Reads the image through once, so the run that follows reads it from
+/// the page cache: a DAMON pageout scheme (kdamond) evicted half of
+/// it between rounds, and a server measured then read from the disk.
+fn warm(img: &Path) {
+    let Ok(mut f) = std::fs::File::open(img) else { return };
+    let mut block = vec![0u8; 1 << 20];
+    while f.read(&mut block).is_ok_and(|n| n > 0) {}
 }
 
 /// CPU time (user + system, all threads) a process has used, in seconds.
@@ -173,7 +183,7 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> (f64, f64) {
     let cpu_before = cpu_seconds(peer.child.id());
     let uri = format!("nbd+unix:///disk?socket={}", peer.socket.display());
     let out = Command::new("taskset")
-        .args(["-c", "0", "fio", "--name=bench", "--ioengine=nbd", "--output-format=json", "--time_based", "--group_reporting"])
+        .args(["-c", placement().1, "fio", "--name=bench", "--ioengine=nbd", "--output-format=json", "--time_based", "--group_reporting"])
         .arg(format!("--uri={uri}"))
         .arg(format!("--rw={}", w.rw))
         .arg(format!("--bs={}", w.bs))
@@ -194,6 +204,20 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> (f64, f64) {
     let ops = job["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
     let rate = if w.bandwidth { job["bw_bytes"].as_f64().unwrap_or(0.0) } else { job["iops"].as_f64().unwrap_or(0.0) };
     (rate, cpu / ops)
+}
+
+/// CPUs of the servers and of fio: apart by default; both on CPUs 0-1
+/// with VOLRING_BENCH_UNPINNED=1. Unpinned, a server can run on the
+/// client's CPU between its requests and skip the cross-CPU wakeup a
+/// pinned server pays on every one, which is most of a QD1 read's CPU time
+/// on this kind of machine: the two placements give different ratios
+/// against nbdkit (issue 12's first figures were unpinned).
+fn placement() -> (&'static str, &'static str) {
+    if std::env::var_os("VOLRING_BENCH_UNPINNED").is_some_and(|v| v == "1") {
+        ("0-1", "0-1")
+    } else {
+        ("1", "0")
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -356,8 +380,11 @@ fn main() {
 
 /// Every workload against every server on one image, rounds interleaved.
 fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Path, img: &Path, rounds: usize, secs: u64) {
-    let peers: Vec<Peer> = names.iter().map(|n| start(n, dir, img, "1")).collect();
-    println!("{pool}: NBD servers on CPU 1, fio (nbd engine) on CPU 0; {rounds} interleaved rounds of {secs} s; medians");
+    let (server_cpus, fio_cpus) = placement();
+    let peers: Vec<Peer> = names.iter().map(|n| start(n, dir, img, server_cpus)).collect();
+    println!(
+        "{pool}: NBD servers on CPUs {server_cpus}, fio (nbd engine) on CPUs {fio_cpus}; {rounds} interleaved rounds of {secs} s; medians"
+    );
     for w in workloads {
         let mut results: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
         let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
@@ -365,6 +392,7 @@ fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Pa
             // Rotate the order so no server always runs first or last.
             for k in 0..peers.len() {
                 let i = (k + round) % peers.len();
+                warm(img);
                 let (rate, per_op) = fio(&peers[i], w, secs);
                 results[i].push(rate);
                 cpu[i].push(per_op);
