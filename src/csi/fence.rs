@@ -69,7 +69,8 @@ pub enum Holder {
 }
 
 impl Holder {
-    /// Who it is, for messages: "this node", "node NAME", or "another node".
+    /// Who it is, for messages: "this node", "node NAME", or "another node
+    /// (it gave no name)".
     pub fn who(&self) -> String {
         match self {
             Holder::Local => "this node".into(),
