@@ -21,6 +21,19 @@ fi
 
 now() { date +%s.%N; }
 
+# ask STEP: a trial's host side does STEP (it watches for $R/ask-STEP and
+# answers in $R/done-STEP); fails unless it answers ok within 120 s.
+ask() {
+  touch "$R/ask-$1"
+  i=0
+  while [ ! -e "$R/done-$1" ]; do
+    i=$((i + 1))
+    [ $i -gt 1200 ] && fail "the host did not answer $1 within 120 s"
+    sleep 0.1
+  done
+  grep -q '^ok' "$R/done-$1" || fail "host step $1: $(cat "$R/done-$1")"
+}
+
 # plain FILE: FILE without terminal colour codes.
 plain() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
 

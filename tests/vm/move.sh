@@ -34,17 +34,6 @@ stage() {
   timeout 120 "$VOLRING" csi --endpoint "$CE" stage --id pvc-m --staging "$S" --fs ext4 \
     --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET"
 }
-# ask STEP: the host does the owner's STEP; fails unless it answers ok.
-ask() {
-  touch "$R/ask-$1"
-  i=0
-  while [ ! -e "$R/done-$1" ]; do
-    i=$((i + 1))
-    [ $i -gt 1200 ] && fail "the host did not answer $1 within 120 s"
-    sleep 0.1
-  done
-  grep -q '^ok' "$R/done-$1" || fail "owner step $1: $(cat "$R/done-$1")"
-}
 connected() {
   for b in /sys/block/nbd*/backend; do
     [ -s "$b" ] && echo "$b = $(cat "$b")"

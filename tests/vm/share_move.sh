@@ -29,17 +29,6 @@ fail() {
   exit 1
 }
 note() { echo "$(cut -d' ' -f1 /proc/uptime) $*" | tee -a "$R/notes"; }
-# ask STEP: the host does the owner's STEP; fails unless it answers ok.
-ask() {
-  touch "$R/ask-$1"
-  i=0
-  while [ ! -e "$R/done-$1" ]; do
-    i=$((i + 1))
-    [ $i -gt 1200 ] && fail "the host did not answer $1 within 120 s"
-    sleep 0.1
-  done
-  grep -q '^ok' "$R/done-$1" || fail "owner step $1: $(cat "$R/done-$1")"
-}
 # service TARGET: the fixed address now leads to TARGET (host:port).
 service() {
   [ -n "${svc:-}" ] && kill "$svc" 2>/dev/null
