@@ -112,7 +112,6 @@ while [ $c -le "$CYCLES" ]; do
   done
   kill -9 "$(cat "$R/$current.pid")"
   t_kill=$(now)
-  before=$(wc -l <"$R/writes")
   sleep "$DOWN"
   if [ $c -eq 1 ]; then
     # A reattach with the wrong backend id is refused, and changes nothing.
@@ -126,16 +125,18 @@ while [ $c -le "$CYCLES" ]; do
   # When the kernel took the new sockets, as the serving process saw it.
   t_back=$(sed -n 's/.*"at":\([0-9.]*\).*/\1/p' "$R/$current.out" | head -1)
   [ -n "$t_back" ] || fail "no time in $(cat "$R/$current.out")"
-  # The writer resumes: the first write completed after the reattach.
+  # The writer resumes: the first write completed after the reattach (a
+  # write that completed before the kill may be logged a moment later, so
+  # the completion time decides, not the line count; as in healer.sh).
   i=0
-  while [ "$(wc -l <"$R/writes")" -le "$before" ]; do
+  while [ -z "$(awk -v b="$t_back" '$3 >= b { print $3; exit }' "$R/writes")" ]; do
     i=$((i + 1))
     [ $i -gt 1200 ] && fail "cycle $c: writer did not resume within 60 s of the reattach"
     kill -0 $writer 2>/dev/null || break
     sleep 0.05
   done
   t_resume=$(awk -v b="$t_back" '$3 >= b { print $3; exit }' "$R/writes")
-  [ -n "$t_resume" ] || fail "cycle $c: no write completed after the reattach"
+  [ -n "$t_resume" ] || fail "cycle $c: no write completed after the reattach: $(cat "$R/writer.err")"
   echo "cycle $c: down $(echo "$t_back - $t_kill" | bc) s, resumed $(echo "$t_resume - $t_back" | bc) s after the reattach" | tee -a "$R/resume"
   c=$((c + 1))
 done
