@@ -8,7 +8,6 @@
 #[path = "vm/harness.rs"]
 mod harness;
 
-use std::fs;
 use std::time::Duration;
 
 use harness::{image_or_skip, Vm};
@@ -25,23 +24,18 @@ fn healer(test: &str, env: &[(&str, &str)]) {
     // machine's 2 cores loaded ~10x, and over 25 min loaded ~30x).
     let cycles: u64 = env.iter().find(|(k, _)| *k == "CYCLES").and_then(|(_, v)| v.parse().ok()).unwrap_or(5);
     let run = vm.run(&script, Duration::from_secs(1200 + 90 * cycles.saturating_sub(5))).expect("vm run");
-    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let exited = run.console.lines().find(|l| l.contains("script exited")).unwrap_or("no exit line").trim().to_string();
-    eprintln!("note: {test}: {}\n{}(guest {:.1} s; {exited})", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
-    let agents: String = (1..=3).map(|i| format!("--- agent{i}.err (tail)\n{}\n", tail(&read(&format!("agent{i}.err")), 15))).collect();
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s; {exited})", run.read("verdict").trim(), run.read("resume"), run.elapsed.as_secs_f64());
+    let agents: String =
+        (1..=3).map(|i| format!("--- agent{i}.err (tail)\n{}\n", harness::tail(&run.read(&format!("agent{i}.err")), 15))).collect();
     assert!(
         run.status == Some(0),
         "{test}:\n{}\n{agents}--- writer.err\n{}\n--- stats.out\n{}\n--- agent threads\n{}",
         run.describe(),
-        read("writer.err"),
-        read("stats.out"),
-        read("agent-threads")
+        run.read("writer.err"),
+        run.read("stats.out"),
+        run.read("agent-threads")
     );
-}
-
-fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// The agent killed -9 and restarted under a writing ext4 on /dev/nbdN;

@@ -147,15 +147,13 @@ fn owner_to_guest_and_back() -> Result<(), Failed> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let run = guest.wait(timeout.saturating_sub(start.elapsed()))?;
-    let read = |n: &str| std::fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: vm_move: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("notes"), run.elapsed.as_secs_f64());
-    let tail = |s: String| s.lines().rev().take(12).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    eprintln!("note: vm_move: {}\n{}(guest {:.1} s)", run.read("verdict").trim(), run.read("notes"), run.elapsed.as_secs_f64());
     check(
         failed.is_none() && run.status == Some(0),
         format!(
             "{}\nhost step: {failed:?}\n--- consumer.err\n{}\n--- owner\n{}",
             run.describe(),
-            tail(read("consumer.err")),
+            harness::tail(&run.read("consumer.err"), 12),
             a.log_tail(15)
         ),
     )?;

@@ -7,7 +7,6 @@
 #[path = "vm/harness.rs"]
 mod harness;
 
-use std::fs;
 use std::time::Duration;
 
 use harness::{image_or_skip, Vm};
@@ -20,15 +19,14 @@ fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = cpus;
     let run = vm.run(&script, Duration::from_secs(900)).expect("vm run");
-    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("resume"), run.elapsed.as_secs_f64());
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", run.read("verdict").trim(), run.read("resume"), run.elapsed.as_secs_f64());
     assert!(
         run.status == Some(0),
         "{test}:\n{}\n--- first.err\n{}\n--- again1.err\n{}\n--- writer.err\n{}",
         run.describe(),
-        read("first.err"),
-        read("again1.err"),
-        read("writer.err")
+        run.read("first.err"),
+        run.read("again1.err"),
+        run.read("writer.err")
     );
 }
 

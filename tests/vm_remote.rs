@@ -222,23 +222,18 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
         std::thread::sleep(Duration::from_millis(20));
     }
     let run = guest.wait(timeout.saturating_sub(start.elapsed())).expect("vm run");
-    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
     let ready: Vec<String> = restarts.iter().map(|(d, r)| format!("{:.2}", (*r - *d).as_secs_f64())).collect();
     eprintln!(
         "note: {test}: {}\n{}{}{}(owner ready after its exec, s: {}; started again at its start: {:?}; guest {:.1} s)",
-        read("verdict").trim(),
-        read("notes"),
-        read("resume"),
-        read("phases"),
+        run.read("verdict").trim(),
+        run.read("notes"),
+        run.read("resume"),
+        run.read("phases"),
         ready.join(" "),
         owner.respawns,
         run.elapsed.as_secs_f64()
     );
-    let tail = |n: &str| {
-        let s = read(n);
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
-    };
+    let tail = |n: &str| harness::tail(&run.read(n), 15);
     let relay_log = fs::read_to_string(owner.dir.path().join("relay.log")).unwrap_or_default();
     assert!(
         run.status == Some(0),
@@ -246,7 +241,7 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
         run.describe(),
         tail("consumer.err"),
         owner.logs(),
-        read("writer.err"),
+        run.read("writer.err"),
         relay_log.lines().rev().take(10).collect::<Vec<_>>().join("\n")
     );
     assert_eq!(restarts.len() as u32, cycles, "{test}: restarts the guest asked for");
@@ -259,7 +254,7 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
         // Every piece the guest wrote, at its offset in the owner's image
         // (pieces of remote.sh's default FILE_KIB, 1 MiB).
         let image = fs::read(owner.image()).expect("the owner's image");
-        let writes = read("writes");
+        let writes = run.read("writes");
         for line in writes.lines() {
             let mut f = line.split_whitespace();
             let (n, sum): (usize, &str) = (f.next().and_then(|n| n.parse().ok()).expect("piece number"), f.next().expect("piece sum"));

@@ -184,16 +184,15 @@ fn two_clients() -> Result<(), Failed> {
     let runs: Vec<_> = guests.into_iter().map(|g| g.join().expect("guest thread")).collect();
     let mut report = String::new();
     for (i, run) in runs.iter().enumerate() {
-        let read = |n: &str| std::fs::read_to_string(run.results.join(n)).unwrap_or_default();
         report.push_str(&format!(
             "=== guest {} ({:.0} s, status {:?}): {}\n{}\n--- qemu\n{}\n--- agent.err (tail)\n{}\n",
             i + 1,
             run.elapsed.as_secs_f64(),
             run.status,
-            read("verdict").trim(),
+            run.read("verdict").trim(),
             run.stdout,
             run.qemu_stderr,
-            read("agent.err").lines().rev().take(12).collect::<Vec<_>>().join("\n")
+            harness::tail(&run.read("agent.err"), 12)
         ));
     }
     eprintln!("{report}");

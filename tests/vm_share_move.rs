@@ -194,15 +194,13 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let run = guest.wait(timeout.saturating_sub(start.elapsed()))?;
-    let read = |n: &str| std::fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", read("verdict").trim(), read("notes"), run.elapsed.as_secs_f64());
-    let tail = |s: String| s.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", run.read("verdict").trim(), run.read("notes"), run.elapsed.as_secs_f64());
     check(
         run.status == Some(0) && matches!(unstaged, Some(Ok(()))) && matches!(followed, Some(Ok(()))),
         format!(
             "{}\nA's unstage: {unstaged:?}\nthe Endpoints: {followed:?}\n--- B's agent\n{}\n--- A's agent\n{}",
             run.describe(),
-            tail(read("b.err")),
+            harness::tail(&run.read("b.err"), 15),
             a.log_tail(400).lines().filter(|l| !l.contains("ring tick")).collect::<Vec<_>>().join("\n")
         ),
     )?;
@@ -215,7 +213,7 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         Some((field("dev=")?, field("fsid=")?))
     };
     let on_a = fsid(&std::fs::read_to_string(a.state.join("nfs/ganesha.log"))?, &staging);
-    let on_b = fsid(&read("b-fsid"), &format!("/tmp/kubelet/plugins/stage/{volume}"));
+    let on_b = fsid(&run.read("b-fsid"), &format!("/tmp/kubelet/plugins/stage/{volume}"));
     eprintln!("note: {test}: ganesha's (dev, fsid) on A {on_a:?}, on B {on_b:?}");
     check(
         on_a.is_some() && on_a.as_ref().map(|a| &a.1) == on_b.as_ref().map(|b| &b.1),

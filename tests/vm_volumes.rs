@@ -28,9 +28,14 @@ fn volume(test: &str, env: &[(&str, &str)]) {
     let mut vm = Vm::new(&image).expect("vm");
     vm.cpus = 2;
     let run = vm.run(&script, Duration::from_secs(600)).expect("vm run");
-    let read = |n: &str| fs::read_to_string(run.results.join(n)).unwrap_or_default();
-    eprintln!("note: {test}: {}{}{}(guest {:.1} s)", read("verdict"), read("grow"), read("timeline"), run.elapsed.as_secs_f64());
-    let agent = read("agent.err");
+    eprintln!(
+        "note: {test}: {}{}{}(guest {:.1} s)",
+        run.read("verdict"),
+        run.read("grow"),
+        run.read("timeline"),
+        run.elapsed.as_secs_f64()
+    );
+    let agent = run.read("agent.err");
     // The whole agent log kept where VOLRING_VM_KEEP names (a directory).
     if let Ok(dir) = std::env::var("VOLRING_VM_KEEP") {
         let _ = fs::create_dir_all(&dir);

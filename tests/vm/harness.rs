@@ -21,6 +21,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The last `n` lines of `text` (a log's end, for a failure message).
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
 /// The unpacked kernel, initramfs and qemu.
 #[derive(Debug, Clone)]
 pub struct VmImage {
@@ -147,6 +153,11 @@ impl GuestRun {
             self.console,
             self.qemu_stderr
         )
+    }
+
+    /// The results file `name` the script wrote (empty when it wrote none).
+    pub fn read(&self, name: &str) -> String {
+        fs::read_to_string(self.results.join(name)).unwrap_or_default()
     }
 
     /// `Ok` when the script exited 0.
