@@ -116,6 +116,12 @@ while [ $c -le "$CYCLES" ]; do
   kill -9 $agent
   t_kill=$(now)
   wait $agent 2>/dev/null
+  # Requests the kernel had sent to the dead agent (started, unanswered).
+  # 6.1 resends such a request only when its request timeout (3 s here)
+  # expires — a RECONFIGURE does not requeue it — so a cycle with one
+  # resumes at kill + timeout at the earliest, whatever the healer does.
+  set -- $(cat /sys/block/$name/inflight)
+  sent=$(($1 + $2))
   sleep "$DOWN"
   start_agent
   grep -q "nbd device reconnected" "$R/agent$n_agent.err" || fail "cycle $c: the healer did not reconnect: $(tail -5 "$R/agent$n_agent.err")"
@@ -148,6 +154,11 @@ while [ $c -le "$CYCLES" ]; do
   # bound the resume rather than the heal.)
   echo "cycle $c: down $(echo "$t_start - $t_kill" | bc) s, resumed $(echo "$t_resume - $t_kill" | bc) s after the kill, healed $(echo "$t_heal - $t_start" | bc) s after exec, resumed $(echo "$t_resume - $t_start" | bc) s after exec ($(echo "$t_resume - $t_heal" | bc) s after the heal; probe ready $(echo "$t_ready - $t_start" | bc) s after exec)" | tee -a "$R/resume"
   echo "$t_resume - $t_start" | bc >>"$R/latency"
+  if [ "$sent" = 0 ]; then
+    echo "$t_resume - $t_start" | bc >>"$R/latency-idle"
+  else
+    echo "$t_resume - $t_kill" | bc >>"$R/latency-sent"
+  fi
   echo "$t_heal - $t_start" | bc >>"$R/heal"
   echo "$t_main - $t_start" | bc >>"$R/to-main"
   echo "$t_heal - $t_main" | bc >>"$R/main-heal"
@@ -268,5 +279,9 @@ echo "agent exec -> device reconnected (agent log): $(dist "$R/heal") cycles" | 
 echo "  of which exec -> the agent's first log line (loading the binary): $(dist "$R/to-main") cycles" | tee -a "$R/resume"
 echo "  of which first log line -> device reconnected (the agent's start): $(dist "$R/main-heal") cycles" | tee -a "$R/resume"
 echo "device reconnected -> writer's next write+fsync: $(dist "$R/after-heal") cycles" | tee -a "$R/resume"
+# The two kinds of cycle apart: nothing in flight at the kill (the healer
+# bounds the resume) and requests in flight (their 3 s timeout does).
+[ -s "$R/latency-idle" ] && echo "nothing in flight at the kill: agent exec -> writer's next write+fsync: $(dist "$R/latency-idle") cycles" | tee -a "$R/resume"
+[ -s "$R/latency-sent" ] && echo "requests in flight at the kill: kill -> writer's next write+fsync (request timeout 3 s): $(dist "$R/latency-sent") cycles" | tee -a "$R/resume"
 echo "ok: $FILES writes of $FILE_KIB KiB through /dev/$name, $CYCLES kill -9/restart cycles healed, data verified after re-stage, $FS, $(
   [ "$FS" = ext4 ] && echo e2fsck || echo "xfs_repair -n") clean" | tee "$R/verdict"
