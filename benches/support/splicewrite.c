@@ -13,7 +13,8 @@
 // its ratio to `copy`.
 //
 // cc -O2 -o splicewrite benches/support/splicewrite.c
-// ./splicewrite DIR unix|tcp PAYLOAD_BYTES MIB_PER_RUN ROUNDS [RECV_CPU SEND_CPU]
+// ./splicewrite DIR unix|tcp PAYLOAD_BYTES MIB_PER_RUN ROUNDS [RECV_CPU SEND_CPU [MODE]]
+// (MODE: run only that one, e.g. to profile it with perf record -g)
 // DIR is a directory on the file system under test (a loop-mounted ext4 or
 // xfs); a 256 MiB file is made there, written once, and removed at the end.
 
@@ -209,6 +210,7 @@ int main(int argc, char **argv) {
     uint64_t count = (strtoull(argv[4], NULL, 0) << 20) / size;
     int rounds = atoi(argv[5]);
     int rcpu = argc > 7 ? atoi(argv[6]) : -1, scpu = argc > 7 ? atoi(argv[7]) : -1;
+    const char *only = argc > 8 ? argv[8] : NULL;
     if (rounds < 1 || rounds > 64 || !count || size > (1 << 20)) return 2;
     signal(SIGPIPE, SIG_IGN);
     char path[4096];
@@ -225,7 +227,7 @@ int main(int argc, char **argv) {
     for (int k = 0; k < rounds; k++)
         for (int j = 0; j < MODES; j++) {
             int m = (j + k) % MODES;  // rotate the order round by round
-            r[m][k] = run(m, kind, file, size, count, rcpu, scpu);
+            r[m][k] = only && strcmp(only, names[m]) ? 0 : run(m, kind, file, size, count, rcpu, scpu);
         }
     double med[MODES];
     for (int m = 0; m < MODES; m++) {
@@ -234,7 +236,8 @@ int main(int argc, char **argv) {
     }
     printf("%s %s payload %zu B, %llu per run, %d rounds, receiver thread CPU per payload (median):\n", argv[1], kind, size,
            (unsigned long long)count, rounds);
-    for (int m = 0; m < MODES; m++) printf("  %-7s %9.2f us  (%.2fx copy)\n", names[m], med[m] * 1e6, med[m] / med[COPY]);
+    for (int m = 0; m < MODES; m++)
+        if (med[m] > 0) printf("  %-7s %9.2f us  (%.2fx copy)\n", names[m], med[m] * 1e6, med[m] / med[COPY]);
     close(file);
     unlink(path);
     return 0;
