@@ -18,8 +18,8 @@ for fs in ext4 xfs; do
   mkdir -p "$work/$fs"
   mount -o loop "$work/$fs.img" "$work/$fs"
   for t in unix tcp; do
-    "$work/splicewrite" "$work/$fs" $t 4096 64 $rounds 1 0
-    "$work/splicewrite" "$work/$fs" $t 1048576 256 $rounds 1 0
+    timeout 600 "$work/splicewrite" "$work/$fs" $t 4096 64 $rounds 1 0
+    timeout 600 "$work/splicewrite" "$work/$fs" $t 1048576 256 $rounds 1 0
   done
   umount "$work/$fs"
   rm -f "$work/$fs.img"

@@ -187,6 +187,11 @@ def split(perf_data):
             where = frames[top - 1][1] if top > 0 else frames[top][1]
             if DETAILED:
                 where += ">" + frames[0][1]
+        elif c == "sched" and DETAILED:
+            # Which thread slept, and what it was waiting for.
+            calls = [i for i, (_, s) in enumerate(frames) if s in ("schedule", "__schedule")]
+            waiter = frames[max(calls) + 1][1] if calls and max(calls) + 1 < len(frames) else "?"
+            where = lines[0].split()[0] + ":" + waiter
         key = (c, where)
         detail[key] = detail.get(key, 0) + 1
     counts["detail"] = detail
