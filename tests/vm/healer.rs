@@ -49,7 +49,7 @@ pub fn agent_restarts_under_a_writer() {
 /// `xfs_repair -n` clean on the image after the unstage. Ignored in the
 /// default run (run it with `--ignored`): mkfs.xfs on `/dev/nbdN` stalls
 /// the agent's server on 6.1 in some runs (the open stall, see
-/// tests/vm_volumes.rs), and it adds ~11 min of TCG to the suite. Passed
+/// tests/vm/volumes.rs), and it adds ~11 min of TCG to the suite. Passed
 /// its one run so far (5 cycles, the gone-image and drift checks too).
 pub fn agent_restarts_under_a_writer_on_xfs() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());

@@ -3,7 +3,7 @@
 //! nbd client on the other side: this host's agent owns the volume and
 //! serves it on its nbd export; a 6.1 guest (tests/vm/move.sh) is the node
 //! it moves to, reaching the export through qemu's guestfwd (one socat per
-//! connection, as in tests/vm_remote.rs). While the owner has the volume
+//! connection, as in tests/vm/remote.rs). While the owner has the volume
 //! staged the guest's stage is refused with FailedPrecondition; once the
 //! owner unstages, the guest stages it over TCP and reads what the owner
 //! wrote; while the guest holds it the owner's own stage is refused; the
