@@ -23,6 +23,8 @@ mod csi_support;
 mod harness;
 mod kube_support;
 
+#[path = "vm/suites.rs"]
+mod suites;
 #[path = "vm/healer.rs"]
 mod vm_healer;
 #[path = "vm/move_.rs"]
@@ -35,8 +37,6 @@ mod vm_remote;
 mod vm_share;
 #[path = "vm/share_move.rs"]
 mod vm_share_move;
-#[path = "vm/suites.rs"]
-mod suites;
 #[path = "vm/volumes.rs"]
 mod vm_volumes;
 
@@ -113,7 +113,8 @@ fn main() {
     }
     // Ignored in the default run: see its doc.
     trials.push(
-        panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs).with_ignored_flag(true),
+        panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs)
+            .with_ignored_flag(true),
     );
     libtest_mimic::run(&args, trials).exit();
 }

@@ -5,11 +5,10 @@
 //! without it (the control) the writer fails. Skips (saying why) without the
 //! VM image; fails in CI.
 
-
 use std::time::Duration;
 
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
 const SCRIPT: &str = include_str!("healer.sh");
 

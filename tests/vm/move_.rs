@@ -13,15 +13,14 @@
 //! server (issue 17, case 2): the NFS export goes with the stage.
 //! Skips (saying why) without the VM image; fails in CI.
 
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::common::check;
 use crate::csi_support::{code, mount_cap, Agent, MIB};
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 use libtest_mimic::Failed;
 use sha2::Digest;
 use tonic::Code;

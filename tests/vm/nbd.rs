@@ -4,11 +4,10 @@
 //! process, reattach with RECONFIGURE, the writer resumes and every byte
 //! verifies. Skips (saying why) without the VM image; fails in CI.
 
-
 use std::time::Duration;
 
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
 const SMOKE: &str = include_str!("nbd_smoke.sh");
 

@@ -100,10 +100,10 @@ fi
 # CYCLES times: kill -9 the serving process once KILL_AT more files are
 # written, keep it dead DOWN seconds, re-attach, time the writer's resume.
 # The writes are counted every 0.5 s, as lib.sh's more_writes does: each
-# count is a fork, a run of wc and a 9p open, and at 0.1 s they took a
-# fifth of a vCPU from the writer and the server (the kill's moment is
-# only "after KILL_AT writes"; the resume is timed from the writes' own
-# completion times, not from this poll).
+# count is a fork, a run of wc and a 9p open (100 counts took 0.7-1.0 s
+# of a guest, sleeps aside), CPU the writer and the server share (the
+# kill's moment is only "after KILL_AT writes"; the resume is timed from
+# the writes' own completion times, not from this poll).
 current=first
 : >"$R/resume"
 c=1

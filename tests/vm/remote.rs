@@ -26,14 +26,13 @@
 //! The guest asks for each restart (file `kill-C` in its results) and the
 //! host answers `back-C` once the new owner runs.
 
-
 use std::fs;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 use sha2::Digest;
 
 const SCRIPT: &str = include_str!("remote.sh");

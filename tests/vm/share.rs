@@ -9,14 +9,13 @@
 //! checks every file the guests wrote on the staged filesystem itself.
 //! Skips (saying why) without the VM image; fails in CI.
 
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::common::check;
 use crate::csi_support::{Agent, MIB};
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 use libtest_mimic::Failed;
 use volring::csi::client::capability;
 use volring::csi::proto::volume_capability::access_mode::Mode;

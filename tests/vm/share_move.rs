@@ -10,16 +10,15 @@
 //! open file and cwd must ride through; then `xfs_repair -n` (or `e2fsck
 //! -fn`) of the image. Skips (saying why) without the VM image; fails in CI.
 
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::common::check;
 use crate::csi_support::{code, Agent, MIB};
+use crate::harness;
 use crate::harness::{image_or_skip, Vm};
 use crate::kube_support;
-use crate::harness;
 use libtest_mimic::Failed;
 use volring::csi::client::capability;
 use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};

@@ -5,12 +5,11 @@
 //! again; a shut-down xfs is reported abnormal and still unstages. Skips
 //! (saying why) without the VM image; fails in CI.
 
-
 use std::fs;
 use std::time::Duration;
 
-use crate::harness::{image_or_skip, Vm};
 use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
 const SCRIPT: &str = include_str!("volumes.sh");
 
