@@ -116,5 +116,7 @@ fn main() {
         panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs)
             .with_ignored_flag(true),
     );
-    libtest_mimic::run(&args, trials).exit();
+    let conclusion = libtest_mimic::run(&args, trials);
+    suites::remove_shared_run();
+    conclusion.exit();
 }

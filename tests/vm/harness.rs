@@ -155,6 +155,11 @@ impl GuestRun {
         )
     }
 
+    /// The run's work directory (removed when this is dropped).
+    pub fn dir(&self) -> &Path {
+        self.work.path()
+    }
+
     /// The results file `name` the script wrote (empty when it wrote none).
     pub fn read(&self, name: &str) -> String {
         fs::read_to_string(self.results.join(name)).unwrap_or_default()

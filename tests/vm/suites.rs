@@ -109,8 +109,18 @@ static SELECTED: OnceLock<Vec<&'static str>> = OnceLock::new();
 
 /// One guest (one boot) for every selected suite and then the boot check,
 /// each one's output and status into the results share.
+static RUN: OnceLock<Result<GuestRun, String>> = OnceLock::new();
+
+/// Removes the shared guest's work directory (its sparse scratch disk
+/// held 87 MB after the suites), once every trial ran: a static is never
+/// dropped, so its temporary directory outlived the process.
+pub fn remove_shared_run() {
+    if let Some(Ok(run)) = RUN.get() {
+        let _ = fs::remove_dir_all(run.dir());
+    }
+}
+
 fn shared_run() -> &'static Result<GuestRun, String> {
-    static RUN: OnceLock<Result<GuestRun, String>> = OnceLock::new();
     RUN.get_or_init(|| {
         let image = harness::VmImage::locate().map_err(|e| format!("no VM image: {e}"))?;
         // A suite not built is left out; its trial skips (or fails in CI).
