@@ -31,7 +31,7 @@ use volring::nbd::attach::{ConnectSpec, NbdControl};
 
 /// fio jobs: name, rw, block size, queue depth.
 /// Sequential writes last: on 6.1 they stall volring's server today (the
-/// bug tests/vm_volumes.rs's xfs case hits), which ends its device.
+/// bug tests/vm/volumes.rs's xfs case hits), which ends its device.
 const JOBS: &[(&str, &str, &str, u32)] = &[
     ("rand-read-4k", "randread", "4k", 32),
     ("seq-read-1m", "read", "1M", 8),

@@ -667,7 +667,7 @@ fn nbd_attach_kind() -> Result<(), Failed> {
     expect_code(create(&a, "pvc-nbd", "loop"), Code::AlreadyExists, "same name, other attach kind")?;
     let staging = a.k("plugins/stage/nbd");
     if std::path::Path::new("/sys/module/nbd").exists() {
-        eprintln!("note: this kernel has the nbd driver; the refusal is not checked here (tests/vm_healer.rs stages nbd volumes)");
+        eprintln!("note: this kernel has the nbd driver; the refusal is not checked here (tests/vm/healer.rs stages nbd volumes)");
     } else {
         let r = a.stage("pvc-nbd", &staging, mount_cap("ext4"));
         let msg = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();

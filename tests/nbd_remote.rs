@@ -230,7 +230,7 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
     // The right secret negotiates; this host has no nbd driver, which is
     // the node's condition.
     if std::path::Path::new("/sys/module/nbd").exists() {
-        eprintln!("note: this kernel has the nbd driver; the attach itself is the VM tests' (tests/vm_remote.rs)");
+        eprintln!("note: this kernel has the nbd driver; the attach itself is the VM tests' (tests/vm/remote.rs)");
         return Ok(());
     }
     let r = stage(ctx(&uri, &secret));

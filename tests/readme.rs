@@ -93,9 +93,9 @@ const fn ex(cmd: &'static str, how: How) -> Example {
 
 const NO_CLUSTER: &str = "needs a Kubernetes cluster; tests/deploy.rs checks every manifest it applies";
 /// The remote-volume example spans two nodes and needs the nbd module.
-const REMOTE: &str = "two nodes (the owner at 10.0.0.5) and the nbd module on the second: tests/nbd_remote.rs runs the export side here, tests/vm_remote.rs the attach in the 6.1 VM";
+const REMOTE: &str = "two nodes (the owner at 10.0.0.5) and the nbd module on the second: tests/nbd_remote.rs runs the export side here, tests/vm/remote.rs the attach in the 6.1 VM";
 const BENCH: &str = "a bench: minutes of load on every core; run by hand, its figures are quoted in the README";
-const NBD_MODULE: &str = "needs the kernel's nbd module, which this machine's kernel lacks; tests/vm_nbd.rs runs the same attach, kill -9, reattach, status, watch and detach in the 6.1 VM";
+const NBD_MODULE: &str = "needs the kernel's nbd module, which this machine's kernel lacks; tests/vm/nbd.rs runs the same attach, kill -9, reattach, status, watch and detach in the 6.1 VM";
 
 /// How each documented command is run. `csi` in the CSI walk-through is the
 /// alias its first line defines.

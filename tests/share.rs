@@ -2,7 +2,7 @@
 //! `volring node`: the access-mode checks, and the NFS export the owning
 //! node serves (read and written with libnfs's userspace client, since
 //! this machine's kernel has no NFS client; the kernel client runs in the
-//! VM test, tests/vm_share.rs).
+//! VM test, tests/vm/share.rs).
 
 mod common;
 mod csi_support;
@@ -201,7 +201,7 @@ fn export_served() -> Result<(), Failed> {
     let got = eventually(30, || libnfs("nfs-cat", &[&url(port, "/pvc-nfs/from-node")]))?;
     check(got == b"written on the owning node\n", format!("read over NFS: {:?}", String::from_utf8_lossy(&got)))?;
     // Debian 12's libnfs (4.0) fails NFSv4 writes of more than a few KiB
-    // (a client limit: the kernel client in tests/vm_share.rs writes MiBs),
+    // (a client limit: the kernel client in tests/vm/share.rs writes MiBs),
     // so the userspace client writes small files.
     let src = a.scratch.path().join("src");
     let payload: Vec<u8> = (0..1500u32).map(|i| (i * 7 % 251) as u8).collect();

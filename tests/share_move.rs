@@ -1,6 +1,6 @@
 //! The owning node's side of moving a shared volume's NFS server (issue 17,
 //! failover case 2), on this host with the agent's real ganesha; the move
-//! itself, with the kernel's NFS client, is tests/vm_share_move.rs.
+//! itself, with the kernel's NFS client, is tests/vm/share_move.rs.
 //!
 //! - A removed export ends the server process: a ganesha that re-read a
 //!   configuration without the export answered that export's connected

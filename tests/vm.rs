@@ -1,185 +1,122 @@
-//! Tests in a VM on Debian 12's 6.1 kernel (see tests/vm/harness.rs).
+//! Every test that boots a VM on Debian 12's 6.1 kernel (see
+//! tests/vm/harness.rs), in one test executable so that two guests run at
+//! once from the first trial to the last: cargo runs test executables one
+//! after another, and when each group of trials was its own executable the
+//! second of the machine's two cores sat idle while one group's single or
+//! last guest ran (eight executables, eight such tails), and eight links.
+//! Each module is one former executable and keeps its trials' names:
 //!
-//! - the guest boots and has the nbd module this machine's kernel lacks;
-//! - a guest that hangs is killed at its timeout;
-//! - the project's kernel-facing suites (mount_watch, devices, ring, agent)
-//!   pass on 6.1, where statmount, listmount, fanotify mount events and newer
-//!   io_uring opcodes are missing and the fallbacks run.
+//! - `suites`: the guest boots and loads nbd, a hung guest is killed, and
+//!   the kernel-facing suites pass on 6.1 (`boot::`, `harness::`, `guest::`);
+//! - `vm_nbd`, `vm_healer`, `vm_volumes`, `vm_remote`: the nbd driver
+//!   against volring, the healer, CSI nbd volumes, remote volumes;
+//! - `vm_share`, `vm_move`, `vm_share_move`: shared volumes and moves, with
+//!   an agent on this host too.
 //!
-//! Without the image (`tests/vm/fetch.sh`) each test prints why it skips;
-//! in CI a missing image fails.
+//! Without the image (`tests/vm/fetch.sh`) each trial prints why it skips;
+//! in CI a missing image fails. `cargo test --test vm vm_nbd::` runs one
+//! group.
 
+mod common;
+mod csi_support;
 #[path = "vm/harness.rs"]
 mod harness;
+mod kube_support;
 
-use std::fs;
-use std::path::Path;
-use std::sync::OnceLock;
-use std::time::Duration;
+#[path = "vm/suites.rs"]
+mod suites;
+#[path = "vm/healer.rs"]
+mod vm_healer;
+#[path = "vm/move_.rs"]
+mod vm_move;
+#[path = "vm/nbd.rs"]
+mod vm_nbd;
+#[path = "vm/remote.rs"]
+mod vm_remote;
+#[path = "vm/share.rs"]
+mod vm_share;
+#[path = "vm/share_move.rs"]
+mod vm_share_move;
+#[path = "vm/volumes.rs"]
+mod vm_volumes;
 
-use harness::{image_or_skip, test_binaries, GuestRun, Vm};
+use std::sync::{Mutex, MutexGuard};
+
 use libtest_mimic::{Arguments, Failed, Trial};
 
-/// The suites run in the guest, each its own trial here.
-const SUITES: &[&str] = &["mount_watch", "devices", "ring", "agent"];
-/// Bounds the one guest that runs all of them.
-const SUITES_TIMEOUT: Duration = Duration::from_secs(1200);
-
-/// What the shared guest checks after the suites (see [`shared_run`]):
-/// its kernel, the nbd module this machine's kernel lacks, /tmp on ext4.
-const BOOT_CHECK: &str =
-    "uname -r\nmodprobe nbd nbds_max=4\ntest -b /dev/nbd0\necho nbd0 ok\ngrep -q ' /tmp ext4 ' /proc/mounts\necho tmp ext4\n";
-
-fn boots_and_loads_nbd() -> Result<(), Failed> {
-    let Some(image) = image_or_skip("boot::modprobe_nbd") else { return Ok(()) };
-    let run = shared_run().as_ref().map_err(|e| -> Failed { e.clone().into() })?;
-    let status = fs::read_to_string(run.results.join("boot.status")).unwrap_or_default();
-    let log = fs::read_to_string(run.results.join("boot.log")).unwrap_or_default();
-    if status.trim() != "0" || !log.contains(&image.kernel_version) || !log.contains("nbd0 ok") || !log.contains("tmp ext4") {
-        return Err(format!("boot check: status {:?}\n{log}\n--- run\n{}", status.trim(), run.describe()).into());
-    }
-    eprintln!(
-        "note: guest {} booted, ran the suites and the boot check, powered off in {:.1} s",
-        image.kernel_version,
-        run.elapsed.as_secs_f64()
-    );
-    Ok(())
+/// Held by the trials that run an agent on this host beside their guest
+/// (vm_share, vm_move, vm_share_move): they ran one at a time when each
+/// group was its own executable (tests/common runs a private mount
+/// namespace's trials one by one), and still do, so their host agents,
+/// loop devices, mounts and ganesha servers never meet in this process's
+/// one mount namespace. Any of them runs beside a guest-only trial.
+fn host_agents() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    // A trial that failed while holding it poisons it; the next one runs.
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn hung_guest_is_killed() -> Result<(), Failed> {
-    let Some(image) = image_or_skip("harness::hung_guest_is_killed") else { return Ok(()) };
-    // The kill must be of a hung script, not of a guest still booting (a
-    // boot under TCG on a loaded host has taken from under 45 s to more
-    // than 120 s): the timeout is set once the script runs, 5 s past then,
-    // and the run must end killed at it.
-    let mut guest = Vm::new(&image)?.start("echo started\nexec sleep 100000\n")?;
-    // Bounded: the guest has 600 s to reach the script; one look every 100 ms.
-    while !guest.stdout().contains("started") {
-        if guest.finished() {
-            return Err(format!("the guest ended before its script ran:\n{}", guest.wait(Duration::ZERO)?.describe()).into());
-        }
-        if guest.elapsed() > Duration::from_secs(600) {
-            return Err(format!("the guest never reached its script in 600 s:\n{}", guest.wait(Duration::ZERO)?.describe()).into());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let timeout = guest.elapsed() + Duration::from_secs(5);
-    let run = guest.wait(timeout)?;
-    if !run.timed_out || run.status.is_some() {
-        return Err(format!("the hung guest was not reported as timed out:\n{}", run.describe()).into());
-    }
-    if run.elapsed < timeout {
-        return Err(format!("the guest was killed after {:?}, before its timeout {timeout:?}", run.elapsed).into());
-    }
-    if Path::new(&format!("/proc/{}", run.qemu_pid)).exists() {
-        return Err(format!("qemu {} still exists after the run returned", run.qemu_pid).into());
-    }
-    Ok(())
-}
-
-/// qemu spawned by a thread that then ends gets SIGKILL (PR_SET_PDEATHSIG):
-/// a test process that dies leaves no guest running.
-fn qemu_dies_with_the_thread_that_spawned_it() -> Result<(), Failed> {
-    use std::os::unix::process::ExitStatusExt;
-    let Some(image) = image_or_skip("harness::qemu_dies_with_its_spawner") else { return Ok(()) };
-    let (work, mut cmd) = Vm::new(&image)?.prepare("exec sleep 100000\n")?;
-    let mut child = std::thread::spawn(move || cmd.spawn()).join().map_err(|_| "spawning thread panicked")??;
-    // Bounded: 30 s for the kernel to deliver the signal (it does so as the
-    // thread exits, before join returns; the wait covers a slow reap only).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s;
-        }
-        if std::time::Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err("qemu outlived the thread that spawned it".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    drop(work);
-    if status.signal() != Some(libc::SIGKILL) {
-        return Err(format!("qemu ended with {status}, want SIGKILL").into());
-    }
-    Ok(())
-}
-
-/// The suites this run selected (a filter on the command line leaves the
-/// others out of the shared guest).
-static SELECTED: OnceLock<Vec<&'static str>> = OnceLock::new();
-
-/// One guest (one boot) for every selected suite and then the boot check,
-/// each one's output and status into the results share.
-fn shared_run() -> &'static Result<GuestRun, String> {
-    static RUN: OnceLock<Result<GuestRun, String>> = OnceLock::new();
-    RUN.get_or_init(|| {
-        let image = harness::VmImage::locate().map_err(|e| format!("no VM image: {e}"))?;
-        // A suite not built is left out; its trial skips (or fails in CI).
-        let bins: Vec<_> = SELECTED.get().into_iter().flatten().filter_map(|name| test_binaries(&[name]).ok()?.pop()).collect();
-        // VOLRING_TEST_IN_GUEST tells the suites that time runs 10-50x
-        // slower here: their waits (which end as soon as the condition holds)
-        // allow more before they call something missing.
-        let mut script = String::from("export VOLRING_TEST_IN_GUEST=1\nmodprobe loop 2>/dev/null\nmodprobe dm-mod 2>/dev/null\n");
-        script.push_str(&format!("cd '{}' || exit 1\n", env!("CARGO_MANIFEST_DIR")));
-        for (name, bin) in &bins {
-            script.push_str(&format!(
-                "echo \"== {name}\"\n'{}' >\"$VM_RESULTS/{name}.log\" 2>&1\necho $? >\"$VM_RESULTS/{name}.status\"\n",
-                bin.display()
-            ));
-        }
-        // After the suites: nbd devices appearing must not change what they see.
-        script.push_str(&format!(
-            "echo \"== boot\"\n(set -e\n{BOOT_CHECK}) >\"$VM_RESULTS/boot.log\" 2>&1\necho $? >\"$VM_RESULTS/boot.status\"\n"
-        ));
-        let run = Vm::new(&image).map_err(|e| e.to_string())?.run(&script, SUITES_TIMEOUT).map_err(|e| e.to_string())?;
-        eprintln!("note: guest ran {} suites and the boot check in {:.1} s", bins.len(), run.elapsed.as_secs_f64());
-        Ok(run)
+/// A trial written as a test that panics when it fails.
+fn panicking(name: &str, f: fn()) -> Trial {
+    Trial::test(name, move || {
+        f();
+        Ok(())
     })
 }
 
-/// The libtest summary line of a suite's log.
-fn summary(log: &str) -> &str {
-    log.lines().rev().find(|l| l.starts_with("test result:")).unwrap_or("(no summary line)")
-}
-
-fn suite_passes_on_6_1(name: &'static str) -> Result<(), Failed> {
-    let Some(_) = image_or_skip(&format!("guest::{name}")) else { return Ok(()) };
-    if let Err(why) = test_binaries(&[name]) {
-        // `cargo test` builds every suite first; `cargo test --test vm` alone
-        // does not. In CI that is a broken setup, not a skip.
-        if !harness::in_ci() {
-            eprintln!("skip: guest::{name}: {why}");
-            return Ok(());
-        }
-    }
-    let run = shared_run().as_ref().map_err(|e| -> Failed { e.clone().into() })?;
-    let status = fs::read_to_string(run.results.join(format!("{name}.status"))).unwrap_or_default();
-    let log = fs::read_to_string(run.results.join(format!("{name}.log"))).unwrap_or_default();
-    eprintln!("note: guest::{name}: {}", summary(&log));
-    if status.trim() != "0" {
-        return Err(format!("{name} in the guest: status {:?}\n{log}\n--- run\n{}", status.trim(), run.describe()).into());
-    }
-    Ok(())
-}
-
-/// Whether libtest-mimic will run the trial `name` (its filter, `--exact`
-/// and `--skip`).
-fn selected(args: &Arguments, name: &str) -> bool {
-    let matches = |f: &str| if args.exact { name == f } else { name.contains(f) };
-    args.filter.as_deref().is_none_or(matches) && !args.skip.iter().any(|s| matches(s))
+/// A trial that takes [`host_agents`] first.
+fn with_host_agents(name: &str, f: impl FnOnce() -> Result<(), Failed> + Send + 'static) -> Trial {
+    Trial::test(name, move || {
+        let _host = host_agents();
+        f()
+    })
 }
 
 fn main() {
+    // Before any thread starts: unshare(CLONE_NEWNS) is refused to a
+    // process whose threads share its filesystem context. The host agents
+    // mount and attach loop devices here; every guest's qemu inherits it.
+    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let args = Arguments::from_args();
-    let _ = SELECTED.set(SUITES.iter().copied().filter(|name| selected(&args, &format!("guest::{name}"))).collect());
+    suites::select(&args);
+    // libtest-mimic starts the trials in this order, two at a time (one
+    // per core): the longest first (guest seconds on an idle 2-core host,
+    // two at a time), so that the short ones fill in at the end; the
+    // host-agent trials apart from each other, so that one waiting for
+    // another's lock rarely holds a core idle. The shared guest of the
+    // suites starts early (boot::modprobe_nbd), and the guest:: trials that
+    // read its results come last, when it has long ended: a trial started
+    // while it runs would wait for it and hold a core idle.
     let mut trials = vec![
-        Trial::test("boot::modprobe_nbd", boots_and_loads_nbd),
-        Trial::test("harness::hung_guest_is_killed", hung_guest_is_killed),
-        Trial::test("harness::qemu_dies_with_its_spawner", qemu_dies_with_the_thread_that_spawned_it),
+        panicking("vm_nbd::kill_and_reattach_two_connections", vm_nbd::kill_and_reattach_two_connections),
+        panicking("vm_nbd::kill_and_reattach_one_ring_two_connections_64mib", vm_nbd::kill_and_reattach_one_ring_two_connections_64mib),
+        with_host_agents("vm_share::two_clients", vm_share::two_clients),
+        panicking("vm_remote::block_volume_rides_owner_restarts", vm_remote::block_volume_rides_owner_restarts),
+        panicking("vm_remote::owner_restarts_under_a_remote_writer", vm_remote::owner_restarts_under_a_remote_writer),
+        Trial::test("boot::modprobe_nbd", suites::boots_and_loads_nbd),
+        panicking("vm_healer::agent_restarts_under_a_writer", vm_healer::agent_restarts_under_a_writer),
+        panicking("vm_volumes::ext4_round_trip_and_grow", vm_volumes::ext4_round_trip_and_grow),
+        panicking("vm_volumes::xfs_round_trip_grow_and_shutdown", vm_volumes::xfs_round_trip_grow_and_shutdown),
+        panicking("vm_volumes::block_round_trip_and_grow", vm_volumes::block_round_trip_and_grow),
+        panicking("vm_healer::without_the_healer_the_writer_fails", vm_healer::without_the_healer_the_writer_fails),
+        with_host_agents("vm_share_move::moves_under_a_client_xfs", || vm_share_move::moves_under_a_client("xfs")),
+        panicking("vm_remote::without_reconnecting_the_writer_fails", vm_remote::without_reconnecting_the_writer_fails),
+        with_host_agents("vm_share_move::moves_under_a_client_ext4", || vm_share_move::moves_under_a_client("ext4")),
+        panicking("vm_nbd::without_reattach_the_writer_fails", vm_nbd::without_reattach_the_writer_fails),
+        with_host_agents("vm_move::owner_to_guest_and_back", vm_move::owner_to_guest_and_back),
+        panicking("vm_nbd::one_ring_two_connections_on_6_1", vm_nbd::one_ring_two_connections_on_6_1),
+        Trial::test("harness::hung_guest_is_killed", suites::hung_guest_is_killed),
+        Trial::test("harness::qemu_dies_with_its_spawner", suites::qemu_dies_with_the_thread_that_spawned_it),
     ];
-    for &name in SUITES {
-        trials.push(Trial::test(format!("guest::{name}"), move || suite_passes_on_6_1(name)));
+    for &name in suites::SUITES {
+        trials.push(Trial::test(format!("guest::{name}"), move || suites::suite_passes_on_6_1(name)));
     }
-    libtest_mimic::run(&args, trials).exit();
+    // Ignored in the default run: see its doc.
+    trials.push(
+        panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs)
+            .with_ignored_flag(true),
+    );
+    let conclusion = libtest_mimic::run(&args, trials);
+    suites::remove_shared_run();
+    conclusion.exit();
 }

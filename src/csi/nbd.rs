@@ -54,7 +54,7 @@ pub struct NbdAttachConfig {
     pub request_timeout: Duration,
     /// Sockets per device. One by default: the server gives each of its
     /// rings connections, and one ring serving two connections is a known
-    /// stall on 6.1 (tests/vm_nbd.rs).
+    /// stall on 6.1 (tests/vm/nbd.rs).
     pub connections: usize,
     /// Reconnect recorded devices at start and on LINK_DEAD. Off only to
     /// show what an agent restart does without it.
@@ -159,7 +159,7 @@ impl NbdSide {
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
         // connections. (A ring serving two connections stalls on 6.1, the
-        // known bug in tests/vm_nbd.rs, so more volumes than rings can hit
+        // known bug in tests/vm/nbd.rs, so more volumes than rings can hit
         // it there until the server is fixed.)
         let threads = self.config.connections.max(1).max(crate::nbd::server::default_rings());
         let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))

@@ -155,6 +155,11 @@ impl GuestRun {
         )
     }
 
+    /// The run's work directory (removed when this is dropped).
+    pub fn dir(&self) -> &Path {
+        self.work.path()
+    }
+
     /// The results file `name` the script wrote (empty when it wrote none).
     pub fn read(&self, name: &str) -> String {
         fs::read_to_string(self.results.join(name)).unwrap_or_default()
@@ -168,6 +173,23 @@ impl GuestRun {
             Err(self.describe())
         }
     }
+}
+
+/// `script`, or with `VOLRING_VM_PERF` (a host directory) set, `script`
+/// run under `perf record -a -g` in the guest (the host's perf, the
+/// guest's kernel: both 6.1): the profile and the guest's kallsyms are
+/// copied to that directory when the guest ends, for `perf report -i
+/// DATA --kallsyms KALLSYMS` on the host (the guest's root is the host's,
+/// so the binaries resolve). A profiling aid only; no trial sets it.
+fn perf_wrapped(script: &str) -> String {
+    if std::env::var_os("VOLRING_VM_PERF").is_none() {
+        return script.to_string();
+    }
+    format!(
+        "if [ -z \"${{VM_PERF_ON:-}}\" ]; then\n  export VM_PERF_ON=1\n  \
+         perf record -q -a -g -e cpu-clock -F 199 -o /tmp/perf.data -- /bin/sh \"$0\"\n  s=$?\n  \
+         cp /proc/kallsyms \"$VM_RESULTS/perf.kallsyms\"\n  cp /tmp/perf.data \"$VM_RESULTS/perf.data\"\n  exit $s\nfi\n{script}"
+    )
 }
 
 /// Kills qemu by PID unless it already exited, so a panic anywhere in `run`
@@ -198,7 +220,7 @@ impl Vm {
         let work = tempfile::Builder::new().prefix("volring-vm-").tempdir()?;
         let xfer = work.path().join("xfer");
         fs::create_dir(&xfer)?;
-        fs::write(xfer.join("script"), script)?;
+        fs::write(xfer.join("script"), perf_wrapped(script))?;
         let disk = work.path().join("disk.img");
         fs::File::create(&disk)?.set_len(self.disk_mib << 20)?;
         let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-E", "lazy_itable_init=1"]).arg(&disk).output()?;
@@ -323,6 +345,13 @@ impl Guest {
 
         let read = |p: &Path| fs::read(p).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
         let status = read(&xfer.join("status")).trim().parse().ok();
+        if let Some(dir) = std::env::var_os("VOLRING_VM_PERF") {
+            let dir = PathBuf::from(dir);
+            let _ = fs::create_dir_all(&dir);
+            for f in ["perf.data", "perf.kallsyms"] {
+                let _ = fs::copy(xfer.join("results").join(f), dir.join(format!("{qemu_pid}.{f}")));
+            }
+        }
         Ok(GuestRun {
             status,
             timed_out,

@@ -69,9 +69,17 @@ wait_ready() {
 # returned); the first failure goes to $R/writer.err and ends the writer
 # with status 1. Stops once /tmp/stop-writer exists or MAXF pieces are
 # written.
+#
+# dd and sha256sum are busybox's when the guest has it: the same write(2)s
+# of 64 KiB and fsync(2) (conv=fsync), the same digest, without loading
+# coreutils' dynamically linked binaries twice per piece. 30 pieces of
+# 512 KiB to the guest's ext4 took 397-779 jiffies of guest CPU with
+# coreutils' and 351-539 with busybox's (the same guest, interleaved, host
+# load 4-5).
 start_writer() {
   : >"$R/writes"
   rm -f /tmp/stop-writer
+  if [ -x /.vm/busybox ]; then wdd="/.vm/busybox dd" wsum="/.vm/busybox sha256sum"; else wdd=dd wsum=sha256sum; fi
   (
     mode=$1 target=$2 i=1
     while [ $i -le "$MAXF" ] && [ ! -e /tmp/stop-writer ]; do
@@ -81,12 +89,14 @@ start_writer() {
       else
         set -- of="$target/f$i" conv=fsync
       fi
-      if ! dd if=/tmp/src bs=64k "$@" status=none 2>>"$R/writer.err"; then
+      # shellcheck disable=SC2086
+      if ! $wdd if=/tmp/src bs=64k "$@" status=none 2>>"$R/writer.err"; then
         echo "write $i failed" >>"$R/writer.err"
         exit 1
       fi
       t=$(now)
-      set -- $(sha256sum </tmp/src)
+      # shellcheck disable=SC2086
+      set -- $($wsum </tmp/src)
       echo "$i $1 $t" >>"$R/writes"
       i=$((i + 1))
     done

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs in the VM (tests/vm_move.rs boots it): the node a volume moves to.
+# Runs in the VM (tests/vm/move_.rs boots it): the node a volume moves to.
 # The owning node is the host: its agent holds the volume's image, serves
 # it on its nbd export (reached at 10.0.2.100:10809 through qemu's
 # guestfwd) and stages it itself when the test asks. The guest asks the

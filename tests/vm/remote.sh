@@ -1,6 +1,6 @@
 #!/bin/sh
-# Runs in the VM (tests/vm_remote.rs boots it): the consuming node of a
-# remote nbd volume. The owning node is the host: tests/vm_remote.rs runs
+# Runs in the VM (tests/vm/remote.rs boots it): the consuming node of a
+# remote nbd volume. The owning node is the host: tests/vm/remote.rs runs
 # its `volring node --nbd-export-listen 127.0.0.1:PORT` there, created the
 # volume (URI and SECRET from its volume context), and qemu's guestfwd turns
 # each guest connection to 10.0.2.100:10809 into a relay process to that

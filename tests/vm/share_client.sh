@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs in each of the two VMs of tests/vm_share.rs: a client node of one
+# Runs in each of the two VMs of tests/vm/share.rs: a client node of one
 # shared (MULTI_NODE_MULTI_WRITER) volume that the host's agent exports
 # over NFSv4. The guest's own `volring node` stages it (the kernel NFS
 # client, through qemu's guestfwd at 10.0.2.100:2049 to the host's

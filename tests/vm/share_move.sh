@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs in the VM of tests/vm_share_move.rs: a shared (RWX) volume's NFS
+# Runs in the VM of tests/vm/share_move.rs: a shared (RWX) volume's NFS
 # server moves from its owning node to this one while a client keeps its
 # mount. The host is node A: its agent owns the volume's image, stages it
 # (loop), exports it with its ganesha and serves the image over nbd. This

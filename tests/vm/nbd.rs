@@ -4,14 +4,12 @@
 //! process, reattach with RECONFIGURE, the writer resumes and every byte
 //! verifies. Skips (saying why) without the VM image; fails in CI.
 
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::time::Duration;
 
-use harness::{image_or_skip, Vm};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
-const SMOKE: &str = include_str!("vm/nbd_smoke.sh");
+const SMOKE: &str = include_str!("nbd_smoke.sh");
 
 fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
@@ -31,16 +29,14 @@ fn smoke(test: &str, cpus: u32, env: &[(&str, &str)]) {
 }
 
 /// Two connections, a ring per vCPU.
-#[test]
-fn kill_and_reattach_two_connections() {
+pub fn kill_and_reattach_two_connections() {
     smoke("vm_nbd::kill_and_reattach_two_connections", 2, &[("CONNS", "2"), ("THREADS", "0")]);
 }
 
 /// The control: the same kill with nobody re-attaching (and a 3 s
 /// dead-connection timeout) fails the writer with EIO, so the test above
 /// can tell a working reattach from a broken one.
-#[test]
-fn without_reattach_the_writer_fails() {
+pub fn without_reattach_the_writer_fails() {
     smoke(
         "vm_nbd::without_reattach_the_writer_fails",
         2,
@@ -53,8 +49,7 @@ fn without_reattach_the_writer_fails() {
 /// stopped dropping a multishot receive's data completions reaped in one
 /// batch with its last one (the bytes were lost, the pool drained, and the
 /// ring spun re-arming receives into ENOBUFS).
-#[test]
-fn kill_and_reattach_one_ring_two_connections_64mib() {
+pub fn kill_and_reattach_one_ring_two_connections_64mib() {
     smoke(
         "vm_nbd::kill_and_reattach_one_ring_two_connections_64mib",
         2,
@@ -73,8 +68,7 @@ fn kill_and_reattach_one_ring_two_connections_64mib() {
 /// and 125 of 125 (two at a time, load 5-26) with inline writes re-probing.
 /// The ring's per-tick state (VOLRING_NBD_RING_TRACE) is printed with a
 /// failure to show it.
-#[test]
-fn one_ring_two_connections_on_6_1() {
+pub fn one_ring_two_connections_on_6_1() {
     let Some(image) = image_or_skip("vm_nbd::one_ring_two_connections_on_6_1") else { return };
     let bins = harness::test_binaries(&["nbd_attach"]).expect("cargo test --no-run --test nbd_attach");
     let script = format!(

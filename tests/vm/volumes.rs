@@ -5,15 +5,13 @@
 //! again; a shut-down xfs is reported abnormal and still unstages. Skips
 //! (saying why) without the VM image; fails in CI.
 
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::fs;
 use std::time::Duration;
 
-use harness::{image_or_skip, Vm};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
-const SCRIPT: &str = include_str!("vm/volumes.sh");
+const SCRIPT: &str = include_str!("volumes.sh");
 
 fn volume(test: &str, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
@@ -51,8 +49,7 @@ fn volume(test: &str, env: &[(&str, &str)]) {
 
 /// ext4 on /dev/nbdN; NodeExpandVolume grows image, device and filesystem
 /// (`--expansion node`).
-#[test]
-fn ext4_round_trip_and_grow() {
+pub fn ext4_round_trip_and_grow() {
     volume("vm_volumes::ext4_round_trip_and_grow", &[("KIND", "ext4"), ("SIZE_MIB", "96"), ("EXPANSION", "node")]);
 }
 
@@ -62,14 +59,12 @@ fn ext4_round_trip_and_grow() {
 /// multishot receive's data completions in one batch with its last one and
 /// dropped them, so the pool's buffers looked held and every receive ended
 /// ENOBUFS at once (see `IoRing::complete`).
-#[test]
-fn xfs_round_trip_grow_and_shutdown() {
+pub fn xfs_round_trip_grow_and_shutdown() {
     volume("vm_volumes::xfs_round_trip_grow_and_shutdown", &[("KIND", "xfs"), ("SIZE_MIB", "320"), ("EXPANSION", "controller")]);
 }
 
 /// A raw block volume on /dev/nbdN, published; ControllerExpandVolume alone
 /// grows the device (no node step for block).
-#[test]
-fn block_round_trip_and_grow() {
+pub fn block_round_trip_and_grow() {
     volume("vm_volumes::block_round_trip_and_grow", &[("KIND", "block"), ("SIZE_MIB", "96"), ("EXPANSION", "controller")]);
 }

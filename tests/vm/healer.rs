@@ -5,14 +5,12 @@
 //! without it (the control) the writer fails. Skips (saying why) without the
 //! VM image; fails in CI.
 
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::time::Duration;
 
-use harness::{image_or_skip, Vm};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 
-const SCRIPT: &str = include_str!("vm/healer.sh");
+const SCRIPT: &str = include_str!("healer.sh");
 
 fn healer(test: &str, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
@@ -40,8 +38,7 @@ fn healer(test: &str, env: &[(&str, &str)]) {
 
 /// The agent killed -9 and restarted under a writing ext4 on /dev/nbdN;
 /// the healer reconnects the device each time (CYCLES=20 for the full run).
-#[test]
-fn agent_restarts_under_a_writer() {
+pub fn agent_restarts_under_a_writer() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
     let conns = std::env::var("VOLRING_HEALER_CONNS").unwrap_or_else(|_| "1".into());
     healer("vm_healer::agent_restarts_under_a_writer", &[("CYCLES", &cycles), ("CONNS", &conns)]);
@@ -51,11 +48,9 @@ fn agent_restarts_under_a_writer() {
 /// `xfs_repair -n` clean on the image after the unstage. Ignored in the
 /// default run (run it with `--ignored`): mkfs.xfs on `/dev/nbdN` stalls
 /// the agent's server on 6.1 in some runs (the open stall, see
-/// tests/vm_volumes.rs), and it adds ~11 min of TCG to the suite. Passed
+/// tests/vm/volumes.rs), and it adds ~11 min of TCG to the suite. Passed
 /// its one run so far (5 cycles, the gone-image and drift checks too).
-#[test]
-#[ignore = "mkfs.xfs over nbd can stall the 6.1 server (the open stall); run with --ignored"]
-fn agent_restarts_under_a_writer_on_xfs() {
+pub fn agent_restarts_under_a_writer_on_xfs() {
     let cycles = std::env::var("VOLRING_HEALER_CYCLES").unwrap_or_else(|_| "5".into());
     healer("vm_healer::agent_restarts_under_a_writer_on_xfs", &[("CYCLES", &cycles), ("FS", "xfs")]);
 }
@@ -63,7 +58,6 @@ fn agent_restarts_under_a_writer_on_xfs() {
 /// The control: the same restart with the healer off (--nbd-no-heal) and a
 /// 4 s dead-connection timeout fails the writer with EIO and reports the
 /// volume abnormal, so the test above can tell a healer from none.
-#[test]
-fn without_the_healer_the_writer_fails() {
+pub fn without_the_healer_the_writer_fails() {
     healer("vm_healer::without_the_healer_the_writer_fails", &[("NO_HEAL", "1")]);
 }

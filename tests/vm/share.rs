@@ -9,23 +9,19 @@
 //! checks every file the guests wrote on the staged filesystem itself.
 //! Skips (saying why) without the VM image; fails in CI.
 
-mod common;
-mod csi_support;
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::check;
-use csi_support::{Agent, MIB};
-use harness::{image_or_skip, Vm};
-use libtest_mimic::{Failed, Trial};
+use crate::common::check;
+use crate::csi_support::{Agent, MIB};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
+use libtest_mimic::Failed;
 use volring::csi::client::capability;
 use volring::csi::proto::volume_capability::access_mode::Mode;
 use volring::csi::proto::*;
 
-const SCRIPT: &str = include_str!("vm/share_client.sh");
+const SCRIPT: &str = include_str!("share_client.sh");
 const VOLUME: &str = "pvc-shared";
 const GRACE: &str = "10";
 
@@ -61,7 +57,7 @@ fn alive(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-fn two_clients() -> Result<(), Failed> {
+pub fn two_clients() -> Result<(), Failed> {
     let Some(image) = image_or_skip("vm_share::two_clients") else { return Ok(()) };
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let env = env(port);
@@ -230,8 +226,4 @@ fn two_clients() -> Result<(), Failed> {
     check(log == want, format!("the appended log on the host:\n{log}"))?;
     a.unstage(VOLUME, &staging)?;
     Ok(())
-}
-
-fn main() {
-    common::run_in_private_namespace(vec![Trial::test("vm_share::two_clients", two_clients)])
 }

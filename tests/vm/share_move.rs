@@ -10,26 +10,22 @@
 //! open file and cwd must ride through; then `xfs_repair -n` (or `e2fsck
 //! -fn`) of the image. Skips (saying why) without the VM image; fails in CI.
 
-mod common;
-mod csi_support;
-#[path = "vm/harness.rs"]
-mod harness;
-mod kube_support;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::check;
-use csi_support::{code, Agent, MIB};
-use harness::{image_or_skip, Vm};
-use libtest_mimic::{Failed, Trial};
+use crate::common::check;
+use crate::csi_support::{code, Agent, MIB};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
+use crate::kube_support;
+use libtest_mimic::Failed;
 use volring::csi::client::capability;
 use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring::csi::proto::volume_capability::access_mode::Mode;
 use volring::csi::proto::*;
 
-const SCRIPT: &str = include_str!("vm/share_move.sh");
+const SCRIPT: &str = include_str!("share_move.sh");
 const GUEST_NBD: &str = "10.0.2.100:10809";
 const GUEST_NFS: &str = "10.0.2.100:2049";
 const GUEST_API: &str = "10.0.2.100:6443";
@@ -80,7 +76,7 @@ fn free_port() -> Result<u16, Failed> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
+pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     let test = format!("vm_share_move::moves_under_a_client_{fs}");
     let Some(image) = image_or_skip(&test) else { return Ok(()) };
     if std::process::Command::new("socat").arg("-V").output().is_err() {
@@ -229,11 +225,4 @@ fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     )?;
     check(code(a.delete(&volume)).is_none(), "delete after the move")?;
     Ok(())
-}
-
-fn main() {
-    common::run_in_private_namespace(vec![
-        Trial::test("vm_share_move::moves_under_a_client_xfs", || moves_under_a_client("xfs")),
-        Trial::test("vm_share_move::moves_under_a_client_ext4", || moves_under_a_client("ext4")),
-    ])
 }

@@ -3,7 +3,7 @@
 //! nbd client on the other side: this host's agent owns the volume and
 //! serves it on its nbd export; a 6.1 guest (tests/vm/move.sh) is the node
 //! it moves to, reaching the export through qemu's guestfwd (one socat per
-//! connection, as in tests/vm_remote.rs). While the owner has the volume
+//! connection, as in tests/vm/remote.rs). While the owner has the volume
 //! staged the guest's stage is refused with FailedPrecondition; once the
 //! owner unstages, the guest stages it over TCP and reads what the owner
 //! wrote; while the guest holds it the owner's own stage is refused; the
@@ -13,25 +13,21 @@
 //! server (issue 17, case 2): the NFS export goes with the stage.
 //! Skips (saying why) without the VM image; fails in CI.
 
-mod common;
-mod csi_support;
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::check;
-use csi_support::{code, mount_cap, Agent, MIB};
-use harness::{image_or_skip, Vm};
-use libtest_mimic::{Failed, Trial};
+use crate::common::check;
+use crate::csi_support::{code, mount_cap, Agent, MIB};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
+use libtest_mimic::Failed;
 use sha2::Digest;
 use tonic::Code;
 use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring::csi::proto::*;
 
-const SCRIPT: &str = include_str!("vm/move.sh");
+const SCRIPT: &str = include_str!("move.sh");
 const GUEST_SIDE: &str = "10.0.2.100:10809";
 const VOLUME: &str = "pvc-m";
 
@@ -86,7 +82,7 @@ fn step(a: &Agent, staging: &str, results: &Path, name: &str) -> Result<(), Stri
     }
 }
 
-fn owner_to_guest_and_back() -> Result<(), Failed> {
+pub fn owner_to_guest_and_back() -> Result<(), Failed> {
     let Some(image) = image_or_skip("vm_move::owner_to_guest_and_back") else { return Ok(()) };
     if std::process::Command::new("socat").arg("-V").output().is_err() {
         return Err("socat (the guest connection's relay) is not installed: run .ci/deps".into());
@@ -163,8 +159,4 @@ fn owner_to_guest_and_back() -> Result<(), Failed> {
     check(fsck.status.success(), format!("e2fsck -fn of the image:\n{}", String::from_utf8_lossy(&fsck.stdout)))?;
     check(code(a.delete(VOLUME)).is_none(), "delete after the move back")?;
     Ok(())
-}
-
-fn main() {
-    common::run_in_private_namespace(vec![Trial::test("vm_move::owner_to_guest_and_back", owner_to_guest_and_back)])
 }

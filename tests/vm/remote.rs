@@ -26,18 +26,16 @@
 //! The guest asks for each restart (file `kill-C` in its results) and the
 //! host answers `back-C` once the new owner runs.
 
-#[path = "vm/harness.rs"]
-mod harness;
-
 use std::fs;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{image_or_skip, Vm};
+use crate::harness;
+use crate::harness::{image_or_skip, Vm};
 use sha2::Digest;
 
-const SCRIPT: &str = include_str!("vm/remote.sh");
+const SCRIPT: &str = include_str!("remote.sh");
 /// The address the guest connects to (qemu's guestfwd).
 const GUEST_SIDE: &str = "10.0.2.100:10809";
 /// How long the owner stays dead on each restart.
@@ -273,8 +271,7 @@ fn remote(test: &str, env: &[(&str, &str)], cycles: u32) {
 /// The owner (on the host) is killed -9 and restarted 3 times under a
 /// writer on the consumer (in the guest); the consumer reconnects each
 /// time, no write fails, the data and the filesystem verify.
-#[test]
-fn owner_restarts_under_a_remote_writer() {
+pub fn owner_restarts_under_a_remote_writer() {
     let cycles = std::env::var("VOLRING_REMOTE_CYCLES").unwrap_or_else(|_| "3".into());
     let conns = std::env::var("VOLRING_REMOTE_CONNS").unwrap_or_else(|_| "1".into());
     let n = cycles.parse().expect("VOLRING_REMOTE_CYCLES");
@@ -285,14 +282,12 @@ fn owner_restarts_under_a_remote_writer() {
 /// node) served by the host's owner, written in pieces at their offsets
 /// while the owner restarts twice; the pieces verify in the guest after a
 /// re-stage and in the owner's image on the host.
-#[test]
-fn block_volume_rides_owner_restarts() {
+pub fn block_volume_rides_owner_restarts() {
     remote("vm_remote::block_volume_rides_owner_restarts", &[("KIND", "block"), ("CYCLES", "2")], 2);
 }
 
 /// The control: the consumer does not reconnect (--nbd-no-heal, 4 s
 /// dead-connection timeout) and the same restart fails the writer.
-#[test]
-fn without_reconnecting_the_writer_fails() {
+pub fn without_reconnecting_the_writer_fails() {
     remote("vm_remote::without_reconnecting_the_writer_fails", &[("NO_HEAL", "1")], 1);
 }
