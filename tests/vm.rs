@@ -94,6 +94,7 @@ fn main() {
         panicking("vm_remote::block_volume_rides_owner_restarts", vm_remote::block_volume_rides_owner_restarts),
         panicking("vm_remote::owner_restarts_under_a_remote_writer", vm_remote::owner_restarts_under_a_remote_writer),
         Trial::test("boot::modprobe_nbd", suites::boots_and_loads_nbd),
+        panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs),
         panicking("vm_healer::agent_restarts_under_a_writer", vm_healer::agent_restarts_under_a_writer),
         panicking("vm_volumes::ext4_round_trip_and_grow", vm_volumes::ext4_round_trip_and_grow),
         panicking("vm_volumes::xfs_round_trip_grow_and_shutdown", vm_volumes::xfs_round_trip_grow_and_shutdown),
@@ -111,11 +112,6 @@ fn main() {
     for &name in suites::SUITES {
         trials.push(Trial::test(format!("guest::{name}"), move || suites::suite_passes_on_6_1(name)));
     }
-    // Ignored in the default run: see its doc.
-    trials.push(
-        panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs)
-            .with_ignored_flag(true),
-    );
     let conclusion = libtest_mimic::run(&args, trials);
     suites::remove_shared_run();
     conclusion.exit();
