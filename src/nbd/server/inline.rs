@@ -84,12 +84,8 @@ impl std::str::FromStr for InlineWrites {
 enum Mode {
     /// Not known yet: the next write is tried with RWF_NOWAIT.
     Probe { eagain: u8 },
-    /// Every write goes through io_uring (inline writes are off, or a
-    /// write is larger than [`INLINE_MAX`]).
+    /// The file system takes writes without blocking: io_uring does them.
     Ring,
-    /// The file system takes writes without blocking: small ones are tried
-    /// here with RWF_NOWAIT, a refused one goes through io_uring.
-    Nowait,
     /// Small writes are done blocking on the ring thread.
     Inline,
     /// Inline, and a write was handed out to be tried with RWF_NOWAIT again;
@@ -149,8 +145,7 @@ impl WritePath {
                 self.since_refusal += 1;
                 self.refused(len)
             }
-            Mode::Nowait if len <= INLINE_MAX => Route::Nowait,
-            Mode::Ring | Mode::Nowait | Mode::Backoff(_) => Route::Ring,
+            Mode::Ring | Mode::Backoff(_) => Route::Ring,
         }
     }
 
@@ -170,7 +165,7 @@ impl WritePath {
     pub(super) fn nowait_done(&mut self, res: Result<usize, Errno>) -> bool {
         let before = self.mode;
         self.mode = match (self.mode, res) {
-            (Mode::Probe { .. } | Mode::Reprobe, Ok(_)) => Mode::Nowait,
+            (Mode::Probe { .. } | Mode::Reprobe, Ok(_)) => Mode::Ring,
             (Mode::Probe { .. }, Err(Errno::OPNOTSUPP)) => Mode::Inline,
             (Mode::Probe { eagain }, Err(Errno::AGAIN)) if eagain + 1 >= PROBES => Mode::Inline,
             (Mode::Probe { eagain }, Err(Errno::AGAIN)) => Mode::Probe { eagain: eagain + 1 },
@@ -186,7 +181,7 @@ impl WritePath {
             // Nothing was asked: decided already.
             (mode, _) => mode,
         };
-        matches!((before, self.mode), (Mode::Probe { .. }, Mode::Inline) | (Mode::Probe { .. } | Mode::Reprobe, Mode::Nowait))
+        matches!((before, self.mode), (Mode::Probe { .. }, Mode::Inline) | (Mode::Probe { .. } | Mode::Reprobe, Mode::Ring))
     }
 
     /// A blocking write took `took`; `slept` if the thread waited meanwhile.
@@ -240,11 +235,9 @@ impl Worker {
             let changed = path.nowait_done(res);
             if let Ok(n) = res {
                 if changed {
-                    tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; small ones on the ring thread");
+                    tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
                 }
-                export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.on_request_done(ri, n as i32);
-                self.count_inline(ci);
                 return true;
             }
             // Refused: this very write is done here if that is what the
@@ -278,18 +271,12 @@ impl Worker {
         }
         export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.on_request_done(ri, res.map_or_else(|e| -e.raw_os_error(), |n| n as i32));
-        self.count_inline(ci);
-        true
-    }
-
-    /// One more write was answered on the ring thread: every
-    /// [`FLUSH_EVERY`] of them the replies go out.
-    fn count_inline(&mut self, ci: u32) {
         self.inline.unflushed += 1;
         if self.inline.unflushed >= FLUSH_EVERY {
             self.inline.unflushed = 0;
             self.flush_replies(ci);
         }
+        true
     }
 
     /// Sends what connection `ci` has queued now, not at the end of the turn.
