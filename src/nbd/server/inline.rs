@@ -13,10 +13,17 @@
 //!   every write goes through the ring (where it completes inline anyway);
 //! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
 //!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here;
+//! - EAGAIN alone is weak evidence: xfs answers it whenever the write would
+//!   wait (dirty-page throttling, or the inode lock held by an io-wq worker
+//!   that waits there), and those answers come in streaks as long as the
+//!   requests in flight: at 4 connections x QD8, 8 in a row at the start of
+//!   a run sent xfs inline in some runs and not others, and inline cost it
+//!   5.2 µs of server CPU per 4 KiB write against 4.6 through the ring.
+//!   [`PROBES`] is longer than such a streak;
 //! - that refusal is not final: a file system that refused under a passing
-//!   load (xfs answered EAGAIN 8 times in a row on a busy host) would
-//!   otherwise keep its writes off the ring for good. One write is tried
-//!   with RWF_NOWAIT again after 8, 16, 32... writes, the gap doubling up to
+//!   load would otherwise keep its writes off the ring for good. One write
+//!   is tried with RWF_NOWAIT again after [`PROBES`] writes, then twice as
+//!   many, and so on up to
 //!   [`REPROBE_MAX`]: a short streak is undone soon, a file system that
 //!   never takes them pays one refused syscall (no I/O: the file system
 //!   refuses before it starts) in [`REPROBE_MAX`] writes, and a success
@@ -49,8 +56,11 @@ pub(super) const INLINE_MAX: u64 = 64 * 1024;
 pub(super) const SLOW: Duration = Duration::from_millis(1);
 /// How long writes go back to the ring after a slow one.
 pub(super) const BACKOFF: Duration = Duration::from_secs(1);
-/// EAGAINs in a row, with no success, that make the probe give up on the ring.
-pub(super) const PROBES: u8 = 8;
+/// EAGAINs in a row, with no success, that make the probe give up on the
+/// ring: longer than a streak a loaded xfs gives (about the requests in
+/// flight), short enough that a file system that refuses every write costs
+/// few io-wq hand-offs before writes are done here.
+pub(super) const PROBES: u16 = 128;
 /// Most writes done blocking between two RWF_NOWAIT tries once the file
 /// system refused: bounds both the refused syscalls a file system that
 /// never takes them costs (one in this many writes) and how long writes
@@ -83,7 +93,7 @@ impl std::str::FromStr for InlineWrites {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     /// Not known yet: the next write is tried with RWF_NOWAIT.
-    Probe { eagain: u8 },
+    Probe { eagain: u16 },
     /// The file system takes writes without blocking: io_uring does them.
     Ring,
     /// Small writes are done blocking on the ring thread.
