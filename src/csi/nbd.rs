@@ -48,13 +48,15 @@ pub struct NbdAttachConfig {
     /// NBD_ATTR_DEAD_CONN_TIMEOUT: how long the kernel queues I/O while the
     /// agent is away (an agent restart must fit in it).
     pub dead_conn_timeout: Duration,
-    /// NBD_ATTR_TIMEOUT: a request unanswered this long is resent (after a
-    /// crash, the requests the dead agent held are resent this soon after
-    /// the reconnect).
+    /// NBD_ATTR_TIMEOUT: a request unanswered this long after it was sent
+    /// is resent. After a crash it is what brings back the requests the
+    /// dead agent held: the kernel requeues nothing when fresh sockets
+    /// arrive (RECONFIGURE), only when this timer expires.
     pub request_timeout: Duration,
-    /// Sockets per device. One by default: the server gives each of its
-    /// rings connections, and one ring serving two connections is a known
-    /// stall on 6.1 (tests/vm/nbd.rs).
+    /// Sockets per device. One by default (a device's connections share
+    /// the server's rings; two connections on one ring stalled on 6.1 until
+    /// the ring stopped dropping completions reaped with a multishot's
+    /// last one — tests/vm/nbd.rs keeps that setup running).
     pub connections: usize,
     /// Reconnect recorded devices at start and on LINK_DEAD. Off only to
     /// show what an agent restart does without it.
@@ -158,9 +160,7 @@ impl NbdSide {
         // One server for every nbd volume of the node, so its rings serve
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
-        // connections. (A ring serving two connections stalls on 6.1, the
-        // known bug in tests/vm/nbd.rs, so more volumes than rings can hit
-        // it there until the server is fixed.)
+        // connections.
         let threads = self.config.connections.max(1).max(crate::nbd::server::default_rings());
         let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
