@@ -30,8 +30,10 @@ use std::time::Duration;
 use volring::nbd::attach::{ConnectSpec, NbdControl};
 
 /// fio jobs: name, rw, block size, queue depth.
-/// Sequential writes last: on 6.1 they stall volring's server today (the
-/// bug tests/vm/volumes.rs's xfs case hits), which ends its device.
+/// Sequential writes last: on 6.1 they stalled volring's server until the
+/// ring stopped dropping a multishot receive's completions (the bug
+/// tests/vm/volumes.rs's xfs case hit), and a stalled server ends its
+/// device for the jobs after it.
 const JOBS: &[(&str, &str, &str, u32)] = &[
     ("rand-read-4k", "randread", "4k", 32),
     ("seq-read-1m", "read", "1M", 8),
