@@ -19,8 +19,8 @@ use arc_swap::ArcSwap;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinHandle;
 
-use crate::devices::{CollectorConfig, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector};
-use crate::mounts::{MountTable, MountWatcher, WatchConfig, WatchEvent};
+use volring_devices::{CollectorConfig, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector};
+use volring_mounts::{MountTable, MountWatcher, WatchConfig, WatchEvent};
 
 /// What `volring node` was asked to do.
 #[derive(Debug, Clone)]
@@ -35,16 +35,16 @@ pub struct AgentConfig {
     /// The agent's state directory; one agent at a time may use it.
     pub state_dir: PathBuf,
     /// The CSI driver's settings; `None`: no CSI socket.
-    pub csi: Option<crate::csi::CsiConfig>,
+    pub csi: Option<volring_csi::CsiConfig>,
     /// The NBD server's settings; `None`: no NBD server.
     pub nbd: Option<NbdConfig>,
     /// How the CSI volumes' state is reconciled.
-    pub reconcile: crate::state::reconcile::ReconcileConfig,
+    pub reconcile: volring_volumes::state::reconcile::ReconcileConfig,
     /// Publishing BlockDevice and StorageNode objects; `None`: not published.
     pub publish: Option<PublishConfig>,
     /// The re-read after creating a shared volume's Service or Endpoints
     /// (the loop runs when the node serves NFS and has a cluster).
-    pub share_kube: crate::share::kube::ControllerConfig,
+    pub share_kube: volring_share::kube::ControllerConfig,
 }
 
 /// Where and how fast the node's objects are published.
@@ -57,12 +57,12 @@ pub struct PublishConfig {
     pub qps: f64,
     pub burst: u32,
     pub window: Duration,
-    pub gone: crate::publisher::GonePolicy,
+    pub gone: volring_kube::GonePolicy,
 }
 
 impl Default for PublishConfig {
     fn default() -> Self {
-        let d = crate::publisher::UpdaterConfig::new("");
+        let d = volring_kube::UpdaterConfig::new("");
         Self { kube: None, qps: d.qps, burst: d.burst, window: d.window, gone: d.gone }
     }
 }
@@ -70,8 +70,8 @@ impl Default for PublishConfig {
 /// The node's NBD server: where it listens and what it exports at start.
 #[derive(Debug, Clone)]
 pub struct NbdConfig {
-    pub server: crate::nbd::ServerConfig,
-    pub exports: Vec<crate::nbd::ExportSpec>,
+    pub server: volring_nbd::ServerConfig,
+    pub exports: Vec<volring_nbd::ExportSpec>,
 }
 
 impl Default for AgentConfig {
@@ -96,11 +96,11 @@ impl Default for AgentConfig {
 /// start walk on it (see `run`); the reconciler's start, which would run
 /// the walk otherwise, finds it done.
 async fn heal_first(
-    c: crate::csi::CsiConfig,
+    c: volring_csi::CsiConfig,
     table: Arc<RwLock<MountTable>>,
-    ready: crate::csi::Readiness,
-) -> anyhow::Result<Arc<crate::csi::Driver>> {
-    let driver = crate::csi::Driver::new(c, table, ready)?;
+    ready: volring_csi::Readiness,
+) -> anyhow::Result<Arc<volring_csi::Driver>> {
+    let driver = volring_csi::Driver::new(c, table, ready)?;
     let d = driver.clone();
     let walked = tokio::task::spawn_blocking(move || d.heal_nbd()).await?;
     if !walked.is_empty() {
@@ -127,7 +127,9 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let mut hup = signal(SignalKind::hangup())?;
     lock_state_dir(&config.state_dir)?;
     let csi_socket = match &config.csi {
-        Some(c) => Some(crate::csi::server::bind(&c.endpoint).with_context(|| format!("cannot bind CSI socket {}", c.endpoint.display()))?),
+        Some(c) => {
+            Some(volring_csi::server::bind(&c.endpoint).with_context(|| format!("cannot bind CSI socket {}", c.endpoint.display()))?)
+        }
         None => None,
     };
     let metrics_listener = match config.metrics {
@@ -140,7 +142,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             // Off the runtime: a bind may wait for a killed agent's port.
             let server_config = c.server.clone();
             let server =
-                tokio::task::spawn_blocking(move || crate::nbd::NbdServer::start(server_config, Arc::new(crate::nbd::Exports::new())))
+                tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(server_config, Arc::new(volring_nbd::Exports::new())))
                     .await?
                     .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
             for spec in &c.exports {
@@ -155,7 +157,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Some(e) => {
             let listen = e.listen;
             Some(
-                tokio::task::spawn_blocking(move || crate::csi::nbd_export::ExportListener::start(e))
+                tokio::task::spawn_blocking(move || volring_csi::nbd_export::ExportListener::start(e))
                     .await?
                     .map_err(|e| anyhow::anyhow!("cannot start the nbd export listener on {listen}: {e}"))?,
             )
@@ -172,7 +174,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     // mount table is filled in below, before the CSI server and the
     // reconciler (the first to read it) start.
     let table = Arc::new(RwLock::new(MountTable::new()));
-    let ready = crate::csi::Readiness::default();
+    let ready = volring_csi::Readiness::default();
     let driver = match &config.csi {
         Some(c) => Some(heal_first(c.clone(), table.clone(), ready.clone()).await?),
         None => None,
@@ -186,7 +188,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
             if let Some(l) = export_listener {
                 driver.serve_exports(l)?;
             }
-            let server = tokio::spawn(crate::csi::server::serve(driver.clone(), listener, async {
+            let server = tokio::spawn(volring_csi::server::serve(driver.clone(), listener, async {
                 let _ = csi_stopped.await;
             }));
             Some(Csi { driver, server, socket })
@@ -220,14 +222,14 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     };
     // Made before /metrics serves, so the publisher's series are there from
     // the first scrape.
-    let publish_stats = config.publish.as_ref().map(|_| Arc::new(crate::publisher::updater::Stats::default()));
+    let publish_stats = config.publish.as_ref().map(|_| Arc::new(volring_kube::updater::Stats::default()));
     // In a cluster (the same choice the publisher makes: --kube, else a
     // kubeconfig or the pod's service account): NodeStage reads the
     // endpoints published on PVCs, and a node serving NFS keeps a Service
     // and Endpoints per export.
-    let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| crate::publisher::kube_sink::KubeSink::detect().is_some());
+    let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| volring_kube::kube_sink::KubeSink::detect().is_some());
     let shares = match &csi {
-        Some(c) if cluster => crate::share::follow::in_cluster(&c.driver, config.share_kube.clone()).await?,
+        Some(c) if cluster => volring_share::follow::in_cluster(&c.driver, config.share_kube.clone()).await?,
         _ => None,
     };
     let sources = crate::metrics::Sources {
@@ -285,7 +287,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let mut dirty = false;
     // A full rescan runs on the blocking pool; device events wait in their
     // queue meanwhile, so they apply after it, in order, as they always did.
-    let mut rescan: Option<JoinHandle<Result<Inventory, crate::devices::Error>>> = None;
+    let mut rescan: Option<JoinHandle<Result<Inventory, volring_devices::Error>>> = None;
     let result = loop {
         tokio::select! {
             ev = mount_events.recv() => match ev {
@@ -398,11 +400,11 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
 /// StorageNode's follower (a task woken by the CSI records, the
 /// reconciler's verdicts and device relinks; never by a timer).
 struct Publisher {
-    up: crate::publisher::Updater,
-    feed: crate::publisher::feed::Feed,
-    node_signal: crate::publisher::node_feed::NodeSignal,
+    up: volring_kube::Updater,
+    feed: volring_kube::feed::Feed,
+    node_signal: volring_kube::node_feed::NodeSignal,
     node_follower: JoinHandle<()>,
-    node_build: crate::publisher::node_feed::Builder,
+    node_build: volring_kube::node_feed::Builder,
 }
 
 /// Starts the updater on the cluster or the node's store, with this node's
@@ -411,16 +413,16 @@ async fn start_publisher(
     p: &PublishConfig,
     state_dir: &Path,
     node: &str,
-    driver: Option<Arc<crate::csi::Driver>>,
-    view: Option<Arc<crate::state::actual::HealthView>>,
+    driver: Option<Arc<volring_csi::Driver>>,
+    view: Option<Arc<volring_volumes::state::actual::HealthView>>,
     inventory: &Inventory,
-    stats: Arc<crate::publisher::updater::Stats>,
+    stats: Arc<volring_kube::updater::Stats>,
 ) -> anyhow::Result<Publisher> {
-    use crate::publisher::node_feed::{self, NodeFeed, NodeSignal};
-    use crate::publisher::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
+    use volring_kube::node_feed::{self, NodeFeed, NodeSignal};
+    use volring_kube::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
     let mut uc = UpdaterConfig::new(node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
-    uc.unread_paths = crate::publisher::feed::unread_paths(inventory);
+    uc.unread_paths = volring_kube::feed::unread_paths(inventory);
     // Listen before the first build, so no change falls between.
     let node_signal = NodeSignal::default();
     if let Some(d) = &driver {
@@ -446,8 +448,8 @@ async fn start_publisher(
             }
         }),
     );
-    let initial = crate::publisher::feed::Feed::initial(inventory, node, node_feed.current());
-    let mut feed = crate::publisher::feed::Feed::default();
+    let initial = volring_kube::feed::Feed::initial(inventory, node, node_feed.current());
+    let mut feed = volring_kube::feed::Feed::default();
     feed.seed(&initial);
     let source = KubeSink::detect();
     let up = if p.kube.unwrap_or(source.is_some()) {
@@ -455,13 +457,13 @@ async fn start_publisher(
         let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
         tracing::info!(objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = hook_driver {
-            tokio::spawn(crate::publisher::attachments::healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
+            tokio::spawn(volring_kube::attachments::healer_hook(sink.clone(), d, node.to_string(), unknown, node_signal.clone()));
         }
         Updater::start_counting(sink, uc, initial, stats)
     } else {
         let store = match store {
             Some(s) => s,
-            None => Arc::new(crate::state::store::Store::open(&state_dir.join(crate::state::store::FILE))?),
+            None => Arc::new(volring_volumes::store::Store::open(&state_dir.join(volring_volumes::store::FILE))?),
         };
         tracing::info!(objects = initial.len(), "no cluster: publishing to the node's store");
         Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, stats)
@@ -473,9 +475,9 @@ async fn start_publisher(
 
 /// The running CSI driver, its server task and the socket it bound.
 struct Csi {
-    driver: Arc<crate::csi::Driver>,
+    driver: Arc<volring_csi::Driver>,
     server: JoinHandle<std::io::Result<()>>,
-    socket: crate::csi::server::BoundSocket,
+    socket: volring_csi::server::BoundSocket,
 }
 
 /// Takes the state directory for this process: an exclusive `flock` on
@@ -519,7 +521,7 @@ pub fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
 
 /// Scans the devices on the blocking pool (a full scan reads sysfs and the
 /// first blocks of every device), against a copy of the mount table.
-fn scan(cfg: &ScanConfig, table: &RwLock<MountTable>) -> JoinHandle<Result<Inventory, crate::devices::Error>> {
+fn scan(cfg: &ScanConfig, table: &RwLock<MountTable>) -> JoinHandle<Result<Inventory, volring_devices::Error>> {
     let (cfg, table) = (cfg.clone(), read(table).clone());
     tokio::task::spawn_blocking(move || Inventory::scan(&cfg, &table))
 }
@@ -578,7 +580,7 @@ fn read(t: &RwLock<MountTable>) -> std::sync::RwLockReadGuard<'_, MountTable> {
 }
 
 /// The devices the collector samples.
-fn tracked(inv: &Inventory) -> Vec<(crate::mounts::DevNum, Arc<str>)> {
+fn tracked(inv: &Inventory) -> Vec<(volring_mounts::DevNum, Arc<str>)> {
     inv.devices.values().map(|d| (d.dev, Arc::from(d.name.as_str()))).collect()
 }
 

@@ -36,7 +36,7 @@ fn dev_of(p: &Path) -> u64 {
 }
 
 fn is_mount_point(p: &Path) -> bool {
-    volring::volumes::mounting::is_mount_point(p).unwrap_or(false)
+    volring_volumes::mounting::is_mount_point(p).unwrap_or(false)
 }
 
 /// Stage B where A is mounted: refused, A untouched; B's publish and

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use volring::ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
+use volring_ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
 
 /// The longest a test waits for the ring thread (an event, a report): each
 /// wait ends as soon as it arrives, so the bound only matters on a loaded CI

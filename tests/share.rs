@@ -12,9 +12,9 @@ use common::check;
 use csi_support::{mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
-use volring::csi::client::capability;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
     match r {
@@ -168,7 +168,7 @@ fn listening(pid: u32) -> Vec<String> {
 }
 
 fn share_records(a: &Agent) -> Result<Vec<serde_json::Value>, Failed> {
-    let c = volring::state::store::Store::read_only(&a.state.join("state.redb"), false)?;
+    let c = volring_volumes::store::Store::read_only(&a.state.join("state.redb"), false)?;
     Ok(c.published.iter().filter(|(k, _)| k.starts_with("NfsShare/")).map(|(_, v)| serde_json::from_slice(v)).collect::<Result<_, _>>()?)
 }
 

@@ -1,0 +1,177 @@
+//! A ring's sending side: replies queued on a connection, sends and
+//! splices, and what they hold against the connection's budget.
+
+use std::io;
+use std::time::Instant;
+
+use super::budget::ServerBudget;
+use super::conn::{Conn, Part};
+use super::worker::{token, Worker, K_SPLICE_IN, K_SPLICE_OUT};
+use crate::stats::Kind;
+use volring_ring::buffers::{BufId, Buffers};
+
+/// Small replies are gathered into buffers of this size.
+const SMALL_BUF: usize = 4096;
+
+impl Worker {
+    /// Copies `self.scratch` onto connection `ci`'s outgoing stream:
+    /// appended to the last small-reply buffer when it has room, so a
+    /// stream of small replies costs its bytes, not a buffer each.
+    pub(super) fn queue_scratch(&mut self, ci: u32) {
+        let n = self.scratch.len();
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+        if n == 0 {
+            return;
+        }
+        let bufs = self.ring.buffers_mut();
+        if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
+            if *b == tail && *end + n <= bufs.len(tail) {
+                if let Some(dst) = bufs.get_mut(tail) {
+                    dst[*end..*end + n].copy_from_slice(&self.scratch);
+                    *end += n;
+                    self.mark(ci);
+                    return;
+                }
+            }
+        }
+        let b = bufs.alloc_heap(n.max(SMALL_BUF));
+        let cost = Buffers::cost_of(bufs.len(b));
+        if let Some(dst) = bufs.get_mut(b) {
+            dst[..n].copy_from_slice(&self.scratch);
+        }
+        c.account.charge(&self.budget, cost, cost);
+        c.tail = Some(b);
+        c.out.push(Part::Buf(b, 0, n));
+        self.mark(ci);
+    }
+
+    /// Queues a reply part for the next send of connection `ci`; the
+    /// buffer was charged to the connection when it was allocated.
+    pub(super) fn queue(&mut self, ci: u32, buf: BufId, start: usize, end: usize) {
+        match self.conns[ci as usize].as_mut() {
+            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
+            Some(c) => {
+                let cost = Buffers::cost_of(self.ring.buffers().len(buf));
+                c.account.release(&self.budget, cost, cost);
+                self.ring.buffers_mut().free(buf);
+            }
+            None => self.ring.buffers_mut().free(buf),
+        }
+        self.mark(ci);
+    }
+
+    /// Queues a file range to be spliced into connection `ci`'s stream; it
+    /// counts against the connection's limit until it is in the socket.
+    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
+        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
+            c.out.push(Part::Splice { file, offset, len, started });
+            c.account.charge(&self.budget, len as usize, 0);
+        }
+        self.mark(ci);
+    }
+
+    pub(super) fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        c.socket_ops -= 1;
+        let Some(sp) = c.splice.as_mut() else { return };
+        if res <= 0 || c.broken {
+            // The header promised these bytes: without them the stream is lost.
+            if res < 0 && !c.broken {
+                tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
+            }
+            let sp = c.splice.take().expect("checked above");
+            self.ring.put_pipe(sp.pipe, false);
+            return self.break_conn(ci);
+        }
+        let n = res as u32;
+        if into_pipe {
+            sp.in_pipe += n;
+            sp.left -= u64::from(n);
+            sp.offset += u64::from(n);
+        } else {
+            sp.in_pipe -= n;
+            c.account.release(&self.budget, n as usize, 0);
+            c.last_send_progress = self.now;
+        }
+        let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
+        let (len, started) = (sp.len, sp.started);
+        let next = if in_pipe > 0 {
+            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
+        } else if left > 0 {
+            let chunk = left.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
+            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
+        } else {
+            let c = self.conns[ci as usize].as_mut().expect("checked above");
+            c.splice = None;
+            self.ring.put_pipe(pipe, true);
+            // A spliced READ is timed until its last byte is in the socket.
+            self.record(ci, Kind::Read, len, true, started);
+            self.mark(ci);
+            return;
+        };
+        let c = self.conns[ci as usize].as_mut().expect("checked above");
+        match next {
+            Ok(_) => c.socket_ops += 1,
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD splice could not be submitted");
+                c.splice = None;
+                self.ring.put_pipe(pipe, in_pipe == 0);
+                self.break_conn(ci);
+            }
+        }
+    }
+
+    pub(super) fn on_send(&mut self, ci: u32, res: i32) {
+        let Some(conn) = self.conns[ci as usize].as_mut() else { return };
+        conn.socket_ops -= 1;
+        conn.send_in_flight = false;
+        let mut sent = res.max(0) as usize;
+        if sent > 0 {
+            conn.last_send_progress = self.now;
+        }
+        let bufs = self.ring.buffers_mut();
+        let mut keep: Vec<Part> = Vec::new();
+        // Released once for the whole send: the server's budget is shared
+        // by every ring, and a send of 32 replies would otherwise update it
+        // 64 times.
+        let mut freed = 0;
+        for (b, start, end) in conn.sending.drain(..) {
+            let len = end - start;
+            if res < 0 || sent >= len {
+                sent = sent.saturating_sub(len);
+                freed += Buffers::cost_of(bufs.len(b));
+                if conn.tail == Some(b) {
+                    conn.tail = None;
+                }
+                bufs.free(b);
+            } else {
+                keep.push(Part::Buf(b, start + sent, end));
+                sent = 0;
+            }
+        }
+        conn.account.release(&self.budget, freed, freed);
+        if !keep.is_empty() {
+            keep.append(&mut conn.out);
+            conn.out = keep;
+        }
+        if res < 0 {
+            self.break_conn(ci);
+        }
+        self.mark(ci);
+    }
+}
+
+/// Frees every queued part of a connection that will send no more.
+pub(super) fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget) {
+    c.tail = None;
+    for p in c.out.drain(..) {
+        match p {
+            Part::Buf(b, _, _) => {
+                let cost = Buffers::cost_of(bufs.len(b));
+                c.account.release(budget, cost, cost);
+                bufs.free(b);
+            }
+            Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
+        }
+    }
+}
