@@ -102,11 +102,11 @@ const NBD_MODULE: &str = "needs the kernel's nbd module, which this machine's ke
 /// How each documented command is run. `csi` in the CSI walk-through is the
 /// alias its first line defines.
 const EXAMPLES: &[Example] = &[
-    // README: first run.
+    // README.md: first run.
     ex("cargo run --release -- node --log-events", How::UntilCtrlC("INFO volring::agent: ready ")),
     ex(".ci/deps", How::Skip("installs Debian packages and downloads the VM image: CI's first step, not something a test may do to its machine")),
     ex("cargo test", How::Skip("the whole suite, of which this test is a part; CI runs it")),
-    // README: Using it.
+    // README.md: Using it.
     ex("volring --help", How::Run("Usage: volring")),
     ex("volring mounts", How::Run("/proc")),
     ex("volring mounts -o TARGET,SOURCE,PROPAGATION --list", How::Run("PROPAGATION")),
@@ -125,8 +125,11 @@ const EXAMPLES: &[Example] = &[
     ex("volring completions bash > /etc/bash_completion.d/volring", How::Run("")),
     ex("volring man | man -l -", How::Run("volring")),
     ex("volring status", How::Run("STAGED (0)")),
+    ex("volring get blockdevices", How::Run("# blockdevices from the node's store")),
+    ex("volring get sn -o yaml", How::Run("# storagenodes from the node's store")),
+    ex("volring nbd serve --unix /run/volring/nbd.sock --export vol1=/srv/vol1.img", How::Server("\"listening\":[\"unix:/run/volring/nbd.sock\"]")),
     ex("volring node --metrics-addr 127.0.0.1:9477 --stats-interval 1 --stats-method auto", How::UntilCtrlC("metrics=\"http://127.0.0.1:9477/metrics\"")),
-    // README: the CSI walk-through, with the agent of the first command running.
+    // README.md: the CSI walk-through, with the agent of the first command running.
     Example { cmd: "alias csi='cargo run --release -q -- csi'", how: How::Run(""), sub: &[], agent: true },
     ex("csi probe", How::Run("\"ready\": true")),
     ex("csi create --name pvc-demo --size 1G", How::Run("\"volume_id\": \"pvc-demo\"")),
@@ -145,7 +148,7 @@ const EXAMPLES: &[Example] = &[
     ex("csi unpublish --id pvc-demo --target /var/lib/kubelet/pods/demo/volumes/pvc-demo", How::Run("{}")),
     ex("csi unstage --id pvc-demo --staging /var/lib/kubelet/plugins/volring.csi.io/staging/pvc-demo", How::Run("{}")),
     ex("csi delete --id pvc-demo", How::Run("{}")),
-    // README and docs/nbd.md: the NBD server.
+    // docs/nbd.md: the NBD server (its first and third commands are the README's too).
     ex("truncate -s 10G /srv/vol1.img", How::Run("")),
     Example {
         cmd: "volring nbd serve --unix /run/volring/nbd.sock --export vol1=/srv/vol1.img --export golden=/dev/sdb,ro,limit=4 --tcp 127.0.0.1:10809 --stats-interval 10",
@@ -158,7 +161,7 @@ const EXAMPLES: &[Example] = &[
     ex("mkdir -p /mnt/nbd", How::Run("")),
     ex("nbdfuse /mnt/nbd 'nbd+unix:///vol1?socket=/run/volring/nbd.sock' &", How::Background("test \"$(stat -c %s /mnt/nbd/nbd)\" = 10737418240")),
     ex("volring node --nbd-listen unix:/run/volring/nbd.sock --nbd-export vol1=/srv/vol1.img", How::UntilCtrlC("nbd=\"unix:/run/volring/nbd.sock\"")),
-    // README and docs/nbd.md: /dev/nbdN through the kernel's driver.
+    // docs/nbd.md: /dev/nbdN through the kernel's driver (`nbd status` is in the README too).
     ex("volring nbd attach --export vol1=/srv/vol1.img --backend-id pvc-1 --connections 2 &", How::Skip(NBD_MODULE)),
     ex("kill -9 %1", How::Skip(NBD_MODULE)),
     ex("volring nbd attach --export vol1=/srv/vol1.img --backend-id pvc-1 --index 0 --reattach &", How::Skip(NBD_MODULE)),
