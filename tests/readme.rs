@@ -195,6 +195,8 @@ const EXAMPLES: &[Example] = &[
     ),
     ex("cargo bench --bench nbd_wire", How::Skip(BENCH)),
     ex("cargo bench --bench probe_vs_blkid", How::Skip(BENCH)),
+    ex("cargo bench --bench publisher -- --runs 1", How::Skip(BENCH)),
+    ex("cargo bench --bench vm_nbd_fio", How::Skip(BENCH)),
     // docs/nbd.md: remote nbd volumes (two nodes, an address that is not this machine's).
     ex("volring node --nbd-export-listen 10.0.0.5:10809", How::Skip(REMOTE)),
     ex("volring csi create --name pvc-r --size 1G --param attach=nbd", How::Skip(REMOTE)),
