@@ -20,13 +20,22 @@ use crate::volumes::{attach, AccessKind, StagedVolume};
 
 impl Driver {
     pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
+        // The spec's one error here is NOT_FOUND, "does not exist on the
+        // specified volume_path"; a missing field is still the caller's
+        // error, and answered first. So: no id or no path, InvalidArgument;
+        // an unknown id, NotFound; and any path that is not the volume's,
+        // NotFound — a malformed one (relative, `..`, outside the kubelet
+        // root) included, as no volume is ever there.
         validate::volume_id(&req.volume_id)?;
+        if req.volume_path.is_empty() {
+            return Err(Error::InvalidArgument("volume_path is required".into()));
+        }
         let id = req.volume_id.as_str();
         if let Some(r) = self.stats_remote_share(id, &req.volume_path)? {
             return Ok(r);
         }
         self.known(id)?;
-        let path = self.path(&req.volume_path, "volume_path")?;
+        let path = self.stats_path(id, &req.volume_path)?;
         let rec = self.located(id, &path)?;
         let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
         let att = attach::of_record(&rec);
@@ -186,6 +195,16 @@ impl Driver {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         Ok(())
+    }
+
+    /// A stats call's `volume_path`, checked as every request path is; one
+    /// the driver would refuse as an argument is a path volume `id` cannot
+    /// be at, so NotFound (the caller checked it is not empty).
+    pub(super) fn stats_path(&self, id: &str, p: &str) -> Result<std::path::PathBuf> {
+        self.path(p, "volume_path").map_err(|e| match e {
+            Error::InvalidArgument(why) => Error::NotFound(format!("volume {id} is not at {p:?}: {why}")),
+            e => e,
+        })
     }
 
     /// The staged record of `id`, if `path` is its staging path or one of
