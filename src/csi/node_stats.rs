@@ -36,15 +36,23 @@ impl Driver {
         }
         self.known(id)?;
         let path = self.stats_path(id, &req.volume_path)?;
-        // A path the record does not name may still be a raw block
-        // volume's device node (kubelet's own bind of it); then it was
-        // proven on the descriptor kept here.
+        // kubelet asks a raw block volume's stats at its own bind of the
+        // device volring published (`<root>/plugins/kubernetes.io/csi/
+        // volumeDevices/<pv>/dev/<podUID>`), a path no record names: that
+        // path is the volume's when it is a device node of the volume's
+        // attached device (loop or nbd), proven on one descriptor opened
+        // beneath the kubelet root (`device_node`), which is kept. Reporting
+        // it reports nothing the caller does not already reach there.
+        // Anything else stays NotFound.
         let (rec, device) = match self.located(id, &path) {
             Ok(rec) => (rec, None),
-            Err(Error::NotFound(why)) => match self.device_node_of(id, &path)? {
-                Some((rec, fd, rdev)) => (rec, Some((fd, rdev))),
-                None => return Err(Error::NotFound(why)),
-            },
+            Err(Error::NotFound(why)) => {
+                let not_here = || Error::NotFound(why.clone());
+                let rec = self.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
+                let dev = attach::of_record(&rec).ok_or_else(not_here)?.dev;
+                let fd = self.device_node(&path, dev)?.ok_or_else(not_here)?;
+                (rec, Some((fd, dev)))
+            }
             Err(e) => return Err(e),
         };
         let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
@@ -211,31 +219,6 @@ impl Driver {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         Ok(())
-    }
-
-    /// The staged raw block volume `id` whose device node `path` is, with
-    /// the descriptor that proved it and the device; `None` for anything
-    /// else. kubelet asks a block volume's stats at its own bind of the
-    /// device volring published (`<root>/plugins/kubernetes.io/csi/
-    /// volumeDevices/<pv>/dev/<podUID>`), a path no record names, so the
-    /// path is judged by what it is: opened once beneath the kubelet root
-    /// (no symlink followed, none out of the root), one `statx` of that
-    /// descriptor, and accepted only as a block device node of the
-    /// volume's attached device (loop or nbd) — reporting it reports
-    /// nothing the node does not already reach. Whatever cannot be opened
-    /// so is not the volume's: NotFound, never a path the call follows.
-    fn device_node_of(&self, id: &str, path: &Path) -> Result<Option<(StagedVolume, std::os::fd::OwnedFd, crate::mounts::DevNum)>> {
-        let Some(rec) = self.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)) else { return Ok(None) };
-        let Some(att) = attach::of_record(&rec) else { return Ok(None) };
-        let fd = match self.beneath.open_path(path) {
-            Ok(Some(fd)) => fd,
-            Ok(None) => return Ok(None),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR | libc::ENAMETOOLONG)) => return Ok(None),
-            Err(e) => return Err(Error::Internal(format!("{}: {e}", path.display()))),
-        };
-        let node = crate::volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", path.display())))?;
-        let ours = node.kind == crate::volumes::beneath::Kind::BlockDevice && node.rdev == att.dev;
-        Ok(ours.then_some((rec, fd, att.dev)))
     }
 
     /// A stats call's `volume_path`, checked as every request path is; one
