@@ -26,12 +26,9 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
-        // The pool's record says what a volume held here was created for
-        // (before the share paths: an RWX stage of it is exported, or
-        // mounted over NFS when another node serves it).
-        if let Some(m) = self.pool.get(id) {
-            created_for(id, &access, crate::share::is_shared(&m.parameters))?;
-        }
+        // By the pool's record, before the share paths (an RWX stage is
+        // exported, or mounted over NFS when another node serves it).
+        self.created_for(id, &access, None)?;
         // A shared volume another node holds: mounted over NFS.
         if let Some(done) = self.stage_remote_share(id, &staging, &access, &req.volume_context)? {
             return Ok(done);
@@ -47,11 +44,9 @@ impl Driver {
                     .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?,
             ),
         };
-        // One another node holds has no record here but the context
-        // CreateVolume returned for it, which marks a shared volume.
+        // One another node holds, by its context (after NotFound).
         if meta.is_none() {
-            let shared = req.volume_context.get(crate::share::PARAM_SHARE).is_some_and(|v| v == crate::share::SHARE_NFS);
-            created_for(id, &access, shared)?;
+            self.created_for(id, &access, Some(&req.volume_context))?;
         }
         let default_fs = match &meta {
             Some(m) => m.fs_type.clone(),
@@ -404,25 +399,6 @@ impl Driver {
         tracing::warn!(volume = id, "unstaged a volume whose record is quarantined");
         Ok(())
     }
-}
-
-/// Refuses an access mode volume `id` was not created for (`shared`: it
-/// was created MULTI_NODE_MULTI_WRITER), as ValidateVolumeCapabilities
-/// does; that mode is the one a volume must be created for, since it is
-/// exported over NFS. FAILED_PRECONDITION is the spec's code in both the
-/// NodeStageVolume and the NodePublishVolume table for "Exceeds
-/// capabilities: the CO has specified capabilities not supported by the
-/// volume". Not INVALID_ARGUMENT: the capability is well formed and
-/// served for a volume created with it; not ALREADY_EXISTS, which is for
-/// a volume already staged or published at that path with another
-/// capability.
-pub(super) fn created_for(id: &str, access: &Access, shared: bool) -> Result<()> {
-    if access.shared() && !shared {
-        return Err(Error::FailedPrecondition(format!(
-            "volume {id} was created for single-node access; MULTI_NODE_MULTI_WRITER needs a volume created with it"
-        )));
-    }
-    Ok(())
 }
 
 fn same_access(r: &StagedVolume, a: &Access) -> bool {

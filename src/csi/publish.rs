@@ -28,9 +28,7 @@ impl Driver {
         }
         // As at the stage, by the pool's record (a volume another node
         // holds was checked against its context when it was staged).
-        if let Some(m) = self.pool.get(id) {
-            super::node::created_for(id, &access, crate::share::is_shared(&m.parameters))?;
-        }
+        self.created_for(id, &access, None)?;
         let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
         let mut rec = self.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
         if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
