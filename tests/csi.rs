@@ -114,6 +114,64 @@ fn lifecycle_block() -> Result<(), Failed> {
     Ok(())
 }
 
+/// kubelet asks stats of a raw block volume at its own bind of the device
+/// volring published, `<root>/plugins/kubernetes.io/csi/volumeDevices/<pv>/dev/<podUID>`,
+/// a path volring never made: the volume is there when the path is its
+/// device node (proven on one descriptor opened beneath the root), and
+/// nowhere else: another volume's device, a symlink to the volume's own
+/// device (inside the root or out of it, or on the way), a plain file, the
+/// path once kubelet unbound it are NotFound.
+fn block_stats_at_kubelets_device_path() -> Result<(), Failed> {
+    use std::path::Path;
+    let a = Agent::start();
+    let (s1, t1) = (a.k("plugins/stage/pvc-kb"), a.k("pods/p1/dev/pvc-kb"));
+    let (s2, t2) = (a.k("plugins/stage/pvc-kb2"), a.k("pods/p2/dev/pvc-kb2"));
+    for (id, staging, target) in [("pvc-kb", &s1, &t1), ("pvc-kb2", &s2, &t2)] {
+        a.create(id, 32 * MIB, "")?;
+        a.stage(id, staging, block_cap())?;
+        a.publish(id, staging, target, block_cap(), false)?;
+    }
+    let dev_dir = a.kubelet.join("plugins/kubernetes.io/csi/volumeDevices/pvc-kb/dev");
+    std::fs::create_dir_all(&dev_dir)?;
+    let at = |name: &str| dev_dir.join(name).to_string_lossy().into_owned();
+    let bind = |from: &str, to: &str| -> Result<(), Failed> {
+        std::fs::File::create(to)?;
+        rustix::mount::mount_bind(from, to)?;
+        Ok(())
+    };
+    let kubelet_dev = at("pod-uid-1");
+    bind(&t1, &kubelet_dev)?;
+    let s = a.stats("pvc-kb", &kubelet_dev)?;
+    check(
+        bytes_usage(&s).is_some_and(|u| u.total == 32 * MIB) && s.volume_condition.as_ref().is_some_and(|c| !c.abnormal),
+        format!("stats at kubelet's bind of the device: {s:?}"),
+    )?;
+    let other = at("pod-uid-2");
+    bind(&t2, &other)?;
+    expect_code(a.stats("pvc-kb", &other), Code::NotFound, "stats at another volume's device")?;
+    let rdev = std::os::unix::fs::MetadataExt::rdev(&std::fs::metadata(&t1)?);
+    let loop_dev = format!("/dev/loop{}", rustix::fs::minor(rdev));
+    check(Path::new(&loop_dev).exists(), format!("{loop_dev} is the volume's device"))?;
+    std::os::unix::fs::symlink(&t1, at("link-in"))?;
+    std::os::unix::fs::symlink(&loop_dev, at("link-out"))?;
+    std::fs::write(at("plain"), b"not a device")?;
+    let via = a.kubelet.join("plugins/kubernetes.io/csi/volumeDevices/via");
+    std::os::unix::fs::symlink(&dev_dir, &via)?;
+    let via_dev = via.join("pod-uid-1").to_string_lossy().into_owned();
+    for p in [at("link-in"), at("link-out"), at("plain"), via_dev] {
+        expect_code(a.stats("pvc-kb", &p), Code::NotFound, &format!("stats at {p}"))?;
+    }
+    for p in [&kubelet_dev, &other] {
+        common::umount(Path::new(p));
+    }
+    expect_code(a.stats("pvc-kb", &kubelet_dev), Code::NotFound, "stats at kubelet's path once unbound")?;
+    for (id, staging, target) in [("pvc-kb", &s1, &t1), ("pvc-kb2", &s2, &t2)] {
+        a.unpublish(id, target)?;
+        a.unstage(id, staging)?;
+    }
+    all_gone(&a)
+}
+
 fn readonly_and_two_publishes() -> Result<(), Failed> {
     let a = Agent::start();
     a.create("pvc-ro", 32 * MIB, "")?;
@@ -694,6 +752,7 @@ fn main() {
         Trial::test("csi::lifecycle_mount_ext4", lifecycle_mount("ext4")),
         Trial::test("csi::lifecycle_mount_xfs", lifecycle_mount("xfs")),
         Trial::test("csi::lifecycle_block", lifecycle_block),
+        Trial::test("csi::block_stats_at_kubelets_device_path", block_stats_at_kubelets_device_path),
         Trial::test("csi::readonly_and_two_publishes", readonly_and_two_publishes),
         Trial::test("csi::expand_while_published_xfs", expand_while_published("xfs")),
         Trial::test("csi::expand_while_published_ext4", expand_while_published("ext4")),

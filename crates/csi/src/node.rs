@@ -26,6 +26,9 @@ impl Driver {
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
         let _guard = self.lock(id)?;
+        // By the pool's record, before the share paths (an RWX stage is
+        // exported, or mounted over NFS when another node serves it).
+        self.created_for(id, &access, None)?;
         // A shared volume another node holds: mounted over NFS.
         if let Some(done) = self.stage_remote_share(id, &staging, &access, &req.volume_context)? {
             return Ok(done);
@@ -41,6 +44,10 @@ impl Driver {
                     .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?,
             ),
         };
+        // One another node holds, by its context (after NotFound).
+        if meta.is_none() {
+            self.created_for(id, &access, Some(&req.volume_context))?;
+        }
         let default_fs = match &meta {
             Some(m) => m.fs_type.clone(),
             None => req.volume_context.get(super::controller::PARAM_FS_TYPE).cloned(),

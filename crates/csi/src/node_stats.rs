@@ -20,14 +20,41 @@ use volring_volumes::{attach, AccessKind, StagedVolume};
 
 impl Driver {
     pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
+        // The spec's one error here is NOT_FOUND, "does not exist on the
+        // specified volume_path"; a missing field is still the caller's
+        // error, and answered first. So: no id or no path, InvalidArgument;
+        // an unknown id, NotFound; and any path that is not the volume's,
+        // NotFound — a malformed one (relative, `..`, outside the kubelet
+        // root) included, as no volume is ever there.
         validate::volume_id(&req.volume_id)?;
+        if req.volume_path.is_empty() {
+            return Err(Error::InvalidArgument("volume_path is required".into()));
+        }
         let id = req.volume_id.as_str();
         if let Some(r) = self.stats_remote_share(id, &req.volume_path)? {
             return Ok(r);
         }
         self.known(id)?;
-        let path = self.path(&req.volume_path, "volume_path")?;
-        let rec = self.located(id, &path)?;
+        let path = self.stats_path(id, &req.volume_path)?;
+        // kubelet asks a raw block volume's stats at its own bind of the
+        // device volring published (`<root>/plugins/kubernetes.io/csi/
+        // volumeDevices/<pv>/dev/<podUID>`), a path no record names: that
+        // path is the volume's when it is a device node of the volume's
+        // attached device (loop or nbd), proven on one descriptor opened
+        // beneath the kubelet root (`device_node`), which is kept. Reporting
+        // it reports nothing the caller does not already reach there.
+        // Anything else stays NotFound.
+        let (rec, device) = match self.located(id, &path) {
+            Ok(rec) => (rec, None),
+            Err(Error::NotFound(why)) => {
+                let not_here = || Error::NotFound(why.clone());
+                let rec = self.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
+                let dev = attach::of_record(&rec).ok_or_else(not_here)?.dev;
+                let fd = self.device_node(&path, dev)?.ok_or_else(not_here)?;
+                (rec, Some((fd, dev)))
+            }
+            Err(e) => return Err(e),
+        };
         let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
         let att = attach::of_record(&rec);
         let mut usage = Vec::new();
@@ -35,7 +62,13 @@ impl Driver {
             None => Some("the loop device behind the volume is gone".to_string()),
             Some(a) => {
                 let expect = Expect::of(&rec, &a);
-                match self.look(&checked, Some(expect))? {
+                let found = match device {
+                    Some((fd, rdev)) if rdev == a.dev => Found::Ours(fd),
+                    // The volume's device changed since the proof a moment ago.
+                    Some(_) => return Err(Error::NotFound(format!("volume {id} is not at {}", path.display()))),
+                    None => self.look(&checked, Some(expect))?,
+                };
+                match found {
                     Found::Missing => Some(format!("{} does not exist", checked.display())),
                     Found::Unmounted => Some(format!("the volume is not mounted at {}", checked.display())),
                     Found::Foreign(n) => Some(format!("{} holds device {}, not the volume's {}", checked.display(), n.dev, a.dev)),
@@ -186,6 +219,16 @@ impl Driver {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         Ok(())
+    }
+
+    /// A stats call's `volume_path`, checked as every request path is; one
+    /// the driver would refuse as an argument is a path volume `id` cannot
+    /// be at, so NotFound (the caller checked it is not empty).
+    pub(super) fn stats_path(&self, id: &str, p: &str) -> Result<std::path::PathBuf> {
+        self.path(p, "volume_path").map_err(|e| match e {
+            Error::InvalidArgument(why) => Error::NotFound(format!("volume {id} is not at {p:?}: {why}")),
+            e => e,
+        })
     }
 
     /// The staged record of `id`, if `path` is its staging path or one of

@@ -74,6 +74,22 @@ impl Driver {
         })
     }
 
+    /// Opens `p` beneath the kubelet root and returns the descriptor when
+    /// it is a device node of `dev`, bound there or not (kubelet's bind of
+    /// a published raw block volume is one); `None` for anything else —
+    /// a missing path, a symlink (never followed) or a step out of the
+    /// root on the way, a file, a directory, another device.
+    pub(super) fn device_node(&self, p: &Path, dev: DevNum) -> Result<Option<OwnedFd>> {
+        let fd = match self.beneath.open_path(p) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => return Ok(None),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR | libc::ENAMETOOLONG)) => return Ok(None),
+            Err(e) => return Err(Error::Internal(format!("{}: {e}", p.display()))),
+        };
+        let node = beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", p.display())))?;
+        Ok((node.kind == Kind::BlockDevice && node.rdev == dev).then_some(fd))
+    }
+
     /// Unmounts the volume's own mounts at `p` (stacked ones too) and
     /// nothing else: a foreign mount on top stops it with
     /// FailedPrecondition, and is left where it is. Each round judges the

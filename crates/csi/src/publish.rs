@@ -26,6 +26,9 @@ impl Driver {
         if self.pool.get(id).is_none() && !self.records.contains(id) {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
+        // As at the stage, by the pool's record (a volume another node
+        // holds was checked against its context when it was staged).
+        self.created_for(id, &access, None)?;
         let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
         let mut rec = self.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
         if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {

@@ -27,6 +27,37 @@ impl Driver {
         Ok(())
     }
 
+    /// Refuses an access mode volume `id` was not created for, as
+    /// ValidateVolumeCapabilities does: MULTI_NODE_MULTI_WRITER is the one
+    /// mode a volume must be created for, since it is exported over NFS.
+    /// What it was created for is read from the pool's record; a volume
+    /// another node holds has none here, only `context`, the volume
+    /// context CreateVolume returned for it, which marks a shared volume
+    /// (`None`: the pool's record only, nothing to judge without one).
+    ///
+    /// FAILED_PRECONDITION is the spec's code in both the NodeStageVolume
+    /// and the NodePublishVolume table for "Exceeds capabilities: the CO
+    /// has specified capabilities not supported by the volume". Not
+    /// INVALID_ARGUMENT: the capability is well formed and served for a
+    /// volume created with it; not ALREADY_EXISTS, which is for a volume
+    /// already staged or published at that path with another capability.
+    pub(super) fn created_for(&self, id: &str, access: &Access, context: Option<&std::collections::HashMap<String, String>>) -> Result<()> {
+        if !access.shared() {
+            return Ok(());
+        }
+        let shared = match (self.pool.get(id), context) {
+            (Some(m), _) => crate::share::is_shared(&m.parameters),
+            (None, Some(c)) => crate::share::is_shared(&c.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+            (None, None) => return Ok(()),
+        };
+        if !shared {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {id} was created for single-node access; MULTI_NODE_MULTI_WRITER needs a volume created with it"
+            )));
+        }
+        Ok(())
+    }
+
     /// Before an unstage: the volume's export goes first, so its filesystem
     /// is not held by the NFS server.
     pub(super) fn unexport(&self, id: &str) -> Result<()> {

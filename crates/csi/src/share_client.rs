@@ -199,7 +199,7 @@ impl Driver {
     /// not answer in time. `None` when it is not one.
     pub(super) fn stats_remote_share(&self, id: &str, volume_path: &str) -> Result<Option<NodeGetVolumeStatsResponse>> {
         let Some(r) = self.nfs_record(id)? else { return Ok(None) };
-        let path = self.path(volume_path, "volume_path")?;
+        let path = self.stats_path(id, volume_path)?;
         let path = path.as_path();
         if r.staging_path != path && !r.published.contains_key(path) {
             return Err(Error::NotFound(format!("volume {id} is not at {}", path.display())));
