@@ -46,8 +46,8 @@ impl Driver {
             return Ok(());
         }
         let shared = match (self.pool.get(id), context) {
-            (Some(m), _) => crate::share::is_shared(&m.parameters),
-            (None, Some(c)) => crate::share::is_shared(&c.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+            (Some(m), _) => volring_share::is_shared(&m.parameters),
+            (None, Some(c)) => volring_share::is_shared(&c.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
             (None, None) => return Ok(()),
         };
         if !shared {
