@@ -15,10 +15,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use super::ops::{OpTable, Reaped, IGNORED};
-
-/// user_data of the one request that cancels every op of a ring being dropped.
-const CANCEL_ALL: u64 = u64::MAX - 2;
+use super::ops::{is_reserved, OpTable, Reaped, CANCEL_ALL, IGNORED};
 
 static LEAKED_OPS: AtomicU64 = AtomicU64::new(0);
 
@@ -133,7 +130,7 @@ impl<T> UringCore<T> {
         for c in cqes.drain(..) {
             let (ud, res, flags) = (c.user_data(), c.result(), c.flags());
             let more = cqueue::more(flags);
-            if ud >> 32 == u64::from(u32::MAX) {
+            if is_reserved(ud) {
                 out.push(Reaped { user_data: ud, res, flags, more, last: None });
             } else if let Some(r) = self.ops.complete(ud, res, flags, more) {
                 out.push(r);

@@ -8,7 +8,8 @@
 //! counters are a few additions per completion, so they are always kept.
 
 use super::conn::{Conn, Phase};
-use super::worker::{Worker, K_RECV, K_RECV_INTO, K_REQ, K_SEND};
+use super::token::Token;
+use super::worker::Worker;
 
 /// Completions of one ring since its last tick, by kind and outcome.
 #[derive(Default)]
@@ -29,22 +30,22 @@ pub(super) struct TickStats {
     pub send_errors: u32,
     pub file_ok: u32,
     pub file_errors: u32,
-    /// The last negative result of any kind and its kind.
-    pub last_error: Option<(u64, i32)>,
-    /// Completions that carried a provided buffer, by kind (index = kind).
-    pub bufs_by_kind: [u32; 12],
+    /// The last negative result and its operation.
+    pub last_error: Option<(Token, i32)>,
+    /// Completions that carried a provided buffer, by kind (see [`Token::KINDS`]).
+    pub bufs_by_kind: [u32; Token::KINDS.len()],
 }
 
 impl TickStats {
-    pub(super) fn count(&mut self, kind: u64, result: i32, more: bool, with_buf: bool) {
+    pub(super) fn count(&mut self, token: Token, result: i32, more: bool, with_buf: bool) {
         if result < 0 {
-            self.last_error = Some((kind, result));
+            self.last_error = Some((token, result));
         }
         if with_buf {
-            self.bufs_by_kind[kind.min(11) as usize] += 1;
+            self.bufs_by_kind[token.kind()] += 1;
         }
-        match kind {
-            K_RECV => {
+        match token {
+            Token::Recv(_) => {
                 if with_buf {
                     self.recv_data += 1;
                     self.recv_bytes += result.max(0) as u64;
@@ -60,12 +61,12 @@ impl TickStats {
                     }
                 }
             }
-            K_RECV_INTO if result > 0 => self.direct_ok += 1,
-            K_RECV_INTO => self.direct_other += 1,
-            K_SEND if result >= 0 => self.sends += 1,
-            K_SEND => self.send_errors += 1,
-            K_REQ if result >= 0 => self.file_ok += 1,
-            K_REQ => self.file_errors += 1,
+            Token::RecvInto(_) if result > 0 => self.direct_ok += 1,
+            Token::RecvInto(_) => self.direct_other += 1,
+            Token::Send(_) if result >= 0 => self.sends += 1,
+            Token::Send(_) => self.send_errors += 1,
+            Token::Req(_) if result >= 0 => self.file_ok += 1,
+            Token::Req(_) => self.file_errors += 1,
             _ => {}
         }
     }

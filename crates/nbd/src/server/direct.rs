@@ -16,7 +16,8 @@
 //! and the server before it was allocated, as for any WRITE.
 
 use super::conn::{Conn, Parsed};
-use super::worker::{token, Worker, K_RECV_INTO};
+use super::token::Token;
+use super::worker::Worker;
 use volring_ring::io_ring::{IoRing, OpId};
 
 /// WRITEs at least this long are received directly.
@@ -32,11 +33,11 @@ pub(super) fn wants_direct(c: &Conn) -> bool {
 }
 
 /// Arms a receive of the next chunk of `c`'s payload into its buffer.
-pub(super) fn arm(ring: &mut IoRing, ci: u32, c: &Conn) -> std::io::Result<OpId> {
+pub(super) fn arm(ring: &mut IoRing<Token>, ci: u32, c: &Conn) -> std::io::Result<OpId> {
     let p = c.payload.as_ref().ok_or_else(|| std::io::Error::other("no payload to receive"))?;
     let at = p.data_off + p.filled;
     let take = (p.req.length as usize - p.filled).min(DIRECT_CHUNK);
-    ring.recv_into(token(K_RECV_INTO, ci), c.socket, (p.buf, at, at + take))
+    ring.recv_into(Token::RecvInto(ci), c.socket, (p.buf, at, at + take))
 }
 
 impl Worker {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::budget::{Gate, Refusal};
 use super::conn::{Attached, Blocked, Fed, Phase};
+use super::token::Token;
 use super::worker::{Registered, Worker};
 use crate::export::Export;
 use crate::handshake::Outcome;
@@ -25,7 +26,7 @@ pub(super) enum Source {
 }
 
 impl Worker {
-    pub(super) fn on_recv(&mut self, ci: u32, c: Cqe) {
+    pub(super) fn on_recv(&mut self, ci: u32, c: Cqe<Token>) {
         let Some(conn) = self.conns[ci as usize].as_mut() else {
             if let Some(bid) = c.recv_buf {
                 self.ring.recycle(bid);

@@ -16,6 +16,7 @@ mod input;
 mod listener;
 mod output;
 mod requests;
+mod token;
 mod worker;
 
 use std::net::SocketAddr;

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use super::budget::ServerBudget;
 use super::conn::{Conn, Part};
-use super::worker::{token, Worker, K_SPLICE_IN, K_SPLICE_OUT};
+use super::token::Token;
+use super::worker::Worker;
 use crate::stats::Kind;
 use volring_ring::buffers::{BufId, Buffers};
 
@@ -96,10 +97,10 @@ impl Worker {
         let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
         let (len, started) = (sp.len, sp.started);
         let next = if in_pipe > 0 {
-            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
+            self.ring.splice_out(Token::SpliceOut(ci), pipe, socket, in_pipe)
         } else if left > 0 {
             let chunk = left.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
+            self.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk)
         } else {
             let c = self.conns[ci as usize].as_mut().expect("checked above");
             c.splice = None;

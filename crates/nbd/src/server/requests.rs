@@ -3,7 +3,8 @@
 use std::time::Instant;
 
 use super::conn::{Parsed, Payload, Phase};
-use super::worker::{token, Worker, K_REQ};
+use super::token::Token;
+use super::worker::Worker;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
 use crate::wire::{self, chunk, cmd, cmd_flags as cf, errno, Extent, HeaderStyle, ReplyBody, ReplyHeader, Request};
@@ -190,7 +191,7 @@ impl Worker {
     /// Submits the next operation of request `ri` for its current step.
     fn submit_io(&mut self, ri: u32) {
         let Some(r) = self.reqs[ri as usize].as_ref() else { return };
-        let t = token(K_REQ, ri);
+        let t = Token::Req(ri);
         let (off, len, done) = (r.req.offset, r.req.length, r.done);
         let res = match (r.req.kind, r.step) {
             (_, Step::Sync) | (cmd::FLUSH, _) => self.ring.fsync(t, r.file, true),

@@ -12,28 +12,13 @@ use super::conn::{Blocked, Conn, Part, Phase, Splicing};
 use super::input::Source;
 use super::output::drop_parts;
 use super::requests::Req;
+use super::token::Token;
 use super::{Command, Mailbox, ServerConfig};
 use crate::export::{Export, Exports};
 use crate::handshake;
 use crate::stats::Pending;
 use volring_ring::buffers::BufId;
 use volring_ring::io_ring::{Cqe, IoRing, OpId};
-
-pub(super) const K_WAKE: u64 = 1;
-pub(super) const K_ACCEPT: u64 = 2;
-pub(super) const K_TICK: u64 = 3;
-pub(super) const K_RECV: u64 = 4;
-pub(super) const K_SEND: u64 = 5;
-pub(super) const K_REQ: u64 = 6;
-pub(super) const K_SHUTDOWN: u64 = 7;
-pub(super) const K_CLOSE: u64 = 8;
-pub(super) const K_SPLICE_IN: u64 = 9;
-pub(super) const K_SPLICE_OUT: u64 = 10;
-pub(super) const K_RECV_INTO: u64 = 11;
-
-pub(super) fn token(kind: u64, index: u32) -> u64 {
-    kind << 56 | u64::from(index)
-}
 
 /// Most parts one sendmsg carries (IOV_MAX).
 const MAX_SEND_PARTS: usize = 1024;
@@ -92,7 +77,7 @@ const SPIN_TURNS: u64 = 2_000;
 pub(super) struct Worker {
     pub(super) id: usize,
     pub(super) config: ServerConfig,
-    pub(super) ring: IoRing,
+    pub(super) ring: IoRing<Token>,
     pub(super) exports: Arc<Exports>,
     pub(super) mailboxes: Arc<Vec<Mailbox>>,
     pub(super) listeners: Vec<i32>,
@@ -159,9 +144,9 @@ pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
 impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
-        ring.poll_multi(token(K_WAKE, 0), &ctx.mailboxes[ctx.id].wake, libc::POLLIN as u32)?;
+        ring.poll_multi(Token::Wake, &ctx.mailboxes[ctx.id].wake, libc::POLLIN as u32)?;
         let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
-        ring.timeout(token(K_TICK, 0), tick)?;
+        ring.timeout(Token::Tick, tick)?;
         let limits = Limits { conn_bytes: ctx.config.max_queued_bytes, conn_requests: ctx.config.max_requests.max(1) };
         let mut w = Worker {
             id: ctx.id,
@@ -208,12 +193,12 @@ impl Worker {
 
     fn arm_accept(&mut self, i: usize) -> io::Result<()> {
         let fd = self.listeners[i];
-        self.accepts[i] = Some(self.ring.accept_multi(token(K_ACCEPT, i as u32), fd)?);
+        self.accepts[i] = Some(self.ring.accept_multi(Token::Accept(i as u32), fd)?);
         Ok(())
     }
 
     fn run(&mut self) -> io::Result<()> {
-        let mut cqes: Vec<Cqe> = Vec::with_capacity(1024);
+        let mut cqes: Vec<Cqe<Token>> = Vec::with_capacity(1024);
         let mut busy = false;
         loop {
             // After a busy turn, wait a little for a burst instead of
@@ -233,7 +218,7 @@ impl Worker {
             self.spin.turns += 1;
             // A turn whose only completions are receives that ended on an
             // empty pool (re-armed at once) did nothing either.
-            if cqes.iter().all(|c| c.token >> 56 == K_RECV && c.result == -libc::ENOBUFS && !c.more) {
+            if cqes.iter().all(|c| matches!(c.token, Token::Recv(_)) && c.result == -libc::ENOBUFS && !c.more) {
                 self.spin.empty_turns += 1;
             }
             busy = cqes.len() >= BUSY_TURN;
@@ -249,12 +234,10 @@ impl Worker {
         }
     }
 
-    fn on_cqe(&mut self, c: Cqe) {
-        let kind = c.token >> 56;
-        let index = c.token as u32;
-        self.tick_stats.count(kind, c.result, c.more, c.recv_buf.is_some());
-        match kind {
-            K_WAKE => {
+    fn on_cqe(&mut self, c: Cqe<Token>) {
+        self.tick_stats.count(c.token, c.result, c.more, c.recv_buf.is_some());
+        match c.token {
+            Token::Wake => {
                 let mut drain = [0u8; 8];
                 let _ = rustix::io::read(&self.mailboxes[self.id].wake, &mut drain);
                 while let Some(cmd) = self.mailboxes[self.id].queue.pop() {
@@ -262,26 +245,26 @@ impl Worker {
                 }
                 if !c.more {
                     let mailboxes = self.mailboxes.clone();
-                    if let Err(e) = self.ring.poll_multi(token(K_WAKE, 0), &mailboxes[self.id].wake, libc::POLLIN as u32) {
+                    if let Err(e) = self.ring.poll_multi(Token::Wake, &mailboxes[self.id].wake, libc::POLLIN as u32) {
                         tracing::error!(error = %e, "NBD ring lost its command wakeup");
                     }
                 }
             }
-            K_ACCEPT => self.on_accept(index as usize, c),
-            K_TICK => self.on_tick(),
-            K_RECV => self.on_recv(index, c),
-            K_RECV_INTO => self.on_recv_into(index, c.result),
-            K_SEND => self.on_send(index, c.result),
-            K_REQ => self.on_request_done(index, c.result),
-            K_SHUTDOWN => {
+            Token::Accept(i) => self.on_accept(i as usize, c),
+            Token::Tick => self.on_tick(),
+            Token::Recv(ci) => self.on_recv(ci, c),
+            Token::RecvInto(ci) => self.on_recv_into(ci, c.result),
+            Token::Send(ci) => self.on_send(ci, c.result),
+            Token::Req(ri) => self.on_request_done(ri, c.result),
+            Token::Shutdown(index) => {
                 if let Some(conn) = self.conns[index as usize].as_mut() {
                     conn.socket_ops -= 1;
                 }
                 self.mark(index);
             }
-            K_CLOSE => self.on_closed(index),
-            K_SPLICE_IN | K_SPLICE_OUT => self.on_splice(index, kind == K_SPLICE_IN, c.result),
-            _ => {}
+            Token::Close(ci) => self.on_closed(ci),
+            Token::SpliceIn(ci) => self.on_splice(ci, true, c.result),
+            Token::SpliceOut(ci) => self.on_splice(ci, false, c.result),
         }
     }
 
@@ -310,7 +293,7 @@ impl Worker {
         }
     }
 
-    fn on_accept(&mut self, li: usize, c: Cqe) {
+    fn on_accept(&mut self, li: usize, c: Cqe<Token>) {
         if !c.more {
             self.accepts[li] = None;
             if self.stop_at.is_none() {
@@ -557,7 +540,7 @@ impl Worker {
         match (want_recv, c.recv_op) {
             (true, None) => {
                 let armed =
-                    if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(token(K_RECV, ci), c.socket) };
+                    if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(Token::Recv(ci), c.socket) };
                 match armed {
                     Ok(op) => {
                         c.recv_op = Some(op);
@@ -588,7 +571,7 @@ impl Worker {
                 c.out.remove(0);
                 let begun = self.ring.take_pipe().and_then(|pipe| {
                     let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-                    match self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk) {
+                    match self.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
                         Ok(_) => Ok(pipe),
                         Err(e) => {
                             self.ring.put_pipe(pipe, true);
@@ -614,7 +597,7 @@ impl Worker {
                     Part::Buf(b, s, e) => (b, s, e),
                     Part::Splice { .. } => unreachable!("counted only buffers"),
                 }));
-                match self.ring.send(token(K_SEND, ci), c.socket, &c.sending) {
+                match self.ring.send(Token::Send(ci), c.socket, &c.sending) {
                     Ok(_) => {
                         c.send_in_flight = true;
                         c.socket_ops += 1;
@@ -643,13 +626,13 @@ impl Worker {
                 c.recv_cancelled = true;
                 let _ = self.ring.cancel(op);
             }
-            if self.ring.shutdown(token(K_SHUTDOWN, ci), c.socket).is_ok() {
+            if self.ring.shutdown(Token::Shutdown(ci), c.socket).is_ok() {
                 c.socket_ops += 1;
             }
         }
         if c.shutdown_sent && c.socket_ops == 0 && !c.close_sent {
             c.close_sent = true;
-            if let Err(e) = self.ring.close_file(token(K_CLOSE, ci), c.socket) {
+            if let Err(e) = self.ring.close_file(Token::Close(ci), c.socket) {
                 tracing::warn!(error = %e, "NBD socket close could not be submitted");
                 c.close_sent = false;
             }
@@ -728,7 +711,7 @@ impl Worker {
     }
 
     fn on_tick(&mut self) {
-        if let Err(e) = self.ring.timeout(token(K_TICK, 0), self.tick) {
+        if let Err(e) = self.ring.timeout(Token::Tick, self.tick) {
             tracing::error!(error = %e, "NBD ring lost its timer");
         }
         self.check_spin();
