@@ -76,16 +76,12 @@ impl TickStats {
 pub(super) fn describe(i: usize, c: &Conn) -> String {
     let payload = c.payload.as_ref().map(|p| format!("{}/{}", p.filled, p.req.length));
     format!(
-        "#{i} serving={} paused={:?} server_wait={:?} closing={} broken={} recv_op={} direct={} cancelled={} \
-         held={} mem={} requests={} inbuf={} payload={:?} discard={} out={} send={} splice={} ops={} dirty={}",
+        "#{i} serving={} state={:?} server_wait={:?} rx={:?} \
+         held={} mem={} requests={} inbuf={} payload={:?} discard={} out={} tx={} ops={} dirty={}",
         matches!(c.phase, Phase::Serving { .. }),
-        c.paused,
+        c.state,
         c.server_wait,
-        c.closing,
-        c.broken,
-        c.recv_op.is_some(),
-        c.recv_direct,
-        c.recv_cancelled,
+        c.rx,
         c.account.held,
         c.account.mem,
         c.account.requests,
@@ -93,8 +89,7 @@ pub(super) fn describe(i: usize, c: &Conn) -> String {
         payload,
         c.discard,
         c.out.len(),
-        c.send_in_flight,
-        c.splice.is_some(),
+        c.tx.name(),
         c.socket_ops,
         c.dirty
     )

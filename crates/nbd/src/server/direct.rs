@@ -15,7 +15,7 @@
 //! armed again after the payload. The buffer was charged to the connection
 //! and the server before it was allocated, as for any WRITE.
 
-use super::conn::{Conn, Parsed};
+use super::conn::{Conn, Parsed, Rx};
 use super::token::Token;
 use super::worker::Worker;
 use volring_ring::io_ring::{IoRing, OpId};
@@ -44,9 +44,7 @@ impl Worker {
     /// A direct receive of connection `ci`'s payload completed with `res`.
     pub(super) fn on_recv_into(&mut self, ci: u32, res: i32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        c.recv_op = None;
-        c.recv_direct = false;
-        c.recv_cancelled = false;
+        c.rx = Rx::Idle;
         c.socket_ops -= 1;
         self.mark(ci);
         match res {

@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::budget::{Gate, Refusal};
-use super::conn::{Attached, Blocked, Fed, Phase};
+use super::conn::{Attached, Blocked, Fed, Phase, Rx, State};
 use super::token::Token;
 use super::worker::{Registered, Worker};
 use crate::export::Export;
@@ -34,8 +34,7 @@ impl Worker {
             return;
         };
         if !c.more {
-            conn.recv_op = None;
-            conn.recv_cancelled = false;
+            conn.rx = Rx::Idle;
             conn.socket_ops -= 1;
         }
         self.mark(ci);
@@ -54,20 +53,23 @@ impl Worker {
         let conn = self.conns[ci as usize].as_mut().expect("checked above");
         conn.last_activity = self.now;
         let serving = matches!(conn.phase, Phase::Serving { .. });
-        if serving && conn.paused.is_none() {
-            self.pump(ci, &Source::Recv(bid, n));
-            self.ring.recycle(bid);
-            return;
+        match conn.state {
+            State::Reading if serving => self.pump(ci, &Source::Recv(bid, n)),
+            // A handshake, or bytes that arrived before a pause took
+            // effect: kept (and charged) until they can be taken.
+            State::Reading | State::Paused(_) => {
+                let (data, _) = self.ring.received(bid, n);
+                conn.inbuf.extend_from_slice(data);
+                conn.sync_inbuf(&self.budget);
+                if conn.state == State::Reading {
+                    self.ring.recycle(bid);
+                    return self.negotiate(ci);
+                }
+            }
+            // Nothing more is read from a closing connection.
+            _ => {}
         }
-        // A handshake, or bytes that arrived before a pause took effect:
-        // kept (and charged) until they can be taken.
-        let (data, _) = self.ring.received(bid, n);
-        conn.inbuf.extend_from_slice(data);
-        conn.sync_inbuf(&self.budget);
         self.ring.recycle(bid);
-        if !serving && conn.paused.is_none() {
-            self.negotiate(ci);
-        }
     }
 
     /// Splits bytes into requests for connection `ci` and acts on each one
@@ -76,7 +78,7 @@ impl Worker {
     pub(super) fn pump(&mut self, ci: u32, src: &Source) {
         let mut pos = 0;
         loop {
-            let Some(conn) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+            let Some(conn) = self.conns[ci as usize].as_mut().filter(|c| c.state == State::Reading) else { return };
             let (data, bufs) = match src {
                 Source::Recv(bid, n) => self.ring.received(*bid, *n),
                 Source::Owned(v) => (&v[..], self.ring.buffers_mut()),
@@ -101,7 +103,7 @@ impl Worker {
                         Fed::Blocked(why) => {
                             conn.inbuf.extend_from_slice(&data[pos..]);
                             conn.sync_inbuf(&self.budget);
-                            conn.paused = Some(Blocked::Refused(why));
+                            conn.pause(Blocked::Refused(why));
                             if why == Refusal::Server && conn.server_wait.is_none() {
                                 conn.server_wait = Some(self.budget.releases());
                                 self.server_waiters.push(ci);
@@ -128,7 +130,7 @@ impl Worker {
             // Replies the client has not read stop the reading of options.
             let waiting = conn.account.held + scratch.len();
             if waiting >= HANDSHAKE_REPLIES {
-                conn.paused = Some(Blocked::Replies);
+                conn.pause(Blocked::Replies);
                 break;
             }
             match hs.step(&conn.inbuf[pos..], &**exports, scratch) {
@@ -142,7 +144,7 @@ impl Worker {
                             break;
                         }
                         Outcome::End(_) => {
-                            conn.closing = true;
+                            conn.drain();
                             break;
                         }
                     }

@@ -5,12 +5,14 @@ use std::io;
 use std::time::Instant;
 
 use super::budget::ServerBudget;
-use super::conn::{Conn, Part};
+use super::conn::{Conn, Part, Splicing, Tx};
 use super::token::Token;
 use super::worker::Worker;
 use crate::stats::Kind;
 use volring_ring::buffers::{BufId, Buffers};
 
+/// Most parts one sendmsg carries (IOV_MAX).
+const MAX_SEND_PARTS: usize = 1024;
 /// Small replies are gathered into buffers of this size.
 const SMALL_BUF: usize = 4096;
 
@@ -20,7 +22,7 @@ impl Worker {
     /// stream of small replies costs its bytes, not a buffer each.
     pub(super) fn queue_scratch(&mut self, ci: u32) {
         let n = self.scratch.len();
-        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.state.sends()) else { return };
         if n == 0 {
             return;
         }
@@ -50,7 +52,7 @@ impl Worker {
     /// buffer was charged to the connection when it was allocated.
     pub(super) fn queue(&mut self, ci: u32, buf: BufId, start: usize, end: usize) {
         match self.conns[ci as usize].as_mut() {
-            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
+            Some(c) if c.state.sends() => c.out.push(Part::Buf(buf, start, end)),
             Some(c) => {
                 let cost = Buffers::cost_of(self.ring.buffers().len(buf));
                 c.account.release(&self.budget, cost, cost);
@@ -64,24 +66,78 @@ impl Worker {
     /// Queues a file range to be spliced into connection `ci`'s stream; it
     /// counts against the connection's limit until it is in the socket.
     pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
-        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
+        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.state.sends()) {
             c.out.push(Part::Splice { file, offset, len, started });
             c.account.charge(&self.budget, len as usize, 0);
         }
         self.mark(ci);
     }
 
+    /// Starts the next send of connection `ci` when nothing is leaving
+    /// its socket: the buffers queued first (up to IOV_MAX in one
+    /// sendmsg), or the splice of a file range.
+    pub(super) fn send_next(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        if !matches!(c.tx, Tx::Idle) || c.out.is_empty() || !c.state.sends() {
+            return;
+        }
+        if let Part::Splice { file, offset, len, started } = c.out[0] {
+            c.out.remove(0);
+            let begun = self.ring.take_pipe().and_then(|pipe| {
+                let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
+                match self.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
+                    Ok(_) => Ok(pipe),
+                    Err(e) => {
+                        self.ring.put_pipe(pipe, true);
+                        Err(e)
+                    }
+                }
+            });
+            match begun {
+                Ok(pipe) => {
+                    c.tx = Tx::Splicing(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
+                    c.socket_ops += 1;
+                    c.last_send_progress = self.now;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "NBD splice could not start");
+                    self.break_conn(ci);
+                }
+            }
+            return;
+        }
+        let n = c.out.iter().take(MAX_SEND_PARTS).take_while(|p| matches!(p, Part::Buf(..))).count();
+        c.sending.extend(c.out.drain(..n).map(|p| match p {
+            Part::Buf(b, s, e) => (b, s, e),
+            Part::Splice { .. } => unreachable!("counted only buffers"),
+        }));
+        match self.ring.send(Token::Send(ci), c.socket, &c.sending) {
+            Ok(_) => {
+                c.tx = Tx::Sending;
+                c.socket_ops += 1;
+                c.last_send_progress = self.now;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD send could not be submitted");
+                let parts: Vec<_> = c.sending.drain(..).map(|(b, s, e)| Part::Buf(b, s, e)).collect();
+                c.out.splice(0..0, parts);
+                self.break_conn(ci);
+            }
+        }
+    }
+
     pub(super) fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.socket_ops -= 1;
-        let Some(sp) = c.splice.as_mut() else { return };
-        if res <= 0 || c.broken {
+        let sends = c.state.sends();
+        let Tx::Splicing(sp) = &mut c.tx else { return };
+        if res <= 0 || !sends {
             // The header promised these bytes: without them the stream is lost.
-            if res < 0 && !c.broken {
+            if res < 0 && sends {
                 tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
             }
-            let sp = c.splice.take().expect("checked above");
             self.ring.put_pipe(sp.pipe, false);
+            c.tx = Tx::Idle;
             return self.break_conn(ci);
         }
         let n = res as u32;
@@ -103,7 +159,7 @@ impl Worker {
             self.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk)
         } else {
             let c = self.conns[ci as usize].as_mut().expect("checked above");
-            c.splice = None;
+            c.tx = Tx::Idle;
             self.ring.put_pipe(pipe, true);
             // A spliced READ is timed until its last byte is in the socket.
             self.record(ci, Kind::Read, len, true, started);
@@ -115,7 +171,7 @@ impl Worker {
             Ok(_) => c.socket_ops += 1,
             Err(e) => {
                 tracing::warn!(error = %e, "NBD splice could not be submitted");
-                c.splice = None;
+                c.tx = Tx::Idle;
                 self.ring.put_pipe(pipe, in_pipe == 0);
                 self.break_conn(ci);
             }
@@ -125,7 +181,7 @@ impl Worker {
     pub(super) fn on_send(&mut self, ci: u32, res: i32) {
         let Some(conn) = self.conns[ci as usize].as_mut() else { return };
         conn.socket_ops -= 1;
-        conn.send_in_flight = false;
+        conn.tx = Tx::Idle;
         let mut sent = res.max(0) as usize;
         if sent > 0 {
             conn.last_send_progress = self.now;

@@ -7,8 +7,8 @@ use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::budget::{Limits, Refusal, ServerBudget};
-use super::conn::{Blocked, Conn, Part, Phase, Splicing};
+use super::budget::{Limits, ServerBudget};
+use super::conn::{Conn, Phase, Rx, State, Tx};
 use super::input::Source;
 use super::output::drop_parts;
 use super::requests::Req;
@@ -20,8 +20,6 @@ use crate::stats::Pending;
 use volring_ring::buffers::BufId;
 use volring_ring::io_ring::{Cqe, IoRing, OpId};
 
-/// Most parts one sendmsg carries (IOV_MAX).
-const MAX_SEND_PARTS: usize = 1024;
 /// Send buffer asked for each connection.
 const SEND_BUFFER: usize = 4 << 20;
 /// Completions a busy ring waits for (at most `batch_wait`) before a turn.
@@ -365,7 +363,7 @@ impl Worker {
     /// are answered and sent.
     pub(super) fn begin_close(&mut self, ci: u32) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
-            c.closing = true;
+            c.drain();
         }
         self.mark(ci);
     }
@@ -373,8 +371,7 @@ impl Worker {
     /// The socket is unusable: drop queued replies and close at once.
     pub(super) fn break_conn(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        c.closing = true;
-        c.broken = true;
+        c.break_off();
         drop_parts(c, self.ring.buffers_mut(), &self.budget);
         self.mark(ci);
     }
@@ -423,8 +420,8 @@ impl Worker {
         }
         for ci in 0..self.conns.len() {
             let Some(c) = self.conns[ci].as_mut() else { continue };
-            if let Some(op) = c.recv_op.filter(|_| !c.recv_direct && !c.recv_cancelled) {
-                c.recv_cancelled = true;
+            if let Rx::Multishot(op) = c.rx {
+                c.rx = Rx::Cancelling;
                 let _ = self.ring.cancel(op);
             }
         }
@@ -464,15 +461,11 @@ impl Worker {
             .take(8)
             .map(|(i, c)| {
                 format!(
-                    "#{i} serving={} paused={:?} closing={} broken={} recv_op={} direct={} cancelled={} send={} out={} ops={} payload={} dirty={}",
+                    "#{i} serving={} state={:?} rx={:?} tx={} out={} ops={} payload={} dirty={}",
                     matches!(c.phase, Phase::Serving { .. }),
-                    c.paused,
-                    c.closing,
-                    c.broken,
-                    c.recv_op.is_some(),
-                    c.recv_direct,
-                    c.recv_cancelled,
-                    c.send_in_flight,
+                    c.state,
+                    c.rx,
+                    c.tx.name(),
                     c.out.len(),
                     c.socket_ops,
                     c.payload.is_some(),
@@ -507,135 +500,121 @@ impl Worker {
         }
     }
 
-    /// Brings connection `ci` up to date: backpressure, receive, send, close.
+    /// Brings connection `ci` up to date: what its state asks for now
+    /// (receive armed or not, the next send, the shutdown, the close). A
+    /// move to a later state is acted on in the same call.
     pub(super) fn service(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.dirty = false;
-        if let Some(why) = c.paused.filter(|_| !c.closing && !c.broken) {
-            let ready = match why {
-                Blocked::Refused(Refusal::Conn) => c.account.drained_enough(&self.limits),
-                Blocked::Refused(Refusal::Server) => c.server_wait.is_none(),
-                Blocked::Replies => c.out.is_empty() && !c.send_in_flight,
-            };
-            if ready {
-                // What it had received is taken first; reading resumes
-                // only if all of it fits.
-                c.paused = None;
-                if matches!(c.phase, Phase::Serving { .. }) {
-                    let rest = std::mem::take(&mut c.inbuf);
-                    c.sync_inbuf(&self.budget);
-                    self.pump(ci, &Source::Owned(rest));
-                } else {
-                    self.negotiate(ci);
+        if c.resume_if_ready(&self.limits) {
+            self.resumed(ci);
+        }
+        loop {
+            let Some(c) = self.conns[ci as usize].as_mut() else { return };
+            let state = c.state;
+            match state {
+                State::Reading => {
+                    self.keep_receiving(ci);
+                    self.send_next(ci);
                 }
+                State::Paused(_) => {
+                    self.stop_receiving(ci);
+                    self.send_next(ci);
+                }
+                State::Draining => {
+                    self.stop_receiving(ci);
+                    self.send_next(ci);
+                    self.shut_down_if_drained(ci);
+                }
+                State::Broken => {
+                    if !c.out.is_empty() {
+                        drop_parts(c, self.ring.buffers_mut(), &self.budget);
+                    }
+                    self.stop_receiving(ci);
+                    self.shut_down_if_drained(ci);
+                }
+                State::ShuttingDown => self.close_socket(ci),
+                State::Closing => {}
+            }
+            if self.conns[ci as usize].as_ref().is_none_or(|c| c.state == state) {
+                return;
             }
         }
+    }
+
+    /// Paused → Reading: what it had received is taken first; reading
+    /// resumes only if all of it fits.
+    fn resumed(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        let want_recv = !c.closing && c.paused.is_none();
-        let direct = want_recv && self.direct_receive && super::direct::wants_direct(c);
-        // While the pool is being handed over no multishot receive is
-        // armed; a direct receive may start or run on (it uses no pool
-        // buffer, and cancelling one would cut a payload in two).
-        let want_recv = want_recv && (direct || c.recv_direct || !self.recv_recovering);
-        match (want_recv, c.recv_op) {
-            (true, None) => {
+        if matches!(c.phase, Phase::Serving { .. }) {
+            let rest = std::mem::take(&mut c.inbuf);
+            c.sync_inbuf(&self.budget);
+            self.pump(ci, &Source::Owned(rest));
+        } else {
+            self.negotiate(ci);
+        }
+    }
+
+    /// Keeps a receive armed on a connection being read: a multishot one,
+    /// or (for the rest of a large payload) a direct one, which ends the
+    /// multishot one first. While the pool is being handed over no
+    /// multishot receive is armed; a direct receive may start or run on
+    /// (it uses no pool buffer, and cancelling one would cut a payload in two).
+    fn keep_receiving(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        let direct = self.direct_receive && super::direct::wants_direct(c);
+        match c.rx {
+            Rx::Idle if direct || !self.recv_recovering => {
                 let armed =
                     if direct { super::direct::arm(&mut self.ring, ci, c) } else { self.ring.recv_multi(Token::Recv(ci), c.socket) };
                 match armed {
                     Ok(op) => {
-                        c.recv_op = Some(op);
-                        c.recv_direct = direct;
+                        c.rx = if direct { Rx::Direct(op) } else { Rx::Multishot(op) };
                         c.socket_ops += 1;
                         self.tick_stats.recv_arms += 1;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "NBD receive could not be armed");
-                        c.closing = true;
-                        c.broken = true;
+                        self.break_conn(ci);
                     }
                 }
             }
-            // A large payload is coming: the multishot receive ends first.
-            (true, Some(op)) if direct && !c.recv_direct && !c.recv_cancelled => {
-                c.recv_cancelled = true;
-                let _ = self.ring.cancel(op);
-            }
-            (false, Some(op)) if !c.recv_cancelled => {
-                c.recv_cancelled = true;
+            Rx::Multishot(op) if direct || self.recv_recovering => {
+                c.rx = Rx::Cancelling;
                 let _ = self.ring.cancel(op);
             }
             _ => {}
         }
-        if !c.send_in_flight && c.splice.is_none() && !c.out.is_empty() && !c.broken {
-            if let Part::Splice { file, offset, len, started } = c.out[0] {
-                c.out.remove(0);
-                let begun = self.ring.take_pipe().and_then(|pipe| {
-                    let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-                    match self.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
-                        Ok(_) => Ok(pipe),
-                        Err(e) => {
-                            self.ring.put_pipe(pipe, true);
-                            Err(e)
-                        }
-                    }
-                });
-                match begun {
-                    Ok(pipe) => {
-                        c.splice = Some(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
-                        c.socket_ops += 1;
-                        c.last_send_progress = self.now;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "NBD splice could not start");
-                        c.broken = true;
-                        c.closing = true;
-                    }
-                }
-            } else {
-                let n = c.out.iter().take(MAX_SEND_PARTS).take_while(|p| matches!(p, Part::Buf(..))).count();
-                c.sending.extend(c.out.drain(..n).map(|p| match p {
-                    Part::Buf(b, s, e) => (b, s, e),
-                    Part::Splice { .. } => unreachable!("counted only buffers"),
-                }));
-                match self.ring.send(Token::Send(ci), c.socket, &c.sending) {
-                    Ok(_) => {
-                        c.send_in_flight = true;
-                        c.socket_ops += 1;
-                        c.last_send_progress = self.now;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "NBD send could not be submitted");
-                        let parts: Vec<_> = c.sending.drain(..).map(|(b, s, e)| Part::Buf(b, s, e)).collect();
-                        c.out.splice(0..0, parts);
-                        c.broken = true;
-                    }
-                }
-            }
+    }
+
+    /// Ends the receive armed on connection `ci`, if any.
+    fn stop_receiving(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        if let Rx::Multishot(op) | Rx::Direct(op) = c.rx {
+            c.rx = Rx::Cancelling;
+            let _ = self.ring.cancel(op);
         }
-        if c.broken && !c.out.is_empty() {
-            drop_parts(c, self.ring.buffers_mut(), &self.budget);
+    }
+
+    /// Draining or Broken → ShuttingDown, once drained (see `Conn::drained`):
+    /// the receive is ended and the socket shut down, which also wakes a
+    /// splice stuck on a full socket with an error.
+    fn shut_down_if_drained(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.drained()) else { return };
+        c.state = State::ShuttingDown;
+        self.stop_receiving(ci);
+        let c = self.conns[ci as usize].as_mut().expect("present above");
+        if self.ring.shutdown(Token::Shutdown(ci), c.socket).is_ok() {
+            c.socket_ops += 1;
         }
-        // A broken connection does not wait for its spliced reply: a client
-        // that never reads would hold it (and its export slot) forever. The
-        // shutdown wakes the splice stuck on the full socket with an error,
-        // and its completion returns the pipe.
-        let drained = c.account.requests == 0 && (c.broken || (c.splice.is_none() && c.out.is_empty() && !c.send_in_flight));
-        if c.closing && drained && !c.shutdown_sent {
-            c.shutdown_sent = true;
-            if let (Some(op), false) = (c.recv_op, c.recv_cancelled) {
-                c.recv_cancelled = true;
-                let _ = self.ring.cancel(op);
-            }
-            if self.ring.shutdown(Token::Shutdown(ci), c.socket).is_ok() {
-                c.socket_ops += 1;
-            }
-        }
-        if c.shutdown_sent && c.socket_ops == 0 && !c.close_sent {
-            c.close_sent = true;
-            if let Err(e) = self.ring.close_file(Token::Close(ci), c.socket) {
-                tracing::warn!(error = %e, "NBD socket close could not be submitted");
-                c.close_sent = false;
-            }
+    }
+
+    /// ShuttingDown → Closing once no socket operation is left.
+    fn close_socket(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.socket_ops == 0) else { return };
+        match self.ring.close_file(Token::Close(ci), c.socket) {
+            Ok(_) => c.state = State::Closing,
+            Err(e) => tracing::warn!(error = %e, "NBD socket close could not be submitted"),
         }
     }
 
@@ -699,7 +678,7 @@ impl Worker {
         let now = self.now;
         let heaviest = (0..self.conns.len())
             .filter_map(|i| {
-                let c = self.conns[i].as_ref().filter(|c| !c.broken && c.account.mem > 0)?;
+                let c = self.conns[i].as_ref().filter(|c| c.state.sends() && c.account.mem > 0)?;
                 let quiet = now.saturating_duration_since(c.last_activity.max(c.last_send_progress));
                 (quiet >= EVICT_AFTER).then_some((c.account.mem, i))
             })
@@ -732,7 +711,7 @@ impl Worker {
         for i in 0..self.conns.len() {
             let Some(c) = self.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
-            let stalled = (c.send_in_flight || c.splice.is_some() || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
+            let stalled = (!matches!(c.tx, Tx::Idle) || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
                 tracing::debug!(handshaking, stalled, "NBD connection timed out");
