@@ -314,6 +314,14 @@ impl Conn {
             }
     }
 
+    /// The reply headers it negotiated (simple until it has).
+    pub fn style(&self) -> HeaderStyle {
+        match &self.phase {
+            Phase::Serving { style, .. } => *style,
+            Phase::Handshake(_) => HeaderStyle::Simple,
+        }
+    }
+
     pub fn attached(&self) -> Option<&Attached> {
         match &self.phase {
             Phase::Serving { attached, .. } => Some(attached),
