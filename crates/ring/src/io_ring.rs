@@ -21,11 +21,12 @@ use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
-use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use io_uring::{cqueue, opcode, squeue, types};
 
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
 use super::ops::Reaped;
+use super::setup::RingSetup;
 
 /// A byte range of a buffer: id, start, end.
 pub type BufSlice = (BufId, usize, usize);
@@ -81,7 +82,10 @@ impl Default for IoRingConfig {
     fn default() -> Self {
         Self {
             sq_entries: 1024,
-            cq_entries: 8192,
+            // Room for a multishot receive on every fixed-file slot (an
+            // idle connection's only op) and the I/O of busy ones: ops in
+            // flight are capped at what the completion queue holds.
+            cq_entries: 32768,
             files: 16384,
             arena_slots: 64,
             arena_slot_size: 128 * 1024,
@@ -167,19 +171,80 @@ pub struct IoRing<T: Copy = u64> {
 /// Capacity asked of each splice pipe (the unprivileged maximum).
 pub const PIPE_SIZE: usize = 1 << 20;
 
+/// Completion slots kept free of the cap on entries in the kernel, beyond
+/// one per provided buffer: for the other multishot completions (accepts,
+/// the mailbox's poll) that can come in one burst.
+const CQ_HEADROOM: usize = 256;
+
+/// The kernel's io_uring lacks an operation the NBD server needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the kernel's io_uring lacks IORING_OP_{name}, which the NBD server needs (Linux 6.0+)")]
+pub struct MissingOpcode {
+    pub name: &'static str,
+}
+
+/// Which of [`IoRing::OPCODES`] `supported` says no to first.
+fn missing_opcode(supported: impl Fn(u8) -> bool) -> Option<&'static str> {
+    IoRing::<u64>::OPCODES.iter().find(|(code, _)| !supported(*code)).map(|(_, name)| *name)
+}
+
+/// Registrations made after the ring is enabled: fixed files put in and
+/// taken out, the receive pool handed over afresh.
+const LATE_REGISTRATIONS: [u8; 3] = [
+    6,  // IORING_REGISTER_FILES_UPDATE
+    22, // IORING_REGISTER_PBUF_RING
+    23, // IORING_UNREGISTER_PBUF_RING
+];
+
+/// What the ring may do once enabled: its own operations, with fixed
+/// files and provided buffers, and its late registrations.
+fn restrictions() -> Vec<io_uring::register::Restriction> {
+    use io_uring::register::Restriction;
+    use io_uring::squeue::Flags;
+    let mut r: Vec<Restriction> = IoRing::<u64>::OPCODES.iter().map(|(code, _)| Restriction::sqe_op(*code)).collect();
+    r.extend(LATE_REGISTRATIONS.iter().map(|op| Restriction::register_op(*op)));
+    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::BUFFER_SELECT).bits()));
+    r
+}
+
 impl<T: Copy> IoRing<T> {
+    /// Every operation the ring submits, with its name: what it probes
+    /// for and the only ones its restrictions let through.
+    pub const OPCODES: [(u8, &'static str); 16] = [
+        (opcode::PollAdd::CODE, "POLL_ADD"),
+        (opcode::AcceptMulti::CODE, "ACCEPT"),
+        (opcode::Timeout::CODE, "TIMEOUT"),
+        (opcode::RecvMulti::CODE, "RECV"),
+        (opcode::SendMsg::CODE, "SENDMSG"),
+        (opcode::ReadFixed::CODE, "READ_FIXED"),
+        (opcode::Read::CODE, "READ"),
+        (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+        (opcode::Write::CODE, "WRITE"),
+        (opcode::Fsync::CODE, "FSYNC"),
+        (opcode::Fallocate::CODE, "FALLOCATE"),
+        (opcode::Fadvise::CODE, "FADVISE"),
+        (opcode::Shutdown::CODE, "SHUTDOWN"),
+        (opcode::Close::CODE, "CLOSE"),
+        (opcode::Splice::CODE, "SPLICE"),
+        (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+    ];
+
+    /// Makes the ring: disabled until the operations it needs have been
+    /// probed (a [`MissingOpcode`] error names the first one the kernel
+    /// lacks), its buffers and file table registered, and its restrictions
+    /// ([`IoRing::OPCODES`] only, and no other registration than the ring
+    /// itself makes) registered.
     pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
-        let build = |defer: bool| {
-            let mut b = IoUring::builder();
-            b.setup_cqsize(cfg.cq_entries).setup_clamp().setup_submit_all().setup_coop_taskrun();
-            if defer {
-                b.setup_single_issuer().setup_defer_taskrun();
-            }
-            b.build(cfg.sq_entries)
-        };
         // DEFER_TASKRUN (6.1) runs completions only when this thread asks:
         // fewer interruptions of the ring thread. Older kernels get the rest.
-        let ring = build(true).or_else(|_| build(false))?;
+        let setup = RingSetup { entries: cfg.sq_entries, cq_entries: Some(cfg.cq_entries), server: true, disabled: true };
+        let (ring, _) = setup.build()?;
+        let core = UringCore::new(ring, CANCEL_WAIT).with_headroom(usize::from(cfg.recv_bufs) + CQ_HEADROOM);
+        let probe = core.probe()?;
+        if let Some(name) = missing_opcode(|code| probe.is_supported(code)) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, MissingOpcode { name }));
+        }
+        let ring = core.ring();
         let bufs = Buffers::new(cfg.arena_slots, cfg.arena_slot_size, cfg.heap_cache)?;
         let iovecs = bufs.arena_iovecs();
         // SAFETY: the arena mapping outlives the ring: `Drop` unregisters or
@@ -193,8 +258,10 @@ impl<T: Copy> IoRing<T> {
         // SAFETY: the ring memory belongs to `recv`, which lives as long as
         // the ring (dropped after it, or leaked with it).
         unsafe { ring.submitter().register_buf_ring_with_flags(recv.ring_addr(), recv.entries(), recv.group, 0)? };
+        ring.submitter().register_restrictions(&mut restrictions())?;
+        ring.submitter().register_enable_rings()?;
         Ok(Self {
-            core: UringCore::new(ring, CANCEL_WAIT),
+            core,
             bufs: ManuallyDrop::new(bufs),
             recv: ManuallyDrop::new(recv),
             free_files: (0..files).rev().collect(),
@@ -222,6 +289,12 @@ impl<T: Copy> IoRing<T> {
     /// Operations submitted and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.core.ops().len()
+    }
+
+    /// Entries in the kernel now (capped by what the completion queue
+    /// holds), and those waiting for room.
+    pub fn in_kernel(&self) -> (usize, usize) {
+        (self.core.in_kernel(), self.core.backlogged())
     }
 
     /// The bytes a receive put in provided buffer `bid`, next to the

@@ -167,7 +167,7 @@ impl Requests {
                     }
                 }
                 if spliced {
-                    return self.reply_spliced(sh, out, ci, &req, read_file, style, at);
+                    return reply_spliced(sh, out, ci, &req, read_file, style, at);
                 }
                 let buf = sh.ring.buffers_mut().alloc(read_off + req.length as usize);
                 let ri = self.new_req(sh, Req::new(ci, req, read_file, Some(buf), read_off, at));
@@ -386,37 +386,6 @@ impl Requests {
         self.request_ended(sh, r.conn, None);
     }
 
-    /// Queues a READ's header, then the file range itself as a splice.
-    /// A failure of the splice can no longer be reported (the header has
-    /// promised the data), so it drops the connection; page-cache reads
-    /// fail only on I/O errors of the backing device.
-    fn reply_spliced(&mut self, sh: &mut Shared, out: &mut Output, ci: u32, req: &Request, file: u32, style: HeaderStyle, at: Instant) {
-        let len = req.length;
-        let h = if style == HeaderStyle::Simple {
-            ReplyHeader { style, cookie: req.cookie, offset: 0, chunk_type: 0, flags: 0, error: 0, payload: 0 }
-        } else {
-            ReplyHeader {
-                style,
-                cookie: req.cookie,
-                offset: req.offset,
-                chunk_type: chunk::OFFSET_DATA,
-                flags: chunk::FLAG_DONE,
-                error: 0,
-                payload: 8 + len,
-            }
-        };
-        let extra = if style == HeaderStyle::Simple { 0 } else { 8 };
-        out.scratch.clear();
-        out.scratch.resize(h.size() + extra, 0);
-        h.write_before(&mut out.scratch[..h.size()]);
-        if extra > 0 {
-            let at = h.size();
-            out.scratch[at..].copy_from_slice(&req.offset.to_be_bytes());
-        }
-        out.queue_scratch(sh, ci);
-        out.queue_splice(sh, ci, file, req.offset, len, at);
-    }
-
     fn succeed(&mut self, sh: &mut Shared, out: &mut Output, ri: u32) {
         self.end_with(sh, out, ri, ReplyBody::Ack);
     }
@@ -448,6 +417,37 @@ impl Requests {
         }
         sh.mark(ci);
     }
+}
+
+/// Queues a READ's header, then the file range itself as a splice.
+/// A failure of the splice can no longer be reported (the header has
+/// promised the data), so it drops the connection; page-cache reads
+/// fail only on I/O errors of the backing device.
+fn reply_spliced(sh: &mut Shared, out: &mut Output, ci: u32, req: &Request, file: u32, style: HeaderStyle, at: Instant) {
+    let len = req.length;
+    let h = if style == HeaderStyle::Simple {
+        ReplyHeader { style, cookie: req.cookie, offset: 0, chunk_type: 0, flags: 0, error: 0, payload: 0 }
+    } else {
+        ReplyHeader {
+            style,
+            cookie: req.cookie,
+            offset: req.offset,
+            chunk_type: chunk::OFFSET_DATA,
+            flags: chunk::FLAG_DONE,
+            error: 0,
+            payload: 8 + len,
+        }
+    };
+    let extra = if style == HeaderStyle::Simple { 0 } else { 8 };
+    out.scratch.clear();
+    out.scratch.resize(h.size() + extra, 0);
+    h.write_before(&mut out.scratch[..h.size()]);
+    if extra > 0 {
+        let at = h.size();
+        out.scratch[at..].copy_from_slice(&req.offset.to_be_bytes());
+    }
+    out.queue_scratch(sh, ci);
+    out.queue_splice(sh, ci, file, req.offset, len, at);
 }
 
 /// True when no byte of the range is allocated.
