@@ -21,10 +21,11 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, types};
 
 use super::core::UringCore;
 use super::ops::Reaped;
+use super::setup::RingSetup;
 use super::{Backend, BackendChoice};
 
 /// One read of a batch.
@@ -86,17 +87,9 @@ impl BatchReader {
         if choice == BackendChoice::Epoll {
             return Ok(none);
         }
-        let build = |defer: bool| {
-            let mut b = IoUring::builder();
-            b.setup_clamp();
-            if defer {
-                b.setup_single_issuer().setup_defer_taskrun();
-            }
-            b.build(depth.max(1))
-        };
         // DEFER_TASKRUN needs 6.1; older kernels get a plain ring.
-        match build(true).or_else(|_| build(false)) {
-            Ok(r) => {
+        match RingSetup::new(depth).build() {
+            Ok((r, _)) => {
                 let depth = r.params().sq_entries() as usize;
                 Ok(Self { core: Some(UringCore::new(r, CANCEL_WAIT)), depth, ..none })
             }

@@ -9,16 +9,14 @@
 //! then lets what they held be freed. What the kernel has not let go of by
 //! the deadline is leaked on purpose: counted in [`leaked_ops`] and logged.
 
+use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use super::ops::{OpTable, Reaped, IGNORED};
-
-/// user_data of the one request that cancels every op of a ring being dropped.
-const CANCEL_ALL: u64 = u64::MAX - 2;
+use super::ops::{is_reserved, OpTable, Reaped, CANCEL_ALL, IGNORED};
 
 static LEAKED_OPS: AtomicU64 = AtomicU64::new(0);
 
@@ -29,17 +27,79 @@ pub fn leaked_ops() -> u64 {
 }
 
 /// A ring and its op table; `T` is what one op holds.
+///
+/// Never more entries are in the kernel than its completion queue holds
+/// (as firecracker does): an entry counts from when it is queued until its
+/// last completion is reaped, and one that would go past the cap waits in
+/// a backlog, in order, until completions make room. A burst of
+/// completions then always fits the queue; nothing relies on the kernel's
+/// overflow list.
 pub(super) struct UringCore<T> {
     ring: IoUring,
     ops: OpTable<T>,
     cqes: Vec<cqueue::Entry>,
     /// How long dropping waits for cancelled ops to end.
     cancel_wait: Duration,
+    /// Entries queued or submitted whose last completion is not reaped yet.
+    in_kernel: usize,
+    /// Most entries in the kernel at once.
+    cap: usize,
+    /// Entries waiting for room under the cap, oldest first.
+    backlog: VecDeque<squeue::Entry>,
+    /// Completions of backlogged ops cancelled before they reached the
+    /// kernel: (user_data, result), delivered at the next reap.
+    unsent: Vec<(u64, i32)>,
 }
 
 impl<T> UringCore<T> {
     pub(super) fn new(ring: IoUring, cancel_wait: Duration) -> Self {
-        Self { ring, ops: OpTable::with_capacity(64), cqes: Vec::with_capacity(256), cancel_wait }
+        let cap = ring.params().cq_entries() as usize;
+        Self {
+            ring,
+            ops: OpTable::with_capacity(64),
+            cqes: Vec::with_capacity(256),
+            cancel_wait,
+            in_kernel: 0,
+            cap,
+            backlog: VecDeque::new(),
+            unsent: Vec::new(),
+        }
+    }
+
+    /// Keeps `headroom` completion slots free of the cap, for completions
+    /// that do not end an entry (a multishot receive's, one per buffer).
+    pub(super) fn with_headroom(mut self, headroom: usize) -> Self {
+        let cq = self.ring.params().cq_entries() as usize;
+        self.cap = cq.saturating_sub(headroom).max(cq / 2).max(1);
+        self
+    }
+
+    /// Entries in the kernel now (never more than the cap).
+    pub(super) fn in_kernel(&self) -> usize {
+        self.in_kernel
+    }
+
+    /// Entries waiting for room under the cap.
+    pub(super) fn backlogged(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Whether the kernel holds completions the queue had no room for.
+    #[cfg(test)]
+    pub(super) fn cq_overflowed(&mut self) -> bool {
+        self.ring.submission().cq_overflow()
+    }
+
+    /// The kernel's probe of the operations it supports.
+    pub(super) fn probe(&self) -> io::Result<io_uring::Probe> {
+        let mut probe = io_uring::Probe::new();
+        self.ring.submitter().register_probe(&mut probe)?;
+        Ok(probe)
+    }
+
+    /// The ring itself, for what is registered before it is enabled.
+    pub(super) fn ring(&self) -> &IoUring {
+        &self.ring
     }
 
     /// For registering files and buffers.
@@ -60,12 +120,41 @@ impl<T> UringCore<T> {
     /// (which this core keeps until then), or at memory that outlives the
     /// core. A sqe with a reserved user_data must point at no memory.
     pub(super) unsafe fn push(&mut self, sqe: &squeue::Entry) -> io::Result<()> {
+        if self.in_kernel >= self.cap || !self.backlog.is_empty() {
+            self.backlog.push_back(sqe.clone());
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.push_now(sqe) }
+    }
+
+    /// Queues `sqe` for the kernel, handing what is queued over when the
+    /// submission queue is full.
+    ///
+    /// # Safety
+    /// As [`UringCore::push`].
+    unsafe fn push_now(&mut self, sqe: &squeue::Entry) -> io::Result<()> {
         loop {
             // SAFETY: the caller vouches for the pointers in `sqe`.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
+                self.in_kernel += 1;
                 return Ok(());
             }
             self.ring.submit()?;
+        }
+    }
+
+    /// Moves backlogged entries to the kernel while there is room.
+    fn flush_backlog(&mut self) {
+        while self.in_kernel < self.cap {
+            let Some(sqe) = self.backlog.pop_front() else { return };
+            // SAFETY: it was pushed under `push`'s contract, and what it
+            // points into is still held by its op in the table.
+            if let Err(e) = unsafe { self.push_now(&sqe) } {
+                tracing::warn!(error = %e, "ring submit failed; backlogged operations wait");
+                self.backlog.push_front(sqe);
+                return;
+            }
         }
     }
 
@@ -102,6 +191,12 @@ impl<T> UringCore<T> {
         if !self.ops.contains(ud) {
             return Ok(());
         }
+        // Not in the kernel yet: it ends here, as if the kernel had cancelled it.
+        if let Some(i) = self.backlog.iter().position(|e| e.get_user_data() == ud) {
+            self.backlog.remove(i);
+            self.unsent.push((ud, -libc::ECANCELED));
+            return Ok(());
+        }
         // SAFETY: a cancel request points at no memory.
         unsafe { self.push(&opcode::AsyncCancel::new(ud).build().user_data(IGNORED)) }
     }
@@ -130,16 +225,19 @@ impl<T> UringCore<T> {
     pub(super) fn reap(&mut self, out: &mut Vec<Reaped<T>>) {
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.extend(self.ring.completion());
-        for c in cqes.drain(..) {
-            let (ud, res, flags) = (c.user_data(), c.result(), c.flags());
+        let ended = cqes.iter().filter(|c| !cqueue::more(c.flags())).count();
+        self.in_kernel = self.in_kernel.saturating_sub(ended);
+        let unsent = std::mem::take(&mut self.unsent).into_iter().map(|(ud, res)| (ud, res, 0));
+        for (ud, res, flags) in unsent.chain(cqes.drain(..).map(|c| (c.user_data(), c.result(), c.flags()))) {
             let more = cqueue::more(flags);
-            if ud >> 32 == u64::from(u32::MAX) {
+            if is_reserved(ud) {
                 out.push(Reaped { user_data: ud, res, flags, more, last: None });
             } else if let Some(r) = self.ops.complete(ud, res, flags, more) {
                 out.push(r);
             }
         }
         self.cqes = cqes;
+        self.flush_backlog();
     }
 
     /// Cancels every op and waits up to the core's deadline for their last
@@ -152,10 +250,15 @@ impl<T> UringCore<T> {
         // Ops queued but not yet submitted go in first, so the cancel finds
         // them (or they end at once). One request cancels them all (5.19+);
         // where the kernel refuses it, each op is cancelled by user_data.
+        // Backlogged ops never reached the kernel: they end here.
+        for sqe in std::mem::take(&mut self.backlog) {
+            self.unsent.push((sqe.get_user_data(), -libc::ECANCELED));
+        }
         let _ = self.ring.submit();
         let any = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL_ALL);
-        // SAFETY: a cancel request points at no memory.
-        if unsafe { self.push(&any) }.is_err() {
+        // SAFETY: a cancel request points at no memory. Past the cap if
+        // need be: the ring is going, and the cap keeps headroom.
+        if unsafe { self.push_now(&any) }.is_err() {
             self.cancel_each();
         }
         let deadline = Instant::now() + self.cancel_wait;

@@ -21,11 +21,12 @@ use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
-use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use io_uring::{cqueue, opcode, squeue, types};
 
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
 use super::ops::Reaped;
+use super::setup::RingSetup;
 
 /// A byte range of a buffer: id, start, end.
 pub type BufSlice = (BufId, usize, usize);
@@ -36,10 +37,14 @@ pub type BufSlice = (BufId, usize, usize);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpId(u64);
 
-/// One completion, with the driver's token.
+/// One completion, with the driver's token: whatever `Copy` value the
+/// driver named the operation with (an enum of what it is for). The ring
+/// keeps it in the op table beside the op, so it never has to fit into, or
+/// be unpacked from, the kernel's `user_data`: that carries only the op
+/// table's key and generation (see `ops`).
 #[derive(Debug, Clone, Copy)]
-pub struct Cqe {
-    pub token: u64,
+pub struct Cqe<T = u64> {
+    pub token: T,
     /// Bytes, a new fd, or a negative errno.
     pub result: i32,
     /// A multishot operation stays armed.
@@ -48,7 +53,7 @@ pub struct Cqe {
     pub recv_buf: Option<u16>,
 }
 
-impl Cqe {
+impl<T> Cqe<T> {
     /// The descriptor an accept completion carries, now owned by the caller.
     pub fn accepted_fd(&self) -> Option<std::os::fd::OwnedFd> {
         use std::os::fd::FromRawFd;
@@ -77,7 +82,10 @@ impl Default for IoRingConfig {
     fn default() -> Self {
         Self {
             sq_entries: 1024,
-            cq_entries: 8192,
+            // Room for a multishot receive on every fixed-file slot (an
+            // idle connection's only op) and the I/O of busy ones: ops in
+            // flight are capped at what the completion queue holds.
+            cq_entries: 32768,
             files: 16384,
             arena_slots: 64,
             arena_slot_size: 128 * 1024,
@@ -125,8 +133,8 @@ enum Held {
     },
 }
 
-struct Op {
-    token: u64,
+struct Op<T> {
+    token: T,
     held: Held,
 }
 
@@ -134,17 +142,17 @@ struct Op {
 const CANCEL_WAIT: Duration = Duration::from_secs(2);
 
 /// The ring, its registered resources and its in-flight table.
-pub struct IoRing {
+pub struct IoRing<T: Copy = u64> {
     /// First field: dropped before the memory below (which `Drop` leaks
     /// instead when the core could not end every op).
-    core: UringCore<Op>,
+    core: UringCore<Op<T>>,
     bufs: ManuallyDrop<Buffers>,
     recv: ManuallyDrop<RecvPool>,
     free_files: Vec<u32>,
     /// Spare vectors for sends, so a send allocates nothing in steady state.
     spare_iov: Vec<Vec<libc::iovec>>,
     spare_bufs: Vec<Vec<BufId>>,
-    reaped: Vec<Reaped<Op>>,
+    reaped: Vec<Reaped<Op<T>>>,
     pipes: Vec<Option<Pipe>>,
     idle_pipes: Vec<u32>,
     /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
@@ -163,19 +171,80 @@ pub struct IoRing {
 /// Capacity asked of each splice pipe (the unprivileged maximum).
 pub const PIPE_SIZE: usize = 1 << 20;
 
-impl IoRing {
+/// Completion slots kept free of the cap on entries in the kernel, beyond
+/// one per provided buffer: for the other multishot completions (accepts,
+/// the mailbox's poll) that can come in one burst.
+const CQ_HEADROOM: usize = 256;
+
+/// The kernel's io_uring lacks an operation the NBD server needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the kernel's io_uring lacks IORING_OP_{name}, which the NBD server needs (Linux 6.0+)")]
+pub struct MissingOpcode {
+    pub name: &'static str,
+}
+
+/// Which of [`IoRing::OPCODES`] `supported` says no to first.
+fn missing_opcode(supported: impl Fn(u8) -> bool) -> Option<&'static str> {
+    IoRing::<u64>::OPCODES.iter().find(|(code, _)| !supported(*code)).map(|(_, name)| *name)
+}
+
+/// Registrations made after the ring is enabled: fixed files put in and
+/// taken out, the receive pool handed over afresh.
+const LATE_REGISTRATIONS: [u8; 3] = [
+    6,  // IORING_REGISTER_FILES_UPDATE
+    22, // IORING_REGISTER_PBUF_RING
+    23, // IORING_UNREGISTER_PBUF_RING
+];
+
+/// What the ring may do once enabled: its own operations, with fixed
+/// files and provided buffers, and its late registrations.
+fn restrictions() -> Vec<io_uring::register::Restriction> {
+    use io_uring::register::Restriction;
+    use io_uring::squeue::Flags;
+    let mut r: Vec<Restriction> = IoRing::<u64>::OPCODES.iter().map(|(code, _)| Restriction::sqe_op(*code)).collect();
+    r.extend(LATE_REGISTRATIONS.iter().map(|op| Restriction::register_op(*op)));
+    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::BUFFER_SELECT).bits()));
+    r
+}
+
+impl<T: Copy> IoRing<T> {
+    /// Every operation the ring submits, with its name: what it probes
+    /// for and the only ones its restrictions let through.
+    pub const OPCODES: [(u8, &'static str); 16] = [
+        (opcode::PollAdd::CODE, "POLL_ADD"),
+        (opcode::AcceptMulti::CODE, "ACCEPT"),
+        (opcode::Timeout::CODE, "TIMEOUT"),
+        (opcode::RecvMulti::CODE, "RECV"),
+        (opcode::SendMsg::CODE, "SENDMSG"),
+        (opcode::ReadFixed::CODE, "READ_FIXED"),
+        (opcode::Read::CODE, "READ"),
+        (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+        (opcode::Write::CODE, "WRITE"),
+        (opcode::Fsync::CODE, "FSYNC"),
+        (opcode::Fallocate::CODE, "FALLOCATE"),
+        (opcode::Fadvise::CODE, "FADVISE"),
+        (opcode::Shutdown::CODE, "SHUTDOWN"),
+        (opcode::Close::CODE, "CLOSE"),
+        (opcode::Splice::CODE, "SPLICE"),
+        (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+    ];
+
+    /// Makes the ring: disabled until the operations it needs have been
+    /// probed (a [`MissingOpcode`] error names the first one the kernel
+    /// lacks), its buffers and file table registered, and its restrictions
+    /// ([`IoRing::OPCODES`] only, and no other registration than the ring
+    /// itself makes) registered.
     pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
-        let build = |defer: bool| {
-            let mut b = IoUring::builder();
-            b.setup_cqsize(cfg.cq_entries).setup_clamp().setup_submit_all().setup_coop_taskrun();
-            if defer {
-                b.setup_single_issuer().setup_defer_taskrun();
-            }
-            b.build(cfg.sq_entries)
-        };
         // DEFER_TASKRUN (6.1) runs completions only when this thread asks:
         // fewer interruptions of the ring thread. Older kernels get the rest.
-        let ring = build(true).or_else(|_| build(false))?;
+        let setup = RingSetup { entries: cfg.sq_entries, cq_entries: Some(cfg.cq_entries), server: true, disabled: true };
+        let (ring, _) = setup.build()?;
+        let core = UringCore::new(ring, CANCEL_WAIT).with_headroom(usize::from(cfg.recv_bufs) + CQ_HEADROOM);
+        let probe = core.probe()?;
+        if let Some(name) = missing_opcode(|code| probe.is_supported(code)) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, MissingOpcode { name }));
+        }
+        let ring = core.ring();
         let bufs = Buffers::new(cfg.arena_slots, cfg.arena_slot_size, cfg.heap_cache)?;
         let iovecs = bufs.arena_iovecs();
         // SAFETY: the arena mapping outlives the ring: `Drop` unregisters or
@@ -189,8 +258,10 @@ impl IoRing {
         // SAFETY: the ring memory belongs to `recv`, which lives as long as
         // the ring (dropped after it, or leaked with it).
         unsafe { ring.submitter().register_buf_ring_with_flags(recv.ring_addr(), recv.entries(), recv.group, 0)? };
+        ring.submitter().register_restrictions(&mut restrictions())?;
+        ring.submitter().register_enable_rings()?;
         Ok(Self {
-            core: UringCore::new(ring, CANCEL_WAIT),
+            core,
             bufs: ManuallyDrop::new(bufs),
             recv: ManuallyDrop::new(recv),
             free_files: (0..files).rev().collect(),
@@ -218,6 +289,12 @@ impl IoRing {
     /// Operations submitted and not yet finished.
     pub fn in_flight(&self) -> usize {
         self.core.ops().len()
+    }
+
+    /// Entries in the kernel now (capped by what the completion queue
+    /// holds), and those waiting for room.
+    pub fn in_kernel(&self) -> (usize, usize) {
+        (self.core.in_kernel(), self.core.backlogged())
     }
 
     /// The bytes a receive put in provided buffer `bid`, next to the
@@ -253,7 +330,7 @@ impl IoRing {
         Ok(())
     }
 
-    fn start(&mut self, token: u64, held: Held, build: impl FnOnce(u64) -> squeue::Entry) -> io::Result<OpId> {
+    fn start(&mut self, token: T, held: Held, build: impl FnOnce(u64) -> squeue::Entry) -> io::Result<OpId> {
         // SAFETY: every pointer in the sqe refers to memory the op holds
         // until its last completion (buffers lent and marked busy, boxed
         // iovecs/msghdr/timespec), to the arena or receive pool (which
@@ -269,19 +346,19 @@ impl IoRing {
 
     /// Accepts connections on `listener` until cancelled; each completion's
     /// result is a new (close-on-exec) fd.
-    pub fn accept_multi(&mut self, token: u64, listener: RawFd) -> io::Result<OpId> {
+    pub fn accept_multi(&mut self, token: T, listener: RawFd) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| opcode::AcceptMulti::new(types::Fd(listener)).flags(libc::SOCK_CLOEXEC).build().user_data(ud))
     }
 
     /// Waits for `events` on `fd` until cancelled.
-    pub fn poll_multi(&mut self, token: u64, fd: &impl AsRawFd, events: u32) -> io::Result<OpId> {
+    pub fn poll_multi(&mut self, token: T, fd: &impl AsRawFd, events: u32) -> io::Result<OpId> {
         let fd = fd.as_raw_fd();
         self.start(token, Held::Nothing, |ud| opcode::PollAdd::new(types::Fd(fd), events).multi(true).build().user_data(ud))
     }
 
     /// Receives on a fixed socket into provided buffers until cancelled, the
     /// peer closes, or the pool runs dry (ENOBUFS: arm again after recycling).
-    pub fn recv_multi(&mut self, token: u64, socket: u32) -> io::Result<OpId> {
+    pub fn recv_multi(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         let group = self.recv.group;
         let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
         let op = self.start(token, held, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))?;
@@ -351,7 +428,7 @@ impl IoRing {
     /// for all of it (MSG_WAITALL; short only on end of stream, an error or
     /// a cancel): a large payload lands where it is written from, without
     /// passing through the provided buffers.
-    pub fn recv_into(&mut self, token: u64, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
+    pub fn recv_into(&mut self, token: T, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
         let (ptr, len, _) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| {
             opcode::Recv::new(types::Fixed(socket), ptr, len).flags(libc::MSG_WAITALL).build().user_data(ud)
@@ -359,7 +436,7 @@ impl IoRing {
     }
 
     /// Sends `parts` (buffer, start, end) in order with one sendmsg.
-    pub fn send(&mut self, token: u64, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
+    pub fn send(&mut self, token: T, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
         let mut iov = self.spare_iov.pop().unwrap_or_default();
         let mut bufs = self.spare_bufs.pop().unwrap_or_default();
         iov.clear();
@@ -385,7 +462,7 @@ impl IoRing {
     }
 
     /// Reads `file` at `offset` into `buf[start..end]`.
-    pub fn read(&mut self, token: u64, file: u32, (buf, start, end): BufSlice, offset: u64) -> io::Result<OpId> {
+    pub fn read(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| match index {
             Some(i) => opcode::ReadFixed::new(types::Fixed(file), ptr, len, i).offset(offset).build().user_data(ud),
@@ -395,7 +472,7 @@ impl IoRing {
 
     /// Writes `buf[start..end]` to `file` at `offset`; `dsync` makes it
     /// durable before it completes (RWF_DSYNC: the FUA of a file).
-    pub fn write(&mut self, token: u64, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
+    pub fn write(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         let flags = if dsync { libc::RWF_DSYNC } else { 0 };
         self.start(token, Held::Buf(buf), |ud| match index {
@@ -405,35 +482,35 @@ impl IoRing {
     }
 
     /// fdatasync (or fsync) of `file`.
-    pub fn fsync(&mut self, token: u64, file: u32, data_only: bool) -> io::Result<OpId> {
+    pub fn fsync(&mut self, token: T, file: u32, data_only: bool) -> io::Result<OpId> {
         let flags = if data_only { types::FsyncFlags::DATASYNC } else { types::FsyncFlags::empty() };
         self.start(token, Held::Nothing, |ud| opcode::Fsync::new(types::Fixed(file)).flags(flags).build().user_data(ud))
     }
 
-    pub fn fallocate(&mut self, token: u64, file: u32, mode: i32, offset: u64, len: u64) -> io::Result<OpId> {
+    pub fn fallocate(&mut self, token: T, file: u32, mode: i32, offset: u64, len: u64) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| {
             opcode::Fallocate::new(types::Fixed(file), len).offset(offset).mode(mode).build().user_data(ud)
         })
     }
 
-    pub fn fadvise(&mut self, token: u64, file: u32, offset: u64, len: u32, advice: i32) -> io::Result<OpId> {
+    pub fn fadvise(&mut self, token: T, file: u32, offset: u64, len: u32, advice: i32) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| {
             opcode::Fadvise::new(types::Fixed(file), len as _, advice).offset(offset).build().user_data(ud)
         })
     }
 
     /// shutdown(2) both ways: wakes a pending receive with 0 and fails sends.
-    pub fn shutdown(&mut self, token: u64, socket: u32) -> io::Result<OpId> {
+    pub fn shutdown(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| opcode::Shutdown::new(types::Fixed(socket), libc::SHUT_RDWR).build().user_data(ud))
     }
 
     /// Closes a fixed socket; the slot is reusable once this completes.
-    pub fn close_file(&mut self, token: u64, socket: u32) -> io::Result<OpId> {
+    pub fn close_file(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         self.start(token, Held::Close(socket), |ud| opcode::Close::new(types::Fixed(socket)).build().user_data(ud))
     }
 
     /// Completes once after `after` (result -ETIME).
-    pub fn timeout(&mut self, token: u64, after: Duration) -> io::Result<OpId> {
+    pub fn timeout(&mut self, token: T, after: Duration) -> io::Result<OpId> {
         let ts = Box::new(types::Timespec::from(after));
         let p: *const types::Timespec = &*ts;
         self.start(token, Held::Timeout(ts), |ud| opcode::Timeout::new(p).build().user_data(ud))
@@ -482,7 +559,7 @@ impl IoRing {
 
     /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
     /// references, no copy, for files in the page cache).
-    pub fn splice_in(&mut self, token: u64, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
+    pub fn splice_in(&mut self, token: T, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
         let fd = self.pipe_fd(pipe, true)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fixed(file), offset as i64, types::Fd(fd), -1, len).build().user_data(ud)
@@ -490,7 +567,7 @@ impl IoRing {
     }
 
     /// Moves up to `len` bytes from `pipe` into a fixed socket.
-    pub fn splice_out(&mut self, token: u64, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
+    pub fn splice_out(&mut self, token: T, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
         let fd = self.pipe_fd(pipe, false)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fd(fd), -1, types::Fixed(socket), -1, len).build().user_data(ud)
@@ -541,7 +618,7 @@ impl IoRing {
         self.spare_iov = Vec::new();
         self.spare_bufs = Vec::new();
         if self.reaped.capacity() > 1024 {
-            freed += self.reaped.capacity() * std::mem::size_of::<Reaped<Op>>();
+            freed += self.reaped.capacity() * std::mem::size_of::<Reaped<Op<T>>>();
             self.reaped = Vec::with_capacity(1024);
         }
         self.bufs.note_freed(freed);
@@ -557,7 +634,7 @@ impl IoRing {
     /// later in the same batch. (Dropping them lost the bytes a receive had
     /// taken and its buffers with them: the pool seemed held by the driver,
     /// and every later receive ended ENOBUFS at once.)
-    pub fn complete(&mut self, out: &mut Vec<Cqe>) {
+    pub fn complete(&mut self, out: &mut Vec<Cqe<T>>) {
         let mut reaped = std::mem::take(&mut self.reaped);
         self.core.reap(&mut reaped);
         for i in 0..reaped.len() {
@@ -635,7 +712,7 @@ fn stale() -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, "stale buffer or range outside it")
 }
 
-impl Drop for IoRing {
+impl<T: Copy> Drop for IoRing<T> {
     /// Ends every operation before the memory they use goes away; if the
     /// kernel will not let go in time, the arena and receive pool are
     /// leaked with the ops, never freed under it.

@@ -148,3 +148,69 @@ fn completions_reaped_together_with_their_ops_last_one_are_delivered() {
     assert_eq!(got[..], sent[..4 * 4096]);
     assert_eq!(ring.recv_taken(), 0, "every buffer handed out came back");
 }
+
+#[test]
+fn the_ring_refuses_operations_outside_its_list() {
+    let mut ring = small_ring();
+    // NOP is not one of the server's operations: the restriction refuses it.
+    let ud = u64::MAX - 7;
+    // SAFETY: a NOP points at no memory.
+    unsafe { ring.core.push(&opcode::Nop::new().build().user_data(ud)) }.expect("queued");
+    ring.core.submit_and_wait(1, Some(Duration::from_secs(2))).expect("wait");
+    let mut reaped = Vec::new();
+    ring.core.reap(&mut reaped);
+    let nop = reaped.iter().find(|r| r.user_data == ud).expect("the NOP completed");
+    assert_eq!(nop.res, -libc::EACCES, "a NOP on the NBD server's ring");
+    // Its own operations still run.
+    ring.timeout(1, Duration::from_millis(1)).expect("timeout");
+    let done = until_ended(&mut ring, 1);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ETIME));
+}
+
+#[test]
+fn a_missing_operation_is_named() {
+    assert_eq!(missing_opcode(|_| true), None);
+    let splice = opcode::Splice::CODE;
+    assert_eq!(missing_opcode(|code| code != splice), Some("SPLICE"));
+    let e = MissingOpcode { name: "SPLICE" };
+    assert!(e.to_string().contains("IORING_OP_SPLICE"), "{e}");
+}
+
+#[test]
+fn more_ops_than_the_completion_queue_holds_wait_and_none_is_lost() {
+    let cfg = IoRingConfig {
+        sq_entries: 8,
+        cq_entries: 16,
+        files: 8,
+        arena_slots: 1,
+        arena_slot_size: 4096,
+        heap_cache: 0,
+        recv_bufs: 4,
+        recv_buf_size: 4096,
+    };
+    let mut ring: IoRing = IoRing::new(&cfg).expect("ring");
+    let n = 200u64;
+    for t in 0..n {
+        ring.timeout(t, Duration::from_millis(20)).expect("timeout");
+    }
+    let (in_kernel, waiting) = ring.in_kernel();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        assert!(!ring.core.cq_overflowed(), "completions went past the queue");
+        assert!(in_kernel <= 16, "{in_kernel} entries in the kernel for a queue of 16");
+        assert!(waiting > 0, "the rest wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        for c in out {
+            assert_eq!(c.result, -libc::ETIME);
+            assert!(seen.insert(c.token), "token {} twice", c.token);
+        }
+        assert!(ring.in_kernel().0 <= 16);
+        if seen.len() as u64 == n {
+            break;
+        }
+    }
+    assert_eq!(seen.len() as u64, n, "every timeout completed once");
+    assert_eq!(ring.in_flight(), 0);
+}

@@ -63,6 +63,7 @@ pub mod mailbox;
 mod ops;
 pub mod queue;
 mod reactor;
+mod setup;
 mod thread;
 mod uring;
 

@@ -20,6 +20,8 @@ use slab::Slab;
 pub(super) const WAKE: u64 = u64::MAX;
 /// Operations whose completions nobody waits for (cancel requests).
 pub(super) const IGNORED: u64 = u64::MAX - 1;
+/// The one request that cancels every op of a ring being dropped.
+pub(super) const CANCEL_ALL: u64 = u64::MAX - 2;
 
 const RESERVED_GEN: u32 = u32::MAX;
 
@@ -57,8 +59,21 @@ impl<T> Default for OpTable<T> {
     }
 }
 
+/// The one place a `user_data` is made and taken apart: slab key in the
+/// low 32 bits, generation in the high 32. Drivers never see it: their
+/// tokens (typed, see `io_ring::Cqe`) stay in the table beside the op.
+fn join(key: usize, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | key as u64
+}
+
 fn split(user_data: u64) -> (usize, u32) {
     ((user_data & 0xffff_ffff) as usize, (user_data >> 32) as u32)
+}
+
+/// Whether `user_data` is one of an engine's fixed values ([`WAKE`],
+/// [`IGNORED`], ...): generation `u32::MAX`, which no op gets.
+pub(super) fn is_reserved(user_data: u64) -> bool {
+    split(user_data).1 == RESERVED_GEN
 }
 
 impl<T> OpTable<T> {
@@ -75,7 +90,7 @@ impl<T> OpTable<T> {
         let generation = self.next_generation;
         let key = self.slab.insert(Entry { generation, op });
         debug_assert!(key <= u32::MAX as usize, "more than 2^32 ops in flight");
-        (u64::from(generation) << 32) | key as u64
+        join(key, generation)
     }
 
     fn entry(&self, user_data: u64) -> Option<&Entry<T>> {
@@ -126,7 +141,7 @@ impl<T> OpTable<T> {
     }
 
     pub(super) fn user_datas(&self) -> Vec<u64> {
-        self.slab.iter().map(|(key, e)| (u64::from(e.generation) << 32) | key as u64).collect()
+        self.slab.iter().map(|(key, e)| join(key, e.generation)).collect()
     }
 
     /// Gives up on every op left: what they hold is never freed, since the
@@ -148,7 +163,7 @@ mod tests {
         let old = t.insert("old");
         assert_eq!(t.complete(old, 0, 0, false).and_then(|r| r.last), Some("old"));
         let new = t.insert("new");
-        assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slab reuses the slot");
+        assert_eq!(split(new).0, split(old).0, "the slab reuses the slot");
         assert_ne!(new, old);
         assert!(t.complete(old, 5, 0, false).is_none(), "the late completion is stale");
         assert_eq!(t.stale(), 1);
@@ -172,8 +187,9 @@ mod tests {
         let a = t.insert(());
         let b = t.insert(());
         for ud in [a, b] {
-            assert_ne!(ud >> 32, u64::from(RESERVED_GEN));
+            assert!(!is_reserved(ud));
         }
+        assert!(is_reserved(WAKE) && is_reserved(IGNORED));
         assert!(!t.contains(WAKE) && !t.contains(IGNORED));
     }
 }

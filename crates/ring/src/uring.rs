@@ -16,6 +16,7 @@ use io_uring::{opcode, types, IoUring};
 use super::core::UringCore;
 use super::ops::{Reaped, WAKE};
 use super::reactor::{Op, Pending};
+use super::setup::RingSetup;
 use super::Token;
 
 /// How long dropping the reactor waits for cancelled ops.
@@ -43,23 +44,7 @@ pub(super) struct UringEngine {
 /// Makes the reactor's ring: deferred task work when the kernel allows it
 /// (the flag says whether it did).
 pub(super) fn build_ring() -> io::Result<(IoUring, bool)> {
-    let build = |defer: bool| {
-        let mut b = IoUring::builder();
-        b.setup_clamp();
-        if defer {
-            b.setup_single_issuer().setup_defer_taskrun();
-        }
-        b.build(256)
-    };
-    match build(true) {
-        Ok(ring) => Ok((ring, true)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            static ONCE: Once = Once::new();
-            ONCE.call_once(|| tracing::info!("io_uring refuses SINGLE_ISSUER|DEFER_TASKRUN (before 6.1); ring threads use plain rings"));
-            Ok((build(false)?, false))
-        }
-        Err(e) => Err(e),
-    }
+    RingSetup::new(256).build()
 }
 
 impl UringEngine {

@@ -142,9 +142,72 @@ pub(super) enum Fed {
     Closing,
 }
 
+/// Where a connection is in its life. It moves forward only, except
+/// between [`State::Reading`] and [`State::Paused`]; each move is a method
+/// (here, or on the worker when it submits something).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum State {
+    /// Its bytes are read: handshake options, then requests (see [`Phase`]).
+    Reading,
+    /// Not read until what stopped it eases; replies still leave.
+    Paused(Blocked),
+    /// Nothing more is read (the client said goodbye, an idle or removed
+    /// export, a stopping server); it closes once its requests are
+    /// answered and its replies sent.
+    Draining,
+    /// The socket failed or the connection is dropped: nothing more is
+    /// sent; it closes once its requests with file I/O have ended.
+    Broken,
+    /// shutdown(2) was submitted; the socket is closed once every socket
+    /// operation has ended.
+    ShuttingDown,
+    /// The close was submitted; the slot is free when it completes.
+    Closing,
+}
+
+impl State {
+    /// Whether replies may still be queued and sent.
+    pub fn sends(self) -> bool {
+        matches!(self, State::Reading | State::Paused(_) | State::Draining)
+    }
+}
+
+/// The receive armed on the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rx {
+    Idle,
+    /// A multishot receive into the ring's provided buffers.
+    Multishot(OpId),
+    /// A receive of a WRITE payload straight into its buffer.
+    Direct(OpId),
+    /// A cancel is on its way; the receive's last completion makes it idle.
+    Cancelling,
+}
+
+/// What is leaving the socket.
+pub(super) enum Tx {
+    Idle,
+    /// A sendmsg of the parts in [`Conn::sending`].
+    Sending,
+    Splicing(Splicing),
+}
+
+impl Tx {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Tx::Idle => "idle",
+            Tx::Sending => "sending",
+            Tx::Splicing(_) => "splicing",
+        }
+    }
+}
+
 pub(super) struct Conn {
     pub socket: u32,
+    pub state: State,
     pub phase: Phase,
+    pub rx: Rx,
+    pub tx: Tx,
     /// Received bytes not taken yet: a header (or handshake option) not
     /// complete yet, or everything from the request that did not fit on.
     pub inbuf: Vec<u8>,
@@ -155,35 +218,20 @@ pub(super) struct Conn {
     pub discard: u64,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
-    pub splice: Option<Splicing>,
-    /// Parts of the send in flight.
+    /// Parts of the send in flight (kept for its capacity when idle).
     pub sending: Vec<(BufId, usize, usize)>,
-    pub send_in_flight: bool,
-    pub recv_op: Option<OpId>,
-    /// A cancel of `recv_op` is on its way.
-    pub recv_cancelled: bool,
-    /// `recv_op` receives a payload straight into its buffer (not multishot).
-    pub recv_direct: bool,
-    /// Socket operations not finished: receive, send, shutdown.
+    /// Socket operations not finished: receive, send, splice, shutdown.
     pub socket_ops: u32,
     /// What this connection holds against its limits and the server's.
     pub account: Account,
     /// The buffer small replies are appended to while it is last in `out`.
     pub tail: Option<BufId>,
-    /// Not read, and why.
-    pub paused: Option<Blocked>,
     /// Stopped by the server's budget: its release count then (the
     /// connection is on its ring's list of waiters).
     pub server_wait: Option<u64>,
-    /// No more requests are read; the connection closes once drained.
-    pub closing: bool,
     /// The client sent NBD_CMD_DISC: it let go of the export on purpose
     /// (what tells a holder's clean release from a dropped connection).
     pub disconnected: bool,
-    /// The socket failed: nothing more can be sent.
-    pub broken: bool,
-    pub shutdown_sent: bool,
-    pub close_sent: bool,
     pub since: Instant,
     pub last_activity: Instant,
     pub last_send_progress: Instant,
@@ -195,32 +243,82 @@ impl Conn {
     pub fn new(socket: u32, now: Instant) -> Self {
         Conn {
             socket,
+            state: State::Reading,
             phase: Phase::Handshake(Box::default()),
+            rx: Rx::Idle,
+            tx: Tx::Idle,
             inbuf: Vec::new(),
             inbuf_charged: 0,
             payload: None,
             discard: 0,
             out: Vec::new(),
-            splice: None,
             sending: Vec::new(),
-            send_in_flight: false,
-            recv_op: None,
-            recv_cancelled: false,
-            recv_direct: false,
             socket_ops: 0,
             account: Account::default(),
             tail: None,
-            paused: None,
             server_wait: None,
-            closing: false,
             disconnected: false,
-            broken: false,
-            shutdown_sent: false,
-            close_sent: false,
             since: now,
             last_activity: now,
             last_send_progress: now,
             dirty: false,
+        }
+    }
+
+    /// Reading → Paused: what it received waits in `inbuf`.
+    pub fn pause(&mut self, why: Blocked) {
+        if self.state == State::Reading {
+            self.state = State::Paused(why);
+        }
+    }
+
+    /// Paused → Reading, once what stopped it has eased.
+    pub fn resume_if_ready(&mut self, limits: &super::budget::Limits) -> bool {
+        let State::Paused(why) = self.state else { return false };
+        let ready = match why {
+            Blocked::Refused(Refusal::Conn) => self.account.drained_enough(limits),
+            Blocked::Refused(Refusal::Server) => self.server_wait.is_none(),
+            Blocked::Replies => self.out.is_empty() && matches!(self.tx, Tx::Idle),
+        };
+        if ready {
+            self.state = State::Reading;
+        }
+        ready
+    }
+
+    /// Reading or Paused → Draining.
+    pub fn drain(&mut self) {
+        if matches!(self.state, State::Reading | State::Paused(_)) {
+            self.state = State::Draining;
+        }
+    }
+
+    /// Any state before the shutdown → Broken (queued replies are the
+    /// caller's to drop).
+    pub fn break_off(&mut self) {
+        if self.state.sends() {
+            self.state = State::Broken;
+        }
+    }
+
+    /// Whether a closing connection may shut its socket down: its requests
+    /// answered and, unless it is broken, its replies gone. (A broken one
+    /// does not wait for its splice: a client that never reads would hold
+    /// it, and its export slot, forever; the shutdown ends it.)
+    pub fn drained(&self) -> bool {
+        self.account.requests == 0
+            && match self.state {
+                State::Draining => self.out.is_empty() && matches!(self.tx, Tx::Idle),
+                State::Broken => true,
+                _ => false,
+            }
+    }
+
+    /// The reply headers it negotiated (simple until it has).
+    pub fn style(&self) -> HeaderStyle {
+        match &self.phase {
+            Phase::Serving { style, .. } => *style,
+            Phase::Handshake(_) => HeaderStyle::Simple,
         }
     }
 
@@ -258,7 +356,7 @@ impl Conn {
         let need = style.request_len();
         let mut used = 0;
         while used < data.len() {
-            if self.closing {
+            if self.state != State::Reading {
                 return Ok((used, Fed::Closing));
             }
             let rest = &data[used..];
@@ -295,7 +393,7 @@ impl Conn {
             };
             if req.kind == cmd::DISC {
                 self.inbuf.clear();
-                self.closing = true;
+                self.drain();
                 self.disconnected = true;
                 return Ok((used + took, Fed::Closing));
             }

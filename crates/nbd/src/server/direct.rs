@@ -15,8 +15,8 @@
 //! armed again after the payload. The buffer was charged to the connection
 //! and the server before it was allocated, as for any WRITE.
 
-use super::conn::{Conn, Parsed};
-use super::worker::{token, Worker, K_RECV_INTO};
+use super::conn::Conn;
+use super::token::Token;
 use volring_ring::io_ring::{IoRing, OpId};
 
 /// WRITEs at least this long are received directly.
@@ -32,40 +32,9 @@ pub(super) fn wants_direct(c: &Conn) -> bool {
 }
 
 /// Arms a receive of the next chunk of `c`'s payload into its buffer.
-pub(super) fn arm(ring: &mut IoRing, ci: u32, c: &Conn) -> std::io::Result<OpId> {
+pub(super) fn arm(ring: &mut IoRing<Token>, ci: u32, c: &Conn) -> std::io::Result<OpId> {
     let p = c.payload.as_ref().ok_or_else(|| std::io::Error::other("no payload to receive"))?;
     let at = p.data_off + p.filled;
     let take = (p.req.length as usize - p.filled).min(DIRECT_CHUNK);
-    ring.recv_into(token(K_RECV_INTO, ci), c.socket, (p.buf, at, at + take))
-}
-
-impl Worker {
-    /// A direct receive of connection `ci`'s payload completed with `res`.
-    pub(super) fn on_recv_into(&mut self, ci: u32, res: i32) {
-        let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        c.recv_op = None;
-        c.recv_direct = false;
-        c.recv_cancelled = false;
-        c.socket_ops -= 1;
-        self.mark(ci);
-        match res {
-            n if n > 0 => {
-                let c = self.conns[ci as usize].as_mut().expect("checked above");
-                c.last_activity = self.now;
-                let Some(p) = c.payload.as_mut() else { return };
-                p.filled += n as usize;
-                if p.filled >= p.req.length as usize {
-                    let p = c.payload.take().expect("checked above");
-                    self.active = true;
-                    self.take_parsed(ci, Parsed::Write(p));
-                }
-            }
-            0 => self.begin_close(ci),
-            r if r == -libc::ECANCELED => {} // paused or closing; re-armed by service if wanted
-            r => {
-                tracing::debug!(error = %std::io::Error::from_raw_os_error(-r), "NBD receive failed");
-                self.break_conn(ci);
-            }
-        }
-    }
+    ring.recv_into(Token::RecvInto(ci), c.socket, (p.buf, at, at + take))
 }

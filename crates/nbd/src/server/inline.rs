@@ -41,13 +41,12 @@
 //! the odd write that would block to a worker.
 
 use std::io::IoSlice;
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use rustix::io::{Errno, ReadWriteFlags};
 
-use super::conn::DATA_OFFSET;
-use super::worker::Worker;
-use crate::wire::{cmd, cmd_flags as cf};
+use crate::export::Export;
 use crate::Error;
 
 /// Largest write done blocking on the ring thread.
@@ -218,85 +217,75 @@ pub(super) struct RingInline {
     unflushed: u32,
 }
 
-impl Worker {
-    /// Does WRITE request `ri` of connection `ci` here if its export's
-    /// write path says so; false: the caller submits it to the ring.
-    pub(super) fn try_inline_write(&mut self, ci: u32, ri: u32) -> bool {
-        let Some(r) = self.reqs[ri as usize].as_ref() else { return false };
-        if r.req.kind != cmd::WRITE || r.data_off != DATA_OFFSET || r.done != 0 {
-            return false; // O_DIRECT writes: io_uring does them asynchronously
-        }
-        let Some(attached) = self.conns[ci as usize].as_ref().and_then(|c| c.attached()) else { return false };
-        let export = attached.export.clone();
-        let buffered = attached.buffered == Some(r.file);
-        let Some(path) = self.registered.get_mut(&export.id).map(|reg| &mut reg.writes) else { return false };
-        let (len, offset, fua, buf, at) = (r.req.length, r.req.offset, r.req.has(cf::FUA), r.buf, r.data_off);
-        let route = path.route(len, fua, self.now);
+/// One write the ring may do here: its export, the descriptor it goes
+/// through, its bytes and where they go.
+pub(super) struct InlineWrite<'a> {
+    pub export: &'a Export,
+    pub fd: BorrowedFd<'a>,
+    pub data: &'a [u8],
+    pub offset: u64,
+    pub fua: bool,
+}
+
+impl RingInline {
+    /// Does write `w` here if its export's write path says so: its result
+    /// (bytes written or a negative errno); `None`: the caller submits it
+    /// to the ring.
+    pub(super) fn write(&mut self, path: &mut WritePath, w: InlineWrite<'_>, now: Instant) -> Option<i32> {
+        let len = w.data.len() as u64;
+        let route = path.route(len, w.fua, now);
         if route == Route::Ring {
-            return false;
+            return None;
         }
-        let Some(bytes) = buf.and_then(|b| self.ring.buffers().get(b)) else { return false };
-        let data = &bytes[at..at + len as usize];
-        let fd = match export.buffered() {
-            Some(fd) if buffered => fd,
-            _ => export.file(),
-        };
         if route == Route::Nowait {
-            let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::NOWAIT);
-            let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
+            let res = rustix::io::pwritev2(w.fd, &[IoSlice::new(w.data)], w.offset, ReadWriteFlags::NOWAIT);
             let changed = path.nowait_done(res);
             if let Ok(n) = res {
                 if changed {
-                    tracing::debug!(export = %export.name, "NBD writes: the file system takes them without blocking; through the ring");
+                    tracing::debug!(export = %w.export.name, "NBD writes: the file system takes them without blocking; through the ring");
                 }
-                self.on_request_done(ri, n as i32);
-                return true;
+                return Some(n as i32);
             }
             // Refused: this very write is done here if that is what the
             // answer decided (not one hand-off to a worker).
             if path.refused(len) != Route::Blocking {
-                return false;
+                return None;
             }
             if changed {
-                tracing::debug!(export = %export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
+                tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
             }
         }
-        let now = self.now;
-        if self.inline.switches.is_none_or(|(turn, _)| turn != now) {
-            self.inline.switches = volring_sys::thread_voluntary_switches().ok().map(|n| (now, n));
+        if self.switches.is_none_or(|(turn, _)| turn != now) {
+            self.switches = volring_sys::thread_voluntary_switches().ok().map(|n| (now, n));
         }
         let t0 = Instant::now();
-        let res = rustix::io::pwritev2(fd, &[IoSlice::new(data)], offset, ReadWriteFlags::empty());
+        let res = rustix::io::pwritev2(w.fd, &[IoSlice::new(w.data)], w.offset, ReadWriteFlags::empty());
         let took = t0.elapsed();
         if took > SLOW {
             let after = volring_sys::thread_voluntary_switches().ok();
-            let slept = match (self.inline.switches, after) {
+            let slept = match (self.switches, after) {
                 (Some((_, before)), Some(after)) => after > before,
                 _ => true,
             };
-            self.inline.switches = after.map(|n| (now, n));
-            let path = &mut self.registered.get_mut(&export.id).expect("looked up above").writes;
+            self.switches = after.map(|n| (now, n));
             path.blocking_done(took, slept, now);
             if !path.inline_now() {
-                tracing::debug!(export = %export.name, took_us = took.as_micros() as u64, "NBD writes: a blocking write slept; through the ring for a while");
+                tracing::debug!(export = %w.export.name, took_us = took.as_micros() as u64, "NBD writes: a blocking write slept; through the ring for a while");
             }
         }
-        export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.on_request_done(ri, res.map_or_else(|e| -e.raw_os_error(), |n| n as i32));
-        self.inline.unflushed += 1;
-        if self.inline.unflushed >= FLUSH_EVERY {
-            self.inline.unflushed = 0;
-            self.flush_replies(ci);
-        }
-        true
+        w.export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.unflushed += 1;
+        Some(res.map_or_else(|e| -e.raw_os_error(), |n| n as i32))
     }
 
-    /// Sends what connection `ci` has queued now, not at the end of the turn.
-    fn flush_replies(&mut self, ci: u32) {
-        self.service(ci);
-        if let Err(e) = self.ring.submit_and_wait(0, None) {
-            tracing::warn!(error = %e, "NBD ring submit failed");
+    /// Whether the replies of the writes done here should leave now (every
+    /// [`FLUSH_EVERY`] of them), so a burst does not hold its first back.
+    pub(super) fn flush_due(&mut self) -> bool {
+        if self.unflushed < FLUSH_EVERY {
+            return false;
         }
+        self.unflushed = 0;
+        true
     }
 }
 

@@ -7,31 +7,35 @@
 //! io_uring. Requests on a connection run concurrently and are answered as
 //! they complete; replies that are ready together leave in one sendmsg.
 
+mod accept;
 mod budget;
 mod conn;
 mod diag;
 mod direct;
+mod exports;
 mod inline;
-mod input;
 mod listener;
 mod output;
+mod receive;
 mod requests;
+mod shared;
+mod token;
 mod worker;
 
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
-
-use crossbeam_queue::ArrayQueue;
 
 use super::export::{Export, ExportSpec, Exports};
 use super::Error;
 pub use inline::InlineWrites;
 use listener::Listener;
 use volring_ring::io_ring::IoRingConfig;
+use volring_ring::Mailbox;
 
 /// Where the server listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,51 +115,41 @@ impl Default for ServerConfig {
 /// the connections' budget, so a large machine does not pay for 64 rings.
 pub const DEFAULT_MAX_RINGS: usize = 4;
 
-/// Messages to a ring thread.
+/// Messages to a ring thread, through its [`Mailbox`].
 enum Command {
     /// An accepted socket for this ring to serve.
     Adopt(OwnedFd),
-    /// Close this export's connections (it was removed).
-    DropExport(u64),
-    Stop,
 }
 
-/// The way into one ring thread.
-struct Mailbox {
-    queue: ArrayQueue<Command>,
-    wake: OwnedFd,
+/// What every ring of a server is told without a message, so it cannot be
+/// lost to a full mailbox: a ring looks at it whenever its mailbox wakes
+/// it (`Mailbox::wake`).
+#[derive(Default)]
+struct Control {
+    stop: AtomicBool,
+    /// Exports removed so far: a ring that sees it move closes its
+    /// connections to removed exports (`Export::is_removed`).
+    removals: AtomicU64,
 }
 
-impl Mailbox {
-    /// Hands `cmd` over without blocking; gives it back when the queue is full.
-    fn try_send(&self, cmd: Command) -> Result<(), Command> {
-        self.queue.push(cmd)?;
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-        Ok(())
+impl Control {
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 
-    /// For callers off the rings (export removal, stop): waits briefly on a
-    /// full queue rather than lose the command.
-    fn send(&self, mut cmd: Command) -> bool {
-        // A full queue means the ring is far behind: wait for it briefly
-        // rather than lose a connection or a removal.
-        for _ in 0..1000 {
-            match self.try_send(cmd) {
-                Ok(()) => return true,
-                Err(back) => {
-                    cmd = back;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
-        false
+    fn removals(&self) -> u64 {
+        self.removals.load(Ordering::Acquire)
     }
 }
+
+/// Commands one ring's mailbox holds before a sender is refused.
+const MAILBOX: usize = 4096;
 
 /// A running server.
 pub struct NbdServer {
     exports: Arc<Exports>,
-    mailboxes: Arc<Vec<Mailbox>>,
+    mailboxes: Arc<Vec<Mailbox<Command>>>,
+    control: Arc<Control>,
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<Listener>,
     addrs: Vec<String>,
@@ -182,15 +176,19 @@ impl NbdServer {
 
     /// Serves a socket connected by other means (one end of a socketpair):
     /// the server greets it and negotiates as with an accepted client.
-    /// Sockets are dealt to the rings round-robin.
+    /// Sockets are dealt to the rings round-robin; a ring whose mailbox
+    /// is full is passed over for the next (nothing waits).
     pub fn serve_connected(&self, fd: OwnedFd) -> Result<(), Error> {
         let n = self.mailboxes.len();
-        let target = self.next_connected.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
-        if self.mailboxes[target].send(Command::Adopt(fd)) {
-            Ok(())
-        } else {
-            Err(Error::Protocol("ring did not take the connection (queue full)"))
+        let first = self.next_connected.fetch_add(1, Ordering::Relaxed);
+        let mut cmd = Command::Adopt(fd);
+        for i in 0..n {
+            match self.mailboxes[(first + i) % n].send(cmd) {
+                Ok(()) => return Ok(()),
+                Err(back) => cmd = back,
+            }
         }
+        Err(Error::Protocol("no ring took the connection (every mailbox full)"))
     }
 
     fn start_inner(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
@@ -204,11 +202,10 @@ impl NbdServer {
         let threads = if config.threads == 0 { default_rings() } else { config.threads };
         let mut boxes = Vec::with_capacity(threads);
         for _ in 0..threads {
-            let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
-                .map_err(|e| Error::io("eventfd")(e.into()))?;
-            boxes.push(Mailbox { queue: ArrayQueue::new(4096), wake });
+            boxes.push(Mailbox::new(MAILBOX).map_err(Error::io("eventfd"))?);
         }
         let mailboxes = Arc::new(boxes);
+        let control = Arc::new(Control::default());
         let budget = Arc::new(budget::ServerBudget::new(config.max_server_bytes));
         let accept: Vec<i32> = listeners.iter().map(|l| l.fd.as_raw_fd()).collect();
         let mut handles = Vec::with_capacity(threads);
@@ -219,6 +216,7 @@ impl NbdServer {
                 config: config.clone(),
                 exports: exports.clone(),
                 mailboxes: mailboxes.clone(),
+                control: control.clone(),
                 listeners: if id == 0 { accept.clone() } else { Vec::new() },
                 budget: budget.clone(),
             };
@@ -230,7 +228,8 @@ impl NbdServer {
                 Ok(Ok(())) => handles.push(h),
                 Ok(Err(e)) => {
                     let _ = h.join();
-                    let server = NbdServer { exports, mailboxes, threads: handles, listeners, addrs, next_connected: Default::default() };
+                    let server =
+                        NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, next_connected: Default::default() };
                     drop(server);
                     return Err(Error::Io { what: "NBD ring (needs io_uring with multishot receive, Linux 6.0+)".into(), source: e });
                 }
@@ -238,7 +237,7 @@ impl NbdServer {
             }
         }
         tracing::info!(addrs = ?addrs, threads, "NBD server listening");
-        Ok(NbdServer { exports, mailboxes, threads: handles, listeners, addrs, next_connected: Default::default() })
+        Ok(NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, next_connected: Default::default() })
     }
 
     /// What the listeners are bound to (TCP with the real port).
@@ -259,9 +258,10 @@ impl NbdServer {
     /// Removes an export: new connections are refused at once, and every
     /// ring closes its connections to it once their requests are answered.
     pub fn remove_export(&self, name: &str) -> Result<(), Error> {
-        let e = self.exports.remove(name)?;
+        self.exports.remove(name)?;
+        self.control.removals.fetch_add(1, Ordering::AcqRel);
         for m in self.mailboxes.iter() {
-            m.send(Command::DropExport(e.id));
+            m.wake();
         }
         tracing::info!(export = %name, "export removed");
         Ok(())
@@ -274,8 +274,9 @@ impl NbdServer {
     }
 
     fn shutdown(&mut self) {
+        self.control.stop.store(true, Ordering::Release);
         for m in self.mailboxes.iter() {
-            m.send(Command::Stop);
+            m.wake();
         }
         for h in self.threads.drain(..) {
             let _ = h.join();

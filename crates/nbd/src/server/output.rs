@@ -4,32 +4,41 @@
 use std::io;
 use std::time::Instant;
 
-use super::budget::ServerBudget;
-use super::conn::{Conn, Part};
-use super::worker::{token, Worker, K_SPLICE_IN, K_SPLICE_OUT};
+use super::conn::{Part, Splicing, Tx};
+use super::shared::Shared;
+use super::token::Token;
 use crate::stats::Kind;
+use crate::wire::{self, cmd, ReplyBody, Request};
 use volring_ring::buffers::{BufId, Buffers};
 
+/// Most parts one sendmsg carries (IOV_MAX).
+const MAX_SEND_PARTS: usize = 1024;
 /// Small replies are gathered into buffers of this size.
 const SMALL_BUF: usize = 4096;
 
-impl Worker {
+/// The reply being encoded, before it is copied onto a connection's stream.
+#[derive(Default)]
+pub(super) struct Output {
+    pub scratch: Vec<u8>,
+}
+
+impl Output {
     /// Copies `self.scratch` onto connection `ci`'s outgoing stream:
     /// appended to the last small-reply buffer when it has room, so a
     /// stream of small replies costs its bytes, not a buffer each.
-    pub(super) fn queue_scratch(&mut self, ci: u32) {
+    pub(super) fn queue_scratch(&mut self, sh: &mut Shared, ci: u32) {
         let n = self.scratch.len();
-        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) else { return };
+        let Some(c) = sh.conns[ci as usize].as_mut().filter(|c| c.state.sends()) else { return };
         if n == 0 {
             return;
         }
-        let bufs = self.ring.buffers_mut();
+        let bufs = sh.ring.buffers_mut();
         if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
             if *b == tail && *end + n <= bufs.len(tail) {
                 if let Some(dst) = bufs.get_mut(tail) {
                     dst[*end..*end + n].copy_from_slice(&self.scratch);
                     *end += n;
-                    self.mark(ci);
+                    sh.mark(ci);
                     return;
                 }
             }
@@ -39,49 +48,103 @@ impl Worker {
         if let Some(dst) = bufs.get_mut(b) {
             dst[..n].copy_from_slice(&self.scratch);
         }
-        c.account.charge(&self.budget, cost, cost);
+        c.account.charge(&sh.budget, cost, cost);
         c.tail = Some(b);
         c.out.push(Part::Buf(b, 0, n));
-        self.mark(ci);
+        sh.mark(ci);
     }
 
     /// Queues a reply part for the next send of connection `ci`; the
     /// buffer was charged to the connection when it was allocated.
-    pub(super) fn queue(&mut self, ci: u32, buf: BufId, start: usize, end: usize) {
-        match self.conns[ci as usize].as_mut() {
-            Some(c) if !c.broken => c.out.push(Part::Buf(buf, start, end)),
+    pub(super) fn queue(&mut self, sh: &mut Shared, ci: u32, buf: BufId, start: usize, end: usize) {
+        match sh.conns[ci as usize].as_mut() {
+            Some(c) if c.state.sends() => c.out.push(Part::Buf(buf, start, end)),
             Some(c) => {
-                let cost = Buffers::cost_of(self.ring.buffers().len(buf));
-                c.account.release(&self.budget, cost, cost);
-                self.ring.buffers_mut().free(buf);
+                let cost = Buffers::cost_of(sh.ring.buffers().len(buf));
+                c.account.release(&sh.budget, cost, cost);
+                sh.ring.buffers_mut().free(buf);
             }
-            None => self.ring.buffers_mut().free(buf),
+            None => sh.ring.buffers_mut().free(buf),
         }
-        self.mark(ci);
+        sh.mark(ci);
     }
 
     /// Queues a file range to be spliced into connection `ci`'s stream; it
     /// counts against the connection's limit until it is in the socket.
-    pub(super) fn queue_splice(&mut self, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
-        if let Some(c) = self.conns[ci as usize].as_mut().filter(|c| !c.broken) {
+    pub(super) fn queue_splice(&mut self, sh: &mut Shared, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
+        if let Some(c) = sh.conns[ci as usize].as_mut().filter(|c| c.state.sends()) {
             c.out.push(Part::Splice { file, offset, len, started });
-            c.account.charge(&self.budget, len as usize, 0);
+            c.account.charge(&sh.budget, len as usize, 0);
         }
-        self.mark(ci);
+        sh.mark(ci);
     }
 
-    pub(super) fn on_splice(&mut self, ci: u32, into_pipe: bool, res: i32) {
-        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+    /// Starts the next send of connection `ci` when nothing is leaving
+    /// its socket: the buffers queued first (up to IOV_MAX in one
+    /// sendmsg), or the splice of a file range.
+    pub(super) fn send_next(&mut self, sh: &mut Shared, ci: u32) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
+        if !matches!(c.tx, Tx::Idle) || c.out.is_empty() || !c.state.sends() {
+            return;
+        }
+        if let Part::Splice { file, offset, len, started } = c.out[0] {
+            c.out.remove(0);
+            let begun = sh.ring.take_pipe().and_then(|pipe| {
+                let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
+                match sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
+                    Ok(_) => Ok(pipe),
+                    Err(e) => {
+                        sh.ring.put_pipe(pipe, true);
+                        Err(e)
+                    }
+                }
+            });
+            match begun {
+                Ok(pipe) => {
+                    c.tx = Tx::Splicing(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
+                    c.socket_ops += 1;
+                    c.last_send_progress = sh.now;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "NBD splice could not start");
+                    sh.break_conn(ci);
+                }
+            }
+            return;
+        }
+        let n = c.out.iter().take(MAX_SEND_PARTS).take_while(|p| matches!(p, Part::Buf(..))).count();
+        c.sending.extend(c.out.drain(..n).map(|p| match p {
+            Part::Buf(b, s, e) => (b, s, e),
+            Part::Splice { .. } => unreachable!("counted only buffers"),
+        }));
+        match sh.ring.send(Token::Send(ci), c.socket, &c.sending) {
+            Ok(_) => {
+                c.tx = Tx::Sending;
+                c.socket_ops += 1;
+                c.last_send_progress = sh.now;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD send could not be submitted");
+                let parts: Vec<_> = c.sending.drain(..).map(|(b, s, e)| Part::Buf(b, s, e)).collect();
+                c.out.splice(0..0, parts);
+                sh.break_conn(ci);
+            }
+        }
+    }
+
+    pub(super) fn on_splice(&mut self, sh: &mut Shared, ci: u32, into_pipe: bool, res: i32) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
         c.socket_ops -= 1;
-        let Some(sp) = c.splice.as_mut() else { return };
-        if res <= 0 || c.broken {
+        let sends = c.state.sends();
+        let Tx::Splicing(sp) = &mut c.tx else { return };
+        if res <= 0 || !sends {
             // The header promised these bytes: without them the stream is lost.
-            if res < 0 && !c.broken {
+            if res < 0 && sends {
                 tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
             }
-            let sp = c.splice.take().expect("checked above");
-            self.ring.put_pipe(sp.pipe, false);
-            return self.break_conn(ci);
+            sh.ring.put_pipe(sp.pipe, false);
+            c.tx = Tx::Idle;
+            return sh.break_conn(ci);
         }
         let n = res as u32;
         if into_pipe {
@@ -90,46 +153,46 @@ impl Worker {
             sp.offset += u64::from(n);
         } else {
             sp.in_pipe -= n;
-            c.account.release(&self.budget, n as usize, 0);
-            c.last_send_progress = self.now;
+            c.account.release(&sh.budget, n as usize, 0);
+            c.last_send_progress = sh.now;
         }
         let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
         let (len, started) = (sp.len, sp.started);
         let next = if in_pipe > 0 {
-            self.ring.splice_out(token(K_SPLICE_OUT, ci), pipe, socket, in_pipe)
+            sh.ring.splice_out(Token::SpliceOut(ci), pipe, socket, in_pipe)
         } else if left > 0 {
             let chunk = left.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-            self.ring.splice_in(token(K_SPLICE_IN, ci), file, offset, pipe, chunk)
+            sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk)
         } else {
-            let c = self.conns[ci as usize].as_mut().expect("checked above");
-            c.splice = None;
-            self.ring.put_pipe(pipe, true);
+            let c = sh.conns[ci as usize].as_mut().expect("checked above");
+            c.tx = Tx::Idle;
+            sh.ring.put_pipe(pipe, true);
             // A spliced READ is timed until its last byte is in the socket.
-            self.record(ci, Kind::Read, len, true, started);
-            self.mark(ci);
+            sh.record(ci, Kind::Read, len, true, started);
+            sh.mark(ci);
             return;
         };
-        let c = self.conns[ci as usize].as_mut().expect("checked above");
+        let c = sh.conns[ci as usize].as_mut().expect("checked above");
         match next {
             Ok(_) => c.socket_ops += 1,
             Err(e) => {
                 tracing::warn!(error = %e, "NBD splice could not be submitted");
-                c.splice = None;
-                self.ring.put_pipe(pipe, in_pipe == 0);
-                self.break_conn(ci);
+                c.tx = Tx::Idle;
+                sh.ring.put_pipe(pipe, in_pipe == 0);
+                sh.break_conn(ci);
             }
         }
     }
 
-    pub(super) fn on_send(&mut self, ci: u32, res: i32) {
-        let Some(conn) = self.conns[ci as usize].as_mut() else { return };
+    pub(super) fn on_send(&mut self, sh: &mut Shared, ci: u32, res: i32) {
+        let Some(conn) = sh.conns[ci as usize].as_mut() else { return };
         conn.socket_ops -= 1;
-        conn.send_in_flight = false;
+        conn.tx = Tx::Idle;
         let mut sent = res.max(0) as usize;
         if sent > 0 {
-            conn.last_send_progress = self.now;
+            conn.last_send_progress = sh.now;
         }
-        let bufs = self.ring.buffers_mut();
+        let bufs = sh.ring.buffers_mut();
         let mut keep: Vec<Part> = Vec::new();
         // Released once for the whole send: the server's budget is shared
         // by every ring, and a send of 32 replies would otherwise update it
@@ -149,29 +212,43 @@ impl Worker {
                 sent = 0;
             }
         }
-        conn.account.release(&self.budget, freed, freed);
+        conn.account.release(&sh.budget, freed, freed);
         if !keep.is_empty() {
             keep.append(&mut conn.out);
             conn.out = keep;
         }
         if res < 0 {
-            self.break_conn(ci);
+            sh.break_conn(ci);
         }
-        self.mark(ci);
+        sh.mark(ci);
+    }
+
+    /// Encodes a reply without bulk data, counts it and queues it.
+    pub(super) fn reply_small(&mut self, sh: &mut Shared, ci: u32, req: &Request, body: ReplyBody<'_>, started: Instant) {
+        let ok = matches!(body, ReplyBody::Ack | ReplyBody::Extents { .. } | ReplyBody::Hole { .. });
+        let bytes = if matches!(req.kind, cmd::READ | cmd::WRITE) && ok { req.length } else { 0 };
+        sh.record(ci, kind_of(req.kind), bytes, ok, started);
+        let style = sh.conn(ci).map_or(wire::HeaderStyle::Simple, |c| c.style());
+        self.scratch.clear();
+        wire::encode_small_reply(style, req.cookie, req.offset, body, &mut self.scratch);
+        self.queue_scratch(sh, ci);
+    }
+
+    /// A scratch grown large by a burst (a long LIST) is let go.
+    pub(super) fn shrink(&mut self) {
+        if self.scratch.capacity() > 1 << 20 {
+            self.scratch = Vec::with_capacity(4096);
+        }
     }
 }
 
-/// Frees every queued part of a connection that will send no more.
-pub(super) fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget) {
-    c.tail = None;
-    for p in c.out.drain(..) {
-        match p {
-            Part::Buf(b, _, _) => {
-                let cost = Buffers::cost_of(bufs.len(b));
-                c.account.release(budget, cost, cost);
-                bufs.free(b);
-            }
-            Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
-        }
+fn kind_of(command: u16) -> Kind {
+    match command {
+        cmd::READ => Kind::Read,
+        cmd::WRITE => Kind::Write,
+        cmd::FLUSH => Kind::Flush,
+        cmd::TRIM => Kind::Trim,
+        cmd::WRITE_ZEROES => Kind::Zero,
+        _ => Kind::Other,
     }
 }
