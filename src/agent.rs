@@ -29,7 +29,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 use volring_devices::{CollectorConfig, ScanConfig};
-use volring_mounts::{WatchConfig, WatcherStats};
+use volring_mounts::WatchConfig;
 
 /// The target of the agent's log lines, whichever of its modules logs
 /// them (`INFO volring::agent: ready ...`).
@@ -147,7 +147,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
     if let Some(e) = stopped.error {
         return Err(e);
     }
-    let stats: std::sync::Arc<WatcherStats> = mount_stats.load_full();
+    let stats = mount_stats.load_full();
     tracing::info!(events = stats.mount_events, resyncs = stats.resyncs, cpu_ms = stats.cpu.as_millis() as u64, "stopped");
     result
 }
