@@ -116,7 +116,10 @@ for i in "${!layers[@]}"; do
   verify "$digest" "$size"
   [ "sha256:$(gzip -dc "$(blob "$digest")" | sha256sum | cut -d' ' -f1)" = "${diffs[$i]}" ] || fail "layer $i: diff_id"
   # No whiteouts: each layer only adds.
-  if gzip -dc "$(blob "$digest")" | tar -t | grep -q '\.wh\.'; then fail "layer $i has whiteouts"; fi
+  # (Lists are read whole before grep: with pipefail, grep -q quitting
+  # early would fail the writer and the pipeline.)
+  entries=$(gzip -dc "$(blob "$digest")" | tar -t)
+  if grep -q '\.wh\.' <<<"$entries"; then fail "layer $i has whiteouts"; fi
   gzip -dc "$(blob "$digest")" | tar -x --numeric-owner -C "$root"
 done
 ok "OCI layout: manifest $manifest, ${#layers[@]} layers, digests and diff_ids match"
@@ -209,7 +212,8 @@ ok "CSI Probe: $(jq -c . <<<"$out")"
 out=$(in_image volring csi --endpoint unix:///csi/csi.sock plugin-info) || fail "csi plugin-info: $out"
 jq -e '.name == "volring.csi.io"' <<<"$out" >/dev/null || fail "csi plugin-info: $out"
 ok "CSI GetPluginInfo: $(jq -c . <<<"$out")"
-curl -sf http://127.0.0.1:9477/metrics | grep -q '^volring_' || fail "no volring_ series on /metrics"
+scrape=$(curl -sf http://127.0.0.1:9477/metrics) || fail "GET /metrics"
+grep -q '^volring_' <<<"$scrape" || fail "no volring_ series on /metrics"
 ok "/metrics serves volring_ series"
 kill -TERM "$agent"
 for _ in $(seq 300); do kill -0 "$agent" 2>/dev/null || break; sleep 0.1; done
@@ -237,7 +241,8 @@ else
   ctr version >/dev/null 2>&1 || { tail -20 "$c/log" >&2; fail "containerd did not start"; }
   ctr images import "$archive" >/dev/null || fail "ctr images import"
   ref="docker.io/library/volring:$version"
-  ctr images ls -q | grep -qx "$ref" || fail "ctr images import did not name it $ref: $(ctr images ls -q)"
+  names=$(ctr images ls -q)
+  grep -qx "$ref" <<<"$names" || fail "ctr images import did not name it $ref: $names"
   [ "$(ctr images ls | awk -v r="$ref" '$1 == r {print $3}')" = "$manifest" ] || fail "containerd has another digest for $ref"
   ok "ctr -n k8s.io images import: $ref $manifest"
   out=$(ctr run --rm "$ref" volring-version /usr/local/bin/volring --version) || fail "ctr run volring --version"
