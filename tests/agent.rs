@@ -344,7 +344,7 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     let body = classic.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
     check(body.contains("# TYPE volring_reconcile_passes_total counter"), format!("classic counter family: {body:.2000}"))?;
     promtool_check(body)?;
-    // The probes kubelet uses (deploy/daemonset.yaml).
+    // The probes kubelet uses (deploy/base/daemonset.yaml).
     for (path, want) in [("/healthz", "ok"), ("/readyz", "ready")] {
         let reply = http_get(addr, path)?;
         check(reply.starts_with("HTTP/1.1 200") && reply.ends_with(&format!("{want}\n")), format!("{path}: {reply:.300}"))?;

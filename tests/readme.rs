@@ -209,6 +209,15 @@ const EXAMPLES: &[Example] = &[
     ex("docker build -f deploy/Dockerfile -t volring:0.1.0 .", How::Skip("needs docker and network access to base images, neither of which CI's machine has")),
     ex("kubectl apply -k deploy/", How::Skip(NO_CLUSTER)),
     ex("kubectl apply -k deploy/monitoring", How::Skip(NO_CLUSTER)),
+    ex("deploy/image/build.sh", How::Skip("builds the image as root from Debian's archive, minutes; .ci/image runs it twice, then deploy/image/check.sh")),
+    ex("ctr -n k8s.io images import target/image/volring-0.1.0.oci.tar", How::Skip("on a cluster's node; deploy/image/check.sh imports the archive into a containerd of its own")),
+    ex("kind load image-archive target/image/volring-0.1.0.oci.tar", How::Skip(NO_CLUSTER)),
+    ex(
+        "skopeo copy oci-archive:target/image/volring-0.1.0.oci.tar docker://registry.example.com/volring:0.1.0",
+        How::Skip("needs a registry; deploy/image/check.sh reads the archive with skopeo inspect"),
+    ),
+    ex("kubectl apply -k deploy/overlays/single-node-monitoring", How::Skip(NO_CLUSTER)),
+    ex("kubectl delete -k deploy/", How::Skip(NO_CLUSTER)),
 ];
 
 /// A fenced shell block: where it starts and its commands.
