@@ -424,10 +424,10 @@ fn a_wrong_rendering_is_caught() -> Result<(), Failed> {
 /// deploy/image/packages.txt).
 fn programs_the_agent_runs() -> Result<Vec<String>, Failed> {
     const SPAWN_SITES: &[(&str, &str)] =
-        &[("src/volumes/mod.rs", "Command::new(program)"), ("src/share/server.rs", "Command::new(&self.files.binary)")];
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        &[("crates/volumes/src/lib.rs", "Command::new(program)"), ("crates/share/src/server.rs", "Command::new(&self.files.binary)")];
+    let top = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    let mut dirs = vec![src.clone()];
+    let mut dirs = vec![top.join("src"), top.join("crates")];
     while let Some(d) = dirs.pop() {
         for e in std::fs::read_dir(&d)?.flatten() {
             let p = e.path();
@@ -515,7 +515,7 @@ fn every_program_the_agent_runs_is_in_the_image() -> Result<(), Failed> {
     let mut problems = Vec::new();
     for want in ["mkfs.ext4", "mkfs.xfs", "resize2fs", "xfs_growfs", "ganesha.nfsd"] {
         if !programs.iter().any(|p| p == want) {
-            problems.push(format!("the scan of src/ did not find {want} (found {programs:?}): the scan is out of date"));
+            problems.push(format!("the scan of src/ and crates/ did not find {want} (found {programs:?}): the scan is out of date"));
         }
     }
     let listed = image_packages()?;

@@ -54,7 +54,7 @@ for tool in mmdebstrap tar gzip sha256sum; do
   command -v "$tool" >/dev/null || die "$tool is not installed (apt-get install mmdebstrap)"
 done
 
-version=$(sed -n '/^\[package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
+version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
 [ -n "$version" ] || die "no version in Cargo.toml"
 if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
   SOURCE_DATE_EPOCH=$(git -C "$repo" log -1 --format=%ct 2>/dev/null || stat -c %Y "$repo/Cargo.toml")

@@ -41,7 +41,7 @@ if [ -z "${VOLRING_IMAGE_CHECK_NS:-}" ]; then
   exec unshare --mount --net --propagation private env VOLRING_IMAGE_CHECK_NS=1 "$0" "$@"
 fi
 
-version=$(sed -n '/^\[package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
+version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
 archive=$(realpath "${1:-$repo/target/image/volring-$version.oci.tar}")
 [ -f "$archive" ] || { echo "check.sh: no $archive (run deploy/image/build.sh)" >&2; exit 1; }
 
