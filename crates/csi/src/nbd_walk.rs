@@ -167,7 +167,9 @@ mod tests {
             self.events.lock().unwrap().push(format!("remote {} connecting", rec.volume_id));
             let gate = self.gates.lock().unwrap().remove(&rec.volume_id);
             if let Some(g) = gate {
-                let _ = g.recv();
+                // Bounded only so that a walk that waits for it (the
+                // regression) fails the checks instead of hanging.
+                let _ = g.recv_timeout(Duration::from_secs(30));
             }
             self.events.lock().unwrap().push(format!("remote {} connected", rec.volume_id));
             Healed::Reconnected(index)
@@ -240,5 +242,112 @@ mod tests {
         // Long enough never to expire: the walk returns when both ended.
         let got = walk(fake, planned, Duration::from_secs(600));
         assert_eq!(got, vec![("remote-a".to_string(), Healed::Reconnected(1)), ("local-b".to_string(), Healed::Reconnected(2))]);
+    }
+
+    /// An owner process that really hangs: nbdkit, stopped (SIGSTOP)
+    /// once it listens; continued and killed, by its PID, when dropped.
+    struct HungOwner {
+        child: std::process::Child,
+        port: u16,
+    }
+
+    impl HungOwner {
+        fn start() -> Option<Self> {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+            let child = std::process::Command::new("nbdkit")
+                .args(["-f", "-i", "127.0.0.1", "-p", &port.to_string(), "memory", "1M"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .ok()?;
+            let owner = HungOwner { child, port };
+            // Wait until it listens (a readiness wait, not a bound).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(Instant::now() < deadline, "nbdkit never listened on {port}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            owner.signal(rustix::process::Signal::STOP);
+            Some(owner)
+        }
+
+        fn signal(&self, s: rustix::process::Signal) {
+            let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+            rustix::process::kill_process(pid, s).expect("signal the owner");
+        }
+    }
+
+    impl Drop for HungOwner {
+        fn drop(&mut self) {
+            self.signal(rustix::process::Signal::CONT);
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// The remote step the agent takes (a TCP connect and a negotiation
+    /// with the export, `nbd::attach::remote`), against a real owner; the
+    /// local step a fake (this kernel has no nbd module).
+    struct RealRemote {
+        events: Mutex<Vec<String>>,
+    }
+
+    impl Steps for RealRemote {
+        fn local(&self, rec: &StagedVolume, index: u32) -> Healed {
+            self.events.lock().unwrap().push(format!("local {} healed", rec.volume_id));
+            Healed::Reconnected(index)
+        }
+
+        fn remote(&self, rec: &StagedVolume, index: u32) -> Healed {
+            self.events.lock().unwrap().push(format!("remote {} connecting", rec.volume_id));
+            let r = rec.remote.as_ref().unwrap();
+            let source = volring_nbd::attach::RemoteSource {
+                uri: volring_nbd::remote::ExportUri::parse(&r.uri).unwrap(),
+                secret: volring_nbd::remote::Secret::from_hex(&r.secret).unwrap(),
+                client: None,
+            };
+            let h = match volring_nbd::attach::remote::connected_sockets(&source, 1) {
+                Ok((sockets, _)) => {
+                    volring_nbd::attach::remote::let_go(sockets);
+                    Healed::Reconnected(index)
+                }
+                Err(e) => Healed::Retrying { index, why: e.to_string() },
+            };
+            self.events.lock().unwrap().push(format!("remote {} ended", rec.volume_id));
+            h
+        }
+    }
+
+    /// One owner hung (SIGSTOP) and a local volume walked after it: the
+    /// local volume heals before the remote connect even starts, and the
+    /// walk returns while that connect is still pending (the owner cannot
+    /// answer until it is continued, after the checks).
+    #[test]
+    fn a_hung_owner_holds_up_neither_the_local_volume_nor_the_walk() {
+        let Some(owner) = HungOwner::start() else {
+            assert!(std::env::var_os("CI").is_none(), "nbdkit is missing");
+            eprintln!("note: skipped: no nbdkit");
+            return;
+        };
+        let locks = VolumeLocks::new();
+        let mut remote = rec("remote-hung", 1, true);
+        remote.remote.as_mut().unwrap().uri = format!("nbd://127.0.0.1:{}/remote-hung", owner.port);
+        let local = rec("local-after", 2, false);
+        let steps = Arc::new(RealRemote { events: Mutex::new(Vec::new()) });
+        let planned = vec![
+            (remote.clone(), locks.try_lock_for_repair(&remote.volume_id).unwrap(), Plan::Remote(1, "test".into())),
+            (local.clone(), locks.try_lock_for_repair(&local.volume_id).unwrap(), Plan::Local(2, "test".into())),
+        ];
+        let got = walk(steps.clone(), planned, REMOTE_WAIT);
+        let events = steps.events.lock().unwrap().clone();
+        assert_eq!(got, vec![("remote-hung".to_string(), Healed::Pending(1)), ("local-after".to_string(), Healed::Reconnected(2))]);
+        assert_eq!(events.first().map(String::as_str), Some("local local-after healed"), "{events:?}");
+        assert!(!events.iter().any(|e| e.ends_with(" ended")), "the walk waited for the hung owner: {events:?}");
+        drop(owner);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !steps.events.lock().unwrap().iter().any(|e| e.ends_with(" ended")) {
+            assert!(Instant::now() < deadline, "the background connect never ended");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
