@@ -8,11 +8,15 @@
 //! process serving it — unless that process comes back in time and gives
 //! the device fresh sockets (NBD_CMD_RECONFIGURE). The healer here does
 //! that at start, before Probe answers ready: for each staged nbd record
-//! whose device still carries the volume id it reconnects; a device that
-//! carries another id is reported and left alone; a device the kernel tore
-//! down is left to the reconciler, which re-stages the record. While the
-//! agent lives, a LINK_DEAD notice for one of its devices is answered the
-//! same way.
+//! whose device still carries the volume id and whose connections are
+//! dead it reconnects (`nbd_alive.rs`: a local device's always are after a
+//! restart, a remote device's TCP connections usually outlive the agent
+//! and are then left alone); a device that carries another id is reported
+//! and left alone; a device the kernel tore down is left to the
+//! reconciler, which re-stages the record. Local volumes go first, remote
+//! ones concurrently and in the background past a short bound
+//! (`nbd_walk.rs`). While the agent lives, a LINK_DEAD notice for one of
+//! its devices is answered the same way.
 //!
 //! A volume another node holds (`remote` in its record, from the volume
 //! context's export URI and secret) is attached the same way to TCP
@@ -324,13 +328,22 @@ impl NbdSide {
         }
         let serving_here =
             self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).get(&index).is_some_and(|d| !d.stale));
-        let sockets = match (&rec.remote, &self.records) {
+        // The LINK_DEAD listener is joined (the side started) before the
+        // sockets are looked at, so a connection dying after the look is
+        // announced to it.
+        if rec.remote.is_some() && !serving_here {
+            if let Err(e) = self.inner() {
+                return Plan::Done(Healed::Failed(e.to_string()));
+            }
+        }
+        let seen = || match (&rec.remote, &self.records) {
             (Some(r), Some(dir)) => ExportUri::parse(&r.uri)
                 .ok()
                 .and_then(|u| alive::authority_port(&u.authority()))
                 .and_then(|port| alive::sockets_seen(dir, index, &rec.volume_id, port)),
             _ => None,
         };
+        let sockets = seen();
         match alive::verdict(rec.remote.is_some(), &alive::Seen { serving_here, sockets }) {
             alive::Verdict::Leave(why) if serving_here => Plan::Done(Healed::LeftConnected { index, why }),
             alive::Verdict::Leave(why) => {
@@ -346,10 +359,19 @@ impl NbdSide {
                         details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
                     };
                     inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: false });
+                    // A connection that died between the look and the
+                    // entry above announced it to nobody: looked at again.
+                    if seen().is_none_or(|s| s.established < s.connections) {
+                        if let Some(d) = inner.live.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&index) {
+                            d.stale = true;
+                        }
+                        return Err(Error::Unavailable("its connection died while the walk looked at it; reconnecting".into()));
+                    }
                     Ok(())
                 });
                 Plan::Done(match taken {
                     Ok(()) => Healed::LeftConnected { index, why },
+                    Err(Error::Unavailable(why)) => Healed::Retrying { index, why },
                     Err(e) => Healed::Failed(e.to_string()),
                 })
             }
