@@ -96,6 +96,10 @@ fn main() {
         Trial::test("boot::modprobe_nbd", suites::boots_and_loads_nbd),
         panicking("vm_healer::agent_restarts_under_a_writer_on_xfs", vm_healer::agent_restarts_under_a_writer_on_xfs),
         panicking("vm_healer::agent_restarts_under_a_writer", vm_healer::agent_restarts_under_a_writer),
+        panicking(
+            "vm_healer::a_consumer_restart_leaves_a_healthy_remote_device_connected",
+            vm_healer::a_consumer_restart_leaves_a_healthy_remote_device_connected,
+        ),
         panicking("vm_volumes::ext4_round_trip_and_grow", vm_volumes::ext4_round_trip_and_grow),
         panicking("vm_volumes::xfs_round_trip_grow_and_shutdown", vm_volumes::xfs_round_trip_grow_and_shutdown),
         panicking("vm_volumes::block_round_trip_and_grow", vm_volumes::block_round_trip_and_grow),

@@ -70,3 +70,25 @@ pub fn agent_restarts_under_a_writer_on_xfs() {
 pub fn without_the_healer_the_writer_fails() {
     healer("vm_healer::without_the_healer_the_writer_fails", &[("NO_HEAL", "1")]);
 }
+
+const REMOTE_SCRIPT: &str = include_str!("healer_remote.sh");
+
+/// The start walk and a remote volume (owner and consumer agents both in
+/// the guest, over its loopback; tests/vm/healer_remote.sh): a consumer
+/// restart leaves the healthy device's kernel connection alone (no
+/// RECONFIGURE), and reconnects it when the owner restarted meanwhile.
+pub fn a_consumer_restart_leaves_a_healthy_remote_device_connected() {
+    let test = "vm_healer::a_consumer_restart_leaves_a_healthy_remote_device_connected";
+    let Some(image) = image_or_skip(test) else { return };
+    let script = harness::script(env!("CARGO_BIN_EXE_volring"), &[], REMOTE_SCRIPT);
+    let mut vm = Vm::new(&image).expect("vm");
+    vm.cpus = 2;
+    // A hang guard, not a bound.
+    let run = vm.run(&script, Duration::from_secs(900)).expect("vm run");
+    eprintln!("note: {test}: {}\n{}(guest {:.1} s)", run.read("verdict").trim(), run.read("notes"), run.elapsed.as_secs_f64());
+    let logs: String = ["owner1", "owner2", "consumer1", "consumer2", "consumer3"]
+        .iter()
+        .map(|n| format!("--- {n}.err (tail)\n{}\n", harness::tail(&run.read(&format!("{n}.err")), 15)))
+        .collect();
+    assert!(run.status == Some(0), "{test}:\n{}\n{logs}", run.describe());
+}

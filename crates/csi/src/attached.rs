@@ -33,6 +33,7 @@ impl Driver {
     /// does not serve to the healer; sorts the rest.
     pub fn heal_attached(&self, ids: &[String]) -> AttachedCheck {
         let mut c = AttachedCheck::default();
+        let mut handed = Vec::new();
         for id in ids {
             let Some(rec) = self.records.get(id) else {
                 c.unknown.push(id.clone());
@@ -50,13 +51,17 @@ impl Driver {
                 c.skipped.push(id.clone());
                 continue;
             }
-            let Some(_g) = self.locks.try_lock_for_repair(id) else {
+            let Some(g) = self.locks.try_lock_for_repair(id) else {
                 c.skipped.push(id.clone());
                 continue;
             };
-            let h = self.nbd.heal(&rec);
+            handed.push((rec, g));
+        }
+        // Locals first, remotes at once (a hung owner holds up no other
+        // volume): the start walk's own order and bounds.
+        for (id, h) in self.nbd.heal_all(handed, super::nbd::REMOTE_WAIT) {
             tracing::info!(volume = %id, healed = ?h, "attached volume handed to the nbd healer");
-            c.healed.push((id.clone(), h));
+            c.healed.push((id, h));
         }
         c
     }

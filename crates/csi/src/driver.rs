@@ -131,7 +131,7 @@ impl Driver {
             .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
-        let config_nbd = config.nbd.clone();
+        let config_nbd = super::nbd::NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir);
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         let share = volring_share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
@@ -154,7 +154,7 @@ impl Driver {
             health: std::sync::OnceLock::new(),
             in_flight: AtomicUsize::new(0),
             rpc_stats: Default::default(),
-            nbd: super::nbd::NbdSide::new(config_nbd),
+            nbd: config_nbd,
             exports: std::sync::OnceLock::new(),
         }))
     }

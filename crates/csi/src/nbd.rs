@@ -8,11 +8,15 @@
 //! process serving it — unless that process comes back in time and gives
 //! the device fresh sockets (NBD_CMD_RECONFIGURE). The healer here does
 //! that at start, before Probe answers ready: for each staged nbd record
-//! whose device still carries the volume id it reconnects; a device that
-//! carries another id is reported and left alone; a device the kernel tore
-//! down is left to the reconciler, which re-stages the record. While the
-//! agent lives, a LINK_DEAD notice for one of its devices is answered the
-//! same way.
+//! whose device still carries the volume id and whose connections are
+//! dead it reconnects (`nbd_alive.rs`: a local device's always are after a
+//! restart, a remote device's TCP connections usually outlive the agent
+//! and are then left alone); a device that carries another id is reported
+//! and left alone; a device the kernel tore down is left to the
+//! reconciler, which re-stages the record. Local volumes go first, remote
+//! ones concurrently and in the background past a short bound
+//! (`nbd_walk.rs`). While the agent lives, a LINK_DEAD notice for one of
+//! its devices is answered the same way.
 //!
 //! A volume another node holds (`remote` in its record, from the volume
 //! context's export URI and secret) is attached the same way to TCP
@@ -22,13 +26,20 @@
 //! every half second until the export answers again or the device is gone,
 //! so the kernel's queued I/O completes as soon as the export is back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 #[path = "nbd_expand.rs"]
 mod expand;
 pub use expand::GrowError;
+#[path = "nbd_alive.rs"]
+mod alive;
+#[path = "nbd_walk.rs"]
+mod walk;
+use walk::Plan;
+pub use walk::REMOTE_WAIT;
 
 use super::{Driver, Error, Result};
 use volring_nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl, RemoteAttachment, RemoteSource};
@@ -89,6 +100,9 @@ pub struct NbdSide {
     starting: Mutex<()>,
     /// The start walk ran (it runs once per process).
     walked: std::sync::atomic::AtomicBool,
+    /// Where the sockets handed to the kernel for remote devices are
+    /// recorded (`alive`), when the driver has a state directory.
+    records: Option<PathBuf>,
 }
 
 struct Inner {
@@ -96,6 +110,12 @@ struct Inner {
     control: Mutex<NbdControl>,
     /// The devices this process serves, by index (what LINK_DEAD refreshes).
     live: Mutex<HashMap<u32, Live>>,
+    /// Remote devices whose reconnect is running now (on a thread of its
+    /// own): not started again meanwhile.
+    connecting: Mutex<HashSet<u32>>,
+    /// As `NbdSide::records`.
+    records: Option<PathBuf>,
+    config: NbdAttachConfig,
 }
 
 /// Who serves a device this process keeps connected.
@@ -132,13 +152,28 @@ pub enum Healed {
     /// The remote export did not answer: the device stays as it is (the
     /// kernel queues its I/O) and the reconnect is retried until it does.
     Retrying { index: u32, why: String },
+    /// The kernel's own connection to the remote export outlived the agent
+    /// that made it and is still established: nothing to reconnect, so the
+    /// device is left as it is (and kept, as if reconnected here).
+    LeftConnected { index: u32, why: String },
+    /// The remote export's reconnect was still running when the start pass
+    /// stopped waiting: it goes on in the background (and, if the export
+    /// does not answer, is retried like a LINK_DEAD one).
+    Pending(u32),
     /// Reconnecting failed.
     Failed(String),
 }
 
 impl NbdSide {
     pub fn new(config: NbdAttachConfig) -> Self {
-        Self { config, inner: OnceLock::new(), starting: Mutex::new(()), walked: Default::default() }
+        Self { config, inner: OnceLock::new(), starting: Mutex::new(()), walked: Default::default(), records: None }
+    }
+
+    /// Records remote devices' sockets under `state_dir` (so the next
+    /// start can tell a live connection from a dead one).
+    pub fn with_state_dir(mut self, state_dir: &std::path::Path) -> Self {
+        self.records = Some(state_dir.join("nbd-sockets"));
+        self
     }
 
     pub fn config(&self) -> &NbdAttachConfig {
@@ -164,7 +199,14 @@ impl NbdSide {
         let threads = self.config.connections.max(1).max(volring_nbd::server::default_rings());
         let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
-        let inner = Arc::new(Inner { server, control: Mutex::new(control), live: Mutex::new(HashMap::new()) });
+        let inner = Arc::new(Inner {
+            server,
+            control: Mutex::new(control),
+            live: Mutex::new(HashMap::new()),
+            connecting: Mutex::new(HashSet::new()),
+            records: self.records.clone(),
+            config: self.config.clone(),
+        });
         if let Some(l) = listener {
             let weak = Arc::downgrade(&inner);
             std::thread::Builder::new()
@@ -212,8 +254,13 @@ impl NbdSide {
             Some((source, sockets, details)) => {
                 let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
                 let kept: Vec<std::os::fd::OwnedFd> = sockets.iter().filter_map(|s| s.try_clone().ok()).collect();
+                let fresh = alive::inodes(&sockets);
                 match RemoteAttachment::connect(&mut control, &source, &rec.volume_id, sockets, details, tune) {
-                    Ok(att) => Served::Remote(att),
+                    Ok(att) => {
+                        drop(control);
+                        inner.record_sockets(&att, &fresh);
+                        Served::Remote(att)
+                    }
                     Err(e) => {
                         drop(control);
                         nbdattach::remote::let_go(kept);
@@ -253,79 +300,129 @@ impl NbdSide {
     }
 
     fn forget(&self, index: u32, volume_id: &str) {
+        if let Some(dir) = &self.records {
+            if alive::SocketRecord::read(dir, index).is_some_and(|r| r.backend_id == volume_id) {
+                alive::SocketRecord::remove(dir, index);
+            }
+        }
         if let Some(inner) = self.inner.get() {
             inner.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&index);
             let _ = inner.server.remove_export(volume_id);
         }
     }
 
-    /// The start walk's step for one record (see the module comment).
-    pub fn heal(&self, rec: &StagedVolume) -> Healed {
-        let Some(index) = rec.nbd_index else { return Healed::Gone };
+    /// The walk's first look at one record: sysfs and the sockets' state
+    /// only, nothing that waits. A healthy remote device is taken on here
+    /// as it is (kept, retried on LINK_DEAD) and reported left connected.
+    fn plan(&self, rec: &StagedVolume) -> Plan {
+        let Some(index) = rec.nbd_index else { return Plan::Done(Healed::Gone) };
         if attach::nbd_existing(index, &rec.volume_id).is_none() {
             let found = nbdattach::control::read_backend(std::path::Path::new("/sys/block"), index);
-            return match found {
+            return Plan::Done(match found {
                 Some(other) => Healed::Drift { index, found: Some(other) },
                 None => Healed::Gone,
-            };
+            });
         }
         if rec.remote.is_none() && std::fs::symlink_metadata(&rec.image).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
-            return Healed::ImageGone(index);
+            return Plan::Done(Healed::ImageGone(index));
         }
-        let result = self.inner().and_then(|inner| {
-            let served = match &rec.remote {
-                Some(r) => {
+        let serving_here =
+            self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).get(&index).is_some_and(|d| !d.stale));
+        // The LINK_DEAD listener is joined (the side started) before the
+        // sockets are looked at, so a connection dying after the look is
+        // announced to it.
+        if rec.remote.is_some() && !serving_here {
+            if let Err(e) = self.inner() {
+                return Plan::Done(Healed::Failed(e.to_string()));
+            }
+        }
+        let seen = || match (&rec.remote, &self.records) {
+            (Some(r), Some(dir)) => ExportUri::parse(&r.uri)
+                .ok()
+                .and_then(|u| alive::authority_port(&u.authority()))
+                .and_then(|port| alive::sockets_seen(dir, index, &rec.volume_id, port)),
+            _ => None,
+        };
+        let sockets = seen();
+        match alive::verdict(rec.remote.is_some(), &alive::Seen { serving_here, sockets }) {
+            alive::Verdict::Leave(why) if serving_here => Plan::Done(Healed::LeftConnected { index, why }),
+            alive::Verdict::Leave(why) => {
+                let taken = self.inner().and_then(|inner| {
+                    let r = rec.remote.as_ref().ok_or_else(|| Error::Internal("not a remote volume".into()))?;
                     let source = remote_source(r, self.config.client.as_deref())?;
-                    match nbdattach::remote::connected_sockets(&source, self.config.connections) {
-                        Ok((sockets, details)) => {
-                            let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-                            let att = RemoteAttachment::reconnect(&mut control, index, &source, &rec.volume_id, sockets, details)
-                                .map_err(attach_error)?;
-                            Served::Remote(att)
+                    let connections = sockets.map_or(self.config.connections, |s| s.connections);
+                    let att = RemoteAttachment {
+                        index,
+                        source,
+                        backend_id: rec.volume_id.clone(),
+                        connections,
+                        details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
+                    };
+                    inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: false });
+                    // A connection that died between the look and the
+                    // entry above announced it to nobody: looked at again.
+                    if seen().is_none_or(|s| s.established < s.connections) {
+                        if let Some(d) = inner.live.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&index) {
+                            d.stale = true;
                         }
-                        Err(e) => {
-                            // The export is away: the device keeps queueing
-                            // I/O, and the retry loop reconnects it once the
-                            // export answers.
-                            let att = RemoteAttachment {
-                                index,
-                                source: source.clone(),
-                                backend_id: rec.volume_id.clone(),
-                                connections: self.config.connections,
-                                details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
-                            };
-                            inner
-                                .live
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .insert(index, Live { served: Served::Remote(att), stale: true });
-                            return Ok(Some(remote_error(&source, e).to_string()));
-                        }
+                        return Err(Error::Unavailable("its connection died while the walk looked at it; reconnecting".into()));
                     }
-                }
-                None => {
-                    inner.export(rec)?;
-                    let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-                    Served::Local(
-                        LocalAttachment::reattach(
-                            &mut control,
-                            &inner.server,
-                            index,
-                            &rec.volume_id,
-                            &rec.volume_id,
-                            self.config.connections,
-                        )
-                        .map_err(attach_error)?,
-                    )
-                }
-            };
-            inner.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served, stale: false });
-            Ok(None)
-        });
-        match result {
-            Ok(None) => Healed::Reconnected(index),
-            Ok(Some(why)) => Healed::Retrying { index, why },
-            Err(e) => Healed::Failed(e.to_string()),
+                    Ok(())
+                });
+                Plan::Done(match taken {
+                    Ok(()) => Healed::LeftConnected { index, why },
+                    Err(Error::Unavailable(why)) => Healed::Retrying { index, why },
+                    Err(e) => Healed::Failed(e.to_string()),
+                })
+            }
+            alive::Verdict::Reconnect(why) if rec.remote.is_some() => Plan::Remote(index, why),
+            alive::Verdict::Reconnect(why) => Plan::Local(index, why),
+        }
+    }
+
+    /// The start walk's step for one record (see the module comment), on
+    /// the calling thread: a remote one waits on its export up to the
+    /// connect timeout. The walks themselves use [`walk`].
+    pub fn heal(&self, rec: &StagedVolume) -> Healed {
+        match self.plan(rec) {
+            Plan::Done(h) => h,
+            Plan::Local(index, _) => match self.inner() {
+                Ok(inner) => inner.heal_local(rec, index),
+                Err(e) => Healed::Failed(e.to_string()),
+            },
+            Plan::Remote(index, _) => match self.inner() {
+                Ok(inner) => inner.heal_remote(rec, index),
+                Err(e) => Healed::Failed(e.to_string()),
+            },
+        }
+    }
+
+    /// Plans every record (each under its repair lock, held until its
+    /// step ends) and walks them: locals first, remotes concurrently,
+    /// waiting for those at most `wait` (see `nbd_walk.rs`).
+    pub(crate) fn heal_all(&self, recs: Vec<(StagedVolume, super::VolumeGuard)>, wait: Duration) -> Vec<(String, Healed)> {
+        let planned: Vec<_> = recs
+            .into_iter()
+            .map(|(rec, g)| {
+                let plan = self.plan(&rec);
+                (rec, g, plan)
+            })
+            .collect();
+        if planned.iter().all(|(_, _, p)| matches!(p, Plan::Done(_))) {
+            return walk::walk(Arc::new(NoSteps), planned, wait);
+        }
+        match self.inner() {
+            Ok(inner) => walk::walk(Arc::new(RealSteps(inner)), planned, wait),
+            Err(e) => {
+                let failed = planned
+                    .into_iter()
+                    .map(|(r, g, p)| match p {
+                        Plan::Done(h) => (r, g, Plan::Done(h)),
+                        _ => (r, g, Plan::Done(Healed::Failed(e.to_string()))),
+                    })
+                    .collect();
+                walk::walk(Arc::new(NoSteps), failed, wait)
+            }
         }
     }
 
@@ -338,6 +435,12 @@ impl NbdSide {
         s.iter().find(|d| d.index == index).map(|d| d.connected)
     }
 
+    /// Whether `/dev/nbd<index>` is owed fresh sockets this process is
+    /// still trying to give it (its export does not answer yet).
+    pub fn owed(&self, index: u32) -> bool {
+        self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).get(&index).is_some_and(|d| d.stale))
+    }
+
     /// Whether this process keeps `/dev/nbd<index>` connected (or is
     /// retrying its reconnect).
     pub fn serving(&self, index: u32) -> bool {
@@ -345,7 +448,98 @@ impl NbdSide {
     }
 }
 
+/// The walk's steps on this agent's server and the kernel.
+struct RealSteps(Arc<Inner>);
+
+impl walk::Steps for RealSteps {
+    fn local(&self, rec: &StagedVolume, index: u32) -> Healed {
+        self.0.heal_local(rec, index)
+    }
+
+    fn remote(&self, rec: &StagedVolume, index: u32) -> Healed {
+        self.0.heal_remote(rec, index)
+    }
+}
+
+/// For a walk with nothing to reconnect (and no nbd driver to ask).
+struct NoSteps;
+
+impl walk::Steps for NoSteps {
+    fn local(&self, _: &StagedVolume, _: u32) -> Healed {
+        Healed::Failed("nothing to reconnect with".into())
+    }
+
+    fn remote(&self, _: &StagedVolume, _: u32) -> Healed {
+        Healed::Failed("nothing to reconnect with".into())
+    }
+}
+
 impl Inner {
+    /// Fresh socketpairs from this agent's server for a local device.
+    fn heal_local(&self, rec: &StagedVolume, index: u32) -> Healed {
+        let result = self.export(rec).and_then(|()| {
+            let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+            LocalAttachment::reattach(&mut control, &self.server, index, &rec.volume_id, &rec.volume_id, self.config.connections)
+                .map_err(attach_error)
+        });
+        match result {
+            Ok(att) => {
+                self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Local(att), stale: false });
+                Healed::Reconnected(index)
+            }
+            Err(e) => Healed::Failed(e.to_string()),
+        }
+    }
+
+    /// Fresh TCP sockets to the owning node's export for a remote device
+    /// (one try, bounded by the connect timeout); an export that does not
+    /// answer leaves the device owed a reconnect, retried every
+    /// `RETRY_EVERY`.
+    fn heal_remote(&self, rec: &StagedVolume, index: u32) -> Healed {
+        let Some(r) = &rec.remote else { return Healed::Failed("not a remote volume".into()) };
+        let source = match remote_source(r, self.config.client.as_deref()) {
+            Ok(s) => s,
+            Err(e) => return Healed::Failed(e.to_string()),
+        };
+        match nbdattach::remote::connected_sockets(&source, self.config.connections) {
+            Ok((sockets, details)) => {
+                let fresh = alive::inodes(&sockets);
+                let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+                match RemoteAttachment::reconnect(&mut control, index, &source, &rec.volume_id, sockets, details) {
+                    Ok(att) => {
+                        drop(control);
+                        self.record_sockets(&att, &fresh);
+                        self.live
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(index, Live { served: Served::Remote(att), stale: false });
+                        Healed::Reconnected(index)
+                    }
+                    Err(e) => Healed::Failed(attach_error(e).to_string()),
+                }
+            }
+            Err(e) => {
+                // The export is away: the device keeps queueing I/O, and
+                // the retry loop reconnects it once the export answers.
+                let att = RemoteAttachment {
+                    index,
+                    source: source.clone(),
+                    backend_id: rec.volume_id.clone(),
+                    connections: self.config.connections,
+                    details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
+                };
+                self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: true });
+                Healed::Retrying { index, why: remote_error(&source, e).to_string() }
+            }
+        }
+    }
+
+    /// Records the sockets the kernel took for a remote device.
+    fn record_sockets(&self, att: &RemoteAttachment, fresh: &[u64]) {
+        let (Some(dir), Some(port)) = (&self.records, alive::authority_port(&att.source.uri.authority())) else { return };
+        alive::record_sockets(dir, att.index, &att.backend_id, port, att.connections, fresh);
+    }
+
     /// Serves the volume's image as export `<volume id>` (once).
     fn export(&self, rec: &StagedVolume) -> Result<()> {
         if self.server.exports().get(&rec.volume_id).is_some() {
@@ -407,11 +601,13 @@ fn watch_link_dead(mut l: LinkDeadListener, inner: Weak<Inner>) {
 }
 
 impl Inner {
-    /// One try at every device owed fresh sockets. Remote sockets are
-    /// connected with no lock held (a peer that does not answer holds up
-    /// nothing else); a device no longer carrying its volume id (torn down,
-    /// or given to someone else) is forgotten, not touched.
-    fn reconnect_stale(&self) {
+    /// One try at every device owed fresh sockets. Local ones here (no
+    /// network); each remote one on a thread of its own, with no lock held
+    /// (a peer that does not answer holds up nothing else, and one whose
+    /// try is still running is not tried again meanwhile). A device no
+    /// longer carrying its volume id (torn down, or given to someone else)
+    /// is forgotten, not touched.
+    fn reconnect_stale(self: &Arc<Self>) {
         let owed: Vec<Live> = self.live.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|d| d.stale).cloned().collect();
         for d in owed {
             let index = d.served.index();
@@ -420,26 +616,54 @@ impl Inner {
                 self.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&index);
                 continue;
             }
-            let result = match d.served.clone() {
+            match d.served {
                 Served::Local(mut a) => {
                     let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-                    a.refresh(&mut control, &self.server).map(|()| Served::Local(a))
+                    let result = a.refresh(&mut control, &self.server);
+                    drop(control);
+                    self.refreshed(index, result.map(|()| Served::Local(a)));
                 }
-                Served::Remote(mut a) => nbdattach::remote::connected_sockets(&a.source, a.connections).and_then(|(sockets, details)| {
-                    let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-                    a.refresh_with(&mut control, sockets, details).map(|()| Served::Remote(a))
-                }),
-            };
-            match result {
-                Ok(served) => {
-                    tracing::info!(index, backend = %served.backend_id(), "nbd device reconnected");
-                    let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-                    if live.contains_key(&index) {
-                        live.insert(index, Live { served, stale: false });
+                Served::Remote(a) => {
+                    if !self.connecting.lock().unwrap_or_else(|e| e.into_inner()).insert(index) {
+                        continue;
+                    }
+                    let me = self.clone();
+                    let spawned = std::thread::Builder::new().name("nbd-reconnect".into()).spawn(move || {
+                        me.refresh_remote(a);
+                        me.connecting.lock().unwrap_or_else(|e| e.into_inner()).remove(&index);
+                    });
+                    if let Err(e) = spawned {
+                        tracing::warn!(index, error = %e, "cannot spawn the nbd reconnect; retrying");
+                        self.connecting.lock().unwrap_or_else(|e| e.into_inner()).remove(&index);
                     }
                 }
-                Err(e) => tracing::debug!(index, error = %e, "nbd reconnect failed; retrying"),
             }
+        }
+    }
+
+    fn refresh_remote(&self, mut a: RemoteAttachment) {
+        let index = a.index;
+        let result = nbdattach::remote::connected_sockets(&a.source, a.connections).and_then(|(sockets, details)| {
+            let fresh = alive::inodes(&sockets);
+            let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+            a.refresh_with(&mut control, sockets, details)?;
+            drop(control);
+            self.record_sockets(&a, &fresh);
+            Ok(Served::Remote(a))
+        });
+        self.refreshed(index, result);
+    }
+
+    fn refreshed(&self, index: u32, result: std::result::Result<Served, nbdattach::Error>) {
+        match result {
+            Ok(served) => {
+                tracing::info!(index, backend = %served.backend_id(), "nbd device reconnected");
+                let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+                if live.contains_key(&index) {
+                    live.insert(index, Live { served, stale: false });
+                }
+            }
+            Err(e) => tracing::debug!(index, error = %e, "nbd reconnect failed; retrying"),
         }
     }
 }
@@ -499,29 +723,24 @@ impl Driver {
     /// agent runs it as soon as the store is open, and the reconciler's
     /// start runs it if nobody did, so it always precedes the first pass
     /// (and Probe's ready). Later calls return nothing.
+    ///
+    /// Local volumes are reconnected before it returns, first; remote ones
+    /// all at once, waited for at most [`REMOTE_WAIT`] together: one still
+    /// connecting is reported [`Healed::Pending`] and goes on in the
+    /// background, so neither the CSI socket nor `/readyz` waits on another
+    /// node (such a volume's condition is abnormal until it is reconnected).
     pub fn heal_nbd(&self) -> Vec<(String, Healed)> {
-        let mut out = Vec::new();
         if !self.nbd.config().heal || self.nbd.walked.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            return out;
+            return Vec::new();
         }
-        for rec in self.records.all().into_iter().filter(|r| r.attach == AttachKind::Nbd && r.nbd_index.is_some()) {
-            let Some(_g) = self.locks.try_lock_for_repair(&rec.volume_id) else { continue };
-            let h = self.nbd.heal(&rec);
-            match &h {
-                Healed::Reconnected(i) => tracing::info!(volume = %rec.volume_id, index = i, "nbd device reconnected"),
-                Healed::Drift { index, found } => tracing::error!(volume = %rec.volume_id, index, ?found,
-                    "the recorded nbd device carries another backend identifier; not touched"),
-                Healed::Gone => tracing::warn!(volume = %rec.volume_id, "the recorded nbd device is gone; re-staging"),
-                Healed::ImageGone(index) => tracing::error!(volume = %rec.volume_id, index, image = %rec.image.display(),
-                    "the recorded volume's image is gone; its nbd device is left as it is"),
-                Healed::Retrying { index, why } => {
-                    tracing::warn!(volume = %rec.volume_id, index, why = %why, "the remote export does not answer yet; retrying")
-                }
-                Healed::Failed(e) => tracing::error!(volume = %rec.volume_id, error = %e, "nbd reconnect failed"),
-            }
-            out.push((rec.volume_id.clone(), h));
-        }
-        out
+        let recs = self
+            .records
+            .all()
+            .into_iter()
+            .filter(|r| r.attach == AttachKind::Nbd && r.nbd_index.is_some())
+            .filter_map(|r| self.locks.try_lock_for_repair(&r.volume_id).map(|g| (r, g)))
+            .collect();
+        self.nbd.heal_all(recs, REMOTE_WAIT)
     }
 
     /// Why a staged nbd volume cannot serve I/O, if it cannot: its
@@ -533,6 +752,9 @@ impl Driver {
         match self.nbd.connected(a.number) {
             Some(false) => Some(format!("{}: the nbd connection is dead", a.path().display())),
             _ if !self.nbd.serving(a.number) => Some(format!("{}: no server in this agent serves it", a.path().display())),
+            _ if self.nbd.owed(a.number) => {
+                Some(format!("{}: its connections are dead; reconnecting (the kernel queues its I/O meanwhile)", a.path().display()))
+            }
             _ => None,
         }
     }
