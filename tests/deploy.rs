@@ -195,9 +195,8 @@ fn kustomizations_name_files_that_exist() -> Result<(), Failed> {
     for rel in all {
         let dir = root().join(&rel);
         let k = kustomization(&rel)?;
-        let strings = |key: &str| -> Vec<String> {
-            k[key].as_array().into_iter().flatten().filter_map(|r| r.as_str().map(String::from)).collect()
-        };
+        let strings =
+            |key: &str| -> Vec<String> { k[key].as_array().into_iter().flatten().filter_map(|r| r.as_str().map(String::from)).collect() };
         let mut named = strings("resources");
         named.extend(strings("components"));
         for g in k["configMapGenerator"].as_array().into_iter().flatten() {
@@ -251,7 +250,8 @@ fn object<'a>(objects: &'a [Value], kind: &str, name: &str) -> Option<&'a Value>
 }
 
 /// Kinds that are cluster-scoped among those deploy/ ships.
-const CLUSTER_SCOPED: &[&str] = &["Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "CSIDriver", "StorageClass"];
+const CLUSTER_SCOPED: &[&str] =
+    &["Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "CSIDriver", "StorageClass"];
 
 /// What one rendered kustomization must be, whatever its switches.
 fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
@@ -265,7 +265,11 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
         .flat_map(|c| {
             let group = c["spec"]["group"].as_str().unwrap_or("").to_string();
             let kind = c["spec"]["names"]["kind"].as_str().unwrap_or("").to_string();
-            c["spec"]["versions"].as_array().into_iter().flatten().map(move |v| (format!("{group}/{}", v["name"].as_str().unwrap_or("")), kind.clone()))
+            c["spec"]["versions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(move |v| (format!("{group}/{}", v["name"].as_str().unwrap_or("")), kind.clone()))
         })
         .collect();
     let crd_plurals: Vec<String> = objects
@@ -274,7 +278,8 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
         .filter_map(|c| c["spec"]["names"]["plural"].as_str().map(String::from))
         .collect();
     for o in objects {
-        let (api, kind, name) = (o["apiVersion"].as_str().unwrap_or(""), o["kind"].as_str().unwrap_or(""), o["metadata"]["name"].as_str().unwrap_or("?"));
+        let (api, kind, name) =
+            (o["apiVersion"].as_str().unwrap_or(""), o["kind"].as_str().unwrap_or(""), o["metadata"]["name"].as_str().unwrap_or("?"));
         let defined = crd_kinds.iter().any(|(a, k)| a == api && k == kind);
         if !defined {
             if let Err(e) = check_object(o) {
@@ -302,7 +307,9 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
             }
             let pinned = image.split_once('@').is_some_and(|(named, digest)| {
                 named.rsplit('/').next().is_some_and(|last| last.contains(':'))
-                    && digest.strip_prefix("sha256:").is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+                    && digest
+                        .strip_prefix("sha256:")
+                        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
             });
             if !pinned {
                 say(format!("{kind}/{name} container {cname}: image {image} is not pinned by tag and digest"));
@@ -328,7 +335,8 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
             }
         }
     }
-    for (kind, name) in [("DaemonSet", "volring"), ("DaemonSet", "volring-csi"), ("CSIDriver", "volring.csi.io"), ("Namespace", "volring")] {
+    for (kind, name) in [("DaemonSet", "volring"), ("DaemonSet", "volring-csi"), ("CSIDriver", "volring.csi.io"), ("Namespace", "volring")]
+    {
         if object(objects, kind, name).is_none() && dir != "crds" {
             say(format!("no {kind}/{name}"));
         }
@@ -351,8 +359,13 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
         }
         let resizer = args_of(objects, "DaemonSet", "volring-csi", "resizer");
         let elected = resizer.contains(&"--leader-election=true");
-        let lease_rule = object(objects, "Role", "volring-csi")
-            .is_some_and(|r| r["rules"].as_array().into_iter().flatten().any(|x| x["apiGroups"].as_array().is_some_and(|g| g.iter().any(|g| g == "coordination.k8s.io"))));
+        let lease_rule = object(objects, "Role", "volring-csi").is_some_and(|r| {
+            r["rules"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|x| x["apiGroups"].as_array().is_some_and(|g| g.iter().any(|g| g == "coordination.k8s.io")))
+        });
         if resizer.is_empty() || single_node == elected || elected != lease_rule {
             say(format!("resizer args {resizer:?}, lease rights {lease_rule}, single node: {single_node}"));
         }
@@ -409,7 +422,12 @@ fn a_wrong_rendering_is_caught() -> Result<(), Failed> {
         o["metadata"].as_object_mut().ok_or("metadata")?.remove("namespace");
     }
     let said = check_rendered("overlays/no-publisher", &objects).join("\n");
-    for want in ["image volring:0.0.1", "csi-node-driver-registrar:v2.17.0 is not pinned", "--no-publish expected: true", "not in the volring namespace"] {
+    for want in [
+        "image volring:0.0.1",
+        "csi-node-driver-registrar:v2.17.0 is not pinned",
+        "--no-publish expected: true",
+        "not in the volring namespace",
+    ] {
         if !said.contains(want) {
             return Err(format!("expected {want:?} among:\n{said}").into());
         }
@@ -472,7 +490,10 @@ fn programs_the_agent_runs() -> Result<Vec<String>, Failed> {
         .map(|(f, c)| format!("{f}: {c}"))
         .collect();
     if !unknown.is_empty() {
-        return Err(format!("process spawns this test does not know (list them in SPAWN_SITES, their programs in deploy/image/packages.txt): {unknown:?}").into());
+        return Err(format!(
+            "process spawns this test does not know (list them in SPAWN_SITES, their programs in deploy/image/packages.txt): {unknown:?}"
+        )
+        .into());
     }
     Ok(programs)
 }
@@ -527,7 +548,9 @@ fn every_program_the_agent_runs_is_in_the_image() -> Result<(), Failed> {
         match debian_package_of(p)? {
             Some(shipped) if shipped == *package => {}
             Some(shipped) => problems.push(format!("{p}: listed under {package}, but {shipped} ships it (dpkg -S)")),
-            None if std::env::var_os("CI").is_some() => problems.push(format!("{p}: no installed package ships it (.ci/deps installs {package})")),
+            None if std::env::var_os("CI").is_some() => {
+                problems.push(format!("{p}: no installed package ships it (.ci/deps installs {package})"))
+            }
             None => eprintln!("{p}: not installed here, its package not checked (apt-get install {package})"),
         }
     }

@@ -54,6 +54,7 @@
 //! the reactor and the batch reader probe at start and fall back, saying so
 //! once in the log.
 
+mod allowed;
 pub mod batch;
 pub mod buffers;
 mod core;
