@@ -206,6 +206,7 @@ impl Driver {
                     self.records.put(rec)?;
                     volring_volumes::fault::point("stage:mount");
                     let options = if fs == "xfs" { options.clone().with_data("nouuid") } else { options.clone() };
+                    volring_volumes::fault::pause("stage:premount");
                     mounting::mount_filesystem(&att.path(), dir.as_fd(), fs, &options)
                         .map_err(|e| Error::Internal(format!("mount {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Filesystem(att.dev)));
@@ -223,6 +224,7 @@ impl Driver {
                         rustix::fs::open(att.path(), rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())
                             .map_err(|e| Error::Internal(format!("open {}: {e}", att.path().display())))?;
                     volring_volumes::fault::point("stage:mount");
+                    volring_volumes::fault::pause("stage:premount");
                     mounting::bind(device.as_fd(), file.as_fd(), flags)
                         .map_err(|e| Error::Internal(format!("bind {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Device(att.dev)));
