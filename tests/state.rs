@@ -458,12 +458,13 @@ fn foreign_mount_between_decision_and_act() -> Result<(), Failed> {
         format!("the volume was mounted over the foreign tmpfs: mounts {under:?}, foreign file {on_top:?}"),
     )?;
     let log = std::fs::read_to_string(&a.log).unwrap_or_default();
-    check(log.contains("mounted on the staging path while"), format!("the log says nothing of it:\n{}", a.log_tail(30)))?;
+    check(log.contains("mounted there while"), format!("the log says nothing of it:\n{}", a.log_tail(30)))?;
     let st = status_json(&a)?;
     let entry = staged_entry(&st, "pvc-race").unwrap_or_default();
     check(!entry["health"]["drift"].as_array().is_none_or(|d| d.is_empty()), format!("status shows the drift: {entry}"))?;
     // The foreign mount goes: repaired, the volume's data back.
-    let gone = eventually(Duration::from_secs(20), || rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty()).is_ok());
+    let gone =
+        eventually(Duration::from_secs(20), || rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty()).is_ok());
     check(gone, "the foreign tmpfs stayed busy")?;
     let back = eventually(Duration::from_secs(30), || std::fs::read(Path::new(&staging).join("kept")).ok().as_deref() == Some(b"kept"));
     check(back, format!("repaired once the foreign mount went; log:\n{}", a.log_tail(30)))?;
