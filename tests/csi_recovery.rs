@@ -431,11 +431,10 @@ fn store_lost(lose: fn(&Agent) -> Result<(), Failed>, damaged: bool) -> Result<(
     lose(&a)?;
     // With no agent and the store gone or damaged, status still answers.
     let st = status(&a)?;
-    if damaged {
-        check(st["store_error"].is_string(), format!("status names the damage: {}", st["store_error"]))?;
-        let n = st["staged"].as_array().map_or(0, |v| v.len());
-        check(n == vols.len(), format!("status shows {n} staged volumes from the kernel, not {}", vols.len()))?;
-    }
+    check(st["store_error"].is_string(), format!("status names the loss: {}", st["store_error"]))?;
+    let n = st["staged"].as_array().map_or(0, |v| v.len());
+    check(n == vols.len(), format!("status shows {n} staged volumes from the kernel, not {}", vols.len()))?;
+    check(!st["problems"].to_string().contains("orphan"), format!("no orphans suggested: {}", st["problems"]))?;
     a.respawn();
     let mut after = mounts_under(&a.kubelet);
     after.sort();

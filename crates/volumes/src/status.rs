@@ -104,23 +104,37 @@ pub fn report(pool_dir: &Path, state_dir: &Path, kubelet_root: Option<&Path>, no
         out.quarantined.extend(persist::quarantined(pool_dir).map_err(Error::io("list quarantined records", pool_dir))?);
         read_pool(pool_dir, &mut out)?;
     }
-    if let Err(e) = read_store(&store, no_agent, &mut out) {
+    let kernel_only = |out: &mut StatusReport| {
+        let Some(root) = kubelet_root else { return 0 };
+        let found = crate::recover::from_kernel(pool_dir, root, &|_| false);
+        let n = found.adopted.len();
+        for r in found.adopted {
+            let mut s = staged_status(r, None);
+            s.from_kernel = true;
+            out.staged.push(s);
+        }
+        for r in found.refused {
+            out.problems.push(Problem { path: root.to_path_buf(), detail: format!("seen in the kernel, not provable: {r}") });
+        }
+        n
+    };
+    if !store.exists() && kubelet_root.is_some() {
+        // No store, yet the kernel may show staged volumes (a store
+        // removed): they are not orphans, and the agent rebuilds them.
+        if kernel_only(&mut out) > 0 {
+            out.store_error = Some(format!("{} is missing", store.display()));
+            out.problems.push(Problem {
+                path: store.clone(),
+                detail: "missing while the kernel shows staged volumes; the agent rebuilds their records from the kernel at start (`volring recover` shows what it would rebuild)".into(),
+            });
+        }
+    } else if let Err(e) = read_store(&store, no_agent, &mut out) {
         out.store_error = Some(e.to_string());
         out.problems.push(Problem {
             path: store.clone(),
             detail: format!("cannot be read ({e}); the agent sets it aside and rebuilds the records from the kernel at start (`volring recover` shows what it would rebuild)"),
         });
-        if let Some(root) = kubelet_root {
-            let found = crate::recover::from_kernel(pool_dir, root, &|_| false);
-            for r in found.adopted {
-                let mut s = staged_status(r, None);
-                s.from_kernel = true;
-                out.staged.push(s);
-            }
-            for r in found.refused {
-                out.problems.push(Problem { path: root.to_path_buf(), detail: format!("seen in the kernel, not provable: {r}") });
-            }
-        }
+        kernel_only(&mut out);
     }
     for p in &out.set_aside {
         out.problems.push(Problem { path: p.clone(), detail: "a damaged store, set aside (kept for the operator)".into() });
@@ -131,7 +145,7 @@ pub fn report(pool_dir: &Path, state_dir: &Path, kubelet_root: Option<&Path>, no
             out.problems.push(Problem {
                 path: att.path(),
                 detail: format!(
-                    "serves {} with no staged record (an orphan; `volring node --remove-orphans` detaches it)",
+                    "serves {} with no staged record (`volring recover` shows whether its record can be rebuilt from the kernel; if not, it is an orphan `volring node --remove-orphans` detaches)",
                     image.display()
                 ),
             });
