@@ -136,13 +136,12 @@ pub fn mount_filesystem(device: &Path, target: BorrowedFd<'_>, fs_type: &str, o:
 /// (mountinfo, by the new mount's own id) must be that very mount after;
 /// when it is not, the new mount is taken off again (lazily: this
 /// descriptor still holds it) and the attach fails — never left over what
-/// is not volring's. A `target` that is itself a mount's root is refused.
+/// is not volring's.
 fn attach_onto(mnt: &OwnedFd, target: BorrowedFd<'_>) -> io::Result<()> {
-    use rustix::fs::{statx, AtFlags, StatxAttributes, StatxFlags};
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    // A mount's root (a stack the caller means to make) is that mount:
+    // the new one's parent must be it.
     let at = statx(target, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
-    if at.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) {
-        return Err(io::Error::new(io::ErrorKind::ResourceBusy, "something is mounted there already; not mounting over it"));
-    }
     move_mount(mnt, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
     let new_id = statx(mnt, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?.stx_mnt_id;
     let parent = parent_of(new_id);
@@ -164,10 +163,11 @@ fn attach_onto(mnt: &OwnedFd, target: BorrowedFd<'_>) -> io::Result<()> {
     Err(io::Error::new(io::ErrorKind::ResourceBusy, why))
 }
 
-/// The parent of mount `id`, by the kernel's mountinfo.
+/// The parent of mount `id`, by the kernel's mountinfo (this thread's
+/// mount namespace: a thread may have one of its own).
 fn parent_of(id: u64) -> io::Result<Option<u64>> {
     let mut info = Vec::new();
-    volring_mounts::read_mountinfo(std::fs::File::open("/proc/self/mountinfo")?, &mut info)?;
+    volring_mounts::read_mountinfo(std::fs::File::open("/proc/thread-self/mountinfo")?, &mut info)?;
     let parent = volring_mounts::parse::parse(&info).flatten().find(|m| u64::from(m.id) == id).map(|m| u64::from(m.parent));
     Ok(parent)
 }

@@ -147,7 +147,7 @@ fn candidates(staging: &[&Seen]) -> String {
 }
 
 /// Pool images by the (device, inode) of the file.
-fn pool_images(dir: &Path) -> HashMap<((u32, u32), u64), String> {
+fn pool_images(dir: &Path) -> HashMap<Backing, String> {
     let mut out = HashMap::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let name = e.file_name();
@@ -161,9 +161,12 @@ fn pool_images(dir: &Path) -> HashMap<((u32, u32), u64), String> {
     out
 }
 
+/// A backing file: its filesystem's device (major, minor) and its inode.
+type Backing = ((u32, u32), u64);
+
 /// Every attached loop device and its backing file's (device, inode), as
 /// the device itself says.
-fn loop_backings() -> Vec<(u32, ((u32, u32), u64))> {
+fn loop_backings() -> Vec<(u32, Backing)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
         let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("loop")).and_then(|s| s.parse::<u32>().ok()) else { continue };
@@ -196,7 +199,7 @@ fn mounts_under(root: &Path) -> Vec<Seen> {
     let Ok(beneath) = Beneath::open(root) else { return Vec::new() };
     let real = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
     let mut info = Vec::new();
-    let Ok(f) = std::fs::File::open("/proc/self/mountinfo") else { return Vec::new() };
+    let Ok(f) = std::fs::File::open("/proc/thread-self/mountinfo") else { return Vec::new() };
     if volring_mounts::read_mountinfo(f, &mut info).is_err() {
         return Vec::new();
     }

@@ -434,7 +434,7 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let e = Store::open_checked(&path).err().expect("a garbage header does not open");
         assert!(e.is_damage(), "{e}");
-        let e = Store::read_only(&path, true).err().expect("nor reads");
+        let e = Store::read_only(&path, true).expect_err("nor reads");
         assert!(!matches!(e, Error::Busy { .. }), "{e}");
         let to = set_aside(&path).unwrap();
         assert!(!path.exists() && to.exists() && set_aside_in(d.path()) == vec![to]);
