@@ -114,7 +114,13 @@ pub(crate) fn recover(
             adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
             refused: found.refused.clone(),
         };
-        let ids = records.adopt(&found.adopted, &recovery)?;
+        // Nothing found and nothing damaged: nothing to write or say.
+        let damaged = matches!(records.loss(), Some(volring_volumes::staged::StoreLoss::Damaged { .. }));
+        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged {
+            Vec::new()
+        } else {
+            records.adopt(&found.adopted, &recovery)?
+        };
         (found, Some(ids))
     } else {
         (volring_volumes::recover::from_kernel(pool, kubelet_root, &|id| known.iter().any(|k| k == id)), None)
