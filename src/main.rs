@@ -119,7 +119,8 @@ enum Command {
     },
     /// What this node's state directory holds: volumes, staged volumes with
     /// their phase, device and targets, quarantined records. Reads the files
-    /// only; works with or without a running agent.
+    /// only; works with or without a running agent. When the store cannot
+    /// be read it says so and shows the staged volumes the kernel shows.
     Status {
         /// The agent's state directory.
         #[arg(long, default_value = "/var/lib/volring")]
@@ -127,7 +128,33 @@ enum Command {
         /// The image pool, if not <state-dir>/pool.
         #[arg(long)]
         pool_dir: Option<std::path::PathBuf>,
+        /// kubelet's root directory (where staged volumes are mounted).
+        #[arg(long, default_value = "/var/lib/kubelet")]
+        kubelet_root: std::path::PathBuf,
         /// One JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rebuild the staged volumes' records from the kernel after the store
+    /// (state.redb) was lost or damaged: loop devices backed by pool images
+    /// (by inode), nbd devices by backend id, their mounts under the
+    /// kubelet root. What cannot be proven is reported, never guessed.
+    /// Dry run unless --apply (which needs the agent stopped; a starting
+    /// agent does the same by itself).
+    Recover {
+        /// The agent's state directory.
+        #[arg(long, default_value = "/var/lib/volring")]
+        state_dir: std::path::PathBuf,
+        /// The image pool, if not <state-dir>/pool.
+        #[arg(long)]
+        pool_dir: Option<std::path::PathBuf>,
+        /// kubelet's root directory.
+        #[arg(long, default_value = "/var/lib/kubelet")]
+        kubelet_root: std::path::PathBuf,
+        /// Write the rebuilt records (a damaged store is set aside first).
+        #[arg(long)]
+        apply: bool,
+        /// One JSON document instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -380,8 +407,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             use std::io::IsTerminal;
             runtime()?.block_on(stream(watch_args.config(), json || !std::io::stdout().is_terminal()))
         }
-        Command::Status { state_dir, pool_dir, json } => {
-            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
+        Command::Status { state_dir, pool_dir, kubelet_root, json } => {
+            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, &kubelet_root, json)
+        }
+        Command::Recover { state_dir, pool_dir, kubelet_root, apply, json } => {
+            cli::status::recover(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, &kubelet_root, apply, json)
         }
         Command::Crds => {
             print!("{}", volring_kube::objects::crds_yaml());

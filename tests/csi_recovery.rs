@@ -10,7 +10,7 @@
 mod common;
 mod csi_support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -190,7 +190,7 @@ fn corrupt_records_are_quarantined() -> Result<(), Failed> {
     let mut data = [0u8; 13];
     std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(a.image("pvc-bad"))?, &mut data, 3 * MIB as u64)?;
     check(&data == b"tenant secret", "and did not replace its image")?;
-    let report = volring_volumes::status::report(&pool(&a), &a.state, false)?;
+    let report = volring_volumes::status::report(&pool(&a), &a.state, None, false)?;
     let names: Vec<_> = report.quarantined.iter().map(|q| q.name.as_str()).collect();
     check(names == ["pvc-bad.json", "pvc-ghost.json"], format!("status shows the quarantined records: {names:?}"))?;
     check(report.staged.iter().any(|s| s.volume_id == "pvc-good" && s.attached && s.targets.len() == 1), "status shows the staged volume")?;
@@ -377,6 +377,150 @@ fn negative_capacity_is_invalid() -> Result<(), Failed> {
     check(got.entries.iter().filter_map(|e| e.volume.as_ref()).all(|v| v.capacity_bytes == 16 * MIB), "the volume did not change")
 }
 
+// ---- the store lost or damaged ----
+
+/// `volring status --json` on the agent's state and kubelet root; it must
+/// work whatever the store's state.
+fn status(a: &Agent) -> Result<serde_json::Value, Failed> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+        .args(["status", "--json", "--state-dir"])
+        .arg(&a.state)
+        .arg("--kubelet-root")
+        .arg(&a.kubelet)
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    check(out.status.success(), format!("volring status failed: {}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+struct Staged {
+    id: String,
+    staging: String,
+    target: Option<String>,
+    block: bool,
+}
+
+/// Stages 20 volumes (ext4 mounts, two raw block), publishes two of each
+/// three, kills the agent, `lose`s the store, checks `volring status`
+/// works on what is left, starts an agent again and checks every volume
+/// is served: nothing detached or unmounted by the restart, stats answer,
+/// unpublish and unstage really unmount and detach.
+fn store_lost(lose: fn(&Agent) -> Result<(), Failed>, damaged: bool) -> Result<(), Failed> {
+    let mut a = Agent::start();
+    let mut vols = Vec::new();
+    for i in 0..20 {
+        let id = format!("pvc-st{i}");
+        let block = i % 10 == 9;
+        a.create(&id, 32 * MIB, if block { "" } else { "ext4" })?;
+        let cap = if block { block_cap() } else { mount_cap("ext4") };
+        let staging = a.k(&format!("plugins/kubernetes.io/csi/volring/{i:02}/globalmount"));
+        a.stage(&id, &staging, cap.clone())?;
+        let target = (i % 3 != 0).then(|| {
+            let leaf = if block { format!("volumeDevices/publish/{id}/dev") } else { format!("volumes/kubernetes.io~csi/{id}/mount") };
+            a.k(&format!("pods/pod-{i}/{leaf}"))
+        });
+        if let Some(t) = &target {
+            a.publish(&id, &staging, t, cap, false)?;
+        }
+        vols.push(Staged { id, staging, target, block });
+    }
+    let mut mounts_before = mounts_under(&a.kubelet);
+    mounts_before.sort();
+    let loops_before = loops_under(a.scratch.path());
+    a.kill_hard();
+    lose(&a)?;
+    // With no agent and the store gone or damaged, status still answers.
+    let st = status(&a)?;
+    check(st["store_error"].is_string(), format!("status names the loss: {}", st["store_error"]))?;
+    let n = st["staged"].as_array().map_or(0, |v| v.len());
+    check(n == vols.len(), format!("status shows {n} staged volumes from the kernel, not {}", vols.len()))?;
+    check(!st["problems"].to_string().contains("orphan"), format!("no orphans suggested: {}", st["problems"]))?;
+    a.respawn();
+    let mut after = mounts_under(&a.kubelet);
+    after.sort();
+    check(after == mounts_before, format!("the restart changed mounts: before {mounts_before:?}, after {after:?}"))?;
+    check(loops_under(a.scratch.path()) == loops_before, "the restart detached nothing")?;
+    let st = status(&a)?;
+    let shown: Vec<&str> = st["staged"].as_array().into_iter().flatten().filter_map(|s| s["volume_id"].as_str()).collect();
+    check(shown.len() == vols.len(), format!("status lists the rebuilt volumes: {shown:?}"))?;
+    let rec = &st["recoveries"][0];
+    check(rec["adopted"].as_array().map_or(0, |v| v.len()) == vols.len(), format!("status says the store was recovered: {rec}"))?;
+    let problems = st["problems"].to_string();
+    check(!problems.contains("orphan"), format!("no orphans after the rebuild: {problems}"))?;
+    let log = std::fs::read_to_string(&a.log).unwrap_or_default();
+    check(log.contains("THE NODE'S STORE"), "an ERROR in the log says the store was lost")?;
+    if damaged {
+        let kept: Vec<_> =
+            std::fs::read_dir(&a.state)?.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("state.redb.damaged-")).collect();
+        check(kept.len() == 1, "the damaged store is kept, set aside")?;
+        check(st["set_aside"].as_array().is_some_and(|v| v.len() == 1), "status names it")?;
+    }
+    for v in &vols {
+        let path = v.target.as_deref().unwrap_or(&v.staging);
+        a.stats(&v.id, path).map_err(|e| format!("stats of {} at {path}: {e:?}", v.id))?;
+        if let Some(t) = &v.target {
+            a.unpublish(&v.id, t).map_err(|e| format!("unpublish {}: {e:?}", v.id))?;
+            check(mounts_under(Path::new(t)).is_empty(), format!("{} still mounted at {t}", v.id))?;
+        }
+        a.unstage(&v.id, &v.staging).map_err(|e| format!("unstage {}: {e:?}", v.id))?;
+        check(mounts_under(Path::new(&v.staging)).is_empty(), format!("{} still mounted at {}", v.id, v.staging))?;
+        let image = a.image(&v.id);
+        check(loops_backed_by(&image).is_empty(), format!("{} (block {}) still attached", v.id, v.block))?;
+    }
+    all_gone(&a)?;
+    status(&a).map(drop)
+}
+
+/// `state.redb` removed under 20 staged volumes.
+fn store_removed_is_rebuilt_from_the_kernel() -> Result<(), Failed> {
+    store_lost(|a| Ok(std::fs::remove_file(a.state.join("state.redb"))?), false)
+}
+
+/// Garbage over `state.redb`'s header under 20 staged volumes: set aside,
+/// rebuilt.
+fn store_damaged_is_set_aside_and_rebuilt() -> Result<(), Failed> {
+    store_lost(
+        |a| {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(a.state.join("state.redb"))?;
+            f.write_all_at(&[0xa5; 4096], 0)?;
+            Ok(f.sync_all()?)
+        },
+        true,
+    )
+}
+
+/// An unstage of a volume with no record never answers OK while the
+/// volume's device is still mounted: the store is removed and the rebuild
+/// refuses the volume (its device is mounted at two places outside
+/// `pods/`, so the staging mount cannot be proven); the unstage takes its
+/// own mount off the staging path and fails while the other mount holds
+/// the device, then, retried once that mount is gone, detaches it.
+fn unstage_without_record_takes_the_volume_down() -> Result<(), Failed> {
+    let mut a = Agent::start();
+    a.create("pvc-norec", 32 * MIB, "ext4")?;
+    let staging = a.k("plugins/kubernetes.io/csi/volring/norec/globalmount");
+    a.stage("pvc-norec", &staging, mount_cap("ext4"))?;
+    // A second mount of the device elsewhere the rebuild cannot explain
+    // (two staging candidates): the volume is not adopted.
+    let other = a.k("plugins/elsewhere/norec");
+    std::fs::create_dir_all(&other)?;
+    let dev = format!("/dev/loop{}", loops_backed_by(&a.image("pvc-norec"))[0]);
+    let out = std::process::Command::new("mount").args([dev.as_str(), other.as_str()]).output()?;
+    check(out.status.success(), format!("mount: {}", String::from_utf8_lossy(&out.stderr)))?;
+    a.kill_hard();
+    std::fs::remove_file(a.state.join("state.redb"))?;
+    a.respawn();
+    // Held by the other mount: the unstage must fail, not answer OK.
+    let r = a.unstage("pvc-norec", &staging);
+    check(r.is_err(), "unstage answered OK while the device is mounted elsewhere")?;
+    common::umount(Path::new(&other));
+    a.unstage("pvc-norec", &staging)?;
+    check(mounts_under(Path::new(&staging)).is_empty(), "unmounted")?;
+    check(loops_backed_by(&a.image("pvc-norec")).is_empty(), "detached")?;
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("csi_recovery::delete_interrupted_at_each_step", delete_interrupted_at_each_step),
@@ -394,6 +538,9 @@ fn main() {
         Trial::test("csi_recovery::list_volumes_tokens", list_volumes_tokens),
         Trial::test("csi_recovery::sizes_match_get_capacity", sizes_match_get_capacity),
         Trial::test("csi_recovery::negative_capacity_is_invalid", negative_capacity_is_invalid),
+        Trial::test("csi_recovery::store_removed_is_rebuilt_from_the_kernel", store_removed_is_rebuilt_from_the_kernel),
+        Trial::test("csi_recovery::store_damaged_is_set_aside_and_rebuilt", store_damaged_is_set_aside_and_rebuilt),
+        Trial::test("csi_recovery::unstage_without_record_takes_the_volume_down", unstage_without_record_takes_the_volume_down),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -418,6 +418,60 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The reconciler decided "staging missing" and, between that decision and
+/// its mount, a foreign tmpfs appears on the staging path (the pause point
+/// `stage:premount` holds the repair there). The volume must not be
+/// mounted on top of it: the tmpfs stays the top mount, its file visible,
+/// and the refusal shows in the volume's condition, in status and in the
+/// log. Once the tmpfs goes, the volume is repaired.
+fn foreign_mount_between_decision_and_act() -> Result<(), Failed> {
+    let pause = common::Scratch::new();
+    let dir = pause.path().to_string_lossy().into_owned();
+    // The first premount is the stage's own; the second, the repair's.
+    let a = Agent::start_with(&[("VOLRING_PAUSE_POINT", "stage:premount@2"), ("VOLRING_PAUSE_DIR", &dir)]);
+    a.create("pvc-race", 64 * MIB, "ext4")?;
+    let staging = a.k("plugins/stage/race");
+    a.stage("pvc-race", &staging, mount_cap("ext4"))?;
+    std::fs::write(Path::new(&staging).join("kept"), b"kept")?;
+    rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty())?;
+    let reached = eventually(Duration::from_secs(20), || pause.path().join("stage_premount.reached").exists());
+    check(reached, format!("the repair never reached its mount; log:\n{}", a.log_tail(40)))?;
+    common::tmpfs_at(Path::new(&staging));
+    std::fs::write(Path::new(&staging).join("foreign"), b"tenant")?;
+    std::fs::write(pause.path().join("stage_premount.go"), b"")?;
+    // The repair went on: it says how it ended in the log.
+    let acted = eventually(Duration::from_secs(20), || {
+        let log = std::fs::read_to_string(&a.log).unwrap_or_default();
+        log.contains("repaired") || log.contains("repair failed")
+    });
+    check(acted, format!("the repair did not finish; log:\n{}", a.log_tail(30)))?;
+    let mut cond = Default::default();
+    let refused = eventually(Duration::from_secs(20), || {
+        cond = a.stats("pvc-race", &staging).ok().and_then(|s| s.volume_condition).unwrap_or_default();
+        cond.abnormal && !cond.message.contains("repaired")
+    });
+    let on_top = std::fs::read(Path::new(&staging).join("foreign")).ok();
+    let under = mounts_under(Path::new(&staging));
+    check(refused, format!("condition: {cond:?}"))?;
+    check(
+        on_top.as_deref() == Some(b"tenant") && under.len() == 1,
+        format!("the volume was mounted over the foreign tmpfs: mounts {under:?}, foreign file {on_top:?}"),
+    )?;
+    let log = std::fs::read_to_string(&a.log).unwrap_or_default();
+    check(log.contains("mounted there while"), format!("the log says nothing of it:\n{}", a.log_tail(30)))?;
+    let st = status_json(&a)?;
+    let entry = staged_entry(&st, "pvc-race").unwrap_or_default();
+    check(!entry["health"]["drift"].as_array().is_none_or(|d| d.is_empty()), format!("status shows the drift: {entry}"))?;
+    // The foreign mount goes: repaired, the volume's data back.
+    let gone =
+        eventually(Duration::from_secs(20), || rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty()).is_ok());
+    check(gone, "the foreign tmpfs stayed busy")?;
+    let back = eventually(Duration::from_secs(30), || std::fs::read(Path::new(&staging).join("kept")).ok().as_deref() == Some(b"kept"));
+    check(back, format!("repaired once the foreign mount went; log:\n{}", a.log_tail(30)))?;
+    a.unstage("pvc-race", &staging)?;
+    all_gone(&a)
+}
+
 fn main() {
     let trials = vec![
         Trial::test("state::behind_the_back_repairs", behind_the_back_repairs),
@@ -425,6 +479,7 @@ fn main() {
         Trial::test("state::legacy_records_imported_and_status_after_crash", legacy_records_imported_and_status_after_crash),
         Trial::test("state::orphans_reported_and_removed_only_when_asked", orphans_reported_and_removed_only_when_asked),
         Trial::test("state::a_stale_table_decides_nothing", a_stale_table_decides_nothing),
+        Trial::test("state::foreign_mount_between_decision_and_act", foreign_mount_between_decision_and_act),
     ];
     common::run_in_private_namespace(trials)
 }

@@ -1,19 +1,44 @@
 //! `volring status`: what the node's state directory holds.
 
-pub(crate) fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, json: bool) -> anyhow::Result<()> {
+pub(crate) fn print_status(
+    pool: &std::path::Path,
+    state_dir: &std::path::Path,
+    kubelet_root: &std::path::Path,
+    json: bool,
+) -> anyhow::Result<()> {
     use std::io::Write;
     // Holding the agent's lock while reading means no agent runs, so a store
     // a crash left unrepaired may be repaired; beside a running agent the
     // store is only read.
     let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
     let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
-    let r = volring_volumes::status::report(pool, state_dir, no_agent)?;
+    let r = volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?;
     drop(lock);
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
         writeln!(out)?;
         return Ok(());
+    }
+    if let Some(e) = &r.store_error {
+        writeln!(
+            out,
+            "STORE UNREADABLE: {e}\n  the staged volumes below are what the kernel shows; `volring recover` rebuilds the records\n"
+        )?;
+    }
+    for rec in &r.recoveries {
+        writeln!(
+            out,
+            "STORE RECOVERED at {} ({}): {} staged volumes rebuilt from the kernel, {} not provable{}",
+            rec.at,
+            rec.cause,
+            rec.adopted.len(),
+            rec.refused.len(),
+            rec.set_aside.as_ref().map_or(String::new(), |p| format!("; the damaged store is kept at {}", p.display()))
+        )?;
+        for what in &rec.refused {
+            writeln!(out, "  not rebuilt: {what}")?;
+        }
     }
     writeln!(out, "VOLUMES ({}) in {}", r.volumes.len(), r.pool_dir.display())?;
     writeln!(out, "{:<40} {:>14} {:>14} {:<5}", "ID", "SIZE", "ALLOCATED", "FS")?;
@@ -29,7 +54,7 @@ pub(crate) fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, 
             (Some(d), false) => format!("{} (gone)", d.display()),
             (None, _) => "-".to_string(),
         };
-        let phase = format!("{:?}", s.phase).to_lowercase();
+        let phase = format!("{:?}{}", s.phase, if s.from_kernel { "*" } else { "" }).to_lowercase();
         let ro = if s.read_only { "ro" } else { "rw" };
         writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} {}", s.volume_id, phase, s.access, dev, ro, s.staging_path.display())?;
         for (t, ro) in &s.targets {
@@ -47,6 +72,95 @@ pub(crate) fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, 
         for p in &r.problems {
             writeln!(out, "{}: {}", p.path.display(), p.detail)?;
         }
+    }
+    Ok(())
+}
+
+/// `volring recover`: what the kernel shows of staged volumes the store
+/// has no record of (all of them when it cannot be read), as records; with
+/// `apply`, written (a damaged store set aside first). Needs the agent
+/// stopped to write.
+pub(crate) fn recover(
+    pool: &std::path::Path,
+    state_dir: &std::path::Path,
+    kubelet_root: &std::path::Path,
+    apply: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    use volring_volumes::store::{self, Store};
+    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
+    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+    if apply && !no_agent {
+        anyhow::bail!("an agent holds {}: stop it first (a starting agent rebuilds a lost store by itself)", state_dir.display());
+    }
+    let path = state_dir.join(store::FILE);
+    let (store_error, known): (Option<String>, Vec<String>) = match Store::read_only(&path, no_agent) {
+        Ok(c) => (None, c.volumes.into_iter().map(|(id, _)| id).collect()),
+        Err(e) => (Some(e.to_string()), Vec::new()),
+    };
+    let missing = !path.exists();
+    let mut out = std::io::stdout().lock();
+    let (found, written) = if apply {
+        let records = volring_volumes::StagedRecords::open(state_dir)?;
+        let found = volring_volumes::recover::from_kernel(pool, kubelet_root, &|id| records.contains(id));
+        let recovery = store::Recovery {
+            at: store::timestamp(),
+            cause: records.loss().map_or("operator: volring recover --apply".into(), |l| l.cause()),
+            set_aside: match records.loss() {
+                Some(volring_volumes::staged::StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
+                _ => None,
+            },
+            adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
+            refused: found.refused.clone(),
+        };
+        // Nothing found and nothing damaged: nothing to write or say.
+        let damaged = matches!(records.loss(), Some(volring_volumes::staged::StoreLoss::Damaged { .. }));
+        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged {
+            Vec::new()
+        } else {
+            records.adopt(&found.adopted, &recovery)?
+        };
+        (found, Some(ids))
+    } else {
+        (volring_volumes::recover::from_kernel(pool, kubelet_root, &|id| known.iter().any(|k| k == id)), None)
+    };
+    drop(lock);
+    if json {
+        let v = serde_json::json!({
+            "store": path, "store_missing": missing, "store_error": store_error,
+            "adopted": found.adopted, "refused": found.refused, "written": written,
+        });
+        serde_json::to_writer_pretty(&mut out, &v)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    match (&store_error, missing) {
+        (Some(e), _) => writeln!(out, "the store cannot be read: {e}")?,
+        (None, true) => writeln!(out, "there is no store at {}", path.display())?,
+        (None, false) => writeln!(out, "the store holds {} staged records; only volumes without one are looked at", known.len())?,
+    }
+    for r in &found.adopted {
+        let targets: Vec<String> = r.published.keys().map(|t| t.display().to_string()).collect();
+        writeln!(
+            out,
+            "{} {}: {} {} at {}{}",
+            if written.is_some() { "rebuilt" } else { "would rebuild" },
+            r.volume_id,
+            r.device_name().unwrap_or_default(),
+            match &r.access {
+                volring_volumes::AccessKind::Block => "block".to_string(),
+                volring_volumes::AccessKind::Mount { fs_type, .. } => fs_type.clone(),
+            },
+            r.staging_path.display(),
+            if targets.is_empty() { String::new() } else { format!(", published at {}", targets.join(", ")) }
+        )?;
+    }
+    for r in &found.refused {
+        writeln!(out, "not provable, left alone: {r}")?;
+    }
+    if written.is_none() && !found.adopted.is_empty() {
+        writeln!(out, "dry run: nothing written (--apply writes, with the agent stopped)")?;
     }
     Ok(())
 }

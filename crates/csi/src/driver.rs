@@ -131,6 +131,9 @@ impl Driver {
             .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
+        if let Some(loss) = records.loss().cloned() {
+            rebuild_from_kernel(&pool, &records, &config.kubelet_root, &loss)?;
+        }
         let config_nbd = super::nbd::NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir);
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
@@ -251,4 +254,42 @@ impl Driver {
     pub(super) fn is_here(&self, t: &Topology) -> bool {
         t.segments.iter().all(|(k, v)| k == TOPOLOGY_KEY && *v == self.config.node_id)
     }
+}
+
+/// The store was missing or damaged at open: the staged volumes' records
+/// are rebuilt from what the kernel shows (`volumes::recover`: devices
+/// proven by inode or backend, mounts proven by descriptor), what cannot be
+/// proven is reported and left alone, and all of it is said loudly — an
+/// ERROR in the log and a line in `volring status` (kept in the new store).
+/// A new node (no store, nothing in the kernel) is only noted.
+fn rebuild_from_kernel(
+    pool: &ImagePool,
+    records: &StagedRecords,
+    kubelet_root: &Path,
+    loss: &volring_volumes::staged::StoreLoss,
+) -> Result<()> {
+    use volring_volumes::staged::StoreLoss;
+    let found = volring_volumes::recover::from_kernel(pool.dir(), kubelet_root, &|id| records.contains(id));
+    if *loss == StoreLoss::Missing && found.adopted.is_empty() && found.refused.is_empty() {
+        tracing::info!(store = %records.store().path().display(), "no store yet: a new one made");
+        return Ok(());
+    }
+    let recovery = volring_volumes::store::Recovery {
+        at: volring_volumes::store::timestamp(),
+        cause: loss.cause(),
+        set_aside: match loss {
+            StoreLoss::Damaged { set_aside, .. } => Some(set_aside.clone()),
+            StoreLoss::Missing => None,
+        },
+        adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
+        refused: found.refused.clone(),
+    };
+    let adopted = records.adopt(&found.adopted, &recovery)?;
+    tracing::error!(store = %records.store().path().display(), cause = %recovery.cause, adopted = adopted.len(),
+        refused = found.refused.len(), volumes = ?adopted,
+        "THE NODE'S STORE WAS LOST: the staged volumes' records were rebuilt from the kernel (see `volring status`)");
+    for r in &found.refused {
+        tracing::error!(what = %r, "not rebuilt from the kernel: could not be proven; left alone");
+    }
+    Ok(())
 }

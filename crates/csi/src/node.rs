@@ -206,6 +206,8 @@ impl Driver {
                     self.records.put(rec)?;
                     volring_volumes::fault::point("stage:mount");
                     let options = if fs == "xfs" { options.clone().with_data("nouuid") } else { options.clone() };
+                    volring_volumes::fault::pause("stage:premount");
+                    self.still_unmounted(rec, &at, &dir)?;
                     mounting::mount_filesystem(&att.path(), dir.as_fd(), fs, &options)
                         .map_err(|e| Error::Internal(format!("mount {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Filesystem(att.dev)));
@@ -223,6 +225,8 @@ impl Driver {
                         rustix::fs::open(att.path(), rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())
                             .map_err(|e| Error::Internal(format!("open {}: {e}", att.path().display())))?;
                     volring_volumes::fault::point("stage:mount");
+                    volring_volumes::fault::pause("stage:premount");
+                    self.still_unmounted(rec, &at, &file)?;
                     mounting::bind(device.as_fd(), file.as_fd(), flags)
                         .map_err(|e| Error::Internal(format!("bind {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Device(att.dev)));
@@ -254,6 +258,36 @@ impl Driver {
             node.dev,
             rec.volume_id
         )))
+    }
+
+    /// Proves again, right before mounting, that the path still is what
+    /// `fd` was opened on and judged empty: opened afresh beneath the
+    /// kubelet root, it must be the same unmounted entry (same filesystem,
+    /// same mount). A mount made there since (a tenant's, another agent's)
+    /// stops the stage: volring never mounts over it. The mount itself
+    /// then checks where it landed (`mounting`), for the last instant.
+    fn still_unmounted(&self, rec: &StagedVolume, at: &Path, fd: &OwnedFd) -> Result<()> {
+        let stat =
+            |fd: &OwnedFd| volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", at.display())));
+        let held = stat(fd)?;
+        let now = match self.beneath.open_path(at).map_err(|e| path_error(e, at))? {
+            Some(f) => Some(stat(&f)?),
+            None => None,
+        };
+        match now {
+            Some(n) if !n.mount_root && n.mnt_id == held.mnt_id && n.dev == held.dev => Ok(()),
+            Some(n) => Err(Error::FailedPrecondition(format!(
+                "something was mounted there while volring was about to mount volume {} on {} (device {} now); not mounting over it",
+                rec.volume_id,
+                at.display(),
+                n.dev
+            ))),
+            None => Err(Error::FailedPrecondition(format!(
+                "{} went away while volring was about to mount volume {} there",
+                at.display(),
+                rec.volume_id
+            ))),
+        }
     }
 
     /// Finds the filesystem to mount, formatting a blank device. Never
@@ -307,9 +341,10 @@ impl Driver {
             if self.pool.get(id).is_none() {
                 return Err(Error::NotFound(format!("volume {id} does not exist")));
             }
-            if self.records.quarantined_record(id).is_some() {
-                self.unstage_without_record(id, &staging)?;
-            }
+            // No record (quarantined, or a store lost and not rebuilt for
+            // it): the kernel still decides. OK only once nothing of the
+            // volume is mounted at the staging path or attached.
+            self.unstage_without_record(id, &staging)?;
             return Ok(NodeUnstageVolumeResponse {});
         };
         if rec.staging_path != staging {
@@ -384,19 +419,42 @@ impl Driver {
 }
 
 impl Driver {
-    /// Unstages a volume whose staged record was quarantined (unreadable):
-    /// whatever device serves its image is taken off the staging path —
-    /// only where it is that device's own mount, as a filesystem or as the
-    /// bound block device — and detached. The quarantined record stays for
-    /// the operator to read.
+    /// Unstages a volume that has no record (quarantined, or the store was
+    /// lost): every device serving its image (a loop device backed by the
+    /// image's very inode, an nbd device carrying the volume id) is taken
+    /// off the staging path — only where it is that device's own mount, as
+    /// a filesystem or as the bound block device — and detached, unless
+    /// something still holds it (a publish target, another mount): then the
+    /// unstage fails and nothing is detached. Never OK while the volume's
+    /// mount or device is still there.
     fn unstage_without_record(&self, id: &str, staging: &Path) -> Result<()> {
         let image = self.pool.image_path(id);
-        for a in attach::find_backed_by(&image) {
+        let mut devices: Vec<Attachment> = attach::find_backed_by(&image)
+            .into_iter()
+            .filter_map(|a| match attach::prove_loop(a.number, &image) {
+                attach::DeviceProof::Ours(a) => Some(Ok(a)),
+                attach::DeviceProof::Gone => None,
+                attach::DeviceProof::Unsettled(why) => Some(Err(Error::Unavailable(format!("volume {id}'s device: {why}")))),
+            })
+            .collect::<Result<_>>()?;
+        devices.extend(attach::nbd_backed_by(id).into_iter().filter_map(|n| attach::nbd_existing(n, id)));
+        for a in &devices {
             self.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
             self.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
-            attach::detach(a.number, &image)?;
+            if attach::claimed_path(&a.path())? {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {id} has no record and {} is still in use (mounted or held elsewhere, a publish target?); not detached",
+                    a.path().display()
+                )));
+            }
+            match a.kind {
+                AttachKind::Loop => attach::detach(a.number, &image)?,
+                AttachKind::Nbd => self.nbd.detach(a.number, id)?,
+            }
         }
-        tracing::warn!(volume = id, "unstaged a volume whose record is quarantined");
+        if !devices.is_empty() {
+            tracing::warn!(volume = id, devices = devices.len(), "unstaged a volume that has no record (from what the kernel shows)");
+        }
         Ok(())
     }
 }

@@ -71,7 +71,10 @@ impl Volumes for DriverVolumes {
             Action::FinishUnstage if rec.phase == StagePhase::Unstaging => self.0.finish_unstage(&rec),
             Action::FinishUnstage => return Acted::Intact,
             Action::Restage if rec.phase == StagePhase::Staged && self.0.stage_intact(&rec).unwrap_or(false) => return Acted::Intact,
-            Action::Restage => self.restage(&rec),
+            Action::Restage => {
+                volring_volumes::fault::pause("reconcile:decided");
+                self.restage(&rec)
+            }
         };
         match result {
             Ok(()) if action == Action::Restage => {

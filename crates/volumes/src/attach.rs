@@ -132,6 +132,15 @@ pub fn claimed(number: u32) -> Result<bool, Error> {
     }
 }
 
+/// [`claimed`] for any block device node (`/dev/nbd0` too).
+pub fn claimed_path(p: &Path) -> Result<bool, Error> {
+    match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(p) {
+        Ok(_) => Ok(false),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
+        Err(e) => Err(Error::io("open exclusively", p)(e)),
+    }
+}
+
 /// `/dev/nbd<index>` if its backend identifier is `backend` (the kernel
 /// removes the identifier when the device's configuration goes, so a torn
 /// down or reused device never matches).

@@ -116,6 +116,44 @@ pub fn point(name: &str) {
     }
 }
 
+/// Test hooks that hold the agent between two steps, so a test can change
+/// the machine there (mount something foreign on a path, say) and see what
+/// the agent does next. `VOLRING_PAUSE_POINT=name` (or `name@N`, the N-th
+/// time) with `VOLRING_PAUSE_DIR=dir`: at [`pause`]`("name")` the agent
+/// creates `dir/name.reached` and waits (at most a minute) until the test
+/// creates `dir/name.go`. Every pause point is listed in [`PAUSES`].
+///
+/// - `reconcile:decided`: the reconciler decided a repair and holds the
+///   volume's lock; nothing has been opened or mounted yet;
+/// - `stage:premount`: a stage (a call's or the reconciler's repair) proved
+///   the staging path empty and is about to mount onto it.
+pub const PAUSES: &[&str] = &["reconcile:decided", "stage:premount"];
+
+/// Waits here when this pause point is armed (see [`PAUSES`]).
+pub fn pause(name: &str) {
+    static ARMED: OnceLock<Option<(String, u64, std::path::PathBuf)>> = OnceLock::new();
+    static HITS: AtomicU64 = AtomicU64::new(0);
+    let armed = ARMED.get_or_init(|| {
+        let v = std::env::var("VOLRING_PAUSE_POINT").ok()?;
+        let dir = std::path::PathBuf::from(std::env::var_os("VOLRING_PAUSE_DIR")?);
+        match v.split_once('@') {
+            Some((name, n)) => Some((name.to_string(), n.parse().ok().filter(|&n| n > 0)?, dir)),
+            None => Some((v, 1, dir)),
+        }
+    });
+    let Some((want, nth, dir)) = armed else { return };
+    if want != name || HITS.fetch_add(1, Ordering::AcqRel) + 1 != *nth {
+        return;
+    }
+    let file = name.replace(':', "_");
+    tracing::warn!(point = name, "pause point reached: waiting for the test");
+    let _ = std::fs::write(dir.join(format!("{file}.reached")), b"");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !dir.join(format!("{file}.go")).exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

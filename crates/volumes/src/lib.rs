@@ -21,6 +21,7 @@ pub mod filesystem;
 pub mod mounting;
 pub mod persist;
 pub mod pool;
+pub mod recover;
 pub mod staged;
 pub mod state;
 pub mod status;

@@ -125,8 +125,51 @@ pub fn mount_filesystem(device: &Path, target: BorrowedFd<'_>, fs_type: &str, o:
     }
     let (set, _) = attributes(o.flags);
     let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::from_bits_retain(set as u32))?;
-    move_mount(&mnt, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
-    Ok(())
+    attach_onto(&mnt, target)
+}
+
+/// Attaches the detached mount `mnt` onto what `target` refers to, and
+/// proves it landed there. `move_mount` to a descriptor whose directory
+/// someone covered with a mount since it was opened (and judged empty) does
+/// not fail: the kernel puts the new mount on top of that other mount. So
+/// the mount `target` lies in is taken before, and the new mount's parent
+/// (mountinfo, by the new mount's own id) must be that very mount after;
+/// when it is not, the new mount is taken off again (lazily: this
+/// descriptor still holds it) and the attach fails — never left over what
+/// is not volring's.
+fn attach_onto(mnt: &OwnedFd, target: BorrowedFd<'_>) -> io::Result<()> {
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    // A mount's root (a stack the caller means to make) is that mount:
+    // the new one's parent must be it.
+    let at = statx(target, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+    move_mount(mnt, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
+    let new_id = statx(mnt, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?.stx_mnt_id;
+    let parent = parent_of(new_id);
+    if parent.as_ref().is_ok_and(|p| *p == Some(at.stx_mnt_id)) {
+        return Ok(());
+    }
+    let off = rustix::mount::unmount(format!("/proc/self/fd/{}", mnt.as_raw_fd()).as_str(), UnmountFlags::DETACH);
+    let why = match parent {
+        Ok(p) => format!(
+            "something was mounted there while volring attached its mount (it landed on mount {p:?}, not on {}); {}",
+            at.stx_mnt_id,
+            match off {
+                Ok(()) => "taken off again, nothing left over it".to_string(),
+                Err(e) => format!("taking it off again failed: {e}"),
+            }
+        ),
+        Err(e) => format!("could not tell where the new mount landed ({e}); taken off again"),
+    };
+    Err(io::Error::new(io::ErrorKind::ResourceBusy, why))
+}
+
+/// The parent of mount `id`, by the kernel's mountinfo (this thread's
+/// mount namespace: a thread may have one of its own).
+fn parent_of(id: u64) -> io::Result<Option<u64>> {
+    let mut info = Vec::new();
+    volring_mounts::read_mountinfo(std::fs::File::open("/proc/thread-self/mountinfo")?, &mut info)?;
+    let parent = volring_mounts::parse::parse(&info).flatten().find(|m| u64::from(m.id) == id).map(|m| u64::from(m.parent));
+    Ok(parent)
 }
 
 /// Bind-mounts what `source` refers to (a mount's root, or a device node)
@@ -139,8 +182,7 @@ pub fn bind(source: BorrowedFd<'_>, target: BorrowedFd<'_>, flags: MountFlags) -
     if set != 0 || clear != 0 {
         volring_sys::mount_api::mount_setattr(tree.as_fd(), set, clear)?;
     }
-    move_mount(&tree, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
-    Ok(())
+    attach_onto(&tree, target)
 }
 
 /// Unmounts what is mounted on entry `name` of the open directory `parent`

@@ -147,8 +147,29 @@ impl StagedVolume {
 /// Told the id of each record put or removed.
 type ChangeHook = Box<dyn Fn(&str) + Send>;
 
+/// How the store was found at open, when it was not simply there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLoss {
+    /// No `state.redb` (a new node, or one removed): a new store was made.
+    Missing,
+    /// The file could not be read; it was set aside and a new one made.
+    Damaged { detail: String, set_aside: PathBuf },
+}
+
+impl StoreLoss {
+    pub fn cause(&self) -> String {
+        match self {
+            StoreLoss::Missing => "missing".into(),
+            StoreLoss::Damaged { detail, .. } => format!("damaged: {detail}"),
+        }
+    }
+}
+
 pub struct StagedRecords {
     store: Arc<Store>,
+    /// Set when the store was missing or damaged at open: the caller
+    /// rebuilds the records from the kernel (`recover`).
+    loss: Option<StoreLoss>,
     records: Mutex<HashMap<String, StagedVolume>>,
     quarantined: Vec<Quarantined>,
     /// Told the id of every record that changed (the reconciler and the
@@ -199,7 +220,18 @@ impl StagedRecords {
     pub fn open(state_dir: &Path) -> Result<Self, Error> {
         fs::create_dir_all(state_dir).map_err(Error::io("create state directory", state_dir))?;
         let path = state_dir.join(store::FILE);
-        let store = Store::open(&path).map_err(|e| Error::Corrupt { path: path.clone(), detail: e.to_string() })?;
+        let existed = std::fs::symlink_metadata(&path).is_ok();
+        let (store, loss) = match Store::open_checked(&path) {
+            Ok((s, _)) => (s, (!existed).then_some(StoreLoss::Missing)),
+            Err(e) if e.is_damage() => {
+                let to = store::set_aside(&path).map_err(Error::io("set aside the damaged store", &path))?;
+                tracing::error!(store = %path.display(), set_aside = %to.display(), error = %e,
+                    "THE NODE'S STORE IS DAMAGED: set aside (kept for the operator) and a new one made; the staged volumes are rebuilt from the kernel");
+                let s = Store::open(&path).map_err(|e| Error::Corrupt { path: path.clone(), detail: e.to_string() })?;
+                (s, Some(StoreLoss::Damaged { detail: e.to_string(), set_aside: to }))
+            }
+            Err(e) => return Err(Error::Corrupt { path: path.clone(), detail: e.to_string() }),
+        };
         let store_err = |e: store::Error| Error::Corrupt { path: path.clone(), detail: e.to_string() };
         import_legacy(&store, &state_dir.join(LEGACY_DIR))?;
         let contents = store.contents().map_err(store_err)?;
@@ -221,7 +253,38 @@ impl StagedRecords {
         }
         let mut quarantined = quarantined_in(state_dir)?;
         quarantined.extend(in_store);
-        Ok(Self { store: Arc::new(store), records: Mutex::new(records), quarantined, changed: Mutex::new(Vec::new()) })
+        Ok(Self { store: Arc::new(store), loss, records: Mutex::new(records), quarantined, changed: Mutex::new(Vec::new()) })
+    }
+
+    /// How the store was found at open, when it was missing or damaged.
+    pub fn loss(&self) -> Option<&StoreLoss> {
+        self.loss.as_ref()
+    }
+
+    /// Durably records `recs` (rebuilt from the kernel) and what the
+    /// rebuild found, in one transaction. A volume that has a record
+    /// already keeps it.
+    pub fn adopt(&self, recs: &[StagedVolume], recovery: &store::Recovery) -> Result<Vec<String>, Error> {
+        let fresh: Vec<(&StagedVolume, Vec<u8>)> = recs
+            .iter()
+            .filter(|r| !self.contains(&r.volume_id))
+            .map(|r| (r, serde_json::to_vec(r).expect("a staged record serialises")))
+            .collect();
+        let mut changes: Vec<Change<'_>> = fresh.iter().map(|(r, b)| Change::PutVolume(&r.volume_id, b)).collect();
+        changes.push(Change::PutRecovery(recovery));
+        self.store.apply(&changes).map_err(|e| self.error(e))?;
+        let mut ids = Vec::new();
+        {
+            let mut map = self.lock();
+            for (r, _) in &fresh {
+                map.insert(r.volume_id.clone(), (*r).clone());
+                ids.push(r.volume_id.clone());
+            }
+        }
+        for id in &ids {
+            self.notify(id);
+        }
+        Ok(ids)
     }
 
     /// The node's store (the reconciler keeps its verdicts there too).

@@ -28,6 +28,15 @@ pub struct StatusReport {
     pub quarantined: Vec<Quarantined>,
     /// Files an agent would quarantine or clean up when it next starts.
     pub problems: Vec<Problem>,
+    /// Why the store could not be read, when it could not: the staged
+    /// volumes are then what the kernel shows (`from_kernel`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_error: Option<String>,
+    /// The times the store was lost or damaged and the records rebuilt
+    /// from the kernel, as the rebuilding agent recorded them.
+    pub recoveries: Vec<crate::store::Recovery>,
+    /// Damaged stores set aside in the state directory (kept).
+    pub set_aside: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,6 +68,9 @@ pub struct StagedStatus {
     /// made), when a running agent recorded one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health: Option<serde_json::Value>,
+    /// Read from the kernel, not the store (which could not be read).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub from_kernel: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -71,7 +83,11 @@ pub struct Problem {
 /// directory that does not exist reads as empty. `no_agent`: the caller
 /// holds the agent's lock, so a store left unrepaired by a crash may be
 /// repaired before it is read.
-pub fn report(pool_dir: &Path, state_dir: &Path, no_agent: bool) -> Result<StatusReport, Error> {
+///
+/// A store that cannot be read does not fail the report: it says why
+/// (`store_error`), and with `kubelet_root` the staged volumes are read
+/// from the kernel instead (`recover::from_kernel`, nothing written).
+pub fn report(pool_dir: &Path, state_dir: &Path, kubelet_root: Option<&Path>, no_agent: bool) -> Result<StatusReport, Error> {
     let store = state_dir.join(crate::store::FILE);
     let mut out = StatusReport {
         pool_dir: pool_dir.to_path_buf(),
@@ -80,19 +96,56 @@ pub fn report(pool_dir: &Path, state_dir: &Path, no_agent: bool) -> Result<Statu
         staged: Vec::new(),
         quarantined: Vec::new(),
         problems: Vec::new(),
+        store_error: None,
+        recoveries: Vec::new(),
+        set_aside: crate::store::set_aside_in(state_dir),
     };
     if pool_dir.is_dir() {
         out.quarantined.extend(persist::quarantined(pool_dir).map_err(Error::io("list quarantined records", pool_dir))?);
         read_pool(pool_dir, &mut out)?;
     }
-    read_store(&store, no_agent, &mut out)?;
+    let kernel_only = |out: &mut StatusReport| {
+        let Some(root) = kubelet_root else { return 0 };
+        let found = crate::recover::from_kernel(pool_dir, root, &|_| false);
+        let n = found.adopted.len();
+        for r in found.adopted {
+            let mut s = staged_status(r, None);
+            s.from_kernel = true;
+            out.staged.push(s);
+        }
+        for r in found.refused {
+            out.problems.push(Problem { path: root.to_path_buf(), detail: format!("seen in the kernel, not provable: {r}") });
+        }
+        n
+    };
+    if !store.exists() && kubelet_root.is_some() {
+        // No store, yet the kernel may show staged volumes (a store
+        // removed): they are not orphans, and the agent rebuilds them.
+        if kernel_only(&mut out) > 0 {
+            out.store_error = Some(format!("{} is missing", store.display()));
+            out.problems.push(Problem {
+                path: store.clone(),
+                detail: "missing while the kernel shows staged volumes; the agent rebuilds their records from the kernel at start (`volring recover` shows what it would rebuild)".into(),
+            });
+        }
+    } else if let Err(e) = read_store(&store, no_agent, &mut out) {
+        out.store_error = Some(e.to_string());
+        out.problems.push(Problem {
+            path: store.clone(),
+            detail: format!("cannot be read ({e}); the agent sets it aside and rebuilds the records from the kernel at start (`volring recover` shows what it would rebuild)"),
+        });
+        kernel_only(&mut out);
+    }
+    for p in &out.set_aside {
+        out.problems.push(Problem { path: p.clone(), detail: "a damaged store, set aside (kept for the operator)".into() });
+    }
     // Devices serving pool images that no staged record names: orphans.
     for (att, image) in attach::serving_images_in(pool_dir) {
         if !out.staged.iter().any(|s| s.device.as_deref() == Some(att.path().as_path())) {
             out.problems.push(Problem {
                 path: att.path(),
                 detail: format!(
-                    "serves {} with no staged record (an orphan; `volring node --remove-orphans` detaches it)",
+                    "serves {} with no staged record (`volring recover` shows whether its record can be rebuilt from the kernel; if not, it is an orphan `volring node --remove-orphans` detaches)",
                     image.display()
                 ),
             });
@@ -163,6 +216,7 @@ fn read_store(path: &Path, no_agent: bool, out: &mut StatusReport) -> Result<(),
         }
     }
     out.quarantined.extend(contents.quarantined.iter().map(|q| staged::as_quarantined(path, q)));
+    out.recoveries = contents.recovered;
     Ok(())
 }
 
@@ -180,6 +234,7 @@ fn staged_status(r: staged::StagedVolume, health: Option<serde_json::Value>) -> 
         staging_path: r.staging_path,
         targets: r.published,
         health,
+        from_kernel: false,
     }
 }
 
@@ -244,7 +299,7 @@ mod tests {
         std::fs::write(pool_dir.join("b.json"), b"{").unwrap();
         std::fs::write(pool_dir.join("orphan.img"), b"").unwrap();
         let before: Vec<_> = walk(d.path());
-        let r = report(&pool_dir, &state_dir, false).unwrap();
+        let r = report(&pool_dir, &state_dir, None, false).unwrap();
         assert_eq!(walk(d.path()), before, "status changes nothing");
         assert_eq!(r.volumes.iter().map(|v| v.id.as_str()).collect::<Vec<_>>(), ["a"]);
         assert_eq!(r.staged.len(), 1);
@@ -254,7 +309,7 @@ mod tests {
         assert_eq!(json["staged"][0]["phase"], "staged");
         // After a restart the bad record is quarantined and reported so.
         drop(ImagePool::open(&pool_dir).unwrap());
-        let r = report(&pool_dir, &state_dir, false).unwrap();
+        let r = report(&pool_dir, &state_dir, None, false).unwrap();
         assert_eq!(r.quarantined.len(), 1);
         assert!(r.problems.is_empty(), "{:?}", r.problems);
     }

@@ -33,6 +33,9 @@ const IMPORTED: TableDefinition<&str, u64> = TableDefinition::new("imported");
 /// With no cluster, the objects the publisher would have written to the API
 /// server: `Kind/name` → the object (JSON, as the API would return it).
 const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published");
+/// What was rebuilt after the store was lost or damaged: when (UTC,
+/// `YYYYmmddTHHMMSSZ`) → [`Recovery`] (JSON), for `volring status`.
+const RECOVERED: TableDefinition<&str, &[u8]> = TableDefinition::new("recovered");
 
 /// The store's file name inside the state directory.
 pub const FILE: &str = "state.redb";
@@ -43,6 +46,101 @@ pub enum Error {
     Store { path: PathBuf, detail: String },
     #[error("state store {path} is being written by a running agent and needs no repair, but could not be read: {detail}")]
     Busy { path: PathBuf, detail: String },
+    /// The file is not a store redb can read (a damaged header, garbage,
+    /// a torn page): set it aside and rebuild, never guess from it.
+    #[error("state store {path} is damaged: {detail}")]
+    Damaged { path: PathBuf, detail: String },
+}
+
+impl Error {
+    pub fn is_damage(&self) -> bool {
+        matches!(self, Error::Damaged { .. })
+    }
+}
+
+/// Whether redb's error says the file itself is bad (rather than the
+/// machine: a full disk, a permission, a lock).
+fn damage(e: &redb::DatabaseError) -> bool {
+    match e {
+        redb::DatabaseError::UpgradeRequired(_) => true,
+        redb::DatabaseError::Storage(s) => storage_damage(s),
+        _ => false,
+    }
+}
+
+fn storage_damage(s: &redb::StorageError) -> bool {
+    match s {
+        redb::StorageError::Corrupted(_) => true,
+        redb::StorageError::Io(e) => matches!(e.kind(), std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof),
+        _ => false,
+    }
+}
+
+/// Why and how the desired state was rebuilt from the kernel after the
+/// store was lost or damaged (kept in the new store for `volring status`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Recovery {
+    pub at: String,
+    /// `missing` or `damaged: <redb's error>`.
+    pub cause: String,
+    /// Where the damaged file was set aside, when it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub set_aside: Option<PathBuf>,
+    /// The volumes whose records were rebuilt from the kernel.
+    pub adopted: Vec<String>,
+    /// What the kernel shows that could not be proven to be a volume's
+    /// (left alone, reported).
+    pub refused: Vec<String>,
+}
+
+/// The UTC time now as `YYYYmmddTHHMMSSZ`.
+pub fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Howard Hinnant's days-to-civil.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// The prefix of a damaged store's name once set aside.
+pub const DAMAGED: &str = "state.redb.damaged-";
+
+/// Moves the damaged store at `path` aside (`state.redb.damaged-<UTC
+/// time>` beside it, kept for the operator) durably, and returns where.
+pub fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let stamp = timestamp();
+    let mut to = dir.join(format!("{DAMAGED}{stamp}"));
+    for n in 1..1000 {
+        if std::fs::symlink_metadata(&to).is_err() {
+            break;
+        }
+        to = dir.join(format!("{DAMAGED}{stamp}.{n}"));
+    }
+    std::fs::rename(path, &to)?;
+    crate::persist::sync_dir(dir)?;
+    Ok(to)
+}
+
+/// The damaged stores set aside in `state_dir`, oldest first.
+pub fn set_aside_in(state_dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(state_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(DAMAGED))
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
 }
 
 /// A record the store could not decode, kept with why.
@@ -61,6 +159,7 @@ pub struct Contents {
     pub quarantined: Vec<QuarantinedRecord>,
     pub health: Vec<(String, Vec<u8>)>,
     pub published: Vec<(String, Vec<u8>)>,
+    pub recovered: Vec<Recovery>,
 }
 
 /// One change to the store; a batch of them is one transaction.
@@ -74,6 +173,7 @@ pub enum Change<'a> {
     Imported(&'a str, u64),
     PutPublished(&'a str, &'a [u8]),
     RemovePublished(&'a str),
+    PutRecovery(&'a Recovery),
 }
 
 /// The node's store, open for writing (the agent).
@@ -89,7 +189,13 @@ impl Store {
     /// crash.
     pub fn open(path: &Path) -> Result<Self, Error> {
         let err = |detail: String| Error::Store { path: path.to_path_buf(), detail };
-        let db = builder().create(path).map_err(|e| err(e.to_string()))?;
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| builder().create(path)));
+        let db = match opened {
+            Ok(Ok(db)) => db,
+            Ok(Err(e)) if damage(&e) => return Err(Error::Damaged { path: path.to_path_buf(), detail: e.to_string() }),
+            Ok(Err(e)) => return Err(err(e.to_string())),
+            Err(_) => return Err(Error::Damaged { path: path.to_path_buf(), detail: "redb panicked opening it".into() }),
+        };
         let tx = db.begin_write().map_err(|e| err(e.to_string()))?;
         {
             // Every table exists from the start, so readers never meet a
@@ -99,6 +205,7 @@ impl Store {
             tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
             tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
             tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
+            tx.open_table(RECOVERED).map_err(|e| err(e.to_string()))?;
         }
         tx.commit().map_err(|e| err(e.to_string()))?;
         let commits = Histogram::new_with_bounds(1, 60_000_000, 2).expect("static histogram bounds");
@@ -120,6 +227,7 @@ impl Store {
             let mut health = tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
             let mut imported = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
             let mut published = tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
+            let mut recovered = tx.open_table(RECOVERED).map_err(|e| err(e.to_string()))?;
             for c in changes {
                 let r = match *c {
                     Change::PutVolume(id, bytes) => volumes.insert(id, bytes).map(drop),
@@ -133,6 +241,10 @@ impl Store {
                     Change::Imported(name, hash) => imported.insert(name, hash).map(drop),
                     Change::PutPublished(key, bytes) => published.insert(key, bytes).map(drop),
                     Change::RemovePublished(key) => published.remove(key).map(drop),
+                    Change::PutRecovery(r) => {
+                        let bytes = serde_json::to_vec(r).expect("a recovery serialises");
+                        recovered.insert(r.at.as_str(), bytes.as_slice()).map(drop)
+                    }
                 };
                 r.map_err(|e| err(e.to_string()))?;
             }
@@ -146,6 +258,20 @@ impl Store {
     /// Reads everything in one transaction.
     pub fn contents(&self) -> Result<Contents, Error> {
         read_all(&self.db, &self.path)
+    }
+
+    /// Opens the store and reads it all once, so damage anywhere in it
+    /// (not only in the header `open` checks) shows now, as
+    /// [`Error::Damaged`], rather than in the middle of a call.
+    pub fn open_checked(path: &Path) -> Result<(Self, Contents), Error> {
+        let store = Self::open(path)?;
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.contents()));
+        match read {
+            Ok(Ok(c)) => Ok((store, c)),
+            Ok(Err(Error::Store { detail, .. })) if detail.contains("orrupt") => Err(Error::Damaged { path: path.to_path_buf(), detail }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::Damaged { path: path.to_path_buf(), detail: "redb panicked reading it".into() }),
+        }
     }
 
     /// The stored verdicts alone (the reconciler's start needs no records).
@@ -208,7 +334,9 @@ impl Store {
             return Ok(Contents::default());
         }
         let err = |detail: String| Error::Store { path: path.to_path_buf(), detail };
-        match builder().open_read_only(path) {
+        let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| builder().open_read_only(path)))
+            .map_err(|_| Error::Damaged { path: path.to_path_buf(), detail: "redb panicked opening it".into() })?;
+        match opened {
             Ok(db) => read_all(&db, path),
             Err(redb::DatabaseError::RepairAborted) if no_writer => {
                 tracing::info!(store = %path.display(), "the store was not closed cleanly; repairing it before reading");
@@ -216,7 +344,11 @@ impl Store {
                 let db = builder().open_read_only(path).map_err(|e| err(e.to_string()))?;
                 read_all(&db, path)
             }
-            Err(e) => Err(Error::Busy { path: path.to_path_buf(), detail: e.to_string() }),
+            Err(e) if damage(&e) => Err(Error::Damaged { path: path.to_path_buf(), detail: e.to_string() }),
+            // Only beside a running agent is an unreadable store its
+            // business; with none, redb's own word is the answer.
+            Err(e) if !no_writer => Err(Error::Busy { path: path.to_path_buf(), detail: e.to_string() }),
+            Err(e) => Err(err(e.to_string())),
         }
     }
 }
@@ -247,6 +379,7 @@ fn read_all(db: &impl ReadableDatabase, path: &Path) -> Result<Contents, Error> 
     out.volumes = pairs(VOLUMES)?;
     out.health = pairs(HEALTH)?;
     out.published = pairs(PUBLISHED)?;
+    out.recovered = pairs(RECOVERED)?.iter().filter_map(|(_, b)| serde_json::from_slice(b).ok()).collect();
     for (id, bytes) in pairs(QUARANTINE)? {
         let q = serde_json::from_slice(&bytes).unwrap_or_else(|e| QuarantinedRecord {
             id: id.clone(),
@@ -287,6 +420,25 @@ mod tests {
         let c = s.contents().unwrap();
         assert!(c.volumes.is_empty() && c.health.is_empty() && c.quarantined == vec![q]);
         assert_eq!(s.commit_latency().0, 1, "commits since this open");
+    }
+
+    #[test]
+    fn a_damaged_store_is_named_so_and_set_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(FILE);
+        let s = Store::open(&path).unwrap();
+        s.apply(&[Change::PutVolume("a", b"{1}")]).unwrap();
+        drop(s);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..512].fill(0xa5);
+        std::fs::write(&path, &bytes).unwrap();
+        let e = Store::open_checked(&path).err().expect("a garbage header does not open");
+        assert!(e.is_damage(), "{e}");
+        let e = Store::read_only(&path, true).expect_err("nor reads");
+        assert!(!matches!(e, Error::Busy { .. }), "{e}");
+        let to = set_aside(&path).unwrap();
+        assert!(!path.exists() && to.exists() && set_aside_in(d.path()) == vec![to]);
+        assert_eq!(timestamp().len(), 16);
     }
 
     #[test]
