@@ -279,7 +279,11 @@ enum NbdCommand {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        // A closed stderr drops (and counts) log lines; it never stops the agent.
+        .with_writer(volring::metrics::logs::Stderr)
+        .log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => logs.json().with_current_span(false).init(),
         // Colour codes only for a person at a terminal (and not with NO_COLOR).

@@ -531,6 +531,54 @@ fn mounts_watch_into_a_closed_pipe_exits_quietly() -> Result<(), Failed> {
     check(p.stderr.all().is_empty(), format!("stderr not empty:\n{}", p.stderr.text()))
 }
 
+/// A log collector that restarts closes the agent's stderr (and stdout)
+/// under it: the agent keeps serving, drops the lines it cannot write and
+/// counts them on /metrics, and still exits 0 on SIGTERM. (Before: exit 101
+/// at the next log line, tracing-subscriber's report of the failed write
+/// being an `eprintln!` into the same closed pipe.)
+fn a_closed_stderr_does_not_stop_the_agent() -> Result<(), Failed> {
+    let site = Site::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let (reader, writer) = std::io::pipe()?;
+    let mut cmd = site.node("state", "csi.sock", &["--metrics-addr", &addr.to_string(), "--log-events"]);
+    cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
+    let child = cmd.spawn()?;
+    drop(cmd); // the Command holds write ends too
+    let stderr = Lines::default();
+    stderr.0 .1.store(true, std::sync::atomic::Ordering::Release); // nothing to collect
+    let mut p = Proc { child, stderr };
+    let mut first = String::new();
+    BufReader::new(reader).read_line(&mut first)?; // `| head -1`, and the reader is gone
+    check(first.contains("starting"), format!("first line: {first:?}"))?;
+    let deadline = Instant::now() + patience();
+    loop {
+        if let Ok(Some(s)) = p.child.try_wait() {
+            return Err(format!("the agent exited ({s}) once its stderr closed").into());
+        }
+        if http_get(addr, "/readyz").is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+            break;
+        }
+        check(Instant::now() < deadline, "the agent did not become ready")?;
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    // SIGHUP is logged: one more line into the closed pipe.
+    p.signal(rustix::process::Signal::HUP);
+    let lost = loop {
+        let body = http_get(addr, "/metrics")?;
+        let lost = body.lines().find_map(|l| l.strip_prefix("volring_log_lines_lost_total ")).and_then(|n| n.parse::<u64>().ok());
+        if lost.is_some_and(|n| n > 0) || Instant::now() > deadline {
+            break lost;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    };
+    check(lost.is_some_and(|n| n > 0), format!("lost log lines counted: {lost:?}"))?;
+    let healthz = http_get(addr, "/healthz")?;
+    check(healthz.starts_with("HTTP/1.1 200"), format!("/healthz: {healthz:.200}"))?;
+    let status = p.stop().ok_or("the agent did not stop")?;
+    check(status.success(), format!("exit status {status} with its stderr closed"))
+}
+
 /// A server keeps serving when its stdout goes away, and says nothing
 /// about it (no panic at the next stats line or at exit).
 fn nbd_serve_with_a_closed_stdout() -> Result<(), Failed> {
@@ -921,6 +969,7 @@ fn main() {
         Trial::test("sighup_is_logged_and_ignored", sighup_is_logged_and_ignored),
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),
         Trial::test("nbd_serve_with_a_closed_stdout", nbd_serve_with_a_closed_stdout),
+        Trial::test("a_closed_stderr_does_not_stop_the_agent", a_closed_stderr_does_not_stop_the_agent),
         Trial::test("huge_fields_get_short_messages", huge_fields_get_short_messages),
         Trial::test("shutdown_waits_for_work_a_client_gave_up_on", shutdown_waits_for_work_a_client_gave_up_on),
         Trial::test("any_authority_a_grpc_client_sends_is_served", any_authority_a_grpc_client_sends_is_served),

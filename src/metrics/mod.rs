@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 mod classic;
 mod csi;
 mod device_info;
+pub mod logs;
 mod publish;
 
 pub use classic::Format;
@@ -182,6 +183,7 @@ impl Collector for Sources {
         let m = self.mounts.load();
         counter(&mut e, "volring_mount_events", "Mount events delivered", m.mount_events)?;
         counter(&mut e, "volring_mount_resyncs", "Full mount-table resyncs", m.resyncs)?;
+        counter(&mut e, "volring_log_lines_lost", "Log lines dropped because stderr refused them (its reader gone)", logs::lines_lost())?;
 
         for (family, help, pick) in [
             ("volring_ring_cpu_seconds", "CPU time of each ring thread", 0),
