@@ -293,7 +293,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
     let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 11] = [
-        ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
+        ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
         ("volring_nbd_read_bytes", "Bytes read by clients", |s| s.read_bytes),
