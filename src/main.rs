@@ -400,6 +400,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 eprintln!("# {} from the cluster ({from})", kind.plural());
                 runtime()?.block_on(show::read_cluster(kind))?
             } else {
+                // A mistyped --state-dir is not an empty node.
+                anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
                 let store = state_dir.join(volring_volumes::store::FILE);
                 eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
                 show::read_store(&state_dir, kind)?

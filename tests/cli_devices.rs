@@ -360,6 +360,15 @@ fn stats_agree_with_iostat_under_fio() -> Result<(), Failed> {
     result
 }
 
+/// `volring get` from a state directory that does not exist fails and
+/// says so (before: rc 0 and nothing).
+fn get_from_a_missing_state_dir_fails() -> Result<(), Failed> {
+    let out = volring(&["get", "blockdevices", "--local-store", "--state-dir", "/nonexistent/volring"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    check(!out.status.success(), format!("rc {:?}, stdout {:?}", out.status, String::from_utf8_lossy(&out.stdout)))?;
+    check(err.contains("/nonexistent/volring") && err.contains("does not exist"), format!("stderr: {err}"))
+}
+
 /// Completion scripts and the man page come from the clap definition, so
 /// they know every subcommand and flag.
 fn completions_and_man_page() -> Result<(), Failed> {
@@ -390,6 +399,7 @@ fn main() {
         Trial::test("devices::non_root_never_gets_another_id", non_root_never_gets_another_id),
         Trial::test("stats::agree_with_iostat_under_fio", stats_agree_with_iostat_under_fio),
         Trial::test("cli::completions_and_man_page", completions_and_man_page),
+        Trial::test("cli::get_from_a_missing_state_dir_fails", get_from_a_missing_state_dir_fails),
     ];
     common::run_in_private_namespace(trials)
 }
