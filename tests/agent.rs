@@ -616,6 +616,26 @@ fn nbd_serve_with_a_closed_stdout() -> Result<(), Failed> {
     check(noise.is_empty(), format!("stderr: {noise:?}"))
 }
 
+/// `nbd serve` checks its exports before it listens: a missing image or
+/// exports file fails without a "listening" line or a socket left behind
+/// (before: "NBD server listening", then the error).
+fn nbd_serve_checks_exports_before_listening() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let sock = scratch.path().join("nbd.sock");
+    let missing = scratch.path().join("missing.img");
+    for args in [
+        vec!["--export".to_string(), format!("a={}", missing.display())],
+        vec!["--exports-file".to_string(), missing.display().to_string()],
+    ] {
+        let out = Command::new(VOLRING).args(["nbd", "serve", "--unix"]).arg(&sock).args(&args).stdin(Stdio::null()).output()?;
+        let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        check(!out.status.success(), format!("{args:?}: rc {:?}", out.status))?;
+        check(!said.contains("listening") && !err.contains("listening"), format!("{args:?}: listened first:\n{said}{err}"))?;
+        check(err.contains("missing.img"), format!("{args:?}: the missing file is named: {err}"))?;
+    }
+    Ok(())
+}
+
 /// Every RPC answers a huge field with its code and a short message (the
 /// message travels in a header, and clients drop replies with huge ones).
 fn huge_fields_get_short_messages() -> Result<(), Failed> {
@@ -970,6 +990,7 @@ fn main() {
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),
         Trial::test("nbd_serve_with_a_closed_stdout", nbd_serve_with_a_closed_stdout),
         Trial::test("a_closed_stderr_does_not_stop_the_agent", a_closed_stderr_does_not_stop_the_agent),
+        Trial::test("nbd_serve_checks_exports_before_listening", nbd_serve_checks_exports_before_listening),
         Trial::test("huge_fields_get_short_messages", huge_fields_get_short_messages),
         Trial::test("shutdown_waits_for_work_a_client_gave_up_on", shutdown_waits_for_work_a_client_gave_up_on),
         Trial::test("any_authority_a_grpc_client_sends_is_served", any_authority_a_grpc_client_sends_is_served),
