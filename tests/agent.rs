@@ -636,6 +636,39 @@ fn nbd_serve_checks_exports_before_listening() -> Result<(), Failed> {
     Ok(())
 }
 
+/// `nbd serve` as a user without CAP_IPC_LOCK whose RLIMIT_MEMLOCK is
+/// below the ring's registered buffers is told that, not that io_uring
+/// needs Linux 6.0 (the ENOMEM comes from IORING_REGISTER_BUFFERS).
+fn nbd_serve_memlock_is_named() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let image = scratch.path().join("disk.img");
+    std::fs::File::create(&image)?.set_len(1 << 20)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o777))?;
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o666))?;
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "prlimit",
+            "--memlock=1048576",
+            "--",
+            VOLRING,
+            "nbd",
+            "serve",
+            "--export",
+        ])
+        .arg(format!("a={}", image.display()))
+        .arg("--unix")
+        .arg(scratch.path().join("nbd.sock"))
+        .stdin(Stdio::null())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    check(!out.status.success(), format!("rc {:?}: {err}", out.status))?;
+    check(err.contains("RLIMIT_MEMLOCK") && !err.contains("Linux 6.0"), format!("stderr: {err}"))
+}
+
 /// Every RPC answers a huge field with its code and a short message (the
 /// message travels in a header, and clients drop replies with huge ones).
 fn huge_fields_get_short_messages() -> Result<(), Failed> {
@@ -991,6 +1024,7 @@ fn main() {
         Trial::test("nbd_serve_with_a_closed_stdout", nbd_serve_with_a_closed_stdout),
         Trial::test("a_closed_stderr_does_not_stop_the_agent", a_closed_stderr_does_not_stop_the_agent),
         Trial::test("nbd_serve_checks_exports_before_listening", nbd_serve_checks_exports_before_listening),
+        Trial::test("nbd_serve_memlock_is_named", nbd_serve_memlock_is_named),
         Trial::test("huge_fields_get_short_messages", huge_fields_get_short_messages),
         Trial::test("shutdown_waits_for_work_a_client_gave_up_on", shutdown_waits_for_work_a_client_gave_up_on),
         Trial::test("any_authority_a_grpc_client_sends_is_served", any_authority_a_grpc_client_sends_is_served),
