@@ -9,7 +9,7 @@ use cli::devices::{print_devices, watch_stats};
 use cli::mounts::{print_table, stream};
 use cli::serve::nbd_serve;
 use cli::status::print_status;
-use cli::{denied, runtime, stdout_error, StdoutClosed};
+use cli::{denied, runtime, stdout_error, NothingFound, StdoutClosed};
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -104,6 +104,10 @@ enum Command {
         /// Only mounts of this source (a device, `tmpfs`, ...).
         #[arg(long, value_name = "SOURCE")]
         source: Option<String>,
+        /// Only these filesystem types, comma-separated (like findmnt -t);
+        /// `no` before the list leaves them out instead (`noproc,sysfs`).
+        #[arg(short = 't', long = "types", value_name = "LIST")]
+        types: Option<String>,
         /// One escaped line per mount (the default when stdout is not a
         /// terminal; like findmnt --raw).
         #[arg(long, conflicts_with_all = ["list", "tree"])]
@@ -296,6 +300,8 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // `volring mounts --watch | head -1` is not an error.
         Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
+        // findmnt's "nothing matched": status 1, nothing said.
+        Err(e) if e.downcast_ref::<NothingFound>().is_some() => std::process::ExitCode::FAILURE,
         Err(e) => {
             // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
             let _ = writeln!(std::io::stderr(), "Error: {}", cli::one_line(&e));
@@ -361,7 +367,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cli::holders::holders(&state_dir, release.as_deref(), json)
         }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
-        Command::Mounts { json, watch: false, watch_args, output, target, source, raw, list, tree } => {
+        Command::Mounts { json, watch: false, watch_args, output, target, source, types, raw, list, tree } => {
             use std::io::IsTerminal;
             let columns = match output {
                 Some(o) => mounts::report::Column::parse_list(&o).map_err(anyhow::Error::msg)?,
@@ -378,7 +384,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 target: target.map(|t| t.into_os_string().into_encoded_bytes()),
                 source: source.map(String::into_bytes),
             };
-            print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse), &columns, layout, &filter)
+            print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse), &columns, layout, &filter, types.as_deref())
         }
         Command::Mounts { watch: true, watch_args, json, .. } => {
             use std::io::IsTerminal;
