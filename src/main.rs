@@ -162,9 +162,19 @@ enum Command {
     /// blocks) is said after the table, and shown as `?`, never guessed.
     #[command(after_help = report::columns_help())]
     Devices {
+        /// Only these devices and their partitions (`loop1`, `/dev/loop1`,
+        /// `/dev/disk/by-id/...`), as lsblk takes them.
+        #[arg(value_name = "DEVICE")]
+        devices: Vec<String>,
         /// One JSON document (`{"blockdevices": [...]}`).
         #[arg(long)]
         json: bool,
+        /// No header line (lsblk -n).
+        #[arg(short = 'n', long)]
+        noheadings: bool,
+        /// SIZE in bytes (lsblk -b).
+        #[arg(short = 'b', long)]
+        bytes: bool,
         /// Columns to print, lsblk names (`NAME,SIZE,UUID`); `+COL,...` adds to the default.
         #[arg(short = 'o', long = "output", value_name = "COLS")]
         columns: Option<report::Columns>,
@@ -415,9 +425,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
             Ok(())
         }
-        Command::Devices { json, columns, scan } => {
-            print_devices(json, columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0), &scan.config())
-        }
+        Command::Devices { devices, json, noheadings, bytes, columns, scan } => print_devices(
+            json,
+            columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0),
+            &scan.config(),
+            &devices,
+            report::TableStyle { headings: !noheadings, bytes },
+        ),
         Command::Stats { devices, interval, count, method, all, json, scan } => {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
