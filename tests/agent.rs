@@ -669,6 +669,55 @@ fn nbd_serve_memlock_is_named() -> Result<(), Failed> {
     check(err.contains("RLIMIT_MEMLOCK") && !err.contains("Linux 6.0"), format!("stderr: {err}"))
 }
 
+/// A staged volume's device carries its CSI volume id on /metrics
+/// (`volring_device_info{csi_volume=...}`), and loses it once unstaged.
+/// (Before: `Inventory::mark_volume` was never called; csi_volume was
+/// always empty.)
+fn staged_volumes_mark_their_devices() -> Result<(), Failed> {
+    let site = Site::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let (mut p, c) = site.start("state", "csi.sock", &["--metrics-addr", &addr.to_string()])?;
+    let (mut ctl, mut node) = (c.controller.clone(), c.node.clone());
+    let staging = site.scratch.dir("kubelet").join("plugins/stage/pvc-mark").display().to_string();
+    site.rt.block_on(async {
+        ctl.create_volume(CreateVolumeRequest {
+            name: "pvc-mark".into(),
+            capacity_range: Some(CapacityRange { required_bytes: 64 << 20, limit_bytes: 0 }),
+            volume_capabilities: vec![capability(false, "ext4", &[], Mode::SingleNodeWriter)],
+            parameters: [("fsType".to_string(), "ext4".to_string())].into(),
+            ..Default::default()
+        })
+        .await?;
+        node.node_stage_volume(NodeStageVolumeRequest {
+            volume_id: "pvc-mark".into(),
+            staging_target_path: staging.clone(),
+            volume_capability: Some(capability(false, "ext4", &[], Mode::SingleNodeWriter)),
+            ..Default::default()
+        })
+        .await?;
+        Ok::<_, tonic::Status>(())
+    })?;
+    let marked = |want: bool| -> Result<(), Failed> {
+        let deadline = Instant::now() + patience();
+        loop {
+            let body = http_get(addr, "/metrics")?;
+            let has = body.lines().any(|l| l.starts_with("volring_device_info{") && l.contains("csi_volume=\"pvc-mark\""));
+            if has == want {
+                return Ok(());
+            }
+            let info: Vec<&str> = body.lines().filter(|l| l.starts_with("volring_device_info{")).collect();
+            check(Instant::now() < deadline, format!("csi_volume=\"pvc-mark\" present: {has}, wanted {want}:\n{}", info.join("\n")))?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    marked(true)?;
+    site.rt.block_on(node.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: "pvc-mark".into(), staging_target_path: staging }))?;
+    marked(false)?;
+    site.rt.block_on(ctl.delete_volume(DeleteVolumeRequest { volume_id: "pvc-mark".into(), ..Default::default() }))?;
+    check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
+}
+
 /// Every RPC answers a huge field with its code and a short message (the
 /// message travels in a header, and clients drop replies with huge ones).
 fn huge_fields_get_short_messages() -> Result<(), Failed> {
@@ -1025,6 +1074,7 @@ fn main() {
         Trial::test("a_closed_stderr_does_not_stop_the_agent", a_closed_stderr_does_not_stop_the_agent),
         Trial::test("nbd_serve_checks_exports_before_listening", nbd_serve_checks_exports_before_listening),
         Trial::test("nbd_serve_memlock_is_named", nbd_serve_memlock_is_named),
+        Trial::test("staged_volumes_mark_their_devices", staged_volumes_mark_their_devices),
         Trial::test("huge_fields_get_short_messages", huge_fields_get_short_messages),
         Trial::test("shutdown_waits_for_work_a_client_gave_up_on", shutdown_waits_for_work_a_client_gave_up_on),
         Trial::test("any_authority_a_grpc_client_sends_is_served", any_authority_a_grpc_client_sends_is_served),
