@@ -9,7 +9,7 @@ use cli::devices::{print_devices, watch_stats};
 use cli::mounts::{print_table, stream};
 use cli::serve::nbd_serve;
 use cli::status::print_status;
-use cli::{denied, runtime, stdout_error, StdoutClosed};
+use cli::{denied, runtime, stdout_error, NothingFound, StdoutClosed};
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -104,6 +104,10 @@ enum Command {
         /// Only mounts of this source (a device, `tmpfs`, ...).
         #[arg(long, value_name = "SOURCE")]
         source: Option<String>,
+        /// Only these filesystem types, comma-separated (like findmnt -t);
+        /// `no` before the list leaves them out instead (`noproc,sysfs`).
+        #[arg(short = 't', long = "types", value_name = "LIST")]
+        types: Option<String>,
         /// One escaped line per mount (the default when stdout is not a
         /// terminal; like findmnt --raw).
         #[arg(long, conflicts_with_all = ["list", "tree"])]
@@ -185,9 +189,19 @@ enum Command {
     /// blocks) is said after the table, and shown as `?`, never guessed.
     #[command(after_help = report::columns_help())]
     Devices {
+        /// Only these devices and their partitions (`loop1`, `/dev/loop1`,
+        /// `/dev/disk/by-id/...`), as lsblk takes them.
+        #[arg(value_name = "DEVICE")]
+        devices: Vec<String>,
         /// One JSON document (`{"blockdevices": [...]}`).
         #[arg(long)]
         json: bool,
+        /// No header line (lsblk -n).
+        #[arg(short = 'n', long)]
+        noheadings: bool,
+        /// SIZE in bytes (lsblk -b).
+        #[arg(short = 'b', long)]
+        bytes: bool,
         /// Columns to print, lsblk names (`NAME,SIZE,UUID`); `+COL,...` adds to the default.
         #[arg(short = 'o', long = "output", value_name = "COLS")]
         columns: Option<report::Columns>,
@@ -306,7 +320,11 @@ enum NbdCommand {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        // A closed stderr drops (and counts) log lines; it never stops the agent.
+        .with_writer(volring::metrics::logs::Stderr)
+        .log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => logs.json().with_current_span(false).init(),
         // Colour codes only for a person at a terminal (and not with NO_COLOR).
@@ -319,6 +337,8 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // `volring mounts --watch | head -1` is not an error.
         Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => std::process::ExitCode::SUCCESS,
+        // findmnt's "nothing matched": status 1, nothing said.
+        Err(e) if e.downcast_ref::<NothingFound>().is_some() => std::process::ExitCode::FAILURE,
         Err(e) => {
             // One line, the cause chain joined: "cannot bind CSI socket /x: address in use ..."
             let _ = writeln!(std::io::stderr(), "Error: {}", cli::one_line(&e));
@@ -384,7 +404,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cli::holders::holders(&state_dir, release.as_deref(), json)
         }
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
-        Command::Mounts { json, watch: false, watch_args, output, target, source, raw, list, tree } => {
+        Command::Mounts { json, watch: false, watch_args, output, target, source, types, raw, list, tree } => {
             use std::io::IsTerminal;
             let columns = match output {
                 Some(o) => mounts::report::Column::parse_list(&o).map_err(anyhow::Error::msg)?,
@@ -401,7 +421,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 target: target.map(|t| t.into_os_string().into_encoded_bytes()),
                 source: source.map(String::into_bytes),
             };
-            print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse), &columns, layout, &filter)
+            print_table(json, !matches!(watch_args.mount_watch, ModeArg::Reparse), &columns, layout, &filter, types.as_deref())
         }
         Command::Mounts { watch: true, watch_args, json, .. } => {
             use std::io::IsTerminal;
@@ -426,6 +446,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 eprintln!("# {} from the cluster ({from})", kind.plural());
                 runtime()?.block_on(show::read_cluster(kind))?
             } else {
+                // A mistyped --state-dir is not an empty node.
+                anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
                 let store = state_dir.join(volring_volumes::store::FILE);
                 eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
                 show::read_store(&state_dir, kind)?
@@ -433,9 +455,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
             Ok(())
         }
-        Command::Devices { json, columns, scan } => {
-            print_devices(json, columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0), &scan.config())
-        }
+        Command::Devices { devices, json, noheadings, bytes, columns, scan } => print_devices(
+            json,
+            columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0),
+            &scan.config(),
+            &devices,
+            report::TableStyle { headings: !noheadings, bytes },
+        ),
         Command::Stats { devices, interval, count, method, all, json, scan } => {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };

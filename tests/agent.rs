@@ -531,6 +531,54 @@ fn mounts_watch_into_a_closed_pipe_exits_quietly() -> Result<(), Failed> {
     check(p.stderr.all().is_empty(), format!("stderr not empty:\n{}", p.stderr.text()))
 }
 
+/// A log collector that restarts closes the agent's stderr (and stdout)
+/// under it: the agent keeps serving, drops the lines it cannot write and
+/// counts them on /metrics, and still exits 0 on SIGTERM. (Before: exit 101
+/// at the next log line, tracing-subscriber's report of the failed write
+/// being an `eprintln!` into the same closed pipe.)
+fn a_closed_stderr_does_not_stop_the_agent() -> Result<(), Failed> {
+    let site = Site::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let (reader, writer) = std::io::pipe()?;
+    let mut cmd = site.node("state", "csi.sock", &["--metrics-addr", &addr.to_string(), "--log-events"]);
+    cmd.stdin(Stdio::null()).stdout(writer.try_clone()?).stderr(writer);
+    let child = cmd.spawn()?;
+    drop(cmd); // the Command holds write ends too
+    let stderr = Lines::default();
+    stderr.0 .1.store(true, std::sync::atomic::Ordering::Release); // nothing to collect
+    let mut p = Proc { child, stderr };
+    let mut first = String::new();
+    BufReader::new(reader).read_line(&mut first)?; // `| head -1`, and the reader is gone
+    check(first.contains("starting"), format!("first line: {first:?}"))?;
+    let deadline = Instant::now() + patience();
+    loop {
+        if let Ok(Some(s)) = p.child.try_wait() {
+            return Err(format!("the agent exited ({s}) once its stderr closed").into());
+        }
+        if http_get(addr, "/readyz").is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+            break;
+        }
+        check(Instant::now() < deadline, "the agent did not become ready")?;
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    // SIGHUP is logged: one more line into the closed pipe.
+    p.signal(rustix::process::Signal::HUP);
+    let lost = loop {
+        let body = http_get(addr, "/metrics")?;
+        let lost = body.lines().find_map(|l| l.strip_prefix("volring_log_lines_lost_total ")).and_then(|n| n.parse::<u64>().ok());
+        if lost.is_some_and(|n| n > 0) || Instant::now() > deadline {
+            break lost;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    };
+    check(lost.is_some_and(|n| n > 0), format!("lost log lines counted: {lost:?}"))?;
+    let healthz = http_get(addr, "/healthz")?;
+    check(healthz.starts_with("HTTP/1.1 200"), format!("/healthz: {healthz:.200}"))?;
+    let status = p.stop().ok_or("the agent did not stop")?;
+    check(status.success(), format!("exit status {status} with its stderr closed"))
+}
+
 /// A server keeps serving when its stdout goes away, and says nothing
 /// about it (no panic at the next stats line or at exit).
 fn nbd_serve_with_a_closed_stdout() -> Result<(), Failed> {
@@ -566,6 +614,108 @@ fn nbd_serve_with_a_closed_stdout() -> Result<(), Failed> {
     check(status.success(), format!("exit status {status}; stderr:\n{}", p.stderr.text()))?;
     let noise: Vec<_> = p.stderr.all().into_iter().filter(|l| l.contains("panicked") || l.contains("Broken pipe")).collect();
     check(noise.is_empty(), format!("stderr: {noise:?}"))
+}
+
+/// `nbd serve` checks its exports before it listens: a missing image or
+/// exports file fails without a "listening" line or a socket left behind
+/// (before: "NBD server listening", then the error).
+fn nbd_serve_checks_exports_before_listening() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let sock = scratch.path().join("nbd.sock");
+    let missing = scratch.path().join("missing.img");
+    for args in [
+        vec!["--export".to_string(), format!("a={}", missing.display())],
+        vec!["--exports-file".to_string(), missing.display().to_string()],
+    ] {
+        let out = Command::new(VOLRING).args(["nbd", "serve", "--unix"]).arg(&sock).args(&args).stdin(Stdio::null()).output()?;
+        let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        check(!out.status.success(), format!("{args:?}: rc {:?}", out.status))?;
+        check(!said.contains("listening") && !err.contains("listening"), format!("{args:?}: listened first:\n{said}{err}"))?;
+        check(err.contains("missing.img"), format!("{args:?}: the missing file is named: {err}"))?;
+    }
+    Ok(())
+}
+
+/// `nbd serve` as a user without CAP_IPC_LOCK whose RLIMIT_MEMLOCK is
+/// below the ring's registered buffers is told that, not that io_uring
+/// needs Linux 6.0 (the ENOMEM comes from IORING_REGISTER_BUFFERS).
+fn nbd_serve_memlock_is_named() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let image = scratch.path().join("disk.img");
+    std::fs::File::create(&image)?.set_len(1 << 20)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o777))?;
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o666))?;
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "prlimit",
+            "--memlock=1048576",
+            "--",
+            VOLRING,
+            "nbd",
+            "serve",
+            "--export",
+        ])
+        .arg(format!("a={}", image.display()))
+        .arg("--unix")
+        .arg(scratch.path().join("nbd.sock"))
+        .stdin(Stdio::null())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    check(!out.status.success(), format!("rc {:?}: {err}", out.status))?;
+    check(err.contains("RLIMIT_MEMLOCK") && !err.contains("Linux 6.0"), format!("stderr: {err}"))
+}
+
+/// A staged volume's device carries its CSI volume id on /metrics
+/// (`volring_device_info{csi_volume=...}`), and loses it once unstaged.
+/// (Before: `Inventory::mark_volume` was never called; csi_volume was
+/// always empty.)
+fn staged_volumes_mark_their_devices() -> Result<(), Failed> {
+    let site = Site::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let (mut p, c) = site.start("state", "csi.sock", &["--metrics-addr", &addr.to_string()])?;
+    let (mut ctl, mut node) = (c.controller.clone(), c.node.clone());
+    let staging = site.scratch.dir("kubelet").join("plugins/stage/pvc-mark").display().to_string();
+    site.rt.block_on(async {
+        ctl.create_volume(CreateVolumeRequest {
+            name: "pvc-mark".into(),
+            capacity_range: Some(CapacityRange { required_bytes: 64 << 20, limit_bytes: 0 }),
+            volume_capabilities: vec![capability(false, "ext4", &[], Mode::SingleNodeWriter)],
+            parameters: [("fsType".to_string(), "ext4".to_string())].into(),
+            ..Default::default()
+        })
+        .await?;
+        node.node_stage_volume(NodeStageVolumeRequest {
+            volume_id: "pvc-mark".into(),
+            staging_target_path: staging.clone(),
+            volume_capability: Some(capability(false, "ext4", &[], Mode::SingleNodeWriter)),
+            ..Default::default()
+        })
+        .await?;
+        Ok::<_, tonic::Status>(())
+    })?;
+    let marked = |want: bool| -> Result<(), Failed> {
+        let deadline = Instant::now() + patience();
+        loop {
+            let body = http_get(addr, "/metrics")?;
+            let has = body.lines().any(|l| l.starts_with("volring_device_info{") && l.contains("csi_volume=\"pvc-mark\""));
+            if has == want {
+                return Ok(());
+            }
+            let info: Vec<&str> = body.lines().filter(|l| l.starts_with("volring_device_info{")).collect();
+            check(Instant::now() < deadline, format!("csi_volume=\"pvc-mark\" present: {has}, wanted {want}:\n{}", info.join("\n")))?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    marked(true)?;
+    site.rt.block_on(node.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: "pvc-mark".into(), staging_target_path: staging }))?;
+    marked(false)?;
+    site.rt.block_on(ctl.delete_volume(DeleteVolumeRequest { volume_id: "pvc-mark".into(), ..Default::default() }))?;
+    check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
 }
 
 /// Every RPC answers a huge field with its code and a short message (the
@@ -921,6 +1071,10 @@ fn main() {
         Trial::test("sighup_is_logged_and_ignored", sighup_is_logged_and_ignored),
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),
         Trial::test("nbd_serve_with_a_closed_stdout", nbd_serve_with_a_closed_stdout),
+        Trial::test("a_closed_stderr_does_not_stop_the_agent", a_closed_stderr_does_not_stop_the_agent),
+        Trial::test("nbd_serve_checks_exports_before_listening", nbd_serve_checks_exports_before_listening),
+        Trial::test("nbd_serve_memlock_is_named", nbd_serve_memlock_is_named),
+        Trial::test("staged_volumes_mark_their_devices", staged_volumes_mark_their_devices),
         Trial::test("huge_fields_get_short_messages", huge_fields_get_short_messages),
         Trial::test("shutdown_waits_for_work_a_client_gave_up_on", shutdown_waits_for_work_a_client_gave_up_on),
         Trial::test("any_authority_a_grpc_client_sends_is_served", any_authority_a_grpc_client_sends_is_served),

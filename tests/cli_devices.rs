@@ -360,6 +360,39 @@ fn stats_agree_with_iostat_under_fio() -> Result<(), Failed> {
     result
 }
 
+/// Devices named as lsblk takes them (`volring devices /dev/loopN`);
+/// `--include /dev/loop1` is loop1 and never loop10..loop19 (a prefix does
+/// not split a number); `-n` drops the header and `-b` prints sizes in
+/// bytes. (Before: rc 2 for a device argument, loop10-19 listed under
+/// --include /dev/loop1, no -n or -b.)
+fn devices_named_exactly_like_lsblk() -> Result<(), Failed> {
+    let dev = LoopDevice::new(3 << 20);
+    let out = ok_stdout(&volring(&["devices", "-n", "-b", "-o", "NAME,SIZE", dev.path()])?)?;
+    let words: Vec<&str> = out.split_whitespace().collect();
+    check(words == [dev.name(), &(3u64 << 20).to_string()], format!("devices -n -b {}: {out:?}", dev.path()))?;
+    let theirs = Command::new("lsblk").args(["-n", "-b", "-o", "NAME,SIZE", dev.path()]).output()?;
+    let theirs: Vec<String> = String::from_utf8_lossy(&theirs.stdout).split_whitespace().map(String::from).collect();
+    check(theirs == words, format!("lsblk says {theirs:?}, volring {words:?}"))?;
+    let bad = volring(&["devices", "/dev/no-such-device"])?;
+    check(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("no-such-device"), "an unknown device is named")?;
+    for (include, want) in [("/dev/loop1", "loop1"), (dev.path(), dev.name())] {
+        let v = devices_json(&["--empty", "--include", include])?;
+        let names: Vec<&str> = v["blockdevices"].as_array().ok_or("no blockdevices")?.iter().filter_map(|d| d["name"].as_str()).collect();
+        let others: Vec<&&str> = names.iter().filter(|n| **n != want && !n.starts_with(&format!("{want}p"))).collect();
+        check(others.is_empty(), format!("--include {include} also listed {others:?}"))?;
+    }
+    Ok(())
+}
+
+/// `volring get` from a state directory that does not exist fails and
+/// says so (before: rc 0 and nothing).
+fn get_from_a_missing_state_dir_fails() -> Result<(), Failed> {
+    let out = volring(&["get", "blockdevices", "--local-store", "--state-dir", "/nonexistent/volring"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    check(!out.status.success(), format!("rc {:?}, stdout {:?}", out.status, String::from_utf8_lossy(&out.stdout)))?;
+    check(err.contains("/nonexistent/volring") && err.contains("does not exist"), format!("stderr: {err}"))
+}
+
 /// Completion scripts and the man page come from the clap definition, so
 /// they know every subcommand and flag.
 fn completions_and_man_page() -> Result<(), Failed> {
@@ -390,6 +423,8 @@ fn main() {
         Trial::test("devices::non_root_never_gets_another_id", non_root_never_gets_another_id),
         Trial::test("stats::agree_with_iostat_under_fio", stats_agree_with_iostat_under_fio),
         Trial::test("cli::completions_and_man_page", completions_and_man_page),
+        Trial::test("devices::named_exactly_like_lsblk", devices_named_exactly_like_lsblk),
+        Trial::test("cli::get_from_a_missing_state_dir_fails", get_from_a_missing_state_dir_fails),
     ];
     common::run_in_private_namespace(trials)
 }

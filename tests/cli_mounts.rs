@@ -56,6 +56,34 @@ fn columns_target_source_and_tree() -> Result<(), Failed> {
     Ok(())
 }
 
+/// `--target` of a path that does not exist: rc 1 and nothing, as findmnt
+/// (before: `/` and rc 0), and so is a `--source` nothing is mounted from;
+/// `-t`/`--types` keeps the mounts of those types (before: no such flag).
+fn missing_target_and_types() -> Result<(), Failed> {
+    let out = Command::new(VOLRING).args(["mounts", "--target", "/nonexistent/volring", "--raw"]).output()?;
+    let theirs = Command::new("findmnt").args(["--target", "/nonexistent/volring"]).output()?;
+    check(
+        out.status.code() == Some(1) && out.stdout.is_empty(),
+        format!("rc {:?}, stdout {:?}", out.status, String::from_utf8_lossy(&out.stdout)),
+    )?;
+    check(theirs.status.code() == Some(1), format!("findmnt: {:?}", theirs.status))?;
+    let s = Scratch::new();
+    s.tmpfs("typed");
+    let out = run(&["mounts", "-t", "tmpfs,proc", "--raw", "-o", "FSTYPE"])?;
+    let types: std::collections::BTreeSet<&str> = out.lines().skip(1).collect();
+    check(types.contains("tmpfs") && types.iter().all(|t| ["tmpfs", "proc"].contains(t)), format!("-t tmpfs,proc: {types:?}"))?;
+    // A leading `no` negates the list, as findmnt reads it.
+    let out = run(&["mounts", "--types", "noproc,sysfs", "--raw", "-o", "FSTYPE"])?;
+    let types: std::collections::BTreeSet<&str> = out.lines().skip(1).collect();
+    check(types.contains("tmpfs") && !types.contains("proc") && !types.contains("sysfs"), format!("-t noproc,sysfs: {types:?}"))?;
+    // No mount of a source: rc 1 and nothing, as findmnt.
+    let out = Command::new(VOLRING).args(["mounts", "--source", "/dev/no-such-source", "--raw"]).output()?;
+    check(
+        out.status.code() == Some(1) && out.stdout.is_empty(),
+        format!("--source nothing: {:?} {:?}", out.status, String::from_utf8_lossy(&out.stdout)),
+    )
+}
+
 /// A `volring` whose stdout is a pseudo-terminal, as when an operator
 /// types the command: what it writes is read from the master side by a
 /// thread, so a test waits on a channel with a deadline, never on a read.
@@ -167,6 +195,7 @@ fn on_a_terminal_tree_and_text_watch() -> Result<(), Failed> {
 fn main() {
     common::run_in_private_namespace(vec![
         Trial::test("cli_mounts::columns_target_source_and_tree", columns_target_source_and_tree),
+        Trial::test("cli_mounts::missing_target_and_types", missing_target_and_types),
         Trial::test("cli_mounts::on_a_terminal_tree_and_text_watch", on_a_terminal_tree_and_text_watch),
     ]);
 }

@@ -110,6 +110,10 @@ fn dashboard_and_rules_name_only_real_series() -> Result<(), Failed> {
     }
     let (head, scrape) = get(port, "/metrics")?;
     check(head.contains("text/plain; version=0.0.4"), format!("classic text by default: {head}"))?;
+    // A counter's name carries one `_total` (the encoder adds it): before,
+    // `volring_nbd_connections_total_total`.
+    let doubled: Vec<&str> = scrape.lines().filter(|l| l.contains("_total_total")).collect();
+    check(doubled.is_empty(), format!("doubled suffix on /metrics: {doubled:?}"))?;
     if let Some(said) = promtool(&["check", "metrics"], &scrape)? {
         check(said.trim().is_empty(), format!("promtool check metrics on a live scrape (CSI and NBD on):\n{said}"))?;
     }

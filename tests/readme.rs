@@ -110,7 +110,7 @@ const EXAMPLES: &[Example] = &[
     ex("volring --help", How::Run("Usage: volring")),
     ex("volring mounts", How::Run("/proc")),
     ex("volring mounts -o TARGET,SOURCE,PROPAGATION --list", How::Run("PROPAGATION")),
-    ex("volring mounts --target /var/lib/kubelet/pods/x", How::Run("/var/lib overlay")),
+    ex("volring mounts --target /var/lib", How::Run("/var/lib overlay")),
     ex("volring mounts --json", How::Run("\"filesystems\"")),
     ex("volring mounts --watch", How::Watch),
     ex("volring node --mount-watch reparse", How::UntilCtrlC("INFO volring::agent: ready ")),

@@ -41,6 +41,9 @@ pub(super) struct Events {
     /// The reconciler, when the CSI driver runs.
     pub notify: Option<Notifier>,
     pub publisher: Option<Feeding>,
+    /// The CSI driver, when it runs: its staged volumes mark their devices
+    /// (`volring_device_info{csi_volume}`, the BlockDevice's use).
+    pub csi: Option<Arc<volring_csi::Driver>>,
     /// Mount or device changes wait for the next join.
     pub dirty: bool,
 }
@@ -116,6 +119,9 @@ impl Events {
         let before: Vec<_> = self.published.load().devices.keys().copied().collect();
         self.inventory.link(&read(&self.table), &self.devices.node_name);
         self.inventory.devices.retain(|_, d| self.devices.filter.admits(d));
+        if let Some(driver) = &self.csi {
+            mark_staged(&mut self.inventory, &driver.staged());
+        }
         if !self.inventory.devices.keys().copied().eq(before) && !self.collector.track(tracked(&self.inventory)) {
             tracing::warn!(target: TARGET, "stat collector busy; the device set is passed with the next change");
         }
@@ -218,5 +224,23 @@ fn apply_device(inv: &mut Inventory, ev: DeviceEvent, log: bool) {
         }
         // The loop runs rescans itself, off the runtime; none comes here.
         DeviceEvent::Rescan { .. } => {}
+    }
+}
+
+/// Marks each staged volume's device with its volume id, and unmarks a
+/// device whose volume is no longer staged (staging mounts and unmounts
+/// are mount events, so a relink follows each stage and unstage).
+fn mark_staged(inventory: &mut Inventory, staged: &[volring_volumes::StagedVolume]) {
+    for d in inventory.devices.values_mut() {
+        d.uses.retain(|u| !matches!(u, volring_devices::Use::Volume(_)));
+    }
+    for v in staged {
+        let name = match v.attach {
+            volring_volumes::AttachKind::Loop => v.loop_number.map(|n| format!("loop{n}")),
+            volring_volumes::AttachKind::Nbd => v.nbd_index.map(|n| format!("nbd{n}")),
+        };
+        if let Some(dev) = name.and_then(|n| inventory.by_name(&n)).map(|d| d.dev) {
+            inventory.mark_volume(dev, &v.volume_id);
+        }
     }
 }

@@ -131,6 +131,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
         device_events: devices.events,
         notify: reconciler.map(|(n, _)| n),
         publisher,
+        csi: driver.clone(),
         dirty: false,
     };
     Ok(Started { events, ready: t.ready, summary })

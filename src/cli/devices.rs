@@ -7,9 +7,21 @@ use volring_mounts as mounts;
 
 use super::*;
 
-pub(crate) fn print_devices(json: bool, columns: &[report::Column], cfg: &ScanConfig) -> anyhow::Result<()> {
+pub(crate) fn print_devices(
+    json: bool,
+    columns: &[report::Column],
+    cfg: &ScanConfig,
+    named: &[String],
+    style: report::TableStyle,
+) -> anyhow::Result<()> {
     let (table, _) = mounts::load(true)?;
-    let inv = Inventory::scan(cfg, &table)?;
+    let mut inv = Inventory::scan(cfg, &table)?;
+    // Named devices, as lsblk: those and their partitions.
+    if let Some(wanted) = report::select_devices(&inv, named, |p| std::fs::canonicalize(p).ok()).map_err(anyhow::Error::msg)? {
+        let disks: std::collections::BTreeSet<String> =
+            inv.devices.values().filter(|d| wanted.contains(&d.dev)).map(|d| d.name.clone()).collect();
+        inv.devices.retain(|dev, d| wanted.contains(dev) || d.partition.as_ref().is_some_and(|(_, disk)| disks.contains(disk)));
+    }
     let swaps = volring_devices::swaps::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "/proc/swaps not read: active swap is not shown");
         Default::default()
@@ -33,7 +45,7 @@ pub(crate) fn print_devices(json: bool, columns: &[report::Column], cfg: &ScanCo
             .map_err(std::io::Error::from)
             .and_then(|_| writeln!(out))
     } else {
-        out.write_all(report::device_table(&inv, columns, &swaps).as_bytes())
+        out.write_all(report::device_table_with(&inv, columns, &swaps, style).as_bytes())
     };
     written.and_then(|_| out.flush()).map_err(stdout_error)
 }

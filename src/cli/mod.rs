@@ -26,6 +26,20 @@ impl std::fmt::Display for StdoutClosed {
 
 impl std::error::Error for StdoutClosed {}
 
+/// Nothing matched (`mounts --target` of a path that does not exist, a
+/// `--source` nothing is mounted from): exit status 1 with nothing said,
+/// as findmnt.
+#[derive(Debug)]
+pub(crate) struct NothingFound;
+
+impl std::fmt::Display for NothingFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("nothing found")
+    }
+}
+
+impl std::error::Error for NothingFound {}
+
 /// An error writing stdout, as the command's error.
 pub(crate) fn stdout_error(e: std::io::Error) -> anyhow::Error {
     if e.kind() == std::io::ErrorKind::BrokenPipe {

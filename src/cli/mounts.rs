@@ -13,12 +13,27 @@ pub(crate) fn print_table(
     columns: &[mounts::report::Column],
     layout: mounts::report::Layout,
     filter: &mounts::report::Filter,
+    types: Option<&str>,
 ) -> anyhow::Result<()> {
+    // findmnt --target of a path that does not exist finds nothing (rather
+    // than the mount its nearest existing parent is on).
+    if let Some(t) = &filter.target {
+        use std::os::unix::ffi::OsStrExt;
+        if std::fs::symlink_metadata(std::ffi::OsStr::from_bytes(t)).is_err() {
+            return Err(NothingFound.into());
+        }
+    }
     let (table, errors) = mounts::load(statmount)?;
     for e in &errors {
         tracing::warn!("{e}");
     }
-    let rows = filter.select(&table);
+    let mut rows = filter.select(&table);
+    if let Some(types) = types {
+        rows.retain(|m| fs_type_matches(types, m.fs_type()));
+    }
+    if rows.is_empty() && (filter.target.is_some() || filter.source.is_some() || types.is_some()) {
+        return Err(NothingFound.into());
+    }
     let mut out = std::io::stdout().lock();
     let mut write = || -> std::io::Result<()> {
         if json {
@@ -30,6 +45,17 @@ pub(crate) fn print_table(
         out.flush()
     };
     write().map_err(stdout_error)
+}
+
+/// findmnt's `-t` list: `ext4,xfs` keeps those types; a leading `no`
+/// (`noproc,sysfs`) leaves out every type in the list instead.
+pub(crate) fn fs_type_matches(list: &str, fs_type: &[u8]) -> bool {
+    let (negated, list) = match list.strip_prefix("no") {
+        Some(rest) => (true, rest),
+        None => (false, list),
+    };
+    let listed = list.split(',').map(|t| t.strip_prefix("no").filter(|_| negated).unwrap_or(t)).any(|t| t.as_bytes() == fs_type);
+    listed != negated
 }
 
 pub(crate) async fn stream(config: WatchConfig, json: bool) -> anyhow::Result<()> {

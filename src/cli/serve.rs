@@ -20,16 +20,19 @@ pub(crate) async fn nbd_serve(
     stats_interval: f64,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
+    // The exports first: a missing image or exports file fails before
+    // anything listens (or says it does).
     let exports = std::sync::Arc::new(volring_nbd::Exports::new());
-    // Off the runtime: a bind may wait for a killed server's address.
-    let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(config, exports)).await??);
     let from_file = match &exports_file {
         Some(p) => read_exports_file(p)?,
         None => Vec::new(),
     };
     for spec in specs.iter().chain(&from_file) {
-        server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;
+        let e = exports.add(spec).with_context(|| format!("NBD export {}", spec.name))?;
+        tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
     }
+    // Off the runtime: a bind may wait for a killed server's address.
+    let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(config, exports)).await??);
     // Tests and scripts wait for this line: the server accepts from here on.
     // A closed stdout does not stop the server; it stops the printing.
     let listening = serde_json::json!({

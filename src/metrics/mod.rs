@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 mod classic;
 mod csi;
 mod device_info;
+pub mod logs;
 mod publish;
 
 pub use classic::Format;
@@ -182,6 +183,7 @@ impl Collector for Sources {
         let m = self.mounts.load();
         counter(&mut e, "volring_mount_events", "Mount events delivered", m.mount_events)?;
         counter(&mut e, "volring_mount_resyncs", "Full mount-table resyncs", m.resyncs)?;
+        counter(&mut e, "volring_log_lines_lost", "Log lines dropped because stderr refused them (its reader gone)", logs::lines_lost())?;
 
         for (family, help, pick) in [
             ("volring_ring_cpu_seconds", "CPU time of each ring thread", 0),
@@ -291,7 +293,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
     let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 11] = [
-        ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
+        ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
         ("volring_nbd_read_bytes", "Bytes read by clients", |s| s.read_bytes),

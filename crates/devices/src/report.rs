@@ -192,7 +192,7 @@ pub fn swap_state(d: &super::Device, active_swap: &BTreeSet<DevNum>) -> Option<&
 }
 
 /// One cell. `?` stands for a value that exists but could not be read.
-fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<DevNum>) -> String {
+fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<DevNum>, bytes: bool) -> String {
     let unread = d.probe_error.is_some();
     let probed = |v: Option<&str>| match v {
         Some(v) => v.to_string(),
@@ -211,6 +211,7 @@ fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<
         Column::Name | Column::Kname => d.name.clone(),
         Column::Path => d.path.display().to_string(),
         Column::MajMin => d.dev.to_string(),
+        Column::Size if bytes => d.size_bytes.to_string(),
         Column::Size => human_size(d.size_bytes),
         Column::Type => {
             let mut kind = d.kind.as_str().to_string();
@@ -255,11 +256,31 @@ fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<
 /// `# ` line per device and cause, so a partial answer never passes for a
 /// whole one. `active_swap` holds the devices in `/proc/swaps`.
 pub fn device_table(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>) -> String {
+    device_table_with(inv, cols, active_swap, TableStyle::default())
+}
+
+/// lsblk's switches for the table.
+#[derive(Clone, Copy, Debug)]
+pub struct TableStyle {
+    /// The header line (lsblk -n leaves it out).
+    pub headings: bool,
+    /// SIZE in bytes, not in powers of 1024 (lsblk -b).
+    pub bytes: bool,
+}
+
+impl Default for TableStyle {
+    fn default() -> Self {
+        Self { headings: true, bytes: false }
+    }
+}
+
+/// [`device_table`] with lsblk's `-n` and `-b`.
+pub fn device_table_with(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>, style: TableStyle) -> String {
     let mut rows: Vec<Vec<String>> = Vec::new();
     let row = |d: &super::Device, prefix: &str| -> Vec<String> {
         cols.iter()
             .map(|&c| {
-                let v = cell(c, d, inv, active_swap);
+                let v = cell(c, d, inv, active_swap, style.bytes);
                 if c == Column::Name {
                     format!("{prefix}{v}")
                 } else {
@@ -276,7 +297,7 @@ pub fn device_table(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<Dev
         }
     }
     let header: Vec<&str> = cols.iter().map(|c| c.name()).collect();
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| if style.headings { h.len() } else { 0 }).collect();
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
@@ -295,7 +316,9 @@ pub fn device_table(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<Dev
         out.push_str(l.trim_end());
         out.push('\n');
     };
-    line(&header);
+    if style.headings {
+        line(&header);
+    }
     for r in &rows {
         line(&r.iter().map(String::as_str).collect::<Vec<_>>());
     }

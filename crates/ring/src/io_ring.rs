@@ -205,7 +205,7 @@ impl<T: Copy> IoRing<T> {
         let iovecs = bufs.arena_iovecs();
         // SAFETY: the arena mapping outlives the ring: `Drop` unregisters or
         // leaks it, and the iovecs describe exactly that mapping.
-        unsafe { ring.submitter().register_buffers(&iovecs)? };
+        unsafe { ring.submitter().register_buffers(&iovecs).map_err(|e| pinned_memory(e, &iovecs))? };
         // The kernel refuses a file table larger than RLIMIT_NOFILE: raise the
         // soft limit to the hard one, and fit the table under what is left.
         let files = cfg.files.min(raise_nofile_limit().saturating_sub(64).max(64));
@@ -653,6 +653,27 @@ impl<T: Copy> IoRing<T> {
 
 /// Raises this process's soft RLIMIT_NOFILE to its hard limit (once is
 /// enough; later calls change nothing) and returns the soft limit.
+/// The kernel pins registered buffers and, for a process without
+/// CAP_IPC_LOCK, counts them against RLIMIT_MEMLOCK: over it, ENOMEM. Said
+/// as that (not as a kernel too old for io_uring).
+fn pinned_memory(e: io::Error, iovecs: &[libc::iovec]) -> io::Error {
+    if e.raw_os_error() != Some(libc::ENOMEM) {
+        return e;
+    }
+    let bytes: usize = iovecs.iter().map(|v| v.iov_len).sum();
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock)
+        .current
+        .map_or("unlimited".to_string(), |n| format!("{} KiB", n >> 10));
+    io::Error::new(
+        io::ErrorKind::OutOfMemory,
+        format!(
+            "registering the ring's {} KiB of I/O buffers: ENOMEM, pinned memory over RLIMIT_MEMLOCK (ulimit -l: {limit}) \
+             for a process without CAP_IPC_LOCK: raise the limit (ulimit -l, systemd LimitMEMLOCK=) or run as root",
+            bytes >> 10
+        ),
+    )
+}
+
 fn raise_nofile_limit() -> u32 {
     use rustix::process::{getrlimit, setrlimit, Resource};
     let mut limit = getrlimit(Resource::Nofile);

@@ -231,7 +231,12 @@ impl NbdServer {
                     let server =
                         NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, next_connected: Default::default() };
                     drop(server);
-                    return Err(Error::Io { what: "NBD ring (needs io_uring with multishot receive, Linux 6.0+)".into(), source: e });
+                    // Out of memory is not an old kernel: the ring says what ran out.
+                    let what = match e.kind() {
+                        std::io::ErrorKind::OutOfMemory => "NBD ring",
+                        _ => "NBD ring (needs io_uring with multishot receive, Linux 6.0+)",
+                    };
+                    return Err(Error::Io { what: what.into(), source: e });
                 }
                 Err(_) => return Err(Error::Protocol("ring thread died during start")),
             }
