@@ -428,6 +428,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime()?.block_on(stream(watch_args.config(), json || !std::io::stdout().is_terminal()))
         }
         Command::Status { state_dir, pool_dir, kubelet_root, json } => {
+            // A mistyped --state-dir is not an empty node.
+            anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
             print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, &kubelet_root, json)
         }
         Command::Recover { state_dir, pool_dir, kubelet_root, apply, json } => {

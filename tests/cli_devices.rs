@@ -387,10 +387,16 @@ fn devices_named_exactly_like_lsblk() -> Result<(), Failed> {
 /// `volring get` from a state directory that does not exist fails and
 /// says so (before: rc 0 and nothing).
 fn get_from_a_missing_state_dir_fails() -> Result<(), Failed> {
-    let out = volring(&["get", "blockdevices", "--local-store", "--state-dir", "/nonexistent/volring"])?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    check(!out.status.success(), format!("rc {:?}, stdout {:?}", out.status, String::from_utf8_lossy(&out.stdout)))?;
-    check(err.contains("/nonexistent/volring") && err.contains("does not exist"), format!("stderr: {err}"))
+    for args in [
+        &["get", "blockdevices", "--local-store", "--state-dir", "/nonexistent/volring"][..],
+        &["status", "--state-dir", "/nonexistent/volring"],
+    ] {
+        let out = volring(args)?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        check(!out.status.success(), format!("{args:?}: rc {:?}, stdout {:?}", out.status, String::from_utf8_lossy(&out.stdout)))?;
+        check(err.contains("/nonexistent/volring") && err.contains("does not exist"), format!("{args:?}: stderr: {err}"))?;
+    }
+    Ok(())
 }
 
 /// Completion scripts and the man page come from the clap definition, so

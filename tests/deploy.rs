@@ -354,7 +354,7 @@ fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
         if no_publisher != agent.contains(&"--no-publish") {
             say(format!("agent args {agent:?} (--no-publish expected: {no_publisher})"));
         }
-        if no_publisher == !crd_plurals.is_empty() {
+        if no_publisher != crd_plurals.is_empty() {
             say(format!("CRDs {crd_plurals:?} with the publisher {}", if no_publisher { "off" } else { "on" }));
         }
         let resizer = args_of(objects, "DaemonSet", "volring-csi", "resizer");
