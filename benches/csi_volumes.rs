@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use tonic::transport::Channel;
-use volring::csi::client::{capability, Clients};
-use volring::csi::proto::node_client::NodeClient;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::{capability, Clients};
+use volring_csi::proto::node_client::NodeClient;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 struct Agent {
     child: Child,
@@ -44,13 +44,13 @@ impl Drop for Agent {
         // Anything a failed run left: unmount below the dir, detach its loops.
         for _ in 0..4 {
             let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-            let (t, _) = volring::mounts::MountTable::from_mountinfo(&info);
+            let (t, _) = volring_mounts::MountTable::from_mountinfo(&info);
             for m in t.iter().filter(|m| m.mount_point_path().starts_with(self.dir.path())) {
                 let _ = rustix::mount::unmount(m.mount_point_path(), rustix::mount::UnmountFlags::DETACH);
             }
         }
-        for a in volring::volumes::attach::find_backed_by_prefix(self.dir.path()) {
-            if let Ok(d) = volring::sys::loopdev::LoopDevice::open(a) {
+        for a in volring_volumes::attach::find_backed_by_prefix(self.dir.path()) {
+            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(a) {
                 let _ = d.detach();
             }
         }
@@ -75,7 +75,7 @@ fn main() {
     let clients = arg("--clients", 4).max(1);
     let callers = arg("--callers", 8).max(1);
     let calls = arg("--calls", 20_000);
-    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let dir = tempfile::Builder::new().prefix("volring-bench-csi-").tempdir().expect("dir");
     let socket = dir.path().join("csi.sock");
     let child = Command::new(env!("CARGO_BIN_EXE_volring"))
@@ -280,8 +280,8 @@ fn mountinfo_scan_cost() -> (Duration, usize) {
         let t = Instant::now();
         let f = std::fs::File::open("/proc/thread-self/mountinfo").expect("mountinfo");
         let mut buf = Vec::new();
-        volring::mounts::read_mountinfo(&f, &mut buf).expect("read");
-        let (table, _) = volring::mounts::MountTable::from_mountinfo(&buf);
+        volring_mounts::read_mountinfo(&f, &mut buf).expect("read");
+        let (table, _) = volring_mounts::MountTable::from_mountinfo(&buf);
         n = table.len();
         times.push(t.elapsed());
     }

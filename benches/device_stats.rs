@@ -12,10 +12,10 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use volring::devices::{StatMethod, StatSource};
-use volring::mounts::DevNum;
-use volring::ring::BackendChoice;
-use volring::sys::loopdev::{self, LoopDevice, LoopOptions};
+use volring_devices::{StatMethod, StatSource};
+use volring_mounts::DevNum;
+use volring_ring::BackendChoice;
+use volring_sys::loopdev::{self, LoopDevice, LoopOptions};
 
 /// N loop devices over one sparse file; detached and removed on drop.
 struct LoopFarm {

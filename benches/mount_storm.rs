@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
 use rustix::mount::{mount, unmount, MountFlags, UnmountFlags};
-use volring::mounts::{EventKind, MountWatcher, WatchConfig, WatchMode};
+use volring_mounts::{EventKind, MountWatcher, WatchConfig, WatchMode};
 
 /// `STATX_MNT_ID_UNIQUE` (6.8+): the id fanotify and statmount use.
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
@@ -138,7 +138,7 @@ fn main() {
     let only = args.iter().position(|a| a == "--watcher").and_then(|i| args.get(i + 1)).cloned();
     let bins = volring_bins(&args);
     let runs = arg_list(&args, "--runs", &[if bins.len() == 2 { 5 } else { 9 }])[0].max(1);
-    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
     let probe = farm.dir("probe");

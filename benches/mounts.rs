@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use volring::mounts::{diff, parse, read_mountinfo, MountTable, Statmounter};
+use volring_mounts::{diff, parse, read_mountinfo, MountTable, Statmounter};
 
 const SIZES: [usize; 4] = [1_000, 5_000, 10_000, 20_000];
 
@@ -66,7 +66,7 @@ fn snapshot_group(c: &mut Criterion, farm: &mut support::MountFarm) {
 }
 
 fn main() {
-    let private = volring::sys::ns::enter_private_mount_namespace();
+    let private = volring_sys::ns::enter_private_mount_namespace();
     let mut c = Criterion::default().configure_from_args();
     parse_group(&mut c);
     diff_group(&mut c);

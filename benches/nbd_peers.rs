@@ -358,7 +358,7 @@ fn main() {
     assert!(names.first() == Some(&"volring") && names.len() >= 2, "VOLRING_BENCH_PEERS must name volring and a peer");
     match std::env::var("VOLRING_BENCH_POOLS") {
         Ok(pools) => {
-            volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+            volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
             for fs in pools.split(',').filter(|f| !f.is_empty()) {
                 let pool = Pool::new(dir.path(), fs);
                 let img = pool.mount.join("disk.img");

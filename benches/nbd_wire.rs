@@ -3,7 +3,7 @@
 //! decides IOPS on a 2-core node).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use volring::nbd::wire::{self, cmd, encode_request, encode_small_reply, parse_request, HeaderStyle, ReplyBody, Request};
+use volring_nbd::wire::{self, cmd, encode_request, encode_small_reply, parse_request, HeaderStyle, ReplyBody, Request};
 
 fn burst(style: HeaderStyle, n: u64) -> Vec<u8> {
     let mut b = Vec::new();
@@ -43,7 +43,7 @@ fn parse(c: &mut Criterion) {
     }
     g.throughput(Throughput::Elements(1));
     g.bench_function("handshake to GO", |b| {
-        use volring::nbd::handshake::{Catalog, ExportInfo, Handshake, Outcome};
+        use volring_nbd::handshake::{Catalog, ExportInfo, Handshake, Outcome};
         struct One;
         impl Catalog for One {
             type Handle = ();

@@ -50,7 +50,7 @@ fn main() {
     let sizes: Vec<usize> = arg("--sizes", "1000").split(',').filter_map(|s| s.parse().ok()).collect();
     let pairs: usize = arg("--pairs", "1000").parse().expect("--pairs");
     let runs: usize = arg("--runs", "5").parse::<usize>().expect("--runs").max(1);
-    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut farm = support::MountFarm::new();
     let dirs: Vec<PathBuf> = (0..pairs).map(|i| farm.dir(&format!("storm/s{i}"))).collect();
     println!(

@@ -15,8 +15,8 @@ mod support;
 use std::hint::black_box;
 use std::time::Instant;
 
-use volring::mounts::{parse, read_mountinfo, MountTable};
-use volring::sys::libmount;
+use volring_mounts::{parse, read_mountinfo, MountTable};
+use volring_sys::libmount;
 
 const ROUNDS: usize = 31;
 

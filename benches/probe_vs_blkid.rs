@@ -13,8 +13,8 @@ use std::os::unix::fs::FileExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use volring::devices::probe::{probe_sample, read_plan, Sample};
-use volring::sys::loopdev::{LoopDevice, LoopOptions};
+use volring_devices::probe::{probe_sample, read_plan, Sample};
+use volring_sys::loopdev::{LoopDevice, LoopOptions};
 
 struct Dev {
     kind: &'static str,

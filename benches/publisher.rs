@@ -36,9 +36,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use volring::publisher::kube_sink::KubeSink;
-use volring::publisher::objects::{self, Key, Kind, Object, NODE_LABEL};
-use volring::publisher::{Part, Sink, Updater, UpdaterConfig};
+use volring_kube::kube_sink::KubeSink;
+use volring_kube::objects::{self, Key, Kind, Object, NODE_LABEL};
+use volring_kube::{Part, Sink, Updater, UpdaterConfig};
 
 const DEVICES: usize = 1000;
 const EVENTS: usize = 10_000;
@@ -99,7 +99,7 @@ fn unlimited() -> UpdaterConfig {
 async fn list_all(client: &kube::Client, selector: Option<&str>) -> serde_json::Value {
     let mut uri = "/apis/volring.io/v1alpha1/blockdevices".to_string();
     if let Some(s) = selector {
-        uri.push_str(&format!("?labelSelector={}", volring::publisher::kube_sink::query_escape(s)));
+        uri.push_str(&format!("?labelSelector={}", volring_kube::kube_sink::query_escape(s)));
     }
     let req = http::Request::get(uri).body(Vec::new()).unwrap();
     client.request::<serde_json::Value>(req).await.expect("list")
@@ -190,7 +190,7 @@ struct Run {
 fn seed(server: &kube_support::Server, n: usize) {
     server.api.clear();
     for i in 0..n {
-        server.api.seed("blockdevices", volring::publisher::embedded_sink::api_form(&bd(i, 0)));
+        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd(i, 0)));
     }
     server.api.clear_log();
 }

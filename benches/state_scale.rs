@@ -20,10 +20,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use volring::mounts::MountTable;
-use volring::state::actual::{self, Action, Proof};
-use volring::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
-use volring::volumes::{AccessKind, StagePhase, StagedRecords, StagedVolume};
+use volring_mounts::MountTable;
+use volring_volumes::state::actual::{self, Action, Proof};
+use volring_volumes::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
+use volring_volumes::{AccessKind, StagePhase, StagedRecords, StagedVolume};
 
 struct Records(Arc<StagedRecords>);
 
@@ -94,7 +94,7 @@ fn main() {
             let all: Vec<(String, Vec<u8>)> =
                 (0..n).map(record).map(|r| (r.volume_id.clone(), serde_json::to_vec(&r).expect("json"))).collect();
             for chunk in all.chunks(1000) {
-                let changes: Vec<_> = chunk.iter().map(|(id, b)| volring::state::store::Change::PutVolume(id, b)).collect();
+                let changes: Vec<_> = chunk.iter().map(|(id, b)| volring_volumes::store::Change::PutVolume(id, b)).collect();
                 store.apply(&changes).expect("write");
             }
         }

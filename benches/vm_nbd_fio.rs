@@ -27,7 +27,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use volring::nbd::attach::{ConnectSpec, NbdControl};
+use volring_nbd::attach::{ConnectSpec, NbdControl};
 
 /// fio jobs: name, rw, block size, queue depth.
 /// Sequential writes last: on 6.1 they stalled volring's server until the
@@ -46,7 +46,7 @@ const JOBS: &[(&str, &str, &str, u32)] = &[
 fn attach_unix(args: &[String]) -> Result<(), String> {
     let [sock, export, index, backend] = args else { return Err("attach-unix SOCKET EXPORT INDEX BACKEND".into()) };
     let mut s = UnixStream::connect(sock).map_err(|e| format!("connect {sock}: {e}"))?;
-    let details = volring::nbd::client::negotiate(&mut s, export, Duration::from_secs(10)).map_err(|e| format!("negotiate: {e}"))?;
+    let details = volring_nbd::client::negotiate(&mut s, export, Duration::from_secs(10)).map_err(|e| format!("negotiate: {e}"))?;
     // The kernel waits on the socket itself: no timeouts of ours.
     for t in [rustix::net::sockopt::Timeout::Recv, rustix::net::sockopt::Timeout::Send] {
         rustix::net::sockopt::set_socket_timeout(&s, t, None).map_err(|e| format!("clear timeout: {e}"))?;

@@ -14,8 +14,8 @@ use cli::{denied, runtime, stdout_error, StdoutClosed};
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 
-use volring::devices::{report, CollectorConfig, ScanConfig, StatMethod};
-use volring::mounts;
+use volring_devices::{report, CollectorConfig, ScanConfig, StatMethod};
+use volring_mounts as mounts;
 
 mod cli_docs;
 
@@ -82,7 +82,7 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CSI_ENDPOINT)]
         endpoint: String,
         #[command(subcommand)]
-        call: volring::csi::client::Call,
+        call: volring_csi::client::Call,
     },
     /// Print the mount table like `findmnt --raw`, or stream changes.
     Mounts {
@@ -317,7 +317,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 // reports is the name its BlockDevices and StorageNode carry.
                 devices: ScanConfig {
                     io: watch.config().backend,
-                    node_name: csi.node_id.clone().unwrap_or_else(volring::devices::node_name),
+                    node_name: csi.node_id.clone().unwrap_or_else(volring_devices::node_name),
                     ..scan.config()
                 },
                 stats: CollectorConfig {
@@ -345,8 +345,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime()?.block_on(volring::agent::run(config))
         }
         Command::Nbd { command: NbdCommand::Serve { exports, exports_file, unix, tcp, tuning, stats_interval } } => {
-            let listen = unix.into_iter().map(volring::nbd::Listen::Unix).chain(tcp.into_iter().map(volring::nbd::Listen::Tcp)).collect();
-            let specs = exports.iter().map(|e| e.parse()).collect::<Result<Vec<volring::nbd::ExportSpec>, _>>()?;
+            let listen = unix.into_iter().map(volring_nbd::Listen::Unix).chain(tcp.into_iter().map(volring_nbd::Listen::Tcp)).collect();
+            let specs = exports.iter().map(|e| e.parse()).collect::<Result<Vec<volring_nbd::ExportSpec>, _>>()?;
             runtime()?.block_on(nbd_serve(tuning.config(listen), specs, exports_file, stats_interval))
         }
         Command::Nbd { command: NbdCommand::Attach { args, tuning } } => cli::nbd::attach(args, tuning.config(Vec::new()), runtime()?),
@@ -384,11 +384,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, json)
         }
         Command::Crds => {
-            print!("{}", volring::publisher::objects::crds_yaml());
+            print!("{}", volring_kube::objects::crds_yaml());
             Ok(())
         }
         Command::Get { resource, output, kube, local_store, state_dir } => {
-            use volring::publisher::{kube_sink::KubeSink, show};
+            use volring_kube::{kube_sink::KubeSink, show};
             let (kind, format) = (show::resource(&resource)?, show::format(output.as_deref())?);
             let source = if local_store { None } else { KubeSink::detect() };
             let items = if kube || source.is_some() {
@@ -396,7 +396,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 eprintln!("# {} from the cluster ({from})", kind.plural());
                 runtime()?.block_on(show::read_cluster(kind))?
             } else {
-                let store = state_dir.join(volring::state::store::FILE);
+                let store = state_dir.join(volring_volumes::store::FILE);
                 eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
                 show::read_store(&state_dir, kind)?
             };
@@ -418,11 +418,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// Prints the reply as JSON; a gRPC error goes to stderr with its code and
 /// the exit status is 1.
-async fn csi_call(endpoint: &str, call: volring::csi::client::Call) -> anyhow::Result<()> {
-    let path = volring::csi::server::parse_endpoint(endpoint).map_err(anyhow::Error::msg)?;
+async fn csi_call(endpoint: &str, call: volring_csi::client::Call) -> anyhow::Result<()> {
+    let path = volring_csi::server::parse_endpoint(endpoint).map_err(anyhow::Error::msg)?;
     let mut clients =
-        volring::csi::client::Clients::connect(path.clone()).await.with_context(|| format!("connect to {}", path.display()))?;
-    match volring::csi::client::call(&mut clients, call).await {
+        volring_csi::client::Clients::connect(path.clone()).await.with_context(|| format!("connect to {}", path.display()))?;
+    match volring_csi::client::call(&mut clients, call).await {
         Ok(v) => {
             let text = serde_json::to_string_pretty(&v)?;
             let mut out = std::io::stdout().lock();

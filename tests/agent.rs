@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use common::{check, without_colours, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring::csi::client::{capability, Clients};
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::{capability, Clients};
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 const VOLRING: &str = env!("CARGO_BIN_EXE_volring");
 /// The longest any wait in these tests may take: 30 s, and 120 s in the
@@ -207,8 +207,8 @@ impl Drop for Site {
                 let _ = rustix::mount::unmount(p, rustix::mount::UnmountFlags::DETACH);
             }
         }
-        for n in volring::volumes::attach::find_backed_by_prefix(&dir) {
-            if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
+        for n in volring_volumes::attach::find_backed_by_prefix(&dir) {
+            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
                 let _ = d.detach();
             }
         }
@@ -344,7 +344,7 @@ fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     let body = classic.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
     check(body.contains("# TYPE volring_reconcile_passes_total counter"), format!("classic counter family: {body:.2000}"))?;
     promtool_check(body)?;
-    // The probes kubelet uses (deploy/daemonset.yaml).
+    // The probes kubelet uses (deploy/base/daemonset.yaml).
     for (path, want) in [("/healthz", "ok"), ("/readyz", "ready")] {
         let reply = http_get(addr, path)?;
         check(reply.starts_with("HTTP/1.1 200") && reply.ends_with(&format!("{want}\n")), format!("{path}: {reply:.300}"))?;
@@ -478,7 +478,7 @@ fn mounts_watch_into_a_closed_pipe_exits_quietly() -> Result<(), Failed> {
     // rightly warns that it falls back; asking for the fallback by name keeps
     // stderr a clean signal there too.
     let mut args = vec!["mounts", "--watch"];
-    if volring::mounts::MountWatcher::fanotify_support().is_err() {
+    if volring_mounts::MountWatcher::fanotify_support().is_err() {
         args.extend(["--mount-watch", "reparse"]);
     }
     let mut p = Proc::spawn(Command::new(VOLRING).args(&args).env("RUST_BACKTRACE", "1").stdout(Stdio::piped()));
@@ -727,7 +727,7 @@ fn shutdown_waits_for_work_a_client_gave_up_on() -> Result<(), Failed> {
 /// Mount points at or below `dir`.
 fn common_mounts_under(dir: &Path) -> Vec<PathBuf> {
     let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-    let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
+    let (table, _) = volring_mounts::MountTable::from_mountinfo(&info);
     table.iter().map(|m| m.mount_point_path().to_path_buf()).filter(|p| p.starts_with(dir)).collect()
 }
 

@@ -38,8 +38,8 @@ use csi_support::crash_model::{steps, Kind, Op, Rng, State, Vol};
 use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, MIB};
 use libtest_mimic::Failed;
 use tonic::{Code, Status};
-use volring::csi::proto::*;
-use volring::fault::{call_of, POINTS};
+use volring_csi::proto::*;
+use volring_volumes::fault::{call_of, POINTS};
 
 type Res<T = ()> = Result<T, Failed>;
 
@@ -581,7 +581,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
 
 #[test]
 fn crash_loop() {
-    volring::sys::ns::enter_private_mount_namespace_on_this_thread().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace_on_this_thread().expect("private mount namespace (run as root)");
     let cycles = env_u64("VOLRING_CRASH_CYCLES").unwrap_or(100) as usize;
     let seed = env_u64("VOLRING_CRASH_SEED")
         .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64));
@@ -597,7 +597,7 @@ fn crash_loop() {
         fired: BTreeMap::new(),
         abandoned: 0,
         transient: Vec::new(),
-        ext4_grows: volring::volumes::filesystem::can_resize_ext4(),
+        ext4_grows: volring_volumes::filesystem::can_resize_ext4(),
         double_fault: false,
         double_faults: 0,
     };

@@ -12,9 +12,9 @@ use common::check;
 use csi_support::{block_cap, code, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
-use volring::csi::client::capability;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
     match r {
@@ -114,6 +114,64 @@ fn lifecycle_block() -> Result<(), Failed> {
     Ok(())
 }
 
+/// kubelet asks stats of a raw block volume at its own bind of the device
+/// volring published, `<root>/plugins/kubernetes.io/csi/volumeDevices/<pv>/dev/<podUID>`,
+/// a path volring never made: the volume is there when the path is its
+/// device node (proven on one descriptor opened beneath the root), and
+/// nowhere else: another volume's device, a symlink to the volume's own
+/// device (inside the root or out of it, or on the way), a plain file, the
+/// path once kubelet unbound it are NotFound.
+fn block_stats_at_kubelets_device_path() -> Result<(), Failed> {
+    use std::path::Path;
+    let a = Agent::start();
+    let (s1, t1) = (a.k("plugins/stage/pvc-kb"), a.k("pods/p1/dev/pvc-kb"));
+    let (s2, t2) = (a.k("plugins/stage/pvc-kb2"), a.k("pods/p2/dev/pvc-kb2"));
+    for (id, staging, target) in [("pvc-kb", &s1, &t1), ("pvc-kb2", &s2, &t2)] {
+        a.create(id, 32 * MIB, "")?;
+        a.stage(id, staging, block_cap())?;
+        a.publish(id, staging, target, block_cap(), false)?;
+    }
+    let dev_dir = a.kubelet.join("plugins/kubernetes.io/csi/volumeDevices/pvc-kb/dev");
+    std::fs::create_dir_all(&dev_dir)?;
+    let at = |name: &str| dev_dir.join(name).to_string_lossy().into_owned();
+    let bind = |from: &str, to: &str| -> Result<(), Failed> {
+        std::fs::File::create(to)?;
+        rustix::mount::mount_bind(from, to)?;
+        Ok(())
+    };
+    let kubelet_dev = at("pod-uid-1");
+    bind(&t1, &kubelet_dev)?;
+    let s = a.stats("pvc-kb", &kubelet_dev)?;
+    check(
+        bytes_usage(&s).is_some_and(|u| u.total == 32 * MIB) && s.volume_condition.as_ref().is_some_and(|c| !c.abnormal),
+        format!("stats at kubelet's bind of the device: {s:?}"),
+    )?;
+    let other = at("pod-uid-2");
+    bind(&t2, &other)?;
+    expect_code(a.stats("pvc-kb", &other), Code::NotFound, "stats at another volume's device")?;
+    let rdev = std::os::unix::fs::MetadataExt::rdev(&std::fs::metadata(&t1)?);
+    let loop_dev = format!("/dev/loop{}", rustix::fs::minor(rdev));
+    check(Path::new(&loop_dev).exists(), format!("{loop_dev} is the volume's device"))?;
+    std::os::unix::fs::symlink(&t1, at("link-in"))?;
+    std::os::unix::fs::symlink(&loop_dev, at("link-out"))?;
+    std::fs::write(at("plain"), b"not a device")?;
+    let via = a.kubelet.join("plugins/kubernetes.io/csi/volumeDevices/via");
+    std::os::unix::fs::symlink(&dev_dir, &via)?;
+    let via_dev = via.join("pod-uid-1").to_string_lossy().into_owned();
+    for p in [at("link-in"), at("link-out"), at("plain"), via_dev] {
+        expect_code(a.stats("pvc-kb", &p), Code::NotFound, &format!("stats at {p}"))?;
+    }
+    for p in [&kubelet_dev, &other] {
+        common::umount(Path::new(p));
+    }
+    expect_code(a.stats("pvc-kb", &kubelet_dev), Code::NotFound, "stats at kubelet's path once unbound")?;
+    for (id, staging, target) in [("pvc-kb", &s1, &t1), ("pvc-kb2", &s2, &t2)] {
+        a.unpublish(id, target)?;
+        a.unstage(id, staging)?;
+    }
+    all_gone(&a)
+}
+
 fn readonly_and_two_publishes() -> Result<(), Failed> {
     let a = Agent::start();
     a.create("pvc-ro", 32 * MIB, "")?;
@@ -156,7 +214,7 @@ fn expand_while_published(fs: &'static str) -> impl FnOnce() -> Result<(), Faile
         let e = a.expand("pvc-grow", big, mount_cap(fs))?;
         check(e.capacity_bytes == big && e.node_expansion_required, format!("controller expand: {e:?}"))?;
         let node = a.node_expand("pvc-grow", &target, big);
-        if fs == "ext4" && !volring::volumes::filesystem::can_resize_ext4() {
+        if fs == "ext4" && !volring_volumes::filesystem::can_resize_ext4() {
             // This machine withholds CAP_SYS_RESOURCE; the answer must say so.
             expect_code(node, Code::FailedPrecondition, "ext4 grow without CAP_SYS_RESOURCE")?;
         } else {
@@ -403,8 +461,8 @@ fn crash_mid_attach() -> Result<(), Failed> {
             "read_only": false, "phase": "attaching",
         });
         // The record the killed agent left, put where a live one keeps it.
-        let record: volring::volumes::StagedVolume = serde_json::from_value(record)?;
-        volring::volumes::StagedRecords::open(&a.state)?.put(&record)?;
+        let record: volring_volumes::StagedVolume = serde_json::from_value(record)?;
+        volring_volumes::StagedRecords::open(&a.state)?.put(&record)?;
         let out = std::process::Command::new("losetup").arg("-f").arg("--show").arg(a.image(id)).output()?;
         check(out.status.success(), "losetup")?;
         loops.push(String::from_utf8(out.stdout)?.trim().to_string());
@@ -459,7 +517,7 @@ fn ext4_errors_are_abnormal() -> Result<(), Failed> {
     a.stage("pvc-err", &staging, mount_cap("ext4"))?;
     let s = a.stats("pvc-err", &staging)?;
     check(s.volume_condition.as_ref().is_some_and(|c| !c.abnormal), format!("healthy at first: {:?}", s.volume_condition))?;
-    let loops = volring::volumes::attach::find_backed_by(&a.image("pvc-err"));
+    let loops = volring_volumes::attach::find_backed_by(&a.image("pvc-err"));
     check(loops.len() == 1, "one loop device")?;
     let sys = format!("/sys/fs/ext4/loop{}", loops[0].number);
     // ext4's own knob: records an error exactly as a failed I/O would.
@@ -504,14 +562,14 @@ fn identity_controller_and_listing() -> Result<(), Failed> {
     let a = Agent::start();
     let mut id = a.c.identity.clone();
     let info = a.run(id.get_plugin_info(GetPluginInfoRequest {}))?.into_inner();
-    check(info.name == volring::csi::DRIVER_NAME && info.vendor_version == env!("CARGO_PKG_VERSION"), "plugin info")?;
+    check(info.name == volring_csi::DRIVER_NAME && info.vendor_version == env!("CARGO_PKG_VERSION"), "plugin info")?;
     let caps = a.run(id.get_plugin_capabilities(GetPluginCapabilitiesRequest {}))?.into_inner();
     check(caps.capabilities.len() == 3, "controller, topology, online expansion")?;
     let mut n = a.c.node.clone();
     let ni = a.run(n.node_get_info(NodeGetInfoRequest {}))?.into_inner();
     check(ni.node_id == "test-node", "node id")?;
     check(
-        ni.accessible_topology.is_some_and(|t| t.segments.get(volring::csi::TOPOLOGY_KEY).map(String::as_str) == Some("test-node")),
+        ni.accessible_topology.is_some_and(|t| t.segments.get(volring_csi::TOPOLOGY_KEY).map(String::as_str) == Some("test-node")),
         "topology",
     )?;
     let nc = a.run(n.node_get_capabilities(NodeGetCapabilitiesRequest {}))?.into_inner();
@@ -551,7 +609,7 @@ fn identity_controller_and_listing() -> Result<(), Failed> {
         name: "pvc-far".into(),
         volume_capabilities: vec![mount_cap("")],
         accessibility_requirements: Some(TopologyRequirement {
-            requisite: vec![Topology { segments: [(volring::csi::TOPOLOGY_KEY.to_string(), "elsewhere".to_string())].into() }],
+            requisite: vec![Topology { segments: [(volring_csi::TOPOLOGY_KEY.to_string(), "elsewhere".to_string())].into() }],
             preferred: vec![],
         }),
         ..Default::default()
@@ -624,18 +682,18 @@ fn staged_record_quarantined() -> Result<(), Failed> {
         std::fs::write(std::path::Path::new(&staging).join("kept"), b"kept")?;
         // The record is damaged while no agent runs.
         a.kill_hard();
-        let store = volring::state::store::Store::open(&a.state.join(volring::state::store::FILE))?;
-        store.apply(&[volring::state::store::Change::PutVolume(id, b"{ torn")])?;
+        let store = volring_volumes::store::Store::open(&a.state.join(volring_volumes::store::FILE))?;
+        store.apply(&[volring_volumes::store::Change::PutVolume(id, b"{ torn")])?;
         drop(store);
         a.respawn();
         if restage {
             a.stage(id, &staging, mount_cap(""))?;
-            let devices = volring::volumes::attach::find_backed_by(&a.image(id));
+            let devices = volring_volumes::attach::find_backed_by(&a.image(id));
             check(devices.len() == 1, format!("{id}: {} devices on one image after the re-stage", devices.len()))?;
             check(std::fs::read(std::path::Path::new(&staging).join("kept"))? == b"kept", "data kept")?;
         }
         a.unstage(id, &staging)?;
-        check(volring::volumes::attach::find_backed_by(&a.image(id)).is_empty(), format!("{id}: still attached after unstage"))?;
+        check(volring_volumes::attach::find_backed_by(&a.image(id)).is_empty(), format!("{id}: still attached after unstage"))?;
         check(mounts_under(std::path::Path::new(&staging)).is_empty(), format!("{id}: still mounted after unstage"))?;
     }
     all_gone(&a)
@@ -674,7 +732,7 @@ fn nbd_attach_kind() -> Result<(), Failed> {
         expect_code(r, Code::FailedPrecondition, "attach: nbd without the nbd driver")?;
         check(msg.contains("nbd"), format!("the refusal names nbd: {msg:?}"))?;
         check(a.alive(), "the agent survives the refusal")?;
-        check(volring::volumes::attach::find_backed_by(&a.image("pvc-nbd")).is_empty(), "no loop device instead")?;
+        check(volring_volumes::attach::find_backed_by(&a.image("pvc-nbd")).is_empty(), "no loop device instead")?;
         check(mounts_under(std::path::Path::new(&staging)).is_empty(), "nothing mounted")?;
         // No record left: the volume can be deleted (a staged one cannot).
         a.delete("pvc-nbd")?;
@@ -684,7 +742,7 @@ fn nbd_attach_kind() -> Result<(), Failed> {
     check(l.volume_context.get("attach").map(String::as_str) == Some("loop"), "loop in the context")?;
     let ls = a.k("plugins/stage/loop");
     a.stage("pvc-loop", &ls, mount_cap("ext4"))?;
-    check(volring::volumes::attach::find_backed_by(&a.image("pvc-loop")).len() == 1, "the loop volume is on a loop device")?;
+    check(volring_volumes::attach::find_backed_by(&a.image("pvc-loop")).len() == 1, "the loop volume is on a loop device")?;
     a.unstage("pvc-loop", &ls)?;
     all_gone(&a)
 }
@@ -694,6 +752,7 @@ fn main() {
         Trial::test("csi::lifecycle_mount_ext4", lifecycle_mount("ext4")),
         Trial::test("csi::lifecycle_mount_xfs", lifecycle_mount("xfs")),
         Trial::test("csi::lifecycle_block", lifecycle_block),
+        Trial::test("csi::block_stats_at_kubelets_device_path", block_stats_at_kubelets_device_path),
         Trial::test("csi::readonly_and_two_publishes", readonly_and_two_publishes),
         Trial::test("csi::expand_while_published_xfs", expand_while_published("xfs")),
         Trial::test("csi::expand_while_published_ext4", expand_while_published("ext4")),

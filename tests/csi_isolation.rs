@@ -36,7 +36,7 @@ fn dev_of(p: &Path) -> u64 {
 }
 
 fn is_mount_point(p: &Path) -> bool {
-    volring::volumes::mounting::is_mount_point(p).unwrap_or(false)
+    volring_volumes::mounting::is_mount_point(p).unwrap_or(false)
 }
 
 /// Stage B where A is mounted: refused, A untouched; B's publish and
@@ -211,11 +211,17 @@ fn stats_never_measure_another_filesystem() -> Result<(), Failed> {
     Ok(())
 }
 
-/// Unknown volume: NotFound, even when another field is malformed; a
-/// staging path that is a regular file: InvalidArgument, not Internal.
+/// Unknown volume: NotFound, even when another field is malformed (but a
+/// missing field is InvalidArgument first); stats of a known volume at a
+/// path it is not at, malformed or not: NotFound; a staging path that is a
+/// regular file: InvalidArgument, not Internal.
 fn error_precedence_and_bad_paths() -> Result<(), Failed> {
     let a = Agent::start();
     expect_code(a.stats("vol-nope", "relative/path"), Code::NotFound, "stats of an unknown volume at a relative path")?;
+    // A missing field is the caller's error before anything else is judged
+    // (csi-sanity: "should fail when no volume path is provided").
+    expect_code(a.stats("vol-nope", ""), Code::InvalidArgument, "stats of an unknown volume without a path")?;
+    expect_code(a.stats("", "relative/path"), Code::InvalidArgument, "stats without a volume id")?;
     expect_code(a.node_expand("vol-nope", "relative/path", 0), Code::NotFound, "node expand of an unknown volume at a relative path")?;
     a.create("vol-f", 32 * MIB, "")?;
     let file = a.k("plugins/s/file");
@@ -227,6 +233,14 @@ fn error_precedence_and_bad_paths() -> Result<(), Failed> {
     let staging = a.k("plugins/s/f");
     a.stage("vol-f", &staging, mount_cap(""))?;
     expect_code(a.stats("vol-f", &a.k("pods/nowhere")), Code::NotFound, "stats of a known volume elsewhere")?;
+    // A path the volume cannot be at, however it is malformed, is where the
+    // volume is not (csi-sanity: "should fail when volume does not exist on
+    // the specified path" asks at `some/path`); no path at all stays the
+    // caller's error.
+    for p in ["some/path", "/etc", &a.k("plugins/s/../s/f")] {
+        expect_code(a.stats("vol-f", p), Code::NotFound, &format!("stats of a known volume at {p:?}"))?;
+    }
+    expect_code(a.stats("vol-f", ""), Code::InvalidArgument, "stats of a known volume without a path")?;
     a.unstage("vol-f", &staging)?;
     Ok(())
 }

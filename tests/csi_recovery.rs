@@ -18,7 +18,7 @@ use common::check;
 use csi_support::{block_cap, code, loops_backed_by, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
-use volring::csi::proto::*;
+use volring_csi::proto::*;
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
     match r {
@@ -190,7 +190,7 @@ fn corrupt_records_are_quarantined() -> Result<(), Failed> {
     let mut data = [0u8; 13];
     std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(a.image("pvc-bad"))?, &mut data, 3 * MIB as u64)?;
     check(&data == b"tenant secret", "and did not replace its image")?;
-    let report = volring::volumes::status::report(&pool(&a), &a.state, false)?;
+    let report = volring_volumes::status::report(&pool(&a), &a.state, false)?;
     let names: Vec<_> = report.quarantined.iter().map(|q| q.name.as_str()).collect();
     check(names == ["pvc-bad.json", "pvc-ghost.json"], format!("status shows the quarantined records: {names:?}"))?;
     check(report.staged.iter().any(|s| s.volume_id == "pvc-good" && s.attached && s.targets.len() == 1), "status shows the staged volume")?;

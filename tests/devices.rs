@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring::devices::probe::{FsType, TableType};
-use volring::devices::{describe, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector, StatMethod, StatSource, Use};
-use volring::mounts::MountTable;
-use volring::ring::BackendChoice;
+use volring_devices::probe::{FsType, TableType};
+use volring_devices::{describe, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector, StatMethod, StatSource, Use};
+use volring_mounts::MountTable;
+use volring_ring::BackendChoice;
 
 /// The longest a test waits for the kernel to get somewhere (partitions to
 /// appear, a detached device to empty, a uevent, counters to move). Each
@@ -31,7 +31,7 @@ fn blkid(path: &str) -> BTreeMap<String, String> {
 }
 
 fn mounts() -> MountTable {
-    volring::mounts::load(false).expect("mount table").0
+    volring_mounts::load(false).expect("mount table").0
 }
 
 fn scan_config() -> ScanConfig {
@@ -196,7 +196,7 @@ fn unreadable_attribute_is_reported() -> Result<(), Failed> {
     std::fs::write(dev.join("ro"), "banana\n")?;
     std::fs::create_dir_all(root.path().join("class/block"))?;
     std::os::unix::fs::symlink(&dev, root.path().join("class/block/fake0"))?;
-    let d = volring::devices::sysfs::read(root.path(), "fake0")?;
+    let d = volring_devices::sysfs::read(root.path(), "fake0")?;
     check(d.size_bytes == 0 && d.attr_errors.iter().any(|e| e.starts_with("size")), format!("errors {:?}", d.attr_errors))?;
     check(d.attr_errors.iter().any(|e| e.starts_with("ro: not a number")), format!("errors {:?}", d.attr_errors))?;
     Ok(())
@@ -238,7 +238,7 @@ fn counters_see_io() -> Result<(), Failed> {
         .map(|&m| src.read(m).map(|s| s[0].2.clone()))
         .collect::<Result<_, _>>()?;
     let collector =
-        StatCollector::start(volring::devices::CollectorConfig { interval: Duration::from_millis(50), ..Default::default() }, tracked)?;
+        StatCollector::start(volring_devices::CollectorConfig { interval: Duration::from_millis(50), ..Default::default() }, tracked)?;
     let reader = collector.reader();
     let mut f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(lo.path())?;
     let buf = AlignedBlock::new();

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use common::{check, without_colours, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring::volumes::{AccessKind, AttachKind, StagePhase, StagedRecords, StagedVolume};
+use volring_volumes::{AccessKind, AttachKind, StagePhase, StagedRecords, StagedVolume};
 
 const VOLRING: &str = env!("CARGO_BIN_EXE_volring");
 /// The longest any agent may take to say it is ready.
@@ -192,13 +192,13 @@ fn walk_comes_first() -> Result<(), Failed> {
 /// the driver's NBD server started, the image exported, one socket
 /// negotiated; (min, median, max) over `RUNS`.
 fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duration), Failed> {
-    use volring::nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
+    use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
     let image = scratch.path().join("walk.img");
     std::fs::File::create(&image)?.set_len(64 << 20)?;
     let mut times = Vec::new();
     for _ in 0..RUNS {
         let t0 = Instant::now();
-        let threads = volring::nbd::server::default_rings().max(1);
+        let threads = volring_nbd::server::default_rings().max(1);
         let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))?;
         let spec = ExportSpec {
             name: "walk".into(),
@@ -209,7 +209,7 @@ fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duratio
             description: "walk".into(),
         };
         server.add_export(&spec)?;
-        let (sockets, details) = volring::nbd::attach::local::connected_sockets(&server, "walk", 1)?;
+        let (sockets, details) = volring_nbd::attach::local::connected_sockets(&server, "walk", 1)?;
         times.push(t0.elapsed());
         check(sockets.len() == 1 && details.size == 64 << 20, format!("negotiated {} sockets, size {}", sockets.len(), details.size))?;
         drop(sockets);

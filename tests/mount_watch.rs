@@ -13,8 +13,8 @@ use libtest_mimic::{Failed, Trial};
 use rustix::mount::{
     mount_bind, mount_bind_recursive, mount_change, mount_move, mount_remount, unmount, MountFlags, MountPropagationFlags, UnmountFlags,
 };
-use volring::mounts::{Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig, WatchEvent, WatchMode};
-use volring::ring::{queue::Receiver, BackendChoice};
+use volring_mounts::{Changes, EventKind, MountEvent, MountTable, MountWatcher, ResyncReason, WatchConfig, WatchEvent, WatchMode};
+use volring_ring::{queue::Receiver, BackendChoice};
 
 /// The longest a test waits for something that should happen: 30 s, and
 /// 120 s in the emulated guest of tests/vm.rs (it exports
@@ -290,7 +290,7 @@ fn short_lived_mounts_racing_resyncs(backend: BackendChoice) -> Result<(), Faile
 /// mounts): runs on a thread with a mount namespace of its own.
 fn short_lived_mounts_with(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     std::thread::spawn(move || {
-        volring::sys::ns::enter_private_mount_namespace_on_this_thread()?;
+        volring_sys::ns::enter_private_mount_namespace_on_this_thread()?;
         short_lived_mounts_alone(config, racing_resyncs)
     })
     .join()
@@ -327,7 +327,7 @@ fn short_lived_mounts_alone(config: WatchConfig, racing_resyncs: bool) -> Result
 }
 
 fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
-    let (fresh, _) = volring::mounts::load(mode == WatchMode::Fanotify)?;
+    let (fresh, _) = volring_mounts::load(mode == WatchMode::Fanotify)?;
     let key = |t: &MountTable| {
         let mut v: Vec<_> = t.iter().map(|m| (m.id, m.mount_point().to_vec(), m.options().to_vec(), m.propagation.tags())).collect();
         v.sort();
@@ -495,7 +495,7 @@ fn other_namespace(mode: WatchMode) -> Result<(), Failed> {
         watcher.stop()?;
         check(found, "attach in the other namespace reported")?;
         // And nothing reached ours.
-        let (here, _) = volring::mounts::load(false)?;
+        let (here, _) = volring_mounts::load(false)?;
         check(here.top_at(d.as_os_str().as_encoded_bytes()).is_none(), "our namespace untouched")
     })();
     let _ = holder.kill();
@@ -662,8 +662,8 @@ fn odd_names_same_in_both_strategies(backend: BackendChoice) -> Result<(), Faile
     let (ef, er) = (fan.take(after.len()), reparse.take(after.len()));
     check(ef.len() == after.len() && er.len() == after.len(), format!("attaches seen: fanotify {}, reparse {}", ef.len(), er.len()))?;
     same_tables("tables kept from events", ("statmount", &fan.table), ("mountinfo", &reparse.table))?;
-    let (fresh_stat, _) = volring::mounts::load(true)?;
-    let (fresh_info, errors) = volring::mounts::load(false)?;
+    let (fresh_stat, _) = volring_mounts::load(true)?;
+    let (fresh_info, errors) = volring_mounts::load(false)?;
     check(errors.is_empty(), format!("mountinfo parse errors: {errors:?}"))?;
     same_tables("fresh loads", ("statmount", &fresh_stat), ("mountinfo", &fresh_info))?;
     same_tables("kept from events vs fresh", ("events", &fan.table), ("fresh", &fresh_stat))?;
@@ -931,7 +931,7 @@ fn moves_read_after_the_mount_is_gone(backend: BackendChoice) -> Result<(), Fail
 fn fanotify_mode_on_an_older_kernel_says_what_is_missing() -> Result<(), Failed> {
     let config = || WatchConfig { resync_interval: None, ..WatchConfig::default() };
     match MountWatcher::start(WatchConfig { mode: WatchMode::Fanotify, ..config() }) {
-        Err(volring::mounts::Error::Unsupported { what, needs }) => {
+        Err(volring_mounts::Error::Unsupported { what, needs }) => {
             check(!what.is_empty() && (needs == "6.8" || needs == "6.15"), format!("unsupported {what:?}, needs {needs:?}"))?
         }
         Err(e) => return Err(format!("fanotify mode on this kernel: {e:?}, want Error::Unsupported").into()),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::check;
 use libtest_mimic::{Failed, Trial};
 use nbd_support::{pattern, run, ChildServer, ChildSpec, RawClient, Rng, ServeProcess, Served, MIB};
-use volring::nbd::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
+use volring_nbd::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -423,8 +423,8 @@ fn client_that_never_reads_is_bounded() -> Result<(), Failed> {
     'fill: for i in 0..20_000u64 {
         let (off, len) = if i % 2 == 0 { ((i * 4096) % (60 * MIB), 4096) } else { ((i * MIB) % (60 * MIB), MIB) };
         let mut b = Vec::new();
-        volring::nbd::wire::encode_request(
-            &volring::nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: i, offset: off, length: len },
+        volring_nbd::wire::encode_request(
+            &volring_nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: i, offset: off, length: len },
             HeaderStyle::Structured,
             &mut b,
         );
@@ -503,7 +503,7 @@ fn exports_added_and_removed_at_run_time() -> Result<(), Failed> {
     s.add("late", &path, true, 0);
     let mut c = RawClient::connect(&s.socket, "late", HeaderStyle::Structured, false)?;
     let r = c.call(cmd::READ, 0, 0, 4, &[])?;
-    check(r.data == b"abcd" && c.flags & volring::nbd::wire::tx::READ_ONLY != 0, "added again, read-only")
+    check(r.data == b"abcd" && c.flags & volring_nbd::wire::tx::READ_ONLY != 0, "added again, read-only")
 }
 
 /// BLOCK_STATUS from SEEK_DATA/SEEK_HOLE, and hole chunks for sparse reads.
@@ -623,7 +623,7 @@ fn direct_io_export() -> Result<(), Failed> {
     let s = Served::new(&[]);
     let img = s.image("d");
     std::fs::File::create(&img)?.set_len(16 * MIB)?;
-    let spec = volring::nbd::ExportSpec { direct_io: true, ..format!("d={}", img.display()).parse()? };
+    let spec = volring_nbd::ExportSpec { direct_io: true, ..format!("d={}", img.display()).parse()? };
     let e = s.server().add_export(&spec)?;
     check(e.direct_io(), "O_DIRECT works on this filesystem")?;
     let mut c = RawClient::connect(&s.socket, "d", HeaderStyle::Extended, false)?;
@@ -672,9 +672,9 @@ fn tcp_listener() -> Result<(), Failed> {
     let dir = tempfile::tempdir()?;
     let img = dir.path().join("t.img");
     std::fs::File::create(&img)?.set_len(MIB)?;
-    let exports = std::sync::Arc::new(volring::nbd::Exports::new());
-    let config = volring::nbd::ServerConfig { listen: vec!["127.0.0.1:0".parse()?], threads: 1, ..Default::default() };
-    let server = volring::nbd::NbdServer::start(config, exports)?;
+    let exports = std::sync::Arc::new(volring_nbd::Exports::new());
+    let config = volring_nbd::ServerConfig { listen: vec!["127.0.0.1:0".parse()?], threads: 1, ..Default::default() };
+    let server = volring_nbd::NbdServer::start(config, exports)?;
     server.add_export(&format!("t={}", img.display()).parse()?)?;
     let addr = server.addresses()[0].clone();
     check(addr.starts_with("127.0.0.1:") && !addr.ends_with(":0"), format!("bound {addr}"))?;
@@ -836,8 +836,8 @@ fn one_burst_of_reads_is_admitted_request_by_request() -> Result<(), Failed> {
     let mut burst = Vec::with_capacity(64 * 1024);
     let mut n = 0u64;
     while burst.len() + 28 <= 64 * 1024 {
-        let req = volring::nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: n, offset: n * 61_440 % (60 * MIB), length: 61_440 };
-        volring::nbd::wire::encode_request(&req, HeaderStyle::Simple, &mut burst);
+        let req = volring_nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: n, offset: n * 61_440 % (60 * MIB), length: 61_440 };
+        volring_nbd::wire::encode_request(&req, HeaderStyle::Simple, &mut burst);
         n += 1;
     }
     hog.s.write_all(&burst)?;
@@ -870,8 +870,8 @@ fn list_flood_in_the_handshake_is_bounded() -> Result<(), Failed> {
     flood.read_exact(&mut greeting)?;
     let mut bytes = 3u32.to_be_bytes().to_vec();
     while bytes.len() + 16 <= 64 * 1024 + 4 {
-        bytes.extend_from_slice(&volring::nbd::wire::IHAVEOPT.to_be_bytes());
-        bytes.extend_from_slice(&volring::nbd::wire::opt::LIST.to_be_bytes());
+        bytes.extend_from_slice(&volring_nbd::wire::IHAVEOPT.to_be_bytes());
+        bytes.extend_from_slice(&volring_nbd::wire::opt::LIST.to_be_bytes());
         bytes.extend_from_slice(&0u32.to_be_bytes());
     }
     flood.write_all(&bytes)?;
@@ -931,14 +931,14 @@ fn hostile_readers(srv: &ChildServer, n: u64) -> Result<Vec<RawClient>, Failed> 
                     chunk.clear();
                     for i in 0..100u64 {
                         let n = batch * 100 + i;
-                        let req = volring::nbd::wire::Request {
+                        let req = volring_nbd::wire::Request {
                             flags: 0,
                             kind: cmd::READ,
                             cookie: n,
                             offset: (h * 7919 + n) * 4096 % (64 * MIB),
                             length: 4096,
                         };
-                        volring::nbd::wire::encode_request(&req, HeaderStyle::Structured, &mut chunk);
+                        volring_nbd::wire::encode_request(&req, HeaderStyle::Structured, &mut chunk);
                     }
                     // The server stops reading: the write times out and this client sits.
                     if c.s.write_all(&chunk).is_err() {

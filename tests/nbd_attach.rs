@@ -13,12 +13,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use volring::nbd::attach::local::connected_sockets;
-use volring::nbd::attach::messages::{self, nbd, NbdConfig};
-use volring::nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
-use volring::nbd::client::{self, ClientHandshake, ClientOutcome};
-use volring::nbd::wire::{self, opt, rep, tx};
-use volring::nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
+use volring_nbd::attach::local::connected_sockets;
+use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
+use volring_nbd::client::{self, ClientHandshake, ClientOutcome};
+use volring_nbd::wire::{self, opt, rep, tx};
+use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
+use volring_sys::nlmsg::{self, nbd, NbdConfig};
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(20);
@@ -96,7 +96,7 @@ fn handshake_with_qemu_nbd_goes_to_transmission() {
     // An unknown export is refused through GO's error reply, not a hang.
     let mut s = UnixStream::connect(&sock).unwrap();
     let refused = client::negotiate(&mut s, "nope", T);
-    assert!(matches!(refused, Err(volring::nbd::Error::Refused { option: opt::GO, .. })), "{refused:?}");
+    assert!(matches!(refused, Err(volring_nbd::Error::Refused { option: opt::GO, .. })), "{refused:?}");
 }
 
 #[test]
@@ -331,9 +331,9 @@ fn missing_nbd_module_is_family_not_found() {
 /// family resolves, with its multicast group.
 #[test]
 fn genetlink_resolves_the_controller_family() {
-    let mut s = volring::sys::genetlink::GenlSocket::open().expect("socket");
+    let mut s = volring_sys::genetlink::GenlSocket::open().expect("socket");
     let f = s.resolve_family("nlctrl").expect("nlctrl");
-    assert_eq!(f.id, messages::GENL_ID_CTRL);
+    assert_eq!(f.id, nlmsg::GENL_ID_CTRL);
     assert!(f.groups.iter().any(|(n, _)| n == "notify"), "groups {:?}", f.groups);
     let e = s.resolve_family("volring-nofam").unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
@@ -347,11 +347,11 @@ fn connect_and_reconfigure_messages_round_trip() {
     let d = client::ExportDetails { size: 256 * MIB, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
     let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
     spec.index = Some(4);
-    let msg = messages::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
-    let m = messages::messages(&msg).next().unwrap().unwrap();
-    let (cmd, attrs) = messages::genl(m.payload).unwrap();
+    let msg = nlmsg::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
+    let m = nlmsg::messages(&msg).next().unwrap().unwrap();
+    let (cmd, attrs) = nlmsg::genl(m.payload).unwrap();
     assert_eq!(cmd, nbd::CMD_CONNECT);
-    let back = messages::parse_nbd_config(attrs).unwrap();
+    let back = nlmsg::parse_nbd_config(attrs).unwrap();
     assert_eq!(
         back,
         NbdConfig {
@@ -367,9 +367,9 @@ fn connect_and_reconfigure_messages_round_trip() {
         }
     );
     let notice = {
-        let mut b = messages::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
+        let mut b = nlmsg::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
         b.u32(nbd::ATTR_INDEX, 4);
         b.finish(0)
     };
-    assert_eq!(volring::nbd::attach::netlink::link_dead_index(&notice).unwrap(), Some(4));
+    assert_eq!(volring_nbd::attach::netlink::link_dead_index(&notice).unwrap(), Some(4));
 }

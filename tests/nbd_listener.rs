@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::check;
 use libtest_mimic::{Failed, Trial};
-use volring::nbd::{Error, Exports, Listen, NbdServer, ServerConfig};
+use volring_nbd::{Error, Exports, Listen, NbdServer, ServerConfig};
 
 fn start(path: &Path) -> Result<NbdServer, Error> {
     let config = ServerConfig { listen: vec![Listen::Unix(path.to_path_buf())], threads: 1, ..Default::default() };

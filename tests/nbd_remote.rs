@@ -21,10 +21,10 @@ use csi_support::{code, mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use nbd_support::run;
 use tonic::Code;
-use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
-use volring::csi::proto::*;
-use volring::nbd::remote::{wire_name, Secret};
-use volring::nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
+use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
+use volring_csi::proto::*;
+use volring_nbd::remote::{wire_name, Secret};
+use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -474,8 +474,8 @@ fn one_consuming_node_at_a_time() -> Result<(), Failed> {
 /// in the NFSv4 mount, which is what shows the path taken. On the old code
 /// the owner mounted the image itself under the other node's writer.
 fn owner_stages_a_moved_share_over_nfs() -> Result<(), Failed> {
-    use volring::csi::client::capability;
-    use volring::csi::proto::volume_capability::access_mode::Mode;
+    use volring_csi::client::capability;
+    use volring_csi::proto::volume_capability::access_mode::Mode;
     let (a, _) = exporting_agent();
     let rwx = capability(false, "ext4", &[], Mode::MultiNodeMultiWriter);
     let mut c = a.c.controller.clone();

@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
 use nbd_support::{run, Rng, Served, MIB};
-use volring::nbd::InlineWrites;
+use volring_nbd::InlineWrites;
 
 const T: Duration = Duration::from_secs(120);
 const SIZE: u64 = 32 * MIB;

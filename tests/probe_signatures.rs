@@ -23,8 +23,8 @@ use std::process::Command;
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring::devices::{describe, ScanConfig};
-use volring::volumes::filesystem::{probe_device, Content};
+use volring_devices::{describe, ScanConfig};
+use volring_volumes::filesystem::{probe_device, Content};
 
 fn blkid(path: &str) -> BTreeMap<String, String> {
     let out = Command::new("blkid").args(["-p", "-o", "export", path]).output().expect("blkid");
@@ -80,7 +80,7 @@ fn agrees_but(lo: &LoopDevice, want: &str, differs: &[(&str, &str)]) -> Result<(
     check(sub.as_ref() == b.get("UUID_SUB"), format!("uuid_sub {sub:?}; blkid: {b:?}"))?;
     // Members of one set share UUID; the stable id must still be this device's.
     if let (Some(u), Some(sub)) = (b.get("UUID"), b.get("UUID_SUB")) {
-        let id = volring::devices::stable_id(&d, "testnode");
+        let id = volring_devices::stable_id(&d, "testnode");
         check(id == format!("fsuuid-{u}-{sub}"), format!("id {id} for a member with UUID_SUB {sub}"))?;
     }
     check(d.content.table.is_some() == b.contains_key("PTTYPE"), format!("table {:?}; blkid: {b:?}", d.content.table))?;

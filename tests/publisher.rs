@@ -14,10 +14,10 @@ use axum::http::Method;
 use kube_support::{Fault, Server};
 use publisher_support::*;
 use serde_json::json;
-use volring::publisher::embedded_sink::EmbeddedSink;
-use volring::publisher::kube_sink::KubeSink;
-use volring::publisher::objects::{self, Kind, Object};
-use volring::publisher::{GonePolicy, Updater, UpdaterConfig};
+use volring_kube::embedded_sink::EmbeddedSink;
+use volring_kube::kube_sink::KubeSink;
+use volring_kube::objects::{self, Kind, Object};
+use volring_kube::{GonePolicy, Updater, UpdaterConfig};
 
 #[tokio::test]
 async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes_nothing() {
@@ -209,12 +209,12 @@ async fn lists_are_paginated() {
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let objs: Vec<Object> = (0..1203).map(|i| bd("n1", i, 0)).collect();
     for o in &objs {
-        let mut v = volring::publisher::embedded_sink::api_form(o);
+        let mut v = volring_kube::embedded_sink::api_form(o);
         v["metadata"]["labels"]["volring.io/node"] = json!("n1");
         server.api.seed("blockdevices", v);
     }
-    server.api.seed("blockdevices", volring::publisher::embedded_sink::api_form(&bd("n2", 0, 0)));
-    let listed = volring::publisher::Sink::list(&*sink, Kind::BlockDevice, "n1").await.unwrap();
+    server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd("n2", 0, 0)));
+    let listed = volring_kube::Sink::list(&*sink, Kind::BlockDevice, "n1").await.unwrap();
     assert_eq!(listed.len(), 1203);
     let pages = server.api.log().iter().filter(|l| l.query.contains("limit=500")).count();
     assert_eq!(pages, 3);
@@ -223,10 +223,10 @@ async fn lists_are_paginated() {
 #[tokio::test]
 async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(volring::state::store::FILE);
+    let path = dir.path().join(volring_volumes::store::FILE);
     let objs: Vec<Object> = (0..20).map(|i| bd("n1", i, 3)).collect();
     {
-        let store = Arc::new(volring::state::store::Store::open(&path).unwrap());
+        let store = Arc::new(volring_volumes::store::Store::open(&path).unwrap());
         let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), vec![]);
         for g in 0..4 {
             for i in 0..20 {
@@ -236,15 +236,15 @@ async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_noth
         let stats = up.shutdown(Duration::from_secs(10)).await;
         assert_eq!((stats.writes_main, stats.writes_status), (20, 20));
     }
-    let seen = volring::state::store::Store::read_only(&path, true).unwrap().published;
+    let seen = volring_volumes::store::Store::read_only(&path, true).unwrap().published;
     assert_eq!(seen.len(), 20);
     for o in &objs {
-        let key = volring::publisher::embedded_sink::store_key(&o.key);
+        let key = volring_kube::embedded_sink::store_key(&o.key);
         let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
         let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
         assert_eq!(&back, o);
     }
-    let store = Arc::new(volring::state::store::Store::open(&path).unwrap());
+    let store = Arc::new(volring_volumes::store::Store::open(&path).unwrap());
     let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), objs[..19].to_vec());
     let stats = up.shutdown(Duration::from_secs(10)).await;
     assert_eq!((stats.writes_main, stats.writes_status), (0, 1), "only the gone device is written: {stats:?}");
@@ -256,12 +256,12 @@ async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_noth
 #[tokio::test]
 async fn this_machines_devices_publish_and_read_back_equal() {
     let mountinfo = std::fs::read("/proc/self/mountinfo").unwrap();
-    let (table, _) = volring::mounts::MountTable::from_mountinfo(&mountinfo);
-    let cfg = volring::devices::ScanConfig { probe: false, ..Default::default() };
-    let mut inv = volring::devices::Inventory::scan(&cfg, &table).unwrap();
+    let (table, _) = volring_mounts::MountTable::from_mountinfo(&mountinfo);
+    let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
+    let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     inv.link(&table, "n1");
     let node = objects::storage_node("n1", None, vec![]);
-    let initial = volring::publisher::feed::Feed::initial(&inv, "n1", node);
+    let initial = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
@@ -277,7 +277,7 @@ async fn this_machines_devices_publish_and_read_back_equal() {
 /// server would refuse) and filtered here: this driver, this node, attached.
 #[tokio::test]
 async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_driver() {
-    use volring::publisher::attachments;
+    use volring_kube::attachments;
     let server = Server::start().await;
     let mut want = Vec::new();
     for i in 0..1200 {

@@ -10,8 +10,8 @@ use std::time::Duration;
 use axum::http::Method;
 use kube_support::{Fault, Server};
 use publisher_support::*;
-use volring::publisher::embedded_sink::EmbeddedSink;
-use volring::publisher::Updater;
+use volring_kube::embedded_sink::EmbeddedSink;
+use volring_kube::Updater;
 
 /// A kubeconfig that points at the stand-in.
 fn kubeconfig_for(server: &Server, dir: &std::path::Path) -> std::path::PathBuf {
@@ -42,7 +42,7 @@ async fn volring(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (std::proce
 async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
     let server = Server::start().await;
     for i in 0..3 {
-        server.api.seed("blockdevices", volring::publisher::embedded_sink::api_form(&bd("n1", i, 0)));
+        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd("n1", i, 0)));
     }
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().join("home");
@@ -72,7 +72,7 @@ async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
 
     // --local-store: the node's store, even with a kubeconfig.
     server.api.clear_log();
-    let store = Arc::new(volring::state::store::Store::open(&state.join(volring::state::store::FILE)).unwrap());
+    let store = Arc::new(volring_volumes::store::Store::open(&state.join(volring_volumes::store::FILE)).unwrap());
     Updater::start(Arc::new(EmbeddedSink::new(store.clone())), config("n9"), vec![bd("n9", 0, 0)]).shutdown(Duration::from_secs(10)).await;
     drop(store);
     let (st, out, err) = volring(&["get", "bd", "--local-store", "-o", "json", &state_arg], &[("HOME", home.as_os_str())]).await;

@@ -13,16 +13,16 @@ use axum::http::Method;
 use kube_support::Server;
 use publisher_support::*;
 use serde_json::json;
-use volring::publisher::kube_sink::KubeSink;
-use volring::publisher::objects::{self, Key, NODE_LABEL};
-use volring::publisher::{GonePolicy, Updater};
+use volring_kube::kube_sink::KubeSink;
+use volring_kube::objects::{self, Key, NODE_LABEL};
+use volring_kube::{GonePolicy, Updater};
 
 /// H1: two nodes cloned from one image have devices with the same stable
 /// id. Each node keeps its own objects: both are listed, each restart
 /// writes nothing, and deleting one node's gone devices leaves the other's.
 #[tokio::test]
 async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
-    use volring::publisher::feed::Feed;
+    use volring_kube::feed::Feed;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let initial = |node: &str| Feed::initial(&cloned_inventory(node, 3), node, objects::storage_node(node, None, vec![]));
@@ -60,11 +60,11 @@ async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
 /// published under its node's name: no Inactive twin is left behind.
 #[tokio::test]
 async fn an_object_under_the_old_name_is_replaced() {
-    use volring::publisher::feed::Feed;
+    use volring_kube::feed::Feed;
     let server = Server::start().await;
     let inv = cloned_inventory("n1", 1);
     let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
-    let mut old = volring::publisher::embedded_sink::api_form(&initial[0]);
+    let mut old = volring_kube::embedded_sink::api_form(&initial[0]);
     let legacy = objects::legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
     old["metadata"]["name"] = json!(legacy);
     server.api.seed("blockdevices", old);
@@ -79,7 +79,7 @@ async fn an_object_under_the_old_name_is_replaced() {
 /// objects, not one that flips between them.
 #[tokio::test]
 async fn two_devices_with_one_id_on_one_node_are_two_objects() {
-    use volring::publisher::feed::Feed;
+    use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 2);
     let id = inv.devices.values().next().unwrap().id.clone();
     for d in inv.devices.values_mut() {
@@ -101,7 +101,7 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
 /// error) is neither retired nor rewritten, at run time or at a restart.
 #[tokio::test]
 async fn an_unread_id_is_not_a_removal() {
-    use volring::publisher::feed::Feed;
+    use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 2);
     let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
     let server = Server::start().await;
@@ -120,7 +120,7 @@ async fn an_unread_id_is_not_a_removal() {
     assert_eq!((s.writes_main, s.writes_status), (3, 3), "nothing after the first writes: {s:?}");
     // A restart while it cannot be read does not retire it either.
     let mut c = config("n1");
-    c.unread_paths = volring::publisher::feed::unread_paths(&inv);
+    c.unread_paths = volring_kube::feed::unread_paths(&inv);
     let now = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
     assert_eq!(now.len(), 2);
     let s = Updater::start(sink, c, now).shutdown(Duration::from_secs(10)).await;
@@ -134,7 +134,7 @@ async fn an_unread_id_is_not_a_removal() {
 /// changes is written once, one that did not is not submitted at all.
 #[tokio::test]
 async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
-    use volring::publisher::feed::Feed;
+    use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 3);
     let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
     let server = Server::start().await;

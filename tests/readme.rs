@@ -94,17 +94,19 @@ const fn ex(cmd: &'static str, how: How) -> Example {
 const NO_CLUSTER: &str = "needs a Kubernetes cluster; tests/deploy.rs checks every manifest it applies";
 /// The remote-volume example spans two nodes and needs the nbd module.
 const REMOTE: &str = "two nodes (the owner at 10.0.0.5) and the nbd module on the second: tests/nbd_remote.rs runs the export side here, tests/vm/remote.rs the attach in the 6.1 VM";
-const BENCH: &str = "a bench: minutes of load on every core; run by hand, its figures are quoted in the README";
+const BENCH: &str = "a bench: minutes of load on every core; run by hand, its figures are in docs/benchmarks.md";
+/// Running a test suite (or part of one) from inside a test.
+const SUITE: &str = "runs a test suite, or part of one, of its own; CI runs every suite";
 const NBD_MODULE: &str = "needs the kernel's nbd module, which this machine's kernel lacks; tests/vm/nbd.rs runs the same attach, kill -9, reattach, status, watch and detach in the 6.1 VM";
 
 /// How each documented command is run. `csi` in the CSI walk-through is the
 /// alias its first line defines.
 const EXAMPLES: &[Example] = &[
-    // README: first run.
+    // README.md: first run.
     ex("cargo run --release -- node --log-events", How::UntilCtrlC("INFO volring::agent: ready ")),
     ex(".ci/deps", How::Skip("installs Debian packages and downloads the VM image: CI's first step, not something a test may do to its machine")),
     ex("cargo test", How::Skip("the whole suite, of which this test is a part; CI runs it")),
-    // README: Using it.
+    // README.md: Using it.
     ex("volring --help", How::Run("Usage: volring")),
     ex("volring mounts", How::Run("/proc")),
     ex("volring mounts -o TARGET,SOURCE,PROPAGATION --list", How::Run("PROPAGATION")),
@@ -123,8 +125,11 @@ const EXAMPLES: &[Example] = &[
     ex("volring completions bash > /etc/bash_completion.d/volring", How::Run("")),
     ex("volring man | man -l -", How::Run("volring")),
     ex("volring status", How::Run("STAGED (0)")),
+    ex("volring get blockdevices", How::Run("# blockdevices from the node's store")),
+    ex("volring get sn -o yaml", How::Run("# storagenodes from the node's store")),
+    ex("volring nbd serve --unix /run/volring/nbd.sock --export vol1=/srv/vol1.img", How::Server("\"listening\":[\"unix:/run/volring/nbd.sock\"]")),
     ex("volring node --metrics-addr 127.0.0.1:9477 --stats-interval 1 --stats-method auto", How::UntilCtrlC("metrics=\"http://127.0.0.1:9477/metrics\"")),
-    // README: the CSI walk-through, with the agent of the first command running.
+    // README.md: the CSI walk-through, with the agent of the first command running.
     Example { cmd: "alias csi='cargo run --release -q -- csi'", how: How::Run(""), sub: &[], agent: true },
     ex("csi probe", How::Run("\"ready\": true")),
     ex("csi create --name pvc-demo --size 1G", How::Run("\"volume_id\": \"pvc-demo\"")),
@@ -143,7 +148,7 @@ const EXAMPLES: &[Example] = &[
     ex("csi unpublish --id pvc-demo --target /var/lib/kubelet/pods/demo/volumes/pvc-demo", How::Run("{}")),
     ex("csi unstage --id pvc-demo --staging /var/lib/kubelet/plugins/volring.csi.io/staging/pvc-demo", How::Run("{}")),
     ex("csi delete --id pvc-demo", How::Run("{}")),
-    // README: the NBD server.
+    // docs/nbd.md: the NBD server (its first and third commands are the README's too).
     ex("truncate -s 10G /srv/vol1.img", How::Run("")),
     Example {
         cmd: "volring nbd serve --unix /run/volring/nbd.sock --export vol1=/srv/vol1.img --export golden=/dev/sdb,ro,limit=4 --tcp 127.0.0.1:10809 --stats-interval 10",
@@ -156,35 +161,32 @@ const EXAMPLES: &[Example] = &[
     ex("mkdir -p /mnt/nbd", How::Run("")),
     ex("nbdfuse /mnt/nbd 'nbd+unix:///vol1?socket=/run/volring/nbd.sock' &", How::Background("test \"$(stat -c %s /mnt/nbd/nbd)\" = 10737418240")),
     ex("volring node --nbd-listen unix:/run/volring/nbd.sock --nbd-export vol1=/srv/vol1.img", How::UntilCtrlC("nbd=\"unix:/run/volring/nbd.sock\"")),
-    // README: /dev/nbdN through the kernel's driver.
+    // docs/nbd.md: /dev/nbdN through the kernel's driver (`nbd status` is in the README too).
     ex("volring nbd attach --export vol1=/srv/vol1.img --backend-id pvc-1 --connections 2 &", How::Skip(NBD_MODULE)),
     ex("kill -9 %1", How::Skip(NBD_MODULE)),
     ex("volring nbd attach --export vol1=/srv/vol1.img --backend-id pvc-1 --index 0 --reattach &", How::Skip(NBD_MODULE)),
     ex("volring nbd status", How::Skip(NBD_MODULE)),
     ex("volring nbd watch", How::Skip(NBD_MODULE)),
     ex("volring nbd detach --index 0 --backend-id pvc-1", How::Skip(NBD_MODULE)),
-    // README: the VM.
+    // docs/testing.md: one suite, one trial; the VM; fuzzing.
+    ex("cargo test --test csi -- --list", How::Skip(SUITE)),
+    ex("cargo test --test csi csi::lifecycle_block", How::Skip(SUITE)),
+    ex("cargo test --test vm vm_nbd::", How::Skip(SUITE)),
+    ex("cargo test --test readme docs_nbd_md", How::Skip(SUITE)),
     ex("bash tests/vm/fetch.sh", How::Skip("downloads ~210 MB of Debian packages; CI runs it from .ci/deps")),
     ex("cargo test --test vm", How::Skip("a test suite of its own (boots the VM); CI runs it")),
-    // README: measuring it.
+    ex("(cd fuzz && cargo +nightly fuzz run mountinfo)", How::Skip("fuzzing runs until stopped and needs the nightly toolchain; run by hand")),
+    // docs/benchmarks.md: the benches.
     ex("cargo bench --bench mount_storm", How::Skip(BENCH)),
     ex("cargo bench --bench mount_storm -- --watcher process --volring-bin OLD:NEW", How::Skip(BENCH)),
     ex("cargo bench --bench mount_storm -- --watcher moves", How::Skip(BENCH)),
+    ex("cargo bench --bench node_storm", How::Skip(BENCH)),
     ex("cargo bench --bench mounts", How::Skip(BENCH)),
     ex("cargo bench --features libmount-peer --bench parse_vs_libmount", How::Skip(BENCH)),
     ex("cargo bench --bench device_stats", How::Skip(BENCH)),
     ex("cargo bench --bench devices", How::Skip(BENCH)),
     ex("cargo bench --bench csi_volumes", How::Skip(BENCH)),
     ex("cargo bench --bench state_scale", How::Skip(BENCH)),
-    // README: remote nbd volumes (two nodes, an address that is not this machine's).
-    ex("volring node --nbd-export-listen 10.0.0.5:10809", How::Skip(REMOTE)),
-    ex("volring csi create --name pvc-r --size 1G --param attach=nbd", How::Skip(REMOTE)),
-    ex(
-        "volring csi stage --id pvc-r --staging /var/lib/kubelet/plugins/volring.csi.io/staging/pvc-r --context volring.io/nbd-uri=nbd://10.0.0.5:10809/pvc-r --context volring.io/nbd-secret=<64 hex digits>",
-        How::Skip(REMOTE),
-    ),
-    ex("nbdinfo \"nbd://10.0.0.5:10809/pvc-r/<secret>\"", How::Skip(REMOTE)),
-    ex("cargo bench --bench node_storm", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex(
@@ -193,11 +195,29 @@ const EXAMPLES: &[Example] = &[
     ),
     ex("cargo bench --bench nbd_wire", How::Skip(BENCH)),
     ex("cargo bench --bench probe_vs_blkid", How::Skip(BENCH)),
-    ex("(cd fuzz && cargo +nightly fuzz run mountinfo)", How::Skip("fuzzing runs until stopped and needs the nightly toolchain; run by hand")),
+    ex("cargo bench --bench publisher -- --runs 1", How::Skip(BENCH)),
+    ex("cargo bench --bench vm_nbd_fio", How::Skip(BENCH)),
+    // docs/nbd.md: remote nbd volumes (two nodes, an address that is not this machine's).
+    ex("volring node --nbd-export-listen 10.0.0.5:10809", How::Skip(REMOTE)),
+    ex("volring csi create --name pvc-r --size 1G --param attach=nbd", How::Skip(REMOTE)),
+    ex(
+        "volring csi stage --id pvc-r --staging /var/lib/kubelet/plugins/volring.csi.io/staging/pvc-r --context volring.io/nbd-uri=nbd://10.0.0.5:10809/pvc-r --context volring.io/nbd-secret=<64 hex digits>",
+        How::Skip(REMOTE),
+    ),
+    ex("nbdinfo \"nbd://10.0.0.5:10809/pvc-r/<secret>\"", How::Skip(REMOTE)),
     // deploy/README.md.
     ex("docker build -f deploy/Dockerfile -t volring:0.1.0 .", How::Skip("needs docker and network access to base images, neither of which CI's machine has")),
     ex("kubectl apply -k deploy/", How::Skip(NO_CLUSTER)),
     ex("kubectl apply -k deploy/monitoring", How::Skip(NO_CLUSTER)),
+    ex("deploy/image/build.sh", How::Skip("builds the image as root from Debian's archive, minutes; .ci/image runs it twice, then deploy/image/check.sh")),
+    ex("ctr -n k8s.io images import target/image/volring-0.1.0.oci.tar", How::Skip("on a cluster's node; deploy/image/check.sh imports the archive into a containerd of its own")),
+    ex("kind load image-archive target/image/volring-0.1.0.oci.tar", How::Skip(NO_CLUSTER)),
+    ex(
+        "skopeo copy oci-archive:target/image/volring-0.1.0.oci.tar docker://registry.example.com/volring:0.1.0",
+        How::Skip("needs a registry; deploy/image/check.sh reads the archive with skopeo inspect"),
+    ),
+    ex("kubectl apply -k deploy/overlays/single-node-monitoring", How::Skip(NO_CLUSTER)),
+    ex("kubectl delete -k deploy/", How::Skip(NO_CLUSTER)),
 ];
 
 /// A fenced shell block: where it starts and its commands.

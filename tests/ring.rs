@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use volring::ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
+use volring_ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
 
 /// The longest a test waits for the ring thread (an event, a report): each
 /// wait ends as soon as it arrives, so the bound only matters on a loaded CI
@@ -73,6 +73,10 @@ impl Driver for Echo {
 }
 
 fn exercise(choice: BackendChoice, expect: Backend) {
+    // Every test that makes a ring holds SERIAL: the in-flight tests tell
+    // their ring's fd from the others' by number, and a ring closed by a
+    // parallel test frees a number the next ring takes.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC | rustix::pipe::PipeFlags::NONBLOCK).expect("pipe");
     let (tx, rx) = queue::bounded(16);
     let t0 = Instant::now();
@@ -103,6 +107,7 @@ fn epoll_engine() {
 
 #[test]
 fn a_failing_driver_start_is_reported() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     struct Fails;
     impl Driver for Fails {
         type Command = ();

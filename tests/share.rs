@@ -12,9 +12,9 @@ use common::check;
 use csi_support::{mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
-use volring::csi::client::capability;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 fn expect_code<T>(r: Result<T, tonic::Status>, want: Code, what: &str) -> Result<(), Failed> {
     match r {
@@ -56,8 +56,9 @@ fn validate(a: &Agent, id: &str, caps: Vec<VolumeCapability>) -> Result<Validate
 /// MULTI_NODE_MULTI_WRITER: accepted for mount volumes by CreateVolume,
 /// ValidateVolumeCapabilities and NodeStage; refused for block volumes
 /// with INVALID_ARGUMENT (CreateVolume, NodeStage) or an unconfirmed reply
-/// with a message (ValidateVolumeCapabilities, as the spec has it); the
-/// single-node modes as before.
+/// with a message (ValidateVolumeCapabilities, as the spec has it); on a
+/// volume created single-node, refused by NodeStage and NodePublish with
+/// FAILED_PRECONDITION; the single-node modes as before.
 fn access_modes() -> Result<(), Failed> {
     let a = Agent::start();
     let v = create(&a, "pvc-rwx", vec![rwx("ext4")])?;
@@ -96,10 +97,40 @@ fn access_modes() -> Result<(), Failed> {
     check(std::fs::read(format!("{staging}/hello"))? == b"shared", "the publish is the staged filesystem")?;
     a.unpublish("pvc-rwx", &target)?;
     a.unstage("pvc-rwx", &staging)?;
-    // Single-node stage unchanged.
+    // NodeStage and NodePublish hold a single-node volume to what it was
+    // created for, as ValidateVolumeCapabilities does above: RWX exceeds
+    // its capabilities (FAILED_PRECONDITION, the spec's code for that in
+    // both tables), and nothing is staged or published for it.
     let s2 = a.k("plugins/stage/single");
+    expect_code(a.stage("pvc-single", &s2, rwx("ext4")), Code::FailedPrecondition, "stage RWX of a single-node volume")?;
+    let left = csi_support::mounts_under(&a.kubelet);
+    check(left.is_empty() && csi_support::loops_backed_by(&a.image("pvc-single")).is_empty(), format!("a refused stage left {left:?}"))?;
+    // Single-node stage unchanged.
     a.stage("pvc-single", &s2, mount_cap("ext4"))?;
+    let t2 = a.k("pods/p/single");
+    expect_code(a.publish("pvc-single", &s2, &t2, rwx("ext4"), false), Code::FailedPrecondition, "publish RWX of a single-node volume")?;
+    check(!std::path::Path::new(&t2).exists(), "a refused publish made its target")?;
     a.unstage("pvc-single", &s2)?;
+    // A volume another node holds, reached through the nbd export its
+    // context names: the context CreateVolume returned is its record here,
+    // and one without `share=nfs` is single-node. Refused before any
+    // connection (nothing listens on that port). An unknown volume is
+    // NotFound first.
+    let far = a.k("plugins/stage/far");
+    let ctx = std::collections::HashMap::from([
+        ("volring.io/nbd-uri".to_string(), format!("nbd://127.0.0.1:{}/pvc-far", free_port())),
+        ("volring.io/nbd-secret".to_string(), "ab".repeat(32)),
+    ]);
+    let mut n = a.c.node.clone();
+    let r = a.run(n.node_stage_volume(NodeStageVolumeRequest {
+        volume_id: "pvc-far".into(),
+        staging_target_path: far.clone(),
+        volume_capability: Some(rwx("ext4")),
+        volume_context: ctx,
+        ..Default::default()
+    }));
+    expect_code(r, Code::FailedPrecondition, "stage RWX of another node's single-node volume")?;
+    expect_code(a.stage("pvc-none", &far, rwx("ext4")), Code::NotFound, "stage RWX of an unknown volume")?;
     Ok(())
 }
 
@@ -168,7 +199,7 @@ fn listening(pid: u32) -> Vec<String> {
 }
 
 fn share_records(a: &Agent) -> Result<Vec<serde_json::Value>, Failed> {
-    let c = volring::state::store::Store::read_only(&a.state.join("state.redb"), false)?;
+    let c = volring_volumes::store::Store::read_only(&a.state.join("state.redb"), false)?;
     Ok(c.published.iter().filter(|(k, _)| k.starts_with("NfsShare/")).map(|(_, v)| serde_json::from_slice(v)).collect::<Result<_, _>>()?)
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::http::Method;
 use kube_support::Server;
 use serde_json::json;
-use volring::share::kube::{ControllerConfig, Error, ShareController, SharedVolume};
+use volring_share::kube::{ControllerConfig, Error, ShareController, SharedVolume};
 
 fn vol(ip: &str) -> SharedVolume {
     SharedVolume {

@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use common::check;
 use csi_support::{Agent, MIB};
 use libtest_mimic::{Failed, Trial};
-use volring::csi::client::capability;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 fn rwx(fs: &str) -> VolumeCapability {
     capability(false, fs, &[], Mode::MultiNodeMultiWriter)

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::check;
 use csi_support::{block_cap, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
-use volring::volumes::attach;
+use volring_volumes::attach;
 
 /// Polls `f` every 20 ms for at most `limit`.
 fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -63,7 +63,7 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
     check(before.len() == 1, "one device")?;
     // Detach (the kernel defers it while mounted: autoclear) and unmount,
     // which really detaches it.
-    volring::sys::loopdev::LoopDevice::open(before[0].number)?.detach()?;
+    volring_sys::loopdev::LoopDevice::open(before[0].number)?.detach()?;
     rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty())?;
     let repaired = eventually(Duration::from_secs(20), || {
         attach::find_backed_by(&a.image("pvc-det")).len() == 1
@@ -201,8 +201,8 @@ fn legacy_records_imported_and_status_after_crash() -> Result<(), Failed> {
     let st = status_json(&a)?;
     check(staged_entry(&st, "pvc-l1").is_some() && staged_entry(&st, "pvc-l2").is_some(), format!("status after SIGKILL: {st}"))?;
     // Rewrite the state as an older agent kept it: one JSON file each.
-    let records = volring::volumes::StagedRecords::open(&a.state)?.all();
-    std::fs::remove_file(a.state.join(volring::state::store::FILE))?;
+    let records = volring_volumes::StagedRecords::open(&a.state)?.all();
+    std::fs::remove_file(a.state.join(volring_volumes::store::FILE))?;
     let legacy = a.state.join("staged");
     std::fs::create_dir_all(&legacy)?;
     for r in &records {
@@ -244,34 +244,34 @@ fn orphans_reported_and_removed_only_when_asked() -> Result<(), Failed> {
 /// An in-process driver whose mount table is a snapshot that never moves:
 /// the table lags the kernel by as much as a test needs, deterministically.
 struct Frozen {
-    driver: std::sync::Arc<volring::csi::Driver>,
-    table: std::sync::Arc<std::sync::RwLock<volring::mounts::MountTable>>,
+    driver: std::sync::Arc<volring_csi::Driver>,
+    table: std::sync::Arc<std::sync::RwLock<volring_mounts::MountTable>>,
     rt: tokio::runtime::Runtime,
-    c: volring::csi::client::Clients,
-    _socket: volring::csi::server::BoundSocket,
+    c: volring_csi::client::Clients,
+    _socket: volring_csi::server::BoundSocket,
     scratch: Option<common::Scratch>,
 }
 
-fn snapshot() -> volring::mounts::MountTable {
-    volring::mounts::MountTable::from_mountinfo(&std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default()).0
+fn snapshot() -> volring_mounts::MountTable {
+    volring_mounts::MountTable::from_mountinfo(&std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default()).0
 }
 
 impl Frozen {
     fn start() -> Result<Self, Failed> {
         let scratch = common::Scratch::new();
         let state = scratch.dir("state");
-        let mut config = volring::csi::CsiConfig::new(scratch.path().join("csi.sock"), "test-node".into());
+        let mut config = volring_csi::CsiConfig::new(scratch.path().join("csi.sock"), "test-node".into());
         config.kubelet_root = scratch.dir("kubelet");
         config.pool_dir = state.join("pool");
         config.state_dir = state;
         let table = std::sync::Arc::new(std::sync::RwLock::new(snapshot()));
-        let ready = volring::csi::Readiness::default();
+        let ready = volring_csi::Readiness::default();
         ready.set(true);
-        let driver = volring::csi::Driver::new(config.clone(), table.clone(), ready).map_err(|e| e.to_string())?;
+        let driver = volring_csi::Driver::new(config.clone(), table.clone(), ready).map_err(|e| e.to_string())?;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-        let (listener, socket) = rt.block_on(async { volring::csi::server::bind(&config.endpoint) })?;
-        rt.spawn(volring::csi::server::serve(driver.clone(), listener, std::future::pending()));
-        let c = rt.block_on(volring::csi::client::Clients::connect(config.endpoint.clone())).map_err(|e| e.to_string())?;
+        let (listener, socket) = rt.block_on(async { volring_csi::server::bind(&config.endpoint) })?;
+        rt.spawn(volring_csi::server::serve(driver.clone(), listener, std::future::pending()));
+        let c = rt.block_on(volring_csi::client::Clients::connect(config.endpoint.clone())).map_err(|e| e.to_string())?;
         Ok(Self { driver, table, rt, c, _socket: socket, scratch: Some(scratch) })
     }
 
@@ -282,9 +282,9 @@ impl Frozen {
     fn create(&self, name: &str, fs: &str) -> Result<(), Failed> {
         let mut c = self.c.controller.clone();
         let params = [("fsType".to_string(), fs.to_string())].into();
-        self.rt.block_on(c.create_volume(volring::csi::proto::CreateVolumeRequest {
+        self.rt.block_on(c.create_volume(volring_csi::proto::CreateVolumeRequest {
             name: name.into(),
-            capacity_range: Some(volring::csi::proto::CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+            capacity_range: Some(volring_csi::proto::CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
             volume_capabilities: vec![mount_cap(fs)],
             parameters: params,
             ..Default::default()
@@ -294,7 +294,7 @@ impl Frozen {
 
     fn stage(&self, id: &str, staging: &str) -> Result<(), Failed> {
         let mut c = self.c.node.clone();
-        self.rt.block_on(c.node_stage_volume(volring::csi::proto::NodeStageVolumeRequest {
+        self.rt.block_on(c.node_stage_volume(volring_csi::proto::NodeStageVolumeRequest {
             volume_id: id.into(),
             staging_target_path: staging.into(),
             volume_capability: Some(mount_cap("ext4")),
@@ -305,7 +305,7 @@ impl Frozen {
 
     fn publish(&self, id: &str, staging: &str, target: &str) -> Result<(), Failed> {
         let mut c = self.c.node.clone();
-        self.rt.block_on(c.node_publish_volume(volring::csi::proto::NodePublishVolumeRequest {
+        self.rt.block_on(c.node_publish_volume(volring_csi::proto::NodePublishVolumeRequest {
             volume_id: id.into(),
             staging_target_path: staging.into(),
             target_path: target.into(),
@@ -324,7 +324,7 @@ impl Drop for Frozen {
         self.scratch.take();
         if let Some(dir) = dir {
             for n in loops_under(&dir) {
-                if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
+                if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
                     let _ = d.detach();
                 }
             }
@@ -373,7 +373,7 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     let orphan_at = f.scratch.as_ref().ok_or("scratch")?.dir("orphan");
     rustix::mount::mount(orphan.path().as_path(), orphan_at.as_path(), "ext4", rustix::mount::MountFlags::empty(), None)?;
 
-    let config = volring::state::reconcile::ReconcileConfig { remove_orphans: true, ..Default::default() };
+    let config = volring_volumes::state::reconcile::ReconcileConfig { remove_orphans: true, ..Default::default() };
     // The first pass runs before this returns.
     let r = f.driver.start_reconciler(config)?;
     let a = r.view().get("pvc-a");

@@ -76,7 +76,7 @@ fn main() {
     // Before any thread starts: unshare(CLONE_NEWNS) is refused to a
     // process whose threads share its filesystem context. The host agents
     // mount and attach loop devices here; every guest's qemu inherits it.
-    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let args = Arguments::from_args();
     suites::select(&args);
     // libtest-mimic starts the trials in this order, two at a time (one

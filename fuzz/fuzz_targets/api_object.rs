@@ -12,11 +12,11 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::publisher::attachments;
-use volring::publisher::embedded_sink::api_form;
-use volring::publisher::kube_sink::retry_after_of;
-use volring::publisher::Kind;
-use volring::publisher::Object;
+use volring_kube::attachments;
+use volring_kube::embedded_sink::api_form;
+use volring_kube::kube_sink::retry_after_of;
+use volring_kube::Kind;
+use volring_kube::Object;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&k, rest)) = data.split_first() else { return };

@@ -14,7 +14,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use loona_hpack::Decoder;
-use volring::csi::authority::fix;
+use volring_csi::authority::fix;
 
 /// What h2 allows a peer's encoder by default (SETTINGS_HEADER_TABLE_SIZE).
 const TABLE_SIZE: usize = 4096;

@@ -8,8 +8,8 @@ use std::path::{Component, Path};
 
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use volring::csi::proto::{ControllerExpandVolumeRequest, CreateVolumeRequest, NodePublishVolumeRequest, NodeStageVolumeRequest};
-use volring::csi::validate;
+use volring_csi::proto::{ControllerExpandVolumeRequest, CreateVolumeRequest, NodePublishVolumeRequest, NodeStageVolumeRequest};
+use volring_csi::validate;
 
 const ROOT: &str = "/var/lib/kubelet";
 

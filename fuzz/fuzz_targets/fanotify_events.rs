@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::mounts::fanotify::events;
+use volring_mounts::fanotify::events;
 
 fuzz_target!(|data: &[u8]| {
     // Each event is at least 24 bytes, so this bounds the iteration.

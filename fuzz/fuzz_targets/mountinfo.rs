@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::mounts::{diff, parse, MountTable};
+use volring_mounts::{diff, parse, MountTable};
 
 fuzz_target!(|data: &[u8]| {
     let lines = data.split(|&b| b == b'\n').filter(|l| !l.is_empty()).count();

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::nbd::client::{ClientHandshake, ClientOutcome};
+use volring_nbd::client::{ClientHandshake, ClientOutcome};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&cut, data)) = data.split_first() else { return };

@@ -7,7 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::nbd::remote::{split_wire_name, valid_client, valid_export, wire_name, ExportUri, Secret, WireName};
+use volring_nbd::remote::{split_wire_name, valid_client, valid_export, wire_name, ExportUri, Secret, WireName};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::nbd::handshake::{Catalog, ExportInfo, Handshake, Outcome, MAX_OPTION_LEN};
+use volring_nbd::handshake::{Catalog, ExportInfo, Handshake, Outcome, MAX_OPTION_LEN};
 
 struct Two;
 

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::nbd::wire::{self, cmd, encode_request, encode_small_reply, parse_request, Extent, HeaderStyle, ReplyBody};
+use volring_nbd::wire::{self, cmd, encode_request, encode_small_reply, parse_request, Extent, HeaderStyle, ReplyBody};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&sel, stream)) = data.split_first() else { return };

@@ -12,7 +12,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::probe::{probe, probe_sample, read_plan, Content, Sample, READ_BUDGET};
+use volring_devices::probe::{probe, probe_sample, read_plan, Content, Sample, READ_BUDGET};
 
 fn bounded(c: &Content) {
     if let Some(f) = &c.filesystem {

@@ -6,7 +6,7 @@
 use std::os::unix::ffi::OsStrExt;
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::swaps::parse_proc_swaps;
+use volring_devices::swaps::parse_proc_swaps;
 
 fuzz_target!(|data: &[u8]| {
     let areas = parse_proc_swaps(data);

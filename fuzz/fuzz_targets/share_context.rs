@@ -1,17 +1,17 @@
 //! NodeStage volume context → the NFS export a shared volume is mounted
-//! from (`volring::share::client::remote`). Whatever the CO sends, the
+//! from (`volring_share::client::remote`). Whatever the CO sends, the
 //! parser answers without panicking, and what it accepts is safe to hand
 //! the kernel: an address with a port, an absolute export path of plain
 //! characters with no `..`, and a mount source/options string with no
 //! separator an attacker could use to add options. The PVC the context
-//! names (`volring::share::pvc_in_context`, which goes into API paths) is
+//! names (`volring_share::pvc_in_context`, which goes into API paths) is
 //! either refused or plain Kubernetes names.
 #![no_main]
 
 use std::collections::HashMap;
 
 use libfuzzer_sys::fuzz_target;
-use volring::share::client;
+use volring_share::client;
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
@@ -23,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-    if let Some((ns, name)) = volring::share::pvc_in_context(&ctx) {
+    if let Some((ns, name)) = volring_share::pvc_in_context(&ctx) {
         let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
         assert!(plain(&ns) && !ns.contains('.') && plain(&name) && !name.contains(".."), "{ns:?} {name:?}");
     }

@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::mounts::statmount::decode;
+use volring_mounts::statmount::decode;
 
 fn verbatim_in(needle: &[u8], hay: &[u8]) -> bool {
     needle.is_empty() || hay.windows(needle.len()).any(|w| w == needle)

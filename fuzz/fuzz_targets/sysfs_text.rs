@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::sysfs::{parse_devnum, parse_udev_db, parse_uevent_file};
+use volring_devices::sysfs::{parse_devnum, parse_udev_db, parse_uevent_file};
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

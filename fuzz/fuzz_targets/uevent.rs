@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring::devices::uevent::parse;
+use volring_devices::uevent::parse;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(ev) = parse(data) {

@@ -2,9 +2,9 @@
 //! subcommands, each with the configuration it builds); `main.rs` keeps
 //! the subcommands and what each one runs.
 
-use volring::devices::{DeviceFilter, ScanConfig};
-use volring::mounts::{WatchConfig, WatchMode};
-use volring::ring::BackendChoice;
+use volring_devices::{DeviceFilter, ScanConfig};
+use volring_mounts::{WatchConfig, WatchMode};
+use volring_ring::BackendChoice;
 
 use clap::ValueEnum;
 #[derive(clap::Args)]
@@ -18,7 +18,7 @@ pub(crate) struct NbdTuning {
     /// would hand each one to an io_uring worker (ext4): auto probes each
     /// export, off sends every write through io_uring.
     #[arg(long, env = "VOLRING_NBD_INLINE_WRITES", default_value = "auto")]
-    pub(crate) nbd_inline_writes: volring::nbd::InlineWrites,
+    pub(crate) nbd_inline_writes: volring_nbd::InlineWrites,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10.0)]
     pub(crate) handshake_timeout: f64,
@@ -43,8 +43,8 @@ pub(crate) struct NbdTuning {
 }
 
 impl NbdTuning {
-    pub(crate) fn config(&self, listen: Vec<volring::nbd::Listen>) -> volring::nbd::ServerConfig {
-        volring::nbd::ServerConfig {
+    pub(crate) fn config(&self, listen: Vec<volring_nbd::Listen>) -> volring_nbd::ServerConfig {
+        volring_nbd::ServerConfig {
             listen,
             threads: self.nbd_threads,
             inline_writes: self.nbd_inline_writes,
@@ -84,12 +84,12 @@ pub(crate) struct NodeNbdArgs {
 
 impl NodeNbdArgs {
     /// The export listener's settings (the NBD tuning flags apply to it).
-    pub(crate) fn export(&self) -> anyhow::Result<Option<volring::csi::nbd_export::ExportConfig>> {
+    pub(crate) fn export(&self) -> anyhow::Result<Option<volring_csi::nbd_export::ExportConfig>> {
         let Some(listen) = self.nbd_export_listen else {
             anyhow::ensure!(self.nbd_export_advertise.is_none(), "--nbd-export-advertise needs --nbd-export-listen");
             return Ok(None);
         };
-        Ok(Some(volring::csi::nbd_export::ExportConfig {
+        Ok(Some(volring_csi::nbd_export::ExportConfig {
             listen,
             advertise: self.nbd_export_advertise.clone(),
             server: self.tuning.config(Vec::new()),
@@ -207,15 +207,15 @@ pub(crate) enum ExpansionArg {
 }
 
 impl CsiArgs {
-    pub(crate) fn share_kube(&self) -> volring::share::kube::ControllerConfig {
-        volring::share::kube::ControllerConfig {
+    pub(crate) fn share_kube(&self) -> volring_share::kube::ControllerConfig {
+        volring_share::kube::ControllerConfig {
             poll: std::time::Duration::from_secs_f64(self.nfs_service_poll.max(0.01)),
             total_wait: std::time::Duration::from_secs_f64(self.nfs_service_wait.max(0.0)),
         }
     }
 
-    pub(crate) fn reconcile(&self) -> volring::state::reconcile::ReconcileConfig {
-        volring::state::reconcile::ReconcileConfig {
+    pub(crate) fn reconcile(&self) -> volring_volumes::state::reconcile::ReconcileConfig {
+        volring_volumes::state::reconcile::ReconcileConfig {
             resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
             repair: !self.no_repair,
             remove_orphans: self.remove_orphans,
@@ -224,30 +224,30 @@ impl CsiArgs {
 }
 
 impl CsiArgs {
-    pub(crate) fn config(&self) -> anyhow::Result<Option<volring::csi::CsiConfig>> {
+    pub(crate) fn config(&self) -> anyhow::Result<Option<volring_csi::CsiConfig>> {
         if self.csi_endpoint == "off" {
             return Ok(None);
         }
-        let endpoint = volring::csi::server::parse_endpoint(&self.csi_endpoint).map_err(anyhow::Error::msg)?;
-        let node = self.node_id.clone().unwrap_or_else(volring::devices::node_name);
-        let mut c = volring::csi::CsiConfig::new(endpoint, node);
+        let endpoint = volring_csi::server::parse_endpoint(&self.csi_endpoint).map_err(anyhow::Error::msg)?;
+        let node = self.node_id.clone().unwrap_or_else(volring_devices::node_name);
+        let mut c = volring_csi::CsiConfig::new(endpoint, node);
         c.kubelet_root = self.kubelet_root.clone();
         c.pool_dir = self.pool_dir.clone().unwrap_or_else(|| self.state_dir.join("pool"));
         c.state_dir = self.state_dir.clone();
         c.max_volumes = self.max_volumes;
         c.direct_io = !self.no_direct_io;
         c.expansion = match self.expansion {
-            ExpansionArg::Controller => volring::csi::Expansion::Controller,
-            ExpansionArg::Node => volring::csi::Expansion::Node,
+            ExpansionArg::Controller => volring_csi::Expansion::Controller,
+            ExpansionArg::Node => volring_csi::Expansion::Node,
         };
         anyhow::ensure!(self.nbd_request_timeout >= 1, "--nbd-request-timeout must be at least 1 s");
         anyhow::ensure!((1..=16).contains(&self.nbd_attach_connections), "--nbd-attach-connections: 1 to 16");
-        c.nbd = volring::csi::nbd::NbdAttachConfig {
+        c.nbd = volring_csi::nbd::NbdAttachConfig {
             dead_conn_timeout: std::time::Duration::from_secs(self.nbd_dead_conn_timeout),
             request_timeout: std::time::Duration::from_secs(self.nbd_request_timeout),
             connections: self.nbd_attach_connections,
             heal: !self.nbd_no_heal,
-            client: volring::nbd::remote::valid_client(&c.node_id).then(|| c.node_id.clone()),
+            client: volring_nbd::remote::valid_client(&c.node_id).then(|| c.node_id.clone()),
         };
         if c.nbd.client.is_none() {
             tracing::warn!(node = %c.node_id, "the node id is not a valid NBD client name ([A-Za-z0-9._-], at most 253): \
@@ -310,11 +310,7 @@ impl PublishArgs {
             qps: self.publish_qps.max(0.01),
             burst: self.publish_burst.max(1),
             window: std::time::Duration::from_secs_f64(self.publish_window.max(0.0)),
-            gone: if self.delete_gone_devices {
-                volring::publisher::GonePolicy::Delete
-            } else {
-                volring::publisher::GonePolicy::MarkInactive
-            },
+            gone: if self.delete_gone_devices { volring_kube::GonePolicy::Delete } else { volring_kube::GonePolicy::MarkInactive },
         })
     }
 }
@@ -372,7 +368,7 @@ pub(crate) struct WatchArgs {
     /// (a storm costs one ring turn per window; 0: one per event). Adds up
     /// to about this much latency to a change. The node's reconciler proves
     /// every drift through descriptors before it reports or repairs it, so
-    /// a table one window old never decides anything (see README).
+    /// a table one window old never decides anything (see docs/state.md, "The reconciler").
     #[arg(long, value_name = "US", env = "VOLRING_MOUNT_BATCH_US", default_value_t = 1000)]
     pub(crate) mount_batch_us: u64,
 }

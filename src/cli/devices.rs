@@ -2,15 +2,15 @@
 
 use std::io::Write;
 
-use volring::devices::{report, CollectorConfig, Inventory, ScanConfig, StatCollector};
-use volring::mounts;
+use volring_devices::{report, CollectorConfig, Inventory, ScanConfig, StatCollector};
+use volring_mounts as mounts;
 
 use super::*;
 
 pub(crate) fn print_devices(json: bool, columns: &[report::Column], cfg: &ScanConfig) -> anyhow::Result<()> {
     let (table, _) = mounts::load(true)?;
     let inv = Inventory::scan(cfg, &table)?;
-    let swaps = volring::devices::swaps::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
+    let swaps = volring_devices::swaps::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "/proc/swaps not read: active swap is not shown");
         Default::default()
     });

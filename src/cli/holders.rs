@@ -12,8 +12,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use volring::csi::fence::{Fence, Holder};
-use volring::state::store::{Store, FILE};
+use volring_csi::fence::{Fence, Holder};
+use volring_volumes::store::{Store, FILE};
 
 /// Lists the holders, or releases `release`'s remote holder.
 pub fn holders(state_dir: &Path, release: Option<&str>, json: bool) -> anyhow::Result<()> {

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 
-use volring::mounts::{self, MountWatcher, WatchConfig};
+use volring_mounts::{self as mounts, MountWatcher, WatchConfig};
 
 use super::*;
 

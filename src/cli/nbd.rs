@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use volring::nbd::attach::{LinkDeadListener, LocalAttachment, NbdControl};
-use volring::nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
+use volring_nbd::attach::{LinkDeadListener, LocalAttachment, NbdControl};
+use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 
 #[derive(clap::Args)]
 pub struct AttachArgs {
@@ -130,7 +130,7 @@ pub fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) 
 pub fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
     if let Some(id) = backend_id {
-        volring::nbd::attach::control::check_backend(index, id, control.backend(index))?;
+        volring_nbd::attach::control::check_backend(index, id, control.backend(index))?;
     }
     control.disconnect(index)?;
     line(serde_json::json!({"detached": index}));

@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::Context;
 
 /// Reads an exports file: one spec per line, blank lines and `#` comments skipped.
-pub(crate) fn read_exports_file(path: &std::path::Path) -> anyhow::Result<Vec<volring::nbd::ExportSpec>> {
+pub(crate) fn read_exports_file(path: &std::path::Path) -> anyhow::Result<Vec<volring_nbd::ExportSpec>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
     let specs =
         text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(|l| l.parse()).collect::<Result<Vec<_>, _>>()?;
@@ -14,15 +14,15 @@ pub(crate) fn read_exports_file(path: &std::path::Path) -> anyhow::Result<Vec<vo
 }
 
 pub(crate) async fn nbd_serve(
-    config: volring::nbd::ServerConfig,
-    specs: Vec<volring::nbd::ExportSpec>,
+    config: volring_nbd::ServerConfig,
+    specs: Vec<volring_nbd::ExportSpec>,
     exports_file: Option<std::path::PathBuf>,
     stats_interval: f64,
 ) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let exports = std::sync::Arc::new(volring::nbd::Exports::new());
+    let exports = std::sync::Arc::new(volring_nbd::Exports::new());
     // Off the runtime: a bind may wait for a killed server's address.
-    let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring::nbd::NbdServer::start(config, exports)).await??);
+    let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(config, exports)).await??);
     let from_file = match &exports_file {
         Some(p) => read_exports_file(p)?,
         None => Vec::new(),
@@ -95,7 +95,7 @@ pub(crate) fn print_line(v: &serde_json::Value) -> bool {
 }
 
 /// Makes the served set match the command line plus the exports file.
-pub(crate) fn reconcile_exports(server: &volring::nbd::NbdServer, fixed: &[volring::nbd::ExportSpec], wanted: &[volring::nbd::ExportSpec]) {
+pub(crate) fn reconcile_exports(server: &volring_nbd::NbdServer, fixed: &[volring_nbd::ExportSpec], wanted: &[volring_nbd::ExportSpec]) {
     let keep: std::collections::HashSet<&str> = fixed.iter().chain(wanted).map(|s| s.name.as_str()).collect();
     for e in server.exports().all() {
         if !keep.contains(e.name.as_str()) {
@@ -111,7 +111,7 @@ pub(crate) fn reconcile_exports(server: &volring::nbd::NbdServer, fixed: &[volri
     }
 }
 
-pub(crate) fn print_nbd_stats(server: &volring::nbd::NbdServer) -> bool {
+pub(crate) fn print_nbd_stats(server: &volring_nbd::NbdServer) -> bool {
     let snaps = server.exports().snapshots();
     print_line(&serde_json::json!({ "exports": snaps }))
 }

@@ -7,7 +7,7 @@ pub(crate) fn print_status(pool: &std::path::Path, state_dir: &std::path::Path, 
     // store is only read.
     let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
     let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
-    let r = volring::volumes::status::report(pool, state_dir, no_agent)?;
+    let r = volring_volumes::status::report(pool, state_dir, no_agent)?;
     drop(lock);
     let mut out = std::io::stdout().lock();
     if json {

@@ -10,8 +10,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
 use super::how_many;
-use crate::csi::rpc_stats::{CODES, LATENCY_BUCKETS_US};
-use crate::csi::Driver;
+use volring_csi::rpc_stats::{CODES, LATENCY_BUCKETS_US};
+use volring_csi::Driver;
 
 /// Every RPC gets an `OK` series (0 included, so a rate can be taken
 /// before the first call) and one per other code it has ended with.

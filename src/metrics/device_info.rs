@@ -8,7 +8,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
-use crate::devices::{Inventory, Use};
+use volring_devices::{Inventory, Use};
 
 pub(super) fn encode(e: &mut DescriptorEncoder<'_>, inv: &Inventory) -> Result<(), FmtError> {
     let mut fam = e.encode_descriptor(

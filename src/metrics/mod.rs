@@ -1,7 +1,7 @@
 //! `/metrics`: Prometheus (OpenMetrics) exposition of what the agent knows.
 //!
 //! Nothing is copied into metric objects as it changes: on each scrape the
-//! encoder reads the latest [`StatSnapshot`](crate::devices::StatSnapshot)
+//! encoder reads the latest [`StatSnapshot`](volring_devices::StatSnapshot)
 //! and the counters the ring threads keep, so thousands of devices cost
 //! nothing between scrapes.
 
@@ -24,11 +24,11 @@ mod publish;
 
 pub use classic::Format;
 
-use crate::devices::{HotplugStats, Inventory, StatsReader};
-use crate::mounts::WatcherStats;
-use crate::ring::RingStats;
-use crate::state::actual::HealthView;
-use crate::state::reconcile::{ReconcileStats, PASS_BUCKETS_US};
+use volring_devices::{HotplugStats, Inventory, StatsReader};
+use volring_mounts::WatcherStats;
+use volring_ring::RingStats;
+use volring_volumes::state::actual::HealthView;
+use volring_volumes::state::reconcile::{ReconcileStats, PASS_BUCKETS_US};
 
 /// Everything `/metrics` reads from.
 #[derive(Clone)]
@@ -41,19 +41,19 @@ pub struct Sources {
     /// The mount watcher's counters, refreshed by the agent.
     pub mounts: Arc<ArcSwap<WatcherStats>>,
     /// The NBD server's exports, when it runs.
-    pub nbd: Option<Arc<crate::nbd::Exports>>,
+    pub nbd: Option<Arc<volring_nbd::Exports>>,
     /// The reconciler's counters and verdicts, when the CSI driver runs.
     pub reconcile: Option<Reconcile>,
     /// The CSI driver, when it runs: its calls, volumes and pool.
-    pub csi: Option<Arc<crate::csi::Driver>>,
+    pub csi: Option<Arc<volring_csi::Driver>>,
     /// What `/readyz` answers: set once the start pass is done, cleared
     /// when the agent begins to stop.
-    pub ready: crate::csi::Readiness,
+    pub ready: volring_csi::Readiness,
     /// The publisher's counters, when it runs.
-    pub publish: Option<Arc<crate::publisher::updater::Stats>>,
+    pub publish: Option<Arc<volring_kube::updater::Stats>>,
     /// The shared-volume loop's controller, when it runs (its reconcile
     /// duration histogram).
-    pub share: Option<Arc<crate::share::kube::ShareController>>,
+    pub share: Option<Arc<volring_share::kube::ShareController>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -115,12 +115,12 @@ impl Collector for Sources {
         let mut fam = e.encode_descriptor("volring_stat_method", "Collection method in use (1)", None, MetricType::Gauge)?;
         ConstGauge::new(1i64).encode(fam.encode_family(&[("method", snap.method)])?)?;
 
-        let c: Vec<(&str, &crate::devices::IoCounters)> = snap.devices.iter().map(|d| (&*d.name, &d.counters)).collect();
-        let total = |name: &str, help: &str, f: &dyn Fn(&crate::devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+        let c: Vec<(&str, &volring_devices::IoCounters)> = snap.devices.iter().map(|d| (&*d.name, &d.counters)).collect();
+        let total = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
             let rows: Vec<(&str, u64)> = c.iter().map(|(n, c)| (*n, f(c))).collect();
             per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
         };
-        let seconds = |name: &str, help: &str, f: &dyn Fn(&crate::devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+        let seconds = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
             let rows: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, f(c) as f64 / 1000.0)).collect();
             per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
         };
@@ -155,8 +155,8 @@ impl Collector for Sources {
 
         device_info::encode(&mut e, &inv)?;
 
-        let rates: Vec<(&str, crate::devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
-        type RateFn = fn(&crate::devices::IoRates) -> f64;
+        let rates: Vec<(&str, volring_devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
+        type RateFn = fn(&volring_devices::IoRates) -> f64;
         let rate_families: [(&str, &str, RateFn); 7] = [
             ("volring_device_read_iops", "Reads per second over the last interval", |r| r.reads_per_sec),
             ("volring_device_write_iops", "Writes per second over the last interval", |r| r.writes_per_sec),
@@ -285,11 +285,11 @@ fn encode_reconcile(e: &mut DescriptorEncoder<'_>, r: &Reconcile) -> Result<(), 
 
 /// One series per export for each NBD counter, and request latency as a
 /// histogram per export and command.
-fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &crate::nbd::Exports) -> Result<(), FmtError> {
-    use crate::nbd::stats::{Kind, BUCKET_BOUNDS_US, KINDS};
+fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> Result<(), FmtError> {
+    use volring_nbd::stats::{Kind, BUCKET_BOUNDS_US, KINDS};
     let all = exports.all();
     let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
-    type Pick = fn(&crate::nbd::stats::ExportSnapshot) -> u64;
+    type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 11] = [
         ("volring_nbd_connections_total", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
@@ -415,7 +415,7 @@ mod tests {
     use super::*;
 
     /// Just the NBD part of the exposition.
-    struct Nbd(Arc<crate::nbd::Exports>);
+    struct Nbd(Arc<volring_nbd::Exports>);
 
     impl std::fmt::Debug for Nbd {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -434,11 +434,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
         std::fs::write(&path, [0u8; 4096]).unwrap();
-        let exports = Arc::new(crate::nbd::Exports::new());
+        let exports = Arc::new(volring_nbd::Exports::new());
         let e = exports.add(&format!("a={}", path.display()).parse().unwrap()).unwrap();
-        let mut p = crate::nbd::stats::Pending::default();
-        p.record(crate::nbd::stats::Kind::Read, 4096, true, 80);
-        p.record(crate::nbd::stats::Kind::Read, 4096, true, 3_000);
+        let mut p = volring_nbd::stats::Pending::default();
+        p.record(volring_nbd::stats::Kind::Read, 4096, true, 80);
+        p.record(volring_nbd::stats::Kind::Read, 4096, true, 3_000);
         e.stats.fold(&mut p);
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Nbd(exports)));
@@ -458,7 +458,7 @@ mod tests {
         assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
     }
 
-    use crate::state::actual::{Drift, VolumeHealth};
+    use volring_volumes::state::actual::{Drift, VolumeHealth};
 
     struct Only(Reconcile);
 

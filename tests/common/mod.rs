@@ -64,7 +64,7 @@ impl Drop for Scratch {
         // Bounded: each pass removes at least one mount or stops.
         for _ in 0..10_000 {
             let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-            let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
+            let (table, _) = volring_mounts::MountTable::from_mountinfo(&info);
             let mut under: Vec<_> = table
                 .iter()
                 .filter(|m| m.mount_point() == root.as_slice() || m.mount_point().starts_with(&prefix))
@@ -85,7 +85,7 @@ impl Drop for Scratch {
 
 /// A loop device over a sparse file; detached on drop.
 pub struct LoopDevice {
-    dev: Option<volring::sys::loopdev::LoopDevice>,
+    dev: Option<volring_sys::loopdev::LoopDevice>,
     path: String,
     _file: tempfile::NamedTempFile,
 }
@@ -103,8 +103,8 @@ impl LoopDevice {
         use std::os::fd::AsFd;
         let file = tempfile::Builder::new().prefix("volring-img-").tempfile().expect("image file");
         file.as_file().set_len(size).expect("truncate");
-        let opts = volring::sys::loopdev::LoopOptions { autoclear: true, partscan, ..Default::default() };
-        let dev = volring::sys::loopdev::LoopDevice::attach(file.as_file().as_fd(), &opts).expect("attach loop device");
+        let opts = volring_sys::loopdev::LoopOptions { autoclear: true, partscan, ..Default::default() };
+        let dev = volring_sys::loopdev::LoopDevice::attach(file.as_file().as_fd(), &opts).expect("attach loop device");
         Self { path: dev.path().display().to_string(), dev: Some(dev), _file: file }
     }
 
@@ -153,7 +153,7 @@ impl Drop for LoopDevice {
 /// Runs libtest-mimic trials inside a private mount namespace, one at a time
 /// (they share the namespace, so their events must not interleave).
 pub fn run_in_private_namespace(trials: Vec<libtest_mimic::Trial>) -> ! {
-    volring::sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
     libtest_mimic::run(&args, trials).exit()

@@ -3,7 +3,7 @@
 //! small seeded random number generator (so a failing run replays from its
 //! seed, with no dependency).
 
-use volring::csi::proto::VolumeCapability;
+use volring_csi::proto::VolumeCapability;
 
 use super::{block_cap, mount_cap, MIB};
 

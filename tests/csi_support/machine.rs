@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 /// Every mount point below `dir`, deepest first.
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let info = std::fs::read("/proc/thread-self/mountinfo").unwrap_or_default();
-    let (table, _) = volring::mounts::MountTable::from_mountinfo(&info);
+    let (table, _) = volring_mounts::MountTable::from_mountinfo(&info);
     let mut v: Vec<_> = table.iter().map(|m| m.mount_point_path().to_path_buf()).filter(|p| p.starts_with(dir)).collect();
     v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     v
@@ -54,7 +54,7 @@ pub fn loops_backed_by(image: &Path) -> Vec<u32> {
 
 pub(super) fn detach_loops_under(dir: &Path) {
     for n in loops_under(dir) {
-        if let Ok(d) = volring::sys::loopdev::LoopDevice::open(n) {
+        if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
             let _ = d.detach();
         }
     }

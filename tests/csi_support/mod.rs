@@ -15,9 +15,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tonic::{Code, Status};
-use volring::csi::client::{capability, Clients};
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::{capability, Clients};
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 use crate::common::{without_colours, Scratch};
 

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use serde_json::json;
-use volring::publisher::objects::{self, Key, Kind, Object, NODE_LABEL};
-use volring::publisher::UpdaterConfig;
+use volring_kube::objects::{self, Key, Kind, Object, NODE_LABEL};
+use volring_kube::UpdaterConfig;
 
 use crate::kube_support::Server;
 
@@ -54,21 +54,21 @@ pub fn stored_status(s: &Server, o: &Object) -> serde_json::Value {
 /// nodes have them: no serial or WWN, so the id falls through to a
 /// partition GUID written into the image (`partuuid-clone-<i>`), the same
 /// on every clone.
-pub fn cloned_inventory(node: &str, n: usize) -> volring::devices::Inventory {
+pub fn cloned_inventory(node: &str, n: usize) -> volring_devices::Inventory {
     let mountinfo = std::fs::read("/proc/self/mountinfo").unwrap();
-    let (table, _) = volring::mounts::MountTable::from_mountinfo(&mountinfo);
-    let cfg = volring::devices::ScanConfig { probe: false, ..Default::default() };
-    let real = volring::devices::Inventory::scan(&cfg, &table).unwrap();
+    let (table, _) = volring_mounts::MountTable::from_mountinfo(&mountinfo);
+    let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
+    let real = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     let base = real.devices.values().next().expect("this machine has a block device").clone();
-    let mut inv = volring::devices::Inventory { devices: Default::default(), errors: vec![] };
+    let mut inv = volring_devices::Inventory { devices: Default::default(), errors: vec![] };
     for i in 0..n {
         let mut d = base.clone();
         (d.wwn, d.serial, d.loop_backing, d.dm) = (None, None, None, None);
         d.part_uuid = Some(format!("partuuid-clone-{i}"));
         d.name = format!("vdz{i}");
         d.path = format!("/dev/vdz{i}").into();
-        d.dev = volring::mounts::DevNum { major: 252, minor: 1000 + i as u32 };
-        d.id = volring::devices::stable_id(&d, node);
+        d.dev = volring_mounts::DevNum { major: 252, minor: 1000 + i as u32 };
+        d.id = volring_devices::stable_id(&d, node);
         assert_eq!(d.id, format!("partuuid-partuuid-clone-{i}"), "the id does not name the node");
         inv.devices.insert(d.dev, d);
     }

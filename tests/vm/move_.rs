@@ -24,8 +24,8 @@ use crate::harness::{image_or_skip, Vm};
 use libtest_mimic::Failed;
 use sha2::Digest;
 use tonic::Code;
-use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
-use volring::csi::proto::*;
+use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
+use volring_csi::proto::*;
 
 const SCRIPT: &str = include_str!("move.sh");
 const GUEST_SIDE: &str = "10.0.2.100:10809";

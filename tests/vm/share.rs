@@ -17,9 +17,9 @@ use crate::csi_support::{Agent, MIB};
 use crate::harness;
 use crate::harness::{image_or_skip, Vm};
 use libtest_mimic::Failed;
-use volring::csi::client::capability;
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 const SCRIPT: &str = include_str!("share_client.sh");
 const VOLUME: &str = "pvc-shared";

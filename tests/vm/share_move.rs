@@ -20,10 +20,10 @@ use crate::harness;
 use crate::harness::{image_or_skip, Vm};
 use crate::kube_support;
 use libtest_mimic::Failed;
-use volring::csi::client::capability;
-use volring::csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
-use volring::csi::proto::volume_capability::access_mode::Mode;
-use volring::csi::proto::*;
+use volring_csi::client::capability;
+use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
+use volring_csi::proto::volume_capability::access_mode::Mode;
+use volring_csi::proto::*;
 
 const SCRIPT: &str = include_str!("share_move.sh");
 const GUEST_NBD: &str = "10.0.2.100:10809";

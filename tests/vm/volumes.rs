@@ -16,7 +16,7 @@ const SCRIPT: &str = include_str!("volumes.sh");
 fn volume(test: &str, env: &[(&str, &str)]) {
     let Some(image) = image_or_skip(test) else { return };
     let mut env = env.to_vec();
-    // The agent's log filter in the guest, e.g. volring::nbd::ring=debug
+    // The agent's log filter in the guest, e.g. volring_nbd::ring=debug
     // for the NBD rings' per-tick diagnostic.
     let log = std::env::var("VOLRING_VM_RUST_LOG").unwrap_or_default();
     if !log.is_empty() {

@@ -1,0 +1,154 @@
+//! Node service, publish and unpublish: the staged volume bound onto a pod's
+//! target, and taken off it again — only ever the volume's own mount.
+
+use std::os::fd::AsFd;
+
+use rustix::mount::MountFlags;
+
+use super::owned::{path_error, Expect, Found};
+use super::proto::*;
+use super::validate::{self, AccessType};
+use super::{Driver, Error, Result};
+use volring_volumes::{attach, mounting, AccessKind, StagePhase, StagedVolume};
+
+impl Driver {
+    pub(super) fn node_publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let staging = self.path(&req.staging_target_path, "staging_target_path")?;
+        let target = self.path(&req.target_path, "target_path")?;
+        let access = validate::capability(req.volume_capability.as_ref())?;
+        let id = req.volume_id.as_str();
+        let _guard = self.lock(id)?;
+        if let Some(done) = self.publish_remote_share(id, &staging, &target, req.readonly || access.read_only())? {
+            return Ok(done);
+        }
+        // A remote volume is known here by its staged record only.
+        if self.pool.get(id).is_none() && !self.records.contains(id) {
+            return Err(Error::NotFound(format!("volume {id} does not exist")));
+        }
+        // As at the stage, by the pool's record (a volume another node
+        // holds was checked against its context when it was staged).
+        self.created_for(id, &access, None)?;
+        let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
+        let mut rec = self.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
+        if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
+            return Err(Error::FailedPrecondition(format!("volume {id} was staged for {} access", kind_name(&rec.access))));
+        }
+        if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
+            return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
+        }
+        let att = attach::of_record(&rec).ok_or_else(not_staged)?;
+        let expect = Expect::of(&rec, &att);
+        let read_only = req.readonly || access.read_only() || rec.read_only;
+        // The source is the volume's own staging mount, proven so on the
+        // descriptor the bind is made from.
+        let source = match self.look(&rec.staged_at(), Some(expect))? {
+            Found::Ours(fd) => fd,
+            _ => {
+                return Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display())))
+            }
+        };
+        // Intent first: the target is recorded before it is made, so after a
+        // crash from here on unpublish finds the record and removes the
+        // target this call made (the spec asks the SP to delete what it
+        // created there). A call that fails before binding takes it back.
+        let prior = rec.published.get(&target).copied();
+        if prior.is_none() {
+            rec.published.insert(target.clone(), read_only);
+            self.records.put(&rec)?;
+        }
+        let forget = |rec: &mut StagedVolume| {
+            if prior.is_none() {
+                rec.published.remove(&target);
+                if let Err(e) = self.records.put(rec) {
+                    tracing::error!(volume = id, error = %e, "could not take back a publish intent");
+                }
+            }
+        };
+        let made = match rec.access {
+            AccessKind::Mount { .. } => self.beneath.create_dirs(&target),
+            AccessKind::Block => self.beneath.create_file(&target),
+        }
+        .map_err(|e| path_error(e, &target))
+        .and_then(|fd| {
+            let node =
+                volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
+            Ok((fd, node))
+        });
+        let (target_fd, node) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                forget(&mut rec);
+                return Err(e);
+            }
+        };
+        volring_volumes::fault::point("publish:target");
+        if node.mount_root {
+            let answer = match prior {
+                Some(was) if expect.holds(&node) && was == read_only => return Ok(NodePublishVolumeResponse {}),
+                Some(was) if expect.holds(&node) => format!("volume {id} is published at {} with readonly={was}", target.display()),
+                _ => format!("something else is mounted at {}", target.display()),
+            };
+            forget(&mut rec);
+            return Err(Error::AlreadyExists(answer));
+        }
+        if prior.is_some_and(|was| was != read_only) {
+            rec.published.insert(target.clone(), read_only);
+            self.records.put(&rec)?;
+        }
+        volring_volumes::fault::point("publish:bind");
+        let flags = match &access.access {
+            AccessType::Mount { options, .. } => options.per_mount(),
+            AccessType::Block => MountFlags::empty(),
+        } | if read_only { MountFlags::RDONLY } else { MountFlags::empty() };
+        if let Err(e) = mounting::bind(source.as_fd(), target_fd.as_fd(), flags) {
+            rec.published.remove(&target);
+            let _ = self.records.put(&rec);
+            return Err(Error::Internal(format!("bind on {}: {e}", target.display())));
+        }
+        volring_volumes::fault::point("publish:bound");
+        tracing::info!(volume = id, target = %target.display(), read_only, "published");
+        Ok(NodePublishVolumeResponse {})
+    }
+
+    /// Takes the volume's own mounts off a target it was published at, then
+    /// the target itself. A path the volume was never published at is not
+    /// touched: NotFound when something is mounted there (another volume's
+    /// target), OK when nothing is (a repeated call).
+    pub(super) fn node_unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<NodeUnpublishVolumeResponse> {
+        validate::volume_id(&req.volume_id)?;
+        let target = self.path(&req.target_path, "target_path")?;
+        let id = req.volume_id.as_str();
+        let _guard = self.lock(id)?;
+        if let Some(done) = self.unpublish_remote_share(id, &target)? {
+            return Ok(done);
+        }
+        let rec = self.records.get(id);
+        if rec.is_none() && self.pool.get(id).is_none() {
+            return Err(Error::NotFound(format!("volume {id} does not exist")));
+        }
+        let Some(mut rec) = rec.filter(|r| r.published.contains_key(&target)) else {
+            return match self.look(&target, None)? {
+                Found::Missing | Found::Unmounted => Ok(NodeUnpublishVolumeResponse {}),
+                Found::Ours(_) | Found::Foreign(_) => Err(Error::NotFound(format!("volume {id} is not published at {}", target.display()))),
+            };
+        };
+        let expect = attach::of_record(&rec).map(|a| Expect::of(&rec, &a));
+        self.unmount_ours(id, &target, expect)?;
+        volring_volumes::fault::point("unpublish:unmounted");
+        self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        volring_volumes::fault::point("unpublish:removed");
+        rec.published.remove(&target);
+        self.records.put(&rec)?;
+        volring_volumes::fault::point("unpublish:done");
+        tracing::info!(volume = id, target = %target.display(), "unpublished");
+        Ok(NodeUnpublishVolumeResponse {})
+    }
+}
+
+fn kind_name(k: &AccessKind) -> &'static str {
+    match k {
+        AccessKind::Block => "block",
+        AccessKind::Mount { .. } => "mount",
+    }
+}

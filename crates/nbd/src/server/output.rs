@@ -1,0 +1,254 @@
+//! A ring's sending side: replies queued on a connection, sends and
+//! splices, and what they hold against the connection's budget.
+
+use std::io;
+use std::time::Instant;
+
+use super::conn::{Part, Splicing, Tx};
+use super::shared::Shared;
+use super::token::Token;
+use crate::stats::Kind;
+use crate::wire::{self, cmd, ReplyBody, Request};
+use volring_ring::buffers::{BufId, Buffers};
+
+/// Most parts one sendmsg carries (IOV_MAX).
+const MAX_SEND_PARTS: usize = 1024;
+/// Small replies are gathered into buffers of this size.
+const SMALL_BUF: usize = 4096;
+
+/// The reply being encoded, before it is copied onto a connection's stream.
+#[derive(Default)]
+pub(super) struct Output {
+    pub scratch: Vec<u8>,
+}
+
+impl Output {
+    /// Copies `self.scratch` onto connection `ci`'s outgoing stream:
+    /// appended to the last small-reply buffer when it has room, so a
+    /// stream of small replies costs its bytes, not a buffer each.
+    pub(super) fn queue_scratch(&mut self, sh: &mut Shared, ci: u32) {
+        let n = self.scratch.len();
+        let Some(c) = sh.conns[ci as usize].as_mut().filter(|c| c.state.sends()) else { return };
+        if n == 0 {
+            return;
+        }
+        let bufs = sh.ring.buffers_mut();
+        if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
+            if *b == tail && *end + n <= bufs.len(tail) {
+                if let Some(dst) = bufs.get_mut(tail) {
+                    dst[*end..*end + n].copy_from_slice(&self.scratch);
+                    *end += n;
+                    sh.mark(ci);
+                    return;
+                }
+            }
+        }
+        let b = bufs.alloc_heap(n.max(SMALL_BUF));
+        let cost = Buffers::cost_of(bufs.len(b));
+        if let Some(dst) = bufs.get_mut(b) {
+            dst[..n].copy_from_slice(&self.scratch);
+        }
+        c.account.charge(&sh.budget, cost, cost);
+        c.tail = Some(b);
+        c.out.push(Part::Buf(b, 0, n));
+        sh.mark(ci);
+    }
+
+    /// Queues a reply part for the next send of connection `ci`; the
+    /// buffer was charged to the connection when it was allocated.
+    pub(super) fn queue(&mut self, sh: &mut Shared, ci: u32, buf: BufId, start: usize, end: usize) {
+        match sh.conns[ci as usize].as_mut() {
+            Some(c) if c.state.sends() => c.out.push(Part::Buf(buf, start, end)),
+            Some(c) => {
+                let cost = Buffers::cost_of(sh.ring.buffers().len(buf));
+                c.account.release(&sh.budget, cost, cost);
+                sh.ring.buffers_mut().free(buf);
+            }
+            None => sh.ring.buffers_mut().free(buf),
+        }
+        sh.mark(ci);
+    }
+
+    /// Queues a file range to be spliced into connection `ci`'s stream; it
+    /// counts against the connection's limit until it is in the socket.
+    pub(super) fn queue_splice(&mut self, sh: &mut Shared, ci: u32, file: u32, offset: u64, len: u64, started: Instant) {
+        if let Some(c) = sh.conns[ci as usize].as_mut().filter(|c| c.state.sends()) {
+            c.out.push(Part::Splice { file, offset, len, started });
+            c.account.charge(&sh.budget, len as usize, 0);
+        }
+        sh.mark(ci);
+    }
+
+    /// Starts the next send of connection `ci` when nothing is leaving
+    /// its socket: the buffers queued first (up to IOV_MAX in one
+    /// sendmsg), or the splice of a file range.
+    pub(super) fn send_next(&mut self, sh: &mut Shared, ci: u32) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
+        if !matches!(c.tx, Tx::Idle) || c.out.is_empty() || !c.state.sends() {
+            return;
+        }
+        if let Part::Splice { file, offset, len, started } = c.out[0] {
+            c.out.remove(0);
+            let begun = sh.ring.take_pipe().and_then(|pipe| {
+                let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
+                match sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
+                    Ok(_) => Ok(pipe),
+                    Err(e) => {
+                        sh.ring.put_pipe(pipe, true);
+                        Err(e)
+                    }
+                }
+            });
+            match begun {
+                Ok(pipe) => {
+                    c.tx = Tx::Splicing(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
+                    c.socket_ops += 1;
+                    c.last_send_progress = sh.now;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "NBD splice could not start");
+                    sh.break_conn(ci);
+                }
+            }
+            return;
+        }
+        let n = c.out.iter().take(MAX_SEND_PARTS).take_while(|p| matches!(p, Part::Buf(..))).count();
+        c.sending.extend(c.out.drain(..n).map(|p| match p {
+            Part::Buf(b, s, e) => (b, s, e),
+            Part::Splice { .. } => unreachable!("counted only buffers"),
+        }));
+        match sh.ring.send(Token::Send(ci), c.socket, &c.sending) {
+            Ok(_) => {
+                c.tx = Tx::Sending;
+                c.socket_ops += 1;
+                c.last_send_progress = sh.now;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD send could not be submitted");
+                let parts: Vec<_> = c.sending.drain(..).map(|(b, s, e)| Part::Buf(b, s, e)).collect();
+                c.out.splice(0..0, parts);
+                sh.break_conn(ci);
+            }
+        }
+    }
+
+    pub(super) fn on_splice(&mut self, sh: &mut Shared, ci: u32, into_pipe: bool, res: i32) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
+        c.socket_ops -= 1;
+        let sends = c.state.sends();
+        let Tx::Splicing(sp) = &mut c.tx else { return };
+        if res <= 0 || !sends {
+            // The header promised these bytes: without them the stream is lost.
+            if res < 0 && sends {
+                tracing::warn!(error = %io::Error::from_raw_os_error(-res), "NBD splice failed; dropping the connection");
+            }
+            sh.ring.put_pipe(sp.pipe, false);
+            c.tx = Tx::Idle;
+            return sh.break_conn(ci);
+        }
+        let n = res as u32;
+        if into_pipe {
+            sp.in_pipe += n;
+            sp.left -= u64::from(n);
+            sp.offset += u64::from(n);
+        } else {
+            sp.in_pipe -= n;
+            c.account.release(&sh.budget, n as usize, 0);
+            c.last_send_progress = sh.now;
+        }
+        let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
+        let (len, started) = (sp.len, sp.started);
+        let next = if in_pipe > 0 {
+            sh.ring.splice_out(Token::SpliceOut(ci), pipe, socket, in_pipe)
+        } else if left > 0 {
+            let chunk = left.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
+            sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk)
+        } else {
+            let c = sh.conns[ci as usize].as_mut().expect("checked above");
+            c.tx = Tx::Idle;
+            sh.ring.put_pipe(pipe, true);
+            // A spliced READ is timed until its last byte is in the socket.
+            sh.record(ci, Kind::Read, len, true, started);
+            sh.mark(ci);
+            return;
+        };
+        let c = sh.conns[ci as usize].as_mut().expect("checked above");
+        match next {
+            Ok(_) => c.socket_ops += 1,
+            Err(e) => {
+                tracing::warn!(error = %e, "NBD splice could not be submitted");
+                c.tx = Tx::Idle;
+                sh.ring.put_pipe(pipe, in_pipe == 0);
+                sh.break_conn(ci);
+            }
+        }
+    }
+
+    pub(super) fn on_send(&mut self, sh: &mut Shared, ci: u32, res: i32) {
+        let Some(conn) = sh.conns[ci as usize].as_mut() else { return };
+        conn.socket_ops -= 1;
+        conn.tx = Tx::Idle;
+        let mut sent = res.max(0) as usize;
+        if sent > 0 {
+            conn.last_send_progress = sh.now;
+        }
+        let bufs = sh.ring.buffers_mut();
+        let mut keep: Vec<Part> = Vec::new();
+        // Released once for the whole send: the server's budget is shared
+        // by every ring, and a send of 32 replies would otherwise update it
+        // 64 times.
+        let mut freed = 0;
+        for (b, start, end) in conn.sending.drain(..) {
+            let len = end - start;
+            if res < 0 || sent >= len {
+                sent = sent.saturating_sub(len);
+                freed += Buffers::cost_of(bufs.len(b));
+                if conn.tail == Some(b) {
+                    conn.tail = None;
+                }
+                bufs.free(b);
+            } else {
+                keep.push(Part::Buf(b, start + sent, end));
+                sent = 0;
+            }
+        }
+        conn.account.release(&sh.budget, freed, freed);
+        if !keep.is_empty() {
+            keep.append(&mut conn.out);
+            conn.out = keep;
+        }
+        if res < 0 {
+            sh.break_conn(ci);
+        }
+        sh.mark(ci);
+    }
+
+    /// Encodes a reply without bulk data, counts it and queues it.
+    pub(super) fn reply_small(&mut self, sh: &mut Shared, ci: u32, req: &Request, body: ReplyBody<'_>, started: Instant) {
+        let ok = matches!(body, ReplyBody::Ack | ReplyBody::Extents { .. } | ReplyBody::Hole { .. });
+        let bytes = if matches!(req.kind, cmd::READ | cmd::WRITE) && ok { req.length } else { 0 };
+        sh.record(ci, kind_of(req.kind), bytes, ok, started);
+        let style = sh.conn(ci).map_or(wire::HeaderStyle::Simple, |c| c.style());
+        self.scratch.clear();
+        wire::encode_small_reply(style, req.cookie, req.offset, body, &mut self.scratch);
+        self.queue_scratch(sh, ci);
+    }
+
+    /// A scratch grown large by a burst (a long LIST) is let go.
+    pub(super) fn shrink(&mut self) {
+        if self.scratch.capacity() > 1 << 20 {
+            self.scratch = Vec::with_capacity(4096);
+        }
+    }
+}
+
+fn kind_of(command: u16) -> Kind {
+    match command {
+        cmd::READ => Kind::Read,
+        cmd::WRITE => Kind::Write,
+        cmd::FLUSH => Kind::Flush,
+        cmd::TRIM => Kind::Trim,
+        cmd::WRITE_ZEROES => Kind::Zero,
+        _ => Kind::Other,
+    }
+}

@@ -1,0 +1,379 @@
+//! A ring's receiving side: receives armed and ended, received bytes into
+//! handshake steps and admitted requests, connections paused by the
+//! server's budget, and the receive pool's recovery when the kernel loses
+//! buffers.
+
+use std::io;
+
+use super::budget::{Gate, Refusal};
+use super::conn::{Blocked, Fed, Parsed, Phase, Rx, State};
+use super::direct;
+use super::exports::Attachments;
+use super::output::Output;
+use super::requests::Requests;
+use super::shared::Shared;
+use super::token::Token;
+use crate::handshake::Outcome;
+use volring_ring::io_ring::Cqe;
+
+/// A handshake stops being read while this many reply bytes wait to be
+/// sent (a flood of NBD_OPT_LIST would otherwise queue without bound).
+const HANDSHAKE_REPLIES: usize = 64 * 1024;
+
+/// Where bytes to split into requests come from.
+pub(super) enum Source {
+    /// A provided receive buffer and its length.
+    Recv(u16, usize),
+    /// Bytes a paused connection had received and not taken.
+    Owned(Vec<u8>),
+}
+
+/// The ring's receiving state.
+pub(super) struct Receive {
+    /// The kernel lost provided buffers: multishot receives are being ended
+    /// so the pool can be handed over afresh; none is armed meanwhile.
+    recovering: bool,
+    /// Large payloads are received directly (cancelling the multishot
+    /// receive first); off for good on a ring whose kernel lost buffers,
+    /// since those cancels are what lose them.
+    direct: bool,
+    /// Connections the server's budget stopped, woken when memory is released.
+    waiters: Vec<u32>,
+    /// The budget's release count when the waiters were last woken.
+    waiters_seen: u64,
+}
+
+impl Default for Receive {
+    fn default() -> Self {
+        Receive { recovering: false, direct: true, waiters: Vec::new(), waiters_seen: 0 }
+    }
+}
+
+impl Receive {
+    pub(super) fn recovering(&self) -> bool {
+        self.recovering
+    }
+
+    pub(super) fn direct(&self) -> bool {
+        self.direct
+    }
+
+    pub(super) fn waiting(&self) -> usize {
+        self.waiters.len()
+    }
+
+    pub(super) fn on_recv(
+        &mut self,
+        sh: &mut Shared,
+        out: &mut Output,
+        reqs: &mut Requests,
+        exports: &mut Attachments,
+        ci: u32,
+        c: Cqe<Token>,
+    ) {
+        let Some(conn) = sh.conns[ci as usize].as_mut() else {
+            if let Some(bid) = c.recv_buf {
+                sh.ring.recycle(bid);
+            }
+            return;
+        };
+        if !c.more {
+            conn.rx = Rx::Idle;
+            conn.socket_ops -= 1;
+        }
+        sh.mark(ci);
+        let Some(bid) = c.recv_buf else {
+            match c.result {
+                0 => sh.begin_close(ci),
+                r if r == -libc::ENOBUFS || r == -libc::ECANCELED => {} // re-armed after the batch
+                r => {
+                    tracing::debug!(error = %io::Error::from_raw_os_error(-r), "NBD receive failed");
+                    sh.break_conn(ci);
+                }
+            }
+            return;
+        };
+        let n = c.result.max(0) as usize;
+        let conn = sh.conns[ci as usize].as_mut().expect("checked above");
+        conn.last_activity = sh.now;
+        let serving = matches!(conn.phase, Phase::Serving { .. });
+        match conn.state {
+            State::Reading if serving => self.pump(sh, out, reqs, exports, ci, &Source::Recv(bid, n)),
+            // A handshake, or bytes that arrived before a pause took
+            // effect: kept (and charged) until they can be taken.
+            State::Reading | State::Paused(_) => {
+                let (data, _) = sh.ring.received(bid, n);
+                conn.inbuf.extend_from_slice(data);
+                conn.sync_inbuf(&sh.budget);
+                if conn.state == State::Reading {
+                    sh.ring.recycle(bid);
+                    return self.negotiate(sh, out, reqs, exports, ci);
+                }
+            }
+            // Nothing more is read from a closing connection.
+            _ => {}
+        }
+        sh.ring.recycle(bid);
+    }
+
+    /// Splits bytes into requests for connection `ci` and acts on each one
+    /// before the next is admitted, so every buffer is charged before the
+    /// next request is looked at. What is not taken stays in `inbuf`.
+    fn pump(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32, src: &Source) {
+        let mut pos = 0;
+        loop {
+            let Some(conn) = sh.conns[ci as usize].as_mut().filter(|c| c.state == State::Reading) else { return };
+            let (data, bufs) = match src {
+                Source::Recv(bid, n) => sh.ring.received(*bid, *n),
+                Source::Owned(v) => (&v[..], sh.ring.buffers_mut()),
+            };
+            if pos >= data.len() {
+                return;
+            }
+            let gate = Gate { limits: &sh.limits, server: &sh.budget };
+            match conn.feed(&data[pos..], bufs, gate, sh.now) {
+                Err(e) => {
+                    tracing::debug!(error = %e, "NBD client broke the protocol; closing");
+                    return sh.break_conn(ci);
+                }
+                Ok((used, fed)) => {
+                    pos += used;
+                    match fed {
+                        Fed::Parsed(p) => {
+                            sh.active = true;
+                            reqs.take_parsed(sh, out, exports, ci, p);
+                        }
+                        Fed::More | Fed::Closing => return,
+                        Fed::Blocked(why) => {
+                            conn.inbuf.extend_from_slice(&data[pos..]);
+                            conn.sync_inbuf(&sh.budget);
+                            conn.pause(Blocked::Refused(why));
+                            if why == Refusal::Server && conn.server_wait.is_none() {
+                                conn.server_wait = Some(sh.budget.releases());
+                                self.waiters.push(ci);
+                            }
+                            sh.mark(ci);
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the handshake over what connection `ci` has received.
+    fn negotiate(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32) {
+        let scratch = &mut out.scratch;
+        let Some(conn) = sh.conns[ci as usize].as_mut() else { return };
+        let Phase::Handshake(hs) = &mut conn.phase else { return };
+        scratch.clear();
+        let mut pos = 0;
+        let mut entered = None;
+        let mut failed = false;
+        loop {
+            // Replies the client has not read stop the reading of options.
+            let waiting = conn.account.held + scratch.len();
+            if waiting >= HANDSHAKE_REPLIES {
+                conn.pause(Blocked::Replies);
+                break;
+            }
+            match hs.step(&conn.inbuf[pos..], exports.exports(), scratch) {
+                Ok((used, outcome)) => {
+                    pos += used;
+                    match outcome {
+                        Outcome::NeedMore => break,
+                        Outcome::Continue => continue,
+                        Outcome::Enter(n) => {
+                            entered = Some(n);
+                            break;
+                        }
+                        Outcome::End(_) => {
+                            conn.drain();
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "NBD handshake failed");
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        conn.inbuf.drain(..pos);
+        conn.sync_inbuf(&sh.budget);
+        out.queue_scratch(sh, ci);
+        out.shrink();
+        if failed {
+            return sh.break_conn(ci);
+        }
+        let Some(n) = entered else { return };
+        let attached = match exports.attach(&mut sh.ring, n.export.clone()) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(export = %n.name, error = %e, "NBD export could not be registered");
+                n.export.release();
+                return sh.break_conn(ci);
+            }
+        };
+        let conn = sh.conns[ci as usize].as_mut().expect("present above");
+        conn.phase = Phase::Serving { attached, style: n.style, base_allocation: n.base_allocation };
+        tracing::debug!(export = %n.name, style = ?n.style, "NBD client entered transmission");
+        let rest = std::mem::take(&mut conn.inbuf);
+        conn.sync_inbuf(&sh.budget);
+        if !rest.is_empty() {
+            self.pump(sh, out, reqs, exports, ci, &Source::Owned(rest));
+        }
+    }
+
+    /// A direct receive of connection `ci`'s payload completed with `res`.
+    pub(super) fn on_recv_into(
+        &mut self,
+        sh: &mut Shared,
+        out: &mut Output,
+        reqs: &mut Requests,
+        exports: &mut Attachments,
+        ci: u32,
+        res: i32,
+    ) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
+        c.rx = Rx::Idle;
+        c.socket_ops -= 1;
+        sh.mark(ci);
+        match res {
+            n if n > 0 => {
+                let c = sh.conns[ci as usize].as_mut().expect("checked above");
+                c.last_activity = sh.now;
+                let Some(p) = c.payload.as_mut() else { return };
+                p.filled += n as usize;
+                if p.filled >= p.req.length as usize {
+                    let p = c.payload.take().expect("checked above");
+                    sh.active = true;
+                    reqs.take_parsed(sh, out, exports, ci, Parsed::Write(p));
+                }
+            }
+            0 => sh.begin_close(ci),
+            r if r == -libc::ECANCELED => {} // paused or closing; re-armed by service if wanted
+            r => {
+                tracing::debug!(error = %std::io::Error::from_raw_os_error(-r), "NBD receive failed");
+                sh.break_conn(ci);
+            }
+        }
+    }
+
+    /// Paused → Reading: what it had received is taken first; reading
+    /// resumes only if all of it fits.
+    pub(super) fn resume(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32) {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return };
+        if matches!(c.phase, Phase::Serving { .. }) {
+            let rest = std::mem::take(&mut c.inbuf);
+            c.sync_inbuf(&sh.budget);
+            self.pump(sh, out, reqs, exports, ci, &Source::Owned(rest));
+        } else {
+            self.negotiate(sh, out, reqs, exports, ci);
+        }
+    }
+
+    /// Keeps a receive armed on a connection being read: a multishot one,
+    /// or (for the rest of a large payload) a direct one, which ends the
+    /// multishot one first. While the pool is being handed over no
+    /// multishot receive is armed; a direct receive may start or run on
+    /// (it uses no pool buffer, and cancelling one would cut a payload in
+    /// two). True when it armed one.
+    pub(super) fn keep_receiving(&mut self, sh: &mut Shared, ci: u32) -> bool {
+        let Some(c) = sh.conns[ci as usize].as_mut() else { return false };
+        let wants_direct = self.direct && direct::wants_direct(c);
+        match c.rx {
+            Rx::Idle if wants_direct || !self.recovering => {
+                let armed = if wants_direct { direct::arm(&mut sh.ring, ci, c) } else { sh.ring.recv_multi(Token::Recv(ci), c.socket) };
+                match armed {
+                    Ok(op) => {
+                        c.rx = if wants_direct { Rx::Direct(op) } else { Rx::Multishot(op) };
+                        c.socket_ops += 1;
+                        return true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NBD receive could not be armed");
+                        sh.break_conn(ci);
+                    }
+                }
+            }
+            Rx::Multishot(op) if wants_direct || self.recovering => {
+                c.rx = Rx::Cancelling;
+                let _ = sh.ring.cancel(op);
+            }
+            _ => {}
+        }
+        false
+    }
+
+    /// After a batch: connections the server's budget stopped are woken
+    /// if memory was released, and a pool the kernel lost buffers of
+    /// starts being handed over afresh.
+    pub(super) fn after_batch(&mut self, sh: &mut Shared) {
+        if !self.waiters.is_empty() && sh.budget.releases() != self.waiters_seen {
+            self.wake_waiters(sh);
+        }
+        if sh.ring.recv_pool_lost() && !self.recovering {
+            self.begin_recovery(sh);
+        }
+    }
+
+    /// Memory was released somewhere: connections the server's budget
+    /// stopped try their next request again.
+    pub(super) fn wake_waiters(&mut self, sh: &mut Shared) {
+        self.waiters_seen = sh.budget.releases();
+        for ci in std::mem::take(&mut self.waiters) {
+            if let Some(c) = sh.conns[ci as usize].as_mut() {
+                c.server_wait = None;
+                sh.mark(ci);
+            }
+        }
+    }
+
+    /// The kernel lost provided buffers (see `IoRing::recv_pool_lost`):
+    /// every multishot receive of the ring is ended, and none is armed
+    /// until the pool has been handed over afresh.
+    fn begin_recovery(&mut self, sh: &mut Shared) {
+        self.recovering = true;
+        if self.direct {
+            self.direct = false;
+            tracing::warn!(
+                "the kernel lost NBD receive buffers when a multishot receive was cancelled; \
+                 large writes are no longer received directly on this ring"
+            );
+        }
+        for c in sh.conns.iter_mut().flatten() {
+            if let Rx::Multishot(op) = c.rx {
+                c.rx = Rx::Cancelling;
+                let _ = sh.ring.cancel(op);
+            }
+        }
+    }
+
+    /// Once no multishot receive is armed any more, the pool goes back to
+    /// the kernel whole and every connection is read again.
+    pub(super) fn finish_recovery(&mut self, sh: &mut Shared) {
+        if !self.recovering || sh.ring.armed_recvs() != 0 {
+            return;
+        }
+        match sh.ring.reset_recv_pool() {
+            Ok(()) => tracing::warn!(resets = sh.ring.recv_pool_resets(), "NBD receive buffers handed to the kernel afresh"),
+            Err(e) => tracing::error!(error = %e, "NBD receive buffers could not be handed over afresh"),
+        }
+        self.recovering = false;
+        for ci in 0..sh.conns.len() as u32 {
+            sh.mark(ci);
+        }
+    }
+
+    /// Gives back the waiters' list of a past burst; returns the bytes freed.
+    pub(super) fn trim(&mut self) -> usize {
+        if self.waiters.is_empty() && self.waiters.capacity() > 1024 {
+            let freed = self.waiters.capacity() * 4;
+            self.waiters = Vec::new();
+            return freed;
+        }
+        0
+    }
+}

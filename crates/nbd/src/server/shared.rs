@@ -1,0 +1,184 @@
+//! What every part of a ring thread works on: the io_uring, the table of
+//! connections (and which of them to look at after this batch), the memory
+//! budget, the clock of this loop turn and the counters not folded yet.
+//!
+//! The moves of a connection's life that need the ring (the shutdown, the
+//! close) are here too; the others are `Conn`'s own.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::budget::{Limits, ServerBudget};
+use super::conn::{Conn, Part, Rx, State};
+use super::token::Token;
+use crate::export::Export;
+use crate::stats::{Kind, Pending};
+use volring_ring::buffers::Buffers;
+use volring_ring::io_ring::IoRing;
+
+pub(super) struct Shared {
+    pub ring: IoRing<Token>,
+    pub conns: Vec<Option<Conn>>,
+    pub free_conns: Vec<u32>,
+    /// Connections in the table.
+    pub live: usize,
+    /// Connections to look at after this batch.
+    pub dirty: Vec<u32>,
+    /// Connections closed since the last trim.
+    pub closed_since_trim: usize,
+    pub limits: Limits,
+    pub budget: Arc<ServerBudget>,
+    /// When this loop turn began.
+    pub now: Instant,
+    /// A request arrived since the last tick (an idle ring trims its memory).
+    pub active: bool,
+    /// Each export's counters of this batch, folded after it.
+    pub stats: HashMap<u64, (Arc<Export>, Pending)>,
+}
+
+impl Shared {
+    pub fn new(ring: IoRing<Token>, limits: Limits, budget: Arc<ServerBudget>) -> Self {
+        Shared {
+            ring,
+            conns: Vec::new(),
+            free_conns: Vec::new(),
+            live: 0,
+            dirty: Vec::new(),
+            closed_since_trim: 0,
+            limits,
+            budget,
+            now: Instant::now(),
+            active: false,
+            stats: HashMap::new(),
+        }
+    }
+
+    pub fn conn(&self, ci: u32) -> Option<&Conn> {
+        self.conns[ci as usize].as_ref()
+    }
+
+    pub fn conn_mut(&mut self, ci: u32) -> Option<&mut Conn> {
+        self.conns[ci as usize].as_mut()
+    }
+
+    /// Puts a new connection into a free slot.
+    pub fn insert(&mut self, conn: Conn) -> u32 {
+        let ci = match self.free_conns.pop() {
+            Some(i) => i,
+            None => {
+                self.conns.push(None);
+                self.conns.len() as u32 - 1
+            }
+        };
+        self.conns[ci as usize] = Some(conn);
+        self.live += 1;
+        ci
+    }
+
+    /// Takes a closed connection out; its slot is free.
+    pub fn remove(&mut self, ci: u32) -> Option<Conn> {
+        let c = self.conns[ci as usize].take()?;
+        self.free_conns.push(ci);
+        self.live -= 1;
+        self.closed_since_trim += 1;
+        Some(c)
+    }
+
+    /// Queues connection `ci` to be looked at after this batch.
+    pub fn mark(&mut self, ci: u32) {
+        if let Some(c) = self.conns[ci as usize].as_mut() {
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(ci);
+            }
+        }
+    }
+
+    /// No more requests are read; the connection closes once its requests
+    /// are answered and sent.
+    pub fn begin_close(&mut self, ci: u32) {
+        if let Some(c) = self.conns[ci as usize].as_mut() {
+            c.drain();
+        }
+        self.mark(ci);
+    }
+
+    /// The socket is unusable: drop queued replies and close at once.
+    pub fn break_conn(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        c.break_off();
+        drop_parts(c, self.ring.buffers_mut(), &self.budget);
+        self.mark(ci);
+    }
+
+    /// Ends the receive armed on connection `ci`, if any.
+    pub fn stop_receiving(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut() else { return };
+        if let Rx::Multishot(op) | Rx::Direct(op) = c.rx {
+            c.rx = Rx::Cancelling;
+            let _ = self.ring.cancel(op);
+        }
+    }
+
+    /// Draining or Broken → ShuttingDown, once drained (see `Conn::drained`):
+    /// the receive is ended and the socket shut down, which also wakes a
+    /// splice stuck on a full socket with an error.
+    pub fn shut_down_if_drained(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.drained()) else { return };
+        c.state = State::ShuttingDown;
+        self.stop_receiving(ci);
+        let c = self.conns[ci as usize].as_mut().expect("present above");
+        if self.ring.shutdown(Token::Shutdown(ci), c.socket).is_ok() {
+            c.socket_ops += 1;
+        }
+    }
+
+    /// ShuttingDown → Closing once no socket operation is left.
+    pub fn close_socket(&mut self, ci: u32) {
+        let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.socket_ops == 0) else { return };
+        match self.ring.close_file(Token::Close(ci), c.socket) {
+            Ok(_) => c.state = State::Closing,
+            Err(e) => tracing::warn!(error = %e, "NBD socket close could not be submitted"),
+        }
+    }
+
+    /// The export connection `ci` is attached to.
+    pub fn export_of(&self, ci: u32) -> Option<Arc<Export>> {
+        self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.clone())
+    }
+
+    /// Counts a reply of connection `ci`'s export.
+    pub fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
+        let Some(id) = self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.id) else { return };
+        let us = self.now.saturating_duration_since(started).as_micros() as u64;
+        // The export's Arc is cloned only for its first request on this ring.
+        if let Some((_, pending)) = self.stats.get_mut(&id) {
+            return pending.record(kind, bytes, ok, us);
+        }
+        let Some(export) = self.export_of(ci) else { return };
+        self.stats.entry(id).or_insert_with(|| (export, Default::default())).1.record(kind, bytes, ok, us);
+    }
+
+    /// Folds this batch's counters into the exports'.
+    pub fn fold_stats(&mut self) {
+        for (export, pending) in self.stats.values_mut() {
+            export.stats.fold(pending);
+        }
+    }
+}
+
+/// Frees every queued part of a connection that will send no more.
+pub(super) fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget) {
+    c.tail = None;
+    for p in c.out.drain(..) {
+        match p {
+            Part::Buf(b, _, _) => {
+                let cost = Buffers::cost_of(bufs.len(b));
+                c.account.release(budget, cost, cost);
+                bufs.free(b);
+            }
+            Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! Many reads in one go, waited for on the calling thread: the stat
+//! collector's per-device reads and the signature probes.
+//!
+//! A `BatchReader` is its own small io_uring, set up for a single issuer
+//! with deferred task work (the completions are reaped by the same thread
+//! that submits, so the kernel needs no interrupts to deliver them). The
+//! caller hands a slice of reads; they go to the kernel in as few
+//! submissions as the queue depth allows and the call returns when all have
+//! completed or the deadline passed.
+//!
+//! While a read is in flight its buffer belongs to the ring's op table (it
+//! is moved out of the [`BatchRead`] and back on completion). A read still
+//! in flight at the deadline (a hung device) is cancelled; if the kernel
+//! does not let go at once, its result says it timed out, its buffer stays
+//! in the table, and its completion — whenever it comes, in a later batch —
+//! frees the buffer and nothing else: the op's generation-tagged user_data
+//! cannot match a read of the newer batch. Dropping the reader follows the
+//! core's contract (cancel, wait, leak what the kernel still holds).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, types};
+
+use super::core::UringCore;
+use super::ops::Reaped;
+use super::setup::RingSetup;
+use super::{Backend, BackendChoice};
+
+/// One read of a batch.
+pub struct BatchRead<'a> {
+    pub fd: BorrowedFd<'a>,
+    pub offset: u64,
+    /// Read into its whole length; the filled part is `..result`.
+    pub buf: Vec<u8>,
+    pub result: io::Result<usize>,
+}
+
+impl<'a> BatchRead<'a> {
+    pub fn new(fd: BorrowedFd<'a>, offset: u64, buf: Vec<u8>) -> Self {
+        Self { fd, offset, buf, result: Ok(0) }
+    }
+
+    /// The bytes read (empty after an error).
+    pub fn data(&self) -> &[u8] {
+        match self.result {
+            Ok(n) => &self.buf[..n.min(self.buf.len())],
+            Err(_) => &[],
+        }
+    }
+}
+
+pub struct BatchReader {
+    core: Option<UringCore<BatchOp>>,
+    /// Reads in flight at once (the submission queue's size).
+    depth: usize,
+    /// Number of the current batch; ops of older ones are abandoned reads.
+    batch: u64,
+    /// Completions of abandoned reads that arrived in a later batch.
+    late: u64,
+    #[cfg(test)]
+    last_user_data: u64,
+}
+
+/// A read in flight: where its result goes, and its buffer.
+struct BatchOp {
+    batch: u64,
+    index: usize,
+    buf: Vec<u8>,
+}
+
+/// How long a deadline (or dropping the reader) waits for cancelled reads.
+const CANCEL_WAIT: Duration = Duration::from_millis(100);
+
+impl BatchReader {
+    /// `depth`: how many reads are in flight at once.
+    pub fn new(choice: BackendChoice, depth: u32) -> io::Result<Self> {
+        let none = Self {
+            core: None,
+            depth: 0,
+            batch: 0,
+            late: 0,
+            #[cfg(test)]
+            last_user_data: 0,
+        };
+        if choice == BackendChoice::Epoll {
+            return Ok(none);
+        }
+        // DEFER_TASKRUN needs 6.1; older kernels get a plain ring.
+        match RingSetup::new(depth).build() {
+            Ok((r, _)) => {
+                let depth = r.params().sq_entries() as usize;
+                Ok(Self { core: Some(UringCore::new(r, CANCEL_WAIT)), depth, ..none })
+            }
+            Err(e) if choice == BackendChoice::IoUring => Err(e),
+            Err(_) => Ok(none),
+        }
+    }
+
+    pub fn backend(&self) -> Backend {
+        if self.core.is_some() {
+            Backend::IoUring
+        } else {
+            Backend::Epoll
+        }
+    }
+
+    /// Completions of reads abandoned at an earlier deadline that arrived
+    /// later (each freed its buffer and changed no result).
+    pub fn late_completions(&self) -> u64 {
+        self.late
+    }
+
+    /// Performs every read in `reads`, each result in its entry. Returns an
+    /// error only when the ring itself fails (reads not done then say so).
+    pub fn read_all(&mut self, reads: &mut [BatchRead<'_>], timeout: Duration) -> io::Result<()> {
+        let Some(core) = self.core.as_mut() else {
+            for r in reads.iter_mut() {
+                r.result = rustix::io::pread(r.fd, &mut r.buf, r.offset).map_err(io::Error::from);
+            }
+            return Ok(());
+        };
+        self.batch += 1;
+        let mut run = Run { batch: self.batch, pending: vec![None; reads.len()], outstanding: 0, late: 0 };
+        let deadline = Instant::now() + timeout;
+        let mut next = 0;
+        let mut reaped = Vec::new();
+        let result = 'batch: loop {
+            while next < reads.len() && run.outstanding < self.depth {
+                let r = &mut reads[next];
+                let (fd, offset, len) = (r.fd.as_raw_fd(), r.offset, u32::try_from(r.buf.len()).unwrap_or(u32::MAX));
+                let op = BatchOp { batch: run.batch, index: next, buf: std::mem::take(&mut r.buf) };
+                // SAFETY: the sqe points into the op's heap buffer, which the
+                // core keeps until the read's last completion. The fd is only
+                // borrowed, but the kernel takes its own reference to the file
+                // when the read is submitted, before this call returns.
+                let started = unsafe {
+                    core.try_start(op, |op, ud| {
+                        opcode::Read::new(types::Fd(fd), op.buf.as_mut_ptr(), len).offset(offset).build().user_data(ud)
+                    })
+                };
+                match started {
+                    Ok(ud) => {
+                        #[cfg(test)]
+                        {
+                            self.last_user_data = ud;
+                        }
+                        run.pending[next] = Some(ud);
+                        run.outstanding += 1;
+                        next += 1;
+                    }
+                    Err((e, op)) => {
+                        reads[op.index].buf = op.buf;
+                        break 'batch Err(e);
+                    }
+                }
+            }
+            if next == reads.len() && run.outstanding == 0 {
+                break Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Ok(());
+            }
+            if let Err(e) = core.submit_and_wait(1, Some(deadline - now)) {
+                break Err(e);
+            }
+            reaped.clear();
+            core.reap(&mut reaped);
+            run.settle(&mut reaped, reads);
+        };
+        if run.outstanding > 0 {
+            run.abandon(core, reads);
+        }
+        for r in &mut reads[next..] {
+            r.result = Err(io::Error::other("read not submitted: the ring failed"));
+        }
+        self.late += run.late;
+        result
+    }
+
+    /// Queues a no-op carrying `user_data`: a completion the next batch sees.
+    #[cfg(test)]
+    fn inject_completion(&mut self, user_data: u64) {
+        let core = self.core.as_mut().expect("a ring");
+        // SAFETY: a no-op points at no memory.
+        unsafe { core.push(&opcode::Nop::new().build().user_data(user_data)) }.unwrap();
+    }
+}
+
+/// One batch's reads in flight.
+struct Run {
+    batch: u64,
+    /// user_data of each read still in flight.
+    pending: Vec<Option<u64>>,
+    outstanding: usize,
+    late: u64,
+}
+
+impl Run {
+    /// Puts each finished read's buffer and result back in its entry.
+    fn settle(&mut self, reaped: &mut Vec<Reaped<BatchOp>>, reads: &mut [BatchRead<'_>]) {
+        for c in reaped.drain(..) {
+            let Some(op) = c.last else { continue }; // cancel requests
+            if op.batch != self.batch {
+                // An abandoned read of an earlier batch ended: its buffer is
+                // free now, and its result belongs to nobody.
+                self.late += 1;
+                continue;
+            }
+            let r = &mut reads[op.index];
+            r.buf = op.buf;
+            r.result = if c.res < 0 { Err(io::Error::from_raw_os_error(-c.res)) } else { Ok(c.res as usize) };
+            self.pending[op.index] = None;
+            self.outstanding -= 1;
+        }
+    }
+
+    /// Cancels what is still in flight after the deadline and waits a
+    /// little; reads the kernel still holds keep their buffers in the table.
+    fn abandon(&mut self, core: &mut UringCore<BatchOp>, reads: &mut [BatchRead<'_>]) {
+        let late: Vec<usize> = self.pending.iter().enumerate().filter(|(_, p)| p.is_some()).map(|(i, _)| i).collect();
+        for ud in self.pending.iter().flatten() {
+            if core.cancel(*ud).is_err() {
+                break;
+            }
+        }
+        let until = Instant::now() + CANCEL_WAIT;
+        let mut reaped = Vec::new();
+        while self.outstanding > 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() || core.submit_and_wait(1, Some(left.min(Duration::from_millis(10)))).is_err() {
+                break;
+            }
+            core.reap(&mut reaped);
+            self.settle(&mut reaped, reads);
+        }
+        // Cancelled, or still held by the kernel: either way it timed out.
+        for i in late {
+            let cancelled = matches!(&reads[i].result, Err(e) if e.raw_os_error() == Some(libc::ECANCELED));
+            if cancelled || self.pending[i].is_some() {
+                reads[i].result = Err(io::Error::new(io::ErrorKind::TimedOut, "read did not complete before the deadline"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn a_stale_completion_from_an_earlier_batch_does_not_finish_a_new_read() {
+        let mut reader = BatchReader::new(BackendChoice::IoUring, 8).unwrap();
+        let (quiet, _quiet_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let mut first = [BatchRead::new(quiet.as_fd(), 0, vec![0; 16])];
+        reader.read_all(&mut first, Duration::from_millis(10)).unwrap();
+        assert_eq!(first[0].result.as_ref().unwrap_err().kind(), io::ErrorKind::TimedOut);
+        // The abandoned read's completion arrives during the next batch (as
+        // it does when a hung device lets go late), ahead of the new read's.
+        reader.inject_completion(reader.last_user_data);
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        rustix::io::write(&w, b"fresh").unwrap();
+        let mut second = [BatchRead::new(r.as_fd(), 0, vec![0; 16])];
+        reader.read_all(&mut second, Duration::from_secs(5)).unwrap();
+        assert_eq!(second[0].data(), b"fresh", "the new read's result is its own");
+    }
+
+    #[test]
+    fn abandoned_reads_keep_their_buffer_until_the_kernel_lets_go() {
+        let mut reader = BatchReader::new(BackendChoice::IoUring, 8).unwrap();
+        let (quiet, _w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let mut reads = [BatchRead::new(quiet.as_fd(), 0, vec![0; 16]), BatchRead::new(quiet.as_fd(), 0, vec![0; 16])];
+        reader.read_all(&mut reads, Duration::from_millis(10)).unwrap();
+        for r in &reads {
+            assert_eq!(r.result.as_ref().unwrap_err().kind(), io::ErrorKind::TimedOut);
+        }
+        let core = reader.core.as_ref().unwrap();
+        assert!(core.ops().is_empty(), "pipe reads cancel at once: reaped, buffers handed back");
+        assert!(reads.iter().all(|r| r.buf.len() == 16));
+    }
+}

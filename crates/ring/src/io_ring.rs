@@ -1,0 +1,735 @@
+//! [`IoRing`]: the io_uring engine of a network server's ring thread.
+//!
+//! The generic [`super::Reactor`] serves watchers that poll and read a few
+//! files; a server needs more: multishot accept, multishot receive into
+//! provided buffers, vectored sends, reads and writes of registered files
+//! from registered buffers, and thousands of operations in flight. This
+//! type owns every byte and descriptor those operations touch until their
+//! last completion, so the driver above it needs no `unsafe`: it names
+//! buffers by [`BufId`] and sockets and images by their fixed-file slot.
+//!
+//! Its ops live in a [`UringCore`] (see the module docs of [`super`] for
+//! the op life cycle and the Drop contract); the buffer arena and the
+//! receive pool are shared by many ops, so when the core reports ops the
+//! kernel would not let go of, they are leaked with them.
+//!
+//! It needs a 6.0+ kernel (multishot receive, provided buffer rings, sparse
+//! file tables); [`IoRing::new`] fails cleanly when any of that is missing.
+
+use std::io;
+use std::mem::ManuallyDrop;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+use io_uring::{cqueue, opcode, squeue, types};
+
+use super::buffers::{BufId, Buffers, RecvPool};
+use super::core::UringCore;
+use super::ops::Reaped;
+use super::setup::RingSetup;
+
+/// A byte range of a buffer: id, start, end.
+pub type BufSlice = (BufId, usize, usize);
+
+/// A submitted operation, for cancelling it: its generation-tagged
+/// user_data, so cancelling an op that already ended can never hit the
+/// newer op in its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpId(u64);
+
+/// One completion, with the driver's token: whatever `Copy` value the
+/// driver named the operation with (an enum of what it is for). The ring
+/// keeps it in the op table beside the op, so it never has to fit into, or
+/// be unpacked from, the kernel's `user_data`: that carries only the op
+/// table's key and generation (see `ops`).
+#[derive(Debug, Clone, Copy)]
+pub struct Cqe<T = u64> {
+    pub token: T,
+    /// Bytes, a new fd, or a negative errno.
+    pub result: i32,
+    /// A multishot operation stays armed.
+    pub more: bool,
+    /// The provided buffer a receive landed in; hand it back with `recycle`.
+    pub recv_buf: Option<u16>,
+}
+
+impl<T> Cqe<T> {
+    /// The descriptor an accept completion carries, now owned by the caller.
+    pub fn accepted_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a successful accept completion's result is a descriptor the
+        // kernel just installed for this process; nothing else refers to it.
+        (self.result >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(self.result) })
+    }
+}
+
+/// Sizes of one ring.
+#[derive(Debug, Clone)]
+pub struct IoRingConfig {
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+    /// Fixed-file slots (sockets and images).
+    pub files: u32,
+    pub arena_slots: u32,
+    pub arena_slot_size: usize,
+    pub heap_cache: usize,
+    /// Provided receive buffers: a power of two, each `recv_buf_size` bytes.
+    pub recv_bufs: u16,
+    pub recv_buf_size: usize,
+}
+
+impl Default for IoRingConfig {
+    fn default() -> Self {
+        Self {
+            sq_entries: 1024,
+            // Room for a multishot receive on every fixed-file slot (an
+            // idle connection's only op) and the I/O of busy ones: ops in
+            // flight are capped at what the completion queue holds.
+            cq_entries: 32768,
+            files: 16384,
+            arena_slots: 64,
+            arena_slot_size: 128 * 1024,
+            heap_cache: 64 << 20,
+            recv_bufs: 128,
+            recv_buf_size: 64 * 1024,
+        }
+    }
+}
+
+/// A pipe for splicing file pages into a socket without copying them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipeId(u32);
+
+struct Pipe {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+    busy: u32,
+    /// Given back while busy: closed (if dirty) or pooled at the last completion.
+    returned: Option<bool>,
+}
+
+/// What an operation holds until its last completion.
+enum Held {
+    Nothing,
+    Pipe(u32),
+    Buf(BufId),
+    Send {
+        bufs: Vec<BufId>,
+        iov: Vec<libc::iovec>,
+        msg: Box<libc::msghdr>,
+    },
+    Timeout(
+        #[allow(dead_code)] // only kept alive for the kernel
+        Box<types::Timespec>,
+    ),
+    /// A close of this fixed slot: the slot is free once it completes.
+    Close(u32),
+    /// A multishot receive from the provided buffers, armed when the
+    /// ring had handed out `epoch` buffers and the driver held none
+    /// (`idle`).
+    Recv {
+        epoch: u64,
+        idle: bool,
+    },
+}
+
+struct Op<T> {
+    token: T,
+    held: Held,
+}
+
+/// How long dropping the ring waits for cancelled ops.
+const CANCEL_WAIT: Duration = Duration::from_secs(2);
+
+/// The ring, its registered resources and its in-flight table.
+pub struct IoRing<T: Copy = u64> {
+    /// First field: dropped before the memory below (which `Drop` leaks
+    /// instead when the core could not end every op).
+    core: UringCore<Op<T>>,
+    bufs: ManuallyDrop<Buffers>,
+    recv: ManuallyDrop<RecvPool>,
+    free_files: Vec<u32>,
+    /// Spare vectors for sends, so a send allocates nothing in steady state.
+    spare_iov: Vec<Vec<libc::iovec>>,
+    spare_bufs: Vec<Vec<BufId>>,
+    reaped: Vec<Reaped<Op<T>>>,
+    pipes: Vec<Option<Pipe>>,
+    idle_pipes: Vec<u32>,
+    /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
+    no_min_wait: bool,
+    /// Multishot receives armed and not ended.
+    armed_recvs: usize,
+    /// Completions that carried a provided buffer, since the ring was made.
+    recv_epoch: u64,
+    /// The kernel said its provided buffers ran out while it should have
+    /// held them all: it lost some (see [`IoRing::recv_pool_lost`]).
+    recv_lost: bool,
+    /// Times the receive pool was handed to the kernel afresh.
+    recv_resets: u64,
+}
+
+/// Capacity asked of each splice pipe (the unprivileged maximum).
+pub const PIPE_SIZE: usize = 1 << 20;
+
+/// Completion slots kept free of the cap on entries in the kernel, beyond
+/// one per provided buffer: for the other multishot completions (accepts,
+/// the mailbox's poll) that can come in one burst.
+const CQ_HEADROOM: usize = 256;
+
+/// The kernel's io_uring lacks an operation the NBD server needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the kernel's io_uring lacks IORING_OP_{name}, which the NBD server needs (Linux 6.0+)")]
+pub struct MissingOpcode {
+    pub name: &'static str,
+}
+
+/// Which of [`IoRing::OPCODES`] `supported` says no to first.
+fn missing_opcode(supported: impl Fn(u8) -> bool) -> Option<&'static str> {
+    IoRing::<u64>::OPCODES.iter().find(|(code, _)| !supported(*code)).map(|(_, name)| *name)
+}
+
+/// Registrations made after the ring is enabled: fixed files put in and
+/// taken out, the receive pool handed over afresh.
+const LATE_REGISTRATIONS: [u8; 3] = [
+    6,  // IORING_REGISTER_FILES_UPDATE
+    22, // IORING_REGISTER_PBUF_RING
+    23, // IORING_UNREGISTER_PBUF_RING
+];
+
+/// What the ring may do once enabled: its own operations, with fixed
+/// files and provided buffers, and its late registrations.
+fn restrictions() -> Vec<io_uring::register::Restriction> {
+    use io_uring::register::Restriction;
+    use io_uring::squeue::Flags;
+    let mut r: Vec<Restriction> = IoRing::<u64>::OPCODES.iter().map(|(code, _)| Restriction::sqe_op(*code)).collect();
+    r.extend(LATE_REGISTRATIONS.iter().map(|op| Restriction::register_op(*op)));
+    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::BUFFER_SELECT).bits()));
+    r
+}
+
+impl<T: Copy> IoRing<T> {
+    /// Every operation the ring submits, with its name: what it probes
+    /// for and the only ones its restrictions let through.
+    pub const OPCODES: [(u8, &'static str); 16] = [
+        (opcode::PollAdd::CODE, "POLL_ADD"),
+        (opcode::AcceptMulti::CODE, "ACCEPT"),
+        (opcode::Timeout::CODE, "TIMEOUT"),
+        (opcode::RecvMulti::CODE, "RECV"),
+        (opcode::SendMsg::CODE, "SENDMSG"),
+        (opcode::ReadFixed::CODE, "READ_FIXED"),
+        (opcode::Read::CODE, "READ"),
+        (opcode::WriteFixed::CODE, "WRITE_FIXED"),
+        (opcode::Write::CODE, "WRITE"),
+        (opcode::Fsync::CODE, "FSYNC"),
+        (opcode::Fallocate::CODE, "FALLOCATE"),
+        (opcode::Fadvise::CODE, "FADVISE"),
+        (opcode::Shutdown::CODE, "SHUTDOWN"),
+        (opcode::Close::CODE, "CLOSE"),
+        (opcode::Splice::CODE, "SPLICE"),
+        (opcode::AsyncCancel::CODE, "ASYNC_CANCEL"),
+    ];
+
+    /// Makes the ring: disabled until the operations it needs have been
+    /// probed (a [`MissingOpcode`] error names the first one the kernel
+    /// lacks), its buffers and file table registered, and its restrictions
+    /// ([`IoRing::OPCODES`] only, and no other registration than the ring
+    /// itself makes) registered.
+    pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
+        // DEFER_TASKRUN (6.1) runs completions only when this thread asks:
+        // fewer interruptions of the ring thread. Older kernels get the rest.
+        let setup = RingSetup { entries: cfg.sq_entries, cq_entries: Some(cfg.cq_entries), server: true, disabled: true };
+        let (ring, _) = setup.build()?;
+        let core = UringCore::new(ring, CANCEL_WAIT).with_headroom(usize::from(cfg.recv_bufs) + CQ_HEADROOM);
+        let probe = core.probe()?;
+        if let Some(name) = missing_opcode(|code| probe.is_supported(code)) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, MissingOpcode { name }));
+        }
+        let ring = core.ring();
+        let bufs = Buffers::new(cfg.arena_slots, cfg.arena_slot_size, cfg.heap_cache)?;
+        let iovecs = bufs.arena_iovecs();
+        // SAFETY: the arena mapping outlives the ring: `Drop` unregisters or
+        // leaks it, and the iovecs describe exactly that mapping.
+        unsafe { ring.submitter().register_buffers(&iovecs)? };
+        // The kernel refuses a file table larger than RLIMIT_NOFILE: raise the
+        // soft limit to the hard one, and fit the table under what is left.
+        let files = cfg.files.min(raise_nofile_limit().saturating_sub(64).max(64));
+        ring.submitter().register_files_sparse(files)?;
+        let recv = RecvPool::new(cfg.recv_bufs, cfg.recv_buf_size, 0)?;
+        // SAFETY: the ring memory belongs to `recv`, which lives as long as
+        // the ring (dropped after it, or leaked with it).
+        unsafe { ring.submitter().register_buf_ring_with_flags(recv.ring_addr(), recv.entries(), recv.group, 0)? };
+        ring.submitter().register_restrictions(&mut restrictions())?;
+        ring.submitter().register_enable_rings()?;
+        Ok(Self {
+            core,
+            bufs: ManuallyDrop::new(bufs),
+            recv: ManuallyDrop::new(recv),
+            free_files: (0..files).rev().collect(),
+            spare_iov: Vec::new(),
+            spare_bufs: Vec::new(),
+            reaped: Vec::with_capacity(1024),
+            pipes: Vec::new(),
+            idle_pipes: Vec::new(),
+            no_min_wait: false,
+            armed_recvs: 0,
+            recv_epoch: 0,
+            recv_lost: false,
+            recv_resets: 0,
+        })
+    }
+
+    pub fn buffers(&self) -> &Buffers {
+        &self.bufs
+    }
+
+    pub fn buffers_mut(&mut self) -> &mut Buffers {
+        &mut self.bufs
+    }
+
+    /// Operations submitted and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.core.ops().len()
+    }
+
+    /// Entries in the kernel now (capped by what the completion queue
+    /// holds), and those waiting for room.
+    pub fn in_kernel(&self) -> (usize, usize) {
+        (self.core.in_kernel(), self.core.backlogged())
+    }
+
+    /// The bytes a receive put in provided buffer `bid`, next to the
+    /// buffers (to copy a write's payload straight into its own buffer).
+    pub fn received(&mut self, bid: u16, len: usize) -> (&[u8], &mut Buffers) {
+        (self.recv.data(bid, len), &mut self.bufs)
+    }
+
+    /// Hands a provided buffer back to the kernel (a buffer that is not
+    /// out, or already back, is ignored).
+    pub fn recycle(&mut self, bid: u16) {
+        self.recv.recycle(bid);
+    }
+
+    /// Puts `fd` into a fixed-file slot (the ring takes its own reference,
+    /// so the caller may close `fd` afterwards).
+    pub fn register_file(&mut self, fd: RawFd) -> io::Result<u32> {
+        let slot = self.free_files.pop().ok_or_else(|| io::Error::from_raw_os_error(libc::ENFILE))?;
+        match self.core.submitter().register_files_update(slot, &[fd]) {
+            Ok(_) => Ok(slot),
+            Err(e) => {
+                self.free_files.push(slot);
+                Err(e)
+            }
+        }
+    }
+
+    /// Empties a fixed-file slot at once (for images: their operations have
+    /// ended; sockets go through [`IoRing::close_file`]).
+    pub fn unregister_file(&mut self, slot: u32) -> io::Result<()> {
+        self.core.submitter().register_files_update(slot, &[-1])?;
+        self.free_files.push(slot);
+        Ok(())
+    }
+
+    fn start(&mut self, token: T, held: Held, build: impl FnOnce(u64) -> squeue::Entry) -> io::Result<OpId> {
+        // SAFETY: every pointer in the sqe refers to memory the op holds
+        // until its last completion (buffers lent and marked busy, boxed
+        // iovecs/msghdr/timespec), to the arena or receive pool (which
+        // outlive the core, or are leaked with its ops), or to nothing.
+        match unsafe { self.core.try_start(Op { token, held }, |_, ud| build(ud)) } {
+            Ok(ud) => Ok(OpId(ud)),
+            Err((e, op)) => {
+                self.release(op.held);
+                Err(e)
+            }
+        }
+    }
+
+    /// Accepts connections on `listener` until cancelled; each completion's
+    /// result is a new (close-on-exec) fd.
+    pub fn accept_multi(&mut self, token: T, listener: RawFd) -> io::Result<OpId> {
+        self.start(token, Held::Nothing, |ud| opcode::AcceptMulti::new(types::Fd(listener)).flags(libc::SOCK_CLOEXEC).build().user_data(ud))
+    }
+
+    /// Waits for `events` on `fd` until cancelled.
+    pub fn poll_multi(&mut self, token: T, fd: &impl AsRawFd, events: u32) -> io::Result<OpId> {
+        let fd = fd.as_raw_fd();
+        self.start(token, Held::Nothing, |ud| opcode::PollAdd::new(types::Fd(fd), events).multi(true).build().user_data(ud))
+    }
+
+    /// Receives on a fixed socket into provided buffers until cancelled, the
+    /// peer closes, or the pool runs dry (ENOBUFS: arm again after recycling).
+    pub fn recv_multi(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+        let group = self.recv.group;
+        let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
+        let op = self.start(token, held, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))?;
+        self.armed_recvs += 1;
+        Ok(op)
+    }
+
+    /// Whether the kernel lost provided buffers: a receive armed while the
+    /// driver held none ended with ENOBUFS before any buffer came back, so
+    /// the kernel's ring was empty although every buffer had been given to
+    /// it. Debian 12's 6.1 kernel does this when multishot receives are
+    /// cancelled (seen: all 128 gone within ~400 receives while one was
+    /// cancelled before every large write); without a remedy the pool
+    /// drains and every connection of the ring stops being read. The
+    /// remedy: end every multishot receive, then [`IoRing::reset_recv_pool`].
+    pub fn recv_pool_lost(&self) -> bool {
+        self.recv_lost
+    }
+
+    /// Multishot receives armed and not yet ended.
+    pub fn armed_recvs(&self) -> usize {
+        self.armed_recvs
+    }
+
+    /// Provided buffers the driver holds (handed out, not recycled).
+    pub fn recv_taken(&self) -> u16 {
+        self.recv.taken()
+    }
+
+    /// Completions that matched no live operation (late ones), since the
+    /// ring was made: a diagnostic (a late receive would strand its buffer).
+    pub fn stale_completions(&self) -> u64 {
+        self.core.ops().stale()
+    }
+
+    /// The receive pool's counters: buffers handed out by completions,
+    /// handed out while already out, recycled, recycled while not out.
+    pub fn recv_counts(&self) -> [u64; 4] {
+        self.recv.counts
+    }
+
+    /// Times the receive pool was handed to the kernel afresh.
+    pub fn recv_pool_resets(&self) -> u64 {
+        self.recv_resets
+    }
+
+    /// Hands the kernel a fresh ring of every provided buffer the driver
+    /// does not hold. Only when no multishot receive is armed: a receive
+    /// holds no buffer once it has ended (its last completion returns
+    /// any), so a buffer the kernel lost is referenced by nothing and can
+    /// be given again; an armed one might still pick from the old ring.
+    pub fn reset_recv_pool(&mut self) -> io::Result<()> {
+        if self.armed_recvs != 0 {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "multishot receives still armed"));
+        }
+        self.core.submitter().unregister_buf_ring(self.recv.group)?;
+        self.recv.refill();
+        // SAFETY: the ring memory belongs to `recv`, which lives as long as
+        // the ring (dropped after it, or leaked with it).
+        unsafe { self.core.submitter().register_buf_ring_with_flags(self.recv.ring_addr(), self.recv.entries(), self.recv.group, 0)? };
+        self.recv_lost = false;
+        self.recv_resets += 1;
+        Ok(())
+    }
+
+    /// Receives from a fixed socket straight into `buf[start..end]`, waiting
+    /// for all of it (MSG_WAITALL; short only on end of stream, an error or
+    /// a cancel): a large payload lands where it is written from, without
+    /// passing through the provided buffers.
+    pub fn recv_into(&mut self, token: T, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
+        let (ptr, len, _) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
+        self.start(token, Held::Buf(buf), |ud| {
+            opcode::Recv::new(types::Fixed(socket), ptr, len).flags(libc::MSG_WAITALL).build().user_data(ud)
+        })
+    }
+
+    /// Sends `parts` (buffer, start, end) in order with one sendmsg.
+    pub fn send(&mut self, token: T, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
+        let mut iov = self.spare_iov.pop().unwrap_or_default();
+        let mut bufs = self.spare_bufs.pop().unwrap_or_default();
+        iov.clear();
+        bufs.clear();
+        for &(id, start, end) in parts {
+            let Some((ptr, len, _)) = self.bufs.lend(id, start, end) else {
+                for b in bufs.drain(..) {
+                    self.bufs.give_back(b);
+                }
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, "send of a stale buffer or range"));
+            };
+            iov.push(libc::iovec { iov_base: ptr.cast(), iov_len: len as usize });
+            bufs.push(id);
+        }
+        // SAFETY: msghdr is a plain C struct for which all-zero is valid.
+        let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len();
+        let msg_ptr: *const libc::msghdr = &*msg;
+        self.start(token, Held::Send { bufs, iov, msg }, |ud| {
+            opcode::SendMsg::new(types::Fixed(socket), msg_ptr).flags(libc::MSG_NOSIGNAL as u32).build().user_data(ud)
+        })
+    }
+
+    /// Reads `file` at `offset` into `buf[start..end]`.
+    pub fn read(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64) -> io::Result<OpId> {
+        let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
+        self.start(token, Held::Buf(buf), |ud| match index {
+            Some(i) => opcode::ReadFixed::new(types::Fixed(file), ptr, len, i).offset(offset).build().user_data(ud),
+            None => opcode::Read::new(types::Fixed(file), ptr, len).offset(offset).build().user_data(ud),
+        })
+    }
+
+    /// Writes `buf[start..end]` to `file` at `offset`; `dsync` makes it
+    /// durable before it completes (RWF_DSYNC: the FUA of a file).
+    pub fn write(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
+        let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
+        let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+        self.start(token, Held::Buf(buf), |ud| match index {
+            Some(i) => opcode::WriteFixed::new(types::Fixed(file), ptr, len, i).offset(offset).rw_flags(flags).build().user_data(ud),
+            None => opcode::Write::new(types::Fixed(file), ptr, len).offset(offset).rw_flags(flags).build().user_data(ud),
+        })
+    }
+
+    /// fdatasync (or fsync) of `file`.
+    pub fn fsync(&mut self, token: T, file: u32, data_only: bool) -> io::Result<OpId> {
+        let flags = if data_only { types::FsyncFlags::DATASYNC } else { types::FsyncFlags::empty() };
+        self.start(token, Held::Nothing, |ud| opcode::Fsync::new(types::Fixed(file)).flags(flags).build().user_data(ud))
+    }
+
+    pub fn fallocate(&mut self, token: T, file: u32, mode: i32, offset: u64, len: u64) -> io::Result<OpId> {
+        self.start(token, Held::Nothing, |ud| {
+            opcode::Fallocate::new(types::Fixed(file), len).offset(offset).mode(mode).build().user_data(ud)
+        })
+    }
+
+    pub fn fadvise(&mut self, token: T, file: u32, offset: u64, len: u32, advice: i32) -> io::Result<OpId> {
+        self.start(token, Held::Nothing, |ud| {
+            opcode::Fadvise::new(types::Fixed(file), len as _, advice).offset(offset).build().user_data(ud)
+        })
+    }
+
+    /// shutdown(2) both ways: wakes a pending receive with 0 and fails sends.
+    pub fn shutdown(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+        self.start(token, Held::Nothing, |ud| opcode::Shutdown::new(types::Fixed(socket), libc::SHUT_RDWR).build().user_data(ud))
+    }
+
+    /// Closes a fixed socket; the slot is reusable once this completes.
+    pub fn close_file(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+        self.start(token, Held::Close(socket), |ud| opcode::Close::new(types::Fixed(socket)).build().user_data(ud))
+    }
+
+    /// Completes once after `after` (result -ETIME).
+    pub fn timeout(&mut self, token: T, after: Duration) -> io::Result<OpId> {
+        let ts = Box::new(types::Timespec::from(after));
+        let p: *const types::Timespec = &*ts;
+        self.start(token, Held::Timeout(ts), |ud| opcode::Timeout::new(p).build().user_data(ud))
+    }
+
+    /// An empty pipe for one splice sequence; give it back with `put_pipe`.
+    pub fn take_pipe(&mut self) -> io::Result<PipeId> {
+        if let Some(i) = self.idle_pipes.pop() {
+            return Ok(PipeId(i));
+        }
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        // A larger pipe moves a whole 1 MiB read in one splice; if the
+        // system refuses, the default size only means more splices.
+        let _ = rustix::pipe::fcntl_setpipe_size(&write, PIPE_SIZE);
+        self.pipes.push(Some(Pipe { read, write, busy: 0, returned: None }));
+        Ok(PipeId(self.pipes.len() as u32 - 1))
+    }
+
+    /// Returns a pipe; `empty` says whether everything put in it was
+    /// spliced out (a pipe with leftovers is closed, never reused).
+    pub fn put_pipe(&mut self, pipe: PipeId, empty: bool) {
+        let Some(Some(p)) = self.pipes.get_mut(pipe.0 as usize) else { return };
+        if p.busy > 0 {
+            p.returned = Some(empty);
+            return;
+        }
+        self.retire_pipe(pipe.0, empty);
+    }
+
+    fn retire_pipe(&mut self, i: u32, empty: bool) {
+        if empty {
+            if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
+                p.returned = None;
+            }
+            self.idle_pipes.push(i);
+        } else {
+            self.pipes[i as usize] = None;
+        }
+    }
+
+    fn pipe_fd(&mut self, pipe: PipeId, write_end: bool) -> io::Result<RawFd> {
+        let p = self.pipes.get_mut(pipe.0 as usize).and_then(Option::as_mut).ok_or_else(stale)?;
+        p.busy += 1;
+        Ok(if write_end { p.write.as_raw_fd() } else { p.read.as_raw_fd() })
+    }
+
+    /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
+    /// references, no copy, for files in the page cache).
+    pub fn splice_in(&mut self, token: T, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
+        let fd = self.pipe_fd(pipe, true)?;
+        self.start(token, Held::Pipe(pipe.0), |ud| {
+            opcode::Splice::new(types::Fixed(file), offset as i64, types::Fd(fd), -1, len).build().user_data(ud)
+        })
+    }
+
+    /// Moves up to `len` bytes from `pipe` into a fixed socket.
+    pub fn splice_out(&mut self, token: T, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
+        let fd = self.pipe_fd(pipe, false)?;
+        self.start(token, Held::Pipe(pipe.0), |ud| {
+            opcode::Splice::new(types::Fd(fd), -1, types::Fixed(socket), -1, len).build().user_data(ud)
+        })
+    }
+
+    /// Asks the kernel to end `op` (its completion still arrives).
+    pub fn cancel(&mut self, op: OpId) -> io::Result<()> {
+        self.core.cancel(op.0)
+    }
+
+    /// Submits what is queued and waits for at least `min` completions, or
+    /// until `timeout` passes.
+    pub fn submit_and_wait(&mut self, min: usize, timeout: Option<Duration>) -> io::Result<()> {
+        self.core.submit_and_wait(min, timeout)
+    }
+
+    /// Submits, then waits for `want` completions for at most `min_wait`:
+    /// gathers a burst of requests into one loop turn when traffic is heavy
+    /// (Linux 6.12+; older kernels wait for the first completion only).
+    /// No timeout is passed, so the wait may also end empty when the window
+    /// passes (see `Reactor::set_batch_window`, which adds one because its
+    /// rings idle); the server calls this only after a busy turn, where an
+    /// empty turn costs one more loop.
+    pub fn submit_and_wait_batch(&mut self, want: usize, min_wait: Duration) -> io::Result<()> {
+        if self.no_min_wait {
+            return self.submit_and_wait(1, None);
+        }
+        let args = types::SubmitArgs::new().min_wait_usec(min_wait.as_micros().min(u128::from(u32::MAX)) as u32);
+        match self.core.submit_with_args(want, &args) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.no_min_wait = true;
+                self.submit_and_wait(1, None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives back what a past burst left behind: the spare send vectors
+    /// (one per send that was in flight at once, each as long as its
+    /// longest send), an oversized completion scratch, cached buffers, and
+    /// then the allocator's free pages. For a ring with nothing to do.
+    pub fn trim(&mut self) {
+        let iov: usize = self.spare_iov.iter().map(|v| v.capacity() * std::mem::size_of::<libc::iovec>()).sum();
+        let ids: usize = self.spare_bufs.iter().map(|v| v.capacity() * std::mem::size_of::<BufId>()).sum();
+        let mut freed = iov + ids;
+        self.spare_iov = Vec::new();
+        self.spare_bufs = Vec::new();
+        if self.reaped.capacity() > 1024 {
+            freed += self.reaped.capacity() * std::mem::size_of::<Reaped<Op<T>>>();
+            self.reaped = Vec::with_capacity(1024);
+        }
+        self.bufs.note_freed(freed);
+        self.bufs.trim();
+    }
+
+    /// Moves every available completion into `out`, releasing what finished
+    /// operations held.
+    ///
+    /// A multishot op's completions that come in one reap with its last one
+    /// are delivered under its token too: the core took the op out of the
+    /// table when it matched the last one, so their token is found on it,
+    /// later in the same batch. (Dropping them lost the bytes a receive had
+    /// taken and its buffers with them: the pool seemed held by the driver,
+    /// and every later receive ended ENOBUFS at once.)
+    pub fn complete(&mut self, out: &mut Vec<Cqe<T>>) {
+        let mut reaped = std::mem::take(&mut self.reaped);
+        self.core.reap(&mut reaped);
+        for i in 0..reaped.len() {
+            let (user_data, res, flags, more) = (reaped[i].user_data, reaped[i].res, reaped[i].flags, reaped[i].more);
+            let token = match reaped[i].last.as_ref() {
+                Some(op) => op.token,
+                None => match self.core.ops().get(user_data) {
+                    Some(op) => op.token,
+                    None => match reaped[i + 1..].iter().find_map(|r| r.last.as_ref().filter(|_| r.user_data == user_data)) {
+                        Some(op) => op.token,
+                        None => continue, // cancel requests
+                    },
+                },
+            };
+            let recv_buf = cqueue::buffer_select(flags);
+            if let Some(bid) = recv_buf {
+                self.recv.mark_taken(bid);
+                self.recv_epoch += 1;
+            }
+            if let Some(op) = reaped[i].last.take() {
+                if let Held::Recv { epoch, idle } = op.held {
+                    if res == -libc::ENOBUFS && idle && epoch == self.recv_epoch {
+                        self.recv_lost = true;
+                    }
+                }
+                self.release(op.held);
+            }
+            out.push(Cqe { token, result: res, more, recv_buf });
+        }
+        reaped.clear();
+        self.reaped = reaped;
+    }
+
+    /// Gives back what an ended (or never submitted) op held.
+    fn release(&mut self, held: Held) {
+        match held {
+            Held::Nothing | Held::Timeout(_) => {}
+            Held::Recv { .. } => self.armed_recvs -= 1,
+            Held::Buf(id) => self.bufs.give_back(id),
+            Held::Send { mut bufs, iov, msg } => {
+                for id in bufs.drain(..) {
+                    self.bufs.give_back(id);
+                }
+                drop(msg);
+                self.spare_iov.push(iov);
+                self.spare_bufs.push(bufs);
+            }
+            Held::Close(file) => self.free_files.push(file),
+            Held::Pipe(i) => {
+                if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
+                    p.busy -= 1;
+                    if let (0, Some(empty)) = (p.busy, p.returned) {
+                        self.retire_pipe(i, empty);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (once is
+/// enough; later calls change nothing) and returns the soft limit.
+fn raise_nofile_limit() -> u32 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+        limit = getrlimit(Resource::Nofile);
+    }
+    limit.current.map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+fn stale() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, "stale buffer or range outside it")
+}
+
+impl<T: Copy> Drop for IoRing<T> {
+    /// Ends every operation before the memory they use goes away; if the
+    /// kernel will not let go in time, the arena and receive pool are
+    /// leaked with the ops, never freed under it.
+    fn drop(&mut self) {
+        if self.core.shutdown() > 0 {
+            return;
+        }
+        // SAFETY: no op is in flight any more (the core reaped every one),
+        // so the kernel touches neither the arena nor the receive pool; both
+        // are dropped once, here, and not used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.bufs);
+            ManuallyDrop::drop(&mut self.recv);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "io_ring_tests.rs"]
+mod tests;

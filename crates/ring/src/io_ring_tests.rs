@@ -1,0 +1,216 @@
+//! The receive pool's recovery when the kernel loses provided buffers.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use super::*;
+
+fn small_ring() -> IoRing {
+    let cfg = IoRingConfig {
+        sq_entries: 32,
+        cq_entries: 64,
+        files: 8,
+        arena_slots: 1,
+        arena_slot_size: 4096,
+        heap_cache: 0,
+        recv_bufs: 4,
+        recv_buf_size: 4096,
+    };
+    IoRing::new(&cfg).expect("io_uring with provided buffer rings")
+}
+
+/// Waits (bounded) for the completions of `token`'s op until its last one.
+fn until_ended(ring: &mut IoRing, token: u64) -> Vec<Cqe> {
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        let ended = out.iter().any(|c| c.token == token && !c.more);
+        seen.extend(out);
+        if ended {
+            return seen;
+        }
+    }
+    panic!("op {token} did not end: {seen:?}");
+}
+
+/// As Debian 12's 6.1 kernel does when multishot receives are cancelled:
+/// the kernel's ring is empty although the pool gave it every buffer. The
+/// ring must notice (not re-arm into ENOBUFS forever) and hand the pool
+/// over afresh; afterwards receives land in buffers again.
+#[test]
+fn buffers_the_kernel_lost_are_noticed_and_handed_over_afresh() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    // The kernel's view: a registered ring with nothing in it.
+    ring.core.submitter().unregister_buf_ring(ring.recv.group).unwrap();
+    ring.recv.forget_all();
+    // SAFETY: the ring memory belongs to `ring.recv`, which outlives this use.
+    unsafe { ring.core.submitter().register_buf_ring_with_flags(ring.recv.ring_addr(), ring.recv.entries(), ring.recv.group, 0) }.unwrap();
+
+    peer.write_all(b"first").unwrap();
+    ring.recv_multi(1, socket).unwrap();
+    let done = until_ended(&mut ring, 1);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    assert!(ring.recv_pool_lost(), "every buffer was given and none came back: lost");
+    assert_eq!(ring.armed_recvs(), 0);
+
+    ring.reset_recv_pool().unwrap();
+    assert!(!ring.recv_pool_lost());
+    assert_eq!(ring.recv_pool_resets(), 1);
+    let op = ring.recv_multi(2, socket).unwrap();
+    let got = until_ended_or_data(&mut ring, 2);
+    let bid = got.recv_buf.expect("a provided buffer again");
+    assert_eq!(ring.received(bid, got.result as usize).0, b"first");
+    ring.recycle(bid);
+    ring.cancel(op).unwrap();
+    until_ended(&mut ring, 2);
+}
+
+/// An ordinary ENOBUFS (the driver still holds buffers) is not a loss, and
+/// a buffer recycled twice enters the ring once.
+#[test]
+fn a_pool_drained_by_the_driver_is_not_a_loss() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let mut held = Vec::new();
+    // Four buffers, taken one 4 KiB chunk each and kept by the driver.
+    for i in 0..4u64 {
+        peer.write_all(&[i as u8; 4096]).unwrap();
+        let op = ring.recv_multi(10 + i, socket).unwrap();
+        let c = until_ended_or_data(&mut ring, 10 + i);
+        held.push(c.recv_buf.expect("a buffer"));
+        if c.more {
+            ring.cancel(op).unwrap();
+            until_ended(&mut ring, 10 + i);
+        }
+    }
+    peer.write_all(b"more").unwrap();
+    ring.recv_multi(20, socket).unwrap();
+    let done = until_ended(&mut ring, 20);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    assert!(!ring.recv_pool_lost(), "the driver held every buffer: an ordinary ENOBUFS");
+    ring.recycle(held[0]);
+    ring.recycle(held[0]);
+    assert_eq!(ring.recv.taken(), 3, "a second recycle of one buffer is ignored");
+}
+
+/// Waits (bounded) for the first completion of `token` that carries data.
+fn until_ended_or_data(ring: &mut IoRing, token: u64) -> Cqe {
+    for _ in 0..50 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        if let Some(c) = out.into_iter().find(|c| c.token == token && (c.recv_buf.is_some() || !c.more)) {
+            return c;
+        }
+    }
+    panic!("op {token} gave nothing");
+}
+
+/// A multishot receive whose completions are all posted before the driver
+/// reaps any: the data completions (F_MORE) and the last one (ENOBUFS, the
+/// pool ran dry) come out of one reap. The last one takes the op out of the
+/// table; the data completions before it must still be delivered under the
+/// op's token. They once were dropped: their bytes never reached the NBD
+/// server and their buffers were never recycled, so the pool looked held
+/// by the driver, every later receive ended at once with ENOBUFS and the
+/// ring spun re-arming it (the "6.1 stall": a slow ring thread, as under
+/// TCG, reaps in large batches).
+#[test]
+fn completions_reaped_together_with_their_ops_last_one_are_delivered() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    // More than the four 4 KiB buffers hold, so the receive ends ENOBUFS.
+    let sent: Vec<u8> = (0..5 * 4096).map(|i| (i % 251) as u8).collect();
+    peer.write_all(&sent).unwrap();
+    ring.recv_multi(30, socket).unwrap();
+    // Submitted, then left alone: the kernel posts every completion
+    // (receives with data waiting complete at submission) before the reap.
+    ring.submit_and_wait(0, None).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let done = until_ended(&mut ring, 30);
+    assert!(done.iter().all(|c| c.token == 30), "{done:?}");
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
+    let mut got = Vec::new();
+    for c in done.iter().filter(|c| c.recv_buf.is_some()) {
+        let bid = c.recv_buf.expect("filtered");
+        got.extend_from_slice(ring.received(bid, c.result as usize).0);
+        ring.recycle(bid);
+    }
+    assert_eq!(got.len(), 4 * 4096, "every buffer's bytes delivered: {done:?}");
+    assert_eq!(got[..], sent[..4 * 4096]);
+    assert_eq!(ring.recv_taken(), 0, "every buffer handed out came back");
+}
+
+#[test]
+fn the_ring_refuses_operations_outside_its_list() {
+    let mut ring = small_ring();
+    // NOP is not one of the server's operations: the restriction refuses it.
+    let ud = u64::MAX - 7;
+    // SAFETY: a NOP points at no memory.
+    unsafe { ring.core.push(&opcode::Nop::new().build().user_data(ud)) }.expect("queued");
+    ring.core.submit_and_wait(1, Some(Duration::from_secs(2))).expect("wait");
+    let mut reaped = Vec::new();
+    ring.core.reap(&mut reaped);
+    let nop = reaped.iter().find(|r| r.user_data == ud).expect("the NOP completed");
+    assert_eq!(nop.res, -libc::EACCES, "a NOP on the NBD server's ring");
+    // Its own operations still run.
+    ring.timeout(1, Duration::from_millis(1)).expect("timeout");
+    let done = until_ended(&mut ring, 1);
+    assert_eq!(done.last().map(|c| c.result), Some(-libc::ETIME));
+}
+
+#[test]
+fn a_missing_operation_is_named() {
+    assert_eq!(missing_opcode(|_| true), None);
+    let splice = opcode::Splice::CODE;
+    assert_eq!(missing_opcode(|code| code != splice), Some("SPLICE"));
+    let e = MissingOpcode { name: "SPLICE" };
+    assert!(e.to_string().contains("IORING_OP_SPLICE"), "{e}");
+}
+
+#[test]
+fn more_ops_than_the_completion_queue_holds_wait_and_none_is_lost() {
+    let cfg = IoRingConfig {
+        sq_entries: 8,
+        cq_entries: 16,
+        files: 8,
+        arena_slots: 1,
+        arena_slot_size: 4096,
+        heap_cache: 0,
+        recv_bufs: 4,
+        recv_buf_size: 4096,
+    };
+    let mut ring: IoRing = IoRing::new(&cfg).expect("ring");
+    let n = 200u64;
+    for t in 0..n {
+        ring.timeout(t, Duration::from_millis(20)).expect("timeout");
+    }
+    let (in_kernel, waiting) = ring.in_kernel();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        assert!(!ring.core.cq_overflowed(), "completions went past the queue");
+        assert!(in_kernel <= 16, "{in_kernel} entries in the kernel for a queue of 16");
+        assert!(waiting > 0, "the rest wait");
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        for c in out {
+            assert_eq!(c.result, -libc::ETIME);
+            assert!(seen.insert(c.token), "token {} twice", c.token);
+        }
+        assert!(ring.in_kernel().0 <= 16);
+        if seen.len() as u64 == n {
+            break;
+        }
+    }
+    assert_eq!(seen.len() as u64, n, "every timeout completed once");
+    assert_eq!(ring.in_flight(), 0);
+}

@@ -1,0 +1,310 @@
+//! The agent's shared-volume loop in a cluster: every volume this node
+//! exports gets its Service and Endpoints ([`super::kube`]), and its
+//! endpoint published on its PVC.
+//!
+//! Why driven by the share side's changes and not a timer: the objects
+//! only have to change when an export appears here (a stage, a resume at
+//! start, a volume that moved to this node), and the controller reads
+//! before it writes, so one reconcile per change is enough. A reconcile
+//! that fails (the API server away, the PVC not there yet) is retried with
+//! backoff. At start every export is reconciled once, which also points
+//! the Endpoints back at this node after the agent or the server moved.
+//!
+//! The Endpoints name this node's address only while its NFS server
+//! accepts connections there ("during the move the Service exists but
+//! does not answer"): a server not answering yet (starting, or at a new
+//! advertised address) gets the Service with empty Endpoints, looked at
+//! again every poll interval until it answers; an export removed here, and
+//! the agent stopping, take the address out (only if the Endpoints still
+//! name it — another node may have taken the volume over). A client sent
+//! to an address where nothing serves the volume would get errors or hang
+//! on the wrong server; with no endpoint its connection is refused and the
+//! hard mount retries until the new address is in.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::kube::{ShareController, SharedVolume};
+
+/// The first wait after a failed reconcile; each failure doubles it.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// A volume this node exports, and the PVC it was created for (`None`:
+/// created without the provisioner's metadata; no Service is made).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exported {
+    pub volume_id: String,
+    pub pvc: Option<(String, String)>,
+}
+
+/// How NodeStage of a shared volume another node holds reads the endpoint
+/// its owner published on the PVC `(namespace, name)` (`Ok(None)`: not yet).
+pub type EndpointLookup = Box<dyn Fn(&str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
+
+/// What the cluster loop needs of the node's CSI driver. The driver sits
+/// above this crate (it stages and exports the shared volumes), so the loop
+/// sees it only through this trait, which the driver implements.
+pub trait ShareHost: Send + Sync + 'static {
+    /// The node's share side: its exports and their change notices.
+    fn shares(&self) -> &super::ShareSide;
+    /// The volumes this node exports now, each with the PVC it was created for.
+    fn exported_shares(&self) -> Vec<Exported>;
+    /// Sets how NodeStage finds the endpoint published on a PVC.
+    fn set_endpoint_lookup(&self, f: EndpointLookup);
+}
+
+/// What the loop needs from the node: the exports now, and a wake-up when
+/// they change.
+pub struct Follower {
+    pub controller: Arc<ShareController>,
+    /// Where this node's NFS server answers (the Endpoints' address).
+    pub server: SocketAddr,
+    pub exports: Arc<dyn Fn() -> Vec<Exported> + Send + Sync>,
+    pub wake: Arc<Notify>,
+}
+
+/// A volume whose last write failed.
+struct Failing {
+    attempts: u32,
+    next: Instant,
+}
+
+impl Failing {
+    /// Counts one more failure and sets the next try (backoff).
+    fn failed(map: &mut HashMap<String, Failing>, id: &str) -> Duration {
+        let f = map.entry(id.to_string()).or_insert(Failing { attempts: 0, next: Instant::now() });
+        f.attempts += 1;
+        let wait = RETRY_MIN.saturating_mul(1 << (f.attempts - 1).min(6)).min(RETRY_MAX);
+        f.next = Instant::now() + wait;
+        wait
+    }
+
+    fn waiting(map: &HashMap<String, Failing>, id: &str) -> bool {
+        map.get(id).is_some_and(|f| f.next > Instant::now())
+    }
+}
+
+/// What a volume's objects were last brought to: `v`, with the server's
+/// address in the Endpoints (`serving`) or with none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    v: SharedVolume,
+    serving: bool,
+}
+
+/// How long the loop waits for a TCP connection to the advertised address.
+const ANSWER_WAIT: Duration = Duration::from_secs(2);
+
+impl Follower {
+    /// Runs until `stop` completes, then takes this node's address out of
+    /// the Endpoints of every volume it still exports (the server stops
+    /// with the agent), and returns.
+    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        // What each volume was last brought to, successfully.
+        let mut done: HashMap<String, Target> = HashMap::new();
+        // Every exported volume's objects as last tried, so a volume that
+        // stops being exported can be withdrawn even when its last
+        // reconcile failed.
+        let mut known: HashMap<String, SharedVolume> = HashMap::new();
+        let mut failing: HashMap<String, Failing> = HashMap::new();
+        // No longer exported here: this node's address still to be taken
+        // out of their Endpoints.
+        let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
+        let mut leave_failing: HashMap<String, Failing> = HashMap::new();
+        let mut unnamed: Vec<String> = Vec::new();
+        loop {
+            let now = (self.exports)();
+            // Asked only when a Service is kept: the Endpoints name this
+            // address only while something accepts connections there.
+            let serving = now.iter().any(|e| e.pvc.is_some()) && self.answers().await;
+            for e in &now {
+                let Some((ns, name)) = e.pvc.clone() else {
+                    if !unnamed.contains(&e.volume_id) {
+                        tracing::warn!(volume = %e.volume_id,
+                            "shared volume has no PVC recorded (external-provisioner without --extra-create-metadata): no Service for it");
+                        unnamed.push(e.volume_id.clone());
+                    }
+                    continue;
+                };
+                let v = SharedVolume {
+                    volume_id: e.volume_id.clone(),
+                    pvc_namespace: ns,
+                    pvc_name: name,
+                    server: self.server.ip(),
+                    server_port: self.server.port(),
+                };
+                leaving.remove(&v.volume_id);
+                leave_failing.remove(&v.volume_id);
+                known.insert(v.volume_id.clone(), v.clone());
+                let target = Target { v, serving };
+                let v = &target.v;
+                if done.get(&v.volume_id) == Some(&target) || Failing::waiting(&failing, &v.volume_id) {
+                    continue;
+                }
+                let published = |endpoint: &str| tracing::info!(volume = %v.volume_id, endpoint, "NFS endpoint published on the PVC");
+                let r = if serving { self.controller.reconcile(v, published).await } else { self.controller.reconcile_idle(v).await };
+                match r {
+                    Ok(out) => {
+                        if serving {
+                            tracing::debug!(volume = %v.volume_id, ?out, "Service and Endpoints reconciled");
+                        } else {
+                            tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
+                                "the NFS server does not answer yet: the Service is kept with empty Endpoints");
+                        }
+                        failing.remove(&v.volume_id);
+                        done.insert(v.volume_id.clone(), target);
+                    }
+                    Err(err) => {
+                        let wait = Failing::failed(&mut failing, &v.volume_id);
+                        done.remove(&v.volume_id);
+                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
+                            "Service and Endpoints not reconciled");
+                    }
+                }
+            }
+            // A volume no longer exported here: its Endpoints must not send
+            // clients to this node any more. Once withdrawn it is
+            // forgotten; if it comes back (or moves back), it is
+            // reconciled again.
+            let exported = |id: &String| now.iter().any(|e| &e.volume_id == id);
+            for (id, v) in known.iter().filter(|(id, _)| !exported(id)) {
+                leaving.insert(id.clone(), v.clone());
+            }
+            known.retain(|id, _| exported(id));
+            done.retain(|id, _| exported(id));
+            failing.retain(|id, _| exported(id));
+            unnamed.retain(|id| exported(id));
+            let due: Vec<SharedVolume> = leaving.values().filter(|v| !Failing::waiting(&leave_failing, &v.volume_id)).cloned().collect();
+            for v in due {
+                match self.controller.withdraw(&v).await {
+                    Ok(wrote) => {
+                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the Endpoints");
+                        leaving.remove(&v.volume_id);
+                        leave_failing.remove(&v.volume_id);
+                    }
+                    Err(err) => {
+                        let wait = Failing::failed(&mut leave_failing, &v.volume_id);
+                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
+                            "Endpoints not emptied after the export went away");
+                    }
+                }
+            }
+            // Woken by the next export change; else by the earliest retry,
+            // or the next look at a server that did not answer.
+            let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
+            if done.values().any(|t| !t.serving) {
+                let poll = Instant::now() + self.controller.poll();
+                next = Some(next.map_or(poll, |n| n.min(poll)));
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = sleep_until(next) => {}
+                _ = &mut stop => break,
+            }
+        }
+        // Stopping: the server goes with the agent. Bounded by the caller.
+        for v in known.values().chain(leaving.values()) {
+            match self.controller.withdraw(v).await {
+                Ok(wrote) => {
+                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the Endpoints")
+                }
+                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: Endpoints not emptied"),
+            }
+        }
+    }
+
+    /// Whether the NFS server accepts a TCP connection at the advertised
+    /// address (what the Endpoints would send clients to).
+    async fn answers(&self) -> bool {
+        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.server)).await, Ok(Ok(_)))
+    }
+}
+
+/// Sleeps until `at`, or forever when there is nothing to wait for.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The running loop and what `/metrics` reads of it.
+pub struct Running {
+    task: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    pub controller: Arc<ShareController>,
+}
+
+impl Running {
+    /// Stops the loop: it first empties the Endpoints of what this node
+    /// exports (at most `wait`; then it is aborted).
+    pub async fn stop(self, wait: Duration) {
+        let _ = self.stop.send(());
+        let mut task = self.task;
+        if tokio::time::timeout(wait, &mut task).await.is_err() {
+            tracing::warn!(wait_ms = wait.as_millis() as u64, "shared-volume loop did not stop in time; aborted");
+            task.abort();
+        }
+    }
+}
+
+/// How long NodeStage waits for the API server when it reads a PVC's
+/// published endpoint (kubelet retries a failed stage).
+const LOOKUP_WAIT: Duration = Duration::from_secs(10);
+
+/// In a cluster: `driver`'s NodeStage reads published endpoints, and when
+/// the node serves NFS the loop runs (`None` when it does not).
+pub async fn in_cluster<D: ShareHost>(driver: &Arc<D>, config: super::kube::ControllerConfig) -> Result<Option<Running>, super::Error> {
+    let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
+    let kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
+    let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
+    read_endpoints(driver.as_ref(), client.clone());
+    if !driver.shares().enabled() {
+        return Ok(None);
+    }
+    let running = start(driver.clone(), client, config)?;
+    tracing::info!("shared volumes: a Service and Endpoints per NFS export");
+    Ok(Some(running))
+}
+
+/// Lets `driver`'s NodeStage read the endpoints owning nodes publish on
+/// PVCs (every node of a cluster, also one that serves no NFS itself).
+pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client) {
+    let handle = tokio::runtime::Handle::current();
+    driver.set_endpoint_lookup(Box::new(move |ns, name| {
+        let lookup = tokio::time::timeout(LOOKUP_WAIT, super::kube::published_endpoint(&client, ns, name));
+        match handle.block_on(lookup) {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer from the API server within {LOOKUP_WAIT:?}")),
+        }
+    }));
+}
+
+/// Starts the loop over `driver`'s exports. The node's advertised NFS
+/// address must be `IP:port`: it becomes the Endpoints' address.
+pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
+    let advertised = driver.shares().config().advertised().unwrap_or_default();
+    let server: SocketAddr = advertised.parse().map_err(|_| {
+        super::Error::Config(format!(
+            "the advertised NFS address {advertised:?} is not IP:port (--nfs-advertise), which the Endpoints need"
+        ))
+    })?;
+    let controller = Arc::new(ShareController::new(client, config));
+    let wake = Arc::new(Notify::new());
+    let w = wake.clone();
+    driver.shares().on_change(move || w.notify_one());
+    let d = driver.clone();
+    let follower = Follower { controller: controller.clone(), server, exports: Arc::new(move || d.exported_shares()), wake };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(follower.run_until(async move {
+        let _ = stopped.await;
+    }));
+    Ok(Running { task, stop, controller })
+}

@@ -1,0 +1,194 @@
+//! The node's shares, kept in its store (`STATE_DIR/state.redb`) beside
+//! the objects the publisher keeps there, under `NfsShare/<volume id>`.
+//!
+//! Why recorded: an export's id must survive agent restarts (ganesha's file
+//! handles carry it; a new id makes every client's handles stale), and a
+//! restarted agent re-exports what it exported before from these records.
+
+use std::path::PathBuf;
+
+use super::Error;
+use volring_volumes::store::{Change, Store};
+
+const PREFIX: &str = "NfsShare/";
+
+/// One exported volume.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShareRecord {
+    pub volume_id: String,
+    pub export_id: u16,
+    /// The staged filesystem exported.
+    pub path: PathBuf,
+    /// The path clients mount.
+    pub pseudo: String,
+    /// `host:port` clients reach the server on.
+    pub server: String,
+}
+
+pub(super) fn load(store: &Store) -> Result<Vec<ShareRecord>, Error> {
+    let rows = store.published_under(PREFIX).map_err(|e| Error::Store(e.to_string()))?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (key, bytes) in rows {
+        match serde_json::from_slice::<ShareRecord>(&bytes) {
+            Ok(r) if key.strip_prefix(PREFIX) == Some(r.volume_id.as_str()) => out.push(r),
+            // Left in place for the operator; never exported.
+            Ok(_) | Err(_) => tracing::warn!(key, "share record does not decode; ignored"),
+        }
+    }
+    Ok(out)
+}
+
+pub(super) fn put(store: &Store, r: &ShareRecord) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(r).map_err(|e| Error::Store(e.to_string()))?;
+    let key = format!("{PREFIX}{}", r.volume_id);
+    store.apply(&[Change::PutPublished(&key, &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+pub(super) fn remove(store: &Store, volume_id: &str) -> Result<(), Error> {
+    let key = format!("{PREFIX}{volume_id}");
+    store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// A shared volume another node serves, mounted here over NFS.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MountRecord {
+    pub volume_id: String,
+    pub staging_path: PathBuf,
+    pub remote: super::client::Remote,
+    pub read_only: bool,
+    /// The NFS mount's device (`major:minor` of its anonymous superblock),
+    /// once mounted: what tells the volume's own mount from anything else
+    /// at its paths.
+    pub dev: Option<(u32, u32)>,
+    /// Targets it is published at, and whether read-only.
+    #[serde(default)]
+    pub published: std::collections::BTreeMap<PathBuf, bool>,
+}
+
+const MOUNT_PREFIX: &str = "NfsMount/";
+
+pub(super) fn get_mount(store: &Store, volume_id: &str) -> Result<Option<MountRecord>, Error> {
+    let key = format!("{MOUNT_PREFIX}{volume_id}");
+    let Some(bytes) = store.published(&key).map_err(|e| Error::Store(e.to_string()))? else { return Ok(None) };
+    match serde_json::from_slice::<MountRecord>(&bytes) {
+        Ok(r) if r.volume_id == volume_id => Ok(Some(r)),
+        _ => Err(Error::Store(format!("{key} does not decode"))),
+    }
+}
+
+pub(super) fn put_mount(store: &Store, r: &MountRecord) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(r).map_err(|e| Error::Store(e.to_string()))?;
+    let key = format!("{MOUNT_PREFIX}{}", r.volume_id);
+    store.apply(&[Change::PutPublished(&key, &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+pub(super) fn remove_mount(store: &Store, volume_id: &str) -> Result<(), Error> {
+    let key = format!("{MOUNT_PREFIX}{volume_id}");
+    store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+const PVC_PREFIX: &str = "NfsPvc/";
+
+/// Records the PVC (namespace, name) of shared volume `volume_id`, staged
+/// here from another node's nbd export and exported here: the pool record
+/// that names it elsewhere lives on the owning node, and this node's
+/// Service loop needs it to point the PVC's Endpoints here.
+pub fn put_pvc(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
+    store.apply(&[Change::PutPublished(&format!("{PVC_PREFIX}{volume_id}"), &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The PVC recorded by [`put_pvc`], if any (one that does not decode, or
+/// names what Kubernetes does not allow, is none).
+pub fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
+    let bytes = store.published(&format!("{PVC_PREFIX}{volume_id}")).ok()??;
+    let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
+    super::pvc(&ns, &name)
+}
+
+pub fn remove_pvc(store: &Store, volume_id: &str) -> Result<(), Error> {
+    store.apply(&[Change::RemovePublished(&format!("{PVC_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The export id for `volume_id`: the one it has, else the one its id
+/// hashes to (1..=65535), or the next free one after it.
+///
+/// Why from the volume id and not the smallest free: ganesha's NFSv4 file
+/// handles carry the export id, so when a volume's export moves to another
+/// node (issue 17's failover, the data reached over NBD) its clients'
+/// handles stay valid only if the new node gives it the same id — which a
+/// node that knows nothing of the first one's other exports can only do by
+/// computing it from the volume alone. (The handle also carries the
+/// filesystem's id, which ganesha takes from the filesystem's UUID: it
+/// travels with the image, see `ganesha`.) Two volumes whose ids collide on
+/// one node differ, and then the moved one's handles go stale.
+pub(super) fn export_id(have: &[ShareRecord], volume_id: &str) -> Result<u16, Error> {
+    if let Some(r) = have.iter().find(|r| r.volume_id == volume_id) {
+        return Ok(r.export_id);
+    }
+    let used: std::collections::BTreeSet<u16> = have.iter().map(|r| r.export_id).collect();
+    let first = preferred_export_id(volume_id);
+    (0..u32::from(u16::MAX))
+        .map(|i| ((u32::from(first) - 1 + i) % u32::from(u16::MAX) + 1) as u16)
+        .find(|i| !used.contains(i))
+        .ok_or_else(|| Error::Config("every export id is in use".into()))
+}
+
+/// The export id volume `volume_id` gets on any node where it is free.
+pub fn preferred_export_id(volume_id: &str) -> u16 {
+    (volring_volumes::store::fnv1a(volume_id.as_bytes()) % u64::from(u16::MAX)) as u16 + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, n: u16) -> ShareRecord {
+        ShareRecord { volume_id: id.into(), export_id: n, path: "/x".into(), pseudo: format!("/{id}"), server: "h:1".into() }
+    }
+
+    #[test]
+    fn ids_kept_and_the_same_on_every_node() {
+        let have = vec![rec("a", 1), rec("b", 3)];
+        assert_eq!(export_id(&have, "b").unwrap(), 3, "a recorded id is kept");
+        let c = preferred_export_id("c");
+        assert!(c >= 1);
+        assert_eq!(export_id(&have, "c").unwrap(), c, "another node's other exports do not change it");
+        assert_eq!(export_id(&[], "c").unwrap(), c);
+        // Taken: the next free one, wrapping past 65535 to 1.
+        assert_eq!(export_id(&[rec("x", c)], "c").unwrap(), if c == u16::MAX { 1 } else { c + 1 });
+        let full: Vec<ShareRecord> = (1..=u16::MAX).map(|i| rec(&format!("v{i}"), i)).collect();
+        assert!(export_id(&full[1..], "c").is_ok_and(|i| i == 1), "the one free id");
+        assert!(export_id(&full, "c").is_err());
+        assert_ne!(preferred_export_id("pvc-1"), preferred_export_id("pvc-2"));
+    }
+
+    #[test]
+    fn pvc_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
+        put_pvc(&store, "v", &("apps".into(), "data".into())).unwrap();
+        assert_eq!(get_pvc(&store, "v"), Some(("apps".into(), "data".into())));
+        put_pvc(&store, "w", &("apps".into(), "../x".into())).unwrap();
+        assert_eq!(get_pvc(&store, "w"), None, "not a Kubernetes name");
+        remove_pvc(&store, "v").unwrap();
+        assert_eq!(get_pvc(&store, "v"), None);
+    }
+
+    #[test]
+    fn store_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        put(&store, &rec("a", 1)).unwrap();
+        put(&store, &rec("b", 2)).unwrap();
+        // A record under the wrong key is not trusted.
+        let bad = serde_json::to_vec(&rec("c", 3)).unwrap();
+        store.apply(&[Change::PutPublished("NfsShare/d", &bad)]).unwrap();
+        assert_eq!(load(&store).unwrap(), vec![rec("a", 1), rec("b", 2)]);
+        remove(&store, "a").unwrap();
+        assert_eq!(load(&store).unwrap(), vec![rec("b", 2)]);
+    }
+}

@@ -1,0 +1,508 @@
+//! Generic netlink messages as pure code over bytes: the netlink and genl
+//! headers, attribute framing (nested attributes included), the controller's
+//! family lookup and the nbd family's commands and replies.
+//!
+//! Written by hand rather than through a netlink crate: the nbd family needs
+//! a dozen attributes, and every byte the kernel sends back is parsed here
+//! with bounds checks (fuzzed as `nbd_netlink`).
+
+/// A netlink message the kernel sent that does not parse: the one error of
+/// this pure layer (the nbd attach code wraps it in its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("malformed netlink message: {0}")]
+pub struct Malformed(pub &'static str);
+
+/// `struct nlmsghdr` and `struct genlmsghdr`.
+pub const NLMSG_HDRLEN: usize = 16;
+pub const GENL_HDRLEN: usize = 4;
+/// Message types and flags (linux/netlink.h).
+pub const NLMSG_ERROR: u16 = 2;
+pub const NLMSG_DONE: u16 = 3;
+pub const NLM_F_REQUEST: u16 = 1;
+pub const NLM_F_ACK: u16 = 4;
+/// Attribute type bits (linux/netlink.h).
+const NLA_F_NESTED: u16 = 1 << 15;
+const NLA_TYPE_MASK: u16 = !(1 << 15 | 1 << 14);
+
+/// The generic netlink controller (linux/genetlink.h).
+pub const GENL_ID_CTRL: u16 = 0x10;
+pub const CTRL_CMD_GETFAMILY: u8 = 3;
+pub const CTRL_ATTR_FAMILY_ID: u16 = 1;
+pub const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+pub const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
+pub const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
+pub const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
+
+/// The nbd family (linux/nbd-netlink.h).
+pub mod nbd {
+    pub const FAMILY: &str = "nbd";
+    pub const VERSION: u8 = 1;
+    pub const MCAST_GROUP: &str = "nbd_mc_group";
+
+    pub const CMD_CONNECT: u8 = 1;
+    pub const CMD_DISCONNECT: u8 = 2;
+    pub const CMD_RECONFIGURE: u8 = 3;
+    pub const CMD_LINK_DEAD: u8 = 4;
+    pub const CMD_STATUS: u8 = 5;
+
+    pub const ATTR_INDEX: u16 = 1;
+    pub const ATTR_SIZE_BYTES: u16 = 2;
+    pub const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
+    pub const ATTR_TIMEOUT: u16 = 4;
+    pub const ATTR_SERVER_FLAGS: u16 = 5;
+    pub const ATTR_CLIENT_FLAGS: u16 = 6;
+    pub const ATTR_SOCKETS: u16 = 7;
+    pub const ATTR_DEAD_CONN_TIMEOUT: u16 = 8;
+    pub const ATTR_DEVICE_LIST: u16 = 9;
+    pub const ATTR_BACKEND_IDENTIFIER: u16 = 10;
+
+    pub const SOCK_ITEM: u16 = 1;
+    pub const SOCK_FD: u16 = 1;
+    pub const DEVICE_ITEM: u16 = 1;
+    pub const DEVICE_INDEX: u16 = 1;
+    pub const DEVICE_CONNECTED: u16 = 2;
+
+    /// Client flags (linux/nbd.h).
+    pub const CFLAG_DESTROY_ON_DISCONNECT: u64 = 1 << 0;
+    pub const CFLAG_DISCONNECT_ON_CLOSE: u64 = 1 << 1;
+}
+
+fn align4(n: usize) -> usize {
+    (n + 3) & !3
+}
+
+/// Builds one request: headers first, attributes appended, lengths patched
+/// in by [`Builder::finish`].
+pub struct Builder {
+    buf: Vec<u8>,
+    /// Start offsets of nests not closed yet.
+    open: Vec<usize>,
+}
+
+impl Builder {
+    /// A genl request of `family`'s `cmd`; the sequence number is set by
+    /// [`Builder::finish`].
+    pub fn new(family: u16, flags: u16, cmd: u8, version: u8) -> Self {
+        let mut buf = Vec::with_capacity(128);
+        buf.extend_from_slice(&0u32.to_ne_bytes());
+        buf.extend_from_slice(&family.to_ne_bytes());
+        buf.extend_from_slice(&flags.to_ne_bytes());
+        buf.extend_from_slice(&0u32.to_ne_bytes()); // seq
+        buf.extend_from_slice(&0u32.to_ne_bytes()); // port: the kernel fills it
+        buf.extend_from_slice(&[cmd, version, 0, 0]);
+        Builder { buf, open: Vec::new() }
+    }
+
+    pub fn put(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
+        let len = 4 + payload.len();
+        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        self.buf.extend_from_slice(&kind.to_ne_bytes());
+        self.buf.extend_from_slice(payload);
+        self.buf.resize(align4(self.buf.len()), 0);
+        self
+    }
+
+    pub fn u8(&mut self, kind: u16, v: u8) -> &mut Self {
+        self.put(kind, &[v])
+    }
+    pub fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
+        self.put(kind, &v.to_ne_bytes())
+    }
+    pub fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
+        self.put(kind, &v.to_ne_bytes())
+    }
+    pub fn u64(&mut self, kind: u16, v: u64) -> &mut Self {
+        self.put(kind, &v.to_ne_bytes())
+    }
+    /// A NUL-terminated string, as the kernel's NLA_STRING/NLA_NUL_STRING want.
+    pub fn string(&mut self, kind: u16, s: &str) -> &mut Self {
+        let mut v = Vec::with_capacity(s.len() + 1);
+        v.extend_from_slice(s.as_bytes());
+        v.push(0);
+        self.put(kind, &v)
+    }
+
+    pub fn begin_nest(&mut self, kind: u16) -> &mut Self {
+        self.open.push(self.buf.len());
+        self.buf.extend_from_slice(&0u16.to_ne_bytes());
+        self.buf.extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+        self
+    }
+
+    pub fn end_nest(&mut self) -> &mut Self {
+        let start = self.open.pop().expect("end_nest without begin_nest");
+        let len = (self.buf.len() - start) as u16;
+        self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
+        self
+    }
+
+    /// The message with its length and sequence number.
+    pub fn finish(mut self, seq: u32) -> Vec<u8> {
+        assert!(self.open.is_empty(), "unclosed nest");
+        let len = self.buf.len() as u32;
+        self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
+        self.buf[8..12].copy_from_slice(&seq.to_ne_bytes());
+        self.buf
+    }
+}
+
+/// One netlink message out of a datagram.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message<'a> {
+    pub kind: u16,
+    pub flags: u16,
+    pub seq: u32,
+    pub port: u32,
+    /// Everything after the netlink header.
+    pub payload: &'a [u8],
+}
+
+/// Splits a datagram into its messages.
+pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>, Malformed>> {
+    std::iter::from_fn(move || {
+        if buf.is_empty() {
+            return None;
+        }
+        if buf.len() < NLMSG_HDRLEN {
+            buf = &[];
+            return Some(Err(Malformed("short netlink header")));
+        }
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            buf = &[];
+            return Some(Err(Malformed("netlink length out of bounds")));
+        }
+        let m = Message {
+            kind: u16::from_ne_bytes(buf[4..6].try_into().unwrap()),
+            flags: u16::from_ne_bytes(buf[6..8].try_into().unwrap()),
+            seq: u32::from_ne_bytes(buf[8..12].try_into().unwrap()),
+            port: u32::from_ne_bytes(buf[12..16].try_into().unwrap()),
+            payload: &buf[NLMSG_HDRLEN..len],
+        };
+        buf = &buf[align4(len).min(buf.len())..];
+        Some(Ok(m))
+    })
+}
+
+/// The errno of an NLMSG_ERROR message (0 is an ack).
+pub fn error_code(payload: &[u8]) -> Result<i32, Malformed> {
+    let b = payload.get(0..4).ok_or(Malformed("short error message"))?;
+    Ok(i32::from_ne_bytes(b.try_into().unwrap()))
+}
+
+/// A genl message: its command and attributes.
+pub fn genl(payload: &[u8]) -> Result<(u8, &[u8]), Malformed> {
+    if payload.len() < GENL_HDRLEN {
+        return Err(Malformed("short genl header"));
+    }
+    Ok((payload[0], &payload[GENL_HDRLEN..]))
+}
+
+/// One attribute: its type (flag bits removed) and payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr<'a> {
+    pub kind: u16,
+    pub data: &'a [u8],
+}
+
+impl<'a> Attr<'a> {
+    pub fn u8(&self) -> Result<u8, Malformed> {
+        self.data.first().copied().ok_or(Malformed("short u8 attribute"))
+    }
+    pub fn u16(&self) -> Result<u16, Malformed> {
+        let b = self.data.get(0..2).ok_or(Malformed("short u16 attribute"))?;
+        Ok(u16::from_ne_bytes(b.try_into().unwrap()))
+    }
+    pub fn u32(&self) -> Result<u32, Malformed> {
+        let b = self.data.get(0..4).ok_or(Malformed("short u32 attribute"))?;
+        Ok(u32::from_ne_bytes(b.try_into().unwrap()))
+    }
+    pub fn u64(&self) -> Result<u64, Malformed> {
+        let b = self.data.get(0..8).ok_or(Malformed("short u64 attribute"))?;
+        Ok(u64::from_ne_bytes(b.try_into().unwrap()))
+    }
+    /// A string without its terminating NUL (and anything after one).
+    pub fn str(&self) -> Result<&'a str, Malformed> {
+        let end = self.data.iter().position(|&b| b == 0).unwrap_or(self.data.len());
+        std::str::from_utf8(&self.data[..end]).map_err(|_| Malformed("attribute string is not UTF-8"))
+    }
+    pub fn nested(&self) -> impl Iterator<Item = Result<Attr<'a>, Malformed>> {
+        attrs(self.data)
+    }
+}
+
+/// The attributes in `buf`, in order.
+pub fn attrs(mut buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>, Malformed>> {
+    std::iter::from_fn(move || {
+        if buf.len() < 4 {
+            // Trailing padding shorter than a header is ignored.
+            return None;
+        }
+        let len = u16::from_ne_bytes(buf[0..2].try_into().unwrap()) as usize;
+        let kind = u16::from_ne_bytes(buf[2..4].try_into().unwrap()) & NLA_TYPE_MASK;
+        if len < 4 || len > buf.len() {
+            buf = &[];
+            return Some(Err(Malformed("attribute length out of bounds")));
+        }
+        let a = Attr { kind, data: &buf[4..len] };
+        buf = &buf[align4(len).min(buf.len())..];
+        Some(Ok(a))
+    })
+}
+
+/// What CTRL_CMD_GETFAMILY answers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Family {
+    pub id: u16,
+    pub name: String,
+    /// Multicast groups by name.
+    pub groups: Vec<(String, u32)>,
+}
+
+pub fn get_family_request(name: &str, seq: u32) -> Vec<u8> {
+    let mut b = Builder::new(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, CTRL_CMD_GETFAMILY, 1);
+    b.string(CTRL_ATTR_FAMILY_NAME, name);
+    b.finish(seq)
+}
+
+/// Parses the controller's family reply (the genl payload's attributes).
+pub fn parse_family(attributes: &[u8]) -> Result<Family, Malformed> {
+    let mut f = Family::default();
+    let mut have_id = false;
+    for a in attrs(attributes) {
+        let a = a?;
+        match a.kind {
+            CTRL_ATTR_FAMILY_ID => {
+                f.id = a.u16()?;
+                have_id = true;
+            }
+            CTRL_ATTR_FAMILY_NAME => f.name = a.str()?.to_string(),
+            CTRL_ATTR_MCAST_GROUPS => {
+                for g in a.nested() {
+                    let (mut name, mut id) = (None, None);
+                    for ga in g?.nested() {
+                        let ga = ga?;
+                        match ga.kind {
+                            CTRL_ATTR_MCAST_GRP_NAME => name = Some(ga.str()?.to_string()),
+                            CTRL_ATTR_MCAST_GRP_ID => id = Some(ga.u32()?),
+                            _ => {}
+                        }
+                    }
+                    if let (Some(n), Some(i)) = (name, id) {
+                        f.groups.push((n, i));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if !have_id {
+        return Err(Malformed("family reply without an id"));
+    }
+    Ok(f)
+}
+
+/// NBD_CMD_CONNECT / NBD_CMD_RECONFIGURE attributes. `None` fields are not
+/// sent (the kernel keeps what it has on reconfigure).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NbdConfig {
+    pub index: Option<u32>,
+    pub size_bytes: Option<u64>,
+    pub block_size: Option<u64>,
+    /// Seconds.
+    pub timeout: Option<u64>,
+    pub server_flags: Option<u64>,
+    pub client_flags: Option<u64>,
+    /// Seconds.
+    pub dead_conn_timeout: Option<u64>,
+    pub backend_id: Option<String>,
+    /// Socket descriptors, already negotiated to the transmission phase.
+    pub sockets: Vec<i32>,
+}
+
+pub fn nbd_config_request(family: u16, cmd: u8, c: &NbdConfig, seq: u32) -> Vec<u8> {
+    let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd, nbd::VERSION);
+    if let Some(v) = c.index {
+        b.u32(nbd::ATTR_INDEX, v);
+    }
+    for (kind, v) in [
+        (nbd::ATTR_SIZE_BYTES, c.size_bytes),
+        (nbd::ATTR_BLOCK_SIZE_BYTES, c.block_size),
+        (nbd::ATTR_TIMEOUT, c.timeout),
+        (nbd::ATTR_SERVER_FLAGS, c.server_flags),
+        (nbd::ATTR_CLIENT_FLAGS, c.client_flags),
+        (nbd::ATTR_DEAD_CONN_TIMEOUT, c.dead_conn_timeout),
+    ] {
+        if let Some(v) = v {
+            b.u64(kind, v);
+        }
+    }
+    if let Some(id) = &c.backend_id {
+        b.string(nbd::ATTR_BACKEND_IDENTIFIER, id);
+    }
+    if !c.sockets.is_empty() {
+        b.begin_nest(nbd::ATTR_SOCKETS);
+        for &fd in &c.sockets {
+            b.begin_nest(nbd::SOCK_ITEM).u32(nbd::SOCK_FD, fd as u32).end_nest();
+        }
+        b.end_nest();
+    }
+    b.finish(seq)
+}
+
+/// The pure decoding of an [`NbdConfig`] (the kernel's view of a request);
+/// what the fuzzer and the round-trip tests check the encoder against.
+pub fn parse_nbd_config(attributes: &[u8]) -> Result<NbdConfig, Malformed> {
+    let mut c = NbdConfig::default();
+    for a in attrs(attributes) {
+        let a = a?;
+        match a.kind {
+            nbd::ATTR_INDEX => c.index = Some(a.u32()?),
+            nbd::ATTR_SIZE_BYTES => c.size_bytes = Some(a.u64()?),
+            nbd::ATTR_BLOCK_SIZE_BYTES => c.block_size = Some(a.u64()?),
+            nbd::ATTR_TIMEOUT => c.timeout = Some(a.u64()?),
+            nbd::ATTR_SERVER_FLAGS => c.server_flags = Some(a.u64()?),
+            nbd::ATTR_CLIENT_FLAGS => c.client_flags = Some(a.u64()?),
+            nbd::ATTR_DEAD_CONN_TIMEOUT => c.dead_conn_timeout = Some(a.u64()?),
+            nbd::ATTR_BACKEND_IDENTIFIER => c.backend_id = Some(a.str()?.to_string()),
+            nbd::ATTR_SOCKETS => {
+                for item in a.nested() {
+                    let item = item?;
+                    if item.kind != nbd::SOCK_ITEM {
+                        return Err(Malformed("socket list entry is not a SOCK_ITEM"));
+                    }
+                    for s in item.nested() {
+                        let s = s?;
+                        if s.kind == nbd::SOCK_FD {
+                            c.sockets.push(s.u32()? as i32);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(c)
+}
+
+/// NBD_CMD_DISCONNECT or NBD_CMD_STATUS for one device (`None`: status of all).
+pub fn nbd_index_request(family: u16, cmd: u8, index: Option<u32>, seq: u32) -> Vec<u8> {
+    let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd, nbd::VERSION);
+    if let Some(i) = index {
+        b.u32(nbd::ATTR_INDEX, i);
+    }
+    b.finish(seq)
+}
+
+/// The device index in a CONNECT reply or a LINK_DEAD notice.
+pub fn parse_index(attributes: &[u8]) -> Result<u32, Malformed> {
+    for a in attrs(attributes) {
+        let a = a?;
+        if a.kind == nbd::ATTR_INDEX {
+            return a.u32();
+        }
+    }
+    Err(Malformed("no NBD_ATTR_INDEX"))
+}
+
+/// One device in a STATUS reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceStatus {
+    pub index: u32,
+    pub connected: bool,
+}
+
+pub fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
+    let mut out = Vec::new();
+    for a in attrs(attributes) {
+        let a = a?;
+        if a.kind != nbd::ATTR_DEVICE_LIST {
+            continue;
+        }
+        for item in a.nested() {
+            let item = item?;
+            if item.kind != nbd::DEVICE_ITEM {
+                continue;
+            }
+            let (mut index, mut connected) = (None, false);
+            for d in item.nested() {
+                let d = d?;
+                match d.kind {
+                    nbd::DEVICE_INDEX => index = Some(d.u32()?),
+                    nbd::DEVICE_CONNECTED => connected = d.u8()? != 0,
+                    _ => {}
+                }
+            }
+            let index = index.ok_or(Malformed("device item without an index"))?;
+            out.push(DeviceStatus { index, connected });
+        }
+    }
+    Ok(out)
+}
+
+/// Encodes a STATUS reply as the kernel does (for tests and fuzz seeds).
+pub fn status_reply(family: u16, devices: &[DeviceStatus], seq: u32) -> Vec<u8> {
+    let mut b = Builder::new(family, 0, nbd::CMD_STATUS, nbd::VERSION);
+    b.begin_nest(nbd::ATTR_DEVICE_LIST);
+    for d in devices {
+        b.begin_nest(nbd::DEVICE_ITEM).u32(nbd::DEVICE_INDEX, d.index).u8(nbd::DEVICE_CONNECTED, d.connected as u8).end_nest();
+    }
+    b.end_nest();
+    b.finish(seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_round_trips_through_the_kernel_view() {
+        let c = NbdConfig {
+            index: Some(3),
+            size_bytes: Some(1 << 30),
+            block_size: Some(4096),
+            timeout: Some(5),
+            server_flags: Some(0x10d),
+            client_flags: Some(nbd::CFLAG_DISCONNECT_ON_CLOSE),
+            dead_conn_timeout: Some(120),
+            backend_id: Some("vol-1".into()),
+            sockets: vec![7, 9],
+        };
+        let msg = nbd_config_request(0x20, nbd::CMD_CONNECT, &c, 42);
+        let m: Vec<_> = messages(&msg).collect::<Result<_, _>>().unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!((m[0].kind, m[0].seq, m[0].flags), (0x20, 42, NLM_F_REQUEST | NLM_F_ACK));
+        let (cmd, body) = genl(m[0].payload).unwrap();
+        assert_eq!(cmd, nbd::CMD_CONNECT);
+        assert_eq!(parse_nbd_config(body).unwrap(), c);
+    }
+
+    #[test]
+    fn status_and_family_replies_parse() {
+        let devs = [DeviceStatus { index: 0, connected: true }, DeviceStatus { index: 5, connected: false }];
+        let msg = status_reply(0x21, &devs, 1);
+        let m = messages(&msg).next().unwrap().unwrap();
+        assert_eq!(parse_status(genl(m.payload).unwrap().1).unwrap(), devs);
+
+        let mut b = Builder::new(GENL_ID_CTRL, 0, 1, 2);
+        b.u16(CTRL_ATTR_FAMILY_ID, 0x1c).string(CTRL_ATTR_FAMILY_NAME, "nbd");
+        b.begin_nest(CTRL_ATTR_MCAST_GROUPS).begin_nest(1).u32(CTRL_ATTR_MCAST_GRP_ID, 9).string(CTRL_ATTR_MCAST_GRP_NAME, "nbd_mc_group");
+        b.end_nest().end_nest();
+        let msg = b.finish(3);
+        let m = messages(&msg).next().unwrap().unwrap();
+        let f = parse_family(genl(m.payload).unwrap().1).unwrap();
+        assert_eq!(f, Family { id: 0x1c, name: "nbd".into(), groups: vec![("nbd_mc_group".into(), 9)] });
+    }
+
+    #[test]
+    fn truncated_input_is_refused_not_read_past() {
+        let msg = nbd_config_request(0x20, nbd::CMD_CONNECT, &NbdConfig { index: Some(1), sockets: vec![3], ..Default::default() }, 1);
+        for cut in 0..msg.len() {
+            let _ = messages(&msg[..cut]).collect::<Vec<_>>();
+            let _ = parse_nbd_config(&msg[NLMSG_HDRLEN + GENL_HDRLEN..cut.max(NLMSG_HDRLEN + GENL_HDRLEN)]);
+        }
+        assert!(messages(&msg[..10]).next().unwrap().is_err());
+        // An attribute claiming more than there is.
+        assert!(attrs(&[0xff, 0x00, 1, 0, 0, 0]).next().unwrap().is_err());
+    }
+}

@@ -1,0 +1,235 @@
+//! CSI mount flags to mount attributes, and the few mount operations staging
+//! needs — all through descriptors (see `volumes::beneath`), none by path.
+//!
+//! Mount flags come from the CO (a StorageClass's `mountOptions`), so they
+//! are parsed, not passed through: the generic ones become `MS_*` bits, the
+//! rest become the filesystem's data string, and flags that would change
+//! what kind of mount is made (`bind`, `remount`, `move`...) are refused.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+
+use rustix::mount::{
+    fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, move_mount, open_tree, FsMountFlags, FsOpenFlags,
+    MountAttrFlags, MountFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+};
+
+/// The spec's limit for all mount flags together.
+pub const MAX_FLAGS_LEN: usize = 4096;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountOptions {
+    pub flags: MountFlags,
+    /// Filesystem-specific options, comma-joined.
+    pub data: String,
+}
+
+impl MountOptions {
+    /// Parses CSI mount flags (each entry may itself hold several, comma
+    /// separated). `read_only` adds `ro` whatever the flags say.
+    pub fn parse(entries: &[String], read_only: bool) -> Result<Self, String> {
+        let total: usize = entries.iter().map(|e| e.len() + 1).sum();
+        if total > MAX_FLAGS_LEN {
+            return Err(format!("mount flags are {total} bytes; at most {MAX_FLAGS_LEN}"));
+        }
+        let mut o = MountOptions { flags: MountFlags::empty(), data: String::new() };
+        let mut data = Vec::new();
+        for opt in entries.iter().flat_map(|e| e.split(',')).filter(|s| !s.is_empty()) {
+            if let Some(bad) = opt.chars().find(|c| !c.is_ascii_graphic() || *c == '\\') {
+                return Err(format!("mount flag {opt:?} has the character {bad:?}"));
+            }
+            match opt {
+                "defaults" | "rw" | "auto" | "noauto" | "nouser" | "_netdev" => {}
+                "ro" => o.flags |= MountFlags::RDONLY,
+                "nosuid" => o.flags |= MountFlags::NOSUID,
+                "nodev" => o.flags |= MountFlags::NODEV,
+                "noexec" => o.flags |= MountFlags::NOEXEC,
+                "noatime" => o.flags |= MountFlags::NOATIME,
+                "nodiratime" => o.flags |= MountFlags::NODIRATIME,
+                "relatime" => o.flags |= MountFlags::RELATIME,
+                "strictatime" => o.flags |= MountFlags::STRICTATIME,
+                "lazytime" => o.flags |= MountFlags::LAZYTIME,
+                "sync" => o.flags |= MountFlags::SYNCHRONOUS,
+                "dirsync" => o.flags |= MountFlags::DIRSYNC,
+                "bind" | "rbind" | "remount" | "move" | "make-shared" | "make-private" | "make-slave" | "make-unbindable" | "loop" => {
+                    return Err(format!("mount flag {opt:?} is not allowed"))
+                }
+                other => data.push(other),
+            }
+        }
+        if read_only {
+            o.flags |= MountFlags::RDONLY;
+        }
+        o.data = data.join(",");
+        Ok(o)
+    }
+
+    /// Adds a filesystem option (e.g. xfs's `nouuid`) unless present.
+    pub fn with_data(mut self, opt: &str) -> Self {
+        if !self.data.split(',').any(|o| o == opt) {
+            if !self.data.is_empty() {
+                self.data.push(',');
+            }
+            self.data.push_str(opt);
+        }
+        self
+    }
+
+    /// The flags that apply per mount point (and so to a bind mount).
+    pub fn per_mount(&self) -> MountFlags {
+        self.flags
+            & (MountFlags::RDONLY
+                | MountFlags::NOSUID
+                | MountFlags::NODEV
+                | MountFlags::NOEXEC
+                | MountFlags::NOATIME
+                | MountFlags::NODIRATIME
+                | MountFlags::RELATIME
+                | MountFlags::STRICTATIME)
+    }
+}
+
+/// Mounts `fs_type` from `device` onto the directory `target` refers to,
+/// with the new mount API: the superblock is configured on an fs context
+/// (each data option one `fsconfig` call, so an option cannot smuggle
+/// another), made into a detached mount with its per-mount flags already
+/// set, and only then attached to `target` by descriptor. The kernel's own
+/// message for a refused option or a damaged filesystem is returned with
+/// the error.
+pub fn mount_filesystem(device: &Path, target: BorrowedFd<'_>, fs_type: &str, o: &MountOptions) -> io::Result<()> {
+    let fs = fsopen(fs_type, FsOpenFlags::FSOPEN_CLOEXEC)?;
+    let configured = (|| -> io::Result<()> {
+        fsconfig_set_string(&fs, "source", device)?;
+        for (bit, name) in [
+            (MountFlags::RDONLY, "ro"),
+            (MountFlags::SYNCHRONOUS, "sync"),
+            (MountFlags::DIRSYNC, "dirsync"),
+            (MountFlags::LAZYTIME, "lazytime"),
+        ] {
+            if o.flags.contains(bit) {
+                fsconfig_set_flag(&fs, name)?;
+            }
+        }
+        for opt in o.data.split(',').filter(|s| !s.is_empty()) {
+            match opt.split_once('=') {
+                Some((k, v)) => fsconfig_set_string(&fs, k, v)?,
+                None => fsconfig_set_flag(&fs, opt)?,
+            }
+        }
+        fsconfig_create(&fs)?;
+        Ok(())
+    })();
+    if let Err(e) = configured {
+        return Err(with_kernel_message(e, &fs));
+    }
+    let (set, _) = attributes(o.flags);
+    let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::from_bits_retain(set as u32))?;
+    move_mount(&mnt, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
+    Ok(())
+}
+
+/// Bind-mounts what `source` refers to (a mount's root, or a device node)
+/// onto what `target` refers to. The clone is made detached, gets `flags`
+/// (read-only and the like) while still detached, and is attached last, so
+/// it is never visible with the wrong flags.
+pub fn bind(source: BorrowedFd<'_>, target: BorrowedFd<'_>, flags: MountFlags) -> io::Result<()> {
+    let tree = open_tree(source, "", OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_EMPTY_PATH)?;
+    let (set, clear) = attributes(flags);
+    if set != 0 || clear != 0 {
+        volring_sys::mount_api::mount_setattr(tree.as_fd(), set, clear)?;
+    }
+    move_mount(&tree, "", target, "", MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH)?;
+    Ok(())
+}
+
+/// Unmounts what is mounted on entry `name` of the open directory `parent`
+/// (the top mount there). The parent was resolved once, beneath the root;
+/// the kernel walks only `name` from it, without following a symlink. The
+/// caller judges the entry with `beneath::stat_entry(parent, name)` first
+/// and holds no descriptor inside the mount (that would keep it busy).
+pub fn unmount_entry(parent: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<()> {
+    let mut path = std::path::PathBuf::from(format!("/proc/self/fd/{}", parent.as_raw_fd()));
+    path.push(name);
+    rustix::mount::unmount(&path, UnmountFlags::NOFOLLOW)?;
+    Ok(())
+}
+
+/// `MS_*` per-mount flags as `MOUNT_ATTR_*` bits to set and to clear (an
+/// atime mode replaces the old one, so the atime field is cleared first).
+fn attributes(flags: MountFlags) -> (u64, u64) {
+    let mut set = MountAttrFlags::empty();
+    for (bit, attr) in [
+        (MountFlags::RDONLY, MountAttrFlags::MOUNT_ATTR_RDONLY),
+        (MountFlags::NOSUID, MountAttrFlags::MOUNT_ATTR_NOSUID),
+        (MountFlags::NODEV, MountAttrFlags::MOUNT_ATTR_NODEV),
+        (MountFlags::NOEXEC, MountAttrFlags::MOUNT_ATTR_NOEXEC),
+        (MountFlags::NODIRATIME, MountAttrFlags::MOUNT_ATTR_NODIRATIME),
+        (MountFlags::NOATIME, MountAttrFlags::MOUNT_ATTR_NOATIME),
+        (MountFlags::STRICTATIME, MountAttrFlags::MOUNT_ATTR_STRICTATIME),
+    ] {
+        if flags.contains(bit) {
+            set |= attr;
+        }
+    }
+    let atime = flags.intersects(MountFlags::NOATIME | MountFlags::STRICTATIME | MountFlags::RELATIME);
+    let clear = if atime { MountAttrFlags::MOUNT_ATTR__ATIME } else { MountAttrFlags::empty() };
+    (set.bits() as u64, clear.bits() as u64)
+}
+
+/// Adds the fs context's log (the kernel's reason, e.g. "Structure needs
+/// cleaning" or an unknown option's name) to an error.
+fn with_kernel_message(e: io::Error, fs: &OwnedFd) -> io::Error {
+    let mut buf = [0u8; 512];
+    let mut said = Vec::new();
+    // The log holds at most a few messages; each read returns one.
+    for _ in 0..4 {
+        match rustix::io::read(fs, &mut buf) {
+            Ok(n) if n > 0 => said.push(String::from_utf8_lossy(&buf[..n]).trim().to_string()),
+            _ => break,
+        }
+    }
+    if said.is_empty() {
+        return e;
+    }
+    io::Error::new(e.kind(), format!("{e} ({})", said.join("; ")))
+}
+
+/// True when `path` is the root of a mount (asks the kernel about this one
+/// path; no table is read).
+pub fn is_mount_point(path: &Path) -> io::Result<bool> {
+    use rustix::fs::{statx, AtFlags, StatxAttributes, StatxFlags, CWD};
+    match statx(CWD, path, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::BASIC_STATS) {
+        Ok(s) => Ok(s.stx_attributes.contains(StatxAttributes::MOUNT_ROOT)),
+        Err(rustix::io::Errno::NOENT) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: &[&str], ro: bool) -> Result<MountOptions, String> {
+        MountOptions::parse(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>(), ro)
+    }
+
+    #[test]
+    fn generic_flags_become_bits_the_rest_data() {
+        let o = parse(&["noatime,nodev", "discard", "errors=remount-ro"], true).unwrap();
+        assert_eq!(o.flags, MountFlags::NOATIME | MountFlags::NODEV | MountFlags::RDONLY);
+        assert_eq!(o.data, "discard,errors=remount-ro");
+        assert_eq!(o.clone().with_data("nouuid").with_data("nouuid").data, "discard,errors=remount-ro,nouuid");
+        assert_eq!(o.per_mount(), MountFlags::NOATIME | MountFlags::NODEV | MountFlags::RDONLY);
+    }
+
+    #[test]
+    fn refuses_what_changes_the_mount_kind_or_smuggles_bytes() {
+        assert!(parse(&["bind"], false).is_err());
+        assert!(parse(&["remount,ro"], false).is_err());
+        assert!(parse(&["a b"], false).is_err());
+        assert!(parse(&["x\n"], false).is_err());
+        assert!(parse(&[&"a".repeat(5000)], false).is_err());
+        assert_eq!(parse(&[], false).unwrap(), MountOptions { flags: MountFlags::empty(), data: String::new() });
+    }
+}
