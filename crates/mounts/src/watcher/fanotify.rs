@@ -72,8 +72,10 @@ pub(super) struct FanotifyDriver {
     batch_index: HashMap<u64, usize>,
     remounts: RemountDetector,
     check_armed: bool,
-    /// The check timer fired; decided at the end of the ring turn, after
-    /// every completion of the turn (a late fanotify read among them).
+    /// A POLLPRI is unpaired (it came in this turn, or the fanotify read
+    /// the check waited for came back, or the check timer fired): decided
+    /// at the end of the ring turn, after every completion of the turn (a
+    /// late fanotify read among them).
     check_due: bool,
     checks_deferred: u32,
     /// A POLLPRI was paid by an event of an earlier turn: read `recent`
