@@ -42,7 +42,10 @@ impl Statmounter {
         let r = mount_api::listmount_all(&mut ids).map_err(|e| Error::Io("listmount", e));
         let mut table = MountTable::with_capacity(ids.len());
         if r.is_ok() {
-            for &id in &ids {
+            // Newest first: a mount just made (and just remounted) is the
+            // likeliest to be gone before the last statmount of a large
+            // table, so it is looked at before the older ones.
+            for &id in ids.iter().rev() {
                 if let Some(m) = self.stat(id)? {
                     table.insert(std::sync::Arc::new(m));
                 }

@@ -37,6 +37,9 @@ const SYNC_READS: usize = 16;
 /// Remount checks put off while a queued fanotify read is in flight (its
 /// events may explain the POLLPRI) before the check decides regardless.
 const MAX_DEFERRED_CHECKS: u32 = 8;
+/// Mounts read lately, newest kept, that a POLLPRI paid by an older event
+/// reads again (see `remount`).
+const RECENT: usize = 16;
 
 /// `Ok` when this kernel can watch mounts with fanotify and statmount; else
 /// which interface is missing and from which kernel on it exists.
@@ -69,10 +72,27 @@ pub(super) struct FanotifyDriver {
     batch_index: HashMap<u64, usize>,
     remounts: RemountDetector,
     check_armed: bool,
-    /// The check timer fired; decided at the end of the ring turn, after
-    /// every completion of the turn (a late fanotify read among them).
+    /// A POLLPRI is unpaired (it came in this turn, or the fanotify read
+    /// the check waited for came back, or the check timer fired): decided
+    /// at the end of the ring turn, after every completion of the turn (a
+    /// late fanotify read among them).
     check_due: bool,
     checks_deferred: u32,
+    /// A POLLPRI was paid by an event of an earlier turn: read `recent`
+    /// again at the end of this turn.
+    recheck_due: bool,
+    /// The mounts fanotify events had read lately, oldest first, with the
+    /// ring turn of that read.
+    recent: VecDeque<(u64, u64)>,
+    /// Ring turns ended so far.
+    turn: u64,
+    /// The whole table was read in this turn.
+    resynced: bool,
+    /// The fanotify fd said it has events, and no read has been queued for
+    /// them yet (one was in flight).
+    fan_ready: bool,
+    /// The fanotify fd was read on the ring thread in this turn.
+    drained: bool,
     credit_turn_armed: bool,
     grace: Duration,
     resync_interval: Option<Duration>,
@@ -151,10 +171,16 @@ impl FanotifyDriver {
             read_buf: Some(vec![0; READ_SIZE]),
             batch: Vec::new(),
             batch_index: HashMap::new(),
-            remounts: RemountDetector::new(config.remount_grace),
+            remounts: RemountDetector::new(),
             check_armed: false,
             check_due: false,
             checks_deferred: 0,
+            recheck_due: false,
+            recent: VecDeque::with_capacity(RECENT),
+            turn: 0,
+            resynced: false,
+            fan_ready: false,
+            drained: false,
             credit_turn_armed: false,
             grace: config.remount_grace,
             resync_interval: config.resync_interval,
@@ -222,6 +248,7 @@ impl FanotifyDriver {
         let Some(mut buf) = self.read_buf.take() else {
             return false;
         };
+        self.drained = true;
         for _ in 0..SYNC_READS {
             match rustix::io::read(&*self.fan, &mut buf[..]) {
                 Ok(n) if n > 0 => {
@@ -243,27 +270,31 @@ impl FanotifyDriver {
         true
     }
 
-    /// The remount check, at the end of the turn its timer fired in.
+    /// The remount check, at the end of the turn an unpaired POLLPRI came
+    /// in: what the fanotify fd holds is read first (the events of the
+    /// changes that POLLPRI may stand for), and a POLLPRI still unpaired
+    /// re-reads the table at once, while a mount remounted and then
+    /// unmounted can still be seen read-only (issue 27).
     fn check_remounts(&mut self, ring: &mut Reactor) {
         if !self.read_now(ring) && self.checks_deferred < MAX_DEFERRED_CHECKS {
-            // A queued read is in flight: its events come first.
+            // A queued read is in flight: its events come first. Its
+            // completion brings the check back; the timer, if it is late.
             self.checks_deferred += 1;
-            self.act(Verdict::CheckAfter(self.grace), ring);
+            if !self.check_armed {
+                self.check_armed = ring.timeout(REMOUNT_CHECK, self.grace).is_ok();
+            }
             return;
         }
         self.checks_deferred = 0;
-        let v = self.remounts.expire(std::time::Instant::now());
+        let v = self.remounts.decide();
         self.act(v, ring);
     }
 
     fn act(&mut self, v: Verdict, ring: &mut Reactor) {
         match v {
             Verdict::Nothing => {}
-            Verdict::CheckAfter(d) => {
-                if !self.check_armed {
-                    self.check_armed = ring.timeout(REMOUNT_CHECK, d).is_ok();
-                }
-            }
+            Verdict::Check => self.check_due = true,
+            Verdict::Recheck => self.recheck_due = true,
             Verdict::Resync => self.resync(None, ring),
         }
     }
@@ -276,6 +307,7 @@ impl FanotifyDriver {
             self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
             match self.kernel.stat(id) {
                 Ok(Some(m)) => {
+                    self.note_read(id);
                     let m = Arc::new(m);
                     match self.table.insert(m.clone()) {
                         Some(old) => {
@@ -343,9 +375,59 @@ impl FanotifyDriver {
         self.batch.clear();
     }
 
+    /// `id` was read (statmount) in this turn.
+    fn note_read(&mut self, id: u64) {
+        match self.recent.iter_mut().find(|(r, _)| *r == id) {
+            Some(entry) => entry.1 = self.turn,
+            None => {
+                if self.recent.len() == RECENT {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back((id, self.turn));
+            }
+        }
+    }
+
+    /// Reads again the mounts fanotify events read in earlier turns, and
+    /// reports what changed: a POLLPRI was paid by one of those events,
+    /// and may stand for a later change fanotify does not report (a
+    /// remount right after the mount). A mount gone is left to its detach
+    /// event, and a move to its move event.
+    fn recheck_recent(&mut self, ring: &mut Reactor) {
+        let table = &self.table;
+        self.recent.retain(|(id, _)| table.get(*id).is_some());
+        for i in 0..self.recent.len() {
+            let (id, read) = self.recent[i];
+            if read == self.turn {
+                continue;
+            }
+            self.emitter.counters().statmount_calls.fetch_add(1, Ordering::Relaxed);
+            match self.kernel.stat(id) {
+                Ok(Some(m)) => {
+                    self.recent[i].1 = self.turn;
+                    let Some(old) = self.table.get(id) else { continue };
+                    let m = Arc::new(m);
+                    match MountEvent::between(old, &m) {
+                        Some(e) if e.kind != EventKind::Moved => {
+                            self.table.insert(m);
+                            self.emitter.emit(e, ring, RETRY);
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(mount_id = id, error = %e, "statmount failed");
+                    self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     /// Re-reads the whole table and reports the difference.
     fn resync(&mut self, reason: Option<ResyncReason>, ring: &mut Reactor) {
         self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
+        self.resynced = true;
         let new = match self.kernel.snapshot() {
             Ok(t) => t,
             Err(e) => {
@@ -389,6 +471,8 @@ impl FanotifyDriver {
                 if n as usize + SHORT_READ_MARGIN > READ_SIZE {
                     self.read(ring);
                 }
+                // A remount check put off for this read is due now.
+                self.check_due |= self.remounts.waiting();
             }
             Ok(_) => self.read_buf = Some(buf),
             Err(e) => {
@@ -426,15 +510,15 @@ impl Driver for FanotifyDriver {
 
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
         match c.token {
-            FAN_READY => self.read(ring),
+            FAN_READY => self.fan_ready = true,
             FAN_READ => self.on_read(c, ring),
             TABLE_CHANGED => {
-                let v = self.remounts.table_changed(std::time::Instant::now());
+                let v = self.remounts.table_changed();
                 self.act(v, ring);
             }
             REMOUNT_CHECK => {
                 self.check_armed = false;
-                self.check_due = true;
+                self.check_due |= self.remounts.waiting();
             }
             CREDIT_TURN => self.credit_turn_armed = false,
             PERIODIC => {
@@ -453,6 +537,20 @@ impl Driver for FanotifyDriver {
         if std::mem::take(&mut self.check_due) {
             self.check_remounts(ring);
         }
+        if std::mem::take(&mut self.recheck_due) && !self.resynced {
+            self.recheck_recent(ring);
+        }
+        // Events the check did not read here are read through the ring,
+        // once the read in flight (if any) is back.
+        if self.drained {
+            self.fan_ready = false;
+        } else if self.fan_ready && self.read_buf.is_some() {
+            self.fan_ready = false;
+            self.read(ring);
+        }
+        self.resynced = false;
+        self.drained = false;
+        self.turn += 1;
         if self.remounts.end_of_turn() && !self.credit_turn_armed {
             self.credit_turn_armed = ring.timeout(CREDIT_TURN, self.grace).is_ok();
         }

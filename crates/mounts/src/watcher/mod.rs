@@ -49,8 +49,10 @@ pub struct WatchConfig {
     pub backend: BackendChoice,
     /// Capacity of the queue to the consumer, in deliveries.
     pub queue_capacity: usize,
-    /// How long a POLLPRI waits for a fanotify event to explain it before it
-    /// is taken for a remount and the table is re-read.
+    /// How long a remount check (a POLLPRI no fanotify event has paired
+    /// with) waits at most for a fanotify read the ring has in flight,
+    /// whose events may explain it. With no read in flight it decides at
+    /// once (see `remount`).
     pub remount_grace: Duration,
     /// Full resync period (fanotify mode); `None` disables it.
     pub resync_interval: Option<Duration>,

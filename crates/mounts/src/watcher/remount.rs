@@ -14,15 +14,24 @@
 //!   so that a tree unmount (many events, one POLLPRI) cannot hide a remount
 //!   that follows later. The caller makes sure an idle ring still turns (a
 //!   timer while credits are left; see [`RemountDetector::end_of_turn`]).
-//! - A POLLPRI with no credit waits: after `grace` the caller reads what the
-//!   fanotify fd holds (its event may be queued and not yet read) and only
-//!   then asks [`RemountDetector::expire`], which resyncs if it is still
-//!   unpaired.
+//! - A POLLPRI with no credit is decided at the end of the ring turn it
+//!   came in: the caller reads what the fanotify fd holds (its event is
+//!   queued by then, or is still in a read the ring has in flight, whose
+//!   completion the check then waits for) and asks
+//!   [`RemountDetector::decide`], which resyncs if it is still unpaired.
+//!   Waiting longer only lets a remounted mount go before it is read: a
+//!   mount remounted read-only and unmounted 1-2 ms later was reported
+//!   `rw` in most rounds while the check waited 2 ms (issue 27).
+//! - A POLLPRI paid by a credit carried from an earlier turn may be that
+//!   event's own late POLLPRI, or a later change that came as the credit
+//!   was left over (signals coalesce: an umount and a move read together,
+//!   one POLLPRI). Its verdict asks the caller to read the mounts its
+//!   events read lately once more, which shows a remount right after the
+//!   mount (issue 27's `mount; mount -o remount,ro`).
 //!
-//! A remount coalesced with other changes into one POLLPRI can still be
-//! paired wrongly; the periodic resync bounds that case.
-
-use std::time::{Duration, Instant};
+//! A remount of another mount coalesced with other changes into one
+//! POLLPRI can still be paired wrongly; the periodic resync bounds that
+//! case.
 
 /// At most this many POLLPRIs wait for pairing; beyond it, resync anyway.
 const MAX_WAITING: usize = 1024;
@@ -32,29 +41,34 @@ const MAX_WAITING: usize = 1024;
 pub(super) const EXPIRE_TURNS: u32 = 2;
 
 pub(super) struct RemountDetector {
-    grace: Duration,
-    credits: u64,
+    /// Credits of events read in this ring turn.
+    fresh: u64,
+    /// Credits of events read in earlier turns.
+    carried: u64,
     /// Ring turns ended since credits last came or paid for a POLLPRI.
     idle_turns: u32,
     /// POLLPRIs still waiting for a credit.
     waiting: usize,
-    /// When the oldest waiting POLLPRI arrived.
-    waiting_since: Option<Instant>,
 }
 
 /// What the caller must do after telling the detector something.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Verdict {
     Nothing,
-    /// Read the fanotify fd and call `expire` after this long.
-    CheckAfter(Duration),
+    /// At the end of this ring turn, read what the fanotify fd holds and
+    /// then call `decide`.
+    Check,
+    /// Paid by an event read in an earlier turn: the POLLPRI may be a later
+    /// change of a mount read then (a remount right after its mount). At
+    /// the end of this turn, read the mounts attached lately again.
+    Recheck,
     /// Re-read the table: a change went unexplained.
     Resync,
 }
 
 impl RemountDetector {
-    pub(super) fn new(grace: Duration) -> Self {
-        Self { grace, credits: 0, idle_turns: 0, waiting: 0, waiting_since: None }
+    pub(super) fn new() -> Self {
+        Self { fresh: 0, carried: 0, idle_turns: 0, waiting: 0 }
     }
 
     /// `n` fanotify mount events were read.
@@ -64,59 +78,59 @@ impl RemountDetector {
         }
         let paid = (self.waiting as u64).min(n);
         self.waiting -= paid as usize;
-        if self.waiting == 0 {
-            self.waiting_since = None;
-        }
-        self.credits += n - paid;
+        self.fresh += n - paid;
         self.idle_turns = 0;
     }
 
-    /// mountinfo signalled a change at `now`.
-    pub(super) fn table_changed(&mut self, now: Instant) -> Verdict {
-        if self.credits > 0 {
-            self.credits -= 1;
+    /// mountinfo signalled a change. A credit carried from an earlier turn
+    /// pays first: its event's own POLLPRI, late, is the likelier, and if
+    /// it is a remount instead, the mount that event read is read again.
+    pub(super) fn table_changed(&mut self) -> Verdict {
+        if self.carried > 0 {
+            self.carried -= 1;
+            self.idle_turns = 0;
+            return Verdict::Recheck;
+        }
+        if self.fresh > 0 {
+            self.fresh -= 1;
             self.idle_turns = 0;
             return Verdict::Nothing;
         }
         if self.waiting >= MAX_WAITING {
             self.waiting = 0;
-            self.waiting_since = None;
             return Verdict::Resync;
         }
         self.waiting += 1;
-        if self.waiting_since.is_none() {
-            self.waiting_since = Some(now);
-            Verdict::CheckAfter(self.grace)
-        } else {
-            Verdict::Nothing
-        }
+        Verdict::Check
+    }
+
+    /// POLLPRIs are waiting for a credit (a check is due).
+    pub(super) fn waiting(&self) -> bool {
+        self.waiting > 0
     }
 
     /// The ring finished a turn. True while credits are left: the caller
     /// then makes sure another turn comes (a timer), so they expire on an
     /// idle ring too.
     pub(super) fn end_of_turn(&mut self) -> bool {
-        if self.credits == 0 {
+        self.carried += std::mem::take(&mut self.fresh);
+        if self.carried == 0 {
             return false;
         }
         self.idle_turns += 1;
         if self.idle_turns >= EXPIRE_TURNS {
-            self.credits = 0;
+            self.carried = 0;
         }
-        self.credits > 0
+        self.carried > 0
     }
 
-    /// The check timer fired at `now`, and the caller has read what the
-    /// fanotify fd held.
-    pub(super) fn expire(&mut self, now: Instant) -> Verdict {
-        match self.waiting_since {
-            None => Verdict::Nothing,
-            Some(t) if now.saturating_duration_since(t) >= self.grace => {
-                self.waiting = 0;
-                self.waiting_since = None;
-                Verdict::Resync
-            }
-            Some(t) => Verdict::CheckAfter(self.grace - now.saturating_duration_since(t)),
+    /// The caller has read what the fanotify fd held: a POLLPRI still
+    /// unpaired is a change fanotify does not report.
+    pub(super) fn decide(&mut self) -> Verdict {
+        if std::mem::take(&mut self.waiting) > 0 {
+            Verdict::Resync
+        } else {
+            Verdict::Nothing
         }
     }
 }
@@ -125,107 +139,135 @@ impl RemountDetector {
 mod tests {
     use super::*;
 
-    const G: Duration = Duration::from_millis(2);
-
-    fn at(base: Instant, us: u64) -> Instant {
-        base + Duration::from_micros(us)
-    }
-
     #[test]
     fn pairs_in_either_order() {
-        let t = Instant::now();
-        let mut d = RemountDetector::new(G);
-        // POLLPRI first, fanotify after.
-        assert_eq!(d.table_changed(at(t, 0)), Verdict::CheckAfter(G));
+        let mut d = RemountDetector::new();
+        // POLLPRI first; its event is read by the check at the end of the turn.
+        assert_eq!(d.table_changed(), Verdict::Check);
         d.fanotify(1);
+        assert_eq!(d.decide(), Verdict::Nothing);
         assert!(!d.end_of_turn());
-        assert_eq!(d.expire(at(t, 2000)), Verdict::Nothing);
-        // fanotify first, POLLPRI in the next turn.
+        // fanotify and its POLLPRI in the same turn.
+        d.fanotify(1);
+        assert_eq!(d.table_changed(), Verdict::Nothing);
+        assert!(!d.end_of_turn());
+        // fanotify first, POLLPRI in the next turn: paired, and the mount
+        // the event read is read again (the POLLPRI may be its remount).
         d.fanotify(1);
         assert!(d.end_of_turn());
-        assert_eq!(d.table_changed(at(t, 3040)), Verdict::Nothing);
+        assert_eq!(d.table_changed(), Verdict::Recheck);
         assert!(!d.end_of_turn());
-        assert_eq!(d.expire(at(t, 6000)), Verdict::Nothing);
+        assert_eq!(d.decide(), Verdict::Nothing);
+    }
+
+    /// Issue 27: a mount, read in one turn, remounted before its own POLLPRI
+    /// (coalesced with an earlier one) came: the remount's POLLPRI is paid by
+    /// the leftover credit, and only a second read of the mount shows it.
+    #[test]
+    fn a_credit_from_an_earlier_turn_asks_for_a_second_look() {
+        let mut d = RemountDetector::new();
+        // Two events (an umount and a move), one POLLPRI for both.
+        assert_eq!(d.table_changed(), Verdict::Check);
+        d.fanotify(2);
+        assert_eq!(d.decide(), Verdict::Nothing);
+        d.end_of_turn();
+        // The next mount: its POLLPRI is paid by the leftover credit.
+        assert_eq!(d.table_changed(), Verdict::Recheck);
+        d.fanotify(1);
+        d.end_of_turn();
+        // Its remount: paid by the mount's own credit, read a turn ago.
+        assert_eq!(d.table_changed(), Verdict::Recheck);
+        // A credit of this turn pays without a second look (its mount is
+        // read after the POLLPRI), but an older one is spent first.
+        d.fanotify(1);
+        assert_eq!(d.table_changed(), Verdict::Nothing);
+        d.fanotify(1);
+        d.end_of_turn();
+        d.fanotify(1);
+        assert_eq!(d.table_changed(), Verdict::Recheck);
+        assert_eq!(d.table_changed(), Verdict::Nothing);
     }
 
     #[test]
     fn a_lone_pollpri_is_a_remount() {
-        let t = Instant::now();
-        let mut d = RemountDetector::new(G);
+        let mut d = RemountDetector::new();
         d.fanotify(1);
-        assert_eq!(d.table_changed(at(t, 10)), Verdict::Nothing);
+        assert_eq!(d.table_changed(), Verdict::Nothing);
         d.end_of_turn();
-        // The remount: nothing pairs with it.
-        assert_eq!(d.table_changed(at(t, 500)), Verdict::CheckAfter(G));
-        d.end_of_turn();
-        assert_eq!(d.expire(at(t, 1500)), Verdict::CheckAfter(Duration::from_micros(1000)));
-        assert_eq!(d.expire(at(t, 2500)), Verdict::Resync);
+        // The remount: nothing pairs with it, and the fanotify fd is empty.
+        assert_eq!(d.table_changed(), Verdict::Check);
+        assert!(d.waiting());
+        assert_eq!(d.decide(), Verdict::Resync);
+        assert!(!d.waiting());
+        assert_eq!(d.decide(), Verdict::Nothing, "decided once");
     }
 
     #[test]
     fn leftover_credits_expire_after_quiet_turns() {
-        let t = Instant::now();
-        let mut d = RemountDetector::new(G);
+        let mut d = RemountDetector::new();
         // A tree unmount: four events, one POLLPRI.
         d.fanotify(4);
-        assert_eq!(d.table_changed(at(t, 20)), Verdict::Nothing);
+        assert_eq!(d.table_changed(), Verdict::Nothing);
         assert!(d.end_of_turn(), "credits left: the caller keeps the ring turning");
         // The expiry timer's turn, with no POLLPRI.
         assert!(!d.end_of_turn());
         // A remount later must not spend the stale credits.
-        assert_eq!(d.table_changed(at(t, 10_000)), Verdict::CheckAfter(G));
-        assert_eq!(d.expire(at(t, 12_000)), Verdict::Resync);
+        assert_eq!(d.table_changed(), Verdict::Check);
+        assert_eq!(d.decide(), Verdict::Resync);
     }
 
-    /// The ring thread was descheduled for 50 ms between the fanotify read
-    /// and the POLLPRI of the same change (one turn apart), and for 50 ms
-    /// between a POLLPRI and the read of its event: neither is a remount.
-    /// (The wall-clock detector resynced in both cases.)
+    /// The ring thread was descheduled for a long time between the fanotify
+    /// read and the POLLPRI of the same change (one turn apart), and between
+    /// a POLLPRI and the read of its event: neither is a remount, as no
+    /// wall time is counted.
     #[test]
     fn a_late_ring_thread_pairs_all_the_same() {
-        let t = Instant::now();
-        let mut d = RemountDetector::new(G);
+        let mut d = RemountDetector::new();
         d.fanotify(1);
         d.end_of_turn();
-        assert_eq!(d.table_changed(at(t, 50_000)), Verdict::Nothing);
+        assert_eq!(d.table_changed(), Verdict::Recheck);
         d.end_of_turn();
-        assert_eq!(d.table_changed(at(t, 60_000)), Verdict::CheckAfter(G));
-        d.end_of_turn();
-        // The check fires 50 ms late; the caller reads the fanotify fd first.
+        assert_eq!(d.table_changed(), Verdict::Check);
+        // The check reads the fanotify fd before it decides.
         d.fanotify(1);
-        assert_eq!(d.expire(at(t, 110_000)), Verdict::Nothing);
+        assert_eq!(d.decide(), Verdict::Nothing);
     }
 
     #[test]
     fn a_storm_never_resyncs() {
-        let t = Instant::now();
-        let mut d = RemountDetector::new(G);
+        let mut d = RemountDetector::new();
         let mut resyncs = 0;
         for i in 0..1000u64 {
-            // Alternate orders and turn boundaries, as the ring may see them,
-            // with arbitrary gaps in wall time.
-            let now = at(t, i * 5_000);
-            let v = match i % 3 {
+            // Orders and turn boundaries as the ring may see them; a check
+            // reads the fanotify fd (where the kernel has queued the event
+            // by then) before it decides.
+            let mut v = match i % 4 {
                 0 => {
-                    let v = d.table_changed(now);
+                    let v = d.table_changed();
                     d.fanotify(1);
                     v
                 }
                 1 => {
                     d.fanotify(1);
                     d.end_of_turn();
-                    d.table_changed(now)
+                    d.table_changed()
                 }
-                _ => {
-                    let v = d.table_changed(now);
-                    d.end_of_turn();
-                    d.fanotify(1);
+                2 => {
+                    // Two changes, one POLLPRI (coalesced), one read.
+                    let v = d.table_changed();
+                    d.fanotify(2);
                     v
                 }
+                _ => {
+                    d.fanotify(1);
+                    d.table_changed()
+                }
             };
+            if v == Verdict::Check {
+                v = d.decide();
+            }
             d.end_of_turn();
             resyncs += (v == Verdict::Resync) as u32;
-            resyncs += (d.expire(at(t, i * 5_000 + 4_000)) == Verdict::Resync) as u32;
         }
         assert_eq!(resyncs, 0);
     }
