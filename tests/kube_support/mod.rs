@@ -21,11 +21,22 @@
 //!   server allows on them: any other is a 400) and GET.
 //! - Injected failures: the next N matching requests answer 429 (with
 //!   Retry-After), 500 or 409.
+//! - A throttled server, as kube-apiserver's max-in-flight filter is with
+//!   `--max-requests-inflight` / `--max-mutating-requests-inflight`: a
+//!   request that arrives while that many of its class (mutating: POST,
+//!   PUT, PATCH, DELETE; read-only: the rest) are in the server's hands is
+//!   answered at once 429 TooManyRequests with `Retry-After: 1`, and is not
+//!   held ([`StandIn::set_max_in_flight`]).
+//! - An outage ([`StandIn::set_outage`]): while it lasts every request is
+//!   answered 503 ServiceUnavailable without a Retry-After, as through a
+//!   load balancer with no ready server behind it, or from a server still
+//!   starting.
 //!
 //! Every request is logged (time, method, path, query, status) so a test
 //! can count what the publisher asked for. A hold knob keeps each request
-//! for a while before it is served, and the stand-in counts how many are
-//! in its hands at once, so a bound on concurrency can be measured.
+//! for a while before it is served (a server's service time), and the
+//! stand-in counts how many are in its hands at once, so a bound on
+//! concurrency can be measured.
 
 #![allow(dead_code)]
 
@@ -117,6 +128,14 @@ struct Flight {
     hold: std::time::Duration,
     now: usize,
     max: usize,
+    /// Of `now`: mutating requests, read-only requests.
+    mutating: usize,
+    readonly: usize,
+    /// The max-in-flight limits (None: unlimited).
+    max_mutating: Option<usize>,
+    max_readonly: Option<usize>,
+    /// Every request answered 503 while true.
+    outage: bool,
 }
 
 /// The running stand-in: its address and its state.
@@ -163,6 +182,26 @@ impl StandIn {
     /// The most requests that were in the stand-in's hands at once.
     pub fn max_in_flight(&self) -> usize {
         self.flight.lock().unwrap().max
+    }
+
+    /// Forgets the most in flight so far (a test's next phase measures
+    /// its own).
+    pub fn reset_max_in_flight(&self) {
+        let mut f = self.flight.lock().unwrap();
+        f.max = f.now;
+    }
+
+    /// The max-in-flight filter: at most `readonly` read-only and
+    /// `mutating` mutating requests in the server's hands at once; one
+    /// beyond is answered 429 with `Retry-After: 1` (None: no limit).
+    pub fn set_max_in_flight(&self, readonly: Option<usize>, mutating: Option<usize>) {
+        let mut f = self.flight.lock().unwrap();
+        (f.max_readonly, f.max_mutating) = (readonly, mutating);
+    }
+
+    /// Starts (true) or ends an outage: every request answered 503.
+    pub fn set_outage(&self, down: bool) {
+        self.flight.lock().unwrap().outage = down;
     }
 
     pub fn inject(&self, f: Fault) {
@@ -273,21 +312,79 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
     let path = uri.path().to_string();
     let query = uri.query().unwrap_or("").to_string();
     let started = Instant::now();
-    let hold = {
+    let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
+    let admitted = {
         let mut f = api.flight.lock().unwrap();
-        f.now += 1;
-        f.max = f.max.max(f.now);
-        f.hold
+        let (class_now, class_max) = if mutating { (f.mutating, f.max_mutating) } else { (f.readonly, f.max_readonly) };
+        if f.outage {
+            Err(unavailable())
+        } else if class_max.is_some_and(|m| class_now >= m) {
+            Err(too_many_requests())
+        } else {
+            f.now += 1;
+            f.max = f.max.max(f.now);
+            if mutating {
+                f.mutating += 1;
+            } else {
+                f.readonly += 1;
+            }
+            Ok(f.hold)
+        }
     };
+    let hold = match admitted {
+        Ok(hold) => hold,
+        Err(resp) => {
+            let status = resp.status().as_u16();
+            api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status });
+            return resp;
+        }
+    };
+    // Out of the count when served, or when the client gave up on it.
+    let counted = InFlight { flight: api.flight.clone(), mutating };
     if !hold.is_zero() {
         tokio::time::sleep(hold).await;
     }
-    api.flight.lock().unwrap().now -= 1;
+    drop(counted);
     let mut g = api.lock();
     let resp = serve(&mut g, &method, &path, &query, &headers, &body);
     let status = resp.status().as_u16();
     g.log.push(Logged { at: Instant::now(), started, method, path, query, status });
     resp
+}
+
+/// One admitted request, counted in flight until dropped.
+struct InFlight {
+    flight: Arc<Mutex<Flight>>,
+    mutating: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut f = self.flight.lock().unwrap_or_else(|e| e.into_inner());
+        f.now -= 1;
+        if self.mutating {
+            f.mutating -= 1;
+        } else {
+            f.readonly -= 1;
+        }
+    }
+}
+
+/// What kube-apiserver's max-in-flight filter answers a request over its
+/// limit.
+fn too_many_requests() -> Response {
+    let code = StatusCode::TOO_MANY_REQUESTS;
+    let mut body = status_body(code, "TooManyRequests", "Too many requests, please try again later.");
+    body["details"] = json!({"retryAfterSeconds": 1});
+    let mut r = reply(code, body);
+    r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+    r
+}
+
+/// What a client reads while the server is down (no Retry-After).
+fn unavailable() -> Response {
+    let code = StatusCode::SERVICE_UNAVAILABLE;
+    reply(code, status_body(code, "ServiceUnavailable", "the server is currently unable to handle the request"))
 }
 
 fn take_fault(g: &mut Inner, method: &Method, path: &str) -> Option<Fault> {
