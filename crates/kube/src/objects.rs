@@ -493,7 +493,7 @@ mod tests {
 
     #[test]
     fn deploy_crds_match_the_types() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/crds/volring.io.yaml");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds/volring.io.yaml");
         let on_disk = std::fs::read_to_string(path).unwrap_or_default();
         assert!(on_disk == crds_yaml(), "{path} differs from the types; regenerate it with `volring crds > {path}`");
     }
