@@ -300,10 +300,13 @@ const TROUBLE: usize = 300;
 fn trouble_start(server_rt: &tokio::runtime::Runtime, rt: &tokio::runtime::Runtime) -> (kube_support::Server, Updater) {
     let server = server_rt.block_on(kube_support::Server::start());
     seed(&server, TROUBLE);
-    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let mut c = unlimited();
     c.concurrency = 4;
-    let up = rt.block_on(async { Updater::start(sink, c, (0..TROUBLE).map(|i| bd(i, 0)).collect()) });
+    let config = server.config();
+    let up = rt.block_on(async {
+        let sink = Arc::new(KubeSink::new(config).unwrap());
+        Updater::start(sink, c, (0..TROUBLE).map(|i| bd(i, 0)).collect())
+    });
     (server, up)
 }
 

@@ -130,6 +130,10 @@ impl KubeSink {
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(SinkError::Throttled { retry_after: retry_after_of(retry_after.as_deref()) });
         }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            let message = message_of(&body);
+            return Err(SinkError::Overloaded { retry_after: retry_after.as_deref().map(|v| retry_after_of(Some(v))), message });
+        }
         Ok((status, body))
     }
 }
@@ -140,13 +144,17 @@ pub fn retry_after_of(v: Option<&str>) -> Duration {
     v.and_then(|s| s.trim().parse::<u64>().ok()).map_or(Duration::from_secs(1), Duration::from_secs).min(MAX_RETRY_AFTER)
 }
 
-/// Maps a status other than success and 429 to how the updater reacts.
-fn classify(status: StatusCode, body: &[u8]) -> SinkError {
-    let msg = serde_json::from_slice::<serde_json::Value>(body)
+/// A Status body's message, or the start of the body.
+fn message_of(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(str::to_string))
-        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
-    let text = format!("{status}: {msg}");
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned())
+}
+
+/// Maps a status other than success, 429 and 503 to how the updater reacts.
+fn classify(status: StatusCode, body: &[u8]) -> SinkError {
+    let text = format!("{status}: {}", message_of(body));
     match status {
         StatusCode::CONFLICT | StatusCode::NOT_FOUND => SinkError::Conflict(text),
         StatusCode::REQUEST_TIMEOUT => SinkError::Unavailable(text),
