@@ -554,3 +554,30 @@ async fn during_an_outage_one_probe_at_a_time_and_everything_converges_after() {
     let s = up.shutdown(Duration::from_secs(10)).await;
     assert_eq!(s.abandoned, 0, "{s:?}");
 }
+
+/// Issue 29: every request names volring, its version and its node in the
+/// User-Agent (`volring/<version> (<node>)`): writes, LISTs, the re-read
+/// after a conflict, the healer's VolumeAttachment listing.
+#[tokio::test]
+async fn every_request_names_volring_and_its_node() {
+    let server = Server::start().await;
+    let want = volring_share::kube::user_agent("n1");
+    assert_eq!(want, format!("volring/{} (n1)", env!("CARGO_PKG_VERSION")));
+    let sink = Arc::new(KubeSink::for_node(server.config(), "n1").unwrap());
+    let o = bd("n1", 1, 1);
+    server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
+    Updater::start(sink.clone(), config("n1"), vec![o, bd("n1", 2, 1)]).shutdown(Duration::from_secs(10)).await;
+    volring_kube::attachments::attached_here(&*sink, "volring.csi.io", "n1").await.unwrap();
+    let log = server.api.log();
+    assert!(log.iter().any(|l| l.method == Method::GET && l.path.ends_with(&bd("n1", 1, 1).key.name)), "the re-read: {log:#?}");
+    assert!(log.iter().any(|l| l.path == volring_kube::attachments::PATH));
+    for l in &log {
+        assert_eq!(l.user_agent.as_deref(), Some(want.as_str()), "{} {}", l.method, l.path);
+    }
+    // Not told the node: the one the agent would publish for.
+    server.api.clear_log();
+    let sink = KubeSink::new(server.config()).unwrap();
+    volring_kube::Sink::list(&sink, Kind::StorageNode, "n1").await.unwrap();
+    let ua = volring_share::kube::user_agent(&volring_devices::node_name());
+    assert_eq!(server.api.log()[0].user_agent.as_deref(), Some(ua.as_str()));
+}

@@ -32,8 +32,8 @@
 //!   load balancer with no ready server behind it, or from a server still
 //!   starting.
 //!
-//! Every request is logged (time, method, path, query, status) so a test
-//! can count what the publisher asked for. A hold knob keeps each request
+//! Every request is logged (time, method, path, query, status, User-Agent)
+//! so a test can count what the publisher asked for, and who asked. A hold knob keeps each request
 //! for a while before it is served (a server's service time), and the
 //! stand-in counts how many are in its hands at once, so a bound on
 //! concurrency can be measured.
@@ -68,6 +68,8 @@ pub struct Logged {
     pub path: String,
     pub query: String,
     pub status: u16,
+    /// The request's User-Agent header, if it had one.
+    pub user_agent: Option<String>,
 }
 
 impl Logged {
@@ -312,6 +314,7 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
     let path = uri.path().to_string();
     let query = uri.query().unwrap_or("").to_string();
     let started = Instant::now();
+    let user_agent = headers.get(axum::http::header::USER_AGENT).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
     let admitted = {
         let mut f = api.flight.lock().unwrap();
@@ -335,7 +338,7 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
         Ok(hold) => hold,
         Err(resp) => {
             let status = resp.status().as_u16();
-            api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status });
+            api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
             return resp;
         }
     };
@@ -348,7 +351,7 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
     let mut g = api.lock();
     let resp = serve(&mut g, &method, &path, &query, &headers, &body);
     let status = resp.status().as_u16();
-    g.log.push(Logged { at: Instant::now(), started, method, path, query, status });
+    g.log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
     resp
 }
 

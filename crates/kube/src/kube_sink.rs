@@ -38,20 +38,34 @@ pub struct KubeSink {
 }
 
 impl KubeSink {
-    /// A sink on `config`'s cluster. The client's own retry layer is
-    /// turned off: it would retry a 429 inside one request, holding a slot
-    /// while the token bucket and the other requests know nothing of the
-    /// pause. The updater does the retrying.
-    pub fn new(mut config: kube::Config) -> Result<Self, Error> {
+    /// A sink on `config`'s cluster, its requests naming this process's
+    /// node ([`volring_devices::node_name`]) in their User-Agent; see
+    /// [`KubeSink::for_node`].
+    pub fn new(config: kube::Config) -> Result<Self, Error> {
+        Self::for_node(config, &volring_devices::node_name())
+    }
+
+    /// A sink on `config`'s cluster for `node`: every request carries the
+    /// User-Agent `volring/<version> (<node>)`. The client's own retry
+    /// layer is turned off: it would retry a 429 inside one request,
+    /// holding a slot while the updater's limit knows nothing of it. The
+    /// updater does the retrying.
+    pub fn for_node(mut config: kube::Config, node: &str) -> Result<Self, Error> {
         config.default_retry = false;
+        volring_share::kube::identify(&mut config, node);
         let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
         Ok(Self { client })
     }
 
     /// A client from the in-cluster service account or the kubeconfig.
     pub async fn infer() -> Result<Self, Error> {
+        Self::infer_for(&volring_devices::node_name()).await
+    }
+
+    /// [`KubeSink::infer`] for `node` (the agent's `--node-id`).
+    pub async fn infer_for(node: &str) -> Result<Self, Error> {
         let config = kube::Config::infer().await.map_err(|e| Error::Config(e.to_string()))?;
-        Self::new(config)
+        Self::for_node(config, node)
     }
 
     /// True when the process runs in a pod (the service account's env).
