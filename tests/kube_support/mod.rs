@@ -5,6 +5,10 @@
 //!
 //! - LIST with `labelSelector` (equality terms, comma-joined), `limit` and
 //!   an opaque `continue` token; a list carries `metadata.resourceVersion`.
+//!   `fieldSelector` (`=`, `==`, `!=` terms) on `metadata.name` and on the
+//!   fields the CRD volring installs lists as `selectableFields` (read from
+//!   `volring_kube::objects`, as the API server reads the CRD), any other
+//!   field a 400 "field label not supported", as the real server answers.
 //! - GET, DELETE (200 with the object; 404 with a Status when absent).
 //! - PATCH with `application/apply-patch+yaml` (server-side apply; bodies
 //!   must be JSON, which is YAML): `fieldManager` is required (422 without),
@@ -489,15 +493,47 @@ fn storage(g: &Inner, method: &Method, rest: &str, query: &str) -> Response {
     }
 }
 
-fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
-    list_of(g, plural, "volring.io/v1alpha1", "List", q, "")
+/// The fields each volring resource lets a LIST select by: `metadata.name`,
+/// and what its CRD declares in `selectableFields`.
+fn selectable(plural: &str) -> Vec<String> {
+    use kube::CustomResourceExt;
+    let crds = [volring_kube::objects::BlockDevice::crd(), volring_kube::objects::StorageNode::crd()];
+    let crd = crds.iter().find(|c| c.spec.names.plural == plural);
+    let declared = crd.into_iter().flat_map(|c| c.spec.versions.iter()).flat_map(|v| v.selectable_fields.iter().flatten());
+    std::iter::once("metadata.name".to_string()).chain(declared.map(|f| f.json_path.trim_start_matches('.').to_string())).collect()
 }
 
-/// `fields`: `metadata.name=x` / `metadata.name!=x` terms (checked by the caller).
-fn name_matches(name: &str, fields: &str) -> bool {
-    fields.split(',').filter(|t| !t.is_empty()).all(|t| match t.split_once("!=") {
-        Some((_, v)) => name != v,
-        None => t.rsplit('=').next() == Some(name),
+fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
+    let fields = q.get("fieldSelector").cloned().unwrap_or_default();
+    let allowed = selectable(plural);
+    for term in fields.split(',').filter(|t| !t.is_empty()) {
+        let field = term.split(['=', '!']).next().unwrap_or_default();
+        if !allowed.iter().any(|a| a == field) {
+            let code = StatusCode::BAD_REQUEST;
+            return reply(code, status_body(code, "BadRequest", &format!("field label not supported: {field}")));
+        }
+    }
+    list_of(g, plural, "volring.io/v1alpha1", "List", q, &fields)
+}
+
+/// `fields`: `path=x`, `path==x`, `path!=x` terms (checked by the caller);
+/// a path's value is compared as the API server does, as a string.
+fn fields_match(obj: &Value, fields: &str) -> bool {
+    fields.split(',').filter(|t| !t.is_empty()).all(|t| {
+        let (path, want, equal) = match t.split_once("!=") {
+            Some((p, v)) => (p, v, false),
+            None => {
+                let (p, v) = t.split_once('=').unwrap_or((t, ""));
+                (p, v.trim_start_matches('='), true)
+            }
+        };
+        let pointer = format!("/{}", path.replace('.', "/"));
+        let have = match obj.pointer(&pointer) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(v) => v.to_string(),
+        };
+        (have == want) == equal
     })
 }
 
@@ -511,7 +547,7 @@ fn list_of(g: &Inner, plural: &str, api_version: &str, kind: &str, q: &BTreeMap<
         if p != plural
             || (!after.is_empty() && name.as_str() <= after.as_str())
             || !matches(&s.obj, &selector)
-            || !name_matches(name, fields)
+            || !fields_match(&s.obj, fields)
         {
             continue;
         }
