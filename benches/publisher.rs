@@ -26,7 +26,22 @@
 //! the child's start (runtime and binary, the same for both) is printed too,
 //! and the growth above it. Medians of `--runs` runs (by wall time).
 //!
-//! `cargo bench --bench publisher [-- --runs 3 --qps 20]`
+//! Then, in this process (the publisher on a runtime of its own, the
+//! stand-in on another), how the publisher treats a server in trouble:
+//!
+//! 3. a throttled server: the stand-in as kube-apiserver with
+//!    `--max-requests-inflight=1 --max-mutating-requests-inflight=1` (a
+//!    request beyond one in flight is answered 429, `Retry-After: 1`), each
+//!    request held 10 ms, 300 stored objects each given a new status, the
+//!    publisher allowed 4 requests in flight. Printed: writes per object,
+//!    rejected per accepted request, the wall time to write them all (cut
+//!    at `--cap` seconds).
+//! 4. an outage: the same 300 objects change while every request is
+//!    answered 503 for `--outage` seconds (20). Printed: the requests made
+//!    during the outage, and the time from the server's return until every
+//!    object is written (cut at `--cap`).
+//!
+//! `cargo bench --bench publisher [-- --runs 3 --qps 20 --only storm,sync,throttled,outage --outage 20 --cap 120]`
 
 #[path = "../tests/kube_support/mod.rs"]
 mod kube_support;
@@ -276,6 +291,104 @@ fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|r| r.parse().ok())
 }
 
+// ---- a server in trouble: throttled, then down ----
+
+const TROUBLE: usize = 300;
+
+/// Stores `TROUBLE` devices at generation 0 and starts a publisher (4 in
+/// flight, no rate limit) that knows them, on `rt`.
+fn trouble_start(server_rt: &tokio::runtime::Runtime, rt: &tokio::runtime::Runtime) -> (kube_support::Server, Updater) {
+    let server = server_rt.block_on(kube_support::Server::start());
+    seed(&server, TROUBLE);
+    let mut c = unlimited();
+    c.concurrency = 4;
+    let config = server.config();
+    let up = rt.block_on(async {
+        let sink = Arc::new(KubeSink::new(config).unwrap());
+        Updater::start(sink, c, (0..TROUBLE).map(|i| bd(i, 0)).collect())
+    });
+    (server, up)
+}
+
+fn all_at(server: &kube_support::Server, gen: usize) -> usize {
+    (0..TROUBLE)
+        .filter(|&i| server.api.object("blockdevices", &bd(i, gen).key.name).is_some_and(|o| o["status"] == bd(i, gen).status))
+        .count()
+}
+
+/// Waits until every object has generation `gen`'s status, at most `cap`;
+/// the time it took, or None.
+fn converge(server: &kube_support::Server, gen: usize, cap: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < cap {
+        if all_at(server, gen) == TROUBLE {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+fn secs(d: Option<Duration>, cap: Duration, server: &kube_support::Server, gen: usize) -> String {
+    match d {
+        Some(d) => format!("{:.2} s", d.as_secs_f64()),
+        None => format!("not done in {} s ({} of {TROUBLE} written)", cap.as_secs(), all_at(server, gen)),
+    }
+}
+
+fn throttled(server_rt: &tokio::runtime::Runtime, cap: Duration) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (server, up) = trouble_start(server_rt, &rt);
+    assert!(converge(&server, 0, Duration::from_secs(30)).is_some());
+    std::thread::sleep(Duration::from_millis(300));
+    server.api.clear_log();
+    server.api.set_hold(Duration::from_millis(10));
+    server.api.set_max_in_flight(Some(1), Some(1));
+    for i in 0..TROUBLE {
+        up.submit(bd(i, 1));
+    }
+    let took = converge(&server, 1, cap);
+    let log = server.api.log();
+    let accepted = log.iter().filter(|l| l.method != axum::http::Method::GET && l.status < 300).count();
+    let rejected = log.iter().filter(|l| l.status == 429).count();
+    println!(
+        "\nthrottled server (max in flight 1, each request held 10 ms): {TROUBLE} objects, each a new status, 4 requests allowed in flight"
+    );
+    println!(
+        "  writes/object {:.2}, accepted {accepted}, rejected {rejected}, rejected per accepted {:.2}, all written in {}",
+        accepted as f64 / TROUBLE as f64,
+        rejected as f64 / accepted.max(1) as f64,
+        secs(took, cap, &server, 1)
+    );
+    rt.block_on(up.shutdown(Duration::from_secs(1)));
+}
+
+fn outage(server_rt: &tokio::runtime::Runtime, down: Duration, cap: Duration) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (server, up) = trouble_start(server_rt, &rt);
+    assert!(converge(&server, 0, Duration::from_secs(30)).is_some());
+    std::thread::sleep(Duration::from_millis(300));
+    server.api.clear_log();
+    server.api.set_outage(true);
+    for i in 0..TROUBLE {
+        up.submit(bd(i, 1));
+    }
+    std::thread::sleep(down);
+    let during = server.api.log().len();
+    server.api.set_outage(false);
+    let took = converge(&server, 1, cap);
+    let log = server.api.log();
+    let accepted = log.iter().filter(|l| l.method != axum::http::Method::GET && l.status < 300).count();
+    println!("\noutage: {TROUBLE} objects change while every request is answered 503 for {} s", down.as_secs());
+    println!(
+        "  requests during the outage {during} ({:.1}/s), then all written {} after the server's return, writes/object {:.2}",
+        during as f64 / down.as_secs_f64(),
+        secs(took, cap, &server, 1),
+        accepted as f64 / TROUBLE as f64
+    );
+    rt.block_on(up.shutdown(Duration::from_secs(1)));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(who) = arg::<String>(&args, "--child") {
@@ -285,14 +398,20 @@ fn main() {
     }
     let runs = arg(&args, "--runs").unwrap_or(3usize).max(1);
     let qps = arg(&args, "--qps").unwrap_or(20.0f64).max(0.001);
+    let only = arg::<String>(&args, "--only").unwrap_or_else(|| "storm,sync,throttled,outage".into());
+    let only: Vec<&str> = only.split(',').collect();
+    let cap = Duration::from_secs(arg(&args, "--cap").unwrap_or(120u64));
     // The stand-in runs on its own runtime and threads, in this process.
     let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let server = server_rt.block_on(kube_support::Server::start());
     let mut results = Vec::new();
-    for (name, objects, ours, peer) in [
-        ("storm: 10,000 events over 1,000 devices", DEVICES, Who::StormPublisher, Who::StormPeer),
-        ("initial sync at start: 5,000 devices stored, nothing changed", SYNC, Who::SyncPublisher, Who::SyncPeer),
+    for (key, name, objects, ours, peer) in [
+        ("storm", "storm: 10,000 events over 1,000 devices", DEVICES, Who::StormPublisher, Who::StormPeer),
+        ("sync", "initial sync at start: 5,000 devices stored, nothing changed", SYNC, Who::SyncPublisher, Who::SyncPeer),
     ] {
+        if !only.contains(&key) {
+            continue;
+        }
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for _ in 0..runs {
             a.push(measure(&server, ours, objects));
@@ -300,10 +419,18 @@ fn main() {
         }
         results.push((name, objects, median(a), median(b)));
     }
-    println!(
-        "publisher vs the node-disk-manager model, medians of {runs} runs, stand-in API over loopback, each client in its own process"
-    );
+    if !results.is_empty() {
+        println!(
+            "publisher vs the node-disk-manager model, medians of {runs} runs, stand-in API over loopback, each client in its own process"
+        );
+    }
     for (name, objects, a, b) in results {
         report(name, objects, qps, a, b);
+    }
+    if only.contains(&"throttled") {
+        throttled(&server_rt, cap);
+    }
+    if only.contains(&"outage") {
+        outage(&server_rt, Duration::from_secs(arg(&args, "--outage").unwrap_or(20u64)), cap);
     }
 }

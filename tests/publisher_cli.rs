@@ -63,6 +63,10 @@ async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
     assert_eq!(names, want);
     assert!(err.contains("from the cluster") && err.contains(&cfg.display().to_string()), "{err}");
     assert!(server.api.log().iter().any(|l| l.path.ends_with("/blockdevices")));
+    assert!(
+        server.api.log().iter().all(|l| l.user_agent.as_deref().is_some_and(|u| u.starts_with("volring/"))),
+        "volring get names itself"
+    );
 
     // ~/.kube/config counts too.
     std::fs::create_dir(home.join(".kube")).unwrap();
@@ -177,6 +181,10 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     let mine = bd_names_of(&server, "e2e-node");
     assert!(sample(&scrape, "volring_publish_writes_total{part=\"main\"}").is_some_and(|n| n >= mine.len() as f64), "{scrape}");
     assert!(log().contains("publishing to the cluster") && log().contains(&cfg.display().to_string()), "{}", log());
+    // Every request names volring (issue 29).
+    let unnamed: Vec<_> =
+        server.api.log().into_iter().filter(|l| !l.user_agent.as_deref().is_some_and(|u| u.starts_with("volring/"))).collect();
+    assert!(unnamed.is_empty(), "requests without volring's User-Agent: {unnamed:#?}");
     for name in &mine {
         let o = server.api.object("blockdevices", name).unwrap();
         assert_eq!(o["spec"]["nodeName"], "e2e-node");

@@ -160,3 +160,51 @@ async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     );
     assert_eq!((s.writes_main, s.writes_status), (4 + 1, 4 + 1), "{s:?}");
 }
+
+/// Issue 29: a node's objects are found as node-disk-manager's users look
+/// for them (`-l kubernetes.io/hostname=<node>`), and by
+/// `--field-selector spec.nodeName=<node>` (the CRDs declare it in
+/// `selectableFields`; the stand-in, like the API server, refuses a field
+/// the CRD does not list).
+#[tokio::test]
+async fn a_nodes_objects_are_found_by_hostname_label_and_by_node_field() {
+    use volring_kube::feed::Feed;
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    for node in ["n1", "n2"] {
+        let initial = Feed::initial(&cloned_inventory(node, 3), node, objects::storage_node(node, None, vec![]));
+        Updater::start(sink.clone(), config(node), initial).shutdown(Duration::from_secs(10)).await;
+    }
+    let client = kube::Client::try_from(server.config()).unwrap();
+    let list = |plural: &'static str, query: String| {
+        let client = client.clone();
+        async move {
+            let req = http::Request::get(format!("/apis/volring.io/v1alpha1/{plural}?{query}")).body(Vec::new()).unwrap();
+            client.request::<serde_json::Value>(req).await
+        }
+    };
+    let names = |v: &serde_json::Value| -> Vec<String> {
+        let mut n: Vec<String> =
+            v["items"].as_array().unwrap().iter().map(|i| i["metadata"]["name"].as_str().unwrap().to_string()).collect();
+        n.sort();
+        n
+    };
+    let by_label = list("blockdevices", "labelSelector=kubernetes.io%2Fhostname%3Dn1".into()).await.unwrap();
+    assert_eq!(names(&by_label), bd_names_of(&server, "n1"));
+    let sn = list("storagenodes", "labelSelector=kubernetes.io%2Fhostname%3Dn2".into()).await.unwrap();
+    assert_eq!(names(&sn), ["n2"]);
+    let by_field = list("blockdevices", "fieldSelector=spec.nodeName%3Dn1".into()).await.unwrap();
+    assert_eq!(names(&by_field), bd_names_of(&server, "n1"));
+    let not_n1 = list("blockdevices", "fieldSelector=spec.nodeName%21%3Dn1".into()).await.unwrap();
+    assert_eq!(names(&not_n1), bd_names_of(&server, "n2"));
+    let sn = list("storagenodes", "fieldSelector=spec.nodeName%3Dn1".into()).await.unwrap();
+    assert_eq!(names(&sn), ["n1"]);
+    let refused = list("blockdevices", "fieldSelector=spec.path%3D%2Fdev%2Fvdz0".into()).await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.code == 400 && e.message.contains("field label not supported")),
+        "{refused:?}"
+    );
+    for o in server.api.objects("blockdevices").into_iter().chain(server.api.objects("storagenodes")) {
+        assert_eq!(o["metadata"]["labels"]["kubernetes.io/hostname"], o["spec"]["nodeName"], "{o}");
+    }
+}

@@ -25,7 +25,9 @@ fn vol(ip: &str) -> SharedVolume {
 }
 
 async fn controller(server: &Server, poll_ms: u64) -> ShareController {
-    let client = kube::Client::try_from(server.config()).expect("client");
+    let mut config = server.config();
+    volring_share::kube::identify(&mut config, "n1");
+    let client = kube::Client::try_from(config).expect("client");
     ShareController::new(client, ControllerConfig { poll: Duration::from_millis(poll_ms), total_wait: Duration::from_secs(5) })
 }
 
@@ -74,6 +76,9 @@ async fn service_and_endpoints_life_cycle() {
         assert_eq!(owner["uid"], pvc["metadata"]["uid"]);
         assert_eq!(o["metadata"]["labels"]["volring.io/volume"], "pvc-0001");
     }
+    // Every request names volring and its node (issue 29).
+    let ua = volring_share::kube::user_agent("n1");
+    assert!(server.api.log().iter().filter(|l| l.path.starts_with("/api/v1/")).all(|l| l.user_agent.as_deref() == Some(ua.as_str())));
     // The re-read after each create: GETs until visible (2 hidden + 1).
     let calls = core_calls(&server);
     let created = calls.iter().position(|(m, p)| *m == Method::POST && p.ends_with("/services")).expect("service POST");

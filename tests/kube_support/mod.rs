@@ -5,6 +5,10 @@
 //!
 //! - LIST with `labelSelector` (equality terms, comma-joined), `limit` and
 //!   an opaque `continue` token; a list carries `metadata.resourceVersion`.
+//!   `fieldSelector` (`=`, `==`, `!=` terms) on `metadata.name` and on the
+//!   fields the CRD volring installs lists as `selectableFields` (read from
+//!   `volring_kube::objects`, as the API server reads the CRD), any other
+//!   field a 400 "field label not supported", as the real server answers.
 //! - GET, DELETE (200 with the object; 404 with a Status when absent).
 //! - PATCH with `application/apply-patch+yaml` (server-side apply; bodies
 //!   must be JSON, which is YAML): `fieldManager` is required (422 without),
@@ -21,11 +25,22 @@
 //!   server allows on them: any other is a 400) and GET.
 //! - Injected failures: the next N matching requests answer 429 (with
 //!   Retry-After), 500 or 409.
+//! - A throttled server, as kube-apiserver's max-in-flight filter is with
+//!   `--max-requests-inflight` / `--max-mutating-requests-inflight`: a
+//!   request that arrives while that many of its class (mutating: POST,
+//!   PUT, PATCH, DELETE; read-only: the rest) are in the server's hands is
+//!   answered at once 429 TooManyRequests with `Retry-After: 1`, and is not
+//!   held ([`StandIn::set_max_in_flight`]).
+//! - An outage ([`StandIn::set_outage`]): while it lasts every request is
+//!   answered 503 ServiceUnavailable without a Retry-After, as through a
+//!   load balancer with no ready server behind it, or from a server still
+//!   starting.
 //!
-//! Every request is logged (time, method, path, query, status) so a test
-//! can count what the publisher asked for. A hold knob keeps each request
-//! for a while before it is served, and the stand-in counts how many are
-//! in its hands at once, so a bound on concurrency can be measured.
+//! Every request is logged (time, method, path, query, status, User-Agent)
+//! so a test can count what the publisher asked for, and who asked. A hold knob keeps each request
+//! for a while before it is served (a server's service time), and the
+//! stand-in counts how many are in its hands at once, so a bound on
+//! concurrency can be measured.
 
 #![allow(dead_code)]
 
@@ -57,6 +72,8 @@ pub struct Logged {
     pub path: String,
     pub query: String,
     pub status: u16,
+    /// The request's User-Agent header, if it had one.
+    pub user_agent: Option<String>,
 }
 
 impl Logged {
@@ -117,6 +134,14 @@ struct Flight {
     hold: std::time::Duration,
     now: usize,
     max: usize,
+    /// Of `now`: mutating requests, read-only requests.
+    mutating: usize,
+    readonly: usize,
+    /// The max-in-flight limits (None: unlimited).
+    max_mutating: Option<usize>,
+    max_readonly: Option<usize>,
+    /// Every request answered 503 while true.
+    outage: bool,
 }
 
 /// The running stand-in: its address and its state.
@@ -163,6 +188,26 @@ impl StandIn {
     /// The most requests that were in the stand-in's hands at once.
     pub fn max_in_flight(&self) -> usize {
         self.flight.lock().unwrap().max
+    }
+
+    /// Forgets the most in flight so far (a test's next phase measures
+    /// its own).
+    pub fn reset_max_in_flight(&self) {
+        let mut f = self.flight.lock().unwrap();
+        f.max = f.now;
+    }
+
+    /// The max-in-flight filter: at most `readonly` read-only and
+    /// `mutating` mutating requests in the server's hands at once; one
+    /// beyond is answered 429 with `Retry-After: 1` (None: no limit).
+    pub fn set_max_in_flight(&self, readonly: Option<usize>, mutating: Option<usize>) {
+        let mut f = self.flight.lock().unwrap();
+        (f.max_readonly, f.max_mutating) = (readonly, mutating);
+    }
+
+    /// Starts (true) or ends an outage: every request answered 503.
+    pub fn set_outage(&self, down: bool) {
+        self.flight.lock().unwrap().outage = down;
     }
 
     pub fn inject(&self, f: Fault) {
@@ -273,21 +318,80 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
     let path = uri.path().to_string();
     let query = uri.query().unwrap_or("").to_string();
     let started = Instant::now();
-    let hold = {
+    let user_agent = headers.get(axum::http::header::USER_AGENT).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
+    let admitted = {
         let mut f = api.flight.lock().unwrap();
-        f.now += 1;
-        f.max = f.max.max(f.now);
-        f.hold
+        let (class_now, class_max) = if mutating { (f.mutating, f.max_mutating) } else { (f.readonly, f.max_readonly) };
+        if f.outage {
+            Err(unavailable())
+        } else if class_max.is_some_and(|m| class_now >= m) {
+            Err(too_many_requests())
+        } else {
+            f.now += 1;
+            f.max = f.max.max(f.now);
+            if mutating {
+                f.mutating += 1;
+            } else {
+                f.readonly += 1;
+            }
+            Ok(f.hold)
+        }
     };
+    let hold = match admitted {
+        Ok(hold) => hold,
+        Err(resp) => {
+            let status = resp.status().as_u16();
+            api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
+            return resp;
+        }
+    };
+    // Out of the count when served, or when the client gave up on it.
+    let counted = InFlight { flight: api.flight.clone(), mutating };
     if !hold.is_zero() {
         tokio::time::sleep(hold).await;
     }
-    api.flight.lock().unwrap().now -= 1;
+    drop(counted);
     let mut g = api.lock();
     let resp = serve(&mut g, &method, &path, &query, &headers, &body);
     let status = resp.status().as_u16();
-    g.log.push(Logged { at: Instant::now(), started, method, path, query, status });
+    g.log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
     resp
+}
+
+/// One admitted request, counted in flight until dropped.
+struct InFlight {
+    flight: Arc<Mutex<Flight>>,
+    mutating: bool,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut f = self.flight.lock().unwrap_or_else(|e| e.into_inner());
+        f.now -= 1;
+        if self.mutating {
+            f.mutating -= 1;
+        } else {
+            f.readonly -= 1;
+        }
+    }
+}
+
+/// What kube-apiserver's max-in-flight filter answers a request over its
+/// limit.
+fn too_many_requests() -> Response {
+    let code = StatusCode::TOO_MANY_REQUESTS;
+    let mut body = status_body(code, "TooManyRequests", "Too many requests, please try again later.");
+    body["details"] = json!({"retryAfterSeconds": 1});
+    let mut r = reply(code, body);
+    r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+    r
+}
+
+/// What a client reads while the server is down (no Retry-After).
+fn unavailable() -> Response {
+    let code = StatusCode::SERVICE_UNAVAILABLE;
+    reply(code, status_body(code, "ServiceUnavailable", "the server is currently unable to handle the request"))
 }
 
 fn take_fault(g: &mut Inner, method: &Method, path: &str) -> Option<Fault> {
@@ -389,15 +493,47 @@ fn storage(g: &Inner, method: &Method, rest: &str, query: &str) -> Response {
     }
 }
 
-fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
-    list_of(g, plural, "volring.io/v1alpha1", "List", q, "")
+/// The fields each volring resource lets a LIST select by: `metadata.name`,
+/// and what its CRD declares in `selectableFields`.
+fn selectable(plural: &str) -> Vec<String> {
+    use kube::CustomResourceExt;
+    let crds = [volring_kube::objects::BlockDevice::crd(), volring_kube::objects::StorageNode::crd()];
+    let crd = crds.iter().find(|c| c.spec.names.plural == plural);
+    let declared = crd.into_iter().flat_map(|c| c.spec.versions.iter()).flat_map(|v| v.selectable_fields.iter().flatten());
+    std::iter::once("metadata.name".to_string()).chain(declared.map(|f| f.json_path.trim_start_matches('.').to_string())).collect()
 }
 
-/// `fields`: `metadata.name=x` / `metadata.name!=x` terms (checked by the caller).
-fn name_matches(name: &str, fields: &str) -> bool {
-    fields.split(',').filter(|t| !t.is_empty()).all(|t| match t.split_once("!=") {
-        Some((_, v)) => name != v,
-        None => t.rsplit('=').next() == Some(name),
+fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
+    let fields = q.get("fieldSelector").cloned().unwrap_or_default();
+    let allowed = selectable(plural);
+    for term in fields.split(',').filter(|t| !t.is_empty()) {
+        let field = term.split(['=', '!']).next().unwrap_or_default();
+        if !allowed.iter().any(|a| a == field) {
+            let code = StatusCode::BAD_REQUEST;
+            return reply(code, status_body(code, "BadRequest", &format!("field label not supported: {field}")));
+        }
+    }
+    list_of(g, plural, "volring.io/v1alpha1", "List", q, &fields)
+}
+
+/// `fields`: `path=x`, `path==x`, `path!=x` terms (checked by the caller);
+/// a path's value is compared as the API server does, as a string.
+fn fields_match(obj: &Value, fields: &str) -> bool {
+    fields.split(',').filter(|t| !t.is_empty()).all(|t| {
+        let (path, want, equal) = match t.split_once("!=") {
+            Some((p, v)) => (p, v, false),
+            None => {
+                let (p, v) = t.split_once('=').unwrap_or((t, ""));
+                (p, v.trim_start_matches('='), true)
+            }
+        };
+        let pointer = format!("/{}", path.replace('.', "/"));
+        let have = match obj.pointer(&pointer) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(v) => v.to_string(),
+        };
+        (have == want) == equal
     })
 }
 
@@ -411,7 +547,7 @@ fn list_of(g: &Inner, plural: &str, api_version: &str, kind: &str, q: &BTreeMap<
         if p != plural
             || (!after.is_empty() && name.as_str() <= after.as_str())
             || !matches(&s.obj, &selector)
-            || !name_matches(name, fields)
+            || !fields_match(&s.obj, fields)
         {
             continue;
         }

@@ -38,20 +38,34 @@ pub struct KubeSink {
 }
 
 impl KubeSink {
-    /// A sink on `config`'s cluster. The client's own retry layer is
-    /// turned off: it would retry a 429 inside one request, holding a slot
-    /// while the token bucket and the other requests know nothing of the
-    /// pause. The updater does the retrying.
-    pub fn new(mut config: kube::Config) -> Result<Self, Error> {
+    /// A sink on `config`'s cluster, its requests naming this process's
+    /// node ([`volring_devices::node_name`]) in their User-Agent; see
+    /// [`KubeSink::for_node`].
+    pub fn new(config: kube::Config) -> Result<Self, Error> {
+        Self::for_node(config, &volring_devices::node_name())
+    }
+
+    /// A sink on `config`'s cluster for `node`: every request carries the
+    /// User-Agent `volring/<version> (<node>)`. The client's own retry
+    /// layer is turned off: it would retry a 429 inside one request,
+    /// holding a slot while the updater's limit knows nothing of it. The
+    /// updater does the retrying.
+    pub fn for_node(mut config: kube::Config, node: &str) -> Result<Self, Error> {
         config.default_retry = false;
+        volring_share::kube::identify(&mut config, node);
         let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
         Ok(Self { client })
     }
 
     /// A client from the in-cluster service account or the kubeconfig.
     pub async fn infer() -> Result<Self, Error> {
+        Self::infer_for(&volring_devices::node_name()).await
+    }
+
+    /// [`KubeSink::infer`] for `node` (the agent's `--node-id`).
+    pub async fn infer_for(node: &str) -> Result<Self, Error> {
         let config = kube::Config::infer().await.map_err(|e| Error::Config(e.to_string()))?;
-        Self::new(config)
+        Self::for_node(config, node)
     }
 
     /// True when the process runs in a pod (the service account's env).
@@ -130,6 +144,10 @@ impl KubeSink {
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(SinkError::Throttled { retry_after: retry_after_of(retry_after.as_deref()) });
         }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            let message = message_of(&body);
+            return Err(SinkError::Overloaded { retry_after: retry_after.as_deref().map(|v| retry_after_of(Some(v))), message });
+        }
         Ok((status, body))
     }
 }
@@ -140,13 +158,17 @@ pub fn retry_after_of(v: Option<&str>) -> Duration {
     v.and_then(|s| s.trim().parse::<u64>().ok()).map_or(Duration::from_secs(1), Duration::from_secs).min(MAX_RETRY_AFTER)
 }
 
-/// Maps a status other than success and 429 to how the updater reacts.
-fn classify(status: StatusCode, body: &[u8]) -> SinkError {
-    let msg = serde_json::from_slice::<serde_json::Value>(body)
+/// A Status body's message, or the start of the body.
+fn message_of(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(str::to_string))
-        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned());
-    let text = format!("{status}: {msg}");
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned())
+}
+
+/// Maps a status other than success, 429 and 503 to how the updater reacts.
+fn classify(status: StatusCode, body: &[u8]) -> SinkError {
+    let text = format!("{status}: {}", message_of(body));
     match status {
         StatusCode::CONFLICT | StatusCode::NOT_FOUND => SinkError::Conflict(text),
         StatusCode::REQUEST_TIMEOUT => SinkError::Unavailable(text),

@@ -3,7 +3,7 @@
 //! - [`objects`]: the CRDs (BlockDevice, StorageNode) and the pure builders
 //!   that turn devices and volumes into objects.
 //! - [`updater`]: the batched, coalescing updater; `pace` is its token
-//!   bucket, 429 pause and backoff.
+//!   bucket, its in-flight limit (AIMD on 429 and 503) and backoff.
 //! - [`sink`]: what the updater writes through, and how writes fail.
 //! - [`kube_sink`]: the API server as a sink (server-side apply, status
 //!   subresource, paginated LIST).

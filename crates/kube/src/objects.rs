@@ -23,6 +23,40 @@ pub const VERSION: &str = "v1alpha1";
 pub const NODE_LABEL: &str = "volring.io/node";
 /// Label: the object's kind in lower case (so one selector finds a kind).
 pub const KIND_LABEL: &str = "volring.io/kind";
+/// Label: the node, under the name node-disk-manager's users search by
+/// (`-l kubernetes.io/hostname=<node>`). Its value is the node's name,
+/// which is the node's own `kubernetes.io/hostname` label unless the
+/// kubelet was given another (`--hostname-override`).
+pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+
+/// Whether volring writes (and so compares) label `key`.
+pub fn is_own_label(key: &str) -> bool {
+    key.starts_with("volring.io/") || key == HOSTNAME_LABEL
+}
+
+/// schemars gives unsigned fields `format: uint32` / `uint64`, which the
+/// API server does not know (it warns on every apply of the CRD): they
+/// become `int64` with `minimum: 0`, what it does know. Applied to every
+/// type of the CRDs that holds one, nested ones included.
+pub fn kube_int_formats(schema: &mut schemars::Schema) {
+    fn walk(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(m) => {
+                let unsigned = m.get("format").and_then(|f| f.as_str()).is_some_and(|f| f.starts_with("uint"));
+                if unsigned {
+                    m.insert("format".into(), "int64".into());
+                    m.insert("minimum".into(), 0.into());
+                }
+                m.values_mut().for_each(walk);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    if let Some(m) = schema.as_object_mut() {
+        m.values_mut().for_each(walk);
+    }
+}
 /// At most this many volumes are listed in a StorageNode's status (the
 /// drifting ones first); the rest are counted in `volumesOmitted`. An
 /// object must stay far below the API server's 1.5 MiB request limit.
@@ -38,6 +72,7 @@ pub const MAX_LISTED_VOLUMES: usize = 1000;
     kind = "BlockDevice",
     shortname = "bd",
     status = "BlockDeviceStatus",
+    selectable = ".spec.nodeName",
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.nodeName"),
     printcolumn(name = "Path", type_ = "string", json_path = ".spec.path"),
     printcolumn(name = "Size", type_ = "integer", json_path = ".spec.capacity.storage"),
@@ -48,6 +83,7 @@ pub const MAX_LISTED_VOLUMES: usize = 1000;
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = kube_int_formats)]
 pub struct BlockDeviceSpec {
     pub node_name: String,
     /// `/dev/<name>` now; may change across reboots (the name does not).
@@ -66,6 +102,7 @@ pub struct BlockDeviceSpec {
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = kube_int_formats)]
 pub struct Capacity {
     /// Bytes.
     pub storage: u64,
@@ -148,6 +185,7 @@ pub struct Filesystem {
     kind = "StorageNode",
     shortname = "sn",
     status = "StorageNodeStatus",
+    selectable = ".spec.nodeName",
     printcolumn(name = "Volumes", type_ = "integer", json_path = ".status.volumesTotal"),
     printcolumn(name = "Drifting", type_ = "integer", json_path = ".status.volumesDrifting"),
     printcolumn(name = "PoolFree", type_ = "integer", json_path = ".status.pool.availableBytes"),
@@ -161,6 +199,7 @@ pub struct StorageNodeSpec {
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = kube_int_formats)]
 pub struct StorageNodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<Pool>,
@@ -176,6 +215,7 @@ pub struct StorageNodeStatus {
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = kube_int_formats)]
 pub struct Pool {
     pub path: String,
     pub capacity_bytes: u64,
@@ -302,12 +342,7 @@ impl Object {
         let labels = v
             .pointer("/metadata/labels")
             .and_then(|l| l.as_object())
-            .map(|l| {
-                l.iter()
-                    .filter(|(k, _)| k.starts_with("volring.io/"))
-                    .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                    .collect()
-            })
+            .map(|l| l.iter().filter(|(k, _)| is_own_label(k)).filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
             .unwrap_or_default();
         let spec = v.get("spec").cloned().unwrap_or(serde_json::Value::Null);
         let status = v.get("status").cloned().unwrap_or(serde_json::Value::Null);
@@ -345,7 +380,12 @@ impl Object {
 }
 
 fn labels(kind: Kind, node: &str) -> BTreeMap<String, String> {
-    [(NODE_LABEL.to_string(), node.to_string()), (KIND_LABEL.to_string(), kind.label().to_string())].into()
+    [
+        (NODE_LABEL.to_string(), node.to_string()),
+        (HOSTNAME_LABEL.to_string(), node.to_string()),
+        (KIND_LABEL.to_string(), kind.label().to_string()),
+    ]
+    .into()
 }
 
 /// `bd-` and the first 16 hex digits of the SHA-256 of the node and the
@@ -479,7 +519,7 @@ pub fn storage_node(node: &str, pool: Option<Pool>, mut volumes: Vec<VolumeEntry
 /// deploy/crds/volring.io.yaml holds).
 pub fn crds_yaml() -> String {
     use kube::CustomResourceExt;
-    let mut out = String::from("# Generated by `volring crds` from src/publisher/objects.rs; do not edit.\n");
+    let mut out = String::from("# Generated by `volring crds` from crates/kube/src/objects.rs; do not edit.\n");
     for crd in [BlockDevice::crd(), StorageNode::crd()] {
         out.push_str("---\n");
         out.push_str(&serde_saphyr::to_string(&crd).expect("a CRD serialises"));
@@ -496,6 +536,49 @@ mod tests {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds/volring.io.yaml");
         let on_disk = std::fs::read_to_string(path).unwrap_or_default();
         assert!(on_disk == crds_yaml(), "{path} differs from the types; regenerate it with `volring crds > {path}`");
+    }
+
+    /// Issue 29: integer formats the API server knows (no `uint32` /
+    /// `uint64`, which it warns about on every apply), unsigned ones at
+    /// least 0; `spec.nodeName` selectable (`--field-selector`).
+    #[test]
+    fn crds_use_formats_the_api_server_knows_and_select_by_node() {
+        use kube::CustomResourceExt;
+        for crd in [BlockDevice::crd(), StorageNode::crd()] {
+            let v = serde_json::to_value(&crd).unwrap();
+            let version = &v["spec"]["versions"][0];
+            assert_eq!(version["selectableFields"], serde_json::json!([{"jsonPath": ".spec.nodeName"}]), "{}", crd.spec.names.kind);
+            let mut formats = Vec::new();
+            fn walk(v: &serde_json::Value, at: &str, out: &mut Vec<(String, String, serde_json::Value)>) {
+                match v {
+                    serde_json::Value::Object(m) => {
+                        if let Some(f) = m.get("format").and_then(|f| f.as_str()) {
+                            out.push((at.to_string(), f.to_string(), m.get("minimum").cloned().unwrap_or_default()));
+                        }
+                        m.iter().for_each(|(k, v)| walk(v, &format!("{at}.{k}"), out));
+                    }
+                    serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, at, out)),
+                    _ => {}
+                }
+            }
+            walk(&version["schema"], "", &mut formats);
+            assert!(!formats.is_empty());
+            for (at, f, min) in formats {
+                assert!(["int32", "int64"].contains(&f.as_str()), "{at}: format {f}");
+                assert_eq!(min.as_f64(), Some(0.0), "{at}: unsigned, so at least 0");
+            }
+        }
+    }
+
+    #[test]
+    fn every_object_of_a_node_carries_the_hostname_label() {
+        let sn = storage_node("n1", None, vec![]);
+        assert_eq!(sn.labels.get(HOSTNAME_LABEL).map(String::as_str), Some("n1"));
+        assert_eq!(sn.labels.get(NODE_LABEL).map(String::as_str), Some("n1"));
+        // Read back, it is one of volring's labels: compared, kept.
+        let mut v = sn.main_body();
+        v["status"] = sn.status.clone();
+        assert_eq!(Object::from_api(Kind::StorageNode, &v).unwrap(), sn);
     }
 
     #[test]

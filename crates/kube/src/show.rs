@@ -122,7 +122,9 @@ pub fn read_store(state_dir: &Path, kind: Kind) -> Result<Vec<serde_json::Value>
 
 /// Every object of `kind` in the cluster (all nodes), page by page.
 pub async fn read_cluster(kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
-    let client = kube::Client::try_default().await.map_err(|e| Error::Read(e.to_string()))?;
+    let mut config = kube::Config::infer().await.map_err(|e| Error::Read(e.to_string()))?;
+    volring_share::kube::identify(&mut config, &volring_devices::node_name());
+    let client = kube::Client::try_from(config).map_err(|e| Error::Read(e.to_string()))?;
     let api: kube::Api<kube::core::DynamicObject> =
         kube::Api::all_with(client, &kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(GROUP, VERSION, kind.as_str())));
     let mut out = Vec::new();

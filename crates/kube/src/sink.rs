@@ -19,13 +19,18 @@ pub enum Part {
 /// How a sink failed, as the updater must react to it.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SinkError {
-    /// 429: every request waits `retry_after`.
+    /// 429: the server takes fewer requests at once; this one is sent
+    /// again after `retry_after`.
     #[error("throttled; retry after {retry_after:?}")]
     Throttled { retry_after: Duration },
+    /// 503: the server is overloaded or not serving (starting, behind a
+    /// balancer with no ready backend); `retry_after` when it said.
+    #[error("unavailable (503){}: {message}", retry_after.map(|d| format!("; retry after {d:?}")).unwrap_or_default())]
+    Overloaded { retry_after: Option<Duration>, message: String },
     /// 409 (or 404 on a write): what the updater thinks is stored is wrong.
     #[error("conflict: {0}")]
     Conflict(String),
-    /// 5xx, timeouts, connection errors: back off and retry.
+    /// Other 5xx, timeouts, connection errors: back off and retry.
     #[error("unavailable: {0}")]
     Unavailable(String),
     /// Any other 4xx: retrying would be refused again.

@@ -28,6 +28,11 @@ pub struct Stats {
     /// Objects waiting to be written or being written now (a gauge; set
     /// by the loop as it takes changes and as each write ends).
     pub queued: AtomicU64,
+    /// Requests sent alone to a server that stopped answering.
+    pub probes: AtomicU64,
+    /// Requests allowed in flight now (a gauge: `concurrency`, less
+    /// while the server pushes back).
+    pub limit: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -46,6 +51,8 @@ pub struct StatsSnapshot {
     pub flushes: u64,
     pub abandoned: u64,
     pub queued: u64,
+    pub probes: u64,
+    pub limit: u64,
 }
 
 impl Stats {
@@ -66,6 +73,8 @@ impl Stats {
             flushes: g(&self.flushes),
             abandoned: g(&self.abandoned),
             queued: g(&self.queued),
+            probes: g(&self.probes),
+            limit: g(&self.limit),
         }
     }
 }

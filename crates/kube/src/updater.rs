@@ -10,14 +10,25 @@
 //! - One LIST per kind at start (this node's label) seeds what is stored:
 //!   a restart with nothing changed writes nothing, and objects of devices
 //!   that are gone are marked Inactive (or deleted).
-//! - A token bucket and a fixed number of requests in flight bound what the
-//!   agent asks of the API server; a 429's Retry-After pauses every request,
-//!   5xx backs off per object (200 ms doubling to 30 s), a 409 re-reads that
-//!   object once and retries, and a refusal (4xx) is counted and dropped:
-//!   sending it again would be refused again.
+//! - A token bucket bounds the rate; the requests in flight are bounded by
+//!   a limit found from the server's push-back (AIMD, see `pace::Limit`):
+//!   a 429 or 503 halves it (floor 1) and it grows back by one per second
+//!   of successes, up to `concurrency`. The throttled object alone waits
+//!   its Retry-After; the rest go on at the lower limit (only at the floor,
+//!   where even one request is refused, does the next request wait too).
+//! - Other 5xx back off per object (200 ms doubling to 30 s), a 409
+//!   re-reads that object once and retries, and a refusal (4xx) is counted
+//!   and dropped: sending it again would be refused again.
+//! - A server that stops answering (5xx, connection errors) is probed, not
+//!   hammered: while it is down one request at a time goes out, at most
+//!   `probe_max` (1 s) apart, and when a probe is answered every object
+//!   that was backing off for the outage is due at once, so the queue
+//!   drains as soon as the server is back instead of each object waiting
+//!   out its own backoff.
 //! - Every loop turn costs what changed, not what exists: ready keys sit in
 //!   a queue, backed-off keys in a timer heap; stale queue entries are
-//!   skipped by generation.
+//!   skipped by generation. Retries (due from the heap) are written at
+//!   once; new changes wait for their window.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
@@ -30,7 +41,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::objects::{Key, Kind, Object};
-use super::pace::{backoff, Gate};
+use super::pace::{backoff, Gate, Limit, PushBack};
 pub use super::sink::{Part, Sink, SinkError};
 pub use super::stats::{Stats, StatsSnapshot};
 
@@ -50,8 +61,13 @@ pub struct UpdaterConfig {
     pub window: Duration,
     /// A flush happens when this many objects are ready, window or not.
     pub batch: usize,
-    /// Requests in flight at once.
+    /// Requests in flight at once, at most (fewer while the server pushes
+    /// back).
     pub concurrency: usize,
+    /// The in-flight limit grows by one per this much time of successes.
+    pub grow_every: Duration,
+    /// While the server is down, probes go at most this far apart.
+    pub probe_max: Duration,
     pub qps: f64,
     pub burst: u32,
     pub backoff_min: Duration,
@@ -69,6 +85,8 @@ impl UpdaterConfig {
             window: Duration::from_secs(1),
             batch: 500,
             concurrency: 4,
+            grow_every: Duration::from_secs(1),
+            probe_max: Duration::from_secs(1),
             qps: 20.0,
             burst: 40,
             backoff_min: Duration::from_millis(200),
@@ -127,6 +145,8 @@ impl Updater {
     pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
         let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), wake: Notify::new(), stats, stopping: AtomicBool::new(false) });
         let gate = Arc::new(Gate::new(config.qps, config.burst));
+        let limit = Limit::new(config.concurrency, config.grow_every, Instant::now());
+        shared.stats.limit.store(limit.get() as u64, Ordering::Relaxed);
         let worker = Worker {
             sink,
             gate,
@@ -134,9 +154,13 @@ impl Updater {
             known: HashMap::new(),
             pending: HashMap::new(),
             ready: VecDeque::new(),
+            retry: VecDeque::new(),
             delayed: BinaryHeap::new(),
             next_gen: 0,
             window_ends: None,
+            limit,
+            hold_until: None,
+            down: None,
             config,
         };
         let task = tokio::spawn(worker.run(initial));
@@ -217,6 +241,29 @@ struct Entry {
     want: Want,
     attempts: u32,
     gen: u64,
+    /// Backing off because the server did not answer (5xx, connection):
+    /// due at once when it answers again.
+    outage: bool,
+}
+
+/// The server stopped answering: one probe at a time until it does.
+#[derive(Debug)]
+struct Down {
+    /// The in-flight limit before, restored when a probe succeeds.
+    limit_before: usize,
+    /// Between failed probes: backoff_min doubling to probe_max.
+    gap: Duration,
+    since: Instant,
+    /// When the last request failed.
+    last_failure: Instant,
+    /// A probe is on its way.
+    probing: bool,
+}
+
+impl Down {
+    fn next_probe(&self) -> Instant {
+        self.last_failure + self.gap
+    }
 }
 
 struct Worker<S> {
@@ -226,13 +273,29 @@ struct Worker<S> {
     /// What the sink holds, as last read or written.
     known: HashMap<Key, Object>,
     pending: HashMap<Key, Entry>,
-    /// Keys due now, with the generation they were queued at.
+    /// Keys changed, waiting for their window, with the generation they
+    /// were queued at.
     ready: VecDeque<(Key, u64)>,
+    /// Keys whose backoff is over: written without a window.
+    retry: VecDeque<(Key, u64)>,
     /// Keys backing off, by when they are due.
     delayed: BinaryHeap<Reverse<(Instant, u64, Key)>>,
     next_gen: u64,
     window_ends: Option<Instant>,
+    limit: Limit,
+    /// No request starts before this (a 429 at the floor).
+    hold_until: Option<Instant>,
+    down: Option<Down>,
     config: UpdaterConfig,
+}
+
+/// How a job's requests went, for the limit and the outage.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    /// The limit's epoch it was sent at.
+    epoch: u64,
+    /// Sent as the probe of a server that was down.
+    probe: bool,
 }
 
 /// What one object's job learned.
@@ -240,6 +303,7 @@ struct Outcome {
     key: Key,
     want: Want,
     attempts: u32,
+    sent: Sent,
     /// What is stored now, as far as the job knows.
     stored: Option<Object>,
     error: Option<SinkError>,
@@ -259,13 +323,8 @@ impl<S: Sink> Worker<S> {
             self.take_inbox();
             self.shared.stats.queued.store(self.pending.len() as u64, Ordering::Relaxed);
             let now = Instant::now();
-            while let Some(Reverse((due, _, _))) = self.delayed.peek() {
-                if *due > now {
-                    break;
-                }
-                let Reverse((_, gen, key)) = self.delayed.pop().expect("peeked");
-                self.ready.push_back((key, gen));
-            }
+            self.take_due(now);
+            let blocked = self.blocked_until(now);
             if let Some(deadline) = stop_at {
                 if self.pending.is_empty() {
                     return;
@@ -274,14 +333,23 @@ impl<S: Sink> Worker<S> {
                     self.finish_abandoned();
                     return;
                 }
-                if self.ready.is_empty() {
-                    // Everything left is backing off: wait for the first.
-                    let next = self.delayed.peek().map_or(deadline, |Reverse((d, _, _))| (*d).min(deadline));
-                    tokio::time::sleep_until(next).await;
-                    continue;
+                if blocked.is_none() {
+                    let mut batch = self.take_batch(true);
+                    batch.extend(self.take_batch(false));
+                    if !batch.is_empty() {
+                        let _ = tokio::time::timeout_at(deadline, self.flush(batch)).await;
+                        continue;
+                    }
                 }
-                let batch = self.take_batch();
-                let _ = tokio::time::timeout_at(deadline, self.flush(batch)).await;
+                // Everything left is backing off, or waits for a probe.
+                let next = [blocked, self.next_due()].into_iter().flatten().min().map_or(deadline, |d| d.min(deadline));
+                tokio::time::sleep_until(next).await;
+                continue;
+            }
+            // Retries have waited already: written at once.
+            if blocked.is_none() && !self.retry.is_empty() {
+                let batch = self.take_batch(true);
+                self.flush(batch).await;
                 continue;
             }
             if self.ready.is_empty() {
@@ -290,8 +358,8 @@ impl<S: Sink> Worker<S> {
                 self.window_ends = Some(now + self.config.window);
             }
             let due = self.window_ends.is_some_and(|w| now >= w) || self.ready.len() >= self.config.batch;
-            if due {
-                let batch = self.take_batch();
+            if due && blocked.is_none() {
+                let batch = self.take_batch(false);
                 // A change that comes during the flush starts a window of
                 // its own; what a full batch left behind is due already.
                 if self.ready.is_empty() {
@@ -300,7 +368,7 @@ impl<S: Sink> Worker<S> {
                 self.flush(batch).await;
                 continue;
             }
-            let next = [self.window_ends, self.delayed.peek().map(|Reverse((d, _, _))| *d)].into_iter().flatten().min();
+            let next = [self.window_ends.filter(|_| blocked.is_none()), self.next_due(), blocked].into_iter().flatten().min();
             let sleep = async {
                 match next {
                     Some(t) => tokio::time::sleep_until(t).await,
@@ -310,6 +378,47 @@ impl<S: Sink> Worker<S> {
             tokio::select! {
                 _ = self.shared.wake.notified() => {}
                 _ = sleep => {}
+            }
+        }
+    }
+
+    /// When requests may start again, if not now: the next probe of a
+    /// server that is down, or the end of a hold (a 429 at the floor).
+    fn blocked_until(&self, now: Instant) -> Option<Instant> {
+        let until = match &self.down {
+            Some(d) => Some(d.next_probe()),
+            None => self.hold_until,
+        };
+        until.filter(|t| *t > now)
+    }
+
+    /// When the first backed-off key is due: its own time, or while the
+    /// server is down the time of the next probe at the latest (it is
+    /// pulled forward to probe with), never before it.
+    fn next_due(&self) -> Option<Instant> {
+        let first = self.delayed.peek().map(|Reverse((d, _, _))| *d)?;
+        Some(match &self.down {
+            Some(d) => first.min(d.last_failure + self.config.probe_max).max(d.next_probe()),
+            None => first,
+        })
+    }
+
+    /// Moves the keys whose backoff is over to the retry queue; while the
+    /// server is down and nothing else waits, the first key to probe with.
+    fn take_due(&mut self, now: Instant) {
+        while let Some(Reverse((due, gen, key))) = self.delayed.peek() {
+            if self.pending.get(key).is_none_or(|e| e.gen != *gen) {
+                self.delayed.pop();
+                continue;
+            }
+            let early = *due > now;
+            if early && (!self.retry.is_empty() || self.next_due().is_none_or(|d| d > now)) {
+                break;
+            }
+            let Reverse((_, gen, key)) = self.delayed.pop().expect("peeked");
+            self.retry.push_back((key, gen));
+            if early {
+                break;
             }
         }
     }
@@ -340,15 +449,20 @@ impl<S: Sink> Worker<S> {
                         if self.shared.stopping.load(Ordering::Relaxed) {
                             return false;
                         }
+                        // A server that is down is asked again at least
+                        // every probe_max (one LIST at a time: a probe).
                         let wait = match &e {
                             SinkError::Throttled { retry_after } => {
                                 bump(&self.shared.stats.throttled);
-                                self.gate.pause(*retry_after);
                                 *retry_after
+                            }
+                            SinkError::Overloaded { retry_after: Some(ra), .. } => {
+                                bump(&self.shared.stats.unavailable);
+                                *ra
                             }
                             _ => {
                                 bump(&self.shared.stats.unavailable);
-                                backoff(&self.config, attempts)
+                                backoff(&self.config, attempts).min(self.config.probe_max.max(self.config.backoff_min))
                             }
                         };
                         attempts += 1;
@@ -411,7 +525,7 @@ impl<S: Sink> Worker<S> {
             return;
         }
         let gen = self.gen();
-        self.pending.insert(key.clone(), Entry { want, attempts: 0, gen });
+        self.pending.insert(key.clone(), Entry { want, attempts: 0, gen, outage: false });
         self.ready.push_back((key, gen));
     }
 
@@ -420,10 +534,12 @@ impl<S: Sink> Worker<S> {
         self.next_gen
     }
 
-    fn take_batch(&mut self) -> Vec<(Key, Entry)> {
+    /// Up to a batch of the keys queued for retry (`retry`) or changed.
+    fn take_batch(&mut self, retry: bool) -> Vec<(Key, Entry)> {
         let mut batch = Vec::new();
         while batch.len() < self.config.batch {
-            let Some((key, gen)) = self.ready.pop_front() else { break };
+            let queue = if retry { &mut self.retry } else { &mut self.ready };
+            let Some((key, gen)) = queue.pop_front() else { break };
             if self.pending.get(&key).is_some_and(|e| e.gen == gen) {
                 let e = self.pending.remove(&key).expect("checked");
                 batch.push((key, e));
@@ -432,34 +548,65 @@ impl<S: Sink> Worker<S> {
         batch
     }
 
-    /// Writes one batch, `concurrency` objects at a time.
+    /// Writes one batch, as many objects at a time as the limit allows
+    /// (one, as a probe, while the server is down). What cannot start now
+    /// and has nothing in flight to wait for (a probe's time, a hold) goes
+    /// back to the front of the retry queue, for the loop to wait.
     async fn flush(&mut self, batch: Vec<(Key, Entry)>) {
         if batch.is_empty() {
             return;
         }
         bump(&self.shared.stats.flushes);
         let mut jobs = JoinSet::new();
-        let mut todo = batch.into_iter();
+        let mut todo: VecDeque<(Key, Entry)> = batch.into();
         loop {
-            while jobs.len() < self.config.concurrency.max(1) {
-                let Some((key, entry)) = todo.next() else { break };
+            let now = Instant::now();
+            while !todo.is_empty() {
+                let may = match &self.down {
+                    Some(d) => jobs.is_empty() && !d.probing && now >= d.next_probe(),
+                    None => jobs.len() < self.limit.get() && self.hold_until.is_none_or(|h| now >= h),
+                };
+                if !may {
+                    break;
+                }
+                let (key, entry) = todo.pop_front().expect("not empty");
                 let stored = self.known.get(&key).cloned();
                 let Some(plan) = plan(&key, &entry.want, stored.as_ref(), self.config.gone) else {
                     bump(&self.shared.stats.unchanged);
                     continue;
                 };
+                let probe = match &mut self.down {
+                    Some(d) => {
+                        d.probing = true;
+                        bump(&self.shared.stats.probes);
+                        true
+                    }
+                    None => false,
+                };
+                let sent = Sent { epoch: self.limit.epoch(), probe };
                 let (sink, gate, stats) = (self.sink.clone(), self.gate.clone(), self.shared.stats.clone());
                 jobs.spawn(async move {
                     let (stored, error) = run_job(&*sink, &gate, &stats, &key, plan, stored).await;
-                    Outcome { key, want: entry.want, attempts: entry.attempts, stored, error }
+                    Outcome { key, want: entry.want, attempts: entry.attempts, sent, stored, error }
                 });
             }
             let waiting = self.pending.len() + todo.len() + jobs.len();
             self.shared.stats.queued.store(waiting as u64, Ordering::Relaxed);
-            let Some(done) = jobs.join_next().await else { break };
+            let Some(done) = jobs.join_next().await else {
+                for (key, entry) in todo.into_iter().rev() {
+                    self.retry.push_front((key.clone(), entry.gen));
+                    self.pending.insert(key, entry);
+                }
+                break;
+            };
             match done {
                 Ok(o) => self.settle(o),
-                Err(e) => tracing::error!(error = %e, "publisher job failed"),
+                Err(e) => {
+                    tracing::error!(error = %e, "publisher job failed");
+                    if let Some(d) = &mut self.down {
+                        d.probing = false;
+                    }
+                }
             }
         }
     }
@@ -469,21 +616,87 @@ impl<S: Sink> Worker<S> {
             Some(s) => self.known.insert(o.key.clone(), s),
             None => self.known.remove(&o.key),
         };
+        let now = Instant::now();
+        match &o.error {
+            Some(SinkError::Unavailable(_) | SinkError::Overloaded { .. }) => self.failed(o.sent, now),
+            e => self.answered(o.sent, e.is_none(), now),
+        }
+        match &o.error {
+            None => self.limit.succeeded(o.sent.epoch, now),
+            Some(SinkError::Throttled { retry_after }) => {
+                if self.limit.pushed_back(o.sent.epoch, now) == PushBack::AtFloor {
+                    // Even one request at a time is too many: the next waits too.
+                    self.hold_until = Some(self.hold_until.map_or(now, |h| h.max(now)).max(now + *retry_after));
+                }
+            }
+            Some(SinkError::Overloaded { .. }) => {
+                self.limit.pushed_back(o.sent.epoch, now);
+            }
+            Some(_) => {}
+        }
+        self.shared.stats.limit.store(self.limit.get() as u64, Ordering::Relaxed);
         let Some(err) = o.error else { return };
-        let wait = match &err {
+        let (wait, outage) = match &err {
             SinkError::Refused(_) => {
                 tracing::warn!(object = %o.key.name, kind = o.key.kind.as_str(), error = %err, "publisher: write refused; dropped");
                 return;
             }
-            SinkError::Throttled { retry_after } => *retry_after,
-            SinkError::Conflict(_) | SinkError::Unavailable(_) => backoff(&self.config, o.attempts),
+            SinkError::Throttled { retry_after } => (*retry_after, false),
+            SinkError::Overloaded { retry_after, .. } => (retry_after.unwrap_or_else(|| backoff(&self.config, o.attempts)), true),
+            SinkError::Unavailable(_) => (backoff(&self.config, o.attempts), true),
+            SinkError::Conflict(_) => (backoff(&self.config, o.attempts), false),
         };
         tracing::debug!(object = %o.key.name, error = %err, retry_in_ms = wait.as_millis() as u64, "publisher: will retry");
         // A newer state that arrived meanwhile wins; it waits as long.
         let want = lock(&self.shared.inbox).changes.remove(&o.key).unwrap_or(o.want);
         let gen = self.gen();
-        self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen });
-        self.delayed.push(Reverse((Instant::now() + wait, gen, o.key)));
+        self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen, outage });
+        self.delayed.push(Reverse((now + wait, gen, o.key)));
+    }
+
+    /// A request got an answer (success, or any status but 5xx). A probe's
+    /// answer ends an outage: every object backing off for it is due now,
+    /// and (if it succeeded) the limit is what it was before.
+    fn answered(&mut self, sent: Sent, ok: bool, now: Instant) {
+        let Some(d) = self.down.take() else { return };
+        if !sent.probe {
+            // Sent before the outage began: the server answers, but the
+            // objects that failed may have failed for themselves.
+            return;
+        }
+        let mut released = 0;
+        let keys: Vec<Key> = self.pending.iter().filter(|(_, e)| e.outage).map(|(k, _)| k.clone()).collect();
+        for key in keys {
+            let gen = self.gen();
+            let e = self.pending.get_mut(&key).expect("listed");
+            (e.gen, e.attempts, e.outage) = (gen, 0, false);
+            self.retry.push_back((key, gen));
+            released += 1;
+        }
+        if ok {
+            self.limit.restore(d.limit_before, now);
+        }
+        let down_ms = (now - d.since).as_millis() as u64;
+        tracing::info!(released, down_ms, "publisher: the API server answers again");
+    }
+
+    /// A request got no answer, or a 5xx: the server is down (probe it),
+    /// or still down (the next probe waits longer, up to `probe_max`).
+    fn failed(&mut self, sent: Sent, now: Instant) {
+        let first_gap = self.config.backoff_min.min(self.config.probe_max);
+        match &mut self.down {
+            None => {
+                tracing::warn!("publisher: the API server does not answer; probing it");
+                self.down = Some(Down { limit_before: self.limit.get(), gap: first_gap, since: now, last_failure: now, probing: false });
+            }
+            Some(d) => {
+                if sent.probe {
+                    d.probing = false;
+                    d.gap = (d.gap * 2).clamp(first_gap, self.config.probe_max.max(first_gap));
+                }
+                d.last_failure = now;
+            }
+        }
     }
 }
 
@@ -550,12 +763,9 @@ async fn run_job<S: Sink>(
             Err(e) => e,
         };
         match &err {
-            SinkError::Throttled { retry_after } => {
-                bump(&stats.throttled);
-                gate.pause(*retry_after);
-            }
+            SinkError::Throttled { .. } => bump(&stats.throttled),
             SinkError::Conflict(_) => bump(&stats.conflicts),
-            SinkError::Unavailable(_) => bump(&stats.unavailable),
+            SinkError::Unavailable(_) | SinkError::Overloaded { .. } => bump(&stats.unavailable),
             SinkError::Refused(_) => bump(&stats.refused),
         }
         if !matches!(err, SinkError::Conflict(_)) || reread {

@@ -263,7 +263,8 @@ const LOOKUP_WAIT: Duration = Duration::from_secs(10);
 /// the node serves NFS the loop runs (`None` when it does not).
 pub async fn in_cluster<D: ShareHost>(driver: &Arc<D>, config: super::kube::ControllerConfig) -> Result<Option<Running>, super::Error> {
     let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
-    let kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
+    let mut kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
+    super::kube::identify(&mut kc, &super::kube::this_node());
     let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
     read_endpoints(driver.as_ref(), client.clone());
     if !driver.shares().enabled() {

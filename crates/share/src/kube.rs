@@ -64,6 +64,34 @@ pub enum Error {
     Contended(String, u32),
 }
 
+/// `volring/<version> (<node>)`: the User-Agent of every request volring
+/// makes to the API server, so its audit log, its metrics and priority
+/// and fairness can tell volring's requests and each node's apart.
+pub fn user_agent(node: &str) -> String {
+    format!("volring/{} ({node})", env!("CARGO_PKG_VERSION"))
+}
+
+/// Sets [`user_agent`] on every request a client made from `config` sends
+/// (replacing any User-Agent it had).
+pub fn identify(config: &mut kube::Config, node: &str) {
+    let name = http::header::USER_AGENT;
+    config.headers.retain(|(n, _)| n != name);
+    // A node name that is no header value (it never is one in a cluster:
+    // node names are DNS names) leaves it out rather than fail.
+    let value =
+        http::HeaderValue::from_str(&user_agent(node)).unwrap_or_else(|_| http::HeaderValue::from_str(&user_agent("?")).expect("ASCII"));
+    config.headers.push((name, value));
+}
+
+/// The node this process speaks for when it is not told: `NODE_NAME` (the
+/// DaemonSet sets it from `spec.nodeName`), else the host name.
+pub fn this_node() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| rustix::system::uname().nodename().to_string_lossy().into_owned())
+}
+
 /// How many times [`ShareController::withdraw`] reads again after a
 /// conflicting write.
 const WITHDRAW_TRIES: u32 = 5;
