@@ -6,8 +6,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_sys::nlmsg::{self, nbd};
 use volring_nbd::attach::netlink::link_dead_index;
+use volring_sys::nlmsg::{self, nbd};
 
 fuzz_target!(|data: &[u8]| {
     let _ = link_dead_index(data);
