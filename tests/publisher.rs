@@ -567,7 +567,7 @@ async fn every_request_names_volring_and_its_node() {
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     Updater::start(sink.clone(), config("n1"), vec![o, bd("n1", 2, 1)]).shutdown(Duration::from_secs(10)).await;
-    volring_kube::attachments::attached_here(&*sink, "volring.csi.io", "n1").await.unwrap();
+    volring_kube::attachments::attached_here(&sink, "volring.csi.io", "n1").await.unwrap();
     let log = server.api.log();
     assert!(log.iter().any(|l| l.method == Method::GET && l.path.ends_with(&bd("n1", 1, 1).key.name)), "the re-read: {log:#?}");
     assert!(log.iter().any(|l| l.path == volring_kube::attachments::PATH));
