@@ -363,6 +363,9 @@ for d in /etc /run /srv /mnt /var/lib; do
     mount -t overlay overlay -o "lowerdir=$d,upperdir=$OVERLAYS/u$n,workdir=$OVERLAYS/w$n" "$d" || fail "overlay on $d"
 done
 ip link set lo up || fail "lo up"
+# What the README's first command (the agent) leaves on a node: its state
+# directory. `status` and `get` refuse a state directory that does not exist.
+mkdir -p /var/lib/volring || fail "state dir"
 has_sys_resource() { (( (0x$(awk '/^CapEff/ {print $2}' /proc/self/status) >> 24) & 1 )); }
 n=0
 "#;
