@@ -90,7 +90,7 @@ async fn requests_keep_to_the_token_bucket() {
     (c.qps, c.burst) = (20.0, 5);
     let objs: Vec<Object> = (0..10).map(|i| bd("n1", i, 1)).collect();
     Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, objs).shutdown(Duration::from_secs(10)).await;
-    let log = server.api.log();
+    let log: Vec<_> = server.api.log().into_iter().filter(|l| !l.is_watch()).collect();
     assert_eq!(log.len(), 22, "two lists, a main and a status write for each of 10 objects");
     // 5 at once, then one every 50 ms: the last no sooner than 17 / 20 s.
     let span = log[21].at - log[0].at;
@@ -389,8 +389,14 @@ async fn a_failing_initial_list_waits_while_changes_arrive() {
         let mut c = config("n1");
         c.backoff_min = Duration::from_secs(1);
         let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
-        let lists =
-            || server.api.log().into_iter().filter(|l| l.method == Method::GET && l.path.ends_with("blockdevices")).collect::<Vec<_>>();
+        let lists = || {
+            server
+                .api
+                .log()
+                .into_iter()
+                .filter(|l| l.method == Method::GET && !l.is_watch() && l.path.ends_with("blockdevices"))
+                .collect::<Vec<_>>()
+        };
         for g in 0..500 {
             if lists().len() >= 2 {
                 break;
@@ -580,4 +586,71 @@ async fn every_request_names_volring_and_its_node() {
     volring_kube::Sink::list(&sink, Kind::StorageNode, "n1").await.unwrap();
     let ua = volring_share::kube::user_agent(&volring_devices::node_name());
     assert_eq!(server.api.log()[0].user_agent.as_deref(), Some(ua.as_str()));
+}
+
+/// Issue 29: the updater watches its node's objects (label selected). One
+/// deleted, one whose status someone edited, one whose node label was
+/// removed, and the StorageNode's spec edited: each is written again as
+/// the agent last wanted it, and only what differs (a read first, since
+/// the watch also shows the agent's own writes, maybe late).
+#[tokio::test]
+async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let bds: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
+    let sn = objects::storage_node("n1", None, vec![]);
+    let mut all = bds.clone();
+    all.push(sn.clone());
+    let up = Updater::start(sink, config("n1"), all);
+    until("the objects", || bds.iter().all(|o| stored_status(&server, o) == o.status) && server.api.object("storagenodes", "n1").is_some())
+        .await;
+    until("the watches", || server.api.log().iter().filter(|l| l.is_watch()).count() == 2).await;
+    server.api.clear_log();
+
+    let client = kube::Client::try_from(server.config()).unwrap();
+    let req = http::Request::delete(format!("/apis/volring.io/v1alpha1/blockdevices/{}", bds[0].key.name)).body(Vec::new()).unwrap();
+    client.request::<serde_json::Value>(req).await.expect("delete bd0");
+    server.api.edit("blockdevices", &bds[1].key.name, |o| o["status"]["state"] = json!("Inactive"));
+    server.api.edit("blockdevices", &bds[2].key.name, |o| {
+        o["metadata"]["labels"].as_object_mut().unwrap().remove(objects::NODE_LABEL);
+    });
+    server.api.edit("storagenodes", "n1", |o| o["spec"]["nodeName"] = json!("someone-else"));
+
+    let label = |o: &Object| server.api.object("blockdevices", &o.key.name).map(|v| v["metadata"]["labels"][objects::NODE_LABEL].clone());
+    until("bd0 back", || stored_status(&server, &bds[0]) == bds[0].status).await;
+    until("bd1's status back", || stored_status(&server, &bds[1]) == bds[1].status).await;
+    until("bd2's label back", || label(&bds[2]) == Some(json!("n1"))).await;
+    until("the StorageNode's spec back", || server.api.object("storagenodes", "n1").unwrap()["spec"] == sn.spec).await;
+    let s = up.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(s.repairs, 4, "{s:?}");
+    let log = server.api.log();
+    let patches: Vec<_> = log.iter().filter(|l| l.method == Method::PATCH).map(|l| l.path.clone()).collect();
+    // bd0: created again (main, status); bd1: status; bd2: main (labels);
+    // the StorageNode: main.
+    assert_eq!(patches.len(), 5, "{patches:#?}");
+    assert!(log.iter().filter(|l| l.method == Method::GET && !l.is_watch()).count() >= 4, "each read before it is written");
+}
+
+/// Issue 29: a watch resumed after the server compacted its history (410
+/// Expired) LISTs again, and what changed meanwhile is repaired.
+#[tokio::test]
+async fn a_watch_whose_history_is_gone_lists_again_and_repairs() {
+    let server = Server::start().await;
+    let sink = Arc::new(KubeSink::new(server.config()).unwrap());
+    let bds: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
+    let up = Updater::start(sink, config("n1"), bds.clone());
+    until("the objects", || bds.iter().all(|o| stored_status(&server, o) == o.status)).await;
+    until("the watches", || server.api.log().iter().filter(|l| l.is_watch()).count() == 2).await;
+    // The edit is never sent on the stream: it stalls, and then the
+    // server forgets the history the watch would resume from.
+    server.api.set_watch_stall(true);
+    server.api.edit("blockdevices", &bds[1].key.name, |o| o["status"]["claimState"] = json!("InUse"));
+    server.api.clear_log();
+    server.api.compact();
+    server.api.set_watch_stall(false);
+    until("bd1 repaired", || stored_status(&server, &bds[1]) == bds[1].status).await;
+    let s = up.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(s.repairs, 1, "{s:?}");
+    let lists = server.api.log().iter().filter(|l| l.method == Method::GET && !l.is_watch() && l.path.ends_with("/blockdevices")).count();
+    assert!(lists >= 1, "listed again: {:#?}", server.api.log());
 }

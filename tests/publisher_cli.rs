@@ -191,6 +191,20 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
         assert_eq!(o["status"]["state"], "Active");
     }
 
+    // Deleted behind its back, a BlockDevice is written again (issue 29:
+    // the agent watches its node's objects).
+    let gone = mine[0].clone();
+    let before = server.api.object("blockdevices", &gone).unwrap();
+    server.api.delete("blockdevices", &gone);
+    for _ in 0..600 {
+        if server.api.object("blockdevices", &gone).is_some() {
+            break;
+        }
+        assert!(agent.0.try_wait().unwrap().is_none(), "the agent exited:\n{}", log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = server.api.object("blockdevices", &gone).unwrap_or_else(|| panic!("{gone} not written again:\n{}", log()));
+    assert_eq!((&back["spec"], &back["status"]), (&before["spec"], &before["status"]));
     let (st, out, err) = volring(&["get", "bd", "-o", "json"], &[("HOME", dir.path().as_os_str()), ("KUBECONFIG", cfg.as_os_str())]).await;
     assert!(st.success(), "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -17,6 +17,9 @@
 //!   `force=true`, fields the manager stops applying are removed, a
 //!   `metadata.resourceVersion` in the body is a precondition (409 when
 //!   stale), a no-op apply does not change the resourceVersion.
+//! - WATCH (`watch.rs`): label-selected event streams with bookmarks,
+//!   a resourceVersion to resume from, and 410 Expired once the history
+//!   it needs is compacted.
 //! - The status subresource: the main endpoint ignores `status`, the
 //!   `/status` endpoint changes only `status` and answers 404 for an object
 //!   that does not exist.
@@ -45,6 +48,7 @@
 #![allow(dead_code)]
 
 mod core;
+mod watch;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -83,6 +87,9 @@ impl Logged {
     pub fn is_status(&self) -> bool {
         self.path.ends_with("/status")
     }
+    pub fn is_watch(&self) -> bool {
+        self.method == Method::GET && query_pairs(&self.query).get("watch").is_some_and(|w| w == "true" || w == "1")
+    }
 }
 
 /// A failure to answer instead of serving a request.
@@ -109,6 +116,18 @@ struct Stored {
 struct Inner {
     /// (plural, name) → object.
     objects: BTreeMap<(String, String), Stored>,
+    /// The changes watches read, oldest first.
+    events: VecDeque<watch::Event>,
+    /// Watches from a version below this are told 410 Expired.
+    compacted: u64,
+    /// Woken at every change (and outage).
+    changed: Arc<tokio::sync::Notify>,
+    /// While true, watches receive nothing (and do not move on).
+    watch_stall: bool,
+    /// Bumped to end every watch stream.
+    watch_generation: u64,
+    /// How often a watch that asked for them gets a BOOKMARK (None: 1 s).
+    bookmark_every: Option<std::time::Duration>,
     rv: u64,
     uid: u64,
     log: Vec<Logged>,
@@ -205,9 +224,65 @@ impl StandIn {
         (f.max_readonly, f.max_mutating) = (readonly, mutating);
     }
 
-    /// Starts (true) or ends an outage: every request answered 503.
+    /// Starts (true) or ends an outage: every request answered 503, and
+    /// every watch stream ends.
     pub fn set_outage(&self, down: bool) {
         self.flight.lock().unwrap().outage = down;
+        self.lock().changed.notify_waiters();
+    }
+
+    fn changed(&self) -> Arc<tokio::sync::Notify> {
+        self.lock().changed.clone()
+    }
+
+    fn bookmark_every(&self) -> std::time::Duration {
+        self.lock().bookmark_every.unwrap_or(std::time::Duration::from_secs(1))
+    }
+
+    /// How often watches get a BOOKMARK.
+    pub fn set_bookmark_every(&self, d: std::time::Duration) {
+        self.lock().bookmark_every = Some(d);
+    }
+
+    /// Forgets the history of changes, as etcd's compaction does: a watch
+    /// resumed from before now is answered 410 Expired. Ends every watch
+    /// stream (their clients resume from where they were).
+    pub fn compact(&self) {
+        let mut g = self.lock();
+        g.events.clear();
+        g.compacted = g.rv;
+        g.watch_generation += 1;
+        g.changed.notify_waiters();
+    }
+
+    /// While true, watches are sent nothing (a stalled stream).
+    pub fn set_watch_stall(&self, stall: bool) {
+        let mut g = self.lock();
+        g.watch_stall = stall;
+        g.changed.notify_waiters();
+    }
+
+    /// Changes a stored object as another writer would (`kubectl edit`,
+    /// `kubectl label`): a new resourceVersion, an event for watches.
+    pub fn edit(&self, plural: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut g = self.lock();
+        g.rv += 1;
+        let rv = g.rv;
+        let key = (plural.to_string(), name.to_string());
+        let s = g.objects.get_mut(&key).expect("the object to edit");
+        let before = s.obj.clone();
+        f(&mut s.obj);
+        s.obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let after = s.obj.clone();
+        watch::record(&mut g, plural, Some(before), Some(after));
+    }
+
+    /// Deletes a stored object as another client would.
+    pub fn delete(&self, plural: &str, name: &str) {
+        let mut g = self.lock();
+        let s = g.objects.remove(&(plural.to_string(), name.to_string())).expect("the object to delete");
+        g.rv += 1;
+        watch::record(&mut g, plural, Some(s.obj), None);
     }
 
     pub fn inject(&self, f: Fault) {
@@ -218,11 +293,13 @@ impl StandIn {
         self.lock().log.clone()
     }
 
-    /// Forgets every object (and the log).
+    /// Forgets every object (and the log, and the history of changes).
     pub fn clear(&self) {
         let mut g = self.lock();
         g.objects.clear();
         g.log.clear();
+        g.events.clear();
+        g.compacted = g.rv;
     }
 
     /// A core/v1 object (`namespace`, `plural`, `name`).
@@ -272,7 +349,8 @@ impl StandIn {
         obj["metadata"]["uid"] = json!(format!("uid-{uid}"));
         let fields = fields_of(&obj, "spec").into_iter().chain(fields_of(&obj, "status")).chain(label_fields(&obj)).collect();
         let managers = [("other".to_string(), fields)].into();
-        g.objects.insert((plural.to_string(), name), Stored { obj, managers });
+        let before = g.objects.insert((plural.to_string(), name), Stored { obj: obj.clone(), managers }).map(|s| s.obj);
+        watch::record(&mut g, plural, before, Some(obj));
     }
 }
 
@@ -319,6 +397,22 @@ async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: H
     let query = uri.query().unwrap_or("").to_string();
     let started = Instant::now();
     let user_agent = headers.get(axum::http::header::USER_AGENT).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let q = query_pairs(&query);
+    if method == Method::GET && q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+        // Long-running: not counted by the max-in-flight filter.
+        let plural = path.strip_prefix(PREFIX).filter(|p| !p.contains('/')).map(str::to_string);
+        let resp = match plural {
+            _ if api.flight.lock().unwrap().outage => unavailable(),
+            Some(p) => watch::serve(&api, &p, &q),
+            None => reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "watch not served here by the stand-in"),
+            ),
+        };
+        let status = resp.status().as_u16();
+        api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
+        return resp;
+    }
     let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
     let admitted = {
         let mut f = api.flight.lock().unwrap();
@@ -438,6 +532,7 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         (Method::DELETE, [plural, name]) => match g.objects.remove(&(plural.to_string(), name.to_string())) {
             Some(s) => {
                 g.rv += 1;
+                watch::record(g, plural, Some(s.obj.clone()), None);
                 reply(StatusCode::OK, s.obj)
             }
             None => not_found(plural, name),
@@ -448,6 +543,16 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
             StatusCode::METHOD_NOT_ALLOWED,
             status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
         ),
+    }
+}
+
+/// A volring resource's kind, from its plural.
+fn kind_of(plural: &str) -> &'static str {
+    match plural {
+        "blockdevices" => "BlockDevice",
+        "storagenodes" => "StorageNode",
+        "volumeattachments" => "VolumeAttachment",
+        _ => "Unknown",
     }
 }
 
@@ -706,6 +811,8 @@ fn apply(
         }
         g.rv += 1;
         stored.obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+        let was = (!created).then_some(before);
+        watch::record(g, plural, was, Some(stored.obj.clone()));
     }
     let out = stored.obj.clone();
     g.objects.insert(key, stored);

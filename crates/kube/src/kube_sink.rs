@@ -5,7 +5,8 @@
 //! Writes are server-side applies with the field manager `volring`, forced
 //! (the agent is the one source of these facts); status goes through the
 //! status subresource. LIST is paginated (500 a page) and filtered by this
-//! node's label. Every response body is read with a bound.
+//! node's label; so is WATCH, with bookmarks, resumed from the version
+//! reached. Every response body is read with a bound.
 
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
 
 use super::objects::{Key, Kind, Object, GROUP, NODE_LABEL, VERSION};
+use super::sink::{Seen, Watched};
 use super::updater::{Part, Sink, SinkError};
 
 /// The field manager of every apply.
@@ -26,6 +28,11 @@ pub const MAX_BODY: usize = 32 << 20;
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// A LIST that keeps handing out continue tokens is cut here.
 const MAX_PAGES: usize = 10_000;
+/// A watch asks the server to end it after at most this long (less a
+/// jitter of up to a minute); it is resumed from where it was. Under the
+/// client's read timeout (295 s), so a quiet stream ends by the server's
+/// hand.
+const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -196,6 +203,10 @@ pub fn query_escape(s: &str) -> String {
 
 impl Sink for KubeSink {
     async fn list(&self, kind: Kind, node: &str) -> Result<Vec<Object>, SinkError> {
+        Ok(self.list_versioned(kind, node).await?.0)
+    }
+
+    async fn list_versioned(&self, kind: Kind, node: &str) -> Result<(Vec<Object>, Option<String>), SinkError> {
         let selector = query_escape(&format!("{NODE_LABEL}={node}"));
         let mut out = Vec::new();
         let mut cont = String::new();
@@ -218,10 +229,97 @@ impl Sink for KubeSink {
             }
             cont = v.pointer("/metadata/continue").and_then(|c| c.as_str()).unwrap_or_default().to_string();
             if cont.is_empty() {
-                return Ok(out);
+                // Every page is of one snapshot: its version is the list's.
+                let version = v.pointer("/metadata/resourceVersion").and_then(|r| r.as_str()).map(str::to_string);
+                return Ok((out, version));
             }
         }
         Err(SinkError::Unavailable(format!("list of {} did not end after {MAX_PAGES} pages", kind.plural())))
+    }
+
+    async fn watch<'a>(
+        &'a self,
+        kind: Kind,
+        node: &'a str,
+        version: &'a mut String,
+        seen: &'a (dyn Fn(Seen) + Send + Sync),
+    ) -> Result<Watched, SinkError> {
+        let selector = query_escape(&format!("{NODE_LABEL}={node}"));
+        // Spread over a minute, so the nodes' watches do not all end (and
+        // come back) at once.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let timeout = WATCH_TIMEOUT.as_secs() - u64::from(nanos % 60);
+        let uri = format!(
+            "{}?watch=true&allowWatchBookmarks=true&labelSelector={selector}&resourceVersion={}&timeoutSeconds={timeout}",
+            base(kind),
+            query_escape(version)
+        );
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .header(http::header::ACCEPT, "application/json")
+            .body(kube::client::Body::empty())
+            .map_err(|e| SinkError::Refused(e.to_string()))?;
+        let resp = self.client.send(req).await.map_err(|e| SinkError::Unavailable(e.to_string()))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let retry_after = resp.headers().get(http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).map(str::to_string);
+            let body = http_body_util::Limited::new(resp.into_body(), MAX_BODY).collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            return match status {
+                StatusCode::GONE => Ok(Watched::Expired),
+                StatusCode::TOO_MANY_REQUESTS => Err(SinkError::Throttled { retry_after: retry_after_of(retry_after.as_deref()) }),
+                StatusCode::SERVICE_UNAVAILABLE => Err(SinkError::Overloaded {
+                    retry_after: retry_after.as_deref().map(|v| retry_after_of(Some(v))),
+                    message: message_of(&body),
+                }),
+                _ => Err(classify(status, &body)),
+            };
+        }
+        let mut body = resp.into_body();
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            let Some(frame) = body.frame().await else { return Ok(Watched::Ended) };
+            let frame = frame.map_err(|e| SinkError::Unavailable(format!("watch stream: {e}")))?;
+            let Ok(data) = frame.into_data() else { continue };
+            buf.extend_from_slice(&data);
+            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=nl).collect();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let ev: serde_json::Value =
+                    serde_json::from_slice(&line).map_err(|e| SinkError::Unavailable(format!("watch event: {e}")))?;
+                let obj = &ev["object"];
+                let rv = obj.pointer("/metadata/resourceVersion").and_then(|r| r.as_str());
+                match ev["type"].as_str().unwrap_or_default() {
+                    "ADDED" | "MODIFIED" => {
+                        if let Some(o) = Object::from_api(kind, obj) {
+                            seen(Seen::Put(o));
+                        }
+                    }
+                    "DELETED" => {
+                        if let Some(name) = obj.pointer("/metadata/name").and_then(|n| n.as_str()) {
+                            seen(Seen::Gone(Key { kind, name: name.to_string() }));
+                        }
+                    }
+                    "BOOKMARK" => {}
+                    "ERROR" => {
+                        if obj["code"].as_u64() == Some(410) {
+                            return Ok(Watched::Expired);
+                        }
+                        let msg = obj["message"].as_str().unwrap_or("a watch ERROR event").to_string();
+                        return Err(SinkError::Unavailable(format!("watch: {msg}")));
+                    }
+                    other => return Err(SinkError::Unavailable(format!("watch: an event of type {other:?}"))),
+                }
+                if let Some(rv) = rv {
+                    *version = rv.to_string();
+                }
+            }
+            if buf.len() > MAX_BODY {
+                return Err(SinkError::Unavailable(format!("watch: an event of more than {MAX_BODY} bytes")));
+            }
+        }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Object>, SinkError> {

@@ -38,6 +38,25 @@ pub enum SinkError {
     Refused(String),
 }
 
+/// What a watch saw happen to one of this node's objects.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Seen {
+    /// Created or changed: as it is stored now.
+    Put(Object),
+    /// Deleted, or no longer labelled for this node.
+    Gone(Key),
+}
+
+/// How a watch ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Watched {
+    /// The stream ended (its timeout): resume from the version reached.
+    Ended,
+    /// The version to resume from is older than the server keeps (410):
+    /// list again.
+    Expired,
+}
+
 /// Where objects go: the API server, or the node's embedded store.
 pub trait Sink: Send + Sync + 'static {
     /// Every object of `kind` labelled for `node`.
@@ -45,4 +64,24 @@ pub trait Sink: Send + Sync + 'static {
     fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Object>, SinkError>> + Send;
     fn write(&self, obj: &Object, part: Part) -> impl Future<Output = Result<(), SinkError>> + Send;
     fn delete(&self, key: &Key) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// [`Sink::list`], with the version a [`Sink::watch`] resumes from
+    /// (None: the sink has no watch; nobody else writes to it).
+    fn list_versioned(&self, kind: Kind, node: &str) -> impl Future<Output = Result<(Vec<Object>, Option<String>), SinkError>> + Send {
+        async move { Ok((self.list(kind, node).await?, None)) }
+    }
+
+    /// Follows the changes to `kind`'s objects labelled for `node` after
+    /// `version`, handing each to `seen` and moving `version` on as it
+    /// goes, until the stream ends.
+    fn watch<'a>(
+        &'a self,
+        kind: Kind,
+        node: &'a str,
+        version: &'a mut String,
+        seen: &'a (dyn Fn(Seen) + Send + Sync),
+    ) -> impl Future<Output = Result<Watched, SinkError>> + Send + 'a {
+        let _ = (kind, node, version, seen);
+        async { Err(SinkError::Refused("this sink cannot be watched".into())) }
+    }
 }

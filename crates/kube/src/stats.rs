@@ -30,6 +30,8 @@ pub struct Stats {
     pub queued: AtomicU64,
     /// Requests sent alone to a server that stopped answering.
     pub probes: AtomicU64,
+    /// Objects written again because someone else changed or deleted them.
+    pub repairs: AtomicU64,
     /// Requests allowed in flight now (a gauge: `concurrency`, less
     /// while the server pushes back).
     pub limit: AtomicU64,
@@ -52,6 +54,7 @@ pub struct StatsSnapshot {
     pub abandoned: u64,
     pub queued: u64,
     pub probes: u64,
+    pub repairs: u64,
     pub limit: u64,
 }
 
@@ -74,6 +77,7 @@ impl Stats {
             abandoned: g(&self.abandoned),
             queued: g(&self.queued),
             probes: g(&self.probes),
+            repairs: g(&self.repairs),
             limit: g(&self.limit),
         }
     }

@@ -25,6 +25,15 @@
 //!   that was backing off for the outage is due at once, so the queue
 //!   drains as soon as the server is back instead of each object waiting
 //!   out its own backoff.
+//! - What others do to this node's objects is followed by a watch (label
+//!   selected, with bookmarks, resumed where it was; a LIST when the
+//!   server no longer has that history, and every `resync`): an object
+//!   deleted or changed behind the agent's back (a status edited, its
+//!   node label removed) is written again as the agent last wanted it,
+//!   one window later. The watch also shows the agent's own writes, one
+//!   part at a time and maybe late, so what it sees is only a hint: when
+//!   the window is over and it still differs from what the agent wrote,
+//!   one GET says what is stored, and only what differs is written.
 //! - Every loop turn costs what changed, not what exists: ready keys sit in
 //!   a queue, backed-off keys in a timer heap; stale queue entries are
 //!   skipped by generation. Retries (due from the heap) are written at
@@ -42,7 +51,7 @@ use tokio::time::Instant;
 
 use super::objects::{Key, Kind, Object};
 use super::pace::{backoff, Gate, Limit, PushBack};
-pub use super::sink::{Part, Sink, SinkError};
+pub use super::sink::{Part, Seen, Sink, SinkError, Watched};
 pub use super::stats::{Stats, StatsSnapshot};
 
 /// What to do with the objects of devices that are gone.
@@ -68,6 +77,11 @@ pub struct UpdaterConfig {
     pub grow_every: Duration,
     /// While the server is down, probes go at most this far apart.
     pub probe_max: Duration,
+    /// Watch this node's objects and repair what others change (when the
+    /// sink can be watched).
+    pub watch: bool,
+    /// The watch's full LIST, however it goes.
+    pub resync: Duration,
     pub qps: f64,
     pub burst: u32,
     pub backoff_min: Duration,
@@ -87,6 +101,8 @@ impl UpdaterConfig {
             concurrency: 4,
             grow_every: Duration::from_secs(1),
             probe_max: Duration::from_secs(1),
+            watch: true,
+            resync: Duration::from_secs(600),
             qps: 20.0,
             burst: 40,
             backoff_min: Duration::from_millis(200),
@@ -109,12 +125,19 @@ enum Want {
     Retire,
     /// Stored under a superseded name: deleted whatever the gone policy.
     Remove,
+    /// Someone else changed it (the watch saw it): written again as last
+    /// wanted, if it still differs when its turn comes.
+    Repair,
 }
 
 /// The door: changes wait here, one per object, until the loop takes them.
 #[derive(Default)]
 struct Inbox {
     changes: HashMap<Key, Want>,
+    /// What the watch saw, in order.
+    seen: Vec<Seen>,
+    /// Full LISTs of the watch (a resync): every object of a kind.
+    listed: Vec<(Kind, Vec<Object>)>,
     /// When a shutdown must be over.
     stop: Option<Instant>,
 }
@@ -152,6 +175,9 @@ impl Updater {
             gate,
             shared: shared.clone(),
             known: HashMap::new(),
+            desired: HashMap::new(),
+            observed: HashMap::new(),
+            versions: Vec::new(),
             pending: HashMap::new(),
             ready: VecDeque::new(),
             retry: VecDeque::new(),
@@ -241,6 +267,9 @@ struct Entry {
     want: Want,
     attempts: u32,
     gen: u64,
+    /// The watch saw it differ from what was written: if it still does
+    /// when its turn comes, read it before planning.
+    recheck: bool,
     /// Backing off because the server did not answer (5xx, connection):
     /// due at once when it answers again.
     outage: bool,
@@ -272,6 +301,14 @@ struct Worker<S> {
     shared: Arc<Shared>,
     /// What the sink holds, as last read or written.
     known: HashMap<Key, Object>,
+    /// What the agent last asked each object to be (puts only: a retired
+    /// object that someone deletes is not brought back).
+    desired: HashMap<Key, Object>,
+    /// What the watch last saw of the desired objects (None: not there);
+    /// a hint, behind or ahead of `known`.
+    observed: HashMap<Key, Option<Object>>,
+    /// Each kind's version from the initial LIST, for the watch.
+    versions: Vec<(Kind, Option<String>)>,
     pending: HashMap<Key, Entry>,
     /// Keys changed, waiting for their window, with the generation they
     /// were queued at.
@@ -307,6 +344,10 @@ struct Outcome {
     /// What is stored now, as far as the job knows.
     stored: Option<Object>,
     error: Option<SinkError>,
+    /// Something was written or deleted.
+    wrote: bool,
+    /// It was read first: the watch saw someone else's change.
+    confirm: bool,
 }
 
 impl<S: Sink> Worker<S> {
@@ -315,6 +356,7 @@ impl<S: Sink> Worker<S> {
             self.finish_abandoned();
             return;
         }
+        let _followers = self.follow();
         let mut stop_at: Option<Instant> = None;
         loop {
             if stop_at.is_none() {
@@ -440,9 +482,10 @@ impl<S: Sink> Worker<S> {
             loop {
                 self.gate.pass().await;
                 bump(&self.shared.stats.requests);
-                match self.sink.list(kind, &self.config.node).await {
-                    Ok(objs) => {
+                match self.sink.list_versioned(kind, &self.config.node).await {
+                    Ok((objs, version)) => {
                         self.known.extend(objs.into_iter().map(|o| (o.key.clone(), o)));
+                        self.versions.push((kind, version));
                         break;
                     }
                     Err(e) => {
@@ -510,22 +553,94 @@ impl<S: Sink> Worker<S> {
     }
 
     fn take_inbox(&mut self) {
-        let changes = std::mem::take(&mut lock(&self.shared.inbox).changes);
+        let (changes, seen, listed) = {
+            let mut inbox = lock(&self.shared.inbox);
+            (std::mem::take(&mut inbox.changes), std::mem::take(&mut inbox.seen), std::mem::take(&mut inbox.listed))
+        };
         for (key, want) in changes {
             self.enqueue(key, want);
         }
+        for s in seen {
+            match s {
+                Seen::Put(o) => self.observe(o.key.clone(), Some(o)),
+                Seen::Gone(key) => self.observe(key, None),
+            }
+        }
+        for (kind, objs) in listed {
+            let mut now: HashMap<Key, Object> = objs.into_iter().map(|o| (o.key.clone(), o)).collect();
+            let keys: Vec<Key> = self.desired.keys().filter(|k| k.kind == kind).cloned().collect();
+            for key in keys {
+                let state = now.remove(&key);
+                self.observe(key, state);
+            }
+        }
+    }
+
+    /// The watch saw `key` stored as `state`: a desired object that
+    /// differs from what the updater knows it wrote is queued for a repair
+    /// (or, already queued, rechecked when its turn comes).
+    fn observe(&mut self, key: Key, state: Option<Object>) {
+        if !self.desired.contains_key(&key) {
+            return;
+        }
+        let differs = state.as_ref() != self.known.get(&key);
+        self.observed.insert(key.clone(), state);
+        if !differs {
+            return;
+        }
+        match self.pending.get_mut(&key) {
+            Some(e) => e.recheck = true,
+            None => {
+                let gen = self.gen();
+                self.pending.insert(key.clone(), Entry { want: Want::Repair, attempts: 0, gen, recheck: true, outage: false });
+                self.ready.push_back((key, gen));
+            }
+        }
+    }
+
+    /// Keeps `desired` to the agent's latest want of `key`.
+    fn note(&mut self, key: &Key, want: &Want) {
+        match want {
+            Want::Put(o) => {
+                self.desired.insert(key.clone(), o.clone());
+            }
+            Want::Retire | Want::Remove => {
+                self.desired.remove(key);
+                self.observed.remove(key);
+            }
+            Want::Repair => {}
+        }
+    }
+
+    /// Starts following this node's objects, one task per kind (when the
+    /// sink can be watched); they stop when the returned value is dropped.
+    fn follow(&self) -> Followers {
+        if !self.config.watch {
+            return Followers(Vec::new());
+        }
+        let tasks = self
+            .versions
+            .iter()
+            .filter_map(|(kind, v)| Some((*kind, v.clone()?)))
+            .map(|(kind, version)| {
+                let (sink, shared, config) = (self.sink.clone(), self.shared.clone(), self.config.clone());
+                tokio::spawn(follow(sink, shared, config, kind, version))
+            })
+            .collect();
+        Followers(tasks)
     }
 
     /// Records the latest want of `key`; a key already pending keeps its
     /// place (or its backoff).
     fn enqueue(&mut self, key: Key, want: Want) {
+        self.note(&key, &want);
         if let Some(e) = self.pending.get_mut(&key) {
             e.want = want;
             bump(&self.shared.stats.coalesced);
             return;
         }
         let gen = self.gen();
-        self.pending.insert(key.clone(), Entry { want, attempts: 0, gen, outage: false });
+        self.pending.insert(key.clone(), Entry { want, attempts: 0, gen, recheck: false, outage: false });
         self.ready.push_back((key, gen));
     }
 
@@ -569,10 +684,27 @@ impl<S: Sink> Worker<S> {
                 if !may {
                     break;
                 }
-                let (key, entry) = todo.pop_front().expect("not empty");
+                let (key, mut entry) = todo.pop_front().expect("not empty");
+                // Still not what was written, by the watch's latest: read it.
+                let confirm = entry.recheck
+                    && matches!(entry.want, Want::Put(_) | Want::Repair)
+                    && self.observed.get(&key).is_some_and(|o| o.as_ref() != self.known.get(&key));
+                let repair = matches!(entry.want, Want::Repair);
+                if repair {
+                    match self.desired.get(&key) {
+                        Some(o) => entry.want = Want::Put(o.clone()),
+                        None => continue,
+                    }
+                }
                 let stored = self.known.get(&key).cloned();
-                let Some(plan) = plan(&key, &entry.want, stored.as_ref(), self.config.gone) else {
-                    bump(&self.shared.stats.unchanged);
+                let plan = match (&entry.want, confirm) {
+                    (Want::Put(o), true) => Some(Plan::Confirm(o.clone())),
+                    (want, _) => plan(&key, want, stored.as_ref(), self.config.gone),
+                };
+                let Some(plan) = plan else {
+                    if !repair {
+                        bump(&self.shared.stats.unchanged);
+                    }
                     continue;
                 };
                 let probe = match &mut self.down {
@@ -586,8 +718,8 @@ impl<S: Sink> Worker<S> {
                 let sent = Sent { epoch: self.limit.epoch(), probe };
                 let (sink, gate, stats) = (self.sink.clone(), self.gate.clone(), self.shared.stats.clone());
                 jobs.spawn(async move {
-                    let (stored, error) = run_job(&*sink, &gate, &stats, &key, plan, stored).await;
-                    Outcome { key, want: entry.want, attempts: entry.attempts, sent, stored, error }
+                    let (stored, error, wrote) = run_job(&*sink, &gate, &stats, &key, plan, stored).await;
+                    Outcome { key, want: entry.want, attempts: entry.attempts, sent, stored, error, wrote, confirm }
                 });
             }
             let waiting = self.pending.len() + todo.len() + jobs.len();
@@ -616,6 +748,10 @@ impl<S: Sink> Worker<S> {
             Some(s) => self.known.insert(o.key.clone(), s),
             None => self.known.remove(&o.key),
         };
+        if o.confirm && o.wrote {
+            bump(&self.shared.stats.repairs);
+            tracing::info!(object = %o.key.name, kind = o.key.kind.as_str(), "publisher: changed by someone else; written again");
+        }
         let now = Instant::now();
         match &o.error {
             Some(SinkError::Unavailable(_) | SinkError::Overloaded { .. }) => self.failed(o.sent, now),
@@ -648,9 +784,13 @@ impl<S: Sink> Worker<S> {
         };
         tracing::debug!(object = %o.key.name, error = %err, retry_in_ms = wait.as_millis() as u64, "publisher: will retry");
         // A newer state that arrived meanwhile wins; it waits as long.
-        let want = lock(&self.shared.inbox).changes.remove(&o.key).unwrap_or(o.want);
+        let newer = lock(&self.shared.inbox).changes.remove(&o.key);
+        if let Some(w) = &newer {
+            self.note(&o.key, w);
+        }
+        let want = newer.unwrap_or(o.want);
         let gen = self.gen();
-        self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen, outage });
+        self.pending.insert(o.key.clone(), Entry { want, attempts: o.attempts + 1, gen, recheck: false, outage });
         self.delayed.push(Reverse((now + wait, gen, o.key)));
     }
 
@@ -700,10 +840,82 @@ impl<S: Sink> Worker<S> {
     }
 }
 
+/// The watch tasks; aborted when dropped (the updater stopped).
+struct Followers(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Followers {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Follows `kind`'s objects of this node from `version`: hands what the
+/// watch sees to the loop, resumes where it was when a stream ends, LISTs
+/// again (a resync) when that history is gone and every `resync`. A
+/// failing server is asked again after probe_max doubling to four times
+/// that.
+async fn follow<S: Sink>(sink: Arc<S>, shared: Arc<Shared>, config: UpdaterConfig, kind: Kind, version: String) {
+    let mut version = Some(version);
+    let mut attempts = 0u32;
+    let mut resync_at = Instant::now() + config.resync;
+    let on = {
+        let shared = shared.clone();
+        move |s: Seen| {
+            lock(&shared.inbox).seen.push(s);
+            shared.wake.notify_one();
+        }
+    };
+    loop {
+        if shared.stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        let result = match &mut version {
+            Some(v) if Instant::now() < resync_at => {
+                tokio::select! {
+                    r = sink.watch(kind, &config.node, v, &on) => r.map(Some),
+                    _ = tokio::time::sleep_until(resync_at) => Ok(None),
+                }
+            }
+            _ => match sink.list_versioned(kind, &config.node).await {
+                Ok((objs, v)) => {
+                    lock(&shared.inbox).listed.push((kind, objs));
+                    shared.wake.notify_one();
+                    let Some(v) = v else { return };
+                    version = Some(v);
+                    resync_at = Instant::now() + config.resync;
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            },
+        };
+        match result {
+            Ok(Some(Watched::Expired)) => {
+                tracing::info!(kind = kind.as_str(), "publisher: watch history expired; listing again");
+                version = None;
+            }
+            Ok(_) => attempts = 0,
+            Err(e) => {
+                let wait = match &e {
+                    SinkError::Throttled { retry_after } => *retry_after,
+                    SinkError::Overloaded { retry_after: Some(ra), .. } => *ra,
+                    _ => config.probe_max.saturating_mul(1 << attempts.min(2)),
+                };
+                attempts += 1;
+                tracing::debug!(kind = kind.as_str(), error = %e, retry_in_ms = wait.as_millis() as u64, "publisher: watch failed");
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
 /// What a job does for one object.
 #[derive(Debug, Clone)]
 enum Plan {
     Write(Object),
+    /// Read what is stored, then write what differs from it.
+    Confirm(Object),
     Delete,
 }
 
@@ -720,6 +932,8 @@ fn plan(key: &Key, want: &Want, stored: Option<&Object>, gone: GonePolicy) -> Op
             }
         }
         Want::Remove => stored.map(|_| Plan::Delete),
+        // Resolved to the desired object before planning.
+        Want::Repair => None,
     }
 }
 
@@ -735,8 +949,9 @@ fn needs(o: &Object, stored: Option<&Object>) -> bool {
     main_differs(o, stored) || status_differs(o, stored)
 }
 
-/// Runs one object's writes; a conflict re-reads it once and tries again.
-/// Returns what is stored afterwards and the error that stopped it.
+/// Runs one object's writes; a conflict re-reads it once and tries again
+/// (a confirm reads it first). Returns what is stored afterwards, the
+/// error that stopped it, and whether anything was written or deleted.
 async fn run_job<S: Sink>(
     sink: &S,
     gate: &Gate,
@@ -744,57 +959,81 @@ async fn run_job<S: Sink>(
     key: &Key,
     plan: Plan,
     mut stored: Option<Object>,
-) -> (Option<Object>, Option<SinkError>) {
+) -> (Option<Object>, Option<SinkError>, bool) {
+    let mut wrote = false;
     let mut reread = false;
+    let (plan, mut read_first) = match plan {
+        Plan::Confirm(o) => (Plan::Write(o), true),
+        p => (p, false),
+    };
     loop {
+        if read_first {
+            gate.pass().await;
+            bump(&stats.requests);
+            match sink.get(key).await {
+                Ok(now) => stored = now,
+                Err(e) => {
+                    count(stats, &e);
+                    return (stored, Some(e), wrote);
+                }
+            }
+            if let Plan::Write(o) = &plan {
+                if !needs(o, stored.as_ref()) {
+                    return (stored, None, wrote);
+                }
+            }
+        }
         let r = match &plan {
             Plan::Delete => {
                 gate.pass().await;
                 bump(&stats.requests);
                 sink.delete(key).await.map(|()| {
                     bump(&stats.deletes);
+                    wrote = true;
                     stored = None;
                 })
             }
-            Plan::Write(o) => write(sink, gate, stats, o, &mut stored).await,
+            Plan::Write(o) => write(sink, gate, stats, o, &mut stored, &mut wrote).await,
+            Plan::Confirm(_) => unreachable!("made a write above"),
         };
         let err = match r {
-            Ok(()) => return (stored, None),
+            Ok(()) => return (stored, None, wrote),
             Err(e) => e,
         };
-        match &err {
-            SinkError::Throttled { .. } => bump(&stats.throttled),
-            SinkError::Conflict(_) => bump(&stats.conflicts),
-            SinkError::Unavailable(_) | SinkError::Overloaded { .. } => bump(&stats.unavailable),
-            SinkError::Refused(_) => bump(&stats.refused),
-        }
+        count(stats, &err);
         if !matches!(err, SinkError::Conflict(_)) || reread {
-            return (stored, Some(err));
+            return (stored, Some(err), wrote);
         }
+        // A conflict: read it once and try again.
         reread = true;
-        gate.pass().await;
-        bump(&stats.requests);
-        match sink.get(key).await {
-            Ok(now) => {
-                stored = now;
-                if let Plan::Write(o) = &plan {
-                    if !needs(o, stored.as_ref()) {
-                        return (stored, None);
-                    }
-                }
-            }
-            Err(e) => return (stored, Some(e)),
-        }
+        read_first = true;
+    }
+}
+
+fn count(stats: &Stats, err: &SinkError) {
+    match err {
+        SinkError::Throttled { .. } => bump(&stats.throttled),
+        SinkError::Conflict(_) => bump(&stats.conflicts),
+        SinkError::Unavailable(_) | SinkError::Overloaded { .. } => bump(&stats.unavailable),
+        SinkError::Refused(_) => bump(&stats.refused),
     }
 }
 
 /// Writes the parts of `o` that differ from `stored`, main first (it
 /// creates the object), updating `stored` as each lands.
-async fn write<S: Sink>(sink: &S, gate: &Gate, stats: &Stats, o: &Object, stored: &mut Option<Object>) -> Result<(), SinkError> {
+async fn write<S: Sink>(
+    sink: &S,
+    gate: &Gate,
+    stats: &Stats,
+    o: &Object,
+    stored: &mut Option<Object>,
+    wrote: &mut bool,
+) -> Result<(), SinkError> {
     if main_differs(o, stored.as_ref()) {
         gate.pass().await;
         bump(&stats.requests);
         sink.write(o, Part::Main).await?;
+        *wrote = true;
         bump(&stats.writes_main);
         let status = stored.take().map(|s| s.status).unwrap_or(serde_json::Value::Null);
         *stored = Some(Object { status, ..o.clone() });
@@ -803,6 +1042,7 @@ async fn write<S: Sink>(sink: &S, gate: &Gate, stats: &Stats, o: &Object, stored
         gate.pass().await;
         bump(&stats.requests);
         sink.write(o, Part::Status).await?;
+        *wrote = true;
         bump(&stats.writes_status);
         if let Some(s) = stored.as_mut() {
             s.status = o.status.clone();
