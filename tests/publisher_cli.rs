@@ -197,7 +197,8 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     let before = server.api.object("blockdevices", &gone).unwrap();
     server.api.delete("blockdevices", &gone);
     for _ in 0..600 {
-        if server.api.object("blockdevices", &gone).is_some() {
+        // Main part and status are two writes: both back.
+        if server.api.object("blockdevices", &gone).is_some_and(|o| o["status"] == before["status"]) {
             break;
         }
         assert!(agent.0.try_wait().unwrap().is_none(), "the agent exited:\n{}", log());
