@@ -17,10 +17,13 @@ fn git_commit() {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
+    let version = std::env::var("CARGO_PKG_VERSION").unwrap_or_default();
     let Some(hash) = git(&["rev-parse", "--short=12", "HEAD"]) else {
+        // A source tree without git (an archive): the version alone.
+        println!("cargo:rustc-env=VOLRING_VERSION={version}");
         return;
     };
-    println!("cargo:rustc-env=VOLRING_GIT_COMMIT={hash}");
+    println!("cargo:rustc-env=VOLRING_VERSION={version} (commit {hash})");
     // Rebuilt when HEAD moves (a commit, a checkout), not on every build.
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
         let dir = std::path::Path::new(&dir);

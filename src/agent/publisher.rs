@@ -60,7 +60,8 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     feed.seed(&initial);
     let source = KubeSink::detect();
     let up = if p.kube.unwrap_or(source.is_some()) {
-        let sink = Arc::new(KubeSink::infer().await.context("--kube")?);
+        // The User-Agent names this node as the agent knows it (--node-id).
+        let sink = Arc::new(KubeSink::infer_for(i.node).await.context("--kube")?);
         let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
         tracing::info!(target: TARGET, objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = i.driver.clone() {
