@@ -29,15 +29,27 @@ pub(super) fn encode(e: &mut DescriptorEncoder<'_>, s: &Stats) -> Result<(), Fmt
         ("volring_publish_submitted", "Object states handed to the publisher", &s.submitted),
         ("volring_publish_coalesced", "States that replaced a pending state of the same object", &s.coalesced),
         ("volring_publish_unchanged", "Objects due that equalled what is stored (nothing written)", &s.unchanged),
-        ("volring_publish_throttled", "Requests answered 429 (every request then waits its Retry-After)", &s.throttled),
+        (
+            "volring_publish_throttled",
+            "Requests answered 429 (that object waits its Retry-After; the in-flight limit halves)",
+            &s.throttled,
+        ),
         ("volring_publish_refused", "Writes refused (4xx such as 422) and dropped", &s.refused),
         ("volring_publish_conflicts", "Writes answered 409 (the object is re-read once)", &s.conflicts),
         ("volring_publish_unavailable", "Requests failed by 5xx or the connection, backed off", &s.unavailable),
         ("volring_publish_abandoned", "Objects left unwritten when a shutdown's deadline passed", &s.abandoned),
+        ("volring_publish_probes", "Requests sent alone to a server that stopped answering", &s.probes),
+        ("volring_publish_repairs", "Objects written again because someone else changed or deleted them", &s.repairs),
     ] {
         counter(e, name, help, g(v))?;
     }
-    how_many(e, "volring_publish_queued", "Objects waiting to be written", usize::try_from(g(&s.queued)).unwrap_or(usize::MAX))
+    how_many(e, "volring_publish_queued", "Objects waiting to be written", usize::try_from(g(&s.queued)).unwrap_or(usize::MAX))?;
+    how_many(
+        e,
+        "volring_publish_in_flight_limit",
+        "Requests allowed in flight now (lower while the API server pushes back)",
+        usize::try_from(g(&s.limit)).unwrap_or(usize::MAX),
+    )
 }
 
 #[cfg(test)]
@@ -61,7 +73,17 @@ mod tests {
     #[test]
     fn the_publishers_counters_are_exported() {
         let s = Arc::new(Stats::default());
-        for (a, v) in [(&s.writes_main, 7), (&s.writes_status, 9), (&s.refused, 2), (&s.throttled, 4), (&s.conflicts, 1), (&s.queued, 12)] {
+        for (a, v) in [
+            (&s.writes_main, 7),
+            (&s.writes_status, 9),
+            (&s.refused, 2),
+            (&s.throttled, 4),
+            (&s.conflicts, 1),
+            (&s.queued, 12),
+            (&s.probes, 3),
+            (&s.repairs, 5),
+            (&s.limit, 2),
+        ] {
             a.store(v, Ordering::Relaxed);
         }
         let mut registry = Registry::default();
@@ -77,6 +99,9 @@ mod tests {
             "volring_publish_unavailable_total 0",
             "volring_publish_abandoned_total 0",
             "volring_publish_queued 12",
+            "volring_publish_probes_total 3",
+            "volring_publish_repairs_total 5",
+            "volring_publish_in_flight_limit 2",
         ] {
             assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
         }
