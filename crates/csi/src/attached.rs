@@ -8,8 +8,10 @@
 //! kernel's and needs no healer; an nbd volume the start walk already
 //! reconnected is left alone.
 
-use super::nbd::Healed;
-use super::Driver;
+use std::sync::Arc;
+
+use super::base::Base;
+use super::nbd::{Healed, NbdSide, REMOTE_WAIT};
 use volring_volumes::AttachKind;
 
 /// What the hand-over found, volume ids in the order given.
@@ -28,14 +30,50 @@ pub struct AttachedCheck {
     pub unknown: Vec<String>,
 }
 
-impl Driver {
+/// The nbd healer's walks over staged records: once at start, and for
+/// the volumes the cluster says are attached here.
+pub(crate) struct Healer {
+    base: Arc<Base>,
+    pub(crate) nbd: Arc<NbdSide>,
+}
+
+impl Healer {
+    pub(crate) fn new(base: Arc<Base>, nbd: Arc<NbdSide>) -> Self {
+        Self { base, nbd }
+    }
+
+    /// The start walk over every staged nbd record, once per process: the
+    /// agent runs it as soon as the store is open, and the reconciler's
+    /// start runs it if nobody did, so it always precedes the first pass
+    /// (and Probe's ready). Later calls return nothing.
+    ///
+    /// Local volumes are reconnected before it returns, first; remote ones
+    /// all at once, waited for at most [`REMOTE_WAIT`] together: one still
+    /// connecting is reported [`Healed::Pending`] and goes on in the
+    /// background, so neither the CSI socket nor `/readyz` waits on another
+    /// node (such a volume's condition is abnormal until it is reconnected).
+    pub(crate) fn heal_nbd(&self) -> Vec<(String, Healed)> {
+        if !self.nbd.first_walk() {
+            return Vec::new();
+        }
+        let recs = self
+            .base
+            .records
+            .all()
+            .into_iter()
+            .filter(|r| r.attach == AttachKind::Nbd && r.nbd_index.is_some())
+            .filter_map(|r| self.base.locks.try_lock_for_repair(&r.volume_id).map(|g| (r, g)))
+            .collect();
+        self.nbd.heal_all(recs, REMOTE_WAIT)
+    }
+
     /// Hands every volume in `ids` whose data path this agent owns and
     /// does not serve to the healer; sorts the rest.
-    pub fn heal_attached(&self, ids: &[String]) -> AttachedCheck {
+    pub(crate) fn heal_attached(&self, ids: &[String]) -> AttachedCheck {
         let mut c = AttachedCheck::default();
         let mut handed = Vec::new();
         for id in ids {
-            let Some(rec) = self.records.get(id) else {
+            let Some(rec) = self.base.records.get(id) else {
                 c.unknown.push(id.clone());
                 continue;
             };
@@ -51,7 +89,7 @@ impl Driver {
                 c.skipped.push(id.clone());
                 continue;
             }
-            let Some(g) = self.locks.try_lock_for_repair(id) else {
+            let Some(g) = self.base.locks.try_lock_for_repair(id) else {
                 c.skipped.push(id.clone());
                 continue;
             };
@@ -59,7 +97,7 @@ impl Driver {
         }
         // Locals first, remotes at once (a hung owner holds up no other
         // volume): the start walk's own order and bounds.
-        for (id, h) in self.nbd.heal_all(handed, super::nbd::REMOTE_WAIT) {
+        for (id, h) in self.nbd.heal_all(handed, REMOTE_WAIT) {
             tracing::info!(volume = %id, healed = ?h, "attached volume handed to the nbd healer");
             c.healed.push((id, h));
         }
@@ -72,7 +110,7 @@ mod tests {
     use std::sync::{Arc, RwLock};
 
     use super::*;
-    use crate::{CsiConfig, Readiness};
+    use crate::{CsiConfig, Driver, Readiness};
     use volring_mounts::MountTable;
     use volring_volumes::{AccessKind, StagePhase, StagedVolume};
 
@@ -108,8 +146,8 @@ mod tests {
     fn attached_volumes_are_sorted_against_the_store_and_nbd_ones_reach_the_healer() {
         let dir = tempfile::tempdir().unwrap();
         let d = driver_in(dir.path());
-        d.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
-        d.records.put(&rec("loop-1", AttachKind::Loop, None)).unwrap();
+        d.base.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
+        d.base.records.put(&rec("loop-1", AttachKind::Loop, None)).unwrap();
         let ids = ["nbd-1", "loop-1", "ghost"].map(String::from);
         let got = d.heal_attached(&ids);
         assert_eq!(got.healed, vec![("nbd-1".to_string(), Healed::Gone)]);
@@ -124,7 +162,7 @@ mod tests {
     fn the_start_walk_runs_once() {
         let dir = tempfile::tempdir().unwrap();
         let d = driver_in(dir.path());
-        d.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
+        d.base.records.put(&rec("nbd-1", AttachKind::Nbd, Some(1 << 20))).unwrap();
         assert_eq!(d.heal_nbd(), vec![("nbd-1".to_string(), Healed::Gone)]);
         assert_eq!(d.heal_nbd(), vec![]);
     }

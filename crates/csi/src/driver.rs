@@ -1,15 +1,28 @@
-//! The state every CSI service shares: the pool, the staged records, the
-//! volume locks and the mount table the agent keeps current.
+//! The driver and its configuration: the parts it owns (`base` for what
+//! they share), and the one place the agent reaches them.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::proto::Topology;
-use super::{Error, Result, VolumeGuard, VolumeLocks, TOPOLOGY_KEY};
+use super::attached::{AttachedCheck, Healer};
+use super::base::Base;
+use super::controller::Controller;
+use super::fence::Fence;
+use super::identity::Identity;
+use super::nbd::{Healed, NbdSide};
+use super::nbd_export::{ExportListener, NbdExports};
+use super::node::Stager;
+use super::node_stats::Stats;
+use super::owned::Root;
+use super::publish::Publisher;
+use super::repair::Repairs;
+use super::rpc_stats::RpcStats;
+use super::share::{EndpointLookup, Shares};
+use super::share_client::NfsClient;
+use super::{Result, VolumeLocks};
 use volring_mounts::MountTable;
-use volring_volumes::beneath::Beneath;
+use volring_volumes::state::reconcile::{ReconcileConfig, Reconciler};
 use volring_volumes::{ImagePool, StagedRecords};
 
 #[derive(Debug, Clone)]
@@ -86,101 +99,89 @@ impl Readiness {
     }
 }
 
+/// The CSI driver: owned parts, each with its own file and state, over
+/// one shared [`Base`]. The gRPC services (`service.rs`) hand each call to
+/// its part; the agent uses the methods below.
 pub struct Driver {
-    pub(super) config: CsiConfig,
-    /// `kubelet_root` as the kernel resolves it (it may be a symlink).
-    pub(super) real_root: PathBuf,
-    /// The kubelet root held open: every path from a request is resolved
-    /// beneath it, once, and acted on through the descriptor.
-    pub(super) beneath: Beneath,
-    pub(super) pool: ImagePool,
-    pub(super) records: StagedRecords,
-    pub(super) locks: VolumeLocks,
-    /// Kept current by the agent from the mount watcher's events.
-    pub(super) mounts: Arc<RwLock<MountTable>>,
-    pub(super) ready: Readiness,
-    /// The reconciler's published verdicts, once it runs.
-    pub(super) health: std::sync::OnceLock<Arc<volring_volumes::state::actual::HealthView>>,
+    pub(crate) base: Arc<Base>,
+    pub(crate) identity: Identity,
+    pub(crate) controller: Controller,
+    /// Stage and unstage (and the reconciler's repairs).
+    pub(crate) stager: Arc<Stager>,
+    pub(crate) publisher: Publisher,
+    pub(crate) stats: Stats,
+    /// The nbd devices this agent serves, and their healer's walks.
+    healer: Healer,
+    /// This node's nbd volumes served to other nodes (`--nbd-export-listen`).
+    exports: Arc<NbdExports>,
+    /// The NFS exports of shared volumes this node serves.
+    shares: Arc<Shares>,
+    /// Shared volumes another node serves, mounted here over NFS.
+    nfs: Arc<NfsClient>,
     /// Calls running now; a stopping agent waits for them, not for idle
     /// connections (kubelet never closes its own).
-    pub(super) in_flight: AtomicUsize,
+    pub(crate) in_flight: AtomicUsize,
     /// Calls by RPC and outcome, for `/metrics`.
-    pub(super) rpc_stats: Arc<super::rpc_stats::RpcStats>,
-    /// The nbd devices this agent serves (`attach: nbd` volumes).
-    pub(super) nbd: super::nbd::NbdSide,
-    /// The listener serving this node's nbd volumes to other nodes, when
-    /// the node exports (`--nbd-export-listen`).
-    pub(super) exports: std::sync::OnceLock<super::nbd_export::ExportListener>,
-    /// The NFS exports of shared volumes (`volring_share`).
-    pub(super) share: volring_share::ShareSide,
-    /// Who holds each exported volume: this node or another, never both
-    /// (`fence`).
-    pub(super) fence: Arc<super::fence::Fence>,
-    /// How NodeStage finds a shared volume's published endpoint (set by
-    /// the agent when it has a cluster).
-    pub(super) endpoint_lookup: std::sync::OnceLock<super::share::EndpointLookup>,
+    pub(crate) rpc_stats: Arc<RpcStats>,
 }
 
 impl Driver {
     pub fn new(mut config: CsiConfig, mounts: Arc<RwLock<MountTable>>, ready: Readiness) -> Result<Arc<Self>> {
-        let root = config.kubelet_root.to_string_lossy().to_string();
-        config.kubelet_root = super::validate::absolute(&root, "kubelet root")?;
-        std::fs::create_dir_all(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
-        let real_root = std::fs::canonicalize(&config.kubelet_root).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
-        let beneath = Beneath::open(&config.kubelet_root)
-            .map_err(|e| Error::Internal(format!("kubelet root {}: {e}", config.kubelet_root.display())))?;
+        let root = Root::open(&config.kubelet_root)?;
+        config.kubelet_root = root.dir().to_path_buf();
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
         if let Some(loss) = records.loss().cloned() {
             rebuild_from_kernel(&pool, &records, &config.kubelet_root, &loss)?;
         }
-        let config_nbd = super::nbd::NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir);
+        let nbd = Arc::new(NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir));
         tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
             "CSI volume pool");
-        let share = volring_share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone());
-        let fence = Arc::new(super::fence::Fence::open(records.store().clone())?);
+        let side = Arc::new(volring_share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone()));
+        let fence = Arc::new(Fence::open(records.store().clone())?);
         let exported_staged: Vec<String> =
             records.ids().into_iter().filter(|id| pool.get(id).is_some_and(|m| m.nbd_secret.is_some())).collect();
         fence.resume(|id| records.contains(id) || records.quarantined_record(id).is_some(), &exported_staged)?;
+        let base = Arc::new(Base { config, root, pool, records, locks: VolumeLocks::new(), mounts });
+        let exports = Arc::new(NbdExports::new(base.clone(), fence.clone()));
+        let shares = Arc::new(Shares::new(base.clone(), side.clone()));
+        let nfs = Arc::new(NfsClient::new(base.clone(), side.clone(), fence.clone()));
+        let stager = Arc::new(Stager::new(base.clone(), nbd.clone(), fence, shares.clone(), nfs.clone()));
         Ok(Arc::new(Self {
-            share,
-            fence,
-            endpoint_lookup: std::sync::OnceLock::new(),
-            config,
-            real_root,
-            beneath,
-            pool,
-            records,
-            locks: VolumeLocks::new(),
-            mounts,
-            ready,
-            health: std::sync::OnceLock::new(),
+            identity: Identity::new(base.clone(), ready),
+            controller: Controller::new(base.clone(), exports.clone(), side, nbd.clone()),
+            publisher: Publisher::new(base.clone(), shares.clone(), nfs.clone()),
+            stats: Stats::new(base.clone(), nbd.clone(), nfs.clone()),
+            healer: Healer::new(base.clone(), nbd),
+            stager,
+            exports,
+            shares,
+            nfs,
+            base,
             in_flight: AtomicUsize::new(0),
             rpc_stats: Default::default(),
-            nbd: config_nbd,
-            exports: std::sync::OnceLock::new(),
         }))
     }
 
     pub fn config(&self) -> &CsiConfig {
-        &self.config
+        &self.base.config
     }
 
     /// Calls by RPC, gRPC code and latency.
-    pub fn rpc_stats(&self) -> &super::rpc_stats::RpcStats {
+    pub fn rpc_stats(&self) -> &RpcStats {
         &self.rpc_stats
     }
 
     /// The pool's volumes: how many, bytes provisioned (their sizes
     /// together), and the bytes the pool's filesystem has left.
     pub fn pool_usage(&self) -> (usize, u64, Option<u64>) {
-        let (n, provisioned) = self.pool.provisioned();
-        (n, provisioned, self.pool.free_bytes().ok())
+        let (n, provisioned) = self.base.pool.provisioned();
+        (n, provisioned, self.base.pool.free_bytes().ok())
     }
 
     /// Volumes staged on this node, and of those, published to a target.
     pub fn staged_and_published(&self) -> (usize, usize) {
-        let all = self.records.all();
+        let all = self.base.records.all();
         (all.len(), all.iter().filter(|r| !r.published.is_empty()).count())
     }
 
@@ -190,69 +191,100 @@ impl Driver {
     }
 
     pub fn locks(&self) -> &VolumeLocks {
-        &self.locks
+        &self.base.locks
     }
 
     /// The node's store (with no cluster the publisher writes there too:
     /// one process may open it once).
     pub fn store(&self) -> Arc<volring_volumes::store::Store> {
-        self.records.store().clone()
+        self.base.records.store().clone()
     }
 
     /// Every staged volume's record, for the publisher.
     pub fn staged(&self) -> Vec<volring_volumes::StagedVolume> {
-        self.records.all()
+        self.base.records.all()
     }
 
     /// Calls `f` with the id of every staged record put or removed from
     /// now on (the publisher's StorageNode follows them).
     pub fn on_volume_change(&self, f: impl Fn(&str) + Send + 'static) {
-        self.records.on_change(f);
+        self.base.records.on_change(f);
     }
 
-    pub fn pool_dir(&self) -> &std::path::Path {
-        self.pool.dir()
+    pub fn pool_dir(&self) -> &Path {
+        self.base.pool.dir()
     }
 
-    /// Takes the volume's lock or answers Aborted. A repair the reconciler
-    /// is making is waited for (up to 30 s), not reported.
-    pub(super) fn lock(&self, id: &str) -> Result<VolumeGuard> {
-        self.locks
-            .lock_for_call(id, std::time::Duration::from_secs(30))
-            .ok_or_else(|| Error::Aborted(format!("an operation on volume {id} is already in progress")))
-    }
-
-    /// Checks a validated path against symlinks: its deepest existing
-    /// ancestor, resolved by the kernel, must still be inside the root.
-    pub(super) fn contained(&self, p: &Path) -> Result<()> {
-        let mut probe = p;
-        loop {
-            match std::fs::canonicalize(probe) {
-                Ok(real) if real.starts_with(&self.real_root) => return Ok(()),
-                Ok(real) => {
-                    return Err(Error::InvalidArgument(format!("{} resolves to {}, outside the kubelet root", p.display(), real.display())))
-                }
-                Err(_) => match probe.parent() {
-                    Some(parent) => probe = parent,
-                    None => return Err(Error::InvalidArgument(format!("{} is not inside the kubelet root", p.display()))),
-                },
-            }
+    /// Starts the reconciler over this driver's volumes: looks at every
+    /// volume once (finishing what a crash interrupted) before it returns,
+    /// then follows the events. Every record change is passed on to it, and
+    /// NodeGetVolumeStats reads its published verdicts.
+    pub fn start_reconciler(self: &Arc<Self>, config: ReconcileConfig) -> std::io::Result<Reconciler> {
+        // nbd devices first: a device whose server died with the last agent
+        // gets fresh sockets before the first pass looks at its mount (and
+        // before Probe answers ready); the pass re-stages the ones gone.
+        for (id, healed) in self.heal_nbd() {
+            tracing::debug!(volume = %id, ?healed, "nbd start walk");
         }
+        let store = self.base.records.store().clone();
+        let r = Reconciler::start(config, Arc::new(Repairs::new(self.stager.clone())), self.base.mounts.clone(), store)?;
+        let notify = r.notifier();
+        self.base.records.on_change(move |id| notify.volume(id));
+        let _ = self.stats.health.set(r.view().clone());
+        self.shares.resume();
+        Ok(r)
     }
 
-    pub(super) fn path(&self, p: &str, what: &str) -> Result<PathBuf> {
-        let p = super::validate::path_under(p, &self.config.kubelet_root, what)?;
-        self.contained(&p)?;
-        Ok(p)
+    /// The nbd healer's start walk, once per process (see [`Healer::heal_nbd`]).
+    pub fn heal_nbd(&self) -> Vec<(String, Healed)> {
+        self.healer.heal_nbd()
     }
 
-    pub(super) fn topology(&self) -> Topology {
-        Topology { segments: HashMap::from([(TOPOLOGY_KEY.to_string(), self.config.node_id.clone())]) }
+    /// Hands the volumes the cluster says are attached here to the nbd
+    /// healer, where this agent owns their data path and does not serve it.
+    pub fn heal_attached(&self, ids: &[String]) -> AttachedCheck {
+        self.healer.heal_attached(ids)
     }
 
-    /// True when `t` names this node (and nothing this node lacks).
-    pub(super) fn is_here(&self, t: &Topology) -> bool {
-        t.segments.iter().all(|(k, v)| k == TOPOLOGY_KEY && *v == self.config.node_id)
+    /// Starts serving every exported volume of the pool on `listener`, and
+    /// every one created from now on.
+    pub fn serve_exports(&self, listener: ExportListener) -> Result<()> {
+        self.exports.serve(listener)
+    }
+
+    /// The address the export listener is bound to, if it runs.
+    pub fn export_address(&self) -> Option<String> {
+        self.exports.address()
+    }
+
+    /// The volumes this node exports over NFS now, each with its PVC.
+    pub fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
+        self.shares.exported()
+    }
+
+    /// Sets how NodeStage of a shared volume another node holds finds the
+    /// endpoint published on its PVC (in a cluster).
+    pub fn set_endpoint_lookup(&self, f: EndpointLookup) {
+        self.nfs.set_endpoint_lookup(f)
+    }
+
+    /// The node's share side (its server's pid and records).
+    pub fn shares(&self) -> &volring_share::ShareSide {
+        self.shares.side()
+    }
+}
+
+/// The cluster's shared-volume loop (`volring_share::follow`) reaches the
+/// driver through this trait: share sits below csi in the crate graph.
+impl volring_share::follow::ShareHost for Driver {
+    fn shares(&self) -> &volring_share::ShareSide {
+        Driver::shares(self)
+    }
+    fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
+        Driver::exported_shares(self)
+    }
+    fn set_endpoint_lookup(&self, f: EndpointLookup) {
+        Driver::set_endpoint_lookup(self, f)
     }
 }
 

@@ -2,20 +2,34 @@
 
 use std::collections::HashMap;
 
-use super::driver::Expansion;
-use super::proto::*;
-use super::{Driver, DRIVER_NAME};
+use std::sync::Arc;
 
-impl Driver {
-    pub(super) fn plugin_info(&self) -> GetPluginInfoResponse {
+use super::base::Base;
+use super::driver::{Expansion, Readiness};
+use super::proto::*;
+use super::DRIVER_NAME;
+
+/// The identity service's answers, and what each service offers.
+pub(crate) struct Identity {
+    base: Arc<Base>,
+    /// Whether the agent's subsystems are up; Probe reports it.
+    ready: Readiness,
+}
+
+impl Identity {
+    pub(crate) fn new(base: Arc<Base>, ready: Readiness) -> Self {
+        Self { base, ready }
+    }
+
+    pub(crate) fn plugin_info(&self) -> GetPluginInfoResponse {
         GetPluginInfoResponse {
             name: DRIVER_NAME.to_string(),
             vendor_version: env!("CARGO_PKG_VERSION").to_string(),
-            manifest: HashMap::from([("node".to_string(), self.config.node_id.clone())]),
+            manifest: HashMap::from([("node".to_string(), self.base.config.node_id.clone())]),
         }
     }
 
-    pub(super) fn plugin_capabilities(&self) -> GetPluginCapabilitiesResponse {
+    pub(crate) fn plugin_capabilities(&self) -> GetPluginCapabilitiesResponse {
         use plugin_capability::{service, volume_expansion, Service, Type, VolumeExpansion};
         let service = |t: service::Type| PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
         GetPluginCapabilitiesResponse {
@@ -28,14 +42,14 @@ impl Driver {
     }
 
     /// Ready once the agent's mount watcher and the pool are up.
-    pub(super) fn probe(&self) -> ProbeResponse {
+    pub(crate) fn probe(&self) -> ProbeResponse {
         ProbeResponse { ready: Some(self.ready.get()) }
     }
 
-    pub(super) fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
+    pub(crate) fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
         use controller_service_capability::{rpc::Type as T, Rpc, Type};
         let mut caps = vec![T::CreateDeleteVolume, T::ListVolumes, T::GetCapacity, T::ExpandVolume, T::SingleNodeMultiWriter];
-        if self.config.expansion == Expansion::Node {
+        if self.base.config.expansion == Expansion::Node {
             caps.retain(|t| *t != T::ExpandVolume);
         }
         ControllerGetCapabilitiesResponse {
@@ -46,7 +60,7 @@ impl Driver {
         }
     }
 
-    pub(super) fn node_capabilities(&self) -> NodeGetCapabilitiesResponse {
+    pub(crate) fn node_capabilities(&self) -> NodeGetCapabilitiesResponse {
         use node_service_capability::{rpc::Type as T, Rpc, Type};
         let caps = [T::StageUnstageVolume, T::GetVolumeStats, T::ExpandVolume, T::VolumeCondition, T::SingleNodeMultiWriter];
         NodeGetCapabilitiesResponse {

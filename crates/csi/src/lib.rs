@@ -9,6 +9,7 @@
 
 mod attached;
 pub mod authority;
+mod base;
 pub mod client;
 mod controller;
 mod driver;

@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Driver, Error, NbdSide, Result, Served};
+use super::{Error, NbdSide, Result, Served};
 use volring_nbd::attach::local::connected_sockets;
 use volring_nbd::attach::{self as nbdattach, LinkDeadListener};
 use volring_volumes::attach::{self, Attachment};
@@ -68,6 +68,15 @@ impl From<GrowError> for Error {
 }
 
 impl NbdSide {
+    /// Makes a staged volume's device see its image's size (a loop device's
+    /// LOOP_SET_CAPACITY, an nbd device's reconnect and resize); its size.
+    pub(crate) fn refresh_device(&self, rec: &StagedVolume, a: &Attachment) -> Result<u64> {
+        match a.kind {
+            AttachKind::Loop => Ok(attach::refresh_capacity(a)?),
+            AttachKind::Nbd => Ok(self.grow(rec, a)?),
+        }
+    }
+
     /// Makes `/dev/nbd<index>` serve all of `rec`'s image as it is now
     /// (see the module comment); its size in bytes. Idempotent: a device
     /// already at the image's size is left alone.
@@ -135,17 +144,6 @@ fn await_dead(notices: &mut LinkDeadListener, index: u32, connections: usize) ->
         }
     }
     Ok(dropped)
-}
-
-impl Driver {
-    /// Makes a staged volume's device see its image's size (a loop device's
-    /// LOOP_SET_CAPACITY, an nbd device's reconnect and resize); its size.
-    pub(crate) fn refresh_device(&self, rec: &StagedVolume, a: &Attachment) -> Result<u64> {
-        match a.kind {
-            AttachKind::Loop => Ok(attach::refresh_capacity(a)?),
-            AttachKind::Nbd => Ok(self.nbd.grow(rec, a)?),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -17,9 +17,11 @@
 //! tenant shares.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use super::{Driver, Error, Result};
+use super::base::Base;
+use super::fence::Fence;
+use super::{Error, Result};
 use volring_nbd::remote::{ExportUri, Secret};
 use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
 use volring_volumes::VolumeMeta;
@@ -107,10 +109,23 @@ impl ExportListener {
     }
 }
 
-impl Driver {
+/// This node's volumes as other nodes reach them: the listener (once the
+/// agent starts it) and the fence that keeps a volume to one holder.
+pub(crate) struct NbdExports {
+    base: Arc<Base>,
+    /// Who holds each exported volume: this node or another, never both.
+    pub(crate) fence: Arc<Fence>,
+    listener: OnceLock<ExportListener>,
+}
+
+impl NbdExports {
+    pub(crate) fn new(base: Arc<Base>, fence: Arc<Fence>) -> Self {
+        Self { base, fence, listener: OnceLock::new() }
+    }
+
     /// Starts serving every exported volume of the pool on `listener` (at
     /// start, before Probe answers ready), and every one created from now on.
-    pub fn serve_exports(&self, listener: ExportListener) -> Result<()> {
+    pub(crate) fn serve(&self, listener: ExportListener) -> Result<()> {
         // Fenced from the first export on: nothing is handed out to another
         // node while this node has it staged (`fence`).
         listener
@@ -118,26 +133,26 @@ impl Driver {
             .exports()
             .set_admission(self.fence.clone())
             .map_err(|e| Error::Internal(format!("the export listener's fence: {e}")))?;
-        for meta in self.pool.page(None, usize::MAX) {
+        for meta in self.base.pool.page(None, usize::MAX) {
             if let Some(secret) = &meta.nbd_secret {
-                listener.serve(&meta, &self.pool.image_path(&meta.id), secret)?;
+                listener.serve(&meta, &self.base.pool.image_path(&meta.id), secret)?;
             }
         }
-        self.exports.set(listener).map_err(|_| Error::Internal("the export listener is already set".into()))
+        self.listener.set(listener).map_err(|_| Error::Internal("the export listener is already set".into()))
     }
 
     /// The secret for a new `attach: nbd` volume, when this node exports.
-    pub(super) fn new_export_secret(&self) -> Result<Option<String>> {
-        match self.exports.get() {
+    pub(crate) fn new_secret(&self) -> Result<Option<String>> {
+        match self.listener.get() {
             Some(_) => Secret::generate().map(|s| Some(s.to_hex())).map_err(|e| Error::Internal(e.to_string())),
             None => Ok(None),
         }
     }
 
     /// Serves a just-created (or re-requested) volume that has a secret.
-    pub(super) fn export_volume(&self, meta: &VolumeMeta) -> Result<()> {
-        match (self.exports.get(), &meta.nbd_secret) {
-            (Some(l), Some(secret)) => l.serve(meta, &self.pool.image_path(&meta.id), secret),
+    pub(crate) fn export_volume(&self, meta: &VolumeMeta) -> Result<()> {
+        match (self.listener.get(), &meta.nbd_secret) {
+            (Some(l), Some(secret)) => l.serve(meta, &self.base.pool.image_path(&meta.id), secret),
             _ => Ok(()),
         }
     }
@@ -146,13 +161,13 @@ impl Driver {
     /// are closed). A volume another node holds is served again and the
     /// delete refused: it is in use (FAILED_PRECONDITION, the spec's code
     /// for a volume in use).
-    pub(super) fn withdraw_export(&self, id: &str) -> Result<()> {
+    pub(crate) fn withdraw(&self, id: &str) -> Result<()> {
         self.fence.settle(id);
-        if let Some(l) = self.exports.get() {
+        if let Some(l) = self.listener.get() {
             l.withdraw(id);
         }
         if let Some(h @ super::fence::Holder::Remote { since, .. }) = self.fence.holder(id) {
-            if let Some(m) = self.pool.get(id) {
+            if let Some(m) = self.base.pool.get(id) {
                 self.export_volume(&m)?;
             }
             return Err(Error::FailedPrecondition(format!(
@@ -164,7 +179,7 @@ impl Driver {
     }
 
     /// After a delete: whatever held the volume is moot.
-    pub(super) fn forget_holder(&self, id: &str) {
+    pub(crate) fn forget_holder(&self, id: &str) {
         if let Err(e) = self.fence.forget(id) {
             tracing::error!(volume = id, error = %e, "cannot forget the deleted volume's holder");
         }
@@ -173,16 +188,16 @@ impl Driver {
     /// The context keys of an exported volume: its URI and secret. A volume
     /// with a secret but no listener now (the agent restarted without one)
     /// gets none: no URI would lead anywhere.
-    pub(super) fn export_context(&self, meta: &VolumeMeta, context: &mut std::collections::HashMap<String, String>) {
-        if let (Some(l), Some(secret)) = (self.exports.get(), &meta.nbd_secret) {
+    pub(crate) fn context(&self, meta: &VolumeMeta, context: &mut std::collections::HashMap<String, String>) {
+        if let (Some(l), Some(secret)) = (self.listener.get(), &meta.nbd_secret) {
             context.insert(CONTEXT_URI.to_string(), l.uri(&meta.id));
             context.insert(CONTEXT_SECRET.to_string(), secret.clone());
         }
     }
 
     /// The address the export listener is bound to, if it runs.
-    pub fn export_address(&self) -> Option<String> {
-        self.exports.get().map(ExportListener::address)
+    pub(crate) fn address(&self) -> Option<String> {
+        self.listener.get().map(ExportListener::address)
     }
 }
 

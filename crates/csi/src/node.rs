@@ -15,28 +15,49 @@ use super::owned::{path_error, Expect, Found};
 use super::proto::volume_capability::AccessType as ProtoAccessType;
 use super::proto::*;
 use super::validate::{self, Access, AccessType};
-use super::{Driver, Error, Result};
+use std::sync::Arc;
+
+use super::base::Base;
+use super::fence::Fence;
+use super::nbd::NbdSide;
+use super::share::Shares;
+use super::share_client::NfsClient;
+use super::{Error, Result};
 use volring_volumes::filesystem::{self, Content, FsKind};
 use volring_volumes::{attach, mounting, AccessKind, AttachKind, Attachment, StagePhase, StagedVolume};
 
-impl Driver {
-    pub(super) fn node_stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
+/// Node service, stage and unstage; the reconciler's repairs come
+/// through here too.
+pub(crate) struct Stager {
+    pub(crate) base: Arc<Base>,
+    nbd: Arc<NbdSide>,
+    fence: Arc<Fence>,
+    pub(crate) shares: Arc<Shares>,
+    nfs: Arc<NfsClient>,
+}
+
+impl Stager {
+    pub(crate) fn new(base: Arc<Base>, nbd: Arc<NbdSide>, fence: Arc<Fence>, shares: Arc<Shares>, nfs: Arc<NfsClient>) -> Self {
+        Self { base, nbd, fence, shares, nfs }
+    }
+
+    pub(crate) fn node_stage(&self, req: NodeStageVolumeRequest) -> Result<NodeStageVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
-        let staging = self.path(&req.staging_target_path, "staging_target_path")?;
+        let staging = self.base.path(&req.staging_target_path, "staging_target_path")?;
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
-        let _guard = self.lock(id)?;
+        let _guard = self.base.lock(id)?;
         // By the pool's record, before the share paths (an RWX stage is
         // exported, or mounted over NFS when another node serves it).
-        self.created_for(id, &access, None)?;
+        self.shares.created_for(id, &access, None)?;
         // A shared volume another node holds: mounted over NFS.
-        if let Some(done) = self.stage_remote_share(id, &staging, &access, &req.volume_context)? {
+        if let Some(done) = self.nfs.stage(id, &staging, &access, &req.volume_context)? {
             return Ok(done);
         }
         // A volume this node holds is attached here (even when it is also
         // exported); one it does not hold, through the export its context
         // names.
-        let meta = self.pool.get(id);
+        let meta = self.base.pool.get(id);
         let remote = match meta {
             Some(_) => None,
             None => Some(
@@ -46,7 +67,7 @@ impl Driver {
         };
         // One another node holds, by its context (after NotFound).
         if meta.is_none() {
-            self.created_for(id, &access, Some(&req.volume_context))?;
+            self.shares.created_for(id, &access, Some(&req.volume_context))?;
         }
         let default_fs = match &meta {
             Some(m) => m.fs_type.clone(),
@@ -60,7 +81,7 @@ impl Driver {
             Some(m) => attach_kind(&req.volume_context, &m.parameters)?,
             None => AttachKind::Nbd,
         };
-        let prior = self.records.get(id);
+        let prior = self.base.records.get(id);
         if let Some(r) = &prior {
             if r.staging_path != staging {
                 return Err(Error::FailedPrecondition(format!("volume {id} is already staged at {}", r.staging_path.display())));
@@ -68,15 +89,15 @@ impl Driver {
             if !same_access(r, &access) {
                 return Err(Error::AlreadyExists(format!("volume {id} is staged at {} with another capability", staging.display())));
             }
-            if r.phase == StagePhase::Staged && self.stage_intact(r)? {
-                self.export_if_shared(id, &access)?;
+            if r.phase == StagePhase::Staged && self.base.stage_intact(r)? {
+                self.shares.export_if_shared(id, &access)?;
                 return Ok(NodeStageVolumeResponse {});
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
         }
         let rec = prior.clone().unwrap_or_else(|| StagedVolume {
             volume_id: id.to_string(),
-            image: self.pool.image_path(id),
+            image: self.base.pool.image_path(id),
             staging_path: staging.clone(),
             access: match &access.access {
                 AccessType::Block => AccessKind::Block,
@@ -101,7 +122,7 @@ impl Driver {
             self.fence.take_local(id)?;
         }
         let staged = self.stage_locked(rec, prior.as_ref(), &access, requested_fs.as_deref());
-        if staged.is_err() && fenced && !self.records.contains(id) {
+        if staged.is_err() && fenced && !self.base.records.contains(id) {
             if let Err(e) = self.fence.drop_local(id) {
                 tracing::error!(volume = id, error = %e, "cannot drop the local holder of a stage that failed");
             }
@@ -109,20 +130,20 @@ impl Driver {
         staged?;
         // Exported from here though another node holds the pool record:
         // this node's Service loop needs the PVC the context names.
-        if meta.is_none() && access.shared() && access.is_mount() && self.share.enabled() {
+        if meta.is_none() && access.shared() && access.is_mount() && self.shares.side().enabled() {
             if let Some(pvc) = volring_share::pvc_in_context(&req.volume_context) {
-                volring_share::put_pvc(self.records.store(), id, &pvc)
+                volring_share::put_pvc(self.base.records.store(), id, &pvc)
                     .map_err(|e| Error::Internal(format!("record the PVC of volume {id}: {e}")))?;
             }
         }
-        self.export_if_shared(id, &access)?;
+        self.shares.export_if_shared(id, &access)?;
         Ok(NodeStageVolumeResponse {})
     }
 
     /// Stages `rec` (the caller holds the volume's lock): the steps, and on
     /// failure their undoing and the record put back as it was (`prior`).
     /// The reconciler's repairs come through here too.
-    pub(super) fn stage_locked(
+    pub(crate) fn stage_locked(
         &self,
         mut rec: StagedVolume,
         prior: Option<&StagedVolume>,
@@ -141,10 +162,10 @@ impl Driver {
                 _ if rec.phase == StagePhase::Formatting => {
                     rec.loop_number = None;
                     rec.nbd_index = None;
-                    self.records.put(&rec)
+                    self.base.records.put(&rec)
                 }
-                Some(p) => self.records.put(p),
-                None => self.records.remove(&id),
+                Some(p) => self.base.records.put(p),
+                None => self.base.records.remove(&id),
             };
             if let Err(r) = restored {
                 tracing::error!(volume = %id, error = %r, "could not roll back the staged record");
@@ -167,12 +188,12 @@ impl Driver {
         let leftover = rec.phase != StagePhase::Staged
             && rec.loop_number.is_none()
             && rec.nbd_index.is_none()
-            && (self.records.contains(&rec.volume_id) || self.records.quarantined_record(&rec.volume_id).is_some());
+            && (self.base.records.contains(&rec.volume_id) || self.base.records.quarantined_record(&rec.volume_id).is_some());
         // An owed mkfs stays owed until it has run.
         if rec.phase != StagePhase::Formatting {
             rec.phase = StagePhase::Attaching;
         }
-        self.records.put(rec)?;
+        self.base.records.put(rec)?;
         volring_volumes::fault::point("stage:attach");
         let att = match rec.attach {
             AttachKind::Loop => {
@@ -180,7 +201,7 @@ impl Driver {
                 match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
                     Some(a) => a,
                     None => {
-                        let a = attach::attach(&rec.image, rec.read_only, self.config.direct_io && self.pool.direct_io())?;
+                        let a = attach::attach(&rec.image, rec.read_only, self.base.config.direct_io && self.base.pool.direct_io())?;
                         undo.push(Undo::Detach(a.number, rec.image.clone()));
                         a
                     }
@@ -192,18 +213,18 @@ impl Driver {
             AttachKind::Loop => rec.loop_number = Some(att.number),
             AttachKind::Nbd => rec.nbd_index = Some(att.number),
         }
-        self.records.put(rec)?;
+        self.base.records.put(rec)?;
         volring_volumes::fault::point("stage:attached");
         let at = rec.staged_at();
         match &access.access {
             AccessType::Mount { options, .. } => {
-                let dir = self.beneath.create_dirs(&at).map_err(|e| path_error(e, &at))?;
+                let dir = self.base.root.beneath.create_dirs(&at).map_err(|e| path_error(e, &at))?;
                 volring_volumes::fault::point("stage:path");
                 if !self.holds_own_mount(rec, &at, Expect::Filesystem(att.dev), &dir)? {
                     let fs = self.ensure_filesystem(rec, &att, requested_fs)?;
                     rec.access = AccessKind::Mount { fs_type: fs.to_string(), flags: access_flags(access) };
                     rec.phase = StagePhase::Mounting;
-                    self.records.put(rec)?;
+                    self.base.records.put(rec)?;
                     volring_volumes::fault::point("stage:mount");
                     let options = if fs == "xfs" { options.clone().with_data("nouuid") } else { options.clone() };
                     volring_volumes::fault::pause("stage:premount");
@@ -216,8 +237,8 @@ impl Driver {
             }
             AccessType::Block => {
                 rec.phase = StagePhase::Mounting;
-                self.records.put(rec)?;
-                let file = self.beneath.create_file(&at).map_err(|e| path_error(e, &at))?;
+                self.base.records.put(rec)?;
+                let file = self.base.root.beneath.create_file(&at).map_err(|e| path_error(e, &at))?;
                 volring_volumes::fault::point("stage:path");
                 if !self.holds_own_mount(rec, &at, Expect::Device(att.dev), &file)? {
                     let flags = if rec.read_only { MountFlags::RDONLY } else { MountFlags::empty() };
@@ -235,7 +256,7 @@ impl Driver {
             }
         }
         rec.phase = StagePhase::Staged;
-        self.records.put(rec)?;
+        self.base.records.put(rec)?;
         volring_volumes::fault::point("stage:staged");
         Ok(())
     }
@@ -270,7 +291,7 @@ impl Driver {
         let stat =
             |fd: &OwnedFd| volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", at.display())));
         let held = stat(fd)?;
-        let now = match self.beneath.open_path(at).map_err(|e| path_error(e, at))? {
+        let now = match self.base.root.beneath.open_path(at).map_err(|e| path_error(e, at))? {
             Some(f) => Some(stat(&f)?),
             None => None,
         };
@@ -312,7 +333,7 @@ impl Driver {
                     tracing::warn!(volume = %rec.volume_id, "an earlier mkfs of this volume did not finish; formatting again");
                 }
                 rec.phase = StagePhase::Formatting;
-                self.records.put(rec)?;
+                self.base.records.put(rec)?;
                 volring_volumes::fault::point("stage:mkfs");
                 filesystem::format(kind, &att.path())?;
                 volring_volumes::fault::point("stage:formatted");
@@ -322,23 +343,16 @@ impl Driver {
         }
     }
 
-    /// True when the staged volume is still what its record says: attached
-    /// to its image and its own device mounted where it was staged.
-    pub(super) fn stage_intact(&self, r: &StagedVolume) -> Result<bool> {
-        let Some(att) = attach::of_record(r) else { return Ok(false) };
-        Ok(matches!(self.look(&r.staged_at(), Some(Expect::of(r, &att)))?, Found::Ours(_)))
-    }
-
-    pub(super) fn node_unstage(&self, req: NodeUnstageVolumeRequest) -> Result<NodeUnstageVolumeResponse> {
+    pub(crate) fn node_unstage(&self, req: NodeUnstageVolumeRequest) -> Result<NodeUnstageVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
-        let staging = self.path(&req.staging_target_path, "staging_target_path")?;
+        let staging = self.base.path(&req.staging_target_path, "staging_target_path")?;
         let id = req.volume_id.as_str();
-        let _guard = self.lock(id)?;
-        if let Some(done) = self.unstage_remote_share(id, &staging)? {
+        let _guard = self.base.lock(id)?;
+        if let Some(done) = self.nfs.unstage(id, &staging)? {
             return Ok(done);
         }
-        let Some(mut rec) = self.records.get(id) else {
-            if self.pool.get(id).is_none() {
+        let Some(mut rec) = self.base.records.get(id) else {
+            if self.base.pool.get(id).is_none() {
                 return Err(Error::NotFound(format!("volume {id} does not exist")));
             }
             // No record (quarantined, or a store lost and not rebuilt for
@@ -355,7 +369,7 @@ impl Driver {
         // A target still counts while the volume's own mount is on it.
         let mut still = None;
         for t in rec.published.keys() {
-            if matches!(self.look(t, expect)?, Found::Ours(_)) {
+            if matches!(self.base.root.look(t, expect)?, Found::Ours(_)) {
                 still = Some(t.clone());
                 break;
             }
@@ -366,7 +380,7 @@ impl Driver {
         // The intent: a restarted agent finishes this unstage.
         rec.published.clear();
         rec.phase = StagePhase::Unstaging;
-        self.records.put(&rec)?;
+        self.base.records.put(&rec)?;
         volring_volumes::fault::point("unstage:intent");
         self.finish_unstage(&rec)?;
         Ok(NodeUnstageVolumeResponse {})
@@ -375,16 +389,16 @@ impl Driver {
     /// Takes a volume down whose record says `Unstaging` (the caller holds
     /// its lock): its own mount off the staging path, its device detached,
     /// its record removed — each step a no-op when already done.
-    pub(super) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
+    pub(crate) fn finish_unstage(&self, rec: &StagedVolume) -> Result<()> {
         let id = rec.volume_id.as_str();
-        self.unexport(id)?;
+        self.shares.unexport(id)?;
         let att = attach::of_record(rec);
         let expect = att.map(|a| Expect::of(rec, &a));
         let at = rec.staged_at();
-        self.unmount_ours(id, &at, expect)?;
+        self.base.root.unmount_ours(id, &at, expect)?;
         volring_volumes::fault::point("unstage:unmounted");
         if matches!(rec.access, AccessKind::Block) {
-            self.beneath.remove(&at).map_err(|e| Error::Internal(format!("remove {}: {e}", at.display())))?;
+            self.base.root.beneath.remove(&at).map_err(|e| Error::Internal(format!("remove {}: {e}", at.display())))?;
         }
         volring_volumes::fault::point("unstage:removed");
         match (rec.attach, rec.loop_number, rec.nbd_index) {
@@ -405,20 +419,19 @@ impl Driver {
             }
         }
         volring_volumes::fault::point("unstage:detached");
-        self.records.remove(id)?;
+        self.base.records.remove(id)?;
         volring_volumes::fault::point("unstage:done");
         // Other nodes may have it now (a crash before this: the start walk
         // drops a local holder without a record).
         self.fence.drop_local(id)?;
-        if rec.remote.is_some() && self.share.enabled() {
-            volring_share::remove_pvc(self.records.store(), id).map_err(|e| Error::Internal(format!("volume {id}'s PVC record: {e}")))?;
+        if rec.remote.is_some() && self.shares.side().enabled() {
+            volring_share::remove_pvc(self.base.records.store(), id)
+                .map_err(|e| Error::Internal(format!("volume {id}'s PVC record: {e}")))?;
         }
         tracing::info!(volume = id, "unstaged");
         Ok(())
     }
-}
 
-impl Driver {
     /// Unstages a volume that has no record (quarantined, or the store was
     /// lost): every device serving its image (a loop device backed by the
     /// image's very inode, an nbd device carrying the volume id) is taken
@@ -428,7 +441,7 @@ impl Driver {
     /// unstage fails and nothing is detached. Never OK while the volume's
     /// mount or device is still there.
     fn unstage_without_record(&self, id: &str, staging: &Path) -> Result<()> {
-        let image = self.pool.image_path(id);
+        let image = self.base.pool.image_path(id);
         let mut devices: Vec<Attachment> = attach::find_backed_by(&image)
             .into_iter()
             .filter_map(|a| match attach::prove_loop(a.number, &image) {
@@ -439,8 +452,8 @@ impl Driver {
             .collect::<Result<_>>()?;
         devices.extend(attach::nbd_backed_by(id).into_iter().filter_map(|n| attach::nbd_existing(n, id)));
         for a in &devices {
-            self.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
-            self.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
+            self.base.root.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
+            self.base.root.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
             if attach::claimed_path(&a.path())? {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {id} has no record and {} is still in use (mounted or held elsewhere, a publish target?); not detached",
@@ -457,38 +470,7 @@ impl Driver {
         }
         Ok(())
     }
-}
 
-fn same_access(r: &StagedVolume, a: &Access) -> bool {
-    let kind = match (&r.access, &a.access) {
-        (AccessKind::Block, AccessType::Block) => true,
-        (AccessKind::Mount { flags, .. }, AccessType::Mount { flags: want, .. }) => flags == want,
-        _ => false,
-    };
-    kind && r.read_only == a.read_only()
-}
-
-fn access_flags(a: &Access) -> Vec<String> {
-    match &a.access {
-        AccessType::Mount { flags, .. } => flags.clone(),
-        AccessType::Block => Vec::new(),
-    }
-}
-
-/// The attach kind a stage asks for: the volume context's `attach` (what
-/// CreateVolume returned), else the pool record's parameters; loop when
-/// neither says.
-fn attach_kind(
-    context: &std::collections::HashMap<String, String>,
-    params: &std::collections::BTreeMap<String, String>,
-) -> Result<AttachKind> {
-    match context.get(super::controller::PARAM_ATTACH).or_else(|| params.get(super::controller::PARAM_ATTACH)) {
-        None => Ok(AttachKind::Loop),
-        Some(v) => AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd"))),
-    }
-}
-
-impl Driver {
     /// The nbd device for a stage: the recorded one when it still carries
     /// the volume id; after a crash between connecting and recording the
     /// index, the device carrying the volume id (given fresh sockets, its
@@ -521,6 +503,35 @@ impl Driver {
     }
 }
 
+fn same_access(r: &StagedVolume, a: &Access) -> bool {
+    let kind = match (&r.access, &a.access) {
+        (AccessKind::Block, AccessType::Block) => true,
+        (AccessKind::Mount { flags, .. }, AccessType::Mount { flags: want, .. }) => flags == want,
+        _ => false,
+    };
+    kind && r.read_only == a.read_only()
+}
+
+fn access_flags(a: &Access) -> Vec<String> {
+    match &a.access {
+        AccessType::Mount { flags, .. } => flags.clone(),
+        AccessType::Block => Vec::new(),
+    }
+}
+
+/// The attach kind a stage asks for: the volume context's `attach` (what
+/// CreateVolume returned), else the pool record's parameters; loop when
+/// neither says.
+fn attach_kind(
+    context: &std::collections::HashMap<String, String>,
+    params: &std::collections::BTreeMap<String, String>,
+) -> Result<AttachKind> {
+    match context.get(super::controller::PARAM_ATTACH).or_else(|| params.get(super::controller::PARAM_ATTACH)) {
+        None => Ok(AttachKind::Loop),
+        Some(v) => AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd"))),
+    }
+}
+
 /// What a failed stage must take back, newest first.
 enum Undo {
     Unmount(std::path::PathBuf, Expect),
@@ -536,12 +547,12 @@ impl Rollback {
         self.0.push(u);
     }
 
-    fn run(self, driver: &Driver) {
+    fn run(self, stager: &Stager) {
         for u in self.0.into_iter().rev() {
             let r = match &u {
-                Undo::Unmount(p, expect) => driver.unmount_ours("(rollback)", p, Some(*expect)).map_err(|e| e.to_string()),
+                Undo::Unmount(p, expect) => stager.base.root.unmount_ours("(rollback)", p, Some(*expect)).map_err(|e| e.to_string()),
                 Undo::Detach(n, image) => attach::detach(*n, image).map_err(|e| e.to_string()),
-                Undo::NbdDetach(n, id) => driver.nbd.detach(*n, id).map_err(|e| e.to_string()),
+                Undo::NbdDetach(n, id) => stager.nbd.detach(*n, id).map_err(|e| e.to_string()),
             };
             if let Err(e) = r {
                 tracing::error!(error = %e, "rolling back a failed stage");

@@ -13,13 +13,32 @@ use std::path::Path;
 use super::owned::{Expect, Found};
 use super::proto::*;
 use super::validate;
-use super::{Driver, Error, Expansion, Result};
+use std::sync::{Arc, OnceLock};
+
+use super::base::Base;
+use super::nbd::NbdSide;
+use super::share_client::NfsClient;
+use super::{Error, Expansion, Result};
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
-use volring_volumes::{attach, AccessKind, StagedVolume};
+use volring_volumes::state::actual::HealthView;
+use volring_volumes::{attach, AccessKind};
 
-impl Driver {
-    pub(super) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
+/// Node service, the questions about a staged volume and its growth.
+pub(crate) struct Stats {
+    base: Arc<Base>,
+    nbd: Arc<NbdSide>,
+    nfs: Arc<NfsClient>,
+    /// The reconciler's published verdicts, once it runs.
+    pub(crate) health: OnceLock<Arc<HealthView>>,
+}
+
+impl Stats {
+    pub(crate) fn new(base: Arc<Base>, nbd: Arc<NbdSide>, nfs: Arc<NfsClient>) -> Self {
+        Self { base, nbd, nfs, health: OnceLock::new() }
+    }
+
+    pub(crate) fn node_stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse> {
         // The spec's one error here is NOT_FOUND, "does not exist on the
         // specified volume_path"; a missing field is still the caller's
         // error, and answered first. So: no id or no path, InvalidArgument;
@@ -31,11 +50,11 @@ impl Driver {
             return Err(Error::InvalidArgument("volume_path is required".into()));
         }
         let id = req.volume_id.as_str();
-        if let Some(r) = self.stats_remote_share(id, &req.volume_path)? {
+        if let Some(r) = self.nfs.stats(id, &req.volume_path)? {
             return Ok(r);
         }
-        self.known(id)?;
-        let path = self.stats_path(id, &req.volume_path)?;
+        self.base.known(id)?;
+        let path = self.base.stats_path(id, &req.volume_path)?;
         // kubelet asks a raw block volume's stats at its own bind of the
         // device volring published (`<root>/plugins/kubernetes.io/csi/
         // volumeDevices/<pv>/dev/<podUID>`), a path no record names: that
@@ -44,13 +63,13 @@ impl Driver {
         // beneath the kubelet root (`device_node`), which is kept. Reporting
         // it reports nothing the caller does not already reach there.
         // Anything else stays NotFound.
-        let (rec, device) = match self.located(id, &path) {
+        let (rec, device) = match self.base.located(id, &path) {
             Ok(rec) => (rec, None),
             Err(Error::NotFound(why)) => {
                 let not_here = || Error::NotFound(why.clone());
-                let rec = self.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
+                let rec = self.base.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
                 let dev = attach::of_record(&rec).ok_or_else(not_here)?.dev;
-                let fd = self.device_node(&path, dev)?.ok_or_else(not_here)?;
+                let fd = self.base.root.device_node(&path, dev)?.ok_or_else(not_here)?;
                 (rec, Some((fd, dev)))
             }
             Err(e) => return Err(e),
@@ -66,7 +85,7 @@ impl Driver {
                     Some((fd, rdev)) if rdev == a.dev => Found::Ours(fd),
                     // The volume's device changed since the proof a moment ago.
                     Some(_) => return Err(Error::NotFound(format!("volume {id} is not at {}", path.display()))),
-                    None => self.look(&checked, Some(expect))?,
+                    None => self.base.root.look(&checked, Some(expect))?,
                 };
                 match found {
                     Found::Missing => Some(format!("{} does not exist", checked.display())),
@@ -132,7 +151,7 @@ impl Driver {
     /// error count (`/sys/fs/ext4/<device>/errors_count`).
     fn device_problem(&self, a: &volring_volumes::Attachment) -> Option<String> {
         let fs_errors = ext4_errors(&a.name()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
-        match (self.nbd_problem(a), fs_errors) {
+        match (self.nbd.problem(a), fs_errors) {
             (Some(n), Some(f)) => Some(format!("{n}; {f}")),
             (n, f) => n.or(f),
         }
@@ -144,19 +163,19 @@ impl Driver {
     /// proven by the descriptor alone.)
     fn table_disagrees(&self, path: &Path, fd: &std::os::fd::OwnedFd) -> Option<String> {
         let node: Node = volring_volumes::beneath::stat(fd.as_fd()).ok()?;
-        let table = self.mounts.read().unwrap_or_else(|e| e.into_inner());
+        let table = self.base.mounts.read().unwrap_or_else(|e| e.into_inner());
         let m = table.top_at(path.as_os_str().as_encoded_bytes())?;
         (m.info_id.map(u64::from) == Some(node.mnt_id) && m.dev != node.dev)
             .then(|| format!("the mount table says mount {} at {} is of device {}, not {}", node.mnt_id, path.display(), m.dev, node.dev))
     }
 
-    pub(super) fn node_expand(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
+    pub(crate) fn node_expand(&self, req: NodeExpandVolumeRequest) -> Result<NodeExpandVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
         let id = req.volume_id.as_str();
-        self.known(id)?;
-        let path = self.path(&req.volume_path, "volume_path")?;
+        self.base.known(id)?;
+        let path = self.base.path(&req.volume_path, "volume_path")?;
         if !req.staging_target_path.is_empty() {
-            self.path(&req.staging_target_path, "staging_target_path")?;
+            self.base.path(&req.staging_target_path, "staging_target_path")?;
         }
         if let Some(c) = &req.volume_capability {
             validate::capability(Some(c))?;
@@ -164,20 +183,20 @@ impl Driver {
         if let Some(r) = &req.capacity_range {
             validate::capacity_range(r)?;
         }
-        let _guard = self.lock(id)?;
-        let rec = self.located(id, &path)?;
+        let _guard = self.base.lock(id)?;
+        let rec = self.base.located(id, &path)?;
         let att = attach::of_record(&rec)
             .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach.as_str())))?;
-        if let (Expansion::Node, Some(range)) = (self.config.expansion, &req.capacity_range) {
+        if let (Expansion::Node, Some(range)) = (self.base.config.expansion, &req.capacity_range) {
             // This node holds the image: grow it here (the controller does
             // not offer expansion in this mode). Growing an image is
             // idempotent (the pool's own `pool.expand.*` fault points cover
             // a crash inside it), so a retry only refreshes the device and
             // grows the filesystem.
-            let have = self.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
-            self.grow_image(id, range, have.size_bytes)?;
+            let have = self.base.pool.get(id).ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+            self.base.grow_image(id, range, have.size_bytes)?;
         }
-        let size = self.refresh_device(&rec, &att)?;
+        let size = self.nbd.refresh_device(&rec, &att)?;
         volring_volumes::fault::point("node_expand:refreshed");
         let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes.max(0) as u64);
         if required > size {
@@ -190,7 +209,7 @@ impl Driver {
             // Grow only what is provably the volume's own staging mount,
             // through the descriptor that proved it (a mount swapped in at
             // the path afterwards is not grown).
-            let Found::Ours(mount) = self.look(&rec.staged_at(), Some(Expect::of(&rec, &att)))? else {
+            let Found::Ours(mount) = self.base.root.look(&rec.staged_at(), Some(Expect::of(&rec, &att)))? else {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {id} is not mounted at {}; stage it again",
                     rec.staging_path.display()
@@ -204,44 +223,12 @@ impl Driver {
         Ok(NodeExpandVolumeResponse { capacity_bytes: size as i64 })
     }
 
-    pub(super) fn node_info(&self) -> NodeGetInfoResponse {
+    pub(crate) fn node_info(&self) -> NodeGetInfoResponse {
         NodeGetInfoResponse {
-            node_id: self.config.node_id.clone(),
-            max_volumes_per_node: self.config.max_volumes,
-            accessible_topology: Some(self.topology()),
+            node_id: self.base.config.node_id.clone(),
+            max_volumes_per_node: self.base.config.max_volumes,
+            accessible_topology: Some(self.base.topology()),
         }
-    }
-
-    /// NotFound for a volume this node has never heard of — answered before
-    /// any other field is judged, as the spec's tables order it.
-    fn known(&self, id: &str) -> Result<()> {
-        if self.pool.get(id).is_none() && !self.records.contains(id) {
-            return Err(Error::NotFound(format!("volume {id} does not exist")));
-        }
-        Ok(())
-    }
-
-    /// A stats call's `volume_path`, checked as every request path is; one
-    /// the driver would refuse as an argument is a path volume `id` cannot
-    /// be at, so NotFound (the caller checked it is not empty).
-    pub(super) fn stats_path(&self, id: &str, p: &str) -> Result<std::path::PathBuf> {
-        self.path(p, "volume_path").map_err(|e| match e {
-            Error::InvalidArgument(why) => Error::NotFound(format!("volume {id} is not at {p:?}: {why}")),
-            e => e,
-        })
-    }
-
-    /// The staged record of `id`, if `path` is its staging path or one of
-    /// its targets; NotFound otherwise (unknown volume, or not there).
-    fn located(&self, id: &str, path: &Path) -> Result<StagedVolume> {
-        let rec = self.records.get(id).ok_or_else(|| match self.pool.get(id) {
-            None => Error::NotFound(format!("volume {id} does not exist")),
-            Some(_) => Error::NotFound(format!("volume {id} is not staged on this node")),
-        })?;
-        if rec.staging_path != path && !rec.published.contains_key(path) {
-            return Err(Error::NotFound(format!("volume {id} is not at {}", path.display())));
-        }
-        Ok(rec)
     }
 }
 

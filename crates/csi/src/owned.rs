@@ -9,11 +9,11 @@
 //! unmounted and never reported as the volume.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::{Driver, Error, Result};
+use super::{Error, Result};
 use volring_mounts::DevNum;
-use volring_volumes::beneath::{self, Kind, Node};
+use volring_volumes::beneath::{self, Beneath, Kind, Node};
 use volring_volumes::{mounting, AccessKind, Attachment, StagedVolume};
 
 /// A mount point is unmounted at most this many times over (stacked mounts).
@@ -59,10 +59,76 @@ pub(super) enum Found {
     Foreign(Node),
 }
 
-impl Driver {
+/// The kubelet root: every path from a request is checked to lie inside
+/// it, resolved beneath it once and acted on through the descriptor.
+pub(crate) struct Root {
+    /// As configured (absolute).
+    dir: PathBuf,
+    /// As the kernel resolves it (it may be a symlink).
+    real: PathBuf,
+    /// Held open: paths are opened beneath it.
+    pub(crate) beneath: Beneath,
+}
+
+impl Root {
+    /// Makes (if need be) and opens the kubelet root `dir`; it must be absolute.
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
+        let dir = super::validate::absolute(&dir.to_string_lossy(), "kubelet root")?;
+        std::fs::create_dir_all(&dir).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
+        let real = std::fs::canonicalize(&dir).map_err(|e| Error::Internal(format!("kubelet root: {e}")))?;
+        let beneath = Beneath::open(&dir).map_err(|e| Error::Internal(format!("kubelet root {}: {e}", dir.display())))?;
+        Ok(Self { dir, real, beneath })
+    }
+
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A request's path `p` (field `what`), validated and inside the root.
+    pub(crate) fn path(&self, p: &str, what: &str) -> Result<PathBuf> {
+        let p = super::validate::path_under(p, &self.dir, what)?;
+        self.contained(&p)?;
+        Ok(p)
+    }
+
+    /// Checks a validated path against symlinks: its deepest existing
+    /// ancestor, resolved by the kernel, must still be inside the root.
+    fn contained(&self, p: &Path) -> Result<()> {
+        let mut probe = p;
+        loop {
+            match std::fs::canonicalize(probe) {
+                Ok(real) if real.starts_with(&self.real) => return Ok(()),
+                Ok(real) => {
+                    return Err(Error::InvalidArgument(format!("{} resolves to {}, outside the kubelet root", p.display(), real.display())))
+                }
+                Err(_) => match probe.parent() {
+                    Some(parent) => probe = parent,
+                    None => return Err(Error::InvalidArgument(format!("{} is not inside the kubelet root", p.display()))),
+                },
+            }
+        }
+    }
+
+    /// The directory between the kubelet root and `at` (exclusive of both)
+    /// that is a mount's root now, if one is: opened beneath the root and
+    /// asked by `statx`, nearest the root first.
+    pub(crate) fn covering_mount(&self, at: &Path) -> Result<Option<PathBuf>> {
+        let root = &self.dir;
+        let mut dirs: Vec<&Path> = at.ancestors().skip(1).take_while(|p| p.starts_with(root) && *p != root).collect();
+        dirs.reverse();
+        for dir in dirs {
+            match self.look(dir, None)? {
+                Found::Missing => return Ok(None),
+                Found::Unmounted => {}
+                Found::Ours(_) | Found::Foreign(_) => return Ok(Some(dir.to_path_buf())),
+            }
+        }
+        Ok(None)
+    }
+
     /// Opens `p` beneath the kubelet root and says whose mount is there.
     /// `expect` is `None` when the volume has no device (nothing can be its).
-    pub(super) fn look(&self, p: &Path, expect: Option<Expect>) -> Result<Found> {
+    pub(crate) fn look(&self, p: &Path, expect: Option<Expect>) -> Result<Found> {
         let Some(fd) = self.beneath.open_path(p).map_err(|e| path_error(e, p))? else { return Ok(Found::Missing) };
         let node = beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", p.display())))?;
         Ok(if !node.mount_root {
@@ -79,7 +145,7 @@ impl Driver {
     /// a published raw block volume is one); `None` for anything else —
     /// a missing path, a symlink (never followed) or a step out of the
     /// root on the way, a file, a directory, another device.
-    pub(super) fn device_node(&self, p: &Path, dev: DevNum) -> Result<Option<OwnedFd>> {
+    pub(crate) fn device_node(&self, p: &Path, dev: DevNum) -> Result<Option<OwnedFd>> {
         let fd = match self.beneath.open_path(p) {
             Ok(Some(fd)) => fd,
             Ok(None) => return Ok(None),
@@ -94,7 +160,7 @@ impl Driver {
     /// nothing else: a foreign mount on top stops it with
     /// FailedPrecondition, and is left where it is. Each round judges the
     /// entry from its parent's descriptor and unmounts through the same one.
-    pub(super) fn unmount_ours(&self, id: &str, p: &Path, expect: Option<Expect>) -> Result<()> {
+    pub(crate) fn unmount_ours(&self, id: &str, p: &Path, expect: Option<Expect>) -> Result<()> {
         for _ in 0..MAX_STACKED {
             let Some((parent, name)) = self.beneath.parent(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
             let node = beneath::stat_entry(parent.as_fd(), &name).map_err(|e| path_error(e, p))?;

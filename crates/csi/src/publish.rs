@@ -8,29 +8,46 @@ use rustix::mount::MountFlags;
 use super::owned::{path_error, Expect, Found};
 use super::proto::*;
 use super::validate::{self, AccessType};
-use super::{Driver, Error, Result};
+use std::sync::Arc;
+
+use super::base::Base;
+use super::share::Shares;
+use super::share_client::NfsClient;
+use super::{Error, Result};
 use volring_volumes::{attach, mounting, AccessKind, StagePhase, StagedVolume};
 
-impl Driver {
-    pub(super) fn node_publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
+/// Node service, publish and unpublish.
+pub(crate) struct Publisher {
+    base: Arc<Base>,
+    shares: Arc<Shares>,
+    nfs: Arc<NfsClient>,
+}
+
+impl Publisher {
+    pub(crate) fn new(base: Arc<Base>, shares: Arc<Shares>, nfs: Arc<NfsClient>) -> Self {
+        Self { base, shares, nfs }
+    }
+
+    pub(crate) fn node_publish(&self, req: NodePublishVolumeRequest) -> Result<NodePublishVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
-        let staging = self.path(&req.staging_target_path, "staging_target_path")?;
-        let target = self.path(&req.target_path, "target_path")?;
+        let staging = self.base.path(&req.staging_target_path, "staging_target_path")?;
+        let target = self.base.path(&req.target_path, "target_path")?;
         let access = validate::capability(req.volume_capability.as_ref())?;
         let id = req.volume_id.as_str();
-        let _guard = self.lock(id)?;
-        if let Some(done) = self.publish_remote_share(id, &staging, &target, req.readonly || access.read_only())? {
+        let _guard = self.base.lock(id)?;
+        if let Some(done) = self.nfs.publish(id, &staging, &target, req.readonly || access.read_only())? {
             return Ok(done);
         }
         // A remote volume is known here by its staged record only.
-        if self.pool.get(id).is_none() && !self.records.contains(id) {
+        if self.base.pool.get(id).is_none() && !self.base.records.contains(id) {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         // As at the stage, by the pool's record (a volume another node
         // holds was checked against its context when it was staged).
-        self.created_for(id, &access, None)?;
+        self.shares.created_for(id, &access, None)?;
         let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
-        let mut rec = self.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
+        let mut rec =
+            self.base.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
         if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
             return Err(Error::FailedPrecondition(format!("volume {id} was staged for {} access", kind_name(&rec.access))));
         }
@@ -42,7 +59,7 @@ impl Driver {
         let read_only = req.readonly || access.read_only() || rec.read_only;
         // The source is the volume's own staging mount, proven so on the
         // descriptor the bind is made from.
-        let source = match self.look(&rec.staged_at(), Some(expect))? {
+        let source = match self.base.root.look(&rec.staged_at(), Some(expect))? {
             Found::Ours(fd) => fd,
             _ => {
                 return Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display())))
@@ -55,19 +72,19 @@ impl Driver {
         let prior = rec.published.get(&target).copied();
         if prior.is_none() {
             rec.published.insert(target.clone(), read_only);
-            self.records.put(&rec)?;
+            self.base.records.put(&rec)?;
         }
         let forget = |rec: &mut StagedVolume| {
             if prior.is_none() {
                 rec.published.remove(&target);
-                if let Err(e) = self.records.put(rec) {
+                if let Err(e) = self.base.records.put(rec) {
                     tracing::error!(volume = id, error = %e, "could not take back a publish intent");
                 }
             }
         };
         let made = match rec.access {
-            AccessKind::Mount { .. } => self.beneath.create_dirs(&target),
-            AccessKind::Block => self.beneath.create_file(&target),
+            AccessKind::Mount { .. } => self.base.root.beneath.create_dirs(&target),
+            AccessKind::Block => self.base.root.beneath.create_file(&target),
         }
         .map_err(|e| path_error(e, &target))
         .and_then(|fd| {
@@ -94,7 +111,7 @@ impl Driver {
         }
         if prior.is_some_and(|was| was != read_only) {
             rec.published.insert(target.clone(), read_only);
-            self.records.put(&rec)?;
+            self.base.records.put(&rec)?;
         }
         volring_volumes::fault::point("publish:bind");
         let flags = match &access.access {
@@ -103,7 +120,7 @@ impl Driver {
         } | if read_only { MountFlags::RDONLY } else { MountFlags::empty() };
         if let Err(e) = mounting::bind(source.as_fd(), target_fd.as_fd(), flags) {
             rec.published.remove(&target);
-            let _ = self.records.put(&rec);
+            let _ = self.base.records.put(&rec);
             return Err(Error::Internal(format!("bind on {}: {e}", target.display())));
         }
         volring_volumes::fault::point("publish:bound");
@@ -115,31 +132,31 @@ impl Driver {
     /// the target itself. A path the volume was never published at is not
     /// touched: NotFound when something is mounted there (another volume's
     /// target), OK when nothing is (a repeated call).
-    pub(super) fn node_unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<NodeUnpublishVolumeResponse> {
+    pub(crate) fn node_unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<NodeUnpublishVolumeResponse> {
         validate::volume_id(&req.volume_id)?;
-        let target = self.path(&req.target_path, "target_path")?;
+        let target = self.base.path(&req.target_path, "target_path")?;
         let id = req.volume_id.as_str();
-        let _guard = self.lock(id)?;
-        if let Some(done) = self.unpublish_remote_share(id, &target)? {
+        let _guard = self.base.lock(id)?;
+        if let Some(done) = self.nfs.unpublish(id, &target)? {
             return Ok(done);
         }
-        let rec = self.records.get(id);
-        if rec.is_none() && self.pool.get(id).is_none() {
+        let rec = self.base.records.get(id);
+        if rec.is_none() && self.base.pool.get(id).is_none() {
             return Err(Error::NotFound(format!("volume {id} does not exist")));
         }
         let Some(mut rec) = rec.filter(|r| r.published.contains_key(&target)) else {
-            return match self.look(&target, None)? {
+            return match self.base.root.look(&target, None)? {
                 Found::Missing | Found::Unmounted => Ok(NodeUnpublishVolumeResponse {}),
                 Found::Ours(_) | Found::Foreign(_) => Err(Error::NotFound(format!("volume {id} is not published at {}", target.display()))),
             };
         };
         let expect = attach::of_record(&rec).map(|a| Expect::of(&rec, &a));
-        self.unmount_ours(id, &target, expect)?;
+        self.base.root.unmount_ours(id, &target, expect)?;
         volring_volumes::fault::point("unpublish:unmounted");
-        self.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        self.base.root.beneath.remove(&target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
         volring_volumes::fault::point("unpublish:removed");
         rec.published.remove(&target);
-        self.records.put(&rec)?;
+        self.base.records.put(&rec)?;
         volring_volumes::fault::point("unpublish:done");
         tracing::info!(volume = id, target = %target.display(), "unpublished");
         Ok(NodeUnpublishVolumeResponse {})

@@ -6,47 +6,29 @@
 
 use std::sync::Arc;
 
+use super::base::Base;
+use super::node::Stager;
 use super::owned::{Expect, Found};
 use super::proto::volume_capability::access_mode::Mode;
 use super::validate::{Access, AccessType};
-use super::Driver;
 use volring_volumes::filesystem::FsKind;
 use volring_volumes::state::actual::{Action, AtPath, Proof, VolumeActual};
-use volring_volumes::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
+use volring_volumes::state::reconcile::{Acted, Volumes};
 use volring_volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
 
-/// The driver, as the reconciler sees it.
-pub struct DriverVolumes(pub Arc<Driver>);
-
-impl Driver {
-    /// Starts the reconciler over this driver's volumes: looks at every
-    /// volume once (finishing what a crash interrupted) before it returns,
-    /// then follows the events. Every record change is passed on to it, and
-    /// NodeGetVolumeStats reads its published verdicts.
-    pub fn start_reconciler(self: &Arc<Self>, config: ReconcileConfig) -> std::io::Result<Reconciler> {
-        // nbd devices first: a device whose server died with the last agent
-        // gets fresh sockets before the first pass looks at its mount (and
-        // before Probe answers ready); the pass re-stages the ones gone.
-        for (id, healed) in self.heal_nbd() {
-            tracing::debug!(volume = %id, ?healed, "nbd start walk");
-        }
-        let store = self.records.store().clone();
-        let r = Reconciler::start(config, Arc::new(DriverVolumes(self.clone())), self.mounts.clone(), store)?;
-        let notify = r.notifier();
-        self.records.on_change(move |id| notify.volume(id));
-        let _ = self.health.set(r.view().clone());
-        self.resume_shares();
-        Ok(r)
-    }
+/// The driver, as the reconciler sees it: the stager's steps under the
+/// repair lock.
+pub(crate) struct Repairs {
+    stager: Arc<Stager>,
 }
 
-impl Volumes for DriverVolumes {
+impl Volumes for Repairs {
     fn record(&self, id: &str) -> Option<StagedVolume> {
-        self.0.records.get(id)
+        self.base().records.get(id)
     }
 
     fn ids(&self) -> Vec<String> {
-        self.0.records.ids()
+        self.base().records.ids()
     }
 
     fn orphans(&self, remove: bool) -> Vec<String> {
@@ -54,13 +36,13 @@ impl Volumes for DriverVolumes {
     }
 
     fn prove(&self, rec: &StagedVolume) -> Proof {
-        self.0.prove(rec)
+        self.proof(rec)
     }
 
     fn act(&self, id: &str, action: Action) -> Acted {
-        let Some(_guard) = self.0.locks.try_lock_for_repair(id) else { return Acted::Busy };
+        let Some(_guard) = self.base().locks.try_lock_for_repair(id) else { return Acted::Busy };
         // Read again under the lock: a call may have changed it since.
-        let Some(rec) = self.0.records.get(id) else { return Acted::Done };
+        let Some(rec) = self.base().records.get(id) else { return Acted::Done };
         // A device someone is taking away is neither re-mounted (its I/O
         // fails) nor replaced (the image would have two) until it is gone.
         if let attach::DeviceProof::Unsettled(why) = attach::prove(&rec) {
@@ -68,9 +50,9 @@ impl Volumes for DriverVolumes {
         }
         let result = match action {
             Action::None => return Acted::Intact,
-            Action::FinishUnstage if rec.phase == StagePhase::Unstaging => self.0.finish_unstage(&rec),
+            Action::FinishUnstage if rec.phase == StagePhase::Unstaging => self.stager.finish_unstage(&rec),
             Action::FinishUnstage => return Acted::Intact,
-            Action::Restage if rec.phase == StagePhase::Staged && self.0.stage_intact(&rec).unwrap_or(false) => return Acted::Intact,
+            Action::Restage if rec.phase == StagePhase::Staged && self.base().stage_intact(&rec).unwrap_or(false) => return Acted::Intact,
             Action::Restage => {
                 volring_volumes::fault::pause("reconcile:decided");
                 self.restage(&rec)
@@ -79,7 +61,7 @@ impl Volumes for DriverVolumes {
         match result {
             Ok(()) if action == Action::Restage => {
                 // A shared volume's export must follow the new mount.
-                if let Err(e) = self.0.share.refresh(id, &rec.staged_at()) {
+                if let Err(e) = self.stager.shares.side().refresh(id, &rec.staged_at()) {
                     tracing::error!(volume = id, error = %e, "the NFS export does not serve the repaired mount");
                 }
                 Acted::Done
@@ -90,12 +72,46 @@ impl Volumes for DriverVolumes {
     }
 }
 
-impl DriverVolumes {
+impl Repairs {
+    pub(crate) fn new(stager: Arc<Stager>) -> Self {
+        Self { stager }
+    }
+
+    fn base(&self) -> &Base {
+        &self.stager.base
+    }
+
+    /// What is really there for `rec` now: its device asked what backs it,
+    /// its staging path and targets opened beneath the kubelet root and
+    /// judged by `statx` (the same rule every node call acts by), and
+    /// whether a mount covers the way to the staging path.
+    fn proof(&self, rec: &StagedVolume) -> Proof {
+        let device = match attach::prove(rec) {
+            attach::DeviceProof::Ours(a) => Some(a),
+            attach::DeviceProof::Gone => None,
+            attach::DeviceProof::Unsettled(why) => return Proof::Unsettled(why),
+        };
+        let expect = device.map(|a| Expect::of(rec, &a));
+        let at = |p: &std::path::Path| match self.base().root.look(p, expect) {
+            Ok(Found::Missing | Found::Unmounted) => Ok(AtPath::Missing),
+            Ok(Found::Ours(_)) => Ok(AtPath::Ours),
+            Ok(Found::Foreign(_)) => Ok(AtPath::Foreign),
+            Err(e) => Err(format!("{}: {e}", p.display())),
+        };
+        let seen = (|| {
+            let staging = at(&rec.staged_at())?;
+            let targets = rec.published.keys().map(|t| Ok((t.clone(), at(t)?))).collect::<Result<_, String>>()?;
+            let covered = self.base().root.covering_mount(&rec.staged_at()).map_err(|e| e.to_string())?;
+            Ok::<_, String>(Proof::Seen { actual: VolumeActual { device, staging, targets }, covered })
+        })();
+        seen.unwrap_or_else(Proof::Unsettled)
+    }
+
     /// Loop devices serving pool images with no staged record. A stage
     /// records its intent before it attaches, so a device without one was
     /// made by something else or left by a crash before the store existed.
     fn orphan_devices(&self, remove: bool) -> Vec<String> {
-        let d = &self.0;
+        let d = self.base();
         let mut out = Vec::new();
         for (att, image) in attach::serving_images_in(d.pool.dir()) {
             let id = image.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".img")).unwrap_or("");
@@ -137,13 +153,13 @@ impl DriverVolumes {
     }
 
     fn restage(&self, rec: &StagedVolume) -> super::Result<()> {
-        let d = &self.0;
+        let d = self.base();
         // A mount over a directory between the kubelet root and the staging
         // path puts the path inside someone else's filesystem: mounting the
         // volume there would act on what is not volring's. Asked of the
         // kernel now, under the lock: the table may not have the mount yet.
         let at = rec.staged_at();
-        if let Some(dir) = d.covering_mount(&at)? {
+        if let Some(dir) = d.root.covering_mount(&at)? {
             return Err(super::Error::FailedPrecondition(format!(
                 "{} is covered by a mount at {}; not repairing under it",
                 at.display(),
@@ -175,52 +191,7 @@ impl DriverVolumes {
             AccessKind::Block => None,
         };
         let access = access_of(rec, requested.as_deref())?;
-        d.stage_locked(rec.clone(), Some(rec), &access, requested.as_deref())
-    }
-}
-
-impl Driver {
-    /// What is really there for `rec` now: its device asked what backs it,
-    /// its staging path and targets opened beneath the kubelet root and
-    /// judged by `statx` (the same rule every node call acts by), and
-    /// whether a mount covers the way to the staging path.
-    pub(super) fn prove(&self, rec: &StagedVolume) -> Proof {
-        let device = match attach::prove(rec) {
-            attach::DeviceProof::Ours(a) => Some(a),
-            attach::DeviceProof::Gone => None,
-            attach::DeviceProof::Unsettled(why) => return Proof::Unsettled(why),
-        };
-        let expect = device.map(|a| Expect::of(rec, &a));
-        let at = |p: &std::path::Path| match self.look(p, expect) {
-            Ok(Found::Missing | Found::Unmounted) => Ok(AtPath::Missing),
-            Ok(Found::Ours(_)) => Ok(AtPath::Ours),
-            Ok(Found::Foreign(_)) => Ok(AtPath::Foreign),
-            Err(e) => Err(format!("{}: {e}", p.display())),
-        };
-        let seen = (|| {
-            let staging = at(&rec.staged_at())?;
-            let targets = rec.published.keys().map(|t| Ok((t.clone(), at(t)?))).collect::<Result<_, String>>()?;
-            let covered = self.covering_mount(&rec.staged_at()).map_err(|e| e.to_string())?;
-            Ok::<_, String>(Proof::Seen { actual: VolumeActual { device, staging, targets }, covered })
-        })();
-        seen.unwrap_or_else(Proof::Unsettled)
-    }
-
-    /// The directory between the kubelet root and `at` (exclusive of both)
-    /// that is a mount's root now, if one is: opened beneath the root and
-    /// asked by `statx`, nearest the root first.
-    pub(super) fn covering_mount(&self, at: &std::path::Path) -> super::Result<Option<std::path::PathBuf>> {
-        let root = &self.config.kubelet_root;
-        let mut dirs: Vec<&std::path::Path> = at.ancestors().skip(1).take_while(|p| p.starts_with(root) && *p != root).collect();
-        dirs.reverse();
-        for dir in dirs {
-            match self.look(dir, None)? {
-                Found::Missing => return Ok(None),
-                Found::Unmounted => {}
-                Found::Ours(_) | Found::Foreign(_) => return Ok(Some(dir.to_path_buf())),
-            }
-        }
-        Ok(None)
+        self.stager.stage_locked(rec.clone(), Some(rec), &access, requested.as_deref())
     }
 }
 

@@ -174,23 +174,23 @@ macro_rules! service {
 }
 
 service!(IdentityService: Identity {
-    get_plugin_info, "GetPluginInfo", Query, GetPluginInfoRequest => GetPluginInfoResponse, |d, r| Ok(d.plugin_info());
+    get_plugin_info, "GetPluginInfo", Query, GetPluginInfoRequest => GetPluginInfoResponse, |d, r| Ok(d.identity.plugin_info());
     get_plugin_capabilities, "GetPluginCapabilities", Query, GetPluginCapabilitiesRequest => GetPluginCapabilitiesResponse,
-        |d, r| Ok(d.plugin_capabilities());
-    probe, "Probe", Query, ProbeRequest => ProbeResponse, |d, r| Ok(d.probe());
+        |d, r| Ok(d.identity.plugin_capabilities());
+    probe, "Probe", Query, ProbeRequest => ProbeResponse, |d, r| Ok(d.identity.probe());
 });
 
 service!(ControllerService: Controller {
-    create_volume, "CreateVolume", Change, CreateVolumeRequest => CreateVolumeResponse, |d, r| d.create_volume(r);
-    delete_volume, "DeleteVolume", Change, DeleteVolumeRequest => DeleteVolumeResponse, |d, r| d.delete_volume(r);
+    create_volume, "CreateVolume", Change, CreateVolumeRequest => CreateVolumeResponse, |d, r| d.controller.create_volume(r);
+    delete_volume, "DeleteVolume", Change, DeleteVolumeRequest => DeleteVolumeResponse, |d, r| d.controller.delete_volume(r);
     controller_expand_volume, "ControllerExpandVolume", Change, ControllerExpandVolumeRequest => ControllerExpandVolumeResponse,
-        |d, r| d.controller_expand(r);
+        |d, r| d.controller.controller_expand(r);
     validate_volume_capabilities, "ValidateVolumeCapabilities", Query,
-        ValidateVolumeCapabilitiesRequest => ValidateVolumeCapabilitiesResponse, |d, r| d.validate_capabilities(r);
-    list_volumes, "ListVolumes", Query, ListVolumesRequest => ListVolumesResponse, |d, r| d.list_volumes(r);
-    get_capacity, "GetCapacity", Query, GetCapacityRequest => GetCapacityResponse, |d, r| d.get_capacity(r);
+        ValidateVolumeCapabilitiesRequest => ValidateVolumeCapabilitiesResponse, |d, r| d.controller.validate_capabilities(r);
+    list_volumes, "ListVolumes", Query, ListVolumesRequest => ListVolumesResponse, |d, r| d.controller.list_volumes(r);
+    get_capacity, "GetCapacity", Query, GetCapacityRequest => GetCapacityResponse, |d, r| d.controller.get_capacity(r);
     controller_get_capabilities, "ControllerGetCapabilities", Query,
-        ControllerGetCapabilitiesRequest => ControllerGetCapabilitiesResponse, |d, r| Ok(d.controller_capabilities());
+        ControllerGetCapabilitiesRequest => ControllerGetCapabilitiesResponse, |d, r| Ok(d.identity.controller_capabilities());
     controller_publish_volume, "ControllerPublishVolume", Query, ControllerPublishVolumeRequest => ControllerPublishVolumeResponse,
         |d, r| Err(Error::Unimplemented("ControllerPublishVolume"));
     controller_unpublish_volume, "ControllerUnpublishVolume", Query, ControllerUnpublishVolumeRequest => ControllerUnpublishVolumeResponse,
@@ -205,16 +205,16 @@ service!(ControllerService: Controller {
 });
 
 service!(NodeService: Node {
-    node_stage_volume, "NodeStageVolume", Change, NodeStageVolumeRequest => NodeStageVolumeResponse, |d, r| d.node_stage(r);
-    node_unstage_volume, "NodeUnstageVolume", Change, NodeUnstageVolumeRequest => NodeUnstageVolumeResponse, |d, r| d.node_unstage(r);
-    node_publish_volume, "NodePublishVolume", Change, NodePublishVolumeRequest => NodePublishVolumeResponse, |d, r| d.node_publish(r);
+    node_stage_volume, "NodeStageVolume", Change, NodeStageVolumeRequest => NodeStageVolumeResponse, |d, r| d.stager.node_stage(r);
+    node_unstage_volume, "NodeUnstageVolume", Change, NodeUnstageVolumeRequest => NodeUnstageVolumeResponse, |d, r| d.stager.node_unstage(r);
+    node_publish_volume, "NodePublishVolume", Change, NodePublishVolumeRequest => NodePublishVolumeResponse, |d, r| d.publisher.node_publish(r);
     node_unpublish_volume, "NodeUnpublishVolume", Change, NodeUnpublishVolumeRequest => NodeUnpublishVolumeResponse,
-        |d, r| d.node_unpublish(r);
-    node_get_volume_stats, "NodeGetVolumeStats", Query, NodeGetVolumeStatsRequest => NodeGetVolumeStatsResponse, |d, r| d.node_stats(r);
-    node_expand_volume, "NodeExpandVolume", Change, NodeExpandVolumeRequest => NodeExpandVolumeResponse, |d, r| d.node_expand(r);
+        |d, r| d.publisher.node_unpublish(r);
+    node_get_volume_stats, "NodeGetVolumeStats", Query, NodeGetVolumeStatsRequest => NodeGetVolumeStatsResponse, |d, r| d.stats.node_stats(r);
+    node_expand_volume, "NodeExpandVolume", Change, NodeExpandVolumeRequest => NodeExpandVolumeResponse, |d, r| d.stats.node_expand(r);
     node_get_capabilities, "NodeGetCapabilities", Query, NodeGetCapabilitiesRequest => NodeGetCapabilitiesResponse,
-        |d, r| Ok(d.node_capabilities());
-    node_get_info, "NodeGetInfo", Query, NodeGetInfoRequest => NodeGetInfoResponse, |d, r| Ok(d.node_info());
+        |d, r| Ok(d.identity.node_capabilities());
+    node_get_info, "NodeGetInfo", Query, NodeGetInfoRequest => NodeGetInfoResponse, |d, r| Ok(d.stats.node_info());
 });
 
 #[cfg(test)]

@@ -7,16 +7,20 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rustix::mount::MountFlags;
 
+use super::base::Base;
+use super::fence::Fence;
 use super::owned::{path_error, Expect, Found};
 use super::proto::*;
+use super::share::EndpointLookup;
 use super::validate::Access;
-use super::{Driver, Error, Result};
+use super::{Error, Result};
 use volring_mounts::DevNum;
-use volring_share::{client, MountRecord};
+use volring_share::{client, MountRecord, ShareSide};
 use volring_volumes::mounting;
 
 /// How long a stats call waits for the NFS server before it reports the
@@ -35,9 +39,24 @@ fn dev(r: &MountRecord) -> Option<Expect> {
     r.dev.map(|(major, minor)| Expect::Filesystem(DevNum { major, minor }))
 }
 
-impl Driver {
+/// The node's side of shared volumes another node serves: NFS mounts at
+/// staging paths and binds of them on targets.
+pub(crate) struct NfsClient {
+    base: Arc<Base>,
+    side: Arc<ShareSide>,
+    fence: Arc<Fence>,
+    /// How NodeStage finds a shared volume's published endpoint (set by
+    /// the agent when it has a cluster).
+    endpoint_lookup: OnceLock<EndpointLookup>,
+}
+
+impl NfsClient {
+    pub(crate) fn new(base: Arc<Base>, side: Arc<ShareSide>, fence: Arc<Fence>) -> Self {
+        Self { base, side, fence, endpoint_lookup: OnceLock::new() }
+    }
+
     fn nfs_record(&self, id: &str) -> Result<Option<MountRecord>> {
-        self.share.mount_record(id).map_err(share_err)
+        self.side.mount_record(id).map_err(share_err)
     }
 
     /// NodeStage of a shared volume this node does not hold, when its
@@ -45,7 +64,7 @@ impl Driver {
     /// A volume in this node's pool that another node holds through the
     /// nbd export (its NFS server moved there, `fence`) is such a one too:
     /// this node's pods reach it over NFS like everyone else's.
-    pub(super) fn stage_remote_share(
+    pub(crate) fn stage(
         &self,
         id: &str,
         staging: &Path,
@@ -53,7 +72,7 @@ impl Driver {
         context: &std::collections::HashMap<String, String>,
     ) -> Result<Option<NodeStageVolumeResponse>> {
         let served_elsewhere = matches!(self.fence.holder(id), Some(super::fence::Holder::Remote { .. }));
-        if !access.shared() || (self.pool.get(id).is_some() && !served_elsewhere) {
+        if !access.shared() || (self.base.pool.get(id).is_some() && !served_elsewhere) {
             return Ok(None);
         }
         // The nbd export named and no NFS server: this node takes the
@@ -72,7 +91,7 @@ impl Driver {
             if r.remote != remote || r.read_only != access.read_only() {
                 return Err(Error::AlreadyExists(format!("volume {id} is staged from {} with other options", client::source(&r.remote))));
             }
-            if matches!(self.look(staging, dev(&r))?, Found::Ours(_)) {
+            if matches!(self.base.root.look(staging, dev(&r))?, Found::Ours(_)) {
                 return Ok(Some(NodeStageVolumeResponse {}));
             }
         }
@@ -85,8 +104,8 @@ impl Driver {
             dev: None,
             published: Default::default(),
         };
-        self.share.put_mount_record(&rec).map_err(share_err)?;
-        let dir = self.beneath.create_dirs(staging).map_err(|e| path_error(e, staging))?;
+        self.side.put_mount_record(&rec).map_err(share_err)?;
+        let dir = self.base.root.beneath.create_dirs(staging).map_err(|e| path_error(e, staging))?;
         let node = volring_volumes::beneath::stat(dir.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", staging.display())))?;
         if node.mount_root {
             return Err(Error::FailedPrecondition(format!("{} already holds a mount; volring does not stage over it", staging.display())));
@@ -96,6 +115,8 @@ impl Driver {
             .map_err(|e| Error::Internal(format!("mount {source} (NFSv4) on {}: {e}", staging.display())))?;
         drop(dir);
         let mounted = self
+            .base
+            .root
             .beneath
             .open_path(staging)
             .map_err(|e| path_error(e, staging))?
@@ -103,54 +124,48 @@ impl Driver {
         let node =
             volring_volumes::beneath::stat(mounted.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", staging.display())))?;
         rec.dev = Some((node.dev.major, node.dev.minor));
-        self.share.put_mount_record(&rec).map_err(share_err)?;
+        self.side.put_mount_record(&rec).map_err(share_err)?;
         tracing::info!(volume = id, source, path = %staging.display(), "staged over NFS");
         Ok(Some(NodeStageVolumeResponse {}))
     }
 
     /// NodeUnstage of a volume mounted over NFS; `None` when it is not one.
-    pub(super) fn unstage_remote_share(&self, id: &str, staging: &Path) -> Result<Option<NodeUnstageVolumeResponse>> {
+    pub(crate) fn unstage(&self, id: &str, staging: &Path) -> Result<Option<NodeUnstageVolumeResponse>> {
         let Some(r) = self.nfs_record(id)? else { return Ok(None) };
         if r.staging_path != staging {
             return Err(Error::NotFound(format!("volume {id} is not staged at {}", staging.display())));
         }
         for t in r.published.keys() {
-            if matches!(self.look(t, dev(&r))?, Found::Ours(_)) {
+            if matches!(self.base.root.look(t, dev(&r))?, Found::Ours(_)) {
                 return Err(Error::FailedPrecondition(format!("volume {id} is still published at {}", t.display())));
             }
         }
         if r.dev.is_some() {
-            self.unmount_ours(id, staging, dev(&r))?;
-        } else if let Found::Foreign(_) = self.look(staging, None)? {
+            self.base.root.unmount_ours(id, staging, dev(&r))?;
+        } else if let Found::Foreign(_) = self.base.root.look(staging, None)? {
             // A crash between the mount and recording its device: the NFS
             // mount at the staging path is this stage's own.
             self.unmount_if_nfs(id, staging)?;
         }
-        self.share.remove_mount_record(id).map_err(share_err)?;
+        self.side.remove_mount_record(id).map_err(share_err)?;
         tracing::info!(volume = id, "unstaged (NFS)");
         Ok(Some(NodeUnstageVolumeResponse {}))
     }
 
     fn unmount_if_nfs(&self, id: &str, p: &Path) -> Result<()> {
-        let Some(fd) = self.beneath.open_path(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
+        let Some(fd) = self.base.root.beneath.open_path(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
         let st = rustix::fs::fstatfs(&fd).map_err(|e| Error::Internal(format!("statfs {}: {e}", p.display())))?;
         if st.f_type != client::NFS_SUPER_MAGIC {
             return Err(Error::FailedPrecondition(format!("{} holds a mount that is not volume {id}'s NFS mount", p.display())));
         }
         let node = volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", p.display())))?;
         drop(fd);
-        self.unmount_ours(id, p, Some(Expect::Filesystem(node.dev)))
+        self.base.root.unmount_ours(id, p, Some(Expect::Filesystem(node.dev)))
     }
 
     /// NodePublish of a volume mounted over NFS: its staging mount bound
     /// onto the target. `None` when it is not one.
-    pub(super) fn publish_remote_share(
-        &self,
-        id: &str,
-        staging: &Path,
-        target: &Path,
-        read_only: bool,
-    ) -> Result<Option<NodePublishVolumeResponse>> {
+    pub(crate) fn publish(&self, id: &str, staging: &Path, target: &Path, read_only: bool) -> Result<Option<NodePublishVolumeResponse>> {
         let Some(mut r) = self.nfs_record(id)? else { return Ok(None) };
         let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
         if r.staging_path != staging || r.dev.is_none() {
@@ -160,9 +175,9 @@ impl Driver {
             return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
         }
         let expect = dev(&r);
-        let Found::Ours(source) = self.look(staging, expect)? else { return Err(not_staged()) };
+        let Found::Ours(source) = self.base.root.look(staging, expect)? else { return Err(not_staged()) };
         let read_only = read_only || r.read_only;
-        let fd = self.beneath.create_dirs(target).map_err(|e| path_error(e, target))?;
+        let fd = self.base.root.beneath.create_dirs(target).map_err(|e| path_error(e, target))?;
         let node = volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
         if node.mount_root {
             return match r.published.get(target) {
@@ -171,7 +186,7 @@ impl Driver {
             };
         }
         r.published.insert(target.to_path_buf(), read_only);
-        self.share.put_mount_record(&r).map_err(share_err)?;
+        self.side.put_mount_record(&r).map_err(share_err)?;
         let flags = if read_only { MountFlags::RDONLY } else { MountFlags::empty() };
         mounting::bind(source.as_fd(), fd.as_fd(), flags).map_err(|e| Error::Internal(format!("bind on {}: {e}", target.display())))?;
         tracing::info!(volume = id, target = %target.display(), read_only, "published (NFS)");
@@ -179,27 +194,27 @@ impl Driver {
     }
 
     /// NodeUnpublish of a volume mounted over NFS; `None` when it is not one.
-    pub(super) fn unpublish_remote_share(&self, id: &str, target: &Path) -> Result<Option<NodeUnpublishVolumeResponse>> {
+    pub(crate) fn unpublish(&self, id: &str, target: &Path) -> Result<Option<NodeUnpublishVolumeResponse>> {
         let Some(mut r) = self.nfs_record(id)? else { return Ok(None) };
         if !r.published.contains_key(target) {
-            return match self.look(target, None)? {
+            return match self.base.root.look(target, None)? {
                 Found::Missing | Found::Unmounted => Ok(Some(NodeUnpublishVolumeResponse {})),
                 _ => Err(Error::NotFound(format!("volume {id} is not published at {}", target.display()))),
             };
         }
-        self.unmount_ours(id, target, dev(&r))?;
-        self.beneath.remove(target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
+        self.base.root.unmount_ours(id, target, dev(&r))?;
+        self.base.root.beneath.remove(target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
         r.published.remove(target);
-        self.share.put_mount_record(&r).map_err(share_err)?;
+        self.side.put_mount_record(&r).map_err(share_err)?;
         Ok(Some(NodeUnpublishVolumeResponse {}))
     }
 
     /// NodeGetVolumeStats of a volume mounted over NFS: the export's usage,
     /// and abnormal when the path is not the NFS mount or the server does
     /// not answer in time. `None` when it is not one.
-    pub(super) fn stats_remote_share(&self, id: &str, volume_path: &str) -> Result<Option<NodeGetVolumeStatsResponse>> {
+    pub(crate) fn stats(&self, id: &str, volume_path: &str) -> Result<Option<NodeGetVolumeStatsResponse>> {
         let Some(r) = self.nfs_record(id)? else { return Ok(None) };
-        let path = self.stats_path(id, volume_path)?;
+        let path = self.base.stats_path(id, volume_path)?;
         let path = path.as_path();
         if r.staging_path != path && !r.published.contains_key(path) {
             return Err(Error::NotFound(format!("volume {id} is not at {}", path.display())));
@@ -230,6 +245,37 @@ impl Driver {
             None => format!("mounted over NFS from {}", client::source(&r.remote)),
         };
         Ok(Some(NodeGetVolumeStatsResponse { usage, volume_condition: Some(VolumeCondition { abnormal: problem.is_some(), message }) }))
+    }
+
+    /// Sets how NodeStage of a shared volume another node holds finds the
+    /// endpoint published on its PVC (in a cluster; without one the
+    /// context's `nfsServer` is mounted).
+    pub(crate) fn set_endpoint_lookup(&self, f: EndpointLookup) {
+        let _ = self.endpoint_lookup.set(f);
+    }
+
+    /// The server a shared volume's NodeStage mounts: the endpoint
+    /// published on the PVC the context names, when this node can read
+    /// it; else the context's own (`remote`). Published but not yet:
+    /// UNAVAILABLE, and kubelet retries.
+    fn published_remote(
+        &self,
+        id: &str,
+        context: &std::collections::HashMap<String, String>,
+        mut remote: volring_share::client::Remote,
+    ) -> Result<volring_share::client::Remote> {
+        let (Some(lookup), Some((ns, name))) = (self.endpoint_lookup.get(), volring_share::pvc_in_context(context)) else {
+            return Ok(remote);
+        };
+        let endpoint = lookup(&ns, &name)
+            .map_err(|e| Error::Unavailable(format!("volume {id}: reading the NFS endpoint of PVC {ns}/{name}: {e}")))?
+            .ok_or_else(|| {
+                Error::Unavailable(format!("volume {id}: the owning node has not published the NFS endpoint on PVC {ns}/{name} yet"))
+            })?;
+        remote.server = endpoint.parse().map_err(|_| {
+            Error::FailedPrecondition(format!("volume {id}: PVC {ns}/{name} names the NFS endpoint {endpoint:?}, not address:port"))
+        })?;
+        Ok(remote)
     }
 }
 
