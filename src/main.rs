@@ -452,6 +452,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
                 show::read_store(&state_dir, kind)?
             };
+            if let Some(note) = volring_kube::queued::note(&state_dir) {
+                eprintln!("{note}");
+            }
             std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
             Ok(())
         }

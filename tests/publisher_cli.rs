@@ -235,3 +235,102 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     assert!(status.success(), "{status}:\n{}", log());
     assert!(log().contains("publisher stopped"), "{}", log());
 }
+
+/// Issue 28 item 7: with no cluster the node's own store is written at
+/// once: `--publish-qps` paces an API server, and the store has none. At
+/// 0.1 requests a second, 20 objects took more than three minutes to
+/// appear; now they are all in the store, and `volring get` prints them,
+/// well within the 60 s this waits.
+#[tokio::test]
+async fn the_nodes_store_is_written_without_the_api_pace() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let store = Arc::new(volring_volumes::store::Store::open(&state.join(volring_volumes::store::FILE)).unwrap());
+    let mut c = config("n1");
+    (c.qps, c.burst) = (0.1, 1);
+    let objs: Vec<_> = (0..20).map(|i| bd("n1", i, 0)).collect();
+    let up = Updater::start(Arc::new(EmbeddedSink::new(store.clone())), c, objs);
+    let mut stored = 0;
+    for _ in 0..1200 {
+        stored = volring_kube::show::read_store(&state, volring_kube::Kind::BlockDevice).unwrap().len();
+        if stored == 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stored, 20, "objects in the node's store after 60 s at 0.1 qps");
+    let state_arg = format!("--state-dir={}", state.display());
+    let (st, out, err) = volring(&["get", "bd", "--local-store", "-o", "json", &state_arg], &[("HOME", dir.path().as_os_str())]).await;
+    assert!(st.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["items"].as_array().unwrap().len(), 20, "{out}");
+    up.shutdown(Duration::from_secs(10)).await;
+}
+
+/// Issue 28 item 7: while the agent still holds objects for the cluster
+/// (here every write is answered 503, so they stay queued), `volring get`
+/// says so beside what it prints; once the agent stops, it says nothing.
+#[tokio::test]
+async fn volring_get_says_when_the_agent_still_has_objects_queued() {
+    let server = Server::start().await;
+    server.api.inject(Fault {
+        status: 503,
+        retry_after: None,
+        method: Some(Method::PATCH),
+        path_contains: String::new(),
+        times: 1_000_000,
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = kubeconfig_for(&server, dir.path());
+    let kubelet = dir.path().join("kubelet");
+    std::fs::create_dir(&kubelet).unwrap();
+    let state = dir.path().join("state");
+    let mut agent = Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_volring"))
+            .args(["node", "--node-id", "queued-node", "--publish-window", "0.2", "--metrics-addr", "127.0.0.1:0"])
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--kubelet-root")
+            .arg(&kubelet)
+            .arg("--csi-endpoint")
+            .arg(format!("unix://{}", dir.path().join("csi.sock").display()))
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("HOME", dir.path())
+            .env("KUBECONFIG", &cfg)
+            .env("RUST_LOG", "volring=info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let log = || std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+    let state_arg = format!("--state-dir={}", state.display());
+    let env = [("HOME", dir.path().as_os_str()), ("KUBECONFIG", cfg.as_os_str())];
+    let mut said = String::new();
+    for _ in 0..600 {
+        assert!(agent.0.try_wait().unwrap().is_none(), "the agent exited:\n{}", log());
+        if state.is_dir() {
+            let (st, _, err) = volring(&["get", "bd", &state_arg], &env).await;
+            assert!(st.success(), "{err}");
+            if err.contains("queued") {
+                said = err;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(said.contains("objects queued for the cluster: not shown yet"), "volring get said nothing of the queue:\n{said}\n{}", log());
+    let pid = rustix::process::Pid::from_raw(agent.0.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    for _ in 0..600 {
+        if agent.0.try_wait().unwrap().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(agent.0.try_wait().unwrap().is_some(), "the agent did not stop within 30 s of SIGTERM:\n{}", log());
+    let (st, _, err) = volring(&["get", "bd", &state_arg], &env).await;
+    assert!(st.success() && !err.contains("queued"), "{err}");
+}

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use volring_devices::Inventory;
 use volring_kube::node_feed::{self, NodeFeed, NodeSignal};
+use volring_kube::queued::{self, Target};
 use volring_kube::{embedded_sink::EmbeddedSink, kube_sink::KubeSink, Updater, UpdaterConfig};
 
 use super::component::Components;
@@ -59,7 +60,9 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     let mut feed = volring_kube::feed::Feed::default();
     feed.seed(&initial);
     let source = KubeSink::detect();
-    let up = if p.kube.unwrap_or(source.is_some()) {
+    let to_cluster = p.kube.unwrap_or(source.is_some());
+    let queued_stats = i.stats.clone();
+    let up = if to_cluster {
         // The User-Agent names this node as the agent knows it (--node-id).
         let sink = Arc::new(KubeSink::infer_for(i.node).await.context("--kube")?);
         let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
@@ -78,6 +81,7 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
         Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, i.stats)
     };
     let up = Arc::new(up);
+    record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
     let node_build = node_feed.builder();
     let follower = parts.tasks().spawn(node_feed.follow(up.handle()));
     let last = up.clone();
@@ -134,6 +138,19 @@ fn cut_at_stop(name: &'static str, task: impl std::future::Future<Output = ()> +
     parts.started(name, HOOK_WAIT, move || async move {
         cut.cancel();
         let _ = handle.await;
+        Ok(())
+    });
+}
+
+/// Keeps the count of objects the publisher still holds in the state
+/// directory, for `volring get` (`volring_kube::queued`); removed at stop.
+fn record_queued(stats: Arc<volring_kube::updater::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
+    let dir = state_dir.to_path_buf();
+    let handle = parts.tasks().spawn(queued::follow(stats, dir.clone(), target));
+    parts.started("publisher queue record", HOOK_WAIT, move || async move {
+        handle.abort();
+        let _ = handle.await;
+        queued::remove(&dir);
         Ok(())
     });
 }

@@ -21,6 +21,7 @@ pub mod kube_sink;
 pub mod node_feed;
 pub mod objects;
 mod pace;
+pub mod queued;
 pub mod show;
 pub mod sink;
 pub mod stats;

@@ -59,6 +59,11 @@ pub enum Watched {
 
 /// Where objects go: the API server, or the node's embedded store.
 pub trait Sink: Send + Sync + 'static {
+    /// Whether the updater paces its requests (QPS and burst): an API
+    /// server's rate limit. The node's own store has none and is written
+    /// as fast as it commits.
+    const PACED: bool = true;
+
     /// Every object of `kind` labelled for `node`.
     fn list(&self, kind: Kind, node: &str) -> impl Future<Output = Result<Vec<Object>, SinkError>> + Send;
     fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Object>, SinkError>> + Send;

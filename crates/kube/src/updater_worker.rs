@@ -62,7 +62,7 @@ pub(super) struct Worker<S> {
 
 impl<S: Sink> Worker<S> {
     pub(super) fn new(sink: Arc<S>, shared: Arc<Shared>, config: UpdaterConfig) -> Self {
-        let gate = Arc::new(Gate::new(config.qps, config.burst));
+        let gate = Arc::new(if S::PACED { Gate::new(config.qps, config.burst) } else { Gate::open() });
         let limit = Limit::new(config.concurrency, config.grow_every, Instant::now());
         shared.stats.limit.store(limit.get() as u64, Ordering::Relaxed);
         Worker {

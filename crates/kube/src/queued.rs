@@ -1,0 +1,124 @@
+//! How many objects the running agent's publisher still holds, recorded in
+//! the state directory so `volring get` can say that what it prints is not
+//! all there is yet: objects queued for the cluster (paced by
+//! `--publish-qps`, or waiting for an API server that does not answer) or
+//! for the node's store (waiting for their window).
+//!
+//! The record names the agent's pid; one whose process is gone (an agent
+//! that died without removing it) is not believed.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::stats::Stats;
+
+/// The record's file name in the state directory.
+pub const FILE: &str = "publish-queued.json";
+
+/// How often the agent looks at its count (written only when it changed).
+const EVERY: Duration = Duration::from_millis(250);
+
+/// Where the publisher writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Cluster,
+    Store,
+}
+
+impl Target {
+    fn as_str(self) -> &'static str {
+        match self {
+            Target::Cluster => "the cluster",
+            Target::Store => "the node's store",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Queued {
+    /// Objects submitted and not yet written.
+    pub queued: u64,
+    pub target: Target,
+    /// The agent that counts them.
+    pub pid: u32,
+}
+
+fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(FILE)
+}
+
+/// Writes the record (a whole file, renamed into place: a reader never
+/// sees half of one).
+pub fn write(state_dir: &Path, q: &Queued) -> std::io::Result<()> {
+    let tmp = state_dir.join(format!(".{FILE}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec(q).map_err(std::io::Error::other)?)?;
+    std::fs::rename(&tmp, path(state_dir))
+}
+
+/// Removes the record (the agent's publisher stopped).
+pub fn remove(state_dir: &Path) {
+    let _ = std::fs::remove_file(path(state_dir));
+}
+
+/// The running agent's record, if there is one and its agent still runs.
+pub fn read(state_dir: &Path) -> Option<Queued> {
+    let bytes = std::fs::read(path(state_dir)).ok()?;
+    if bytes.len() > 4096 {
+        return None;
+    }
+    let q: Queued = serde_json::from_slice(&bytes).ok()?;
+    Path::new(&format!("/proc/{}", q.pid)).exists().then_some(q)
+}
+
+/// What `volring get` adds when the agent still holds objects.
+pub fn note(state_dir: &Path) -> Option<String> {
+    let q = read(state_dir).filter(|q| q.queued > 0)?;
+    let s = if q.queued == 1 { "" } else { "s" };
+    Some(format!("# the agent still has {} object{s} queued for {}: not shown yet", q.queued, q.target.as_str()))
+}
+
+/// Keeps the record to `stats`' queued count until cancelled (the caller
+/// aborts the task and then calls [`remove`]).
+pub async fn follow(stats: Arc<Stats>, state_dir: PathBuf, target: Target) {
+    let pid = std::process::id();
+    let mut last = None;
+    loop {
+        let queued = stats.queued.load(Ordering::Relaxed);
+        if last != Some(queued) {
+            let q = Queued { queued, target, pid };
+            let dir = state_dir.clone();
+            match tokio::task::spawn_blocking(move || write(&dir, &q)).await {
+                Ok(Ok(())) => last = Some(queued),
+                Ok(Err(e)) => tracing::debug!(error = %e, "cannot record the publisher's queue"),
+                Err(_) => {}
+            }
+        }
+        tokio::time::sleep(EVERY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_of_a_live_agent_is_noted_and_one_of_a_gone_agent_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(note(dir.path()), None);
+        let me = std::process::id();
+        write(dir.path(), &Queued { queued: 3, target: Target::Cluster, pid: me }).unwrap();
+        assert_eq!(note(dir.path()).unwrap(), "# the agent still has 3 objects queued for the cluster: not shown yet");
+        write(dir.path(), &Queued { queued: 0, target: Target::Store, pid: me }).unwrap();
+        assert_eq!(note(dir.path()), None, "nothing queued: nothing said");
+        // pid_max is at most 2^22: no process has this pid.
+        write(dir.path(), &Queued { queued: 5, target: Target::Store, pid: u32::MAX }).unwrap();
+        assert_eq!(note(dir.path()), None);
+        std::fs::write(dir.path().join(FILE), b"not json").unwrap();
+        assert_eq!(note(dir.path()), None);
+        remove(dir.path());
+        assert!(!dir.path().join(FILE).exists());
+    }
+}
