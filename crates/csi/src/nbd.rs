@@ -382,10 +382,10 @@ impl NbdSide {
             })
             .collect();
         if planned.iter().all(|(_, _, p)| matches!(p, Plan::Done(_))) {
-            return walk::walk(Arc::new(NoSteps), planned, wait);
+            return walk::walk(Arc::new(NoSteps), planned, walk::Bounds::waiting(wait));
         }
         match self.inner() {
-            Ok(inner) => walk::walk(Arc::new(RealSteps(inner)), planned, wait),
+            Ok(inner) => walk::walk(Arc::new(RealSteps(inner)), planned, walk::Bounds::waiting(wait)),
             Err(e) => {
                 let failed = planned
                     .into_iter()
@@ -394,7 +394,7 @@ impl NbdSide {
                         _ => (r, g, Plan::Done(Healed::Failed(e.to_string()))),
                     })
                     .collect();
-                walk::walk(Arc::new(NoSteps), failed, wait)
+                walk::walk(Arc::new(NoSteps), failed, walk::Bounds::waiting(wait))
             }
         }
     }

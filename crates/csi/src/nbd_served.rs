@@ -57,6 +57,10 @@ impl walk::Steps for RealSteps {
     fn remote(&self, rec: &StagedVolume, index: u32) -> Healed {
         self.0.heal_remote(rec, index)
     }
+
+    fn defer(&self, rec: &StagedVolume, index: u32) -> Healed {
+        self.0.defer_remote(rec, index)
+    }
 }
 
 /// For a walk with nothing to reconnect (and no nbd driver to ask).
@@ -119,17 +123,33 @@ impl Inner {
             Err(e) => {
                 // The export is away: the device keeps queueing I/O, and
                 // the retry loop reconnects it once the export answers.
-                let att = RemoteAttachment {
-                    index,
-                    source: source.clone(),
-                    backend_id: rec.volume_id.clone(),
-                    connections: self.config.connections,
-                    details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
-                };
-                self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: true });
-                Healed::Retrying { index, why: remote_error(&source, e).to_string() }
+                let why = remote_error(&source, e).to_string();
+                self.owe(rec, index, source, why)
             }
         }
+    }
+
+    /// The walk ran out of time before this remote device's turn: the
+    /// retry loop reconnects it (as when its export does not answer).
+    pub(super) fn defer_remote(&self, rec: &StagedVolume, index: u32) -> Healed {
+        let Some(r) = &rec.remote else { return Healed::Failed("not a remote volume".into()) };
+        match remote_source(r, self.config.client.as_deref()) {
+            Ok(source) => self.owe(rec, index, source, "the healer's walk ran out of time before its turn".into()),
+            Err(e) => Healed::Failed(e.to_string()),
+        }
+    }
+
+    /// Records `index` as owed fresh sockets from `source`, for the retry loop.
+    fn owe(&self, rec: &StagedVolume, index: u32, source: RemoteSource, why: String) -> Healed {
+        let att = RemoteAttachment {
+            index,
+            source,
+            backend_id: rec.volume_id.clone(),
+            connections: self.config.connections,
+            details: ExportDetails { size: device_size(index), tx_flags: 0, block_sizes: None },
+        };
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(index, Live { served: Served::Remote(att), stale: true });
+        Healed::Retrying { index, why }
     }
 
     /// Records the sockets the kernel took for a remote device.
@@ -158,7 +178,8 @@ impl Inner {
     /// One try at every device owed fresh sockets. Local ones here (no
     /// network); each remote one on a thread of its own, with no lock held
     /// (a peer that does not answer holds up nothing else, and one whose
-    /// try is still running is not tried again meanwhile). A device no
+    /// try is still running is not tried again meanwhile; at most
+    /// `MAX_REMOTE_HEALS` at once, the rest in a later round). A device no
     /// longer carrying its volume id (torn down, or given to someone else)
     /// is forgotten, not touched.
     pub(super) fn reconnect_stale(self: &Arc<Self>) {
@@ -178,8 +199,12 @@ impl Inner {
                     self.refreshed(index, result.map(|()| Served::Local(a)));
                 }
                 Served::Remote(a) => {
-                    if !self.connecting.lock().unwrap_or_else(|e| e.into_inner()).insert(index) {
-                        continue;
+                    // Bounded like the walk: the rest wait for a later round.
+                    {
+                        let mut connecting = self.connecting.lock().unwrap_or_else(|e| e.into_inner());
+                        if connecting.len() >= walk::MAX_REMOTE_HEALS || !connecting.insert(index) {
+                            continue;
+                        }
                     }
                     let me = self.clone();
                     let spawned = std::thread::Builder::new().name("nbd-reconnect".into()).spawn(move || {

@@ -9,9 +9,18 @@
 //! LINK_DEAD device if the export does not answer). So a hung owner costs
 //! neither the local volumes nor the agent's start more than `wait`, and N
 //! hung owners cost no more than one.
+//!
+//! "At once" is bounded: at most [`MAX_REMOTE_HEALS`] remote connects run
+//! together, each on one of as many threads, taking the remote volumes in
+//! the records' order; a thousand remote volumes whose owners hang cost
+//! eight threads, not a thousand. And the walk has an overall deadline
+//! ([`HEAL_DEADLINE`], well inside the devices' dead-connection timeout):
+//! a remote volume whose turn comes after it is not connected by the walk
+//! but handed to the retry loop ([`Steps::defer`]), which tries it again
+//! and again as it does a LINK_DEAD device.
 
-use std::collections::HashMap;
-use std::sync::{mpsc, Arc};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::Healed;
@@ -22,6 +31,30 @@ use volring_volumes::StagedVolume;
 /// before the agent goes on (and serves CSI) with the rest still
 /// connecting in the background.
 pub const REMOTE_WAIT: Duration = Duration::from_millis(200);
+
+/// Remote connects (and threads) a walk runs at once, at most.
+pub const MAX_REMOTE_HEALS: usize = 8;
+
+/// How long after a walk starts its remote volumes may still begin their
+/// connect; later ones are deferred to the retry loop.
+pub const HEAL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A walk's bounds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    /// How long the walk waits for its remote volumes, all together.
+    pub(crate) wait: Duration,
+    /// Remote connects at once, at most (at least one).
+    pub(crate) workers: usize,
+    /// After this, a remote volume's turn defers it.
+    pub(crate) deadline: Duration,
+}
+
+impl Bounds {
+    pub(crate) fn waiting(wait: Duration) -> Self {
+        Bounds { wait, workers: MAX_REMOTE_HEALS, deadline: HEAL_DEADLINE }
+    }
+}
 
 /// What the first look at a record found (sysfs and the sockets' state
 /// only: nothing that waits).
@@ -42,6 +75,12 @@ pub(crate) trait Steps: Send + Sync + 'static {
     /// Fresh TCP sockets to the owning node's export: may wait on it, up
     /// to its connect timeout.
     fn remote(&self, rec: &StagedVolume, index: u32) -> Healed;
+    /// The walk's deadline passed before the remote volume's turn: hand it
+    /// to whatever retries it later.
+    fn defer(&self, rec: &StagedVolume, index: u32) -> Healed {
+        let _ = rec;
+        Healed::Retrying { index, why: "the healer's walk ran out of time before its turn".into() }
+    }
 }
 
 /// Says what the walk did with one record.
@@ -69,7 +108,7 @@ pub(crate) fn log_healed(rec: &StagedVolume, h: &Healed, why: Option<&str>) {
 
 /// Walks `planned` (each record with its repair lock and its plan):
 /// outcomes in the records' order.
-pub(crate) fn walk<S: Steps>(steps: Arc<S>, planned: Vec<(StagedVolume, VolumeGuard, Plan)>, wait: Duration) -> Vec<(String, Healed)> {
+pub(crate) fn walk<S: Steps>(steps: Arc<S>, planned: Vec<(StagedVolume, VolumeGuard, Plan)>, bounds: Bounds) -> Vec<(String, Healed)> {
     let mut out: Vec<(usize, String, Healed)> = Vec::with_capacity(planned.len());
     let mut remotes = Vec::new();
     for (n, (rec, guard, plan)) in planned.into_iter().enumerate() {
@@ -88,27 +127,30 @@ pub(crate) fn walk<S: Steps>(steps: Arc<S>, planned: Vec<(StagedVolume, VolumeGu
         }
     }
     let (tx, rx) = mpsc::channel::<(usize, Healed)>();
-    let mut pending: HashMap<usize, (String, u32)> = HashMap::new();
-    for (n, rec, guard, index, why) in remotes {
-        let id = rec.volume_id.clone();
-        let (steps, tx) = (steps.clone(), tx.clone());
-        // The volume stays locked for its one attempt, and no longer: a
-        // retry after it takes no lock (as a LINK_DEAD one does).
-        let spawned = std::thread::Builder::new().name("nbd-heal".into()).spawn(move || {
-            let h = steps.remote(&rec, index);
-            log_healed(&rec, &h, Some(&why));
-            drop(guard);
-            let _ = tx.send((n, h));
-        });
-        match spawned {
-            Ok(_) => {
-                pending.insert(n, (id, index));
-            }
-            Err(e) => out.push((n, id, Healed::Failed(format!("spawn the reconnect: {e}")))),
+    let pending: HashMap<usize, (String, u32)> =
+        remotes.iter().map(|(n, rec, _, index, _)| (*n, (rec.volume_id.clone(), *index))).collect();
+    let mut pending = pending;
+    let queue: Arc<Mutex<VecDeque<Remote>>> = Arc::new(Mutex::new(remotes.into()));
+    let defer_after = Instant::now() + bounds.deadline;
+    let workers = pending.len().min(bounds.workers.max(1));
+    let mut spawned = 0;
+    for _ in 0..workers {
+        let (steps, tx, queue) = (steps.clone(), tx.clone(), queue.clone());
+        let worker = std::thread::Builder::new().name("nbd-heal".into()).spawn(move || heal_remotes(&*steps, &queue, defer_after, &tx));
+        match worker {
+            Ok(_) => spawned += 1,
+            Err(e) => tracing::warn!(error = %e, "cannot spawn an nbd healer thread"),
+        }
+    }
+    if spawned == 0 {
+        // Not one thread: nothing reconnects them now (the locks go with them).
+        for (n, rec, _guard, ..) in std::mem::take(&mut *queue.lock().unwrap_or_else(|e| e.into_inner())) {
+            pending.remove(&n);
+            out.push((n, rec.volume_id, Healed::Failed("cannot spawn a thread to reconnect it".into())));
         }
     }
     drop(tx);
-    let deadline = Instant::now() + wait;
+    let deadline = Instant::now() + bounds.wait;
     while !pending.is_empty() {
         match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok((n, h)) => {
@@ -125,6 +167,23 @@ pub(crate) fn walk<S: Steps>(steps: Arc<S>, planned: Vec<(StagedVolume, VolumeGu
     }
     out.sort_by_key(|(n, ..)| *n);
     out.into_iter().map(|(_, id, h)| (id, h)).collect()
+}
+
+/// A remote volume waiting for its turn: its place in the walk, its
+/// record and lock, its device, and why it needs a reconnect.
+type Remote = (usize, StagedVolume, VolumeGuard, u32, String);
+
+/// One healer thread: takes the remote volumes in turn until none is
+/// left; each stays locked for its one attempt, and no longer (a retry
+/// after it takes no lock, as a LINK_DEAD one does).
+fn heal_remotes<S: Steps>(steps: &S, queue: &Mutex<VecDeque<Remote>>, defer_after: Instant, tx: &mpsc::Sender<(usize, Healed)>) {
+    loop {
+        let Some((n, rec, guard, index, why)) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front() else { return };
+        let h = if Instant::now() < defer_after { steps.remote(&rec, index) } else { steps.defer(&rec, index) };
+        log_healed(&rec, &h, Some(&why));
+        drop(guard);
+        let _ = tx.send((n, h));
+    }
 }
 
 #[cfg(test)]
@@ -199,7 +258,7 @@ mod tests {
             (rec("gone-d", 4, false), Plan::Done(Healed::Gone)),
         ];
         let planned = plans.into_iter().map(|(r, p)| (r.clone(), locks.try_lock_for_repair(&r.volume_id).unwrap(), p)).collect();
-        let got = walk(fake.clone(), planned, Duration::from_millis(20));
+        let got = walk(fake.clone(), planned, Bounds::waiting(Duration::from_millis(20)));
         assert_eq!(
             got,
             vec![
@@ -240,8 +299,100 @@ mod tests {
             (rec("local-b", 2, false), locks.try_lock_for_repair("local-b").unwrap(), Plan::Local(2, "test".into())),
         ];
         // Long enough never to expire: the walk returns when both ended.
-        let got = walk(fake, planned, Duration::from_secs(600));
+        let got = walk(fake, planned, Bounds::waiting(Duration::from_secs(600)));
         assert_eq!(got, vec![("remote-a".to_string(), Healed::Reconnected(1)), ("local-b".to_string(), Healed::Reconnected(2))]);
+    }
+
+    /// Remote steps whose owners all hang until the test opens one gate;
+    /// counts how many run at once (the peak) and on how many threads.
+    #[derive(Default)]
+    struct Crowd {
+        running: Mutex<(usize, usize)>,
+        threads: Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+        open: Mutex<bool>,
+        opened: std::sync::Condvar,
+        ended: std::sync::atomic::AtomicUsize,
+        deferred: Mutex<Vec<String>>,
+    }
+
+    impl Steps for Crowd {
+        fn local(&self, _: &StagedVolume, index: u32) -> Healed {
+            Healed::Reconnected(index)
+        }
+
+        fn remote(&self, _: &StagedVolume, index: u32) -> Healed {
+            self.threads.lock().unwrap().insert(std::thread::current().id());
+            {
+                let mut r = self.running.lock().unwrap();
+                r.0 += 1;
+                r.1 = r.1.max(r.0);
+            }
+            // Bounded only so that a broken walk fails instead of hanging.
+            let open = self.open.lock().unwrap();
+            let _ = self.opened.wait_timeout_while(open, Duration::from_secs(30), |o| !*o).unwrap();
+            self.running.lock().unwrap().0 -= 1;
+            self.ended.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Healed::Reconnected(index)
+        }
+
+        fn defer(&self, rec: &StagedVolume, index: u32) -> Healed {
+            self.deferred.lock().unwrap().push(rec.volume_id.clone());
+            self.ended.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Healed::Retrying { index, why: "deferred".into() }
+        }
+    }
+
+    fn remotes(locks: &VolumeLocks, n: u32) -> Vec<(StagedVolume, VolumeGuard, Plan)> {
+        (0..n)
+            .map(|i| {
+                let r = rec(&format!("remote-{i}"), i, true);
+                let g = locks.try_lock_for_repair(&r.volume_id).unwrap();
+                (r, g, Plan::Remote(i, "test".into()))
+            })
+            .collect()
+    }
+
+    /// Issue 27: 40 remote volumes whose owners all hang. The old walk
+    /// started a thread, and a connect, for each of them at once; now at
+    /// most `workers` connects run together, on as many threads, and every
+    /// volume still gets its turn once the owners answer.
+    #[test]
+    fn hung_owners_cost_a_bounded_number_of_threads() {
+        let locks = VolumeLocks::new();
+        let crowd = Arc::new(Crowd::default());
+        let bounds = Bounds { wait: Duration::from_millis(20), workers: 4, deadline: Duration::from_secs(600) };
+        let got = walk(crowd.clone(), remotes(&locks, 40), bounds);
+        assert!(got.iter().all(|(_, h)| matches!(h, Healed::Pending(_))), "{got:?}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while crowd.running.lock().unwrap().0 < 4 {
+            assert!(Instant::now() < deadline, "the healer threads never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        *crowd.open.lock().unwrap() = true;
+        crowd.opened.notify_all();
+        while crowd.ended.load(std::sync::atomic::Ordering::SeqCst) < 40 {
+            assert!(Instant::now() < deadline, "not every remote volume got its turn");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (_, peak) = *crowd.running.lock().unwrap();
+        let threads = crowd.threads.lock().unwrap().len();
+        assert!(peak <= 4 && threads <= 4, "{peak} connects at once on {threads} threads; the bound is 4");
+        assert!(crowd.deferred.lock().unwrap().is_empty());
+    }
+
+    /// A remote volume whose turn comes after the walk's deadline is not
+    /// connected by the walk: it is deferred to the retry loop (and its
+    /// lock let go).
+    #[test]
+    fn past_the_deadline_remote_volumes_are_deferred() {
+        let locks = VolumeLocks::new();
+        let crowd = Arc::new(Crowd::default());
+        let bounds = Bounds { wait: Duration::from_secs(600), workers: 2, deadline: Duration::ZERO };
+        let got = walk(crowd.clone(), remotes(&locks, 5), bounds);
+        assert!(got.iter().all(|(_, h)| matches!(h, Healed::Retrying { .. })), "{got:?}");
+        assert_eq!(crowd.deferred.lock().unwrap().len(), 5);
+        assert_eq!(crowd.running.lock().unwrap().1, 0, "no connect was started");
+        assert!((0..5).all(|i| locks.try_lock_for_repair(&format!("remote-{i}")).is_some()));
     }
 
     /// An owner process that really hangs: nbdkit, stopped (SIGSTOP)
@@ -338,7 +489,7 @@ mod tests {
             (remote.clone(), locks.try_lock_for_repair(&remote.volume_id).unwrap(), Plan::Remote(1, "test".into())),
             (local.clone(), locks.try_lock_for_repair(&local.volume_id).unwrap(), Plan::Local(2, "test".into())),
         ];
-        let got = walk(steps.clone(), planned, REMOTE_WAIT);
+        let got = walk(steps.clone(), planned, Bounds::waiting(REMOTE_WAIT));
         let events = steps.events.lock().unwrap().clone();
         assert_eq!(got, vec![("remote-hung".to_string(), Healed::Pending(1)), ("local-after".to_string(), Healed::Reconnected(2))]);
         assert_eq!(events.first().map(String::as_str), Some("local local-after healed"), "{events:?}");
