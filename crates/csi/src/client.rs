@@ -50,7 +50,7 @@ pub fn capability(block: bool, fs_type: &str, flags: &[String], mode: Mode) -> V
 }
 
 /// `512M`, `10G`, `1T` or a number of bytes.
-pub fn parse_size(s: &str) -> Result<i64, String> {
+pub(crate) fn parse_size(s: &str) -> Result<i64, String> {
     let s = s.trim();
     let (num, shift) = match s.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
@@ -79,7 +79,7 @@ pub struct VolumeArgs {
     pub fs: String,
     /// A mount flag (repeatable).
     #[arg(long = "mount-flag")]
-    pub mount_flags: Vec<String>,
+    pub(crate) mount_flags: Vec<String>,
     /// Access mode: single-node-writer, single-node-reader-only, single-node-multi-writer...
     #[arg(long, default_value = "single-node-writer", value_parser = parse_mode)]
     pub mode: Mode,

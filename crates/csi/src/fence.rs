@@ -169,7 +169,7 @@ impl Fence {
     /// this node's, unless another node holds it (FAILED_PRECONDITION, the
     /// code the spec gives a volume published at another node: the CO
     /// must get it released there first).
-    pub fn take_local(&self, id: &str) -> Result<()> {
+    pub(crate) fn take_local(&self, id: &str) -> Result<()> {
         let mut s = self.settled(id);
         match s.holders.get(id) {
             Some(Holder::Local) => Ok(()),
@@ -191,7 +191,7 @@ impl Fence {
 
     /// After a local stage's record is gone (unstaged, or a first stage
     /// rolled back): other nodes may have the volume.
-    pub fn drop_local(&self, id: &str) -> Result<()> {
+    pub(crate) fn drop_local(&self, id: &str) -> Result<()> {
         let mut s = self.lock();
         if s.holders.get(id) == Some(&Holder::Local) {
             self.remove(id)?;

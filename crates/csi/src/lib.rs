@@ -7,6 +7,10 @@
 //! `service` adapts them to the generated tonic traits and is the one place
 //! where errors become gRPC codes; `server` runs it all on the socket.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 mod attached;
 pub mod authority;
 mod base;
@@ -23,7 +27,7 @@ mod node_stats;
 mod owned;
 pub mod proto;
 mod publish;
-pub mod repair;
+mod repair;
 pub mod rpc_stats;
 pub mod server;
 mod service;

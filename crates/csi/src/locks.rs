@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Who holds a volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Holder {
+pub(crate) enum Holder {
     Call,
     Repair,
 }
@@ -45,13 +45,13 @@ impl VolumeLocks {
     }
 
     /// Takes the volume for the reconciler, or `None` when it is held.
-    pub fn try_lock_for_repair(&self, id: &str) -> Option<VolumeGuard> {
+    pub(crate) fn try_lock_for_repair(&self, id: &str) -> Option<VolumeGuard> {
         self.take(id, Holder::Repair)
     }
 
     /// Takes the volume for a CSI call, waiting up to `wait` while a repair
     /// holds it; `None` when a call holds it (or the repair outlasts `wait`).
-    pub fn lock_for_call(&self, id: &str, wait: Duration) -> Option<VolumeGuard> {
+    pub(crate) fn lock_for_call(&self, id: &str, wait: Duration) -> Option<VolumeGuard> {
         let deadline = Instant::now() + wait;
         loop {
             match self.holder(id) {

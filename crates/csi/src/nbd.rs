@@ -95,7 +95,7 @@ impl Default for NbdAttachConfig {
 /// The agent's nbd side: started on first use (a node with no nbd volume
 /// needs neither the module nor the server).
 #[derive(Default)]
-pub struct NbdSide {
+pub(crate) struct NbdSide {
     config: NbdAttachConfig,
     inner: OnceLock<Arc<Inner>>,
     /// Serialises the start (so two stages do not start two servers).
@@ -138,18 +138,18 @@ pub enum Healed {
 }
 
 impl NbdSide {
-    pub fn new(config: NbdAttachConfig) -> Self {
+    pub(crate) fn new(config: NbdAttachConfig) -> Self {
         Self { config, inner: OnceLock::new(), starting: Mutex::new(()), walked: Default::default(), records: None }
     }
 
     /// Records remote devices' sockets under `state_dir` (so the next
     /// start can tell a live connection from a dead one).
-    pub fn with_state_dir(mut self, state_dir: &std::path::Path) -> Self {
+    pub(crate) fn with_state_dir(mut self, state_dir: &std::path::Path) -> Self {
         self.records = Some(state_dir.join("nbd-sockets"));
         self
     }
 
-    pub fn config(&self) -> &NbdAttachConfig {
+    pub(crate) fn config(&self) -> &NbdAttachConfig {
         &self.config
     }
 
@@ -193,7 +193,7 @@ impl NbdSide {
 
     /// Attaches `rec`'s image (or its remote export) to a new `/dev/nbdN`
     /// carrying the volume id.
-    pub fn attach(&self, rec: &StagedVolume) -> Result<Attachment> {
+    pub(crate) fn attach(&self, rec: &StagedVolume) -> Result<Attachment> {
         let cfg = &self.config;
         // A remote export is reached first: an unreachable or refusing one
         // is the answer whether or not this node has the nbd driver.
@@ -257,7 +257,7 @@ impl NbdSide {
 
     /// Disconnects `/dev/nbd<index>` if it still carries `volume_id`; a
     /// device that no longer does is not ours and is left alone.
-    pub fn detach(&self, index: u32, volume_id: &str) -> Result<()> {
+    pub(crate) fn detach(&self, index: u32, volume_id: &str) -> Result<()> {
         if attach::nbd_existing(index, volume_id).is_none() {
             self.forget(index, volume_id);
             return Ok(());
@@ -356,7 +356,7 @@ impl NbdSide {
     /// The start walk's step for one record (see the module comment), on
     /// the calling thread: a remote one waits on its export up to the
     /// connect timeout. The walks themselves use [`walk`].
-    pub fn heal(&self, rec: &StagedVolume) -> Healed {
+    pub(crate) fn heal(&self, rec: &StagedVolume) -> Healed {
         match self.plan(rec) {
             Plan::Done(h) => h,
             Plan::Local(index, _) => match self.inner() {
@@ -401,7 +401,7 @@ impl NbdSide {
 
     /// Whether the kernel says `/dev/nbd<index>` has a live connection.
     /// `None` when it cannot be asked (no module, no server yet).
-    pub fn connected(&self, index: u32) -> Option<bool> {
+    pub(crate) fn connected(&self, index: u32) -> Option<bool> {
         let inner = self.inner.get()?;
         let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
         let s = control.status(Some(index)).ok()?;
@@ -410,13 +410,13 @@ impl NbdSide {
 
     /// Whether `/dev/nbd<index>` is owed fresh sockets this process is
     /// still trying to give it (its export does not answer yet).
-    pub fn owed(&self, index: u32) -> bool {
+    pub(crate) fn owed(&self, index: u32) -> bool {
         self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).get(&index).is_some_and(|d| d.stale))
     }
 
     /// Whether this process keeps `/dev/nbd<index>` connected (or is
     /// retrying its reconnect).
-    pub fn serving(&self, index: u32) -> bool {
+    pub(crate) fn serving(&self, index: u32) -> bool {
         self.inner.get().is_some_and(|i| i.live.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&index))
     }
 

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Seen {
     /// This process keeps the device connected now (not owed a reconnect).
-    pub serving_here: bool,
+    pub(crate) serving_here: bool,
     /// A remote device's recorded sockets: `None` when nothing was recorded.
     pub sockets: Option<SocketsSeen>,
 }
@@ -44,7 +44,7 @@ pub(crate) struct SocketsSeen {
     /// Connections the device has (what the kernel took).
     pub connections: usize,
     /// Recorded sockets ESTABLISHED to the export's port now.
-    pub established: usize,
+    pub(crate) established: usize,
 }
 
 /// Leave the device as it is, or give it fresh sockets; with why.
@@ -113,7 +113,7 @@ pub(crate) fn authority_port(authority: &str) -> Option<u16> {
 pub(crate) struct SocketRecord {
     pub backend_id: String,
     pub connections: usize,
-    pub inodes: Vec<u64>,
+    pub(crate) inodes: Vec<u64>,
 }
 
 impl SocketRecord {

@@ -80,7 +80,7 @@ impl NbdSide {
     /// Makes `/dev/nbd<index>` serve all of `rec`'s image as it is now
     /// (see the module comment); its size in bytes. Idempotent: a device
     /// already at the image's size is left alone.
-    pub fn grow(&self, rec: &StagedVolume, dev: &Attachment) -> std::result::Result<u64, GrowError> {
+    pub(crate) fn grow(&self, rec: &StagedVolume, dev: &Attachment) -> std::result::Result<u64, GrowError> {
         let index = dev.number;
         let inner = self.inner.get().ok_or(GrowError::NotServed(index))?;
         // Held throughout: the LINK_DEAD watcher waits, and then finds

@@ -33,11 +33,11 @@ use volring_volumes::StagedVolume;
 pub const REMOTE_WAIT: Duration = Duration::from_millis(200);
 
 /// Remote connects (and threads) a walk runs at once, at most.
-pub const MAX_REMOTE_HEALS: usize = 8;
+pub(crate) const MAX_REMOTE_HEALS: usize = 8;
 
 /// How long after a walk starts its remote volumes may still begin their
 /// connect; later ones are deferred to the retry loop.
-pub const HEAL_DEADLINE: Duration = Duration::from_secs(60);
+pub(crate) const HEAL_DEADLINE: Duration = Duration::from_secs(60);
 
 /// A walk's bounds.
 #[derive(Debug, Clone, Copy)]

@@ -12,7 +12,7 @@ pub(crate) mod names {
 
     macro_rules! by_name {
         ($name:ident, $ty:ty) => {
-            pub fn $name<S: Serializer>(v: &i32, s: S) -> Result<S::Ok, S::Error> {
+            pub(crate) fn $name<S: Serializer>(v: &i32, s: S) -> Result<S::Ok, S::Error> {
                 match <$ty>::try_from(*v) {
                     Ok(e) => s.serialize_str(e.as_str_name()),
                     Err(_) => s.serialize_i32(*v),

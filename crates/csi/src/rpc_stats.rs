@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Every RPC the driver serves, in the order `/metrics` lists them.
-pub const RPCS: &[&str] = &[
+pub(crate) const RPCS: &[&str] = &[
     "GetPluginInfo",
     "GetPluginCapabilities",
     "Probe",

@@ -44,7 +44,7 @@ impl BoundSocket {
     }
 
     /// True while `path` is still the socket this process bound.
-    pub fn is_ours(&self) -> bool {
+    pub(crate) fn is_ours(&self) -> bool {
         let Ok(ours) = rustix::fs::fstat(&self.inode) else { return false };
         std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.file_type().is_socket() && m.dev() == ours.st_dev && m.ino() == ours.st_ino)
     }

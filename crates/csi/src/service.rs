@@ -19,9 +19,9 @@ use super::proto::*;
 use super::rpc_stats::RpcStats;
 use super::{Driver, Error, Result};
 
-pub struct IdentityService(pub Arc<Driver>);
-pub struct ControllerService(pub Arc<Driver>);
-pub struct NodeService(pub Arc<Driver>);
+pub(crate) struct IdentityService(pub Arc<Driver>);
+pub(crate) struct ControllerService(pub Arc<Driver>);
+pub(crate) struct NodeService(pub Arc<Driver>);
 
 static NEXT_REQUEST: AtomicU64 = AtomicU64::new(1);
 

@@ -13,9 +13,9 @@ use super::{Error, Result};
 use volring_volumes::{FsKind, MountOptions};
 
 pub const MAX_ID_LEN: usize = 128;
-pub const MAX_PATH_LEN: usize = 4096;
+pub(crate) const MAX_PATH_LEN: usize = 4096;
 /// The size of a volume created without a capacity range.
-pub const DEFAULT_SIZE: u64 = 1 << 30;
+pub(crate) const DEFAULT_SIZE: u64 = 1 << 30;
 /// The largest volume volring creates whatever the pool's filesystem allows
 /// (a policy ceiling; the filesystem's own limit, probed when the pool
 /// opens, is often lower: ext4 with 4 KiB blocks holds files up to 16 TiB).

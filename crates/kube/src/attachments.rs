@@ -38,7 +38,7 @@ const MAX_PAGES: usize = 10_000;
 /// uses the name it is given (the PV's) as the id. A static PV whose
 /// handle differs is then reported as unknown, never healed by mistake. An
 /// inline volume carries its handle itself.
-pub fn attached_volume(item: &Value, driver: &str, node: &str) -> Option<String> {
+pub(crate) fn attached_volume(item: &Value, driver: &str, node: &str) -> Option<String> {
     let spec = item.get("spec")?;
     if spec.get("attacher")?.as_str()? != driver || spec.get("nodeName")?.as_str()? != node {
         return None;

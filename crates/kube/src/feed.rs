@@ -22,7 +22,7 @@ pub struct Feed {
 /// This node's BlockDevices now. Devices whose id could not be read are
 /// left out (see [`Feed::devices`] and [`unread_paths`]); devices that share
 /// an id on this node each get their own object, told apart by kernel name.
-pub fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
+pub(crate) fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
     let mut count: HashMap<&str, usize> = HashMap::new();
     for d in inventory.devices.values().filter(|d| !d.id.is_empty()) {
         *count.entry(d.id.as_str()).or_default() += 1;
@@ -49,7 +49,7 @@ pub fn unread_paths(inventory: &Inventory) -> HashSet<String> {
 }
 
 /// The `/dev` path a BlockDevice describes.
-pub fn path_of(o: &Object) -> Option<&str> {
+pub(crate) fn path_of(o: &Object) -> Option<&str> {
     o.spec.get("path").and_then(|p| p.as_str())
 }
 
@@ -98,7 +98,7 @@ impl Feed {
 }
 
 /// A volume's entry from its record and its reconciler verdict.
-pub fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) -> VolumeEntry {
+pub(crate) fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) -> VolumeEntry {
     let (access, fs_type) = match &rec.access {
         AccessKind::Block => ("block", None),
         AccessKind::Mount { fs_type, .. } => ("mount", Some(fs_type.clone())),

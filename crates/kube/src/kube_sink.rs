@@ -19,11 +19,11 @@ use super::sink::{Seen, Watched};
 use super::updater::{Part, Sink, SinkError};
 
 /// The field manager of every apply.
-pub const FIELD_MANAGER: &str = "volring";
+pub(crate) const FIELD_MANAGER: &str = "volring";
 /// Objects per LIST page.
 pub const PAGE: usize = 500;
 /// The largest response body read (a page of 500 objects is far below).
-pub const MAX_BODY: usize = 32 << 20;
+pub(crate) const MAX_BODY: usize = 32 << 20;
 /// A Retry-After longer than this is taken as this.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// A LIST that keeps handing out continue tokens is cut here.
@@ -109,7 +109,11 @@ impl std::fmt::Display for ClusterSource {
 /// Pure part of [`KubeSink::detect`]: `KUBECONFIG` is a list of files of
 /// which the first that exists counts (kubectl merges them; any one
 /// present means a cluster was configured); without it `~/.kube/config`.
-pub fn cluster_source(kubeconfig: Option<&std::ffi::OsStr>, home: Option<&std::ffi::OsStr>, in_cluster: bool) -> Option<ClusterSource> {
+pub(crate) fn cluster_source(
+    kubeconfig: Option<&std::ffi::OsStr>,
+    home: Option<&std::ffi::OsStr>,
+    in_cluster: bool,
+) -> Option<ClusterSource> {
     let found = match kubeconfig.filter(|v| !v.is_empty()) {
         Some(list) => std::env::split_paths(list).find(|p| !p.as_os_str().is_empty() && p.is_file()),
         None => home.map(|h| std::path::Path::new(h).join(".kube/config")).filter(|p| p.is_file()),

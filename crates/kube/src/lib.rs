@@ -14,6 +14,10 @@
 //! - [`attachments`]: the healer hook's VolumeAttachment listing.
 //! - [`show`]: `volring get`.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 pub mod attachments;
 pub mod embedded_sink;
 pub mod feed;
@@ -23,8 +27,8 @@ pub mod objects;
 mod pace;
 pub mod queued;
 pub mod show;
-pub mod sink;
-pub mod stats;
+mod sink;
+mod stats;
 pub mod updater;
 
 pub use objects::{Key, Kind, Object};

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use volring_devices::{Device, DeviceKind, Use};
 
 /// The API group of every volring object.
-pub const GROUP: &str = "volring.io";
+pub(crate) const GROUP: &str = "volring.io";
 pub const VERSION: &str = "v1alpha1";
 /// Label: the node an object describes.
 pub const NODE_LABEL: &str = "volring.io/node";
@@ -27,10 +27,10 @@ pub const KIND_LABEL: &str = "volring.io/kind";
 /// (`-l kubernetes.io/hostname=<node>`). Its value is the node's name,
 /// which is the node's own `kubernetes.io/hostname` label unless the
 /// kubelet was given another (`--hostname-override`).
-pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+pub(crate) const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
 /// Whether volring writes (and so compares) label `key`.
-pub fn is_own_label(key: &str) -> bool {
+pub(crate) fn is_own_label(key: &str) -> bool {
     key.starts_with("volring.io/") || key == HOSTNAME_LABEL
 }
 
@@ -38,7 +38,7 @@ pub fn is_own_label(key: &str) -> bool {
 /// API server does not know (it warns on every apply of the CRD): they
 /// become `int64` with `minimum: 0`, what it does know. Applied to every
 /// type of the CRDs that holds one, nested ones included.
-pub fn kube_int_formats(schema: &mut schemars::Schema) {
+pub(crate) fn kube_int_formats(schema: &mut schemars::Schema) {
     fn walk(v: &mut serde_json::Value) {
         match v {
             serde_json::Value::Object(m) => {
@@ -60,7 +60,7 @@ pub fn kube_int_formats(schema: &mut schemars::Schema) {
 /// At most this many volumes are listed in a StorageNode's status (the
 /// drifting ones first); the rest are counted in `volumesOmitted`. An
 /// object must stay far below the API server's 1.5 MiB request limit.
-pub const MAX_LISTED_VOLUMES: usize = 1000;
+pub(crate) const MAX_LISTED_VOLUMES: usize = 1000;
 
 /// A block device on a node, as volring sees it.
 #[derive(CustomResource, Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
@@ -97,7 +97,7 @@ pub struct BlockDeviceSpec {
     pub partitioned: bool,
     /// The disk a partition is on (its kernel name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parent_disk: Option<String>,
+    pub(crate) parent_disk: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
@@ -106,17 +106,17 @@ pub struct BlockDeviceSpec {
 pub struct Capacity {
     /// Bytes.
     pub storage: u64,
-    pub logical_sector_size: u32,
-    pub physical_sector_size: u32,
+    pub(crate) logical_sector_size: u32,
+    pub(crate) physical_sector_size: u32,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Details {
     /// disk, part, loop, dm, md, nbd, rom, other (lsblk's TYPE).
-    pub device_type: String,
+    pub(crate) device_type: String,
     /// HDD or SSD (from the rotational flag), Unknown for virtual devices.
-    pub drive_type: String,
+    pub(crate) drive_type: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -126,7 +126,7 @@ pub struct Details {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wwn: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub firmware_revision: Option<String>,
+    pub(crate) firmware_revision: Option<String>,
     pub removable: bool,
     pub read_only: bool,
 }
@@ -141,7 +141,7 @@ pub enum DeviceState {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, JsonSchema)]
-pub enum ClaimState {
+pub(crate) enum ClaimState {
     /// Nothing uses it.
     Unclaimed,
     /// A volume volring serves is on it.
@@ -154,11 +154,11 @@ pub enum ClaimState {
 #[serde(rename_all = "camelCase")]
 pub struct BlockDeviceStatus {
     pub state: DeviceState,
-    pub claim_state: ClaimState,
+    pub(crate) claim_state: ClaimState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem: Option<Filesystem>,
     #[serde(default)]
-    pub mount_points: Vec<String>,
+    pub(crate) mount_points: Vec<String>,
     #[serde(default)]
     pub holders: Vec<String>,
     /// The CSI volume using the device.
@@ -203,14 +203,14 @@ pub struct StorageNodeSpec {
 pub struct StorageNodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<Pool>,
-    pub volumes_total: u32,
-    pub volumes_drifting: u32,
+    pub(crate) volumes_total: u32,
+    pub(crate) volumes_drifting: u32,
     /// Volumes not listed in `volumes` (past the bound; healthy ones first).
-    pub volumes_omitted: u32,
+    pub(crate) volumes_omitted: u32,
     #[serde(default)]
     pub volumes: Vec<VolumeEntry>,
     #[serde(default)]
-    pub conditions: Vec<Condition>,
+    pub(crate) conditions: Vec<Condition>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
@@ -219,7 +219,7 @@ pub struct StorageNodeStatus {
 pub struct Pool {
     pub path: String,
     pub capacity_bytes: u64,
-    pub available_bytes: u64,
+    pub(crate) available_bytes: u64,
 }
 
 /// One volume: what was asked (access, fsType, readOnly, targets) and what
@@ -253,7 +253,7 @@ pub struct VolumeEntry {
 /// when nothing else did.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct Condition {
+pub(crate) struct Condition {
     #[serde(rename = "type")]
     pub type_: String,
     /// "True", "False" or "Unknown".
@@ -316,7 +316,7 @@ pub struct Object {
 
 impl Object {
     /// The body of a server-side apply of labels and spec.
-    pub fn main_body(&self) -> serde_json::Value {
+    pub(crate) fn main_body(&self) -> serde_json::Value {
         serde_json::json!({
             "apiVersion": format!("{GROUP}/{VERSION}"),
             "kind": self.key.kind.as_str(),
@@ -409,7 +409,7 @@ pub fn block_device_name(node: &str, stable_id: &str) -> String {
 /// (two paths to one LUN, disks of one batch with a blank serial): the
 /// kernel name tells them apart. Each keeps its own object, rather than
 /// one object flipping between them.
-pub fn duplicate_block_device_name(node: &str, stable_id: &str, kernel_name: &str) -> String {
+pub(crate) fn duplicate_block_device_name(node: &str, stable_id: &str, kernel_name: &str) -> String {
     block_device_name(node, &format!("{stable_id}\0{kernel_name}"))
 }
 

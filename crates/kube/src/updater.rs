@@ -83,7 +83,7 @@ pub struct UpdaterConfig {
     /// The in-flight limit grows by one per this much time of successes.
     pub grow_every: Duration,
     /// While the server is down, probes go at most this far apart.
-    pub probe_max: Duration,
+    pub(crate) probe_max: Duration,
     /// Watch this node's objects and repair what others change (when the
     /// sink can be watched).
     pub watch: bool,
@@ -92,7 +92,7 @@ pub struct UpdaterConfig {
     pub qps: f64,
     pub burst: u32,
     pub backoff_min: Duration,
-    pub backoff_max: Duration,
+    pub(crate) backoff_max: Duration,
     pub gone: GonePolicy,
     /// `/dev` paths of devices present whose stable id could not be read
     /// at start: their stored objects are not retired by the first diff.

@@ -3,6 +3,10 @@
 //! Pure parts (`parse`, `statmount`, `fanotify`, `diff`) work over bytes and
 //! tables; the I/O is in `source` and `watcher`.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 mod devname;
 mod diff;
 mod escape;

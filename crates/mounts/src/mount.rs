@@ -41,7 +41,7 @@ pub struct Propagation {
     pub master: Option<u64>,
     /// `propagate_from:N`: nearest dominant peer group visible here.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub propagate_from: Option<u64>,
+    pub(crate) propagate_from: Option<u64>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unbindable: bool,
 }
@@ -165,7 +165,7 @@ impl Mount {
 
     /// Options as findmnt shows them: per-mount, then the superblock's
     /// (without its leading ro/rw, which the per-mount flag already says).
-    pub fn merged_options(&self) -> String {
+    pub(crate) fn merged_options(&self) -> String {
         let mut s = String::from_utf8_lossy(self.options()).into_owned();
         let sup = self.super_options();
         let rest = sup.splitn(2, |&b| b == b',').nth(1).unwrap_or(&[]);

@@ -48,7 +48,7 @@ pub struct LineError {
     pub line: usize,
     pub fault: LineFault,
     /// At most 120 bytes of the line, lossily decoded.
-    pub excerpt: String,
+    pub(crate) excerpt: String,
 }
 
 impl LineError {
@@ -130,7 +130,7 @@ fn optional(tag: &[u8], p: &mut Propagation) -> Result<(), LineFault> {
 }
 
 /// Parses one line (without its newline).
-pub fn parse_line(line: &[u8]) -> Result<RawMount<'_>, LineFault> {
+pub(crate) fn parse_line(line: &[u8]) -> Result<RawMount<'_>, LineFault> {
     let mut f = Fields { rest: line, done: false };
     let id = number32(f.next_field("mount id")?, "mount id")?;
     let parent = number32(f.next_field("parent id")?, "parent id")?;
@@ -190,7 +190,7 @@ pub fn mounts(buf: &[u8]) -> (Vec<Mount>, Vec<LineError>) {
 }
 
 /// Upper bound on the number of lines in `buf`.
-pub fn line_count(buf: &[u8]) -> usize {
+pub(crate) fn line_count(buf: &[u8]) -> usize {
     memchr::memchr_iter(b'\n', buf).count() + 1
 }
 

@@ -17,7 +17,7 @@ use super::Error;
 use volring_sys::mount_api::mask;
 
 /// Everything the watcher asks for: all that a mountinfo line holds.
-pub const FULL_MASK: u64 = mask::SB_BASIC
+pub(crate) const FULL_MASK: u64 = mask::SB_BASIC
     | mask::MNT_BASIC
     | mask::PROPAGATE_FROM
     | mask::MNT_ROOT

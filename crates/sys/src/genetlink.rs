@@ -41,7 +41,7 @@ impl GenlSocket {
         Ok(GenlSocket { fd, seq, buf: vec![0; RECV_BUFFER] })
     }
 
-    pub fn next_seq(&mut self) -> u32 {
+    pub(crate) fn next_seq(&mut self) -> u32 {
         self.seq = self.seq.wrapping_add(1);
         self.seq
     }

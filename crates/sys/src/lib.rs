@@ -4,6 +4,10 @@
 //! block carries a `// SAFETY:` line. Everything exported here is a safe function
 //! that returns `std::io::Result`: the errno is the error type of this layer.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 pub mod fanotify;
 pub mod genetlink;
 #[cfg(feature = "libmount-peer")]

@@ -224,7 +224,7 @@ fn configure(dev: BorrowedFd<'_>, backing: BorrowedFd<'_>, opts: &LoopOptions) -
 }
 
 /// Detaches whatever backs the loop device open at `dev`.
-pub fn detach_fd(dev: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn detach_fd(dev: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: LOOP_CLR_FD takes no argument.
     if unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD, 0) } < 0 {
         return Err(io::Error::last_os_error());

@@ -13,7 +13,7 @@ const SYS_STATMOUNT: libc::c_long = 457;
 const SYS_LISTMOUNT: libc::c_long = 458;
 
 /// `LSMT_ROOT`: list from the root of the caller's mount namespace.
-pub const LSMT_ROOT: u64 = u64::MAX;
+pub(crate) const LSMT_ROOT: u64 = u64::MAX;
 
 /// `STATMOUNT_*` request bits.
 pub mod mask {

@@ -13,13 +13,13 @@
 pub struct Malformed(pub &'static str);
 
 /// `struct nlmsghdr` and `struct genlmsghdr`.
-pub const NLMSG_HDRLEN: usize = 16;
-pub const GENL_HDRLEN: usize = 4;
+pub(crate) const NLMSG_HDRLEN: usize = 16;
+pub(crate) const GENL_HDRLEN: usize = 4;
 /// Message types and flags (linux/netlink.h).
 pub const NLMSG_ERROR: u16 = 2;
 pub const NLMSG_DONE: u16 = 3;
-pub const NLM_F_REQUEST: u16 = 1;
-pub const NLM_F_ACK: u16 = 4;
+pub(crate) const NLM_F_REQUEST: u16 = 1;
+pub(crate) const NLM_F_ACK: u16 = 4;
 /// Attribute type bits (linux/netlink.h).
 const NLA_F_NESTED: u16 = 1 << 15;
 const NLA_TYPE_MASK: u16 = !(1 << 15 | 1 << 14);
@@ -27,11 +27,11 @@ const NLA_TYPE_MASK: u16 = !(1 << 15 | 1 << 14);
 /// The generic netlink controller (linux/genetlink.h).
 pub const GENL_ID_CTRL: u16 = 0x10;
 pub const CTRL_CMD_GETFAMILY: u8 = 3;
-pub const CTRL_ATTR_FAMILY_ID: u16 = 1;
-pub const CTRL_ATTR_FAMILY_NAME: u16 = 2;
-pub const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
-pub const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
-pub const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
+pub(crate) const CTRL_ATTR_FAMILY_ID: u16 = 1;
+pub(crate) const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+pub(crate) const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
+pub(crate) const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
+pub(crate) const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 
 /// The nbd family (linux/nbd-netlink.h).
 pub mod nbd {
@@ -46,21 +46,21 @@ pub mod nbd {
     pub const CMD_STATUS: u8 = 5;
 
     pub const ATTR_INDEX: u16 = 1;
-    pub const ATTR_SIZE_BYTES: u16 = 2;
-    pub const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
-    pub const ATTR_TIMEOUT: u16 = 4;
-    pub const ATTR_SERVER_FLAGS: u16 = 5;
-    pub const ATTR_CLIENT_FLAGS: u16 = 6;
-    pub const ATTR_SOCKETS: u16 = 7;
-    pub const ATTR_DEAD_CONN_TIMEOUT: u16 = 8;
-    pub const ATTR_DEVICE_LIST: u16 = 9;
-    pub const ATTR_BACKEND_IDENTIFIER: u16 = 10;
+    pub(crate) const ATTR_SIZE_BYTES: u16 = 2;
+    pub(crate) const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
+    pub(crate) const ATTR_TIMEOUT: u16 = 4;
+    pub(crate) const ATTR_SERVER_FLAGS: u16 = 5;
+    pub(crate) const ATTR_CLIENT_FLAGS: u16 = 6;
+    pub(crate) const ATTR_SOCKETS: u16 = 7;
+    pub(crate) const ATTR_DEAD_CONN_TIMEOUT: u16 = 8;
+    pub(crate) const ATTR_DEVICE_LIST: u16 = 9;
+    pub(crate) const ATTR_BACKEND_IDENTIFIER: u16 = 10;
 
-    pub const SOCK_ITEM: u16 = 1;
-    pub const SOCK_FD: u16 = 1;
-    pub const DEVICE_ITEM: u16 = 1;
-    pub const DEVICE_INDEX: u16 = 1;
-    pub const DEVICE_CONNECTED: u16 = 2;
+    pub(crate) const SOCK_ITEM: u16 = 1;
+    pub(crate) const SOCK_FD: u16 = 1;
+    pub(crate) const DEVICE_ITEM: u16 = 1;
+    pub(crate) const DEVICE_INDEX: u16 = 1;
+    pub(crate) const DEVICE_CONNECTED: u16 = 2;
 
     /// Client flags (linux/nbd.h).
     pub const CFLAG_DESTROY_ON_DISCONNECT: u64 = 1 << 0;
@@ -122,14 +122,14 @@ impl Builder {
         self.put(kind, &v)
     }
 
-    pub fn begin_nest(&mut self, kind: u16) -> &mut Self {
+    pub(crate) fn begin_nest(&mut self, kind: u16) -> &mut Self {
         self.open.push(self.buf.len());
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
         self.buf.extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
         self
     }
 
-    pub fn end_nest(&mut self) -> &mut Self {
+    pub(crate) fn end_nest(&mut self) -> &mut Self {
         let start = self.open.pop().expect("end_nest without begin_nest");
         let len = (self.buf.len() - start) as u16;
         self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
@@ -259,7 +259,7 @@ pub struct Family {
     pub groups: Vec<(String, u32)>,
 }
 
-pub fn get_family_request(name: &str, seq: u32) -> Vec<u8> {
+pub(crate) fn get_family_request(name: &str, seq: u32) -> Vec<u8> {
     let mut b = Builder::new(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, CTRL_CMD_GETFAMILY, 1);
     b.string(CTRL_ATTR_FAMILY_NAME, name);
     b.finish(seq)

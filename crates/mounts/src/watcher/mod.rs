@@ -89,12 +89,12 @@ impl Default for WatchConfig {
 pub(super) struct Counters {
     pub deliveries: AtomicU64,
     pub mount_events: AtomicU64,
-    pub fanotify_events: AtomicU64,
-    pub statmount_calls: AtomicU64,
+    pub(crate) fanotify_events: AtomicU64,
+    pub(crate) statmount_calls: AtomicU64,
     pub resyncs: AtomicU64,
     pub overflows: AtomicU64,
-    pub lagged_batches: AtomicU64,
-    pub parse_errors: AtomicU64,
+    pub(crate) lagged_batches: AtomicU64,
+    pub(crate) parse_errors: AtomicU64,
     pub errors: AtomicU64,
 }
 
@@ -106,18 +106,18 @@ pub struct WatcherStats {
     pub cpu: Duration,
     pub deliveries: u64,
     pub mount_events: u64,
-    pub fanotify_events: u64,
-    pub statmount_calls: u64,
+    pub(crate) fanotify_events: u64,
+    pub(crate) statmount_calls: u64,
     pub resyncs: u64,
     pub overflows: u64,
-    pub lagged_batches: u64,
-    pub parse_errors: u64,
+    pub(crate) lagged_batches: u64,
+    pub(crate) parse_errors: u64,
     pub errors: u64,
 }
 
 /// Commands from the async side.
 #[derive(Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Re-read the whole table now and report the differences.
     Resync,
 }
