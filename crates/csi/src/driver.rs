@@ -258,18 +258,18 @@ impl Driver {
     }
 
     /// The volumes this node exports over NFS now, each with its PVC.
-    pub fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
+    pub(crate) fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
         self.shares.exported()
     }
 
     /// Sets how NodeStage of a shared volume another node holds finds the
     /// endpoint published on its PVC (in a cluster).
-    pub fn set_endpoint_lookup(&self, f: EndpointLookup) {
+    pub(crate) fn set_endpoint_lookup(&self, f: EndpointLookup) {
         self.nfs.set_endpoint_lookup(f)
     }
 
     /// The node's share side (its server's pid and records).
-    pub fn shares(&self) -> &volring_share::ShareSide {
+    pub(crate) fn shares(&self) -> &volring_share::ShareSide {
         self.shares.side()
     }
 }

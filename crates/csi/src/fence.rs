@@ -142,7 +142,7 @@ impl Fence {
     /// Before a volume stops being served (a delete): waits, bounded, for
     /// a remote holder's connections that are ending, so a DISC on its way
     /// releases the holder instead of being cut off by the withdrawal.
-    pub fn settle(&self, id: &str) {
+    pub(crate) fn settle(&self, id: &str) {
         drop(self.settled(id));
     }
 
@@ -201,7 +201,7 @@ impl Fence {
     }
 
     /// The volume is deleted: whatever held it is moot.
-    pub fn forget(&self, id: &str) -> Result<()> {
+    pub(crate) fn forget(&self, id: &str) -> Result<()> {
         let mut s = self.lock();
         if s.holders.remove(id).is_some() {
             self.remove(id)?;

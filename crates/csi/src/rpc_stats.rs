@@ -87,7 +87,7 @@ impl Default for RpcStats {
 impl RpcStats {
     /// Counts one finished call. An RPC name outside [`RPCS`] is not
     /// counted (the service table and the list are kept together by a test).
-    pub fn record(&self, rpc: &str, code: tonic::Code, micros: u64) {
+    pub(crate) fn record(&self, rpc: &str, code: tonic::Code, micros: u64) {
         let Some(c) = RPCS.iter().position(|r| *r == rpc).map(|i| &self.per_rpc[i]) else {
             return;
         };

@@ -88,14 +88,14 @@ pub fn absolute(p: &str, what: &str) -> Result<PathBuf> {
 
 /// How a validated capability asks for the volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AccessType {
+pub(crate) enum AccessType {
     Block,
     Mount { fs: FsKind, flags: Vec<String>, options: MountOptions },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Access {
-    pub access: AccessType,
+    pub(crate) access: AccessType,
     pub mode: Mode,
 }
 

@@ -18,7 +18,7 @@ use volring_devices::{Device, DeviceKind, Use};
 
 /// The API group of every volring object.
 pub(crate) const GROUP: &str = "volring.io";
-pub const VERSION: &str = "v1alpha1";
+pub(crate) const VERSION: &str = "v1alpha1";
 /// Label: the node an object describes.
 pub const NODE_LABEL: &str = "volring.io/node";
 /// Label: the object's kind in lower case (so one selector finds a kind).
@@ -85,16 +85,16 @@ pub(crate) const MAX_LISTED_VOLUMES: usize = 1000;
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = kube_int_formats)]
 pub struct BlockDeviceSpec {
-    pub node_name: String,
+    pub(crate) node_name: String,
     /// `/dev/<name>` now; may change across reboots (the name does not).
     pub path: String,
     /// The identity that survives reboots and renames (see `devices::stable_id`).
-    pub stable_id: String,
+    pub(crate) stable_id: String,
     pub capacity: Capacity,
-    pub details: Details,
+    pub(crate) details: Details,
     #[serde(default)]
-    pub devlinks: Vec<String>,
-    pub partitioned: bool,
+    pub(crate) devlinks: Vec<String>,
+    pub(crate) partitioned: bool,
     /// The disk a partition is on (its kernel name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) parent_disk: Option<String>,
@@ -105,29 +105,29 @@ pub struct BlockDeviceSpec {
 #[schemars(transform = kube_int_formats)]
 pub struct Capacity {
     /// Bytes.
-    pub storage: u64,
+    pub(crate) storage: u64,
     pub(crate) logical_sector_size: u32,
     pub(crate) physical_sector_size: u32,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct Details {
+pub(crate) struct Details {
     /// disk, part, loop, dm, md, nbd, rom, other (lsblk's TYPE).
     pub(crate) device_type: String,
     /// HDD or SSD (from the rotational flag), Unknown for virtual devices.
     pub(crate) drive_type: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
+    pub(crate) model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
+    pub(crate) serial: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vendor: Option<String>,
+    pub(crate) vendor: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wwn: Option<String>,
+    pub(crate) wwn: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) firmware_revision: Option<String>,
-    pub removable: bool,
+    pub(crate) removable: bool,
     pub read_only: bool,
 }
 
@@ -160,7 +160,7 @@ pub struct BlockDeviceStatus {
     #[serde(default)]
     pub(crate) mount_points: Vec<String>,
     #[serde(default)]
-    pub holders: Vec<String>,
+    pub(crate) holders: Vec<String>,
     /// The CSI volume using the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<String>,
@@ -194,7 +194,7 @@ pub struct Filesystem {
 )]
 #[serde(rename_all = "camelCase")]
 pub struct StorageNodeSpec {
-    pub node_name: String,
+    pub(crate) node_name: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default, JsonSchema)]
@@ -208,7 +208,7 @@ pub struct StorageNodeStatus {
     /// Volumes not listed in `volumes` (past the bound; healthy ones first).
     pub(crate) volumes_omitted: u32,
     #[serde(default)]
-    pub volumes: Vec<VolumeEntry>,
+    pub(crate) volumes: Vec<VolumeEntry>,
     #[serde(default)]
     pub(crate) conditions: Vec<Condition>,
 }
@@ -218,7 +218,7 @@ pub struct StorageNodeStatus {
 #[schemars(transform = kube_int_formats)]
 pub struct Pool {
     pub path: String,
-    pub capacity_bytes: u64,
+    pub(crate) capacity_bytes: u64,
     pub(crate) available_bytes: u64,
 }
 
@@ -229,7 +229,7 @@ pub struct Pool {
 pub struct VolumeEntry {
     pub id: String,
     /// mount or block.
-    pub access: String,
+    pub(crate) access: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fs_type: Option<String>,
     pub read_only: bool,
@@ -237,14 +237,14 @@ pub struct VolumeEntry {
     pub phase: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
-    pub staging_path: String,
+    pub(crate) staging_path: String,
     #[serde(default)]
-    pub targets: Vec<String>,
+    pub(crate) targets: Vec<String>,
     /// Healthy, Drifting or Unknown.
-    pub health: String,
+    pub(crate) health: String,
     /// Drift kinds (see the reconciler).
     #[serde(default)]
-    pub drift: Vec<String>,
+    pub(crate) drift: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -255,10 +255,10 @@ pub struct VolumeEntry {
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Condition {
     #[serde(rename = "type")]
-    pub type_: String,
+    pub(crate) type_: String,
     /// "True", "False" or "Unknown".
     pub status: String,
-    pub reason: String,
+    pub(crate) reason: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
 }
@@ -373,7 +373,7 @@ impl Object {
     /// True for a BlockDevice stored under the name earlier versions gave
     /// it (see [`legacy_block_device_name`]): another node may hold the
     /// same name, so it is removed rather than kept as Inactive.
-    pub fn superseded(&self) -> bool {
+    pub(crate) fn superseded(&self) -> bool {
         self.key.kind == Kind::BlockDevice
             && self.spec.get("stableId").and_then(|i| i.as_str()).is_some_and(|id| legacy_block_device_name(id) == self.key.name)
     }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::stats::Stats;
 
 /// The record's file name in the state directory.
-pub const FILE: &str = "publish-queued.json";
+pub(crate) const FILE: &str = "publish-queued.json";
 
 /// How often the agent looks at its count (written only when it changed).
 const EVERY: Duration = Duration::from_millis(250);
@@ -43,7 +43,7 @@ pub struct Queued {
     pub queued: u64,
     pub target: Target,
     /// The agent that counts them.
-    pub pid: u32,
+    pub(crate) pid: u32,
 }
 
 fn path(state_dir: &Path) -> PathBuf {

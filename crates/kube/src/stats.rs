@@ -22,7 +22,7 @@ pub struct Stats {
     pub conflicts: AtomicU64,
     pub unavailable: AtomicU64,
     pub refused: AtomicU64,
-    pub flushes: AtomicU64,
+    pub(crate) flushes: AtomicU64,
     /// Objects still pending when a shutdown's deadline passed.
     pub abandoned: AtomicU64,
     /// Objects waiting to be written or being written now (a gauge; set
@@ -50,7 +50,7 @@ pub struct StatsSnapshot {
     pub conflicts: u64,
     pub unavailable: u64,
     pub refused: u64,
-    pub flushes: u64,
+    pub(crate) flushes: u64,
     pub abandoned: u64,
     pub queued: u64,
     pub probes: u64,

@@ -86,7 +86,7 @@ pub struct UpdaterConfig {
     pub(crate) probe_max: Duration,
     /// Watch this node's objects and repair what others change (when the
     /// sink can be watched).
-    pub watch: bool,
+    pub(crate) watch: bool,
     /// The watch's full LIST, however it goes.
     pub resync: Duration,
     pub qps: f64,

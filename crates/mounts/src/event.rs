@@ -102,11 +102,11 @@ pub struct MountEvent {
 }
 
 impl MountEvent {
-    pub fn attached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
+    pub(crate) fn attached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
         Self { kind: EventKind::Attached, id, mount, previous: None, changes: Changes::empty(), devices: Vec::new() }
     }
 
-    pub fn detached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
+    pub(crate) fn detached(id: MountId, mount: Option<Arc<Mount>>) -> Self {
         Self { kind: EventKind::Detached, id, mount, previous: None, changes: Changes::empty(), devices: Vec::new() }
     }
 

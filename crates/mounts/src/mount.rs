@@ -43,7 +43,7 @@ pub struct Propagation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) propagate_from: Option<u64>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub unbindable: bool,
+    pub(crate) unbindable: bool,
 }
 
 impl Propagation {

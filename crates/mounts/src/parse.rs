@@ -46,7 +46,7 @@ pub enum LineFault {
 #[error("mountinfo line {line}: {fault}: {excerpt:?}")]
 pub struct LineError {
     pub line: usize,
-    pub fault: LineFault,
+    pub(crate) fault: LineFault,
     /// At most 120 bytes of the line, lossily decoded.
     pub(crate) excerpt: String,
 }

@@ -22,7 +22,7 @@ impl Statmounter {
     }
 
     /// True when this kernel has `listmount` and `statmount` (6.8+).
-    pub fn supported() -> bool {
+    pub(crate) fn supported() -> bool {
         mount_api::listmount_available()
     }
 

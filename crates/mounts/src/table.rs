@@ -99,7 +99,7 @@ impl MountTable {
         Self::default()
     }
 
-    pub fn with_capacity(n: usize) -> Self {
+    pub(crate) fn with_capacity(n: usize) -> Self {
         Self {
             by_id: HashMap::with_capacity(n),
             by_point: HashMap::with_capacity(n),

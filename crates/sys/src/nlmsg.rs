@@ -36,7 +36,7 @@ pub(crate) const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 /// The nbd family (linux/nbd-netlink.h).
 pub mod nbd {
     pub const FAMILY: &str = "nbd";
-    pub const VERSION: u8 = 1;
+    pub(crate) const VERSION: u8 = 1;
     pub const MCAST_GROUP: &str = "nbd_mc_group";
 
     pub const CMD_CONNECT: u8 = 1;

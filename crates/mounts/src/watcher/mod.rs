@@ -87,7 +87,7 @@ impl Default for WatchConfig {
 /// Counters of one watcher, shared with metrics.
 #[derive(Debug, Default)]
 pub(super) struct Counters {
-    pub deliveries: AtomicU64,
+    pub(crate) deliveries: AtomicU64,
     pub mount_events: AtomicU64,
     pub(crate) fanotify_events: AtomicU64,
     pub(crate) statmount_calls: AtomicU64,
@@ -104,7 +104,7 @@ pub struct WatcherStats {
     pub mode: WatchMode,
     pub backend: ring::Backend,
     pub cpu: Duration,
-    pub deliveries: u64,
+    pub(crate) deliveries: u64,
     pub mount_events: u64,
     pub(crate) fanotify_events: u64,
     pub(crate) statmount_calls: u64,
