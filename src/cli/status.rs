@@ -45,6 +45,20 @@ fn health_lines(h: &VolumeHealth) -> Vec<String> {
     lines
 }
 
+/// The state directory's report, read beside a running agent or without.
+pub(crate) fn read_report(
+    pool: &std::path::Path,
+    state_dir: &std::path::Path,
+    kubelet_root: &std::path::Path,
+) -> anyhow::Result<volring_volumes::status::StatusReport> {
+    // Holding the agent's lock while reading means no agent runs, so a store
+    // a crash left unrepaired may be repaired; beside a running agent the
+    // store is only read.
+    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
+    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+    Ok(volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?)
+}
+
 pub(crate) fn print_status(
     pool: &std::path::Path,
     state_dir: &std::path::Path,
@@ -52,13 +66,7 @@ pub(crate) fn print_status(
     json: bool,
 ) -> anyhow::Result<()> {
     use std::io::Write;
-    // Holding the agent's lock while reading means no agent runs, so a store
-    // a crash left unrepaired may be repaired; beside a running agent the
-    // store is only read.
-    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
-    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
-    let r = volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?;
-    drop(lock);
+    let r = read_report(pool, state_dir, kubelet_root)?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
