@@ -17,7 +17,7 @@ fn cells(prog: &str, device: &str, bytes: bool) -> Result<Vec<String>, Failed> {
     let mut c = Command::new(prog);
     if prog == "volring" {
         c = Command::new(env!("CARGO_BIN_EXE_volring"));
-        c.args(["devices", "--no-probe"]);
+        c.arg("devices");
     }
     c.args(["-n", "-o", COLUMNS]);
     if bytes {
@@ -25,7 +25,9 @@ fn cells(prog: &str, device: &str, bytes: bool) -> Result<Vec<String>, Failed> {
     }
     let out = c.arg(device).output()?;
     check(out.status.success(), format!("{prog}: {}", String::from_utf8_lossy(&out.stderr)))?;
-    Ok(String::from_utf8(out.stdout)?.split_whitespace().map(str::to_string).collect())
+    // The table only: not the `# ...` notes after it.
+    let text = String::from_utf8(out.stdout)?;
+    Ok(text.lines().filter(|l| !l.starts_with('#')).flat_map(str::split_whitespace).map(str::to_string).collect())
 }
 
 fn fs_columns_like_lsblk() -> Result<(), Failed> {
