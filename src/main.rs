@@ -35,6 +35,12 @@ struct Cli {
 /// `env!` in one arm did not compile outside a checkout.
 const VERSION: &str = env!("VOLRING_VERSION");
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StatsBy {
+    Device,
+    Volume,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum LogFormat {
     Text,
@@ -206,9 +212,23 @@ enum Command {
         #[command(flatten)]
         scan: ScanArgs,
     },
+    /// The node's volumes (or devices) sorted by the busiest, refreshed
+    /// each interval, like iotop: IOPS, throughput, await, util, PVC and
+    /// pod. Reads the running agent's /metrics, or with no agent the
+    /// kernel (the store's staged volumes and their devices' counters).
+    /// Keys: q quit, v/d/Tab volumes/devices, s sort, r reverse, / filter.
+    Top(cli::top::TopArgs),
+    /// Each staged volume's filesystem size, used, available and use%, like
+    /// `df -h`, with its PVC and namespace when the agent knows them.
+    Df(cli::df::DfArgs),
     /// A live `iostat -x -t` view, refreshed each interval: every device
-    /// with I/O, or the devices named.
+    /// with I/O, or the devices named; `--by volume`: every staged volume.
     Stats {
+        /// `device` (iostat's rows) or `volume` (a row per staged volume).
+        #[arg(long, value_enum, default_value = "device")]
+        by: StatsBy,
+        #[command(flatten)]
+        volume_source: cli::volumes::SourceArgs,
         /// Devices to show, idle or not (`vda`, `/dev/vda`, `/dev/mapper/NAME`); default: all with I/O.
         #[arg(value_name = "DEVICE")]
         devices: Vec<String>,
@@ -465,7 +485,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             &devices,
             report::TableStyle { headings: !noheadings, bytes },
         ),
-        Command::Stats { devices, interval, count, method, all, json, scan } => {
+        Command::Top(args) => cli::top::top(&args),
+        Command::Df(args) => cli::df::df(&args),
+        Command::Stats { by: StatsBy::Volume, volume_source, interval, count, all, json, .. } => {
+            cli::top::stats_by_volume(&volume_source, interval, count, all, json)
+        }
+        Command::Stats { devices, interval, count, method, all, json, scan, .. } => {
             let cfg =
                 CollectorConfig { interval: std::time::Duration::from_secs_f64(interval.max(0.01)), method, ..CollectorConfig::default() };
             runtime()?.block_on(watch_stats(cfg, count, all, json, ScanConfig { probe: false, ..scan.config() }, &devices))

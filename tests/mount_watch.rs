@@ -454,11 +454,31 @@ fn fanotify_overflow(backend: BackendChoice) -> Result<(), Failed> {
     }
     check(overflowed, "an overflow resync was delivered")?;
     check(w.watcher().stats().overflows >= 1, "overflow counted")?;
+    check(w.watcher().stats().resyncs_by.overflow >= 1, "the resync counted under reason overflow")?;
     converges_to_kernel(&mut w, WatchMode::Fanotify)?;
     for sub in subs.iter().rev() {
         umount(sub);
     }
     umount(&tree);
+    Ok(())
+}
+
+/// An idle watcher's periodic resyncs are counted as periodic, never as
+/// overflows: `VolringMountResyncStorm` counts only overflows, and before
+/// the split every periodic resync (each 30 s) counted toward it.
+fn periodic_resyncs_are_not_overflows(backend: BackendChoice) -> Result<(), Failed> {
+    let s = Scratch::new();
+    let config =
+        WatchConfig { mode: WatchMode::Fanotify, backend, resync_interval: Some(Duration::from_millis(20)), ..WatchConfig::default() };
+    let w = Watch::with(config, &s);
+    let deadline = Instant::now() + patience();
+    while w.watcher().stats().resyncs_by.periodic < 3 {
+        check(Instant::now() < deadline, "three periodic resyncs ran")?;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stats = w.watcher().stats();
+    check(stats.resyncs_by.overflow == 0, format!("no overflow counted on an idle watcher: {:?}", stats.resyncs_by))?;
+    check(stats.resyncs == stats.resyncs_by.total(), "the total is the sum of the reasons")?;
     Ok(())
 }
 
@@ -1172,6 +1192,12 @@ fn main() {
         trials.push(
             Trial::test(format!("fanotify::{backend_name}::overflow_resync"), move || fanotify_overflow(backend))
                 .with_ignored_flag(no_fanotify),
+        );
+        trials.push(
+            Trial::test(format!("fanotify::{backend_name}::periodic_resyncs_are_not_overflows"), move || {
+                periodic_resyncs_are_not_overflows(backend)
+            })
+            .with_ignored_flag(no_fanotify),
         );
         trials.push(
             Trial::test(format!("fanotify::{backend_name}::short_lived_mounts_racing_resyncs"), move || {

@@ -4,11 +4,15 @@
 
 pub mod args;
 pub mod devices;
+pub mod df;
 pub mod holders;
 pub mod mounts;
 pub mod nbd;
 pub mod serve;
 pub mod status;
+pub mod top;
+mod top_ui;
+pub mod volumes;
 
 use anyhow::Context;
 

@@ -1,5 +1,64 @@
 //! `volring status`: what the node's state directory holds.
 
+use volring_volumes::state::actual::VolumeHealth;
+use volring_volumes::state::history::RepairResult;
+use volring_volumes::store::utc_text;
+
+/// How many of the kept repairs the text shows (`--json` has all).
+const REPAIRS_SHOWN: usize = 10;
+
+/// The HEALTH column: `ok`, the drift kinds, or `repair_failed`.
+fn verdict(h: &VolumeHealth) -> String {
+    let mut kinds: Vec<&str> = h.drift.iter().map(|d| d.kind()).collect();
+    kinds.dedup();
+    if h.repair_error.is_some() {
+        kinds.push("repair_failed");
+    }
+    if kinds.is_empty() {
+        "ok".into()
+    } else {
+        kinds.join(",")
+    }
+}
+
+/// Under a volume: each drift in words, the last repair, a failed one's
+/// error — everything `--json`'s `health` holds.
+fn health_lines(h: &VolumeHealth) -> Vec<String> {
+    let mut lines = Vec::new();
+    for d in &h.drift {
+        let path = match d {
+            volring_volumes::state::actual::Drift::TargetMissing { path }
+            | volring_volumes::state::actual::Drift::TargetForeign { path } => {
+                format!(" ({})", path.display())
+            }
+            _ => String::new(),
+        };
+        let one = VolumeHealth { drift: vec![d.clone()], ..VolumeHealth::default() };
+        lines.push(format!("drift {}{path}: {}", d.kind(), one.problem().unwrap_or_default()));
+    }
+    if let Some(e) = &h.repair_error {
+        lines.push(format!("repair failed: {e}"));
+    }
+    if let Some(r) = &h.last_repair {
+        lines.push(format!("last repair {}: {}", utc_text(r.at_unix), r.describe()));
+    }
+    lines
+}
+
+/// The state directory's report, read beside a running agent or without.
+pub(crate) fn read_report(
+    pool: &std::path::Path,
+    state_dir: &std::path::Path,
+    kubelet_root: &std::path::Path,
+) -> anyhow::Result<volring_volumes::status::StatusReport> {
+    // Holding the agent's lock while reading means no agent runs, so a store
+    // a crash left unrepaired may be repaired; beside a running agent the
+    // store is only read.
+    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
+    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+    Ok(volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?)
+}
+
 pub(crate) fn print_status(
     pool: &std::path::Path,
     state_dir: &std::path::Path,
@@ -7,13 +66,7 @@ pub(crate) fn print_status(
     json: bool,
 ) -> anyhow::Result<()> {
     use std::io::Write;
-    // Holding the agent's lock while reading means no agent runs, so a store
-    // a crash left unrepaired may be repaired; beside a running agent the
-    // store is only read.
-    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
-    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
-    let r = volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?;
-    drop(lock);
+    let r = read_report(pool, state_dir, kubelet_root)?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
@@ -47,8 +100,15 @@ pub(crate) fn print_status(
         writeln!(out, "{:<40} {:>14} {:>14} {:<5}", v.id, v.size_bytes, alloc, v.fs_type.as_deref().unwrap_or("-"))?;
     }
     writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.store.display())?;
-    writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO")?;
+    writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} {:<16} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO", "HEALTH")?;
     for s in &r.staged {
+        let mut health = s.health.as_ref().and_then(|h| serde_json::from_value::<VolumeHealth>(h.clone()).ok());
+        // A verdict that saw a stage mid-way is older than a record that
+        // says the stage finished (the reconciler writes a new one when it
+        // hears of the mount).
+        if let Some(h) = health.as_mut().filter(|_| s.phase == volring_volumes::StagePhase::Staged) {
+            h.drift.retain(|d| !matches!(d, volring_volumes::state::actual::Drift::Interrupted { .. }));
+        }
         let dev = match (&s.device, s.attached) {
             (Some(d), true) => d.display().to_string(),
             (Some(d), false) => format!("{} (gone)", d.display()),
@@ -56,15 +116,45 @@ pub(crate) fn print_status(
         };
         let phase = format!("{:?}{}", s.phase, if s.from_kernel { "*" } else { "" }).to_lowercase();
         let ro = if s.read_only { "ro" } else { "rw" };
-        writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} {}", s.volume_id, phase, s.access, dev, ro, s.staging_path.display())?;
+        let verdict = health.as_ref().map_or("-".to_string(), verdict);
+        writeln!(
+            out,
+            "{:<40} {:<11} {:<6} {:<14} {:<3} {:<16} {}",
+            s.volume_id,
+            phase,
+            s.access,
+            dev,
+            ro,
+            verdict,
+            s.staging_path.display()
+        )?;
         for (t, ro) in &s.targets {
-            writeln!(out, "{:>80} {}{}", "->", t.display(), if *ro { " (ro)" } else { "" })?;
+            writeln!(out, "{:>97} {}{}", "->", t.display(), if *ro { " (ro)" } else { "" })?;
+        }
+        if let Some(h) = &health {
+            for line in health_lines(h) {
+                writeln!(out, "    {line}")?;
+            }
         }
     }
     if !r.quarantined.is_empty() {
         writeln!(out, "\nQUARANTINED ({})", r.quarantined.len())?;
         for q in &r.quarantined {
-            writeln!(out, "{}", serde_json::to_string(q)?)?;
+            writeln!(out, "{}  moved to {}: {}", q.volume_id().unwrap_or(&q.name), q.path.display(), q.reason)?;
+        }
+    }
+    if !r.repairs.is_empty() {
+        let shown = r.repairs.len().min(REPAIRS_SHOWN);
+        writeln!(out, "\nREPAIRS (last {shown} of {} kept)", r.repairs.len())?;
+        writeln!(out, "{:<20} {:<40} {:<14} {:<32} RESULT", "TIME", "VOLUME", "ACTION", "DRIFT")?;
+        for e in &r.repairs[r.repairs.len() - shown..] {
+            let result = match &e.result {
+                RepairResult::Repaired => "repaired".to_string(),
+                RepairResult::Failed { error } if e.attempts > 1 => format!("failed ({} times): {error}", e.attempts),
+                RepairResult::Failed { error } => format!("failed: {error}"),
+            };
+            let action = serde_json::to_value(e.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+            writeln!(out, "{:<20} {:<40} {:<14} {:<32} {result}", utc_text(e.at_unix), e.volume, action, e.kinds())?;
         }
     }
     if !r.problems.is_empty() {

@@ -211,8 +211,10 @@ pub fn describe(cfg: &ScanConfig, name: &str) -> Result<Option<Device>, Error> {
 /// Links, udev entry and signature probe for freshly read devices.
 fn enrich(cfg: &ScanConfig, devices: &mut [Device]) {
     let links = sysfs::disk_links(&cfg.dev);
+    // Without udev (many containers) there is no entry to look for.
+    let udev_runs = cfg.run.join("udev/data").is_dir();
     for d in devices.iter_mut() {
-        let (udev, udev_links) = sysfs::udev_entry(&cfg.run, d.dev);
+        let (udev, udev_links) = if udev_runs { sysfs::udev_entry(&cfg.run, d.dev) } else { Default::default() };
         d.udev = udev;
         let mut all: BTreeSet<PathBuf> = udev_links.into_iter().collect();
         all.extend(links.get(&d.name).into_iter().flatten().cloned());

@@ -54,10 +54,14 @@ pub enum Column {
     PhySec,
     Pkname,
     Id,
+    Fssize,
+    Fsused,
+    Fsavail,
+    Fsuse,
 }
 
 /// Every column: its lsblk name and what it shows (for `--help`).
-pub const COLUMNS: [(Column, &str, &str); 26] = [
+pub const COLUMNS: [(Column, &str, &str); 30] = [
     (Column::Name, "NAME", "device name, partitions drawn under their disk"),
     (Column::Kname, "KNAME", "kernel name"),
     (Column::Path, "PATH", "path of the device node"),
@@ -84,6 +88,10 @@ pub const COLUMNS: [(Column, &str, &str); 26] = [
     (Column::PhySec, "PHY-SEC", "physical sector size"),
     (Column::Pkname, "PKNAME", "parent (disk) kernel name"),
     (Column::Id, "ID", "volring's stable id (? when it is unknown)"),
+    (Column::Fssize, "FSSIZE", "filesystem size, of the first mount point"),
+    (Column::Fsused, "FSUSED", "filesystem size used"),
+    (Column::Fsavail, "FSAVAIL", "filesystem size available (to unprivileged users, as df's Avail)"),
+    (Column::Fsuse, "FSUSE%", "filesystem use percentage"),
 ];
 
 /// What `volring devices` shows without `-o`: lsblk's default columns
@@ -248,6 +256,25 @@ fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<
         Column::Pkname => d.partition.as_ref().map(|(_, p)| p.clone()).unwrap_or_default(),
         Column::Id if d.id.is_empty() => "?".into(),
         Column::Id => d.id.clone(),
+        Column::Fssize | Column::Fsused | Column::Fsavail | Column::Fsuse => fs_space(col, d, bytes),
+    }
+}
+
+/// The FS* columns, as lsblk computes them: statvfs(2) of the device's
+/// first mount point; empty when it is not mounted (or swap).
+fn fs_space(col: Column, d: &super::Device, bytes: bool) -> String {
+    let Some(s) = d.mountpoints.first().and_then(|m| rustix::fs::statvfs(m).ok()) else { return String::new() };
+    let unit = s.f_frsize;
+    let size = s.f_blocks.saturating_mul(unit);
+    let free = s.f_bfree.saturating_mul(unit);
+    let shown = |b: u64| if bytes { b.to_string() } else { human_size(b) };
+    match col {
+        Column::Fssize => shown(size),
+        Column::Fsused => shown(size - free.min(size)),
+        Column::Fsavail => shown(s.f_bavail.saturating_mul(unit)),
+        // lsblk: (size - free) / size, rounded to a whole per cent.
+        _ if size == 0 => "0%".into(),
+        _ => format!("{:.0}%", (size - free.min(size)) as f64 / size as f64 * 100.0),
     }
 }
 

@@ -28,7 +28,7 @@ pub use mount::{DevNum, Mount, MountId, Propagation};
 pub use parse::{LineError, LineFault, RawMount};
 pub use source::{load, read_mountinfo, Statmounter};
 pub use table::MountTable;
-pub use watcher::{MountWatcher, WatchConfig, WatchMode, WatcherStats};
+pub use watcher::{MountWatcher, ResyncCause, ResyncCounts, WatchConfig, WatchMode, WatcherStats};
 
 /// Errors of the mount-table engine.
 #[derive(Debug, thiserror::Error)]

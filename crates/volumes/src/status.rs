@@ -37,6 +37,9 @@ pub struct StatusReport {
     pub recoveries: Vec<crate::store::Recovery>,
     /// Damaged stores set aside in the state directory (kept).
     pub set_aside: Vec<PathBuf>,
+    /// The reconciler's last repairs, oldest first
+    /// ([`crate::state::history`]).
+    pub repairs: Vec<crate::state::history::RepairEvent>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -99,6 +102,7 @@ pub fn report(pool_dir: &Path, state_dir: &Path, kubelet_root: Option<&Path>, no
         store_error: None,
         recoveries: Vec::new(),
         set_aside: crate::store::set_aside_in(state_dir),
+        repairs: Vec::new(),
     };
     if pool_dir.is_dir() {
         out.quarantined.extend(persist::quarantined(pool_dir).map_err(Error::io("list quarantined records", pool_dir))?);
@@ -217,6 +221,7 @@ fn read_store(path: &Path, no_agent: bool, out: &mut StatusReport) -> Result<(),
     }
     out.quarantined.extend(contents.quarantined.iter().map(|q| staged::as_quarantined(path, q)));
     out.recoveries = contents.recovered;
+    out.repairs = crate::state::history::decode(&contents.repairs);
     Ok(())
 }
 

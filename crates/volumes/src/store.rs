@@ -36,6 +36,10 @@ const PUBLISHED: TableDefinition<&str, &[u8]> = TableDefinition::new("published"
 /// What was rebuilt after the store was lost or damaged: when (UTC,
 /// `YYYYmmddTHHMMSSZ`) → [`Recovery`] (JSON), for `volring status`.
 const RECOVERED: TableDefinition<&str, &[u8]> = TableDefinition::new("recovered");
+/// The reconciler's last repairs, a bounded ring
+/// ([`crate::state::history`]): sequence number (20 digits, so the keys
+/// sort in order) → the repair (JSON), for `volring status`.
+const REPAIRS: TableDefinition<&str, &[u8]> = TableDefinition::new("repairs");
 
 /// The store's file name inside the state directory.
 pub const FILE: &str = "state.redb";
@@ -96,6 +100,18 @@ pub struct Recovery {
 /// The UTC time now as `YYYYmmddTHHMMSSZ`.
 pub fn timestamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (y, m, d, rem) = civil(secs);
+    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// `secs` since the epoch as UTC `YYYY-mm-dd HH:MM:SSZ`, for people.
+pub fn utc_text(secs: u64) -> String {
+    let (y, m, d, rem) = civil(secs);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Year, month, day and seconds into the day of `secs` since the epoch.
+fn civil(secs: u64) -> (i64, i64, i64, u64) {
     let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
     // Howard Hinnant's days-to-civil.
     let z = days + 719_468;
@@ -107,7 +123,7 @@ pub fn timestamp() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    (y, m, d, rem)
 }
 
 /// The prefix of a damaged store's name once set aside.
@@ -160,6 +176,8 @@ pub struct Contents {
     pub health: Vec<(String, Vec<u8>)>,
     pub published: Vec<(String, Vec<u8>)>,
     pub recovered: Vec<Recovery>,
+    /// The reconciler's repair ring, oldest first (raw JSON).
+    pub repairs: Vec<(String, Vec<u8>)>,
 }
 
 /// One change to the store; a batch of them is one transaction.
@@ -173,6 +191,8 @@ pub enum Change<'a> {
     Imported(&'a str, u64),
     PutPublished(&'a str, &'a [u8]),
     RemovePublished(&'a str),
+    PutRepair(&'a str, &'a [u8]),
+    RemoveRepair(&'a str),
     PutRecovery(&'a Recovery),
 }
 
@@ -206,6 +226,7 @@ impl Store {
             tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
             tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
             tx.open_table(RECOVERED).map_err(|e| err(e.to_string()))?;
+            tx.open_table(REPAIRS).map_err(|e| err(e.to_string()))?;
         }
         tx.commit().map_err(|e| err(e.to_string()))?;
         let commits = Histogram::new_with_bounds(1, 60_000_000, 2).expect("static histogram bounds");
@@ -228,6 +249,7 @@ impl Store {
             let mut imported = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
             let mut published = tx.open_table(PUBLISHED).map_err(|e| err(e.to_string()))?;
             let mut recovered = tx.open_table(RECOVERED).map_err(|e| err(e.to_string()))?;
+            let mut repairs = tx.open_table(REPAIRS).map_err(|e| err(e.to_string()))?;
             for c in changes {
                 let r = match *c {
                     Change::PutVolume(id, bytes) => volumes.insert(id, bytes).map(drop),
@@ -241,6 +263,8 @@ impl Store {
                     Change::Imported(name, hash) => imported.insert(name, hash).map(drop),
                     Change::PutPublished(key, bytes) => published.insert(key, bytes).map(drop),
                     Change::RemovePublished(key) => published.remove(key).map(drop),
+                    Change::PutRepair(key, bytes) => repairs.insert(key, bytes).map(drop),
+                    Change::RemoveRepair(key) => repairs.remove(key).map(drop),
                     Change::PutRecovery(r) => {
                         let bytes = serde_json::to_vec(r).expect("a recovery serialises");
                         recovered.insert(r.at.as_str(), bytes.as_slice()).map(drop)
@@ -379,6 +403,7 @@ fn read_all(db: &impl ReadableDatabase, path: &Path) -> Result<Contents, Error> 
     out.volumes = pairs(VOLUMES)?;
     out.health = pairs(HEALTH)?;
     out.published = pairs(PUBLISHED)?;
+    out.repairs = pairs(REPAIRS)?;
     out.recovered = pairs(RECOVERED)?.iter().filter_map(|(_, b)| serde_json::from_slice(b).ok()).collect();
     for (id, bytes) in pairs(QUARANTINE)? {
         let q = serde_json::from_slice(&bytes).unwrap_or_else(|e| QuarantinedRecord {

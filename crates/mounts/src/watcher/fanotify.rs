@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::emitter::Emitter;
 use super::remount::{RemountDetector, Verdict};
-use super::{Command, WatchConfig};
+use super::{Command, ResyncCause, WatchConfig};
 use crate::diff::diff;
 use crate::event::{Changes, EventKind, MountEvent, ResyncReason};
 use crate::fanotify::{events, FanEvent};
@@ -295,7 +295,7 @@ impl FanotifyDriver {
             Verdict::Nothing => {}
             Verdict::Check => self.check_due = true,
             Verdict::Recheck => self.recheck_due = true,
-            Verdict::Resync => self.resync(None, ring),
+            Verdict::Resync => self.resync(ResyncCause::Unpaired, ring),
         }
     }
 
@@ -425,8 +425,11 @@ impl FanotifyDriver {
     }
 
     /// Re-reads the whole table and reports the difference.
-    fn resync(&mut self, reason: Option<ResyncReason>, ring: &mut Reactor) {
-        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
+    fn resync(&mut self, cause: ResyncCause, ring: &mut Reactor) {
+        self.emitter.counters().resynced(cause);
+        // Only an overflow is delivered as one `resync` event: events were
+        // lost, so the consumer must take the batch as the whole truth.
+        let reason = (cause == ResyncCause::Overflow).then_some(ResyncReason::Overflow);
         self.resynced = true;
         let new = match self.kernel.snapshot() {
             Ok(t) => t,
@@ -453,7 +456,7 @@ impl FanotifyDriver {
             self.emitter.counters().overflows.fetch_add(1, Ordering::Relaxed);
             self.batch.clear();
             self.batch_index.clear();
-            self.resync(Some(ResyncReason::Overflow), ring);
+            self.resync(ResyncCause::Overflow, ring);
         } else {
             self.apply_batch(ring);
         }
@@ -503,7 +506,7 @@ impl Driver for FanotifyDriver {
 
     fn on_command(&mut self, cmd: Command, ring: &mut Reactor) -> Flow {
         match cmd {
-            Command::Resync => self.resync(None, ring),
+            Command::Resync => self.resync(ResyncCause::Requested, ring),
         }
         self.emitter.flow()
     }
@@ -522,7 +525,7 @@ impl Driver for FanotifyDriver {
             }
             CREDIT_TURN => self.credit_turn_armed = false,
             PERIODIC => {
-                self.resync(None, ring);
+                self.resync(ResyncCause::Periodic, ring);
                 if let Some(every) = self.resync_interval {
                     let _ = ring.timeout(PERIODIC, every);
                 }

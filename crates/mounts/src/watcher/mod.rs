@@ -91,7 +91,8 @@ pub(super) struct Counters {
     pub mount_events: AtomicU64,
     pub(crate) fanotify_events: AtomicU64,
     pub(crate) statmount_calls: AtomicU64,
-    pub resyncs: AtomicU64,
+    /// Full re-reads by cause, indexed by [`ResyncCause`].
+    pub resyncs: [AtomicU64; ResyncCause::ALL.len()],
     pub overflows: AtomicU64,
     pub(crate) lagged_batches: AtomicU64,
     pub(crate) parse_errors: AtomicU64,
@@ -108,11 +109,80 @@ pub struct WatcherStats {
     pub mount_events: u64,
     pub(crate) fanotify_events: u64,
     pub(crate) statmount_calls: u64,
+    /// Full re-reads of the table, whatever their cause.
     pub resyncs: u64,
+    /// The same, by cause.
+    pub resyncs_by: ResyncCounts,
     pub overflows: u64,
     pub(crate) lagged_batches: u64,
     pub(crate) parse_errors: u64,
     pub errors: u64,
+}
+
+/// Why the watcher re-read the whole table. Only [`ResyncCause::Overflow`]
+/// means events were lost; the periodic resync runs on an idle node too, so
+/// an alert on resyncs must tell the causes apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncCause {
+    /// fanotify's queue overflowed or its data could not be read: events
+    /// were lost.
+    Overflow,
+    /// The periodic resync (`WatchConfig::resync_interval`).
+    Periodic,
+    /// A mountinfo change no fanotify event explained (a remount).
+    Unpaired,
+    /// Asked for through [`MountWatcher::resync`].
+    Requested,
+    /// The reparse strategy re-reads the table on every change.
+    Reparse,
+}
+
+impl ResyncCause {
+    pub const ALL: [ResyncCause; 5] = [Self::Overflow, Self::Periodic, Self::Unpaired, Self::Requested, Self::Reparse];
+
+    /// The `reason` label value of `volring_mount_resyncs_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Overflow => "overflow",
+            Self::Periodic => "periodic",
+            Self::Unpaired => "unpaired_remount",
+            Self::Requested => "requested",
+            Self::Reparse => "reparse",
+        }
+    }
+}
+
+/// Resync counts by cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ResyncCounts {
+    pub overflow: u64,
+    pub periodic: u64,
+    pub unpaired_remount: u64,
+    pub requested: u64,
+    pub reparse: u64,
+}
+
+impl ResyncCounts {
+    /// Each cause with its count, in [`ResyncCause::ALL`]'s order.
+    pub fn by_cause(&self) -> [(ResyncCause, u64); 5] {
+        [
+            (ResyncCause::Overflow, self.overflow),
+            (ResyncCause::Periodic, self.periodic),
+            (ResyncCause::Unpaired, self.unpaired_remount),
+            (ResyncCause::Requested, self.requested),
+            (ResyncCause::Reparse, self.reparse),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.by_cause().iter().map(|(_, n)| n).sum()
+    }
+}
+
+impl Counters {
+    pub(super) fn resynced(&self, cause: ResyncCause) {
+        self.resyncs[cause as usize].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Commands from the async side.
@@ -262,6 +332,14 @@ impl MountWatcher {
 
 fn snapshot(mode: WatchMode, backend: ring::Backend, ring: &ring::RingStats, c: &Counters) -> WatcherStats {
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let by = |cause: ResyncCause| get(&c.resyncs[cause as usize]);
+    let resyncs = ResyncCounts {
+        overflow: by(ResyncCause::Overflow),
+        periodic: by(ResyncCause::Periodic),
+        unpaired_remount: by(ResyncCause::Unpaired),
+        requested: by(ResyncCause::Requested),
+        reparse: by(ResyncCause::Reparse),
+    };
     WatcherStats {
         mode,
         backend,
@@ -270,7 +348,8 @@ fn snapshot(mode: WatchMode, backend: ring::Backend, ring: &ring::RingStats, c: 
         mount_events: get(&c.mount_events),
         fanotify_events: get(&c.fanotify_events),
         statmount_calls: get(&c.statmount_calls),
-        resyncs: get(&c.resyncs),
+        resyncs: resyncs.total(),
+        resyncs_by: resyncs,
         overflows: get(&c.overflows),
         lagged_batches: get(&c.lagged_batches),
         parse_errors: get(&c.parse_errors),

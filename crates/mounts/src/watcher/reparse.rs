@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::emitter::Emitter;
-use super::Command;
+use super::{Command, ResyncCause};
 use crate::diff::diff;
 use crate::source::read_mountinfo;
 use crate::table::MountTable;
@@ -51,8 +51,8 @@ impl ReparseDriver {
         Ok(table)
     }
 
-    fn reparse(&mut self, ring: &mut Reactor) {
-        self.emitter.counters().resyncs.fetch_add(1, Ordering::Relaxed);
+    fn reparse(&mut self, cause: ResyncCause, ring: &mut Reactor) {
+        self.emitter.counters().resynced(cause);
         match self.read_table() {
             Ok(new) => {
                 let changes = diff(&self.table, &new);
@@ -76,7 +76,7 @@ impl Driver for ReparseDriver {
 
     fn on_command(&mut self, cmd: Command, ring: &mut Reactor) -> Flow {
         match cmd {
-            Command::Resync => self.reparse(ring),
+            Command::Resync => self.reparse(ResyncCause::Requested, ring),
         }
         self.emitter.flow()
     }
@@ -92,7 +92,7 @@ impl Driver for ReparseDriver {
 
     fn end_of_batch(&mut self, ring: &mut Reactor) -> Flow {
         if std::mem::take(&mut self.dirty) {
-            self.reparse(ring);
+            self.reparse(ResyncCause::Reparse, ring);
         }
         self.emitter.announce();
         self.emitter.flow()

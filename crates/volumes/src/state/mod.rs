@@ -7,8 +7,11 @@
 //! - [`actual`]: what is really there for a volume, read from the engines
 //!   (the mount watcher's table, the kernel's loop device records), the
 //!   pure comparison with its desired record, and the published verdicts.
+//! - [`history`]: the reconciler's last repairs, a bounded ring in the
+//!   store, for `volring status`.
 //! - [`reconcile`]: the thread that runs that comparison on events and on a
 //!   periodic resync, and repairs what volring owns.
 
 pub mod actual;
+pub mod history;
 pub mod reconcile;

@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::actual::{self, Action, Checked, HealthView, Proof, Repair, VolumeHealth};
+use super::history::{RepairHistory, RepairResult};
 use crate::store::{Change, Store};
 use crate::{StagePhase, StagedVolume};
 use volring_mounts::MountTable;
@@ -264,6 +265,8 @@ struct Core {
     /// Volumes whose table view the kernel contradicted: looked at again
     /// when the watcher should have caught up.
     lagging: HashMap<String, Lag>,
+    /// The last repairs, kept in the store for `volring status`.
+    history: RepairHistory,
 }
 
 impl Core {
@@ -284,7 +287,7 @@ impl Core {
             config,
             volumes,
             table,
-            store,
+            store: store.clone(),
             view,
             stats,
             by_path: HashMap::new(),
@@ -293,6 +296,7 @@ impl Core {
             startup: false,
             failed: HashMap::new(),
             lagging: HashMap::new(),
+            history: RepairHistory::load(&store),
         }
     }
 
@@ -381,6 +385,7 @@ impl Core {
         }
         self.view.set_many(publish);
         self.store_verdicts(&changed);
+        self.history.flush(&self.store);
         self.stats.record_pass(start.elapsed(), n);
         busy
     }
@@ -449,6 +454,7 @@ impl Core {
                 self.stats.repairs_done.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(volume = %id, ?action, drift = ?health.drift, "repaired");
                 let what = std::mem::take(&mut health.drift);
+                self.history.record(now_unix(), id, action, what.clone(), RepairResult::Repaired);
                 health.last_repair = Some(Repair { what, at_unix: now_unix() });
                 // What is there now, after the repair: proven, since the
                 // table has not seen the repair's own mount yet.
@@ -471,6 +477,7 @@ impl Core {
                 let backoff = (RETRY_FIRST * 2u32.saturating_pow(attempts.min(16) - 1)).min(self.config.resync);
                 tracing::error!(volume = %id, ?action, error = %e, attempts, retry_in = ?backoff, "repair failed");
                 self.failed.insert(id.to_string(), (attempts, Instant::now() + backoff));
+                self.history.record(now_unix(), id, action, health.drift.clone(), RepairResult::Failed { error: e.clone() });
                 health.repair_error = Some(e);
                 Outcome::Verdict(health)
             }
