@@ -155,3 +155,25 @@ async fn an_object_that_never_shows_fails_the_reconcile_unpublished() {
     assert!(matches!(r, Err(Error::NotVisible(..))), "{r:?}");
     assert!(!called, "nothing published before the objects are there");
 }
+
+/// Issue 29: the API server refuses Endpoints on a loopback (or
+/// link-local, or unspecified) address — "may not be in the loopback
+/// range" — and so does the stand-in: a server advertised there fails the
+/// reconcile, nothing is published.
+#[tokio::test]
+async fn an_endpoint_on_a_loopback_address_is_refused() {
+    for (ip, why) in [("127.0.0.1", "loopback"), ("169.254.10.1", "link-local"), ("::1", "loopback"), ("0.0.0.0", "unspecified")] {
+        let server = Server::start().await;
+        server.api.seed_core("apps", "persistentvolumeclaims", pvc());
+        let c = controller(&server, 10).await;
+        let r = c.reconcile(&vol(ip), |_| panic!("published")).await;
+        match &r {
+            Err(Error::Api { source: kube::Error::Api(e), .. }) => {
+                assert_eq!(e.code, 422, "{ip}: {e:?}");
+                assert!(e.message.contains(why) && e.message.contains("subsets[0].addresses[0].ip"), "{ip}: {}", e.message);
+            }
+            other => panic!("{ip}: {other:?}"),
+        }
+        assert!(server.api.core_object("apps", "endpoints", "data").is_none(), "{ip}");
+    }
+}
