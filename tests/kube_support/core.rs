@@ -47,16 +47,16 @@ fn kind(plural: &str) -> &'static str {
 /// Checks an object about to be stored: unknown fields (pruned, or a 400
 /// under Strict; the dropped ones returned for a Warning), labels, and
 /// the kind's own rules.
-fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<Vec<String>, Response> {
+fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<Vec<String>, Box<Response>> {
     let unknown = match plural {
         "services" => validate::unknown_core::<Service>(obj),
         "endpoints" => validate::unknown_core::<Endpoints>(obj),
         _ => validate::unknown_core::<PersistentVolumeClaim>(obj),
     }
-    .map_err(|e| bad(&format!("the body does not decode as a {}: {e}", kind(plural))))?;
+    .map_err(|e| Box::new(bad(&format!("the body does not decode as a {}: {e}", kind(plural)))))?;
     if !unknown.is_empty() && validation == FieldValidation::Strict {
         let list: Vec<String> = unknown.iter().map(|f| format!("unknown field \"{f}\"")).collect();
-        return Err(bad(&format!("strict decoding error: {}", list.join(", "))));
+        return Err(Box::new(bad(&format!("strict decoding error: {}", list.join(", ")))));
     }
     validate::prune(obj, &unknown);
     let mut errors = validate::labels(obj);
@@ -66,7 +66,7 @@ fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<V
     if errors.is_empty() {
         Ok(unknown)
     } else {
-        Err(invalid(kind(plural), obj["metadata"]["name"].as_str().unwrap_or_default(), &errors))
+        Err(Box::new(invalid(kind(plural), obj["metadata"]["name"].as_str().unwrap_or_default(), &errors)))
     }
 }
 
@@ -113,7 +113,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             }
             let unknown = match admit(plural, &mut obj, validation) {
                 Ok(u) => u,
-                Err(r) => return r,
+                Err(r) => return *r,
             };
             g.rv += 1;
             g.uid += 1;
@@ -167,7 +167,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             }
             let unknown = match admit(plural, &mut obj, validation) {
                 Ok(u) => u,
-                Err(r) => return r,
+                Err(r) => return *r,
             };
             g.rv += 1;
             for f in ["uid", "creationTimestamp", "namespace"] {
@@ -193,7 +193,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             merge(&mut obj, &patch);
             let unknown = match admit(plural, &mut obj, validation) {
                 Ok(u) => u,
-                Err(r) => return r,
+                Err(r) => return *r,
             };
             g.rv += 1;
             for f in ["name", "uid", "creationTimestamp", "namespace"] {
