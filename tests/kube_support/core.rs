@@ -1,6 +1,8 @@
 //! The stand-in's core/v1 namespaced resources, for the shared-volume
 //! controller: services, endpoints and persistentvolumeclaims under
-//! `/api/v1/namespaces/{ns}/{plural}[/{name}]`, with the real server's
+//! `/api/v1/namespaces/{ns}/{plural}[/{name}]`, and discovery.k8s.io/v1
+//! endpointslices under `/apis/discovery.k8s.io/v1/namespaces/...`, with
+//! the real server's
 //! HTTP semantics as the controller can observe them:
 //!
 //! - GET 200 or 404 (a Status); POST creates (201; 409 AlreadyExists when
@@ -27,6 +29,7 @@ use std::collections::BTreeMap;
 use axum::http::{Method, StatusCode};
 use axum::response::Response;
 use k8s_openapi::api::core::v1::{Endpoints, PersistentVolumeClaim, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::{json, Value};
 
 use super::validate::{self, FieldValidation};
@@ -40,6 +43,7 @@ fn kind(plural: &str) -> &'static str {
     match plural {
         "services" => "Service",
         "endpoints" => "Endpoints",
+        "endpointslices" => "EndpointSlice.discovery.k8s.io",
         _ => "PersistentVolumeClaim",
     }
 }
@@ -51,6 +55,7 @@ fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<V
     let unknown = match plural {
         "services" => validate::unknown_core::<Service>(obj),
         "endpoints" => validate::unknown_core::<Endpoints>(obj),
+        "endpointslices" => validate::unknown_core::<EndpointSlice>(obj),
         _ => validate::unknown_core::<PersistentVolumeClaim>(obj),
     }
     .map_err(|e| Box::new(bad(&format!("the body does not decode as a {}: {e}", kind(plural)))))?;
@@ -62,6 +67,9 @@ fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<V
     let mut errors = validate::labels(obj);
     if plural == "endpoints" {
         errors.extend(validate::endpoints(obj));
+    }
+    if plural == "endpointslices" {
+        errors.extend(validate::endpoint_slice(obj));
     }
     if errors.is_empty() {
         Ok(unknown)
@@ -81,7 +89,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
         [ns, plural, name] => (*ns, *plural, Some(*name)),
         _ => return not_served(),
     };
-    if !matches!(plural, "services" | "endpoints" | "persistentvolumeclaims") {
+    if !matches!(plural, "services" | "endpoints" | "persistentvolumeclaims" | "endpointslices") {
         return not_served();
     }
     let key = |n: &str| (ns.to_string(), plural.to_string(), n.to_string());

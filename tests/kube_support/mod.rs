@@ -520,6 +520,10 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         let merge = headers.get("content-type").is_some_and(|v| v.as_bytes() == b"application/merge-patch+json");
         return core::serve(g, method, rest, &query_pairs(query), body, merge);
     }
+    if let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/namespaces/").filter(|r| r.split('/').nth(1) == Some("endpointslices"))
+    {
+        return core::serve(g, method, rest, &query_pairs(query), body, false);
+    }
     if let Some(rest) = path.strip_prefix(STORAGE_PREFIX) {
         return storage(g, method, rest, query);
     }

@@ -1,5 +1,5 @@
 //! The agent's shared-volume loop in a cluster: every volume this node
-//! exports gets its Service and Endpoints ([`super::kube`]), and its
+//! exports gets its Service and EndpointSlice ([`super::kube`]), and its
 //! endpoint published on its PVC.
 //!
 //! Why driven by the share side's changes and not a timer: the objects
@@ -8,14 +8,14 @@
 //! before it writes, so one reconcile per change is enough. A reconcile
 //! that fails (the API server away, the PVC not there yet) is retried with
 //! backoff. At start every export is reconciled once, which also points
-//! the Endpoints back at this node after the agent or the server moved.
+//! the EndpointSlice back at this node after the agent or the server moved.
 //!
-//! The Endpoints name this node's address only while its NFS server
+//! The EndpointSlice names this node's address only while its NFS server
 //! accepts connections there ("during the move the Service exists but
 //! does not answer"): a server not answering yet (starting, or at a new
-//! advertised address) gets the Service with empty Endpoints, looked at
+//! advertised address) gets the Service with an empty EndpointSlice, looked at
 //! again every poll interval until it answers; an export removed here, and
-//! the agent stopping, take the address out (only if the Endpoints still
+//! the agent stopping, take the address out (only if the EndpointSlice still
 //! name it — another node may have taken the volume over). A client sent
 //! to an address where nothing serves the volume would get errors or hang
 //! on the wrong server; with no endpoint its connection is refused and the
@@ -63,7 +63,7 @@ pub trait ShareHost: Send + Sync + 'static {
 /// they change.
 pub struct Follower {
     pub controller: Arc<ShareController>,
-    /// Where this node's NFS server answers (the Endpoints' address).
+    /// Where this node's NFS server answers (the EndpointSlice's address).
     pub server: SocketAddr,
     pub exports: Arc<dyn Fn() -> Vec<Exported> + Send + Sync>,
     pub wake: Arc<Notify>,
@@ -91,7 +91,7 @@ impl Failing {
 }
 
 /// What a volume's objects were last brought to: `v`, with the server's
-/// address in the Endpoints (`serving`) or with none.
+/// address in the EndpointSlice (`serving`) or with none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Target {
     v: SharedVolume,
@@ -103,7 +103,7 @@ const ANSWER_WAIT: Duration = Duration::from_secs(2);
 
 impl Follower {
     /// Runs until `stop` completes, then takes this node's address out of
-    /// the Endpoints of every volume it still exports (the server stops
+    /// the EndpointSlice of every volume it still exports (the server stops
     /// with the agent), and returns.
     pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
         tokio::pin!(stop);
@@ -115,13 +115,13 @@ impl Follower {
         let mut known: HashMap<String, SharedVolume> = HashMap::new();
         let mut failing: HashMap<String, Failing> = HashMap::new();
         // No longer exported here: this node's address still to be taken
-        // out of their Endpoints.
+        // out of their EndpointSlices.
         let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
         let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
         loop {
             let now = (self.exports)();
-            // Asked only when a Service is kept: the Endpoints name this
+            // Asked only when a Service is kept: the EndpointSlice names this
             // address only while something accepts connections there.
             let serving = now.iter().any(|e| e.pvc.is_some()) && self.answers().await;
             for e in &now {
@@ -153,10 +153,10 @@ impl Follower {
                 match r {
                     Ok(out) => {
                         if serving {
-                            tracing::debug!(volume = %v.volume_id, ?out, "Service and Endpoints reconciled");
+                            tracing::debug!(volume = %v.volume_id, ?out, "Service and EndpointSlice reconciled");
                         } else {
                             tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
-                                "the NFS server does not answer yet: the Service is kept with empty Endpoints");
+                                "the NFS server does not answer yet: the Service is kept with an empty EndpointSlice");
                         }
                         failing.remove(&v.volume_id);
                         done.insert(v.volume_id.clone(), target);
@@ -165,11 +165,11 @@ impl Follower {
                         let wait = Failing::failed(&mut failing, &v.volume_id);
                         done.remove(&v.volume_id);
                         tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "Service and Endpoints not reconciled");
+                            "Service and EndpointSlice not reconciled");
                     }
                 }
             }
-            // A volume no longer exported here: its Endpoints must not send
+            // A volume no longer exported here: its EndpointSlice must not send
             // clients to this node any more. Once withdrawn it is
             // forgotten; if it comes back (or moves back), it is
             // reconciled again.
@@ -185,14 +185,14 @@ impl Follower {
             for v in due {
                 match self.controller.withdraw(&v).await {
                     Ok(wrote) => {
-                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the Endpoints");
+                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the EndpointSlice");
                         leaving.remove(&v.volume_id);
                         leave_failing.remove(&v.volume_id);
                     }
                     Err(err) => {
                         let wait = Failing::failed(&mut leave_failing, &v.volume_id);
                         tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "Endpoints not emptied after the export went away");
+                            "EndpointSlice not emptied after the export went away");
                     }
                 }
             }
@@ -213,15 +213,15 @@ impl Follower {
         for v in known.values().chain(leaving.values()) {
             match self.controller.withdraw(v).await {
                 Ok(wrote) => {
-                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the Endpoints")
+                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the EndpointSlice")
                 }
-                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: Endpoints not emptied"),
+                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: EndpointSlice not emptied"),
             }
         }
     }
 
     /// Whether the NFS server accepts a TCP connection at the advertised
-    /// address (what the Endpoints would send clients to).
+    /// address (what the EndpointSlice would send clients to).
     async fn answers(&self) -> bool {
         matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.server)).await, Ok(Ok(_)))
     }
@@ -243,7 +243,7 @@ pub struct Running {
 }
 
 impl Running {
-    /// Stops the loop: it first empties the Endpoints of what this node
+    /// Stops the loop: it first empties the EndpointSlices of what this node
     /// exports (at most `wait`; then it is aborted).
     pub async fn stop(self, wait: Duration) {
         let _ = self.stop.send(());
@@ -271,7 +271,7 @@ pub async fn in_cluster<D: ShareHost>(driver: &Arc<D>, config: super::kube::Cont
         return Ok(None);
     }
     let running = start(driver.clone(), client, config)?;
-    tracing::info!("shared volumes: a Service and Endpoints per NFS export");
+    tracing::info!("shared volumes: a Service and EndpointSlice per NFS export");
     Ok(Some(running))
 }
 
@@ -289,12 +289,12 @@ pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client) {
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
-/// address must be `IP:port`: it becomes the Endpoints' address.
+/// address must be `IP:port`: it becomes the EndpointSlice's address.
 pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
     let advertised = driver.shares().config().advertised().unwrap_or_default();
     let server: SocketAddr = advertised.parse().map_err(|_| {
         super::Error::Config(format!(
-            "the advertised NFS address {advertised:?} is not IP:port (--nfs-advertise), which the Endpoints need"
+            "the advertised NFS address {advertised:?} is not IP:port (--nfs-advertise), which the EndpointSlice needs"
         ))
     })?;
     let controller = Arc::new(ShareController::new(client, config));
