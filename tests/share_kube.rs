@@ -2,8 +2,8 @@
 //! stand-in (tests/kube_support/, core/v1 and discovery/v1 in core.rs): the
 //! Service and EndpointSlice life cycle per shared volume, the endpoint
 //! published once, failover updating only the slice, the owner reference
-//! that lets the garbage collector remove both with the PVC, Endpoints of
-//! earlier versions emptied, and the duration histogram.
+//! that lets the garbage collector remove both with the PVC, core/v1
+//! Endpoints never touched, and the duration histogram.
 
 mod kube_support;
 
@@ -192,12 +192,12 @@ async fn an_endpoint_on_a_loopback_address_is_refused() {
     }
 }
 
-/// Endpoints an earlier version wrote (with the server's address) are
-/// emptied: the API server would mirror them into a slice of its own, and
-/// clients would be sent to an address volring no longer vouches for. A
-/// withdrawal empties volring's slice and leaves the Service.
+/// Least privilege (issue 29): core/v1 Endpoints are neither read nor
+/// written — the agent's role has no access to them — even when an earlier
+/// version's are there (the operator deletes those once). A withdrawal
+/// empties volring's slice and leaves the Service.
 #[tokio::test]
-async fn old_endpoints_are_emptied_and_a_withdrawal_empties_the_slice() {
+async fn old_endpoints_are_left_alone_and_a_withdrawal_empties_the_slice() {
     let server = Server::start().await;
     let pvc = server.api.seed_core("apps", "persistentvolumeclaims", pvc());
     let owner = json!([{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "name": "data", "uid": pvc["metadata"]["uid"]}]);
@@ -210,11 +210,11 @@ async fn old_endpoints_are_emptied_and_a_withdrawal_empties_the_slice() {
     );
     let c = controller(&server, 10).await;
     let out = c.reconcile(&vol("192.0.2.10"), |_| {}).await.expect("reconcile");
-    assert!(out.legacy_endpoints_emptied && out.endpoints_created, "{out:?}");
-    let old = server.api.core_object("apps", "endpoints", "data").unwrap();
-    assert!(old["subsets"].is_null() || old["subsets"] == json!([]), "{old}");
+    assert!(out.endpoints_created, "{out:?}");
+    let touched: Vec<_> = core_calls(&server).into_iter().filter(|(_, p)| p.contains("/endpoints/") || p.ends_with("/endpoints")).collect();
+    assert!(touched.is_empty(), "core/v1 Endpoints requested: {touched:?}");
     let out = c.reconcile(&vol("192.0.2.10"), |_| {}).await.expect("again");
-    assert_eq!(out, Default::default(), "emptied once");
+    assert_eq!(out, Default::default(), "nothing to write the second time");
 
     assert!(c.withdraw(&vol("192.0.2.10")).await.expect("withdraw"));
     let slice = server.api.core_object("apps", "endpointslices", "data").unwrap();

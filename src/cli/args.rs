@@ -175,8 +175,11 @@ pub(crate) struct CsiArgs {
     /// NFSv4 (nfs-ganesha) on this address:port ("off": not served).
     #[arg(long, env = "VOLRING_NFS_LISTEN", default_value = "off")]
     pub(crate) nfs_listen: String,
-    /// The host:port other nodes mount shared volumes from (default: the
-    /// listen address).
+    /// The IP:port other nodes mount shared volumes from (default: the
+    /// listen address). In a cluster it becomes the EndpointSlice's
+    /// address, which may not be loopback, link-local or unspecified: a
+    /// node listening on one of those advertises its pod IP (deploy/ sets
+    /// it from the downward API's status.podIP).
     #[arg(long, env = "VOLRING_NFS_ADVERTISE")]
     pub(crate) nfs_advertise: Option<String>,
     /// The nfs-ganesha daemon to run.
@@ -191,10 +194,10 @@ pub(crate) struct CsiArgs {
     #[arg(long, env = "VOLRING_NFS_LEASE", default_value_t = 15)]
     pub(crate) nfs_lease: u32,
     /// In a cluster: seconds between re-reads of a shared volume's Service
-    /// or Endpoints just created, until it is visible.
+    /// or EndpointSlice just created, until it is visible.
     #[arg(long, env = "VOLRING_NFS_SERVICE_POLL", default_value_t = 1.0)]
     pub(crate) nfs_service_poll: f64,
-    /// In a cluster: seconds a just-created Service or Endpoints may take
+    /// In a cluster: seconds a just-created Service or EndpointSlice may take
     /// to become visible before the reconcile fails (and is retried).
     #[arg(long, env = "VOLRING_NFS_SERVICE_WAIT", default_value_t = 20.0)]
     pub(crate) nfs_service_wait: f64,

@@ -10,8 +10,10 @@
 //! backoff. At start every export is reconciled once, which also points
 //! the EndpointSlice back at this node after the agent or the server moved.
 //!
-//! The EndpointSlice names this node's address only while its NFS server
-//! accepts connections there ("during the move the Service exists but
+//! The EndpointSlice names this node's advertised address only while its
+//! NFS server accepts connections (at its listen address: the advertised
+//! one may be a NAT'ed or forwarded address the node cannot reach itself;
+//! the agent proves what it can, that its server answers) ("during the move the Service exists but
 //! does not answer"): a server not answering yet (starting, or at a new
 //! advertised address) gets the Service with an empty EndpointSlice, looked at
 //! again every poll interval until it answers; an export removed here, and
@@ -63,8 +65,12 @@ pub trait ShareHost: Send + Sync + 'static {
 /// they change.
 pub struct Follower {
     pub controller: Arc<ShareController>,
-    /// Where this node's NFS server answers (the EndpointSlice's address).
+    /// Where other nodes reach this node's NFS server (the EndpointSlice's
+    /// address: `--nfs-advertise`, the pod's IP in a cluster).
     pub server: SocketAddr,
+    /// Where the server listens (`--nfs-listen`): what the loop connects to
+    /// to know whether it answers.
+    pub probe: SocketAddr,
     pub exports: Arc<dyn Fn() -> Vec<Exported> + Send + Sync>,
     pub wake: Arc<Notify>,
 }
@@ -220,10 +226,10 @@ impl Follower {
         }
     }
 
-    /// Whether the NFS server accepts a TCP connection at the advertised
-    /// address (what the EndpointSlice would send clients to).
+    /// Whether the NFS server accepts a TCP connection at its listen
+    /// address.
     async fn answers(&self) -> bool {
-        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.server)).await, Ok(Ok(_)))
+        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.probe)).await, Ok(Ok(_)))
     }
 }
 
@@ -289,23 +295,63 @@ pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client) {
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
-/// address must be `IP:port`: it becomes the EndpointSlice's address.
+/// address must be `IP:port`, and one the API server accepts in an
+/// EndpointSlice ([`endpoint_address`]).
 pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
-    let advertised = driver.shares().config().advertised().unwrap_or_default();
-    let server: SocketAddr = advertised.parse().map_err(|_| {
-        super::Error::Config(format!(
-            "the advertised NFS address {advertised:?} is not IP:port (--nfs-advertise), which the EndpointSlice needs"
-        ))
-    })?;
+    let share = driver.shares().config();
+    let server = endpoint_address(share.advertised().as_deref())?;
+    let probe = share.listen.unwrap_or(server);
     let controller = Arc::new(ShareController::new(client, config));
     let wake = Arc::new(Notify::new());
     let w = wake.clone();
     driver.shares().on_change(move || w.notify_one());
     let d = driver.clone();
-    let follower = Follower { controller: controller.clone(), server, exports: Arc::new(move || d.exported_shares()), wake };
+    let follower = Follower { controller: controller.clone(), server, probe, exports: Arc::new(move || d.exported_shares()), wake };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(follower.run_until(async move {
         let _ = stopped.await;
     }));
     Ok(Running { task, stop, controller })
+}
+
+/// The advertised NFS address as an EndpointSlice address: `IP:port`, and
+/// not an address the API server refuses there (loopback, link-local,
+/// unspecified, multicast: "may not be in the loopback range" and the
+/// like). Refused at start with the flag to set, rather than by every
+/// reconcile: a node listening on loopback or a wildcard must advertise
+/// the address other nodes reach it at (`--nfs-advertise`, in deploy/ the
+/// pod's IP from the downward API).
+pub fn endpoint_address(advertised: Option<&str>) -> Result<SocketAddr, super::Error> {
+    let a = advertised.unwrap_or_default();
+    let addr: SocketAddr =
+        a.parse().map_err(|_| super::Error::Config(format!("the advertised NFS address {a:?} is not IP:port (--nfs-advertise)")))?;
+    let ip = addr.ip();
+    let link_local = match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    };
+    if ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local {
+        return Err(super::Error::Config(format!(
+            "the advertised NFS address {addr} is one the API server refuses in an EndpointSlice \
+             (loopback, link-local, unspecified or multicast): set --nfs-advertise to the address other nodes reach this one at"
+        )));
+    }
+    Ok(addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_addresses_the_api_server_accepts() {
+        assert_eq!(endpoint_address(Some("10.0.0.7:2049")).unwrap(), "10.0.0.7:2049".parse().unwrap());
+        assert!(endpoint_address(Some("[fd00::7]:2049")).is_ok());
+        for bad in [None, Some("node-a:2049"), Some("10.0.0.7"), Some("127.0.0.1:2049"), Some("0.0.0.0:2049"), Some("[::1]:2049")] {
+            assert!(matches!(endpoint_address(bad), Err(crate::Error::Config(_))), "{bad:?}");
+        }
+        for bad in ["169.254.1.1:2049", "[fe80::1]:2049", "[::]:2049", "224.0.0.1:2049"] {
+            assert!(endpoint_address(Some(bad)).is_err(), "{bad}");
+        }
+    }
 }

@@ -3,10 +3,12 @@
 //! `<ClusterIP>:2049` and the address behind it can move (StorageOS's
 //! shared-volume controller does the same). The slice (discovery.k8s.io/v1,
 //! what kube-proxy reads) is labelled `kubernetes.io/service-name` and
-//! `endpointslice.kubernetes.io/managed-by: volring.io`; core/v1 Endpoints,
-//! deprecated since 1.33, are no longer written, and the ones earlier
-//! versions wrote are emptied (else the API server's mirroring controller
-//! would keep their address in a slice of its own).
+//! `endpointslice.kubernetes.io/managed-by: volring.io`. core/v1 Endpoints,
+//! deprecated since 1.33, are neither read nor written: the agent's role
+//! has no access to them (least privilege). The ones an earlier version
+//! wrote are the operator's to delete once (docs/shared-volumes.md), else
+//! the API server's mirroring controller keeps their address in a slice of
+//! its own.
 //!
 //! What one reconcile does, and why:
 //! - Reads the PVC for its uid: both objects carry an owner reference to
@@ -40,7 +42,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Endpoints, PersistentVolumeClaim, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -141,8 +143,6 @@ pub struct Outcome {
     /// The EndpointSlice (the endpoints behind the Service).
     pub endpoints_created: bool,
     pub endpoints_updated: bool,
-    /// Endpoints an earlier version wrote, emptied.
-    pub legacy_endpoints_emptied: bool,
     /// The endpoint published by this reconcile (None: unchanged).
     pub published: Option<String>,
 }
@@ -303,19 +303,6 @@ impl ShareController {
                 out.endpoints_updated = true;
             }
         }
-        // Endpoints an earlier version wrote would be mirrored into a
-        // slice of the API server's own, with their address: emptied.
-        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
-        let what_ep = what("Endpoints");
-        if let Some(mut old) = endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what_ep.clone(), source: e })? {
-            let ours = old.metadata.labels.as_ref().is_some_and(|l| l.get(VOLUME_LABEL) == Some(&v.volume_id));
-            if ours && old.subsets.as_ref().is_some_and(|s| !s.is_empty()) {
-                old.subsets = None;
-                endpoints.replace(name, &PostParams::default(), &old).await.map_err(|e| Error::Api { what: what_ep, source: e })?;
-                out.legacy_endpoints_emptied = true;
-            }
-        }
-
         let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
         let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
         if !serving {
@@ -385,7 +372,7 @@ fn meta(v: &SharedVolume, owner: &OwnerReference) -> ObjectMeta {
     }
 }
 
-/// A ClusterIP Service with no selector (its Endpoints are written here),
+/// A ClusterIP Service with no selector (its EndpointSlice is written here),
 /// port 2049 to the server's port.
 pub fn desired_service(v: &SharedVolume, owner: &OwnerReference) -> Service {
     Service {
