@@ -396,6 +396,11 @@ fn service_in_a_cluster() -> Result<(), Failed> {
     check(reread >= 3, "the Service re-read until visible")?;
     let patches = calls.iter().filter(|l| l.method == "PATCH" && l.path.ends_with("/persistentvolumeclaims/data")).count();
     check(patches == 1, format!("published once: {patches} PVC patches"))?;
+    // Issue 29: the shared-volume loop's requests name the agent's
+    // --node-id (the test agents run as `test-node`), as the publisher's do.
+    let want = format!("volring/{} (test-node)", env!("CARGO_PKG_VERSION"));
+    let strangers: Vec<_> = calls.iter().filter(|l| l.path.contains("/apps/") && l.user_agent.as_deref() != Some(want.as_str())).collect();
+    check(strangers.is_empty(), format!("requests not sent as {want}: {:?}", strangers.iter().map(|l| &l.user_agent).collect::<Vec<_>>()))?;
 
     // The reconcile's duration on the agent's /metrics.
     let text = a.run(async {

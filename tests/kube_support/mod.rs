@@ -136,6 +136,9 @@ struct Inner {
     watch_generation: u64,
     /// How often a watch that asked for them gets a BOOKMARK (None: 1 s).
     bookmark_every: Option<std::time::Duration>,
+    /// The highest resourceVersion each plural's watches were sent a
+    /// BOOKMARK at.
+    bookmarked: BTreeMap<String, u64>,
     rv: u64,
     uid: u64,
     log: Vec<Logged>,
@@ -268,6 +271,27 @@ impl StandIn {
         let mut g = self.lock();
         g.watch_stall = stall;
         g.changed.notify_waiters();
+    }
+
+    /// A restart of the API server: every connection drops (the watch
+    /// streams end) and its watch cache starts again empty at the current
+    /// resourceVersion, so a watch resumed from before it is answered 410
+    /// Expired — what turns a restart into a LIST by every client that did
+    /// not keep its version current with bookmarks. Requests are refused
+    /// while [`StandIn::set_outage`] says so; call this in between.
+    pub fn restart(&self) {
+        self.compact();
+    }
+
+    /// The resourceVersion of the latest change.
+    pub fn resource_version(&self) -> u64 {
+        self.lock().rv
+    }
+
+    /// The highest resourceVersion `plural`'s watches were sent a BOOKMARK
+    /// at (0: none yet).
+    pub fn last_bookmark(&self, plural: &str) -> u64 {
+        self.lock().bookmarked.get(plural).copied().unwrap_or(0)
     }
 
     /// Changes a stored object as another writer would (`kubectl edit`,

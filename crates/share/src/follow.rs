@@ -266,11 +266,17 @@ impl Running {
 const LOOKUP_WAIT: Duration = Duration::from_secs(10);
 
 /// In a cluster: `driver`'s NodeStage reads published endpoints, and when
-/// the node serves NFS the loop runs (`None` when it does not).
-pub async fn in_cluster<D: ShareHost>(driver: &Arc<D>, config: super::kube::ControllerConfig) -> Result<Option<Running>, super::Error> {
+/// the node serves NFS the loop runs (`None` when it does not). `node` is
+/// the agent's `--node-id`: its requests' User-Agent names it, as the
+/// publisher's do, so one node's requests read alike in the audit log.
+pub async fn in_cluster<D: ShareHost>(
+    driver: &Arc<D>,
+    node: &str,
+    config: super::kube::ControllerConfig,
+) -> Result<Option<Running>, super::Error> {
     let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
     let mut kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
-    super::kube::identify(&mut kc, &super::kube::this_node());
+    super::kube::identify(&mut kc, node);
     let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
     read_endpoints(driver.as_ref(), client.clone());
     if !driver.shares().enabled() {

@@ -98,15 +98,6 @@ pub fn identify(config: &mut kube::Config, node: &str) {
     config.headers.push((name, value));
 }
 
-/// The node this process speaks for when it is not told: `NODE_NAME` (the
-/// DaemonSet sets it from `spec.nodeName`), else the host name.
-pub fn this_node() -> String {
-    std::env::var("NODE_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| rustix::system::uname().nodename().to_string_lossy().into_owned())
-}
-
 /// How many times [`ShareController::withdraw`] reads again after a
 /// conflicting write.
 const WITHDRAW_TRIES: u32 = 5;
