@@ -7,10 +7,12 @@
 mod common;
 mod csi_support;
 mod kube_support;
+mod share_support;
 
 use common::check;
 use csi_support::{mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
+use share_support::{eventually, free_port, kubeconfig, libnfs, url};
 use tonic::Code;
 use volring_csi::client::capability;
 use volring_csi::proto::volume_capability::access_mode::Mode;
@@ -134,55 +136,6 @@ fn access_modes() -> Result<(), Failed> {
     Ok(())
 }
 
-/// A free TCP port on 127.0.0.1 (bound, read, released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
-}
-
-/// Runs one of libnfs's tools (nfs-cat, nfs-cp, nfs-ls), killed by PID after
-/// 20 s; its stdout, or its stderr as the error.
-fn libnfs(tool: &str, args: &[&str]) -> Result<Vec<u8>, String> {
-    let mut child = std::process::Command::new(tool)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("{tool}: {e}"))?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while child.try_wait().map_err(|e| e.to_string())?.is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("{tool} {args:?} timed out"));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(out.stdout)
-    } else {
-        Err(format!("{tool} {args:?}: {}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout)))
-    }
-}
-
-/// Retries `f` every 250 ms for at most `secs` seconds (a restarted server
-/// answers NFS4ERR_GRACE until its grace period ends).
-fn eventually<T>(secs: u64, mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    loop {
-        match f() {
-            Ok(v) => return Ok(v),
-            Err(e) if std::time::Instant::now() > deadline => return Err(e),
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(250)),
-        }
-    }
-}
-
-fn url(port: u16, path: &str) -> String {
-    format!("nfs://127.0.0.1{path}?version=4&nfsport={port}")
-}
-
 /// The ganesha the agent runs, by the pid file it writes.
 fn server_pid(a: &Agent) -> Option<u32> {
     std::fs::read_to_string(a.state.join("nfs/ganesha.pid")).ok()?.trim().parse().ok()
@@ -205,9 +158,30 @@ fn share_records(a: &Agent) -> Result<Vec<serde_json::Value>, Failed> {
 
 const GRACE: &str = "5";
 
+/// An agent serving NFS on 127.0.0.1:`port` to this host's libnfs client
+/// (out of a cluster no node announces itself: `--nfs-clients`).
 fn nfs_agent(port: u16) -> Agent {
     let listen = format!("127.0.0.1:{port}");
-    Agent::start_with(&[("VOLRING_NFS_LISTEN", &listen), ("VOLRING_NFS_GRACE", GRACE), ("VOLRING_NFS_LEASE", GRACE)])
+    Agent::start_with(&[
+        ("VOLRING_NFS_LISTEN", &listen),
+        ("VOLRING_NFS_GRACE", GRACE),
+        ("VOLRING_NFS_LEASE", GRACE),
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1"),
+    ])
+}
+
+/// A shared volume whose export does not squash root (this test's libnfs
+/// client writes as root into the filesystem's root directory).
+fn create_unsquashed(a: &Agent, name: &str) -> Result<Volume, tonic::Status> {
+    let mut c = a.c.controller.clone();
+    let r = a.run(c.create_volume(CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 }),
+        volume_capabilities: vec![rwx("ext4")],
+        parameters: [("nfsSquash".to_string(), "none".to_string())].into(),
+        ..Default::default()
+    }))?;
+    Ok(r.into_inner().volume.expect("volume"))
 }
 
 /// The owning node exports a staged RWX volume over NFSv4 from the ganesha
@@ -218,7 +192,7 @@ fn nfs_agent(port: u16) -> Agent {
 fn export_served() -> Result<(), Failed> {
     let port = free_port();
     let mut a = nfs_agent(port);
-    let v = create(&a, "pvc-nfs", vec![rwx("ext4")])?;
+    let v = create_unsquashed(&a, "pvc-nfs")?;
     let server = format!("127.0.0.1:{port}");
     check(v.volume_context.get("nfsServer") == Some(&server), format!("server in the context: {:?}", v.volume_context))?;
     check(v.volume_context.get("nfsExport").map(String::as_str) == Some("/pvc-nfs"), "export path in the context")?;
@@ -272,7 +246,12 @@ fn export_served() -> Result<(), Failed> {
     // export is resumed from the record, with the same export id.
     let before = server_pid(&a);
     let listen = format!("127.0.0.1:{port}");
-    a.respawn_with(&[("VOLRING_NFS_LISTEN", &listen), ("VOLRING_NFS_GRACE", GRACE), ("VOLRING_NFS_LEASE", GRACE)]);
+    a.respawn_with(&[
+        ("VOLRING_NFS_LISTEN", &listen),
+        ("VOLRING_NFS_GRACE", GRACE),
+        ("VOLRING_NFS_LEASE", GRACE),
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1"),
+    ]);
     let got = eventually(60, || {
         if server_pid(&a) == before {
             return Err("old server".into());
@@ -446,19 +425,6 @@ fn endpoint_addresses(server: &kube_support::Server, name: &str) -> Option<Vec<S
         }
     }
     Some(out)
-}
-
-/// A kubeconfig naming the stand-in at `addr`, written under `dir`.
-fn kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> Result<String, Failed> {
-    let path = dir.join("kubeconfig");
-    std::fs::write(
-        &path,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{addr}\nusers:\n- name: u\n  user: {{}}\n\
-             contexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n"
-        ),
-    )?;
-    Ok(path.display().to_string())
 }
 
 /// "During the move the Service exists but does not answer": whenever the

@@ -296,7 +296,9 @@ async fn share_loop(
 ) -> anyhow::Result<Option<Arc<volring_share::kube::ShareController>>> {
     let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| volring_kube::kube_sink::KubeSink::detect().is_some());
     let running = match driver {
-        Some(d) if cluster => volring_share::follow::in_cluster(d, &config.devices.node_name, config.share_kube.clone()).await?,
+        Some(d) if cluster => {
+            volring_share::follow::in_cluster(d, &config.devices.node_name, config.nfs_client_address, config.share_kube.clone()).await?
+        }
         _ => None,
     };
     Ok(running.map(|s| {

@@ -182,6 +182,20 @@ pub(crate) struct CsiArgs {
     /// it from the downward API's status.podIP).
     #[arg(long, env = "VOLRING_NFS_ADVERTISE")]
     pub(crate) nfs_advertise: Option<String>,
+    /// Comma-separated IP addresses or address/prefix networks admitted to
+    /// every NFS export, besides the nodes that staged the volume (which
+    /// make themselves known in a cluster). Out of a cluster nobody
+    /// announces itself: list the clients here. Default: none.
+    #[arg(long, env = "VOLRING_NFS_CLIENTS", value_delimiter = ',')]
+    pub(crate) nfs_clients: Vec<String>,
+    /// In a cluster: this node's IP as other nodes' NFS servers see its
+    /// connections (deploy/ sets the pod's IP, the node's under
+    /// hostNetwork). Staging a shared volume another node serves announces
+    /// it on the volume's PVC, and the owner admits exactly the announced
+    /// nodes; unset, nothing is announced and this node mounts only from
+    /// owners that list it in --nfs-clients.
+    #[arg(long, env = "VOLRING_NFS_CLIENT_ADDRESS")]
+    pub(crate) nfs_client_address: Option<std::net::IpAddr>,
     /// The nfs-ganesha daemon to run.
     #[arg(long, env = "VOLRING_NFS_GANESHA", default_value = "ganesha.nfsd")]
     pub(crate) nfs_ganesha: std::path::PathBuf,
@@ -261,6 +275,10 @@ impl CsiArgs {
             a => Some(a.parse().map_err(|e| anyhow::anyhow!("--nfs-listen {a:?}: {e} (address:port or off)"))?),
         };
         c.share.advertise = self.nfs_advertise.clone();
+        c.share.clients = self.nfs_clients.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
+        if let Some(bad) = c.share.clients.iter().find(|c| !volring_share::ganesha::valid_client(c)) {
+            anyhow::bail!("--nfs-clients {bad:?}: an IP address or address/prefix network");
+        }
         c.share.ganesha = self.nfs_ganesha.clone();
         anyhow::ensure!(
             self.nfs_lease >= 5 && self.nfs_grace >= self.nfs_lease,

@@ -351,6 +351,17 @@ impl StandIn {
         g.core[&(namespace.to_string(), plural.to_string(), name)].clone()
     }
 
+    /// Changes a stored core/v1 object as another writer would (a new
+    /// resourceVersion).
+    pub fn edit_core(&self, namespace: &str, plural: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut g = self.lock();
+        g.rv += 1;
+        let rv = g.rv;
+        let o = g.core.get_mut(&(namespace.to_string(), plural.to_string(), name.to_string())).expect("the object to edit");
+        f(o);
+        o["metadata"]["resourceVersion"] = json!(rv.to_string());
+    }
+
     /// Makes every core object created from now on invisible to the next
     /// `gets` GETs of it.
     pub fn set_create_lag(&self, gets: usize) {

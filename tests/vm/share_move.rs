@@ -110,6 +110,8 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         ("VOLRING_NFS_LISTEN", &nfs_listen),
         // Where the guest reaches A's server (qemu's guestfwd): not loopback.
         ("VOLRING_NFS_ADVERTISE", GUEST_NFS),
+        // The guest's connections arrive through socat from 127.0.0.1.
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1"),
         ("VOLRING_NFS_GRACE", "10"),
         ("VOLRING_NFS_LEASE", "10"),
         ("VOLRING_NFS_SERVICE_POLL", "0.2"),
@@ -129,6 +131,8 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
                 ("fsType".into(), fs.into()),
                 ("csi.storage.k8s.io/pvc/namespace".into(), "apps".into()),
                 ("csi.storage.k8s.io/pvc/name".into(), "data".into()),
+                // The guest's writer runs as root.
+                ("nfsSquash".into(), "none".into()),
             ]),
             ..Default::default()
         }))?

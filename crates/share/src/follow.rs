@@ -45,9 +45,11 @@ pub struct Exported {
     pub pvc: Option<(String, String)>,
 }
 
-/// How NodeStage of a shared volume another node holds reads the endpoint
-/// its owner published on the PVC `(namespace, name)` (`Ok(None)`: not yet).
-pub type EndpointLookup = Box<dyn Fn(&str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
+/// How NodeStage of shared volume `id`, which another node holds, reads the
+/// endpoint its owner published on the PVC `(namespace, name)` (`Ok(None)`:
+/// not yet); in a cluster it also makes this node known to the owner
+/// first ([`super::admit`]).
+pub type EndpointLookup = Box<dyn Fn(&str, &str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
 
 /// What the cluster loop needs of the node's CSI driver. The driver sits
 /// above this crate (it stages and exports the shared volumes), so the loop
@@ -72,8 +74,14 @@ pub struct Follower {
     /// to know whether it answers.
     pub probe: SocketAddr,
     pub exports: Arc<dyn Fn() -> Vec<Exported> + Send + Sync>,
+    /// Admits exactly these nodes (name → address) to a volume's export
+    /// (`ShareSide::set_clients`).
+    pub admit: Admit,
     pub wake: Arc<Notify>,
 }
+
+/// See [`Follower::admit`].
+pub type Admit = Arc<dyn Fn(&str, &std::collections::BTreeMap<String, String>) -> Result<bool, super::Error> + Send + Sync>;
 
 /// A volume whose last write failed.
 struct Failing {
@@ -125,6 +133,7 @@ impl Follower {
         let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
         let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
+        let mut clients_at = Instant::now();
         loop {
             let now = (self.exports)();
             // Asked only when a Service is kept: the EndpointSlice names this
@@ -204,7 +213,19 @@ impl Follower {
             }
             // Woken by the next export change; else by the earliest retry,
             // or the next look at a server that did not answer.
+            // The nodes announced on each exported volume's PVC, admitted.
+            let named: Vec<(String, String, String)> =
+                now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
+            if !named.is_empty() && Instant::now() >= clients_at {
+                for (id, ns, name) in &named {
+                    self.admit_announced(id, ns, name).await;
+                }
+                clients_at = Instant::now() + self.controller.poll();
+            }
             let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
+            if !named.is_empty() {
+                next = Some(next.map_or(clients_at, |n| n.min(clients_at)));
+            }
             if done.values().any(|t| !t.serving) {
                 let poll = Instant::now() + self.controller.poll();
                 next = Some(next.map_or(poll, |n| n.min(poll)));
@@ -223,6 +244,31 @@ impl Follower {
                 }
                 Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: EndpointSlice not emptied"),
             }
+        }
+    }
+
+    /// Admits the nodes announced on volume `id`'s PVC to its export and
+    /// answers them on the PVC. Why polled (every poll interval) and not
+    /// watched: one GET per exported volume is what a watch would cost per
+    /// change anyway, on a node exporting a handful of volumes; a failure
+    /// is logged and tried again at the next poll.
+    async fn admit_announced(&self, id: &str, ns: &str, name: &str) {
+        let client = self.controller.client();
+        let pvc = match super::admit::read(client, ns, name).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(volume = id, error = %e, "cannot read the announced NFS clients");
+                return;
+            }
+        };
+        let announced = super::admit::announced(&pvc);
+        if let Err(e) = (self.admit)(id, &announced) {
+            tracing::warn!(volume = id, error = %e, "cannot admit the announced NFS clients");
+            return;
+        }
+        if let Err(e) = super::admit::answer(client, ns, name, &pvc, &announced).await {
+            tracing::debug!(volume = id, error = %e, "cannot answer the announced NFS clients");
         }
     }
 
@@ -268,17 +314,22 @@ const LOOKUP_WAIT: Duration = Duration::from_secs(10);
 /// In a cluster: `driver`'s NodeStage reads published endpoints, and when
 /// the node serves NFS the loop runs (`None` when it does not). `node` is
 /// the agent's `--node-id`: its requests' User-Agent names it, as the
-/// publisher's do, so one node's requests read alike in the audit log.
+/// publisher's do, so one node's requests read alike in the audit log;
+/// `address` is where other nodes' NFS servers see this node's
+/// connections come from (`--nfs-client-address`), which it announces
+/// when it stages a shared volume (`None`: it announces nothing, and is
+/// admitted only where the owner lists it in `--nfs-clients`).
 pub async fn in_cluster<D: ShareHost>(
     driver: &Arc<D>,
     node: &str,
+    address: Option<std::net::IpAddr>,
     config: super::kube::ControllerConfig,
 ) -> Result<Option<Running>, super::Error> {
     let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
     let mut kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
     super::kube::identify(&mut kc, node);
     let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
-    read_endpoints(driver.as_ref(), client.clone());
+    read_endpoints(driver.as_ref(), client.clone(), node, address);
     if !driver.shares().enabled() {
         return Ok(None);
     }
@@ -289,15 +340,51 @@ pub async fn in_cluster<D: ShareHost>(
 
 /// Lets `driver`'s NodeStage read the endpoints owning nodes publish on
 /// PVCs (every node of a cluster, also one that serves no NFS itself).
-pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client) {
+/// With an `address`, a stage first announces this node on the PVC and
+/// waits for the owner to admit it (UNAVAILABLE until then), and the
+/// unstage takes the announcement off ([`super::admit`]).
+pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
     let handle = tokio::runtime::Handle::current();
-    driver.set_endpoint_lookup(Box::new(move |ns, name| {
-        let lookup = tokio::time::timeout(LOOKUP_WAIT, super::kube::published_endpoint(&client, ns, name));
-        match handle.block_on(lookup) {
-            Ok(r) => r.map_err(|e| e.to_string()),
+    let store = driver.shares().store();
+    let (c, h, s, n) = (client.clone(), handle.clone(), store.clone(), node.to_string());
+    driver.set_endpoint_lookup(Box::new(move |id, ns, name| {
+        let (client, node, store) = (&c, &n, &s);
+        let lookup = async move {
+            if let Some(address) = address {
+                let pvc = (ns.to_string(), name.to_string());
+                super::records::put_announced(store, id, &pvc).map_err(|e| e.to_string())?;
+                let admitted = super::admit::announce(client, ns, name, node, &address.to_string()).await.map_err(|e| e.to_string())?;
+                if !admitted {
+                    return Err(format!("the owning node has not admitted this node ({address}) to the NFS export yet"));
+                }
+            }
+            super::kube::published_endpoint(client, ns, name).await.map_err(|e| e.to_string())
+        };
+        match h.block_on(async move { tokio::time::timeout(LOOKUP_WAIT, lookup).await }) {
+            Ok(r) => r,
             Err(_) => Err(format!("no answer from the API server within {LOOKUP_WAIT:?}")),
         }
     }));
+    if address.is_none() {
+        return;
+    }
+    let node = node.to_string();
+    driver.shares().on_unmounted(move |id| {
+        let Some((ns, name)) = super::records::get_announced(&store, id) else { return };
+        let renounce = async { tokio::time::timeout(LOOKUP_WAIT, super::admit::renounce(&client, &ns, &name, &node)).await };
+        // On a thread of its own: block_on must not run on a runtime's
+        // thread, and the caller's is not known here.
+        let r = std::thread::scope(|t| t.spawn(|| handle.block_on(renounce)).join());
+        match r {
+            Ok(Ok(Ok(()))) => {
+                if let Err(e) = super::records::remove_announced(&store, id) {
+                    tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement");
+                }
+            }
+            Ok(Ok(Err(e))) => tracing::warn!(volume = id, error = %e, "the NFS announcement stays on the PVC"),
+            _ => tracing::warn!(volume = id, "no answer from the API server: the NFS announcement stays on the PVC"),
+        }
+    });
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
@@ -312,7 +399,10 @@ pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::
     let w = wake.clone();
     driver.shares().on_change(move || w.notify_one());
     let d = driver.clone();
-    let follower = Follower { controller: controller.clone(), server, probe, exports: Arc::new(move || d.exported_shares()), wake };
+    let exports = Arc::new(move || d.exported_shares());
+    let d = driver.clone();
+    let admit: Admit = Arc::new(move |id, clients| d.shares().set_clients(id, clients));
+    let follower = Follower { controller: controller.clone(), server, probe, exports, admit, wake };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(follower.run_until(async move {
         let _ = stopped.await;

@@ -152,6 +152,11 @@ impl ShareController {
         Self { client, config, duration }
     }
 
+    /// The API client the controller writes with.
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
     /// Registers the reconcile-duration histogram.
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
