@@ -9,6 +9,8 @@
 //! that fails (the API server away, the PVC not there yet) is retried with
 //! backoff. At start every export is reconciled once, which also points
 //! the EndpointSlice back at this node after the agent or the server moved.
+//! The one timer: the nodes announced on each exported volume's PVC are
+//! read every poll interval and admitted to its export ([`super::admit`]).
 //!
 //! The EndpointSlice names this node's advertised address only while its
 //! NFS server accepts connections (at its listen address: the advertised
