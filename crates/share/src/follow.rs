@@ -136,11 +136,28 @@ impl Follower {
         let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
         let mut clients_at = Instant::now();
+        // Whether the server answered when last asked, and whether to ask
+        // again: not when only the clients' poll woke the loop (a
+        // connection a second would only fill ganesha's log).
+        let mut answered: Option<bool> = None;
+        let mut woken_by_change = true;
         loop {
             let now = (self.exports)();
             // Asked only when a Service is kept: the EndpointSlice names this
             // address only while something accepts connections there.
-            let serving = now.iter().any(|e| e.pvc.is_some()) && self.answers().await;
+            let ask = woken_by_change
+                || answered.is_none()
+                || done.values().any(|t| !t.serving)
+                || failing.values().chain(leave_failing.values()).any(|f| f.next <= Instant::now());
+            let serving = if now.iter().any(|e| e.pvc.is_some()) {
+                if ask {
+                    answered = Some(self.answers().await);
+                }
+                answered.unwrap_or(false)
+            } else {
+                answered = None;
+                false
+            };
             for e in &now {
                 let Some((ns, name)) = e.pvc.clone() else {
                     if !unnamed.contains(&e.volume_id) {
@@ -213,8 +230,6 @@ impl Follower {
                     }
                 }
             }
-            // Woken by the next export change; else by the earliest retry,
-            // or the next look at a server that did not answer.
             // The nodes announced on each exported volume's PVC, admitted.
             let named: Vec<(String, String, String)> =
                 now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
@@ -224,6 +239,9 @@ impl Follower {
                 }
                 clients_at = Instant::now() + self.controller.poll();
             }
+            // Woken by the next export change; else by the earliest retry,
+            // the next look at a server that did not answer, or the next
+            // read of the announced clients.
             let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
             if !named.is_empty() {
                 next = Some(next.map_or(clients_at, |n| n.min(clients_at)));
@@ -232,11 +250,11 @@ impl Follower {
                 let poll = Instant::now() + self.controller.poll();
                 next = Some(next.map_or(poll, |n| n.min(poll)));
             }
-            tokio::select! {
-                _ = self.wake.notified() => {}
-                _ = sleep_until(next) => {}
+            woken_by_change = tokio::select! {
+                _ = self.wake.notified() => true,
+                _ = sleep_until(next) => false,
                 _ = &mut stop => break,
-            }
+            };
         }
         // Stopping: the server goes with the agent. Bounded by the caller.
         for v in known.values().chain(leaving.values()) {
@@ -265,9 +283,19 @@ impl Follower {
             }
         };
         let announced = super::admit::announced(&pvc);
-        if let Err(e) = (self.admit)(id, &announced) {
-            tracing::warn!(volume = id, error = %e, "cannot admit the announced NFS clients");
-            return;
+        // On a blocking thread: the share side serialises export changes,
+        // and an unexport may hold it for seconds.
+        let (admit, vid, list) = (self.admit.clone(), id.to_string(), announced.clone());
+        match tokio::task::spawn_blocking(move || admit(&vid, &list)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(volume = id, error = %e, "cannot admit the announced NFS clients");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(volume = id, error = %e, "admitting the announced NFS clients failed");
+                return;
+            }
         }
         if let Err(e) = super::admit::answer(client, ns, name, &pvc, &announced).await {
             tracing::debug!(volume = id, error = %e, "cannot answer the announced NFS clients");
