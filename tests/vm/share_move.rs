@@ -152,7 +152,8 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         volume_context: HashMap::from([("attach".to_string(), "loop".to_string())]),
         ..Default::default()
     }))?;
-    endpoints_become(&api, &nfs_listen, 30)?;
+    // A's slice names the address it advertises: where the guest reaches it.
+    endpoints_become(&api, GUEST_NFS, 30)?;
     let ip = cluster_ip(&api).ok_or("no ClusterIP")?;
 
     let mut vm = Vm::new(&image)?;
