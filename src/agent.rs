@@ -58,6 +58,10 @@ pub struct AgentConfig {
     /// The re-read after creating a shared volume's Service or Endpoints
     /// (the loop runs when the node serves NFS and has a cluster).
     pub share_kube: volring_share::kube::ControllerConfig,
+    /// Where other nodes' NFS servers see this node's connections come
+    /// from: announced on a shared volume's PVC at its stage
+    /// (`--nfs-client-address`).
+    pub nfs_client_address: Option<std::net::IpAddr>,
 }
 
 /// Where and how fast the node's objects are published.
@@ -101,6 +105,7 @@ impl Default for AgentConfig {
             reconcile: Default::default(),
             publish: Some(PublishConfig::default()),
             share_kube: Default::default(),
+            nfs_client_address: None,
         }
     }
 }

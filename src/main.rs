@@ -405,6 +405,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 nbd: nbd.config()?,
                 reconcile: csi.reconcile(),
                 share_kube: csi.share_kube(),
+                nfs_client_address: csi.nfs_client_address,
                 publish: publish.config(),
             };
             runtime()?.block_on(volring::agent::run(config))

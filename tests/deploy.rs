@@ -9,6 +9,8 @@
 //! Every program the agent runs is in the image's package list. No cluster
 //! is involved.
 
+mod deploy_support;
+
 use std::path::{Path, PathBuf};
 
 use libtest_mimic::{Failed, Trial};
@@ -84,7 +86,7 @@ fn operator_kind(doc: &Value) -> Result<(), String> {
 }
 
 fn check_object(doc: &Value) -> Result<(), String> {
-    use k8s_openapi::api::{apps, core, rbac, storage};
+    use k8s_openapi::api::{admissionregistration, apps, core, rbac, storage};
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     let kind = (doc["apiVersion"].as_str().unwrap_or(""), doc["kind"].as_str().unwrap_or(""));
     match kind {
@@ -97,6 +99,12 @@ fn check_object(doc: &Value) -> Result<(), String> {
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => round_trip::<rbac::v1::ClusterRoleBinding>(doc),
         ("rbac.authorization.k8s.io/v1", "Role") => round_trip::<rbac::v1::Role>(doc),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => round_trip::<rbac::v1::RoleBinding>(doc),
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            round_trip::<admissionregistration::v1::ValidatingAdmissionPolicy>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            round_trip::<admissionregistration::v1::ValidatingAdmissionPolicyBinding>(doc)
+        }
         ("storage.k8s.io/v1", "CSIDriver") => round_trip::<storage::v1::CSIDriver>(doc),
         ("storage.k8s.io/v1", "StorageClass") => round_trip::<storage::v1::StorageClass>(doc),
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => round_trip::<CustomResourceDefinition>(doc),
@@ -250,8 +258,16 @@ fn object<'a>(objects: &'a [Value], kind: &str, name: &str) -> Option<&'a Value>
 }
 
 /// Kinds that are cluster-scoped among those deploy/ ships.
-const CLUSTER_SCOPED: &[&str] =
-    &["Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "CSIDriver", "StorageClass"];
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "CSIDriver",
+    "StorageClass",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+];
 
 /// What one rendered kustomization must be, whatever its switches.
 fn check_rendered(dir: &str, objects: &[Value]) -> Vec<String> {
@@ -393,6 +409,11 @@ fn every_kustomization_renders_and_checks() -> Result<(), Failed> {
         };
         rendered += 1;
         problems.extend(check_rendered(&dir, &objects));
+        if dir != "crds" {
+            if let Err(e) = deploy_support::check_policy(&objects) {
+                problems.push(format!("deploy/{dir}: the admission policy: {e}"));
+            }
+        }
     }
     if rendered < 9 {
         problems.push(format!("only {rendered} kustomizations rendered"));
@@ -431,6 +452,30 @@ fn a_wrong_rendering_is_caught() -> Result<(), Failed> {
         if !said.contains(want) {
             return Err(format!("expected {want:?} among:\n{said}").into());
         }
+    }
+    Ok(())
+}
+
+/// Issue 29, least privilege: the rendered admission policy admits every
+/// write crates/share makes for a shared volume, does not match other
+/// accounts, and denies the agent's ServiceAccount each write it must not
+/// make (default/kubernetes taken over or deleted, an unlabelled or
+/// unowned Service, a slice another controller manages or one feeding
+/// another Service, anything in kube-system). And the evaluation can
+/// deny: without the policy's validations the same cases are admitted.
+fn the_admission_policy_admits_only_the_agents_own_writes() -> Result<(), Failed> {
+    let Some(objects) = render(&root().join("base"))? else {
+        eprintln!("kubectl not found: skipped");
+        return Ok(());
+    };
+    deploy_support::check_policy(&objects)?;
+    let mut gutted = objects.clone();
+    for o in gutted.iter_mut().filter(|o| o["kind"] == "ValidatingAdmissionPolicy") {
+        o["spec"]["validations"] = Value::Array(Vec::new());
+    }
+    let said = deploy_support::check_policy(&gutted).err().unwrap_or_default();
+    if !said.contains("default/kubernetes taken over") || !said.contains("a slice feeding another Service") {
+        return Err(format!("a policy without validations passed the check: {said:?}").into());
     }
     Ok(())
 }
@@ -580,6 +625,10 @@ fn main() {
         Trial::test("deploy::kustomizations_name_files_that_exist", kustomizations_name_files_that_exist),
         Trial::test("deploy::every_kustomization_renders_and_checks", every_kustomization_renders_and_checks),
         Trial::test("deploy::a_wrong_rendering_is_caught", a_wrong_rendering_is_caught),
+        Trial::test(
+            "deploy::the_admission_policy_admits_only_the_agents_own_writes",
+            the_admission_policy_admits_only_the_agents_own_writes,
+        ),
         Trial::test("deploy::every_program_the_agent_runs_is_in_the_image", every_program_the_agent_runs_is_in_the_image),
     ];
     libtest_mimic::run(&args, trials).exit();

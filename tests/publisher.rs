@@ -654,3 +654,81 @@ async fn a_watch_whose_history_is_gone_lists_again_and_repairs() {
     let lists = server.api.log().iter().filter(|l| l.method == Method::GET && !l.is_watch() && l.path.ends_with("/blockdevices")).count();
     assert!(lists >= 1, "listed again: {:#?}", server.api.log());
 }
+
+/// Sends `body` to the stand-in as a server-side apply (or any method), and
+/// returns the status, the Warning headers and the reply.
+async fn raw(server: &Server, method: Method, uri: &str, body: serde_json::Value) -> (u16, Vec<String>, serde_json::Value) {
+    let client = kube::Client::try_from(server.config()).unwrap();
+    let req = http::Request::builder()
+        .method(method.as_str())
+        .uri(uri)
+        .header("content-type", "application/apply-patch+yaml")
+        .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
+        .unwrap();
+    let resp = client.send(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let warnings = resp.headers().get_all("warning").iter().map(|v| v.to_str().unwrap().to_string()).collect();
+    let bytes = resp.into_body().collect_bytes().await.unwrap();
+    (status, warnings, serde_json::from_slice(&bytes).unwrap_or_default())
+}
+
+/// Issue 29: the stand-in refuses what the API server refuses (and only
+/// that): an unknown field under `fieldValidation=Strict` (400; dropped
+/// with a Warning by default), an object its CRD's schema does not allow
+/// (422), a label value of 64 characters (422). A status apply without
+/// `status` is accepted, as by the API server: the status fields that
+/// manager owned are dropped.
+#[tokio::test]
+async fn the_stand_in_refuses_what_the_api_server_refuses() {
+    let server = Server::start().await;
+    let o = bd("n1", 1, 1);
+    let url = format!("/apis/volring.io/v1alpha1/blockdevices/{}?fieldManager=t", o.key.name);
+    let status_url = format!("/apis/volring.io/v1alpha1/blockdevices/{}/status?fieldManager=t", o.key.name);
+    let mut body = o.main_body();
+    body["spec"]["colour"] = json!("blue");
+    let (code, _, reply) = raw(&server, Method::PATCH, &format!("{url}&fieldValidation=Strict"), body.clone()).await;
+    assert_eq!(code, 400, "{reply}");
+    assert!(reply["message"].as_str().unwrap().contains("unknown field \"spec.colour\""), "{reply}");
+    let (code, warnings, reply) = raw(&server, Method::PATCH, &url, body).await;
+    assert_eq!((code, warnings), (201, vec!["299 - \"unknown field \\\"spec.colour\\\"\"".to_string()]), "{reply}");
+    assert!(server.api.object("blockdevices", &o.key.name).unwrap()["spec"].get("colour").is_none(), "dropped");
+
+    let mut bad = o.status_body();
+    bad["status"]["state"] = json!("Bogus");
+    let (code, _, reply) = raw(&server, Method::PATCH, &status_url, bad).await;
+    assert_eq!(code, 422, "{reply}");
+    assert!(reply["message"].as_str().unwrap().contains("status.state: Unsupported value: \"Bogus\""), "{reply}");
+    let mut bad = o.main_body();
+    bad["spec"]["capacity"]["storage"] = json!("a lot");
+    let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
+    assert_eq!(code, 422, "{reply}");
+    assert!(reply["message"].as_str().unwrap().contains("spec.capacity.storage in body must be of type integer"), "{reply}");
+    let mut bad = o.main_body();
+    bad["metadata"]["labels"][objects::NODE_LABEL] = json!("n".repeat(64));
+    let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
+    assert_eq!(code, 422, "{reply}");
+    assert!(reply["message"].as_str().unwrap().contains("at most 63 characters"), "{reply}");
+
+    let (code, _, reply) = raw(&server, Method::PATCH, &status_url, o.status_body()).await;
+    assert_eq!(code, 200, "{reply}");
+    let mut empty = o.status_body();
+    empty.as_object_mut().unwrap().remove("status");
+    let (code, _, reply) = raw(&server, Method::PATCH, &status_url, empty).await;
+    assert_eq!(code, 200, "{reply}");
+    assert!(server.api.object("blockdevices", &o.key.name).unwrap().get("status").is_none(), "status dropped with its fields");
+}
+
+/// A state the CRD does not allow is refused by the (stand-in) API server:
+/// the updater drops it and counts it, and does not send it again.
+#[tokio::test]
+async fn a_write_the_schema_refuses_is_dropped_and_counted() {
+    let server = Server::start().await;
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let mut o = bd("n1", 1, 1);
+    o.status["state"] = json!("Exploded");
+    up.submit(o.clone());
+    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    let s = up.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((s.writes_main, s.writes_status, s.refused), (1, 0, 1), "{s:?}");
+    assert!(stored_status(&server, &o).is_null(), "the object is there, without the refused status");
+}

@@ -170,7 +170,11 @@ async fn the_agent_publishes_to_the_cluster_its_kubeconfig_names() {
     for _ in 0..600 {
         assert!(agent.0.try_wait().unwrap().is_none(), "the agent exited:\n{}", log());
         if let Some(s) = http_get(port, "/metrics").await {
-            if sample(&s, "volring_publish_refused_total") == Some(1.0) && !bd_names_of(&server, "e2e-node").is_empty() {
+            // Each BlockDevice's main part and status are two writes: both
+            // are waited for, else the status check below races the second.
+            let names = bd_names_of(&server, "e2e-node");
+            let active = names.iter().all(|n| server.api.object("blockdevices", n).is_some_and(|o| o["status"]["state"] == "Active"));
+            if sample(&s, "volring_publish_refused_total") == Some(1.0) && !names.is_empty() && active {
                 scrape = s;
                 break;
             }

@@ -1,8 +1,9 @@
-//! The shared-volume controller (src/share/kube.rs) against the API
-//! stand-in (tests/kube_support/, core/v1 in core.rs): the Service and
-//! Endpoints life cycle per shared volume, the endpoint published once,
-//! failover updating only the Endpoints, the owner reference that lets the
-//! garbage collector remove both with the PVC, and the duration histogram.
+//! The shared-volume controller (crates/share/src/kube.rs) against the API
+//! stand-in (tests/kube_support/, core/v1 and discovery/v1 in core.rs): the
+//! Service and EndpointSlice life cycle per shared volume, the endpoint
+//! published once, failover updating only the slice, the owner reference
+//! that lets the garbage collector remove both with the PVC, core/v1
+//! Endpoints never touched, and the duration histogram.
 
 mod kube_support;
 
@@ -35,9 +36,18 @@ fn pvc() -> serde_json::Value {
     json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"}, "spec": {"accessModes": ["ReadWriteMany"]}})
 }
 
-/// (method, path) of the stand-in's log for core objects, in order.
+const SLICE: &str = "/apis/discovery.k8s.io/v1/namespaces/apps/endpointslices/data";
+
+/// (method, path) of the stand-in's log for core and discovery objects, in
+/// order.
 fn core_calls(server: &Server) -> Vec<(Method, String)> {
-    server.api.log().into_iter().filter(|l| l.path.starts_with("/api/v1/")).map(|l| (l.method, l.path)).collect()
+    server
+        .api
+        .log()
+        .into_iter()
+        .filter(|l| l.path.starts_with("/api/v1/") || l.path.starts_with("/apis/discovery.k8s.io/"))
+        .map(|l| (l.method, l.path))
+        .collect()
 }
 
 fn writes(server: &Server) -> Vec<(Method, String)> {
@@ -66,10 +76,14 @@ async fn service_and_endpoints_life_cycle() {
     assert_eq!(patches, [(Method::PATCH, "/api/v1/namespaces/apps/persistentvolumeclaims/data".to_string())]);
     assert_eq!(svc["spec"]["ports"][0]["port"], 2049);
     assert_eq!(svc["spec"]["ports"][0]["targetPort"], 20490);
-    assert!(svc["spec"]["selector"].is_null(), "no selector: volring writes the Endpoints");
-    let ep = server.api.core_object("apps", "endpoints", "data").expect("endpoints");
-    assert_eq!(ep["subsets"][0]["addresses"][0]["ip"], "192.0.2.10");
-    assert_eq!(ep["subsets"][0]["ports"][0]["port"], 20490);
+    assert!(svc["spec"]["selector"].is_null(), "no selector: volring writes the EndpointSlice");
+    let ep = server.api.core_object("apps", "endpointslices", "data").expect("endpointslice");
+    assert_eq!((ep["addressType"].as_str(), ep["endpoints"][0]["addresses"][0].as_str()), (Some("IPv4"), Some("192.0.2.10")));
+    assert_eq!(ep["endpoints"][0]["conditions"]["ready"], true);
+    assert_eq!(ep["ports"][0]["port"], 20490);
+    assert_eq!(ep["metadata"]["labels"]["kubernetes.io/service-name"], "data");
+    assert_eq!(ep["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"], "volring.io");
+    assert!(server.api.core_object("apps", "endpoints", "data").is_none(), "no core/v1 Endpoints");
     for o in [&svc, &ep] {
         let owner = &o["metadata"]["ownerReferences"][0];
         assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("PersistentVolumeClaim"), Some("data")));
@@ -78,7 +92,7 @@ async fn service_and_endpoints_life_cycle() {
     }
     // Every request names volring and its node (issue 29).
     let ua = volring_share::kube::user_agent("n1");
-    assert!(server.api.log().iter().filter(|l| l.path.starts_with("/api/v1/")).all(|l| l.user_agent.as_deref() == Some(ua.as_str())));
+    assert!(server.api.log().iter().filter(|l| l.path.starts_with("/api")).all(|l| l.user_agent.as_deref() == Some(ua.as_str())));
     // The re-read after each create: GETs until visible (2 hidden + 1).
     let calls = core_calls(&server);
     let created = calls.iter().position(|(m, p)| *m == Method::POST && p.ends_with("/services")).expect("service POST");
@@ -99,13 +113,13 @@ async fn service_and_endpoints_life_cycle() {
     assert!(writes(&server).is_empty(), "{:?}", writes(&server));
     assert_eq!(published.borrow().len(), 1);
 
-    // Failover: the server moved; only the Endpoints are updated, the
+    // Failover: the server moved; only the slice is updated, the
     // Service keeps its ClusterIP and the endpoint is not republished.
     server.api.clear_log();
     let out = c.reconcile(&vol("192.0.2.20"), |e| published.borrow_mut().push(e.to_string())).await.expect("failover");
     assert!(out.endpoints_updated && !out.service_updated && !out.service_created && out.published.is_none(), "{out:?}");
-    assert_eq!(writes(&server), [(Method::PUT, "/api/v1/namespaces/apps/endpoints/data".to_string())]);
-    assert_eq!(server.api.core_object("apps", "endpoints", "data").unwrap()["subsets"][0]["addresses"][0]["ip"], "192.0.2.20");
+    assert_eq!(writes(&server), [(Method::PUT, SLICE.to_string())]);
+    assert_eq!(server.api.core_object("apps", "endpointslices", "data").unwrap()["endpoints"][0]["addresses"][0], "192.0.2.20");
     assert_eq!(server.api.core_object("apps", "services", "data").unwrap()["spec"]["clusterIP"], ip.as_str());
     assert_eq!(published.borrow().len(), 1);
 
@@ -137,7 +151,7 @@ async fn service_and_endpoints_life_cycle() {
     let pvcs: kube::Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> = kube::Api::namespaced(client, "apps");
     pvcs.delete("data", &Default::default()).await.expect("delete pvc");
     assert!(server.api.core_object("apps", "services", "data").is_none());
-    assert!(server.api.core_object("apps", "endpoints", "data").is_none());
+    assert!(server.api.core_object("apps", "endpointslices", "data").is_none());
     // Without its PVC, a reconcile creates nothing.
     let gone = c.reconcile(&vol("192.0.2.20"), |_| panic!("published without a PVC")).await;
     assert!(matches!(gone, Err(Error::PvcGone { .. })), "{gone:?}");
@@ -154,4 +168,57 @@ async fn an_object_that_never_shows_fails_the_reconcile_unpublished() {
     let r = c.reconcile(&vol("192.0.2.10"), |_| called = true).await;
     assert!(matches!(r, Err(Error::NotVisible(..))), "{r:?}");
     assert!(!called, "nothing published before the objects are there");
+}
+
+/// Issue 29: the API server refuses an endpoint on a loopback (or
+/// link-local, or unspecified) address — "may not be in the loopback
+/// range" — and so does the stand-in: a server advertised there fails the
+/// reconcile, nothing is published.
+#[tokio::test]
+async fn an_endpoint_on_a_loopback_address_is_refused() {
+    for (ip, why) in [("127.0.0.1", "loopback"), ("169.254.10.1", "link-local"), ("::1", "loopback"), ("0.0.0.0", "unspecified")] {
+        let server = Server::start().await;
+        server.api.seed_core("apps", "persistentvolumeclaims", pvc());
+        let c = controller(&server, 10).await;
+        let r = c.reconcile(&vol(ip), |_| panic!("published")).await;
+        match &r {
+            Err(Error::Api { source: kube::Error::Api(e), .. }) => {
+                assert_eq!(e.code, 422, "{ip}: {e:?}");
+                assert!(e.message.contains(why) && e.message.contains("endpoints[0].addresses[0]"), "{ip}: {}", e.message);
+            }
+            other => panic!("{ip}: {other:?}"),
+        }
+        assert!(server.api.core_object("apps", "endpointslices", "data").is_none(), "{ip}");
+    }
+}
+
+/// Least privilege (issue 29): core/v1 Endpoints are neither read nor
+/// written — the agent's role has no access to them — even when an earlier
+/// version's are there (the operator deletes those once). A withdrawal
+/// empties volring's slice and leaves the Service.
+#[tokio::test]
+async fn old_endpoints_are_left_alone_and_a_withdrawal_empties_the_slice() {
+    let server = Server::start().await;
+    let pvc = server.api.seed_core("apps", "persistentvolumeclaims", pvc());
+    let owner = json!([{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "name": "data", "uid": pvc["metadata"]["uid"]}]);
+    server.api.seed_core(
+        "apps",
+        "endpoints",
+        json!({"apiVersion": "v1", "kind": "Endpoints",
+            "metadata": {"name": "data", "labels": {"volring.io/volume": "pvc-0001"}, "ownerReferences": owner},
+            "subsets": [{"addresses": [{"ip": "192.0.2.99"}], "ports": [{"name": "nfs", "port": 20490, "protocol": "TCP"}]}]}),
+    );
+    let c = controller(&server, 10).await;
+    let out = c.reconcile(&vol("192.0.2.10"), |_| {}).await.expect("reconcile");
+    assert!(out.endpoints_created, "{out:?}");
+    let touched: Vec<_> = core_calls(&server).into_iter().filter(|(_, p)| p.contains("/endpoints/") || p.ends_with("/endpoints")).collect();
+    assert!(touched.is_empty(), "core/v1 Endpoints requested: {touched:?}");
+    let out = c.reconcile(&vol("192.0.2.10"), |_| {}).await.expect("again");
+    assert_eq!(out, Default::default(), "nothing to write the second time");
+
+    assert!(c.withdraw(&vol("192.0.2.10")).await.expect("withdraw"));
+    let slice = server.api.core_object("apps", "endpointslices", "data").unwrap();
+    assert_eq!(slice["endpoints"], json!([]), "{slice}");
+    assert!(server.api.core_object("apps", "services", "data").is_some());
+    assert!(!c.withdraw(&vol("192.0.2.10")).await.expect("again"), "nothing left to take out");
 }

@@ -37,7 +37,14 @@ fn free_port() -> u16 {
 
 fn nfs_agent(port: u16) -> Agent {
     let listen = format!("127.0.0.1:{port}");
-    Agent::start_with(&[("VOLRING_NFS_LISTEN", &listen), ("VOLRING_NFS_GRACE", "5"), ("VOLRING_NFS_LEASE", "5")])
+    // This host's libnfs client is the one client: listed (out of a
+    // cluster no node announces itself).
+    Agent::start_with(&[
+        ("VOLRING_NFS_LISTEN", &listen),
+        ("VOLRING_NFS_GRACE", "5"),
+        ("VOLRING_NFS_LEASE", "5"),
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1"),
+    ])
 }
 
 fn create(a: &Agent, name: &str, fs: &str) -> Result<(), Failed> {

@@ -28,7 +28,7 @@ use super::{csi, publisher, AgentConfig, TARGET};
 const RING_WAIT: Duration = Duration::from_secs(10);
 /// The reconciler may be inside a repair: it is let finish.
 const RECONCILER_WAIT: Duration = Duration::from_secs(60);
-/// The shared-volume loop empties this node's Endpoints within 5 s.
+/// The shared-volume loop empties this node's EndpointSlices within 5 s.
 const SHARE_EMPTY: Duration = Duration::from_secs(5);
 const SHARE_WAIT: Duration = Duration::from_secs(10);
 const SERVER_WAIT: Duration = Duration::from_secs(5);
@@ -286,8 +286,8 @@ async fn reconcile(
 
 /// In a cluster (the same choice the publisher makes: --kube, else a
 /// kubeconfig or the pod's service account): NodeStage reads the endpoints
-/// published on PVCs, and a node serving NFS keeps a Service and Endpoints
-/// per export. Its stop empties the Endpoints of this node's exports
+/// published on PVCs, and a node serving NFS keeps a Service and EndpointSlice
+/// per export. Its stop empties the EndpointSlices of this node's exports
 /// first: the NFS server stops with the agent.
 async fn share_loop(
     config: &AgentConfig,
@@ -296,7 +296,9 @@ async fn share_loop(
 ) -> anyhow::Result<Option<Arc<volring_share::kube::ShareController>>> {
     let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| volring_kube::kube_sink::KubeSink::detect().is_some());
     let running = match driver {
-        Some(d) if cluster => volring_share::follow::in_cluster(d, config.share_kube.clone()).await?,
+        Some(d) if cluster => {
+            volring_share::follow::in_cluster(d, &config.devices.node_name, config.nfs_client_address, config.share_kube.clone()).await?
+        }
         _ => None,
     };
     Ok(running.map(|s| {

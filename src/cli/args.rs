@@ -175,10 +175,27 @@ pub(crate) struct CsiArgs {
     /// NFSv4 (nfs-ganesha) on this address:port ("off": not served).
     #[arg(long, env = "VOLRING_NFS_LISTEN", default_value = "off")]
     pub(crate) nfs_listen: String,
-    /// The host:port other nodes mount shared volumes from (default: the
-    /// listen address).
+    /// The IP:port other nodes mount shared volumes from (default: the
+    /// listen address). In a cluster it becomes the EndpointSlice's
+    /// address, which may not be loopback, link-local or unspecified: a
+    /// node listening on one of those advertises its pod IP (deploy/ sets
+    /// it from the downward API's status.podIP).
     #[arg(long, env = "VOLRING_NFS_ADVERTISE")]
     pub(crate) nfs_advertise: Option<String>,
+    /// Comma-separated IP addresses or address/prefix networks admitted to
+    /// every NFS export, besides the nodes that staged the volume (which
+    /// make themselves known in a cluster). Out of a cluster nobody
+    /// announces itself: list the clients here. Default: none.
+    #[arg(long, env = "VOLRING_NFS_CLIENTS", value_delimiter = ',')]
+    pub(crate) nfs_clients: Vec<String>,
+    /// In a cluster: this node's IP as other nodes' NFS servers see its
+    /// connections (deploy/ sets the pod's IP, the node's under
+    /// hostNetwork). Staging a shared volume another node serves announces
+    /// it on the volume's PVC, and the owner admits exactly the announced
+    /// nodes; unset, nothing is announced and this node mounts only from
+    /// owners that list it in --nfs-clients.
+    #[arg(long, env = "VOLRING_NFS_CLIENT_ADDRESS")]
+    pub(crate) nfs_client_address: Option<std::net::IpAddr>,
     /// The nfs-ganesha daemon to run.
     #[arg(long, env = "VOLRING_NFS_GANESHA", default_value = "ganesha.nfsd")]
     pub(crate) nfs_ganesha: std::path::PathBuf,
@@ -191,10 +208,10 @@ pub(crate) struct CsiArgs {
     #[arg(long, env = "VOLRING_NFS_LEASE", default_value_t = 15)]
     pub(crate) nfs_lease: u32,
     /// In a cluster: seconds between re-reads of a shared volume's Service
-    /// or Endpoints just created, until it is visible.
+    /// or EndpointSlice just created, until it is visible.
     #[arg(long, env = "VOLRING_NFS_SERVICE_POLL", default_value_t = 1.0)]
     pub(crate) nfs_service_poll: f64,
-    /// In a cluster: seconds a just-created Service or Endpoints may take
+    /// In a cluster: seconds a just-created Service or EndpointSlice may take
     /// to become visible before the reconcile fails (and is retried).
     #[arg(long, env = "VOLRING_NFS_SERVICE_WAIT", default_value_t = 20.0)]
     pub(crate) nfs_service_wait: f64,
@@ -258,6 +275,10 @@ impl CsiArgs {
             a => Some(a.parse().map_err(|e| anyhow::anyhow!("--nfs-listen {a:?}: {e} (address:port or off)"))?),
         };
         c.share.advertise = self.nfs_advertise.clone();
+        c.share.clients = self.nfs_clients.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
+        if let Some(bad) = c.share.clients.iter().find(|c| !volring_share::ganesha::valid_client(c)) {
+            anyhow::bail!("--nfs-clients {bad:?}: an IP address or address/prefix network");
+        }
         c.share.ganesha = self.nfs_ganesha.clone();
         anyhow::ensure!(
             self.nfs_lease >= 5 && self.nfs_grace >= self.nfs_lease,

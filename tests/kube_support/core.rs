@@ -1,6 +1,8 @@
 //! The stand-in's core/v1 namespaced resources, for the shared-volume
 //! controller: services, endpoints and persistentvolumeclaims under
-//! `/api/v1/namespaces/{ns}/{plural}[/{name}]`, with the real server's
+//! `/api/v1/namespaces/{ns}/{plural}[/{name}]`, and discovery.k8s.io/v1
+//! endpointslices under `/apis/discovery.k8s.io/v1/namespaces/...`, with
+//! the real server's
 //! HTTP semantics as the controller can observe them:
 //!
 //! - GET 200 or 404 (a Status); POST creates (201; 409 AlreadyExists when
@@ -17,24 +19,77 @@
 //!   ownerReferences name the deleted uid are deleted too.
 //! - A lag knob: a created object stays invisible to the next N GETs, as
 //!   behind a lagging cache, so the controller's re-read is exercised.
+//! - What is written (POST, PUT, the result of a PATCH) is validated as
+//!   the real server does (`validate.rs`): unknown fields by
+//!   `fieldValidation`, labels, and an Endpoints' addresses and ports (no
+//!   loopback, link-local or unspecified address: 422 Invalid).
+
+use std::collections::BTreeMap;
 
 use axum::http::{Method, StatusCode};
 use axum::response::Response;
+use k8s_openapi::api::core::v1::{Endpoints, PersistentVolumeClaim, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::{json, Value};
 
-use super::{reply, status_body, Inner};
+use super::validate::{self, FieldValidation};
+use super::{invalid, reply, status_body, warn, Inner};
 
 /// (namespace, plural, name).
 pub(super) type Key = (String, String, String);
 
-pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], merge_patch: bool) -> Response {
+/// The kind a plural names, as messages say it.
+fn kind(plural: &str) -> &'static str {
+    match plural {
+        "services" => "Service",
+        "endpoints" => "Endpoints",
+        "endpointslices" => "EndpointSlice.discovery.k8s.io",
+        _ => "PersistentVolumeClaim",
+    }
+}
+
+/// Checks an object about to be stored: unknown fields (pruned, or a 400
+/// under Strict; the dropped ones returned for a Warning), labels, and
+/// the kind's own rules.
+fn admit(plural: &str, obj: &mut Value, validation: FieldValidation) -> Result<Vec<String>, Box<Response>> {
+    let unknown = match plural {
+        "services" => validate::unknown_core::<Service>(obj),
+        "endpoints" => validate::unknown_core::<Endpoints>(obj),
+        "endpointslices" => validate::unknown_core::<EndpointSlice>(obj),
+        _ => validate::unknown_core::<PersistentVolumeClaim>(obj),
+    }
+    .map_err(|e| Box::new(bad(&format!("the body does not decode as a {}: {e}", kind(plural)))))?;
+    if !unknown.is_empty() && validation == FieldValidation::Strict {
+        let list: Vec<String> = unknown.iter().map(|f| format!("unknown field \"{f}\"")).collect();
+        return Err(Box::new(bad(&format!("strict decoding error: {}", list.join(", ")))));
+    }
+    validate::prune(obj, &unknown);
+    let mut errors = validate::labels(obj);
+    if plural == "endpoints" {
+        errors.extend(validate::endpoints(obj));
+    }
+    if plural == "endpointslices" {
+        errors.extend(validate::endpoint_slice(obj));
+    }
+    if errors.is_empty() {
+        Ok(unknown)
+    } else {
+        Err(Box::new(invalid(kind(plural), obj["metadata"]["name"].as_str().unwrap_or_default(), &errors)))
+    }
+}
+
+pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<String, String>, body: &[u8], merge_patch: bool) -> Response {
+    let validation = match FieldValidation::of(q) {
+        Ok(v) => v,
+        Err(m) => return bad(&m),
+    };
     let parts: Vec<&str> = rest.split('/').collect();
     let (ns, plural, name) = match parts.as_slice() {
         [ns, plural] => (*ns, *plural, None),
         [ns, plural, name] => (*ns, *plural, Some(*name)),
         _ => return not_served(),
     };
-    if !matches!(plural, "services" | "endpoints" | "persistentvolumeclaims") {
+    if !matches!(plural, "services" | "endpoints" | "persistentvolumeclaims" | "endpointslices") {
         return not_served();
     }
     let key = |n: &str| (ns.to_string(), plural.to_string(), n.to_string());
@@ -64,6 +119,10 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], mer
                 let msg = format!("{plural} \"{n}\" already exists");
                 return reply(StatusCode::CONFLICT, status_body(StatusCode::CONFLICT, "AlreadyExists", &msg));
             }
+            let unknown = match admit(plural, &mut obj, validation) {
+                Ok(u) => u,
+                Err(r) => return *r,
+            };
             g.rv += 1;
             g.uid += 1;
             obj["metadata"]["namespace"] = json!(ns);
@@ -81,7 +140,11 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], mer
                 g.core_hidden.insert(k.clone(), g.core_lag);
             }
             g.core.insert(k, obj.clone());
-            reply(StatusCode::CREATED, obj)
+            let mut r = reply(StatusCode::CREATED, obj);
+            if validation == FieldValidation::Warn {
+                warn(&mut r, &unknown);
+            }
+            r
         }
         (Method::PUT, Some(n)) => {
             let Ok(mut obj) = serde_json::from_slice::<Value>(body) else { return bad("body is not JSON") };
@@ -110,13 +173,21 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], mer
                     Some(_) => {}
                 }
             }
+            let unknown = match admit(plural, &mut obj, validation) {
+                Ok(u) => u,
+                Err(r) => return *r,
+            };
             g.rv += 1;
             for f in ["uid", "creationTimestamp", "namespace"] {
                 obj["metadata"][f] = old["metadata"][f].clone();
             }
             obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
             g.core.insert(k, obj.clone());
-            reply(StatusCode::OK, obj)
+            let mut r = reply(StatusCode::OK, obj);
+            if validation == FieldValidation::Warn {
+                warn(&mut r, &unknown);
+            }
+            r
         }
         (Method::PATCH, Some(n)) => {
             if !merge_patch {
@@ -128,13 +199,21 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, body: &[u8], mer
             let Some(old) = g.core.get(&k).cloned() else { return not_found(plural, n) };
             let mut obj = old.clone();
             merge(&mut obj, &patch);
+            let unknown = match admit(plural, &mut obj, validation) {
+                Ok(u) => u,
+                Err(r) => return *r,
+            };
             g.rv += 1;
             for f in ["name", "uid", "creationTimestamp", "namespace"] {
                 obj["metadata"][f] = old["metadata"][f].clone();
             }
             obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
             g.core.insert(k, obj.clone());
-            reply(StatusCode::OK, obj)
+            let mut r = reply(StatusCode::OK, obj);
+            if validation == FieldValidation::Warn {
+                warn(&mut r, &unknown);
+            }
+            r
         }
         (Method::DELETE, Some(n)) => match g.core.remove(&key(n)) {
             Some(obj) => {

@@ -26,6 +26,13 @@
 //! - VolumeAttachments (storage.k8s.io/v1), read-only: LIST (paginated,
 //!   label selector, and `metadata.name` as the one field selector the real
 //!   server allows on them: any other is a 400) and GET.
+//! - What the real server refuses (`validate.rs`): loopback, link-local
+//!   and unspecified Endpoints addresses, unknown fields under
+//!   `fieldValidation=Strict` (dropped with a `Warning` header under the
+//!   default `Warn`), volring objects that break their CRD's schema, label
+//!   keys and values that are not valid. Not refused, because the real
+//!   server does not refuse it either: a status apply without `status`
+//!   (it drops the status fields that manager owned, as here).
 //! - Injected failures: the next N matching requests answer 429 (with
 //!   Retry-After), 500 or 409.
 //! - A throttled server, as kube-apiserver's max-in-flight filter is with
@@ -48,6 +55,7 @@
 #![allow(dead_code)]
 
 mod core;
+mod validate;
 mod watch;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -128,6 +136,9 @@ struct Inner {
     watch_generation: u64,
     /// How often a watch that asked for them gets a BOOKMARK (None: 1 s).
     bookmark_every: Option<std::time::Duration>,
+    /// The highest resourceVersion each plural's watches were sent a
+    /// BOOKMARK at.
+    bookmarked: BTreeMap<String, u64>,
     rv: u64,
     uid: u64,
     log: Vec<Logged>,
@@ -262,6 +273,27 @@ impl StandIn {
         g.changed.notify_waiters();
     }
 
+    /// A restart of the API server: every connection drops (the watch
+    /// streams end) and its watch cache starts again empty at the current
+    /// resourceVersion, so a watch resumed from before it is answered 410
+    /// Expired — what turns a restart into a LIST by every client that did
+    /// not keep its version current with bookmarks. Requests are refused
+    /// while [`StandIn::set_outage`] says so; call this in between.
+    pub fn restart(&self) {
+        self.compact();
+    }
+
+    /// The resourceVersion of the latest change.
+    pub fn resource_version(&self) -> u64 {
+        self.lock().rv
+    }
+
+    /// The highest resourceVersion `plural`'s watches were sent a BOOKMARK
+    /// at (0: none yet).
+    pub fn last_bookmark(&self, plural: &str) -> u64 {
+        self.lock().bookmarked.get(plural).copied().unwrap_or(0)
+    }
+
     /// Changes a stored object as another writer would (`kubectl edit`,
     /// `kubectl label`): a new resourceVersion, an event for watches.
     pub fn edit(&self, plural: &str, name: &str, f: impl FnOnce(&mut Value)) {
@@ -312,11 +344,22 @@ impl StandIn {
     pub fn seed_core(&self, namespace: &str, plural: &str, obj: Value) -> Value {
         let body = serde_json::to_vec(&obj).unwrap();
         let mut g = self.lock();
-        let r = core::serve(&mut g, &Method::POST, &format!("{namespace}/{plural}"), &body, false);
+        let r = core::serve(&mut g, &Method::POST, &format!("{namespace}/{plural}"), &BTreeMap::new(), &body, false);
         assert_eq!(r.status(), StatusCode::CREATED);
         g.core_hidden.clear();
         let name = obj["metadata"]["name"].as_str().unwrap().to_string();
         g.core[&(namespace.to_string(), plural.to_string(), name)].clone()
+    }
+
+    /// Changes a stored core/v1 object as another writer would (a new
+    /// resourceVersion).
+    pub fn edit_core(&self, namespace: &str, plural: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut g = self.lock();
+        g.rv += 1;
+        let rv = g.rv;
+        let o = g.core.get_mut(&(namespace.to_string(), plural.to_string(), name.to_string())).expect("the object to edit");
+        f(o);
+        o["metadata"]["resourceVersion"] = json!(rv.to_string());
     }
 
     /// Makes every core object created from now on invisible to the next
@@ -510,7 +553,11 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
     }
     if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
         let merge = headers.get("content-type").is_some_and(|v| v.as_bytes() == b"application/merge-patch+json");
-        return core::serve(g, method, rest, body, merge);
+        return core::serve(g, method, rest, &query_pairs(query), body, merge);
+    }
+    if let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/namespaces/").filter(|r| r.split('/').nth(1) == Some("endpointslices"))
+    {
+        return core::serve(g, method, rest, &query_pairs(query), body, false);
     }
     if let Some(rest) = path.strip_prefix(STORAGE_PREFIX) {
         return storage(g, method, rest, query);
@@ -739,7 +786,26 @@ fn apply(
         let code = StatusCode::BAD_REQUEST;
         return reply(code, status_body(code, "BadRequest", "apiVersion, kind and metadata.name must match the URL"));
     }
+    let validation = match validate::FieldValidation::of(q) {
+        Ok(v) => v,
+        Err(m) => return reply(StatusCode::BAD_REQUEST, status_body(StatusCode::BAD_REQUEST, "BadRequest", &m)),
+    };
+    let schema = validate::crd_schema(plural);
+    let mut patch = patch;
+    let unknown = schema.as_ref().map(|s| validate::unknown_custom(&patch, s)).unwrap_or_default();
+    if !unknown.is_empty() && validation == validate::FieldValidation::Strict {
+        let list: Vec<String> = unknown.iter().map(|f| format!("unknown field \"{f}\"")).collect();
+        let code = StatusCode::BAD_REQUEST;
+        return reply(code, status_body(code, "BadRequest", &format!("strict decoding error: {}", list.join(", "))));
+    }
+    validate::prune(&mut patch, &unknown);
+    let kind = patch["kind"].as_str().unwrap_or_default().to_string();
+    let label_errors = validate::labels(&patch);
+    if !label_errors.is_empty() {
+        return invalid(&format!("{kind}.volring.io"), name, &label_errors);
+    }
     let key = (plural.to_string(), name.to_string());
+    let original = g.objects.get(&key).map(|s| (s.obj.clone(), s.managers.clone()));
     let existing = g.objects.get(&key);
     if status && existing.is_none() {
         return not_found(plural, name);
@@ -799,11 +865,39 @@ fn apply(
             set_field(&mut stored.obj, f, None);
         }
     }
+    // A part left empty by that, which no one owns a field of, goes too.
+    for top in ["spec", "status"] {
+        let owned = stored.managers.iter().any(|(m, o)| m != &manager && o.iter().any(|f| f.starts_with(&format!("{top}."))))
+            || applied.iter().any(|f| f.starts_with(&format!("{top}.")));
+        if !owned && stored.obj[top].as_object().is_some_and(|m| m.is_empty()) {
+            stored.obj.as_object_mut().expect("an object").remove(top);
+        }
+    }
     let mine = stored.managers.entry(manager).or_default();
     mine.retain(|f| !scope(f));
     mine.extend(applied);
     stored.managers.retain(|_, o| !o.is_empty());
     let created = before.get("spec").is_none() && !status && before["metadata"]["resourceVersion"].is_null();
+    // The object as it would be stored, against its CRD's schema.
+    let mut errors = Vec::new();
+    if let Some(schema) = &schema {
+        for r in schema["required"].as_array().into_iter().flatten().filter_map(|r| r.as_str()) {
+            if stored.obj.get(r).is_none() {
+                errors.push(format!("{r}: Required value"));
+            }
+        }
+        for part in ["spec", "status"] {
+            if let Some(v) = stored.obj.get(part) {
+                validate::against_schema(v, &schema["properties"][part], part, &mut errors);
+            }
+        }
+    }
+    if !errors.is_empty() {
+        if let Some((obj, managers)) = original {
+            g.objects.insert(key, Stored { obj, managers });
+        }
+        return invalid(&format!("{kind}.volring.io"), name, &errors);
+    }
     if stored.obj != before || created {
         if stored.obj.get("spec") != before.get("spec") {
             let gen = stored.obj["metadata"]["generation"].as_u64().unwrap_or(0) + 1;
@@ -816,5 +910,26 @@ fn apply(
     }
     let out = stored.obj.clone();
     g.objects.insert(key, stored);
-    reply(if created { StatusCode::CREATED } else { StatusCode::OK }, out)
+    let mut r = reply(if created { StatusCode::CREATED } else { StatusCode::OK }, out);
+    if validation == validate::FieldValidation::Warn {
+        warn(&mut r, &unknown);
+    }
+    r
+}
+
+/// 422 Invalid, as apimachinery words it: `<what> "<name>" is invalid:
+/// <error>` or `[<error>, ...]` for several.
+fn invalid(what: &str, name: &str, errors: &[String]) -> Response {
+    let list = if errors.len() == 1 { errors[0].clone() } else { format!("[{}]", errors.join(", ")) };
+    let code = StatusCode::UNPROCESSABLE_ENTITY;
+    reply(code, status_body(code, "Invalid", &format!("{what} \"{name}\" is invalid: {list}")))
+}
+
+/// A `Warning` header per unknown field dropped.
+fn warn(r: &mut Response, unknown: &[String]) {
+    for f in unknown {
+        if let Ok(v) = HeaderValue::from_str(&format!("299 - \"unknown field \\\"{f}\\\"\"")) {
+            r.headers_mut().append("warning", v);
+        }
+    }
 }

@@ -157,6 +157,9 @@ pub(super) fn serve(api: &StandIn, plural: &str, q: &BTreeMap<String, String>) -
                     if tx.send(line(&b)).await.is_err() {
                         return;
                     }
+                    let mut g = api.lock();
+                    let at = g.bookmarked.entry(plural.clone()).or_default();
+                    *at = (*at).max(cursor);
                 }
             }
             tokio::select! {

@@ -30,7 +30,14 @@ fn rwx() -> VolumeCapability {
 }
 
 fn env(port: u16) -> Vec<(&'static str, String)> {
-    vec![("VOLRING_NFS_LISTEN", format!("127.0.0.1:{port}")), ("VOLRING_NFS_GRACE", GRACE.into()), ("VOLRING_NFS_LEASE", GRACE.into())]
+    // The guests' connections arrive through socat from 127.0.0.1, as
+    // root: listed, and not squashed.
+    vec![
+        ("VOLRING_NFS_LISTEN", format!("127.0.0.1:{port}")),
+        ("VOLRING_NFS_GRACE", GRACE.into()),
+        ("VOLRING_NFS_LEASE", GRACE.into()),
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1".into()),
+    ]
 }
 
 fn borrowed<'a>(e: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
@@ -67,6 +74,7 @@ pub fn two_clients() -> Result<(), Failed> {
         name: VOLUME.into(),
         capacity_range: Some(CapacityRange { required_bytes: 256 * MIB, limit_bytes: 0 }),
         volume_capabilities: vec![rwx()],
+        parameters: [("nfsSquash".to_string(), "none".to_string())].into(),
         ..Default::default()
     }))?;
     let staging = a.k("plugins/stage/shared");

@@ -29,18 +29,20 @@ const SCRIPT: &str = include_str!("share_move.sh");
 const GUEST_NBD: &str = "10.0.2.100:10809";
 const GUEST_NFS: &str = "10.0.2.100:2049";
 const GUEST_API: &str = "10.0.2.100:6443";
-/// B's NFS server, as its Endpoints name it.
-const B_NFS: &str = "127.0.0.1:2049";
+/// B's NFS server, as its EndpointSlice names it: B listens on the guest's
+/// loopback and advertises the guest's address (`--nfs-advertise`; the API
+/// server refuses loopback addresses in a slice).
+const B_NFS: &str = "10.0.2.15:2049";
 
-/// The addresses the Endpoints named like the PVC list, or `None` while
-/// there are none.
+/// The addresses the EndpointSlice named like the PVC lists, or `None`
+/// while there is none.
 fn endpoints(server: &kube_support::Server) -> Option<Vec<String>> {
-    let ep = server.api.core_object("apps", "endpoints", "data")?;
+    let slice = server.api.core_object("apps", "endpointslices", "data")?;
     let mut out = Vec::new();
-    for s in ep["subsets"].as_array().into_iter().flatten() {
-        for a in s["addresses"].as_array().into_iter().flatten() {
-            for p in s["ports"].as_array().into_iter().flatten() {
-                out.push(format!("{}:{}", a["ip"].as_str().unwrap_or_default(), p["port"]));
+    for e in slice["endpoints"].as_array().into_iter().flatten() {
+        for a in e["addresses"].as_array().into_iter().flatten() {
+            for p in slice["ports"].as_array().into_iter().flatten() {
+                out.push(format!("{}:{}", a.as_str().unwrap_or_default(), p["port"]));
             }
         }
     }
@@ -51,12 +53,12 @@ fn cluster_ip(server: &kube_support::Server) -> Option<String> {
     server.api.core_object("apps", "services", "data").and_then(|s| s["spec"]["clusterIP"].as_str().map(str::to_string))
 }
 
-/// Waits (every 100 ms, at most `secs`) until the Endpoints name `want`.
+/// Waits (every 100 ms, at most `secs`) until the EndpointSlice names `want`.
 fn endpoints_become(server: &kube_support::Server, want: &str, secs: u64) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while endpoints(server) != Some(vec![want.to_string()]) {
         if Instant::now() > deadline {
-            return Err(format!("the Endpoints name {:?}, not {want}, after {secs} s", endpoints(server)));
+            return Err(format!("the EndpointSlice names {:?}, not {want}, after {secs} s", endpoints(server)));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -106,6 +108,10 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     let a = Agent::start_with(&[
         ("VOLRING_NBD_EXPORT_LISTEN", &nbd_listen),
         ("VOLRING_NFS_LISTEN", &nfs_listen),
+        // Where the guest reaches A's server (qemu's guestfwd): not loopback.
+        ("VOLRING_NFS_ADVERTISE", GUEST_NFS),
+        // The guest's connections arrive through socat from 127.0.0.1.
+        ("VOLRING_NFS_CLIENTS", "127.0.0.1"),
         ("VOLRING_NFS_GRACE", "10"),
         ("VOLRING_NFS_LEASE", "10"),
         ("VOLRING_NFS_SERVICE_POLL", "0.2"),
@@ -125,6 +131,8 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
                 ("fsType".into(), fs.into()),
                 ("csi.storage.k8s.io/pvc/namespace".into(), "apps".into()),
                 ("csi.storage.k8s.io/pvc/name".into(), "data".into()),
+                // The guest's writer runs as root.
+                ("nfsSquash".into(), "none".into()),
             ]),
             ..Default::default()
         }))?
@@ -144,7 +152,8 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
         volume_context: HashMap::from([("attach".to_string(), "loop".to_string())]),
         ..Default::default()
     }))?;
-    endpoints_become(&api, &nfs_listen, 30)?;
+    // A's slice names the address it advertises: where the guest reaches it.
+    endpoints_become(&api, GUEST_NFS, 30)?;
     let ip = cluster_ip(&api).ok_or("no ClusterIP")?;
 
     let mut vm = Vm::new(&image)?;
@@ -178,7 +187,7 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
             answer("owner-unstaged", &r)?;
             unstaged = Some(r);
         }
-        // B exports it: the Endpoints name B, the ClusterIP stays.
+        // B exports it: the EndpointSlice names B, the ClusterIP stays.
         if followed.is_none() && results.join("ask-endpoints-moved").exists() {
             let r = endpoints_become(&api, B_NFS, 60).and_then(|()| match cluster_ip(&api) {
                 Some(now) if now == ip => Ok(()),
@@ -194,7 +203,7 @@ pub fn moves_under_a_client(fs: &'static str) -> Result<(), Failed> {
     check(
         run.status == Some(0) && matches!(unstaged, Some(Ok(()))) && matches!(followed, Some(Ok(()))),
         format!(
-            "{}\nA's unstage: {unstaged:?}\nthe Endpoints: {followed:?}\n--- B's agent\n{}\n--- A's agent\n{}",
+            "{}\nA's unstage: {unstaged:?}\nthe EndpointSlice: {followed:?}\n--- B's agent\n{}\n--- A's agent\n{}",
             run.describe(),
             harness::tail(&run.read("b.err"), 15),
             a.log_tail(400).lines().filter(|l| !l.contains("ring tick")).collect::<Vec<_>>().join("\n")

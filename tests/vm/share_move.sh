@@ -43,7 +43,8 @@ modprobe nbd nbds_max=4 || fail "modprobe nbd"
 modprobe nfsv4 || fail "modprobe nfsv4"
 [ "$FS" = ext4 ] || modprobe "$FS" || fail "modprobe $FS"
 
-# Node B: its agent serves NFS on 127.0.0.1:2049.
+# Node B: its agent serves NFS on 127.0.0.1:2049 and advertises the guest's
+# address (the API server refuses a loopback one in an EndpointSlice).
 E=unix:///tmp/b.sock
 K=/tmp/kubelet
 S=$K/plugins/stage/$VOLUME
@@ -52,7 +53,7 @@ mkdir -p "$K" /tmp/b /tmp/c
 printf 'apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://10.0.2.100:6443\nusers:\n- name: u\n  user: {}\ncontexts:\n- name: c\n  context:\n    cluster: s\n    user: u\ncurrent-context: c\n' >/tmp/kc
 KUBECONFIG=/tmp/kc KUBERNETES_SERVICE_HOST=10.0.2.100 KUBERNETES_SERVICE_PORT=6443 \
   "$VOLRING" node --metrics-addr off --node-id node-b --stats-interval 5 --csi-endpoint "$E" --kubelet-root "$K" \
-  --state-dir /tmp/b --nbd-request-timeout 3 --no-publish --nfs-listen 127.0.0.1:2049 --nfs-grace 10 --nfs-lease 10 \
+  --state-dir /tmp/b --nbd-request-timeout 3 --no-publish --nfs-listen 127.0.0.1:2049 --nfs-advertise 10.0.2.15:2049 --nfs-clients 127.0.0.1 --nfs-grace 10 --nfs-lease 10 \
   --nfs-service-poll 0.2 >"$R/b.out" 2>"$R/b.err" &
 b=$!
 wait_ready $b "$R/b.err" "$E"
@@ -118,13 +119,13 @@ service 127.0.0.1:2049
 # ... and B stages it over nbd and exports it.
 timeout 180 "$VOLRING" csi --endpoint "$E" stage --id "$VOLUME" --staging "$S" --fs "$FS" --mode multi-node-multi-writer \
   --context "volring.io/nbd-uri=$URI" --context "volring.io/nbd-secret=$SECRET" --context share=nfs \
-  --context nfsPvcNamespace=apps --context nfsPvcName=data \
+  --context nfsPvcNamespace=apps --context nfsPvcName=data --context nfsSquash=none \
   >"$R/stage.out" 2>&1 || fail "B's stage: $(cat "$R/stage.out"); $(tail -5 "$R/b.err")"
 dev=$(awk -v s="$S" '$2 == s { print $1 }' /proc/mounts | head -1)
 case "$dev" in /dev/nbd*) ;; *) fail "B staged on '$dev', not an nbd device" ;; esac
 note "B staged on $dev and exports it"
 ask endpoints-moved
-note "the Endpoints name B, the ClusterIP stayed"
+note "the EndpointSlice names B, the ClusterIP stayed"
 more_writes "$before"
 t1=$(now)
 note "the writer resumed: $(wc -l <"$R/writes") files, the move took $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s for the writer"

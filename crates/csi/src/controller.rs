@@ -267,8 +267,16 @@ fn parameters(p: &HashMap<String, String>) -> Result<Option<FsKind>> {
             PARAM_ATTACH => {
                 AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
             }
+            volring_share::PARAM_SQUASH => {
+                volring_share::Squash::parse(v).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            }
             k if k.starts_with(PROVISIONER_PREFIX) => {}
-            k => return Err(Error::InvalidArgument(format!("unknown parameter {k:?} (volring knows {PARAM_FS_TYPE} and {PARAM_ATTACH})"))),
+            k => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown parameter {k:?} (volring knows {PARAM_FS_TYPE}, {PARAM_ATTACH} and {})",
+                    volring_share::PARAM_SQUASH
+                )))
+            }
         }
     }
     Ok(fs)

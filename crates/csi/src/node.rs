@@ -90,7 +90,7 @@ impl Stager {
                 return Err(Error::AlreadyExists(format!("volume {id} is staged at {} with another capability", staging.display())));
             }
             if r.phase == StagePhase::Staged && self.base.stage_intact(r)? {
-                self.shares.export_if_shared(id, &access)?;
+                self.shares.export_if_shared(id, &access, Some(&req.volume_context))?;
                 return Ok(NodeStageVolumeResponse {});
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
@@ -136,7 +136,7 @@ impl Stager {
                     .map_err(|e| Error::Internal(format!("record the PVC of volume {id}: {e}")))?;
             }
         }
-        self.shares.export_if_shared(id, &access)?;
+        self.shares.export_if_shared(id, &access, Some(&req.volume_context))?;
         Ok(NodeStageVolumeResponse {})
     }
 

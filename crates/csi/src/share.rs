@@ -24,8 +24,15 @@ impl Shares {
     }
 
     /// After a stage (or finding it already staged): a shared mount volume
-    /// is exported when this node serves NFS.
-    pub(crate) fn export_if_shared(&self, id: &str, access: &Access) -> Result<()> {
+    /// is exported when this node serves NFS. `context`: the stage's volume
+    /// context, which says the squash of a volume this node has no pool
+    /// record of.
+    pub(crate) fn export_if_shared(
+        &self,
+        id: &str,
+        access: &Access,
+        context: Option<&std::collections::HashMap<String, String>>,
+    ) -> Result<()> {
         if !(access.shared() && access.is_mount()) {
             return Ok(());
         }
@@ -37,7 +44,17 @@ impl Shares {
             return Ok(());
         }
         let rec = self.base.records.get(id).ok_or_else(|| Error::Internal(format!("volume {id} has no staged record")))?;
-        self.side.export(id, &rec.staged_at()).map_err(|e| Error::Internal(format!("export volume {id} over NFS: {e}")))?;
+        // Root squash as the StorageClass says (a volume moved here from
+        // another node's pool has only its context).
+        let squash = match (self.base.pool.get(id), context) {
+            (Some(m), _) => volring_share::squash_of(&m.parameters),
+            (None, Some(c)) => volring_share::squash_in_context(c),
+            (None, None) => Ok(volring_share::Squash::Root),
+        };
+        let squash = squash.map_err(|e| Error::InvalidArgument(format!("volume {id}: {e}")))?;
+        self.side
+            .export_squashed(id, &rec.staged_at(), squash)
+            .map_err(|e| Error::Internal(format!("export volume {id} over NFS: {e}")))?;
         Ok(())
     }
 

@@ -267,7 +267,7 @@ impl NfsClient {
         let (Some(lookup), Some((ns, name))) = (self.endpoint_lookup.get(), volring_share::pvc_in_context(context)) else {
             return Ok(remote);
         };
-        let endpoint = lookup(&ns, &name)
+        let endpoint = lookup(id, &ns, &name)
             .map_err(|e| Error::Unavailable(format!("volume {id}: reading the NFS endpoint of PVC {ns}/{name}: {e}")))?
             .ok_or_else(|| {
                 Error::Unavailable(format!("volume {id}: the owning node has not published the NFS endpoint on PVC {ns}/{name} yet"))

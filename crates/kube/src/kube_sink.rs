@@ -42,6 +42,8 @@ pub enum Error {
 
 pub struct KubeSink {
     client: kube::Client,
+    /// The API server's Warning headers logged so far (each once).
+    warned: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl KubeSink {
@@ -61,7 +63,7 @@ impl KubeSink {
         config.default_retry = false;
         volring_share::kube::identify(&mut config, node);
         let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Self { client })
+        Ok(Self { client, warned: Default::default() })
     }
 
     /// A client from the in-cluster service account or the kubeconfig.
@@ -125,6 +127,18 @@ pub(crate) fn cluster_source(
 }
 
 impl KubeSink {
+    /// Logs each distinct Warning the API server sends (an unknown field
+    /// dropped because the installed CRD is older than the agent, say),
+    /// once: they repeat on every write.
+    fn log_warnings(&self, headers: &http::HeaderMap) {
+        for w in headers.get_all("warning").iter().filter_map(|v| v.to_str().ok()) {
+            let mut warned = super::updater::lock(&self.warned);
+            if warned.len() < 100 && warned.insert(w.to_string()) {
+                tracing::warn!(warning = w, "the API server warns");
+            }
+        }
+    }
+
     /// GETs `uri` and reads the reply as JSON (for the LISTs that are not
     /// the updater's: the healer's VolumeAttachments).
     pub(super) async fn get_json(&self, uri: &str) -> Result<serde_json::Value, SinkError> {
@@ -146,6 +160,7 @@ impl KubeSink {
         let req = req.body(kube::client::Body::from(body.unwrap_or_default())).map_err(|e| SinkError::Refused(e.to_string()))?;
         let resp = self.client.send(req).await.map_err(|e| SinkError::Unavailable(e.to_string()))?;
         let status = resp.status();
+        self.log_warnings(resp.headers());
         let retry_after = resp.headers().get(http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).map(str::to_string);
         let body = http_body_util::Limited::new(resp.into_body(), MAX_BODY)
             .collect()

@@ -1,5 +1,5 @@
 //! The agent's shared-volume loop in a cluster: every volume this node
-//! exports gets its Service and Endpoints ([`super::kube`]), and its
+//! exports gets its Service and EndpointSlice ([`super::kube`]), and its
 //! endpoint published on its PVC.
 //!
 //! Why driven by the share side's changes and not a timer: the objects
@@ -8,14 +8,18 @@
 //! before it writes, so one reconcile per change is enough. A reconcile
 //! that fails (the API server away, the PVC not there yet) is retried with
 //! backoff. At start every export is reconciled once, which also points
-//! the Endpoints back at this node after the agent or the server moved.
+//! the EndpointSlice back at this node after the agent or the server moved.
+//! The one timer: the nodes announced on each exported volume's PVC are
+//! read every poll interval and admitted to its export ([`super::admit`]).
 //!
-//! The Endpoints name this node's address only while its NFS server
-//! accepts connections there ("during the move the Service exists but
+//! The EndpointSlice names this node's advertised address only while its
+//! NFS server accepts connections (at its listen address: the advertised
+//! one may be a NAT'ed or forwarded address the node cannot reach itself;
+//! the agent proves what it can, that its server answers) ("during the move the Service exists but
 //! does not answer"): a server not answering yet (starting, or at a new
-//! advertised address) gets the Service with empty Endpoints, looked at
+//! advertised address) gets the Service with an empty EndpointSlice, looked at
 //! again every poll interval until it answers; an export removed here, and
-//! the agent stopping, take the address out (only if the Endpoints still
+//! the agent stopping, take the address out (only if the EndpointSlice still
 //! name it — another node may have taken the volume over). A client sent
 //! to an address where nothing serves the volume would get errors or hang
 //! on the wrong server; with no endpoint its connection is refused and the
@@ -43,9 +47,11 @@ pub struct Exported {
     pub pvc: Option<(String, String)>,
 }
 
-/// How NodeStage of a shared volume another node holds reads the endpoint
-/// its owner published on the PVC `(namespace, name)` (`Ok(None)`: not yet).
-pub type EndpointLookup = Box<dyn Fn(&str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
+/// How NodeStage of shared volume `id`, which another node holds, reads the
+/// endpoint its owner published on the PVC `(namespace, name)` (`Ok(None)`:
+/// not yet); in a cluster it also makes this node known to the owner
+/// first ([`super::admit`]).
+pub type EndpointLookup = Box<dyn Fn(&str, &str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
 
 /// What the cluster loop needs of the node's CSI driver. The driver sits
 /// above this crate (it stages and exports the shared volumes), so the loop
@@ -63,11 +69,21 @@ pub trait ShareHost: Send + Sync + 'static {
 /// they change.
 pub struct Follower {
     pub controller: Arc<ShareController>,
-    /// Where this node's NFS server answers (the Endpoints' address).
+    /// Where other nodes reach this node's NFS server (the EndpointSlice's
+    /// address: `--nfs-advertise`, the pod's IP in a cluster).
     pub server: SocketAddr,
+    /// Where the server listens (`--nfs-listen`): what the loop connects to
+    /// to know whether it answers.
+    pub probe: SocketAddr,
     pub exports: Arc<dyn Fn() -> Vec<Exported> + Send + Sync>,
+    /// Admits exactly these nodes (name → address) to a volume's export
+    /// (`ShareSide::set_clients`).
+    pub admit: Admit,
     pub wake: Arc<Notify>,
 }
+
+/// See [`Follower::admit`].
+pub type Admit = Arc<dyn Fn(&str, &std::collections::BTreeMap<String, String>) -> Result<bool, super::Error> + Send + Sync>;
 
 /// A volume whose last write failed.
 struct Failing {
@@ -91,7 +107,7 @@ impl Failing {
 }
 
 /// What a volume's objects were last brought to: `v`, with the server's
-/// address in the Endpoints (`serving`) or with none.
+/// address in the EndpointSlice (`serving`) or with none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Target {
     v: SharedVolume,
@@ -103,7 +119,7 @@ const ANSWER_WAIT: Duration = Duration::from_secs(2);
 
 impl Follower {
     /// Runs until `stop` completes, then takes this node's address out of
-    /// the Endpoints of every volume it still exports (the server stops
+    /// the EndpointSlice of every volume it still exports (the server stops
     /// with the agent), and returns.
     pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
         tokio::pin!(stop);
@@ -115,15 +131,33 @@ impl Follower {
         let mut known: HashMap<String, SharedVolume> = HashMap::new();
         let mut failing: HashMap<String, Failing> = HashMap::new();
         // No longer exported here: this node's address still to be taken
-        // out of their Endpoints.
+        // out of their EndpointSlices.
         let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
         let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
+        let mut clients_at = Instant::now();
+        // Whether the server answered when last asked, and whether to ask
+        // again: not when only the clients' poll woke the loop (a
+        // connection a second would only fill ganesha's log).
+        let mut answered: Option<bool> = None;
+        let mut woken_by_change = true;
         loop {
             let now = (self.exports)();
-            // Asked only when a Service is kept: the Endpoints name this
+            // Asked only when a Service is kept: the EndpointSlice names this
             // address only while something accepts connections there.
-            let serving = now.iter().any(|e| e.pvc.is_some()) && self.answers().await;
+            let ask = woken_by_change
+                || answered.is_none()
+                || done.values().any(|t| !t.serving)
+                || failing.values().chain(leave_failing.values()).any(|f| f.next <= Instant::now());
+            let serving = if now.iter().any(|e| e.pvc.is_some()) {
+                if ask {
+                    answered = Some(self.answers().await);
+                }
+                answered.unwrap_or(false)
+            } else {
+                answered = None;
+                false
+            };
             for e in &now {
                 let Some((ns, name)) = e.pvc.clone() else {
                     if !unnamed.contains(&e.volume_id) {
@@ -153,10 +187,10 @@ impl Follower {
                 match r {
                     Ok(out) => {
                         if serving {
-                            tracing::debug!(volume = %v.volume_id, ?out, "Service and Endpoints reconciled");
+                            tracing::debug!(volume = %v.volume_id, ?out, "Service and EndpointSlice reconciled");
                         } else {
                             tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
-                                "the NFS server does not answer yet: the Service is kept with empty Endpoints");
+                                "the NFS server does not answer yet: the Service is kept with an empty EndpointSlice");
                         }
                         failing.remove(&v.volume_id);
                         done.insert(v.volume_id.clone(), target);
@@ -165,11 +199,11 @@ impl Follower {
                         let wait = Failing::failed(&mut failing, &v.volume_id);
                         done.remove(&v.volume_id);
                         tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "Service and Endpoints not reconciled");
+                            "Service and EndpointSlice not reconciled");
                     }
                 }
             }
-            // A volume no longer exported here: its Endpoints must not send
+            // A volume no longer exported here: its EndpointSlice must not send
             // clients to this node any more. Once withdrawn it is
             // forgotten; if it comes back (or moves back), it is
             // reconciled again.
@@ -185,45 +219,93 @@ impl Follower {
             for v in due {
                 match self.controller.withdraw(&v).await {
                     Ok(wrote) => {
-                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the Endpoints");
+                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the EndpointSlice");
                         leaving.remove(&v.volume_id);
                         leave_failing.remove(&v.volume_id);
                     }
                     Err(err) => {
                         let wait = Failing::failed(&mut leave_failing, &v.volume_id);
                         tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "Endpoints not emptied after the export went away");
+                            "EndpointSlice not emptied after the export went away");
                     }
                 }
             }
+            // The nodes announced on each exported volume's PVC, admitted.
+            let named: Vec<(String, String, String)> =
+                now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
+            if !named.is_empty() && Instant::now() >= clients_at {
+                for (id, ns, name) in &named {
+                    self.admit_announced(id, ns, name).await;
+                }
+                clients_at = Instant::now() + self.controller.poll();
+            }
             // Woken by the next export change; else by the earliest retry,
-            // or the next look at a server that did not answer.
+            // the next look at a server that did not answer, or the next
+            // read of the announced clients.
             let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
+            if !named.is_empty() {
+                next = Some(next.map_or(clients_at, |n| n.min(clients_at)));
+            }
             if done.values().any(|t| !t.serving) {
                 let poll = Instant::now() + self.controller.poll();
                 next = Some(next.map_or(poll, |n| n.min(poll)));
             }
-            tokio::select! {
-                _ = self.wake.notified() => {}
-                _ = sleep_until(next) => {}
+            woken_by_change = tokio::select! {
+                _ = self.wake.notified() => true,
+                _ = sleep_until(next) => false,
                 _ = &mut stop => break,
-            }
+            };
         }
         // Stopping: the server goes with the agent. Bounded by the caller.
         for v in known.values().chain(leaving.values()) {
             match self.controller.withdraw(v).await {
                 Ok(wrote) => {
-                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the Endpoints")
+                    tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the EndpointSlice")
                 }
-                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: Endpoints not emptied"),
+                Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: EndpointSlice not emptied"),
             }
         }
     }
 
-    /// Whether the NFS server accepts a TCP connection at the advertised
-    /// address (what the Endpoints would send clients to).
+    /// Admits the nodes announced on volume `id`'s PVC to its export and
+    /// answers them on the PVC. Why polled (every poll interval) and not
+    /// watched: one GET per exported volume is what a watch would cost per
+    /// change anyway, on a node exporting a handful of volumes; a failure
+    /// is logged and tried again at the next poll.
+    async fn admit_announced(&self, id: &str, ns: &str, name: &str) {
+        let client = self.controller.client();
+        let pvc = match super::admit::read(client, ns, name).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(volume = id, error = %e, "cannot read the announced NFS clients");
+                return;
+            }
+        };
+        let announced = super::admit::announced(&pvc);
+        // On a blocking thread: the share side serialises export changes,
+        // and an unexport may hold it for seconds.
+        let (admit, vid, list) = (self.admit.clone(), id.to_string(), announced.clone());
+        match tokio::task::spawn_blocking(move || admit(&vid, &list)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(volume = id, error = %e, "cannot admit the announced NFS clients");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(volume = id, error = %e, "admitting the announced NFS clients failed");
+                return;
+            }
+        }
+        if let Err(e) = super::admit::answer(client, ns, name, &pvc, &announced).await {
+            tracing::debug!(volume = id, error = %e, "cannot answer the announced NFS clients");
+        }
+    }
+
+    /// Whether the NFS server accepts a TCP connection at its listen
+    /// address.
     async fn answers(&self) -> bool {
-        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.server)).await, Ok(Ok(_)))
+        matches!(tokio::time::timeout(ANSWER_WAIT, tokio::net::TcpStream::connect(self.probe)).await, Ok(Ok(_)))
     }
 }
 
@@ -243,7 +325,7 @@ pub struct Running {
 }
 
 impl Running {
-    /// Stops the loop: it first empties the Endpoints of what this node
+    /// Stops the loop: it first empties the EndpointSlices of what this node
     /// exports (at most `wait`; then it is aborted).
     pub async fn stop(self, wait: Duration) {
         let _ = self.stop.send(());
@@ -260,52 +342,142 @@ impl Running {
 const LOOKUP_WAIT: Duration = Duration::from_secs(10);
 
 /// In a cluster: `driver`'s NodeStage reads published endpoints, and when
-/// the node serves NFS the loop runs (`None` when it does not).
-pub async fn in_cluster<D: ShareHost>(driver: &Arc<D>, config: super::kube::ControllerConfig) -> Result<Option<Running>, super::Error> {
+/// the node serves NFS the loop runs (`None` when it does not). `node` is
+/// the agent's `--node-id`: its requests' User-Agent names it, as the
+/// publisher's do, so one node's requests read alike in the audit log;
+/// `address` is where other nodes' NFS servers see this node's
+/// connections come from (`--nfs-client-address`), which it announces
+/// when it stages a shared volume (`None`: it announces nothing, and is
+/// admitted only where the owner lists it in `--nfs-clients`).
+pub async fn in_cluster<D: ShareHost>(
+    driver: &Arc<D>,
+    node: &str,
+    address: Option<std::net::IpAddr>,
+    config: super::kube::ControllerConfig,
+) -> Result<Option<Running>, super::Error> {
     let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
     let mut kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
-    super::kube::identify(&mut kc, &super::kube::this_node());
+    super::kube::identify(&mut kc, node);
     let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
-    read_endpoints(driver.as_ref(), client.clone());
+    read_endpoints(driver.as_ref(), client.clone(), node, address);
     if !driver.shares().enabled() {
         return Ok(None);
     }
     let running = start(driver.clone(), client, config)?;
-    tracing::info!("shared volumes: a Service and Endpoints per NFS export");
+    tracing::info!("shared volumes: a Service and EndpointSlice per NFS export");
     Ok(Some(running))
 }
 
 /// Lets `driver`'s NodeStage read the endpoints owning nodes publish on
 /// PVCs (every node of a cluster, also one that serves no NFS itself).
-pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client) {
+/// With an `address`, a stage first announces this node on the PVC and
+/// waits for the owner to admit it (UNAVAILABLE until then), and the
+/// unstage takes the announcement off ([`super::admit`]).
+pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
     let handle = tokio::runtime::Handle::current();
-    driver.set_endpoint_lookup(Box::new(move |ns, name| {
-        let lookup = tokio::time::timeout(LOOKUP_WAIT, super::kube::published_endpoint(&client, ns, name));
-        match handle.block_on(lookup) {
-            Ok(r) => r.map_err(|e| e.to_string()),
+    let store = driver.shares().store();
+    let (c, h, s, n) = (client.clone(), handle.clone(), store.clone(), node.to_string());
+    driver.set_endpoint_lookup(Box::new(move |id, ns, name| {
+        let (client, node, store) = (&c, &n, &s);
+        let lookup = async move {
+            if let Some(address) = address {
+                let pvc = (ns.to_string(), name.to_string());
+                super::records::put_announced(store, id, &pvc).map_err(|e| e.to_string())?;
+                let admitted = super::admit::announce(client, ns, name, node, &address.to_string()).await.map_err(|e| e.to_string())?;
+                if !admitted {
+                    return Err(format!("the owning node has not admitted this node ({address}) to the NFS export yet"));
+                }
+            }
+            super::kube::published_endpoint(client, ns, name).await.map_err(|e| e.to_string())
+        };
+        match h.block_on(async move { tokio::time::timeout(LOOKUP_WAIT, lookup).await }) {
+            Ok(r) => r,
             Err(_) => Err(format!("no answer from the API server within {LOOKUP_WAIT:?}")),
         }
     }));
+    if address.is_none() {
+        return;
+    }
+    let node = node.to_string();
+    driver.shares().on_unmounted(move |id| {
+        let Some((ns, name)) = super::records::get_announced(&store, id) else { return };
+        let renounce = async { tokio::time::timeout(LOOKUP_WAIT, super::admit::renounce(&client, &ns, &name, &node)).await };
+        // On a thread of its own: block_on must not run on a runtime's
+        // thread, and the caller's is not known here.
+        let r = std::thread::scope(|t| t.spawn(|| handle.block_on(renounce)).join());
+        match r {
+            Ok(Ok(Ok(()))) => {
+                if let Err(e) = super::records::remove_announced(&store, id) {
+                    tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement");
+                }
+            }
+            Ok(Ok(Err(e))) => tracing::warn!(volume = id, error = %e, "the NFS announcement stays on the PVC"),
+            _ => tracing::warn!(volume = id, "no answer from the API server: the NFS announcement stays on the PVC"),
+        }
+    });
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
-/// address must be `IP:port`: it becomes the Endpoints' address.
+/// address must be `IP:port`, and one the API server accepts in an
+/// EndpointSlice ([`endpoint_address`]).
 pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
-    let advertised = driver.shares().config().advertised().unwrap_or_default();
-    let server: SocketAddr = advertised.parse().map_err(|_| {
-        super::Error::Config(format!(
-            "the advertised NFS address {advertised:?} is not IP:port (--nfs-advertise), which the Endpoints need"
-        ))
-    })?;
+    let share = driver.shares().config();
+    let server = endpoint_address(share.advertised().as_deref())?;
+    let probe = share.listen.unwrap_or(server);
     let controller = Arc::new(ShareController::new(client, config));
     let wake = Arc::new(Notify::new());
     let w = wake.clone();
     driver.shares().on_change(move || w.notify_one());
     let d = driver.clone();
-    let follower = Follower { controller: controller.clone(), server, exports: Arc::new(move || d.exported_shares()), wake };
+    let exports = Arc::new(move || d.exported_shares());
+    let d = driver.clone();
+    let admit: Admit = Arc::new(move |id, clients| d.shares().set_clients(id, clients));
+    let follower = Follower { controller: controller.clone(), server, probe, exports, admit, wake };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(follower.run_until(async move {
         let _ = stopped.await;
     }));
     Ok(Running { task, stop, controller })
+}
+
+/// The advertised NFS address as an EndpointSlice address: `IP:port`, and
+/// not an address the API server refuses there (loopback, link-local,
+/// unspecified, multicast: "may not be in the loopback range" and the
+/// like). Refused at start with the flag to set, rather than by every
+/// reconcile: a node listening on loopback or a wildcard must advertise
+/// the address other nodes reach it at (`--nfs-advertise`, in deploy/ the
+/// pod's IP from the downward API).
+pub fn endpoint_address(advertised: Option<&str>) -> Result<SocketAddr, super::Error> {
+    let a = advertised.unwrap_or_default();
+    let addr: SocketAddr =
+        a.parse().map_err(|_| super::Error::Config(format!("the advertised NFS address {a:?} is not IP:port (--nfs-advertise)")))?;
+    let ip = addr.ip();
+    let link_local = match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    };
+    if ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local {
+        return Err(super::Error::Config(format!(
+            "the advertised NFS address {addr} is one the API server refuses in an EndpointSlice \
+             (loopback, link-local, unspecified or multicast): set --nfs-advertise to the address other nodes reach this one at"
+        )));
+    }
+    Ok(addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_addresses_the_api_server_accepts() {
+        assert_eq!(endpoint_address(Some("10.0.0.7:2049")).unwrap(), "10.0.0.7:2049".parse().unwrap());
+        assert!(endpoint_address(Some("[fd00::7]:2049")).is_ok());
+        for bad in [None, Some("node-a:2049"), Some("10.0.0.7"), Some("127.0.0.1:2049"), Some("0.0.0.0:2049"), Some("[::1]:2049")] {
+            assert!(matches!(endpoint_address(bad), Err(crate::Error::Config(_))), "{bad:?}");
+        }
+        for bad in ["169.254.1.1:2049", "[fe80::1]:2049", "[::]:2049", "224.0.0.1:2049"] {
+            assert!(endpoint_address(Some(bad)).is_err(), "{bad}");
+        }
+    }
 }

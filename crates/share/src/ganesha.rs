@@ -30,6 +30,18 @@
 //!   So the FSAL component logs at INFO: the "Added filesystem ... fsid="
 //!   line of each export, a blkid failure, and "Could not map fsid" for a
 //!   client's handle this server cannot place are in `ganesha.log`.
+//! - Access control: an export admits nobody by itself (`Access_Type =
+//!   None`); its CLIENT block admits, read-write, exactly the addresses of
+//!   the nodes that staged the volume (and any the StorageClass lists), so
+//!   a process that merely reaches the port mounts nothing. ganesha's
+//!   pseudo root lists only the exports the asking client may mount, so a
+//!   client not in a list does not even see the volume. A list changed is
+//!   a reload (SIGHUP), which keeps every client's state.
+//! - Root squash by default ([`Squash`]): NFS with `SecType = sys` trusts
+//!   the uid a client sends, so without it root on any admitted node is
+//!   root on the volume's files, including files other pods on other nodes
+//!   made setuid; a StorageClass that needs root over NFS (an image that
+//!   chowns its data directory at start) says `nfsSquash: none`.
 
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -63,6 +75,60 @@ pub struct Export {
     pub path: PathBuf,
     /// The path clients mount (`server:/pseudo`).
     pub pseudo: String,
+    /// The only clients admitted: IP addresses or `address/prefix`
+    /// networks ([`valid_client`]). Empty: nobody.
+    pub clients: Vec<String>,
+    pub squash: Squash,
+}
+
+/// What the server makes of a client's root (uid 0) on an export: the
+/// StorageClass parameter `nfsSquash` (`root`, the default; `none`;
+/// `all`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Squash {
+    /// Root becomes the anonymous user; other uids are taken as sent.
+    #[default]
+    Root,
+    /// Root stays root.
+    None,
+    /// Every uid becomes the anonymous user.
+    All,
+}
+
+impl Squash {
+    /// The parameter value: `root`, `none` or `all`.
+    pub fn parse(s: &str) -> Result<Self, Error> {
+        match s {
+            "root" => Ok(Squash::Root),
+            "none" => Ok(Squash::None),
+            "all" => Ok(Squash::All),
+            other => Err(Error::Config(format!("nfsSquash {other:?}: root, none or all"))),
+        }
+    }
+
+    fn ganesha(self) -> &'static str {
+        match self {
+            Squash::Root => "Root_Squash",
+            Squash::None => "No_Root_Squash",
+            Squash::All => "All_Squash",
+        }
+    }
+}
+
+/// Whether `c` is a client entry this module writes into a CLIENT block:
+/// an IP address, or an `address/prefix` network (prefix within the
+/// address's length). Host names, wildcards and netgroups are refused:
+/// they would be resolved or matched by ganesha in ways the agent cannot
+/// check, and a typo must not admit the world.
+pub fn valid_client(c: &str) -> bool {
+    let (addr, prefix) = match c.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (c, None),
+    };
+    let Ok(ip) = addr.parse::<std::net::IpAddr>() else { return false };
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    prefix.is_none_or(|p| p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u8>().is_ok_and(|p| p <= max))
 }
 
 /// Renders the configuration file for `settings` and `exports`. Paths are
@@ -98,11 +164,23 @@ pub fn render(settings: &Settings, exports: &[Export]) -> Result<String, Error> 
         }
         let path = quoted(&e.path)?;
         let pseudo = quoted(Path::new(&e.pseudo))?;
+        if let Some(bad) = e.clients.iter().find(|c| !valid_client(c)) {
+            return Err(Error::Config(format!("NFS client {bad:?} of export {} is no IP address or network", e.id)));
+        }
+        let squash = e.squash.ganesha();
         let _ = writeln!(
             out,
-            "EXPORT {{\n  Export_Id = {};\n  Path = {path};\n  Pseudo = {pseudo};\n  Access_Type = RW;\n  Squash = No_Root_Squash;\n  Protocols = 4;\n  Transports = TCP;\n  SecType = sys;\n  Attr_Expiration_Time = {};\n  FSAL {{\n    Name = VFS;\n  }}\n}}",
+            "EXPORT {{\n  Export_Id = {};\n  Path = {path};\n  Pseudo = {pseudo};\n  Access_Type = None;\n  Squash = {squash};\n  Protocols = 4;\n  Transports = TCP;\n  SecType = sys;\n  Attr_Expiration_Time = {};",
             e.id, settings.attr_expiry_secs
         );
+        if !e.clients.is_empty() {
+            let _ = writeln!(
+                out,
+                "  CLIENT {{\n    Clients = {};\n    Access_Type = RW;\n    Squash = {squash};\n    Protocols = 4;\n  }}",
+                e.clients.join(", ")
+            );
+        }
+        let _ = writeln!(out, "  FSAL {{\n    Name = VFS;\n  }}\n}}");
     }
     Ok(out)
 }
@@ -133,7 +211,7 @@ mod tests {
     }
 
     fn export(id: u16, path: &str, pseudo: &str) -> Export {
-        Export { id, path: path.into(), pseudo: pseudo.into() }
+        Export { id, path: path.into(), pseudo: pseudo.into(), clients: vec!["192.0.2.10".into()], squash: Squash::Root }
     }
 
     #[test]
@@ -177,5 +255,59 @@ mod tests {
         let mut v6 = s.clone();
         v6.listen = "[::1]:2049".parse().unwrap();
         assert!(render(&v6, &[]).unwrap().contains("Bind_Addr = ::1;"));
+    }
+}
+
+#[cfg(test)]
+mod access {
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            listen: "127.0.0.1:20490".parse().unwrap(),
+            plugins_dir: "/usr/lib/ganesha".into(),
+            recovery_dir: "/var/lib/volring/nfs/recovery".into(),
+            lease_secs: 10,
+            grace_secs: 15,
+            attr_expiry_secs: 0,
+        }
+    }
+
+    fn export(clients: &[&str], squash: Squash) -> Export {
+        Export { id: 7, path: "/s/pvc-1".into(), pseudo: "/pvc-1".into(), clients: clients.iter().map(|c| c.to_string()).collect(), squash }
+    }
+
+    /// Issue 27: an export admits only its clients, root squashed unless
+    /// the StorageClass says otherwise; no client, nobody.
+    #[test]
+    fn only_the_listed_clients_are_admitted() {
+        let c = render(&settings(), &[export(&["192.0.2.10", "fd00::7", "10.1.0.0/16"], Squash::Root)]).unwrap();
+        assert!(c.contains("Access_Type = None;"), "{c}");
+        assert!(!c.contains("No_Root_Squash"), "{c}");
+        assert!(
+            c.contains("CLIENT {\n    Clients = 192.0.2.10, fd00::7, 10.1.0.0/16;\n    Access_Type = RW;\n    Squash = Root_Squash;"),
+            "{c}"
+        );
+        assert_eq!(c.matches('{').count(), c.matches('}').count());
+        let nobody = render(&settings(), &[export(&[], Squash::Root)]).unwrap();
+        assert!(!nobody.contains("CLIENT") && !nobody.contains("Access_Type = RW"), "{nobody}");
+        let none = render(&settings(), &[export(&["192.0.2.10"], Squash::None)]).unwrap();
+        assert_eq!(none.matches("Squash = No_Root_Squash;").count(), 2, "{none}");
+        assert!(render(&settings(), &[export(&["192.0.2.10"], Squash::All)]).unwrap().contains("Squash = All_Squash;"));
+    }
+
+    #[test]
+    fn client_entries_are_addresses_or_networks() {
+        for ok in ["192.0.2.1", "::1", "fd00::/8", "10.0.0.0/8", "192.0.2.1/32"] {
+            assert!(valid_client(ok), "{ok}");
+        }
+        for bad in ["", "*", "node-a", "@netgroup", "10.0.0.0/33", "fd00::/129", "10.0.0.0/", "10.0.0.0/+8", "1.2.3.4; Access_Type = RW"] {
+            assert!(!valid_client(bad), "{bad}");
+            assert!(matches!(render(&settings(), &[export(&[bad], Squash::Root)]), Err(Error::Config(_))), "{bad}");
+        }
+        assert_eq!(Squash::parse("root").unwrap(), Squash::Root);
+        assert_eq!(Squash::parse("none").unwrap(), Squash::None);
+        assert!(Squash::parse("no_root_squash").is_err());
+        assert_eq!(Squash::default(), Squash::Root);
     }
 }

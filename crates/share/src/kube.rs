@@ -1,7 +1,14 @@
-//! In a cluster: a Service and its Endpoints per shared volume, in the
+//! In a cluster: a Service and its EndpointSlice per shared volume, in the
 //! PVC's namespace with the PVC's name, so pods on any node mount
 //! `<ClusterIP>:2049` and the address behind it can move (StorageOS's
-//! shared-volume controller does the same).
+//! shared-volume controller does the same). The slice (discovery.k8s.io/v1,
+//! what kube-proxy reads) is labelled `kubernetes.io/service-name` and
+//! `endpointslice.kubernetes.io/managed-by: volring.io`. core/v1 Endpoints,
+//! deprecated since 1.33, are neither read nor written: the agent's role
+//! has no access to them (least privilege). The ones an earlier version
+//! wrote are the operator's to delete once (docs/shared-volumes.md), else
+//! the API server's mirroring controller keeps their address in a slice of
+//! its own.
 //!
 //! What one reconcile does, and why:
 //! - Reads the PVC for its uid: both objects carry an owner reference to
@@ -19,10 +26,12 @@
 //!   read back from the PVC (not a memory of this process) decides, so a
 //!   restarted agent does not publish again.
 //! - Failover (the server moved to another address): the Service keeps its
-//!   ClusterIP, only the Endpoints are updated, nothing is republished.
+//!   ClusterIP, only the slice is updated, nothing is republished (a move
+//!   between IPv4 and IPv6 replaces the slice: its address type is
+//!   immutable).
 //! - While no server answers for the volume (the export removed here, the
 //!   agent stopping, a new address whose server is not up yet) the
-//!   Endpoints are empty and the Service stays: clients keep the ClusterIP
+//!   slice has no endpoints and the Service stays: clients keep the ClusterIP
 //!   they mounted and their connections are refused, which a hard mount
 //!   retries, instead of reaching an address where nothing serves the
 //!   volume ([`ShareController::reconcile_idle`],
@@ -33,9 +42,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{
-    EndpointAddress, EndpointPort, EndpointSubset, Endpoints, PersistentVolumeClaim, Service, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -45,6 +53,13 @@ use prometheus_client::metrics::histogram::Histogram;
 pub const NFS_PORT: u16 = 2049;
 /// Label naming the volume on both objects.
 pub const VOLUME_LABEL: &str = "volring.io/volume";
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The label that says who manages an EndpointSlice (the API server's own
+/// controllers leave a slice managed by another alone).
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+/// volring's value of [`MANAGED_BY_LABEL`].
+pub const MANAGED_BY: &str = "volring.io";
 const PORT_NAME: &str = "nfs";
 /// Annotation on the PVC: the endpoint (`ClusterIP:2049`) other nodes
 /// mount the shared volume from.
@@ -83,15 +98,6 @@ pub fn identify(config: &mut kube::Config, node: &str) {
     config.headers.push((name, value));
 }
 
-/// The node this process speaks for when it is not told: `NODE_NAME` (the
-/// DaemonSet sets it from `spec.nodeName`), else the host name.
-pub fn this_node() -> String {
-    std::env::var("NODE_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| rustix::system::uname().nodename().to_string_lossy().into_owned())
-}
-
 /// How many times [`ShareController::withdraw`] reads again after a
 /// conflicting write.
 const WITHDRAW_TRIES: u32 = 5;
@@ -125,6 +131,7 @@ pub struct SharedVolume {
 pub struct Outcome {
     pub service_created: bool,
     pub service_updated: bool,
+    /// The EndpointSlice (the endpoints behind the Service).
     pub endpoints_created: bool,
     pub endpoints_updated: bool,
     /// The endpoint published by this reconcile (None: unchanged).
@@ -145,11 +152,16 @@ impl ShareController {
         Self { client, config, duration }
     }
 
+    /// The API client the controller writes with.
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
     /// Registers the reconcile-duration histogram.
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
             "volring_share_reconcile_duration_seconds",
-            "Time one reconcile of a shared volume's Service and Endpoints took",
+            "Time one reconcile of a shared volume's Service and EndpointSlice took",
             self.duration.clone(),
         );
     }
@@ -160,7 +172,7 @@ impl ShareController {
         self.config.poll
     }
 
-    /// Brings volume `v`'s Service and Endpoints to what they should be
+    /// Brings volume `v`'s Service and EndpointSlice to what they should be
     /// while `v.server` serves it; `publish` is called with
     /// `ClusterIP:2049` when that changed.
     pub async fn reconcile(&self, v: &SharedVolume, publish: impl FnOnce(&str)) -> Result<Outcome, Error> {
@@ -172,8 +184,8 @@ impl ShareController {
 
     /// The volume is staged on this node but its server does not answer
     /// yet (it is starting, or at a new address): the Service is made or
-    /// kept as [`Self::reconcile`] would, the Endpoints are emptied
-    /// (whatever address they held is not serving the volume now), and
+    /// kept as [`Self::reconcile`] would, the EndpointSlice is emptied
+    /// (whatever address it held is not serving the volume now), and
     /// nothing is published — other nodes mount only once an address is
     /// behind the ClusterIP.
     pub async fn reconcile_idle(&self, v: &SharedVolume) -> Result<Outcome, Error> {
@@ -185,9 +197,9 @@ impl ShareController {
 
     /// The server at `v.server` stops serving the volume (its export was
     /// removed here, or the agent stops): its address is taken out of the
-    /// Endpoints, which are left empty; the Service and its ClusterIP stay.
-    /// Endpoints that do not list this address (another node took the
-    /// volume over meanwhile) are left alone; the replace carries the
+    /// EndpointSlice, which is left empty; the Service and its ClusterIP
+    /// stay. A slice that does not list this address (another node took
+    /// the volume over meanwhile) is left alone; the replace carries the
     /// resourceVersion read, so a concurrent takeover is not overwritten
     /// (the conflict is read again). True when something was written.
     pub async fn withdraw(&self, v: &SharedVolume) -> Result<bool, Error> {
@@ -199,19 +211,19 @@ impl ShareController {
 
     async fn withdraw_inner(&self, v: &SharedVolume) -> Result<bool, Error> {
         let (ns, name) = (v.pvc_namespace.as_str(), v.pvc_name.as_str());
-        let what = format!("Endpoints {ns}/{name}");
-        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
+        let what = format!("EndpointSlice {ns}/{name}");
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
         // Bounded: a conflict means someone wrote in between; read again.
         for _ in 0..WITHDRAW_TRIES {
-            let Some(have) = endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what.clone(), source: e })? else {
+            let Some(have) = slices.get_opt(name).await.map_err(|e| Error::Api { what: what.clone(), source: e })? else {
                 return Ok(false);
             };
             if !lists(&have, v) {
                 return Ok(false);
             }
             let mut next = have;
-            next.subsets = None;
-            match endpoints.replace(name, &PostParams::default(), &next).await {
+            next.endpoints = Some(Vec::new());
+            match slices.replace(name, &PostParams::default(), &next).await {
                 Ok(_) => return Ok(true),
                 Err(kube::Error::Api(e)) if e.code == 409 => continue,
                 Err(e) => return Err(Error::Api { what, source: e }),
@@ -262,26 +274,31 @@ impl ShareController {
             }
         };
 
-        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), ns);
-        let want = if serving { desired_endpoints(v, &owner) } else { idle_endpoints(v, &owner) };
-        match endpoints.get_opt(name).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })? {
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
+        let want = if serving { desired_slice(v, &owner) } else { idle_slice(v, &owner) };
+        let what_slice = what("EndpointSlice");
+        let api_err = |e| Error::Api { what: what_slice.clone(), source: e };
+        match slices.get_opt(name).await.map_err(api_err)? {
             None => {
-                endpoints.create(&PostParams::default(), &want).await.map_err(|e| Error::Api { what: what("Endpoints"), source: e })?;
+                slices.create(&PostParams::default(), &want).await.map_err(api_err)?;
                 out.endpoints_created = true;
-                self.visible(&endpoints, &what("Endpoints")).await?;
+                self.visible(&slices, &what_slice).await?;
             }
-            Some(have) if endpoints_equivalent(&have, &want) => {}
+            Some(have) if slice_equivalent(&have, &want) => {}
+            Some(have) if have.address_type != want.address_type => {
+                // Immutable: a move between IPv4 and IPv6 replaces it.
+                slices.delete(name, &Default::default()).await.map_err(api_err)?;
+                slices.create(&PostParams::default(), &want).await.map_err(api_err)?;
+                out.endpoints_created = true;
+                self.visible(&slices, &what_slice).await?;
+            }
             Some(have) => {
                 let mut next = want;
                 next.metadata.resource_version = have.metadata.resource_version;
-                endpoints
-                    .replace(name, &PostParams::default(), &next)
-                    .await
-                    .map_err(|e| Error::Api { what: what("Endpoints"), source: e })?;
+                slices.replace(name, &PostParams::default(), &next).await.map_err(api_err)?;
                 out.endpoints_updated = true;
             }
         }
-
         let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
         let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
         if !serving {
@@ -351,7 +368,7 @@ fn meta(v: &SharedVolume, owner: &OwnerReference) -> ObjectMeta {
     }
 }
 
-/// A ClusterIP Service with no selector (its Endpoints are written here),
+/// A ClusterIP Service with no selector (its EndpointSlice is written here),
 /// port 2049 to the server's port.
 pub fn desired_service(v: &SharedVolume, owner: &OwnerReference) -> Service {
     Service {
@@ -371,36 +388,52 @@ pub fn desired_service(v: &SharedVolume, owner: &OwnerReference) -> Service {
     }
 }
 
-pub fn desired_endpoints(v: &SharedVolume, owner: &OwnerReference) -> Endpoints {
-    Endpoints {
-        metadata: meta(v, owner),
-        subsets: Some(vec![EndpointSubset {
-            addresses: Some(vec![EndpointAddress { ip: v.server.to_string(), ..Default::default() }]),
-            ports: Some(vec![EndpointPort {
-                name: Some(PORT_NAME.into()),
-                port: v.server_port.into(),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            }]),
-            not_ready_addresses: None,
+fn slice_meta(v: &SharedVolume, owner: &OwnerReference) -> ObjectMeta {
+    let mut m = meta(v, owner);
+    let labels = m.labels.get_or_insert_with(Default::default);
+    labels.insert(SERVICE_NAME_LABEL.into(), v.pvc_name.clone());
+    labels.insert(MANAGED_BY_LABEL.into(), MANAGED_BY.into());
+    m
+}
+
+fn slice_ports(v: &SharedVolume) -> Option<Vec<EndpointPort>> {
+    Some(vec![EndpointPort {
+        name: Some(PORT_NAME.into()),
+        port: Some(v.server_port.into()),
+        protocol: Some("TCP".into()),
+        app_protocol: None,
+    }])
+}
+
+fn address_type(v: &SharedVolume) -> String {
+    if v.server.is_ipv4() { "IPv4" } else { "IPv6" }.into()
+}
+
+/// The EndpointSlice of a volume served at `v.server:v.server_port`.
+pub fn desired_slice(v: &SharedVolume, owner: &OwnerReference) -> EndpointSlice {
+    EndpointSlice {
+        metadata: slice_meta(v, owner),
+        address_type: address_type(v),
+        endpoints: Some(vec![Endpoint {
+            addresses: vec![v.server.to_string()],
+            conditions: Some(EndpointConditions { ready: Some(true), serving: Some(true), terminating: Some(false) }),
+            ..Default::default()
         }]),
+        ports: slice_ports(v),
     }
 }
 
-/// The Endpoints of a volume no server answers for: no subsets (the
+/// The EndpointSlice of a volume no server answers for: no endpoints (the
 /// Service keeps its ClusterIP; connections to it are refused).
-pub fn idle_endpoints(v: &SharedVolume, owner: &OwnerReference) -> Endpoints {
-    Endpoints { metadata: meta(v, owner), subsets: None }
+pub fn idle_slice(v: &SharedVolume, owner: &OwnerReference) -> EndpointSlice {
+    EndpointSlice { metadata: slice_meta(v, owner), address_type: address_type(v), endpoints: Some(Vec::new()), ports: slice_ports(v) }
 }
 
 /// Whether `e` sends clients to `v.server:v.server_port` (ready or not).
-fn lists(e: &Endpoints, v: &SharedVolume) -> bool {
+fn lists(e: &EndpointSlice, v: &SharedVolume) -> bool {
     let ip = v.server.to_string();
-    e.subsets.iter().flatten().any(|s| {
-        let mut addrs = s.addresses.iter().flatten().chain(s.not_ready_addresses.iter().flatten());
-        let port = s.ports.iter().flatten().any(|p| p.port == i32::from(v.server_port));
-        port && addrs.any(|a| a.ip == ip)
-    })
+    let port = e.ports.iter().flatten().any(|p| p.port == Some(i32::from(v.server_port)));
+    port && e.endpoints.iter().flatten().any(|ep| ep.addresses.contains(&ip))
 }
 
 /// The labels and owner references volring sets are there (others may be
@@ -430,22 +463,28 @@ pub fn service_equivalent(have: &Service, want: &Service) -> bool {
     meta_holds(&have.metadata, &want.metadata) && ports(have) == ports(want) && kind(have) == kind(want) && selector(have).is_empty()
 }
 
-pub fn endpoints_equivalent(have: &Endpoints, want: &Endpoints) -> bool {
-    type Ports = Vec<(Option<String>, i32, String)>;
-    let flat = |e: &Endpoints| -> (Vec<String>, Ports) {
-        let mut ips = Vec::new();
-        let mut ports = Vec::new();
-        for s in e.subsets.iter().flatten() {
-            ips.extend(s.addresses.iter().flatten().map(|a| a.ip.clone()));
-            // Not-ready addresses are not served: one there is a difference.
-            ips.extend(s.not_ready_addresses.iter().flatten().map(|a| format!("not-ready:{}", a.ip)));
-            ports.extend(s.ports.iter().flatten().map(|p| (p.name.clone(), p.port, p.protocol.clone().unwrap_or_else(|| "TCP".into()))));
-        }
+/// Equivalent: the same type, endpoints (addresses and readiness) and
+/// ports, and the labels and owner volring sets.
+pub fn slice_equivalent(have: &EndpointSlice, want: &EndpointSlice) -> bool {
+    type Ports = Vec<(Option<String>, Option<i32>, String)>;
+    let flat = |e: &EndpointSlice| -> (Vec<String>, Ports) {
+        let mut ips: Vec<String> = e
+            .endpoints
+            .iter()
+            .flatten()
+            .flat_map(|ep| {
+                // Not ready is not served: one there is a difference.
+                let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+                ep.addresses.iter().map(move |a| if ready { a.clone() } else { format!("not-ready:{a}") })
+            })
+            .collect();
+        let mut ports: Ports =
+            e.ports.iter().flatten().map(|p| (p.name.clone(), p.port, p.protocol.clone().unwrap_or_else(|| "TCP".into()))).collect();
         ips.sort();
         ports.sort();
         (ips, ports)
     };
-    meta_holds(&have.metadata, &want.metadata) && flat(have) == flat(want)
+    have.address_type == want.address_type && meta_holds(&have.metadata, &want.metadata) && flat(have) == flat(want)
 }
 
 #[cfg(test)]
@@ -486,20 +525,23 @@ mod tests {
         let mut orphan = want.clone();
         orphan.metadata.owner_references = None;
         assert!(!service_equivalent(&orphan, &want));
-        // The Endpoints follow the server's address.
-        let e1 = desired_endpoints(&vol("10.0.0.1"), &owner());
-        let e2 = desired_endpoints(&vol("10.0.0.2"), &owner());
-        assert!(endpoints_equivalent(&e1, &e1.clone()));
-        assert!(!endpoints_equivalent(&e1, &e2));
+        // The slice follows the server's address.
+        let e1 = desired_slice(&vol("10.0.0.1"), &owner());
+        let e2 = desired_slice(&vol("10.0.0.2"), &owner());
+        assert!(slice_equivalent(&e1, &e1.clone()));
+        assert!(!slice_equivalent(&e1, &e2));
+        assert_eq!(e1.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL], "data");
+        assert_eq!(e1.metadata.labels.as_ref().unwrap()[MANAGED_BY_LABEL], "volring.io");
+        assert_eq!((e1.address_type.as_str(), desired_slice(&vol("fd00::1"), &owner()).address_type.as_str()), ("IPv4", "IPv6"));
         // The Service does not.
         assert!(service_equivalent(&desired_service(&vol("10.0.0.2"), &owner()), &want));
         // A server going away takes out only its own address and port.
         assert!(lists(&e1, &vol("10.0.0.1")));
-        assert!(!lists(&e2, &vol("10.0.0.1")), "another node's Endpoints are left alone");
+        assert!(!lists(&e2, &vol("10.0.0.1")), "another node's slice is left alone");
         let mut other_port = vol("10.0.0.1");
         other_port.server_port = 20490;
         assert!(!lists(&e1, &other_port));
-        assert!(!lists(&idle_endpoints(&vol("10.0.0.1"), &owner()), &vol("10.0.0.1")));
-        assert!(endpoints_equivalent(&idle_endpoints(&vol("10.0.0.1"), &owner()), &idle_endpoints(&vol("10.0.0.2"), &owner())));
+        assert!(!lists(&idle_slice(&vol("10.0.0.1"), &owner()), &vol("10.0.0.1")));
+        assert!(slice_equivalent(&idle_slice(&vol("10.0.0.1"), &owner()), &idle_slice(&vol("10.0.0.2"), &owner())));
     }
 }

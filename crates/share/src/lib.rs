@@ -19,14 +19,17 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+pub mod admit;
 pub mod client;
 pub mod follow;
 pub mod ganesha;
+pub mod identity;
 pub mod kube;
 mod records;
 mod server;
 mod side;
 
+pub use ganesha::Squash;
 pub use records::{get_pvc, preferred_export_id, put_pvc, remove_pvc, MountRecord, ShareRecord};
 pub use server::{NfsServer, ServerFiles};
 pub use side::{ShareConfig, ShareSide};
@@ -54,6 +57,22 @@ impl Error {
 /// shared volume; its one value is [`SHARE_NFS`].
 pub const PARAM_SHARE: &str = "share";
 pub const SHARE_NFS: &str = "nfs";
+
+/// StorageClass parameter (recorded with the volume): root squash of its
+/// NFS export, `root` (the default), `none` or `all` ([`Squash`]).
+pub const PARAM_SQUASH: &str = "nfsSquash";
+
+/// The squash a volume's recorded parameters ask for (the default when
+/// they say nothing; an error naming the parameter when it is no value).
+pub fn squash_of(parameters: &BTreeMap<String, String>) -> Result<Squash, Error> {
+    parameters.get(PARAM_SQUASH).map_or(Ok(Squash::Root), |v| Squash::parse(v))
+}
+
+/// The squash a volume context asks for ([`squash_of`]; a volume exported
+/// from a node that does not hold its pool record has only its context).
+pub fn squash_in_context(context: &HashMap<String, String>) -> Result<Squash, Error> {
+    context.get(PARAM_SQUASH).map_or(Ok(Squash::Root), |v| Squash::parse(v))
+}
 
 /// Whether a volume's recorded parameters mark it shared.
 pub fn is_shared(parameters: &BTreeMap<String, String>) -> bool {
@@ -117,6 +136,10 @@ pub fn pseudo_path(id: &str) -> String {
 pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
+        // So a node the export moves to squashes as the StorageClass says.
+        if let Some(s) = parameters.get(PARAM_SQUASH) {
+            context.insert(PARAM_SQUASH.to_string(), s.clone());
+        }
         if let Some((ns, name)) = pvc_of(parameters) {
             context.insert(CTX_PVC_NAMESPACE.to_string(), ns);
             context.insert(CTX_PVC_NAME.to_string(), name);

@@ -24,6 +24,15 @@ pub struct ShareRecord {
     pub pseudo: String,
     /// `host:port` clients reach the server on.
     pub server: String,
+    /// The nodes admitted to the export (node name → the address this
+    /// server sees its connections from): the ones that staged the volume
+    /// and made themselves known (`follow`). Kept across restarts, so a
+    /// restarted agent admits its clients again at once.
+    #[serde(default)]
+    pub clients: std::collections::BTreeMap<String, String>,
+    /// Root squash, from the volume's StorageClass (`nfsSquash`).
+    #[serde(default)]
+    pub squash: super::ganesha::Squash,
 }
 
 pub(super) fn load(store: &Store) -> Result<Vec<ShareRecord>, Error> {
@@ -89,6 +98,27 @@ pub(super) fn remove_mount(store: &Store, volume_id: &str) -> Result<(), Error> 
     store.apply(&[Change::RemovePublished(&key)]).map_err(|e| Error::Store(e.to_string()))
 }
 
+const ANNOUNCED_PREFIX: &str = "NfsAnnounced/";
+
+/// Records that this node announced itself on PVC `pvc` to stage shared
+/// volume `volume_id` from another node (`admit`), so its unstage — also
+/// after an agent restart — takes the announcement off again.
+pub(crate) fn put_announced(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
+    store.apply(&[Change::PutPublished(&format!("{ANNOUNCED_PREFIX}{volume_id}"), &bytes)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The PVC recorded by [`put_announced`], if any.
+pub(crate) fn get_announced(store: &Store, volume_id: &str) -> Option<(String, String)> {
+    let bytes = store.published(&format!("{ANNOUNCED_PREFIX}{volume_id}")).ok()??;
+    let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
+    super::pvc(&ns, &name)
+}
+
+pub(crate) fn remove_announced(store: &Store, volume_id: &str) -> Result<(), Error> {
+    store.apply(&[Change::RemovePublished(&format!("{ANNOUNCED_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
+}
+
 const PVC_PREFIX: &str = "NfsPvc/";
 
 /// Records the PVC (namespace, name) of shared volume `volume_id`, staged
@@ -146,7 +176,15 @@ mod tests {
     use super::*;
 
     fn rec(id: &str, n: u16) -> ShareRecord {
-        ShareRecord { volume_id: id.into(), export_id: n, path: "/x".into(), pseudo: format!("/{id}"), server: "h:1".into() }
+        ShareRecord {
+            volume_id: id.into(),
+            export_id: n,
+            path: "/x".into(),
+            pseudo: format!("/{id}"),
+            server: "h:1".into(),
+            clients: Default::default(),
+            squash: Default::default(),
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::ganesha::{Export, Settings};
+use super::ganesha::{Export, Settings, Squash};
 use super::records::{self, ShareRecord};
 use super::server::{NfsServer, ServerFiles};
 use super::Error;
@@ -25,6 +25,11 @@ pub struct ShareConfig {
     pub listen: Option<SocketAddr>,
     /// `host:port` other nodes mount (default: `listen`).
     pub advertise: Option<String>,
+    /// Client entries (addresses, `address/prefix` networks) admitted to
+    /// every export besides the nodes that staged the volume: out of a
+    /// cluster no node makes itself known, so whoever mounts is listed
+    /// here (`--nfs-clients`). Empty by default: nobody.
+    pub clients: Vec<String>,
     pub ganesha: PathBuf,
     pub plugins_dir: PathBuf,
     pub lease_secs: u32,
@@ -37,6 +42,7 @@ impl Default for ShareConfig {
         Self {
             listen: None,
             advertise: None,
+            clients: Vec::new(),
             ganesha: PathBuf::from("ganesha.nfsd"),
             plugins_dir: PathBuf::from("/usr/lib/x86_64-linux-gnu/ganesha"),
             // Short: a restarted server's grace lasts grace_secs, and a
@@ -66,7 +72,14 @@ pub struct ShareSide {
     /// Called after the set of exports changed (the cluster's Service
     /// loop follows these, not a timer).
     watchers: Mutex<Vec<Box<dyn Fn() + Send>>>,
+    /// Called with the volume id after a mount record is removed (an
+    /// unstage of a volume another node serves): in a cluster, this node
+    /// takes its announcement off the PVC (`admit`).
+    unmounted: OnceLock<Unmounted>,
 }
+
+/// See [`ShareSide::on_unmounted`].
+type Unmounted = Box<dyn Fn(&str) + Send + Sync>;
 
 /// How long an unexport waits for the server to let go of the volume's
 /// files, so its filesystem can be unmounted.
@@ -75,7 +88,15 @@ const RELEASE_WAIT: Duration = Duration::from_secs(10);
 impl ShareSide {
     /// `state_dir/nfs` holds the server's files and recovery database.
     pub fn new(config: ShareConfig, state_dir: &Path, store: Arc<Store>) -> Self {
-        Self { config, dir: state_dir.join("nfs"), store, server: OnceLock::new(), changing: Mutex::new(()), watchers: Mutex::default() }
+        Self {
+            config,
+            dir: state_dir.join("nfs"),
+            store,
+            server: OnceLock::new(),
+            changing: Mutex::new(()),
+            watchers: Mutex::default(),
+            unmounted: OnceLock::new(),
+        }
     }
 
     pub fn enabled(&self) -> bool {
@@ -117,25 +138,57 @@ impl ShareSide {
         records::get_mount(&self.store, id)
     }
 
+    /// Records a stage of a volume another node serves; its first record
+    /// (the intent, before the mount) also makes this node's NFSv4 client
+    /// identity unique first ([`super::identity`]).
     pub fn put_mount_record(&self, r: &super::MountRecord) -> Result<(), Error> {
+        if r.dev.is_none() {
+            super::identity::ensure_on_this_node();
+        }
         records::put_mount(&self.store, r)
     }
 
     pub fn remove_mount_record(&self, id: &str) -> Result<(), Error> {
-        records::remove_mount(&self.store, id)
+        records::remove_mount(&self.store, id)?;
+        if let Some(f) = self.unmounted.get() {
+            f(id);
+        }
+        Ok(())
     }
 
-    /// Exports volume `id`'s staged filesystem at `path`; idempotent.
+    /// Calls `f` with the volume id after each [`ShareSide::remove_mount_record`]
+    /// (set once; later calls are ignored).
+    pub fn on_unmounted(&self, f: impl Fn(&str) + Send + Sync + 'static) {
+        let _ = self.unmounted.set(Box::new(f));
+    }
+
+    /// The node's store, for what the cluster side records beside the
+    /// shares (the PVCs this node announced itself on).
+    pub fn store(&self) -> Arc<Store> {
+        self.store.clone()
+    }
+
+    /// Exports volume `id`'s staged filesystem at `path` with root squash;
+    /// idempotent.
     pub fn export(&self, id: &str, path: &Path) -> Result<ShareRecord, Error> {
+        self.export_squashed(id, path, Squash::Root)
+    }
+
+    /// Exports volume `id`'s staged filesystem at `path`, `squash` as its
+    /// StorageClass says; idempotent. The nodes admitted so far stay.
+    pub fn export_squashed(&self, id: &str, path: &Path, squash: Squash) -> Result<ShareRecord, Error> {
         let server = self.config.advertised().ok_or_else(|| Error::Config("this node serves no NFS (--nfs-listen)".into()))?;
         let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let have = records::load(&self.store)?;
+        let clients = have.iter().find(|r| r.volume_id == id).map(|r| r.clients.clone()).unwrap_or_default();
         let rec = ShareRecord {
             volume_id: id.to_string(),
             export_id: records::export_id(&have, id)?,
             path: path.to_path_buf(),
             pseudo: super::pseudo_path(id),
             server,
+            clients,
+            squash,
         };
         if !have.contains(&rec) {
             records::put(&self.store, &rec)?;
@@ -147,6 +200,31 @@ impl ShareSide {
         drop(_g);
         self.changed();
         Ok(rec)
+    }
+
+    /// Admits exactly `clients` (node name → address) to volume `id`'s
+    /// export, on top of `--nfs-clients`: the server re-reads its
+    /// configuration (SIGHUP; no client loses its state). True when the
+    /// list changed; false also when `id` is not exported here. An address
+    /// that is no IP is refused ([`super::ganesha::valid_client`]).
+    pub fn set_clients(&self, id: &str, clients: &std::collections::BTreeMap<String, String>) -> Result<bool, Error> {
+        if let Some((node, bad)) = clients.iter().find(|(_, a)| !super::ganesha::valid_client(a)) {
+            return Err(Error::Config(format!("node {node}'s NFS client address {bad:?} is no IP address")));
+        }
+        let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = records::load(&self.store)?;
+        let Some(rec) = all.iter_mut().find(|r| r.volume_id == id) else { return Ok(false) };
+        if &rec.clients == clients {
+            return Ok(false);
+        }
+        let (was, now): (Vec<_>, Vec<_>) = (rec.clients.keys().cloned().collect(), clients.keys().cloned().collect());
+        rec.clients = clients.clone();
+        records::put(&self.store, rec)?;
+        if self.enabled() {
+            self.apply(&all)?;
+        }
+        tracing::info!(volume = id, before = ?was, now = ?now, "NFS export's client nodes changed");
+        Ok(true)
     }
 
     /// Stops exporting volume `id` and waits (bounded) until the server
@@ -222,7 +300,15 @@ impl ShareSide {
     }
 
     fn apply(&self, all: &[ShareRecord]) -> Result<(), Error> {
-        let exports = all.iter().map(|r| Export { id: r.export_id, path: r.path.clone(), pseudo: r.pseudo.clone() }).collect();
+        let exports = all
+            .iter()
+            .map(|r| {
+                let mut clients: Vec<String> = self.config.clients.iter().chain(r.clients.values()).cloned().collect();
+                clients.sort();
+                clients.dedup();
+                Export { id: r.export_id, path: r.path.clone(), pseudo: r.pseudo.clone(), clients, squash: r.squash }
+            })
+            .collect();
         self.server()?.set_exports(exports)
     }
 
