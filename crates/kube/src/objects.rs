@@ -316,7 +316,7 @@ pub struct Object {
 
 impl Object {
     /// The body of a server-side apply of labels and spec.
-    pub(crate) fn main_body(&self) -> serde_json::Value {
+    pub fn main_body(&self) -> serde_json::Value {
         serde_json::json!({
             "apiVersion": format!("{GROUP}/{VERSION}"),
             "kind": self.key.kind.as_str(),
