@@ -22,6 +22,7 @@ mod csi;
 mod device_info;
 pub mod logs;
 mod publish;
+mod volume;
 
 pub use classic::Format;
 
@@ -55,6 +56,9 @@ pub struct Sources {
     /// The shared-volume loop's controller, when it runs (its reconcile
     /// duration histogram).
     pub share: Option<Arc<volring_share::kube::ShareController>>,
+    /// The staged volumes' identity records, when the CSI driver runs
+    /// (the `volring_volume_*` series).
+    pub volumes: Option<Arc<ArcSwap<Vec<volring_volumes::VolumeIdentity>>>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -155,6 +159,9 @@ impl Collector for Sources {
         })?;
 
         device_info::encode(&mut e, &inv)?;
+        if let Some(v) = &self.volumes {
+            volume::encode(&mut e, &v.load(), &snap, &inv)?;
+        }
 
         let rates: Vec<(&str, volring_devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
         type RateFn = fn(&volring_devices::IoRates) -> f64;

@@ -80,6 +80,7 @@ pub const MAX_LISTED_VOLUMES: usize = 1000;
     printcolumn(name = "State", type_ = "string", json_path = ".status.state"),
     printcolumn(name = "FsType", type_ = "string", json_path = ".status.filesystem.fsType", priority = 1),
     printcolumn(name = "Volume", type_ = "string", json_path = ".status.volume", priority = 1),
+    printcolumn(name = "Claim", type_ = "string", json_path = ".status.persistentVolumeClaim.name", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -164,6 +165,20 @@ pub struct BlockDeviceStatus {
     /// The CSI volume using the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<String>,
+    /// The PersistentVolume of that volume, when known (from kubelet's
+    /// paths or the cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume: Option<String>,
+    /// The PVC bound to that PersistentVolume, when the cluster named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimRef>,
+}
+
+/// A PersistentVolumeClaim, by namespace and name.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
@@ -424,6 +439,12 @@ pub fn legacy_block_device_name(stable_id: &str) -> String {
 
 /// The BlockDevice for a device present now.
 pub fn block_device(d: &Device, node: &str) -> Object {
+    block_device_of(d, node, None)
+}
+
+/// The BlockDevice for a device present now, with the PV and PVC of the
+/// volume on it (`who`: that volume's identity record, when staged).
+pub fn block_device_of(d: &Device, node: &str, who: Option<&volring_volumes::VolumeIdentity>) -> Object {
     let volume = d.uses.iter().find_map(|u| match u {
         Use::Volume(v) => Some(v.clone()),
         _ => None,
@@ -474,6 +495,11 @@ pub fn block_device(d: &Device, node: &str) -> Object {
         filesystem: d.fstype().map(|t| Filesystem { fs_type: t.to_string(), mount_point: mount_points.first().cloned() }),
         mount_points,
         holders: d.holders.clone(),
+        persistent_volume: who.filter(|_| volume.is_some()).and_then(|w| w.persistent_volume.clone()),
+        persistent_volume_claim: who
+            .filter(|_| volume.is_some())
+            .and_then(|w| w.claim.as_ref())
+            .map(|c| ClaimRef { namespace: c.namespace.clone(), name: c.name.clone() }),
         volume,
     };
     Object {
