@@ -375,6 +375,16 @@ impl Object {
                     o.status = serde_json::json!({"claimState": "Unclaimed"});
                 }
                 o.status["state"] = serde_json::json!("Inactive");
+                // A device leaves the node when its volume is unstaged
+                // (the loop device is detached): the claim is released.
+                if o.status["claimState"] == "Claimed" {
+                    o.status["claimState"] = serde_json::json!("Unclaimed");
+                    if let Some(s) = o.status.as_object_mut() {
+                        for k in ["volume", "persistentVolume", "persistentVolumeClaim"] {
+                            s.remove(k);
+                        }
+                    }
+                }
                 Some(o)
             }
             Kind::StorageNode => None,
@@ -690,5 +700,20 @@ mod tests {
         let r = o.retired().unwrap();
         assert_eq!(r.status, serde_json::json!({"state": "Inactive", "claimState": "InUse"}));
         assert_eq!(r.spec, o.spec);
+    }
+
+    /// Its volume unstaged, a volume's device leaves the node: the object
+    /// is released, not left Claimed by a volume that is gone.
+    #[test]
+    fn a_retired_claimed_block_device_is_released() {
+        let o = Object {
+            key: Key { kind: Kind::BlockDevice, name: "bd-2".into() },
+            labels: labels(Kind::BlockDevice, "n"),
+            spec: serde_json::json!({"path": "/dev/loop3"}),
+            status: serde_json::json!({"state": "Active", "claimState": "Claimed", "volume": "v1", "persistentVolume": "pv1",
+                "persistentVolumeClaim": {"namespace": "ns", "name": "c"}, "mountPoints": ["/s"]}),
+        };
+        let r = o.retired().unwrap();
+        assert_eq!(r.status, serde_json::json!({"state": "Inactive", "claimState": "Unclaimed", "mountPoints": ["/s"]}));
     }
 }
