@@ -27,7 +27,9 @@ use super::TARGET;
 type Scan = JoinHandle<Result<Inventory, volring_devices::Error>>;
 /// Devices probed again (the volumes' they were probed for, and what the
 /// probes found), on the blocking pool.
-type Reprobe = JoinHandle<(Vec<(String, volring_mounts::DevNum)>, Vec<volring_devices::Device>)>;
+type Reprobe = JoinHandle<Reprobed>;
+/// (volume, device) pairs asked for, and the devices as probed again.
+type Reprobed = (Vec<(String, volring_mounts::DevNum)>, Vec<volring_devices::Device>);
 
 /// What the loop owns and reaches; made by the start (`start.rs`).
 pub(super) struct Events {
@@ -179,7 +181,7 @@ impl Events {
         })
     }
 
-    fn reprobed(&mut self, done: Result<(Vec<(String, volring_mounts::DevNum)>, Vec<volring_devices::Device>), tokio::task::JoinError>) {
+    fn reprobed(&mut self, done: Result<Reprobed, tokio::task::JoinError>) {
         let Ok((asked, found)) = done else { return };
         for d in found {
             if self.log_events {
