@@ -278,12 +278,30 @@ fn the_loaded_volume_rises_alone(site: &Site, agent: &Agent, p: &Paths, a_labels
     let info_a = [format!("pod_uid=\"{UID_A}\""), "persistentvolume=\"pv-a\"".into(), "fstype=\"ext4\"".into()];
     let info_a: Vec<&str> = info_a.iter().map(String::as_str).chain(["volume=\"vol-a\""]).collect();
     check(sample(&after, "volring_volume_info", &info_a) == Some(1.0), format!("A's info series:\n{after}"))?;
+    promtool_check(&after)?;
     let uid_b = format!("pod_uid=\"{UID_B}\"");
     check(
         sample(&after, "volring_volume_info", &["volume=\"vol-b\"", &uid_b, "persistentvolume=\"pv-b\"", "access=\"block\""]) == Some(1.0),
         "B's info",
     )?;
     Ok(())
+}
+
+/// `promtool check metrics` on a scrape with volumes (skipped where
+/// promtool is missing, outside CI).
+fn promtool_check(scrape: &str) -> Result<(), Failed> {
+    use std::io::Write;
+    let spawned =
+        Command::new("promtool").args(["check", "metrics"]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && std::env::var_os("CI").is_none() => return Ok(()),
+        Err(e) => return Err(format!("promtool: {e}").into()),
+    };
+    child.stdin.take().ok_or("promtool stdin")?.write_all(scrape.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    check(out.status.success() && said.trim().is_empty(), format!("promtool check metrics on a scrape with volumes:\n{said}"))
 }
 
 fn unstaged_goes(site: &Site, agent: &Agent, c: &Clients, p: &Paths) -> Result<(), Failed> {
