@@ -394,9 +394,11 @@ pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::
                 let sources = sources.clone();
                 async move {
                     let format = Format::negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-                    match render_as(&sources, format) {
-                        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, format.content_type())], body),
-                        Err(_) => {
+                    // Off the runtime: a scrape reads statvfs(2) of every
+                    // staged volume's mount (`volume.rs`).
+                    match tokio::task::spawn_blocking(move || render_as(&sources, format)).await {
+                        Ok(Ok(body)) => (StatusCode::OK, [(header::CONTENT_TYPE, format.content_type())], body),
+                        Ok(Err(_)) | Err(_) => {
                             (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string())
                         }
                     }
