@@ -370,6 +370,20 @@ fn with_a_cluster() -> Result<(), Failed> {
     };
     check(bd["status"]["claimState"] == "Claimed", format!("{bd:#}"))?;
     check(bd["status"]["persistentVolumeClaim"]["namespace"] == "shop" && bd["status"]["persistentVolume"] == "pv-a", format!("{bd:#}"))?;
+    // The StorageNode lists the volume with the same names.
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let sn = server.api.objects("storagenodes");
+        let vols = sn.iter().filter_map(|o| o["status"]["volumes"].as_array()).flatten().cloned().collect::<Vec<_>>();
+        let a = vols.iter().find(|v| v["id"] == "vol-a");
+        if a.is_some_and(|a| {
+            a["persistentVolumeClaim"]["name"] == "data-a" && a["pods"] == json!(["shop/web-0"]) && a["persistentVolume"] == "pv-a"
+        }) {
+            break;
+        }
+        check(Instant::now() < deadline, format!("A in the StorageNode: {a:#?}"))?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Only what the cache lacked was asked for: one pod LIST of this node.
     let pods: Vec<_> = server.api.log().into_iter().filter(|l| l.path == "/api/v1/pods").collect();
     check(!pods.is_empty() && pods.iter().all(|l| l.query.contains("spec.nodeName%3Dvi-node") && l.status == 200), format!("{pods:#?}"))?;

@@ -111,6 +111,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
                 view: view.clone(),
                 inventory: &devices.inventory,
                 stats: publish_stats.unwrap_or_default(),
+                names: identities.as_ref().map(|i| i.names.clone()),
             };
             Some(publisher::start(p, inputs, parts).await?)
         }

@@ -149,7 +149,22 @@ pub fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) -> Volume
         health: health.to_string(),
         drift,
         message,
+        persistent_volume: None,
+        persistent_volume_claim: None,
+        pods: vec![],
     }
+}
+
+/// Puts what `id` (the volume's identity record) names into its entry:
+/// PV, PVC, and its pods (`namespace/name` where known, else the UID).
+pub fn name_entry(e: &mut VolumeEntry, id: &VolumeIdentity) {
+    e.persistent_volume = id.persistent_volume.clone();
+    e.persistent_volume_claim = id.claim.as_ref().map(|c| objects::ClaimRef { namespace: c.namespace.clone(), name: c.name.clone() });
+    e.pods = id
+        .pod_uids
+        .iter()
+        .map(|u| id.pods.iter().find(|p| &p.uid == u).map_or_else(|| u.clone(), |p| format!("{}/{}", p.namespace, p.name)))
+        .collect();
 }
 
 /// Free space is published in whole GiB: a pool being written to would

@@ -262,6 +262,16 @@ pub struct VolumeEntry {
     pub drift: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The volume's PersistentVolume (from kubelet's paths or the cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume: Option<String>,
+    /// Its PVC, when the cluster named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimRef>,
+    /// The pods it is published to: `namespace/name` when the cluster
+    /// named them, else their UIDs (from kubelet's paths).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
 }
 
 /// A condition without a transition time: writing one must not change it
@@ -661,6 +671,9 @@ mod tests {
             health: health.into(),
             drift: vec![],
             message: None,
+            persistent_volume: None,
+            persistent_volume_claim: None,
+            pods: vec![],
         }
     }
 
