@@ -21,6 +21,7 @@ mod events;
 mod publisher;
 mod signals;
 mod start;
+mod volumes;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -186,6 +186,7 @@ const EXAMPLES: &[Example] = &[
     ex("cargo bench --bench device_stats", How::Skip(BENCH)),
     ex("cargo bench --bench devices", How::Skip(BENCH)),
     ex("cargo bench --bench csi_volumes", How::Skip(BENCH)),
+    ex("cargo bench --bench volume_series", How::Skip(BENCH)),
     ex("cargo bench --bench state_scale", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),

@@ -5,6 +5,7 @@
 //! inventory for `/metrics` and the publisher, and wakes the reconciler
 //! for what an event touched.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -19,10 +20,16 @@ use volring_volumes::state::reconcile::Notifier;
 
 use super::component::Stopping;
 use super::publisher::Feeding;
+use super::volumes::Identities;
 use super::TARGET;
 
 /// A full device scan, running on the blocking pool.
 type Scan = JoinHandle<Result<Inventory, volring_devices::Error>>;
+/// Devices probed again (the volumes' they were probed for, and what the
+/// probes found), on the blocking pool.
+type Reprobe = JoinHandle<Reprobed>;
+/// (volume, device) pairs asked for, and the devices as probed again.
+type Reprobed = (Vec<(String, volring_mounts::DevNum)>, Vec<volring_devices::Device>);
 
 /// What the loop owns and reaches; made by the start (`start.rs`).
 pub(super) struct Events {
@@ -44,6 +51,12 @@ pub(super) struct Events {
     /// The CSI driver, when it runs: its staged volumes mark their devices
     /// (`volring_device_info{csi_volume}`, the BlockDevice's use).
     pub csi: Option<Arc<volring_csi::Driver>>,
+    /// The staged volumes' identity records (with the CSI driver).
+    pub volumes: Option<Identities>,
+    /// (volume, device) pairs whose device was probed again once its
+    /// volume was staged: the device was probed when it was attached,
+    /// before the stage formatted it, and no uevent tells of a mkfs.
+    pub reprobed: HashSet<(String, volring_mounts::DevNum)>,
     /// Mount or device changes wait for the next join.
     pub dirty: bool,
 }
@@ -59,6 +72,7 @@ impl Events {
         // A full rescan runs on the blocking pool; device events wait in
         // their queue meanwhile, so they apply after it, in order.
         let mut rescan: Option<Scan> = None;
+        let mut reprobe: Option<Reprobe> = None;
         let result = loop {
             tokio::select! {
                 ev = self.mount_events.recv() => match ev {
@@ -77,9 +91,19 @@ impl Events {
                     rescan = None;
                     self.rescanned(done);
                 }
+                done = finished(&mut reprobe) => {
+                    reprobe = None;
+                    self.reprobed(done);
+                }
+                _ = woken(self.volumes.as_ref()) => self.dirty = true,
                 // A burst of thousands of events is joined, published and
                 // handed to the collector once, not once per event.
-                _ = relink.tick(), if self.dirty => self.relink(),
+                _ = relink.tick(), if self.dirty => {
+                    let again = self.relink();
+                    if reprobe.is_none() && !again.is_empty() {
+                        reprobe = Some(self.reprobe(again));
+                    }
+                }
                 _ = report.tick() => self.report(),
                 _ = stopping.asked() => break Ok(()),
             }
@@ -114,13 +138,25 @@ impl Events {
         self.dirty = true;
     }
 
-    fn relink(&mut self) {
+    /// Joins, publishes and hands over; answers the volumes' devices to
+    /// probe again (see `reprobed`).
+    fn relink(&mut self) -> Vec<(String, volring_mounts::DevNum)> {
         self.dirty = false;
         let before: Vec<_> = self.published.load().devices.keys().copied().collect();
         self.inventory.link(&read(&self.table), &self.devices.node_name);
         self.inventory.devices.retain(|_, d| self.devices.filter.admits(d));
+        let mut again = Vec::new();
         if let Some(driver) = &self.csi {
-            mark_staged(&mut self.inventory, &driver.staged());
+            let staged = driver.staged();
+            mark_staged(&mut self.inventory, &staged);
+            if let Some(v) = &self.volumes {
+                let ids = v.rebuild(&staged);
+                self.reprobed.retain(|(id, _)| ids.iter().any(|i| &i.volume_id == id));
+                again = unprobed(&self.inventory, &ids, &self.reprobed);
+                if let Some(p) = &mut self.publisher {
+                    p.feed.volumes(&ids);
+                }
+            }
         }
         if !self.inventory.devices.keys().copied().eq(before) && !self.collector.track(tracked(&self.inventory)) {
             tracing::warn!(target: TARGET, "stat collector busy; the device set is passed with the next change");
@@ -132,6 +168,29 @@ impl Events {
             // The pool's figures ride along with device changes.
             p.node_signal.signal();
         }
+        again
+    }
+
+    /// Probes `devices` again on the blocking pool.
+    fn reprobe(&self, devices: Vec<(String, volring_mounts::DevNum)>) -> Reprobe {
+        let cfg = self.devices.clone();
+        let names: Vec<String> = devices.iter().filter_map(|(_, dev)| self.inventory.devices.get(dev).map(|d| d.name.clone())).collect();
+        tokio::task::spawn_blocking(move || {
+            let found = names.iter().filter_map(|n| volring_devices::describe(&cfg, n).ok().flatten()).collect();
+            (devices, found)
+        })
+    }
+
+    fn reprobed(&mut self, done: Result<Reprobed, tokio::task::JoinError>) {
+        let Ok((asked, found)) = done else { return };
+        for d in found {
+            if self.log_events {
+                tracing::info!(target: TARGET, device = %d.name, fstype = d.fstype(), "device probed again for its volume");
+            }
+            self.inventory.insert(d);
+        }
+        self.reprobed.extend(asked);
+        self.dirty = true;
     }
 
     fn report(&self) {
@@ -225,6 +284,31 @@ fn apply_device(inv: &mut Inventory, ev: DeviceEvent, log: bool) {
         // The loop runs rescans itself, off the runtime; none comes here.
         DeviceEvent::Rescan { .. } => {}
     }
+}
+
+/// Waits until the volumes' records changed; never, with no CSI driver.
+async fn woken(v: Option<&Identities>) {
+    match v {
+        Some(v) => v.changed.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The devices of filesystem volumes that are mounted and show no
+/// filesystem, not yet probed again for that volume.
+fn unprobed(
+    inv: &Inventory,
+    ids: &[volring_volumes::VolumeIdentity],
+    done: &HashSet<(String, volring_mounts::DevNum)>,
+) -> Vec<(String, volring_mounts::DevNum)> {
+    ids.iter()
+        .filter(|i| !i.block)
+        .filter_map(|i| {
+            let d = inv.by_name(i.device.as_deref()?)?;
+            let key = (i.volume_id.clone(), d.dev);
+            (d.fstype().is_none() && !d.mountpoints.is_empty() && !done.contains(&key)).then_some(key)
+        })
+        .collect()
 }
 
 /// Marks each staged volume's device with its volume id, and unmarks a

@@ -42,6 +42,9 @@ pub(super) struct Inputs<'a> {
     pub view: Option<Arc<volring_volumes::state::actual::HealthView>>,
     pub inventory: &'a Inventory,
     pub stats: Arc<volring_kube::updater::Stats>,
+    /// What the cluster told of the volumes' names (the StorageNode lists
+    /// each volume's PVC and pods).
+    pub names: Option<Arc<arc_swap::ArcSwap<volring_volumes::ClusterNames>>>,
 }
 
 /// Starts the updater on the cluster or the node's store, with this node's
@@ -112,13 +115,16 @@ fn node_feed(i: &Inputs<'_>, signal: &NodeSignal, unknown: Arc<std::sync::Mutex<
         let s = signal.clone();
         v.on_change(move || s.signal());
     }
-    let (name, driver, view) = (i.node.to_string(), i.driver.clone(), i.view.clone());
+    let (name, driver, view, names) = (i.node.to_string(), i.driver.clone(), i.view.clone(), i.names.clone());
     NodeFeed::new(
         signal.clone(),
         Arc::new(move || {
             let u = unknown.lock().unwrap_or_else(|e| e.into_inner());
             match &driver {
-                Some(d) => node_feed::storage_node(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref()),
+                Some(d) => {
+                    let names = names.as_ref().map(|n| n.load_full()).unwrap_or_default();
+                    node_feed::storage_node_named(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref(), &names)
+                }
                 None => node_feed::storage_node(&name, &[], None, None, u.as_deref()),
             }
         }),

@@ -22,7 +22,7 @@ use volring_volumes::state::reconcile::Notifier;
 
 use super::component::{Components, OffRuntime};
 use super::events::{self, Events};
-use super::{csi, publisher, AgentConfig, TARGET};
+use super::{csi, publisher, volumes, AgentConfig, TARGET};
 
 /// A ring thread's stop joins it; it is quick unless the thread is stuck.
 const RING_WAIT: Duration = Duration::from_secs(10);
@@ -81,6 +81,10 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
     // the first scrape.
     let publish_stats = config.publish.as_ref().map(|_| Arc::new(volring_kube::updater::Stats::default()));
     let share = share_loop(config, driver.as_ref(), parts).await?;
+    let identities = match &driver {
+        Some(d) => Some(volumes::start(config, d, parts).await),
+        None => None,
+    };
     let published = Arc::new(ArcSwap::from_pointee(devices.inventory.clone()));
     let sources = crate::metrics::Sources {
         share,
@@ -94,6 +98,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
         csi: driver.clone(),
         ready: t.ready.clone(),
         publish: publish_stats.clone(),
+        volumes: identities.as_ref().map(|i| i.current.clone()),
     };
     let metrics = t.metrics.map(|l| serve_metrics(l, sources, parts));
     let view = reconciler.as_ref().map(|(_, r)| r.view.clone());
@@ -106,6 +111,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
                 view: view.clone(),
                 inventory: &devices.inventory,
                 stats: publish_stats.unwrap_or_default(),
+                names: identities.as_ref().map(|i| i.names.clone()),
             };
             Some(publisher::start(p, inputs, parts).await?)
         }
@@ -132,7 +138,10 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
         notify: reconciler.map(|(n, _)| n),
         publisher,
         csi: driver.clone(),
-        dirty: false,
+        volumes: identities,
+        reprobed: Default::default(),
+        // The first relink builds the volumes' records.
+        dirty: driver.is_some(),
     };
     Ok(Started { events, ready: t.ready, summary })
 }

@@ -55,5 +55,27 @@ pub(super) fn encode(e: &mut DescriptorEncoder<'_>, d: &Driver) -> Result<(), Fm
     if let Some(free) = available {
         g("volring_csi_pool_available_bytes", "Bytes the pool's filesystem has left", free)?;
     }
+    shares(e, d)
+}
+
+/// `volring_share_export_info`: one series per volume this node exports
+/// over NFS (value 1, labelled as the `volring_volume_*` series are, so
+/// the two join on `volume`: the I/O NFS clients do reaches the exported
+/// volume's device). Declared also when the node serves no NFS.
+fn shares(e: &mut DescriptorEncoder<'_>, d: &Driver) -> Result<(), FmtError> {
+    let mut fam = e.encode_descriptor(
+        "volring_share_export_info",
+        "A volume this node exports over NFS, with the PVC it was made for (value 1)",
+        None,
+        MetricType::Gauge,
+    )?;
+    if !d.shares().enabled() {
+        return Ok(());
+    }
+    for s in d.exported_shares() {
+        let (ns, pvc) = s.pvc.as_ref().map_or(("", ""), |(n, c)| (n.as_str(), c.as_str()));
+        let labels = [("volume", s.volume_id.as_str()), ("persistentvolumeclaim", pvc), ("namespace", ns)];
+        ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
+    }
     Ok(())
 }

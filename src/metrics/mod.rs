@@ -22,6 +22,7 @@ mod csi;
 mod device_info;
 pub mod logs;
 mod publish;
+mod volume;
 
 pub use classic::Format;
 
@@ -55,6 +56,9 @@ pub struct Sources {
     /// The shared-volume loop's controller, when it runs (its reconcile
     /// duration histogram).
     pub share: Option<Arc<volring_share::kube::ShareController>>,
+    /// The staged volumes' identity records, when the CSI driver runs
+    /// (the `volring_volume_*` series).
+    pub volumes: Option<Arc<ArcSwap<Vec<volring_volumes::VolumeIdentity>>>>,
 }
 
 /// What `/metrics` reads of the reconciler.
@@ -155,6 +159,9 @@ impl Collector for Sources {
         })?;
 
         device_info::encode(&mut e, &inv)?;
+        if let Some(v) = &self.volumes {
+            volume::encode(&mut e, &v.load(), &snap, &inv)?;
+        }
 
         let rates: Vec<(&str, volring_devices::IoRates)> = snap.devices.iter().filter_map(|d| Some((&*d.name, d.rates?))).collect();
         type RateFn = fn(&volring_devices::IoRates) -> f64;
@@ -394,9 +401,11 @@ pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::
                 let sources = sources.clone();
                 async move {
                     let format = Format::negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-                    match render_as(&sources, format) {
-                        Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, format.content_type())], body),
-                        Err(_) => {
+                    // Off the runtime: a scrape reads statvfs(2) of every
+                    // staged volume's mount (`volume.rs`).
+                    match tokio::task::spawn_blocking(move || render_as(&sources, format)).await {
+                        Ok(Ok(body)) => (StatusCode::OK, [(header::CONTENT_TYPE, format.content_type())], body),
+                        Ok(Err(_)) | Err(_) => {
                             (StatusCode::INTERNAL_SERVER_ERROR, [(header::CONTENT_TYPE, "text/plain")], "encoding failed".to_string())
                         }
                     }

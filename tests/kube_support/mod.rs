@@ -54,6 +54,7 @@
 
 #![allow(dead_code)]
 
+mod cluster;
 mod core;
 mod validate;
 mod watch;
@@ -150,6 +151,8 @@ struct Inner {
     /// How many GETs a created core object stays invisible to.
     core_lag: usize,
     next_cluster_ip: u32,
+    /// Read-only PersistentVolumes and Pods (`cluster.rs`).
+    cluster: cluster::Objects,
 }
 
 #[derive(Clone, Default)]
@@ -362,6 +365,14 @@ impl StandIn {
         o["metadata"]["resourceVersion"] = json!(rv.to_string());
     }
 
+    /// Stores a PersistentVolume or a Pod (read-only to clients: `cluster.rs`).
+    pub fn seed_cluster(&self, plural: &str, obj: Value) {
+        let mut g = self.lock();
+        g.rv += 1;
+        let key = cluster::key(plural, &obj);
+        g.cluster.insert(key, obj);
+    }
+
     /// Makes every core object created from now on invisible to the next
     /// `gets` GETs of it.
     pub fn set_create_lag(&self, gets: usize) {
@@ -549,6 +560,9 @@ fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &Head
         if let Some(s) = f.retry_after {
             r.headers_mut().insert("retry-after", HeaderValue::from_str(&s.to_string()).unwrap());
         }
+        return r;
+    }
+    if let Some(r) = path.strip_prefix("/api/v1/").and_then(|rest| cluster::serve(g, method, rest, query)) {
         return r;
     }
     if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {

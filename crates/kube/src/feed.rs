@@ -11,18 +11,27 @@ use super::objects::{self, Key, Object, Pool, VolumeEntry};
 use super::updater::Updater;
 use volring_devices::Inventory;
 use volring_volumes::state::actual::VolumeHealth;
-use volring_volumes::{AccessKind, StagePhase, StagedVolume};
+use volring_volumes::{AccessKind, StagePhase, StagedVolume, VolumeIdentity};
 
 /// What was last handed to the updater, per object.
 #[derive(Default)]
 pub struct Feed {
     last: HashMap<Key, Object>,
+    /// The staged volumes' identity records, by volume id: a Claimed
+    /// device's object names the volume's PV and PVC.
+    volumes: HashMap<String, VolumeIdentity>,
 }
 
 /// This node's BlockDevices now. Devices whose id could not be read are
 /// left out (see [`Feed::devices`] and [`unread_paths`]); devices that share
 /// an id on this node each get their own object, told apart by kernel name.
-pub(crate) fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
+pub fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
+    block_devices_of(inventory, node, &HashMap::new())
+}
+
+/// [`block_devices`], each device a volume is on naming that volume's PV
+/// and PVC from its identity record in `volumes` (by volume id).
+pub fn block_devices_of(inventory: &Inventory, node: &str, volumes: &HashMap<String, VolumeIdentity>) -> Vec<Object> {
     let mut count: HashMap<&str, usize> = HashMap::new();
     for d in inventory.devices.values().filter(|d| !d.id.is_empty()) {
         *count.entry(d.id.as_str()).or_default() += 1;
@@ -32,7 +41,11 @@ pub(crate) fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
         .values()
         .filter(|d| !d.id.is_empty())
         .map(|d| {
-            let mut o = objects::block_device(d, node);
+            let who = d.uses.iter().find_map(|u| match u {
+                volring_devices::Use::Volume(v) => volumes.get(v),
+                _ => None,
+            });
+            let mut o = objects::block_device_of(d, node, who);
             if count[d.id.as_str()] > 1 {
                 o.key.name = objects::duplicate_block_device_name(node, &d.id, &d.name);
             }
@@ -61,6 +74,12 @@ impl Feed {
         v
     }
 
+    /// The staged volumes' identity records from now on (the next
+    /// [`Feed::devices`] writes the devices whose PV or PVC changed).
+    pub fn volumes(&mut self, ids: &[VolumeIdentity]) {
+        self.volumes = ids.iter().map(|i| (i.volume_id.clone(), i.clone())).collect();
+    }
+
     /// Remembers the objects the updater started with.
     pub fn seed(&mut self, objs: &[Object]) {
         self.last.extend(objs.iter().map(|o| (o.key.clone(), o.clone())));
@@ -70,7 +89,7 @@ impl Feed {
     /// A device still present whose id cannot be read now keeps its
     /// object as it was: an unreadable input is not a removal.
     pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str) {
-        let now: HashMap<Key, Object> = block_devices(inventory, node).into_iter().map(|o| (o.key.clone(), o)).collect();
+        let now: HashMap<Key, Object> = block_devices_of(inventory, node, &self.volumes).into_iter().map(|o| (o.key.clone(), o)).collect();
         let unread = unread_paths(inventory);
         let gone: Vec<Key> = self
             .last
@@ -130,7 +149,22 @@ pub(crate) fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) ->
         health: health.to_string(),
         drift,
         message,
+        persistent_volume: None,
+        persistent_volume_claim: None,
+        pods: vec![],
     }
+}
+
+/// Puts what `id` (the volume's identity record) names into its entry:
+/// PV, PVC, and its pods (`namespace/name` where known, else the UID).
+pub fn name_entry(e: &mut VolumeEntry, id: &VolumeIdentity) {
+    e.persistent_volume = id.persistent_volume.clone();
+    e.persistent_volume_claim = id.claim.as_ref().map(|c| objects::ClaimRef { namespace: c.namespace.clone(), name: c.name.clone() });
+    e.pods = id
+        .pod_uids
+        .iter()
+        .map(|u| id.pods.iter().find(|p| &p.uid == u).map_or_else(|| u.clone(), |p| format!("{}/{}", p.namespace, p.name)))
+        .collect();
 }
 
 /// Free space is published in whole GiB: a pool being written to would

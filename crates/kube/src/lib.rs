@@ -11,6 +11,7 @@
 //! - [`feed`]: the agent's side: inventory and volumes to objects.
 //! - [`node_feed`]: the StorageNode, rebuilt when the agent's queues say
 //!   something changed (never on a timer).
+//! - [`names`]: the cluster's names (PVC, pods) for this node's volumes.
 //! - [`attachments`]: the healer hook's VolumeAttachment listing.
 //! - [`show`]: `volring get`.
 
@@ -22,6 +23,7 @@ pub mod attachments;
 pub mod embedded_sink;
 pub mod feed;
 pub mod kube_sink;
+pub mod names;
 pub mod node_feed;
 pub mod objects;
 mod pace;

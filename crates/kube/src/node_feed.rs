@@ -20,7 +20,7 @@ use super::feed;
 use super::objects::{self, Object};
 use super::updater::Submitter;
 use volring_volumes::state::actual::HealthView;
-use volring_volumes::StagedVolume;
+use volring_volumes::{ClusterNames, StagedVolume, VolumeIdentity};
 
 /// "The StorageNode may have changed." Clones share one flag: any number
 /// of signals before the follower wakes make one rebuild.
@@ -98,7 +98,29 @@ pub fn storage_node(
     pool_dir: Option<&Path>,
     unknown_attachments: Option<&[String]>,
 ) -> Object {
-    let volumes = records.iter().map(|r| feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref())).collect();
+    storage_node_named(node, records, view, pool_dir, unknown_attachments, &ClusterNames::default())
+}
+
+/// [`storage_node`], each volume named with its PV, PVC and pods (from
+/// kubelet's paths, and `names`: what the cluster told).
+pub fn storage_node_named(
+    node: &str,
+    records: &[StagedVolume],
+    view: Option<&HealthView>,
+    pool_dir: Option<&Path>,
+    unknown_attachments: Option<&[String]>,
+    names: &ClusterNames,
+) -> Object {
+    let volumes = records
+        .iter()
+        .map(|r| {
+            let mut e = feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref());
+            let mut id = VolumeIdentity::from_staged(r);
+            id.name_with(names);
+            feed::name_entry(&mut e, &id);
+            e
+        })
+        .collect();
     let mut o = objects::storage_node(node, pool_dir.and_then(feed::pool), volumes);
     if let (Some(unknown), Some(conditions)) = (unknown_attachments, o.status.get_mut("conditions").and_then(|c| c.as_array_mut())) {
         let c = attachments_condition(unknown);

@@ -80,6 +80,7 @@ pub(crate) const MAX_LISTED_VOLUMES: usize = 1000;
     printcolumn(name = "State", type_ = "string", json_path = ".status.state"),
     printcolumn(name = "FsType", type_ = "string", json_path = ".status.filesystem.fsType", priority = 1),
     printcolumn(name = "Volume", type_ = "string", json_path = ".status.volume", priority = 1),
+    printcolumn(name = "Claim", type_ = "string", json_path = ".status.persistentVolumeClaim.name", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
@@ -164,6 +165,20 @@ pub struct BlockDeviceStatus {
     /// The CSI volume using the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<String>,
+    /// The PersistentVolume of that volume, when known (from kubelet's
+    /// paths or the cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume: Option<String>,
+    /// The PVC bound to that PersistentVolume, when the cluster named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimRef>,
+}
+
+/// A PersistentVolumeClaim, by namespace and name.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
@@ -247,6 +262,16 @@ pub struct VolumeEntry {
     pub(crate) drift: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The volume's PersistentVolume (from kubelet's paths or the cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume: Option<String>,
+    /// Its PVC, when the cluster named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimRef>,
+    /// The pods it is published to: `namespace/name` when the cluster
+    /// named them, else their UIDs (from kubelet's paths).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
 }
 
 /// A condition without a transition time: writing one must not change it
@@ -360,6 +385,16 @@ impl Object {
                     o.status = serde_json::json!({"claimState": "Unclaimed"});
                 }
                 o.status["state"] = serde_json::json!("Inactive");
+                // A device leaves the node when its volume is unstaged
+                // (the loop device is detached): the claim is released.
+                if o.status["claimState"] == "Claimed" {
+                    o.status["claimState"] = serde_json::json!("Unclaimed");
+                    if let Some(s) = o.status.as_object_mut() {
+                        for k in ["volume", "persistentVolume", "persistentVolumeClaim"] {
+                            s.remove(k);
+                        }
+                    }
+                }
                 Some(o)
             }
             Kind::StorageNode => None,
@@ -424,6 +459,12 @@ pub fn legacy_block_device_name(stable_id: &str) -> String {
 
 /// The BlockDevice for a device present now.
 pub fn block_device(d: &Device, node: &str) -> Object {
+    block_device_of(d, node, None)
+}
+
+/// The BlockDevice for a device present now, with the PV and PVC of the
+/// volume on it (`who`: that volume's identity record, when staged).
+pub fn block_device_of(d: &Device, node: &str, who: Option<&volring_volumes::VolumeIdentity>) -> Object {
     let volume = d.uses.iter().find_map(|u| match u {
         Use::Volume(v) => Some(v.clone()),
         _ => None,
@@ -474,6 +515,11 @@ pub fn block_device(d: &Device, node: &str) -> Object {
         filesystem: d.fstype().map(|t| Filesystem { fs_type: t.to_string(), mount_point: mount_points.first().cloned() }),
         mount_points,
         holders: d.holders.clone(),
+        persistent_volume: who.filter(|_| volume.is_some()).and_then(|w| w.persistent_volume.clone()),
+        persistent_volume_claim: who
+            .filter(|_| volume.is_some())
+            .and_then(|w| w.claim.as_ref())
+            .map(|c| ClaimRef { namespace: c.namespace.clone(), name: c.name.clone() }),
         volume,
     };
     Object {
@@ -528,141 +574,4 @@ pub fn crds_yaml() -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn deploy_crds_match_the_types() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds/volring.io.yaml");
-        let on_disk = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(on_disk == crds_yaml(), "{path} differs from the types; regenerate it with `volring crds > {path}`");
-    }
-
-    /// Issue 29: integer formats the API server knows (no `uint32` /
-    /// `uint64`, which it warns about on every apply), unsigned ones at
-    /// least 0; `spec.nodeName` selectable (`--field-selector`).
-    #[test]
-    fn crds_use_formats_the_api_server_knows_and_select_by_node() {
-        use kube::CustomResourceExt;
-        for crd in [BlockDevice::crd(), StorageNode::crd()] {
-            let v = serde_json::to_value(&crd).unwrap();
-            let version = &v["spec"]["versions"][0];
-            assert_eq!(version["selectableFields"], serde_json::json!([{"jsonPath": ".spec.nodeName"}]), "{}", crd.spec.names.kind);
-            let mut formats = Vec::new();
-            fn walk(v: &serde_json::Value, at: &str, out: &mut Vec<(String, String, serde_json::Value)>) {
-                match v {
-                    serde_json::Value::Object(m) => {
-                        if let Some(f) = m.get("format").and_then(|f| f.as_str()) {
-                            out.push((at.to_string(), f.to_string(), m.get("minimum").cloned().unwrap_or_default()));
-                        }
-                        m.iter().for_each(|(k, v)| walk(v, &format!("{at}.{k}"), out));
-                    }
-                    serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, at, out)),
-                    _ => {}
-                }
-            }
-            walk(&version["schema"], "", &mut formats);
-            assert!(!formats.is_empty());
-            for (at, f, min) in formats {
-                assert!(["int32", "int64"].contains(&f.as_str()), "{at}: format {f}");
-                assert_eq!(min.as_f64(), Some(0.0), "{at}: unsigned, so at least 0");
-            }
-        }
-    }
-
-    #[test]
-    fn every_object_of_a_node_carries_the_hostname_label() {
-        let sn = storage_node("n1", None, vec![]);
-        assert_eq!(sn.labels.get(HOSTNAME_LABEL).map(String::as_str), Some("n1"));
-        assert_eq!(sn.labels.get(NODE_LABEL).map(String::as_str), Some("n1"));
-        // Read back, it is one of volring's labels: compared, kept.
-        let mut v = sn.main_body();
-        v["status"] = sn.status.clone();
-        assert_eq!(Object::from_api(Kind::StorageNode, &v).unwrap(), sn);
-    }
-
-    #[test]
-    fn names_are_stable_and_valid() {
-        let a = block_device_name("n1", "wwn-0x5000-S1");
-        assert_eq!(a, block_device_name("n1", "wwn-0x5000-S1"));
-        assert_ne!(a, block_device_name("n1", "wwn-0x5000-S2"));
-        assert_eq!(a.len(), 19);
-        assert!(a.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'));
-    }
-
-    /// Cloned nodes share partition GUIDs and filesystem UUIDs: the same id
-    /// on two nodes is two objects (the old name, from the id alone, was one).
-    #[test]
-    fn names_differ_across_nodes_and_between_duplicates() {
-        let id = "partuuid-0e1f-same-on-every-clone";
-        assert_ne!(block_device_name("n1", id), block_device_name("n2", id));
-        assert_ne!(block_device_name("a", "bc"), block_device_name("ab", "c"));
-        let d = duplicate_block_device_name("n1", id, "sdb");
-        assert_ne!(d, duplicate_block_device_name("n1", id, "sdc"));
-        assert_ne!(d, block_device_name("n1", id));
-        assert_eq!(d.len(), 19);
-        let legacy = Object {
-            key: Key { kind: Kind::BlockDevice, name: legacy_block_device_name(id) },
-            labels: labels(Kind::BlockDevice, "n1"),
-            spec: serde_json::json!({"stableId": id}),
-            status: serde_json::Value::Null,
-        };
-        assert!(legacy.superseded());
-        let current = Object { key: Key { kind: Kind::BlockDevice, name: block_device_name("n1", id) }, ..legacy };
-        assert!(!current.superseded());
-    }
-
-    fn vol(id: &str, health: &str) -> VolumeEntry {
-        VolumeEntry {
-            id: id.into(),
-            access: "mount".into(),
-            fs_type: Some("ext4".into()),
-            read_only: false,
-            phase: "staged".into(),
-            device: None,
-            staging_path: format!("/s/{id}"),
-            targets: vec![],
-            health: health.into(),
-            drift: vec![],
-            message: None,
-        }
-    }
-
-    #[test]
-    fn storage_node_lists_drifting_first_and_bounds_the_list() {
-        let mut vols: Vec<_> = (0..MAX_LISTED_VOLUMES + 5).map(|i| vol(&format!("v{i:05}"), "Healthy")).collect();
-        vols.push(vol("zz-bad", "Drifting"));
-        let o = storage_node("n1", None, vols);
-        let s: StorageNodeStatus = serde_json::from_value(o.status.clone()).unwrap();
-        assert_eq!(s.volumes.len(), MAX_LISTED_VOLUMES);
-        assert_eq!(s.volumes[0].id, "zz-bad");
-        assert_eq!((s.volumes_total, s.volumes_drifting, s.volumes_omitted), (MAX_LISTED_VOLUMES as u32 + 6, 1, 6));
-        assert_eq!(s.conditions[0].status, "False");
-        // Built twice from the same facts: equal, so no write.
-        let again = storage_node("n1", None, (0..3).map(|i| vol(&format!("v{i}"), "Healthy")).collect());
-        assert_eq!(again, storage_node("n1", None, (0..3).rev().map(|i| vol(&format!("v{i}"), "Healthy")).collect()));
-    }
-
-    #[test]
-    fn api_round_trip_keeps_only_what_volring_writes() {
-        let o = storage_node("n1", None, vec![vol("a", "Healthy")]);
-        let mut from_server = o.main_body();
-        from_server["metadata"]["resourceVersion"] = "17".into();
-        from_server["metadata"]["labels"]["other.io/x"] = "y".into();
-        from_server["status"] = o.status.clone();
-        assert_eq!(Object::from_api(Kind::StorageNode, &from_server).unwrap(), o);
-    }
-
-    #[test]
-    fn a_retired_block_device_is_inactive_and_keeps_its_facts() {
-        let o = Object {
-            key: Key { kind: Kind::BlockDevice, name: "bd-1".into() },
-            labels: labels(Kind::BlockDevice, "n"),
-            spec: serde_json::json!({"path": "/dev/sdb"}),
-            status: serde_json::json!({"state": "Active", "claimState": "InUse"}),
-        };
-        let r = o.retired().unwrap();
-        assert_eq!(r.status, serde_json::json!({"state": "Inactive", "claimState": "InUse"}));
-        assert_eq!(r.spec, o.spec);
-    }
-}
+mod tests;

@@ -18,6 +18,7 @@ pub mod attach;
 pub mod beneath;
 pub mod fault;
 pub mod filesystem;
+pub mod identity;
 pub mod mounting;
 pub mod persist;
 pub mod pool;
@@ -29,6 +30,7 @@ pub mod store;
 
 pub use attach::Attachment;
 pub use filesystem::{Content, FsKind};
+pub use identity::{ClusterNames, VolumeIdentity};
 pub use mounting::MountOptions;
 pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};

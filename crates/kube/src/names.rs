@@ -1,0 +1,217 @@
+//! The cluster's names for this node's volumes: a PV's PVC, a pod UID's
+//! namespace and name, a CSI volume id's PV. Looked up through the API
+//! server only for what the agent's cache lacks (a PV's claim and a pod's
+//! name never change under the same PV name and UID), and never needed for
+//! the node to work: a failed lookup leaves the labels empty and is tried
+//! again later.
+//!
+//! Three requests at most per lookup, each read with a bound:
+//! - `GET /api/v1/persistentvolumes/<name>` for a PV kubelet's paths named;
+//! - `LIST /api/v1/persistentvolumes` (paginated) only when some volume's
+//!   PV is not in its paths, to find it by `spec.csi.volumeHandle`;
+//! - `LIST /api/v1/pods?fieldSelector=spec.nodeName=<node>` (paginated)
+//!   for the pods of this node.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use volring_volumes::identity::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
+
+use super::kube_sink::{query_escape, KubeSink, PAGE};
+use super::updater::SinkError;
+
+/// PVs fetched by name in one lookup; the rest wait for the next.
+const MAX_PV_GETS: usize = 64;
+/// Pages of a LIST read in one lookup (500 objects each).
+const MAX_PAGES: usize = 40;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("looking up {what}: {source}")]
+    Api {
+        what: &'static str,
+        #[source]
+        source: SinkError,
+    },
+}
+
+/// What the cache lacks for `ids`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Wanted {
+    /// PV names whose claim is not cached.
+    pub pvs: BTreeSet<String>,
+    /// Volume ids with no PV name from the paths nor the cache.
+    pub handles: BTreeSet<String>,
+    /// Pod UIDs not cached.
+    pub pods: BTreeSet<String>,
+}
+
+impl Wanted {
+    pub fn is_empty(&self) -> bool {
+        self.pvs.is_empty() && self.handles.is_empty() && self.pods.is_empty()
+    }
+}
+
+/// What `cache` does not say about `ids` (records named from the paths only).
+pub fn wanted(ids: &[VolumeIdentity], cache: &ClusterNames) -> Wanted {
+    let mut w = Wanted::default();
+    for i in ids {
+        match i.persistent_volume.as_ref().or_else(|| cache.volume_pv.get(&i.volume_id)) {
+            Some(pv) if !cache.claims.contains_key(pv) => {
+                w.pvs.insert(pv.clone());
+            }
+            Some(_) => {}
+            None => {
+                w.handles.insert(i.volume_id.clone());
+            }
+        }
+        w.pods.extend(i.pod_uids.iter().filter(|u| !cache.pods.contains_key(*u)).cloned());
+    }
+    w
+}
+
+/// Forgets what no volume of `ids` refers to any more (the cache stays as
+/// small as the node's volumes).
+pub fn prune(cache: &mut ClusterNames, ids: &[VolumeIdentity]) {
+    let handles: BTreeSet<&str> = ids.iter().map(|i| i.volume_id.as_str()).collect();
+    cache.volume_pv.retain(|h, _| handles.contains(h.as_str()));
+    let pvs: BTreeSet<&str> = ids
+        .iter()
+        .filter_map(|i| i.persistent_volume.as_deref().or_else(|| cache.volume_pv.get(&i.volume_id).map(String::as_str)))
+        .collect();
+    let pvs: BTreeSet<String> = pvs.into_iter().map(str::to_string).collect();
+    cache.claims.retain(|pv, _| pvs.contains(pv));
+    let uids: BTreeSet<&str> = ids.iter().flat_map(|i| i.pod_uids.iter().map(String::as_str)).collect();
+    cache.pods.retain(|u, _| uids.contains(u.as_str()));
+}
+
+/// Looks up what `want` asks for; answers only what it found (a PV or pod
+/// the server does not have is simply not in the answer).
+pub async fn look_up(sink: &KubeSink, node: &str, want: &Wanted) -> Result<ClusterNames, Error> {
+    let mut out = ClusterNames::default();
+    for pv in want.pvs.iter().take(MAX_PV_GETS) {
+        match sink.get_json(&format!("/api/v1/persistentvolumes/{}", query_escape(pv))).await {
+            Ok(v) => add_pv(&mut out, &v, None),
+            // 404 (the updater's Conflict): no such PV.
+            Err(SinkError::Conflict(_)) => {}
+            Err(source) => return Err(Error::Api { what: "a PersistentVolume", source }),
+        }
+    }
+    if !want.handles.is_empty() {
+        for v in list(sink, "/api/v1/persistentvolumes", "").await.map_err(|source| Error::Api { what: "PersistentVolumes", source })? {
+            add_pv(&mut out, &v, Some(&want.handles));
+        }
+    }
+    if !want.pods.is_empty() {
+        let selector = format!("&fieldSelector={}", query_escape(&format!("spec.nodeName={node}")));
+        for p in list(sink, "/api/v1/pods", &selector).await.map_err(|source| Error::Api { what: "the node's pods", source })? {
+            let m = &p["metadata"];
+            if let (Some(uid), Some(ns), Some(name)) = (m["uid"].as_str(), m["namespace"].as_str(), m["name"].as_str()) {
+                if want.pods.contains(uid) {
+                    out.pods.insert(uid.to_string(), PodRef { uid: uid.into(), namespace: ns.into(), name: name.into() });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Adds what a PV says: its claim, and (when `handles` has its volume
+/// handle) which volume it is.
+fn add_pv(out: &mut ClusterNames, pv: &Value, handles: Option<&BTreeSet<String>>) {
+    let Some(name) = pv["metadata"]["name"].as_str() else { return };
+    if let Some(want) = handles {
+        match pv["spec"]["csi"]["volumeHandle"].as_str() {
+            Some(h) if want.contains(h) => {
+                out.volume_pv.insert(h.to_string(), name.to_string());
+            }
+            _ => return,
+        }
+    }
+    let c = &pv["spec"]["claimRef"];
+    if let (Some(ns), Some(claim)) = (c["namespace"].as_str(), c["name"].as_str()) {
+        out.claims.insert(name.to_string(), ClaimRef { namespace: ns.into(), name: claim.into() });
+    }
+}
+
+/// The items of a paginated LIST (at most [`MAX_PAGES`] pages).
+async fn list(sink: &KubeSink, path: &str, extra: &str) -> Result<Vec<Value>, SinkError> {
+    let mut items = Vec::new();
+    let mut token: Option<String> = None;
+    for _ in 0..MAX_PAGES {
+        let cont = token.as_deref().map(|t| format!("&continue={}", query_escape(t))).unwrap_or_default();
+        let mut page = sink.get_json(&format!("{path}?limit={PAGE}{extra}{cont}")).await?;
+        if let Some(Value::Array(a)) = page.get_mut("items").map(Value::take) {
+            items.extend(a);
+        }
+        token = page["metadata"]["continue"].as_str().filter(|t| !t.is_empty()).map(str::to_string);
+        if token.is_none() {
+            break;
+        }
+    }
+    Ok(items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn id(volume: &str, pv: Option<&str>, pods: &[&str]) -> VolumeIdentity {
+        VolumeIdentity {
+            volume_id: volume.into(),
+            device: Some("loop1".into()),
+            staging_path: "/s".into(),
+            targets: vec![],
+            pod_uids: pods.iter().map(|p| p.to_string()).collect(),
+            block: false,
+            fs_type: None,
+            persistent_volume: pv.map(str::to_string),
+            claim: None,
+            pods: vec![],
+        }
+    }
+
+    #[test]
+    fn only_what_the_cache_lacks_is_wanted() {
+        let ids = [id("v1", Some("pv1"), &["u1"]), id("v2", None, &["u2"])];
+        let mut cache = ClusterNames::default();
+        let w = wanted(&ids, &cache);
+        assert_eq!(w.pvs, ["pv1".to_string()].into());
+        assert_eq!(w.handles, ["v2".to_string()].into());
+        assert_eq!(w.pods, ["u1".to_string(), "u2".to_string()].into());
+        cache.claims.insert("pv1".into(), ClaimRef { namespace: "n".into(), name: "c".into() });
+        cache.volume_pv.insert("v2".into(), "pv2".into());
+        cache.pods.insert("u1".into(), PodRef { uid: "u1".into(), namespace: "n".into(), name: "p".into() });
+        let w = wanted(&ids, &cache);
+        assert_eq!((w.pvs, w.handles, w.pods), (["pv2".to_string()].into(), BTreeSet::new(), ["u2".to_string()].into()));
+    }
+
+    #[test]
+    fn the_cache_forgets_what_is_gone() {
+        let mut cache = ClusterNames::default();
+        cache.claims.insert("pv1".into(), ClaimRef { namespace: "n".into(), name: "c".into() });
+        cache.claims.insert("pv-old".into(), ClaimRef { namespace: "n".into(), name: "old".into() });
+        cache.pods.insert("u-old".into(), PodRef { uid: "u-old".into(), namespace: "n".into(), name: "p".into() });
+        prune(&mut cache, &[id("v1", Some("pv1"), &[])]);
+        assert_eq!(cache.claims.keys().collect::<Vec<_>>(), ["pv1"]);
+        assert!(cache.pods.is_empty());
+    }
+
+    #[test]
+    fn a_pv_names_its_claim_and_its_volume() {
+        let pv =
+            json!({"metadata": {"name": "pv9"}, "spec": {"csi": {"volumeHandle": "h9"}, "claimRef": {"namespace": "ns", "name": "data"}}});
+        let mut out = ClusterNames::default();
+        add_pv(&mut out, &pv, Some(&["other".to_string()].into()));
+        assert!(out.claims.is_empty(), "a PV of another volume is not taken");
+        add_pv(&mut out, &pv, Some(&["h9".to_string()].into()));
+        assert_eq!(out.volume_pv["h9"], "pv9");
+        assert_eq!(out.claims["pv9"], ClaimRef { namespace: "ns".into(), name: "data".into() });
+        // Unbound, or not an object at all: nothing.
+        let mut out = ClusterNames::default();
+        add_pv(&mut out, &json!({"metadata": {"name": "pv1"}, "spec": {}}), None);
+        add_pv(&mut out, &json!("garbage"), None);
+        assert_eq!(out, ClusterNames::default());
+    }
+}
