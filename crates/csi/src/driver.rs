@@ -258,7 +258,7 @@ impl Driver {
     }
 
     /// The volumes this node exports over NFS now, each with its PVC.
-    pub(crate) fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
+    pub fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
         self.shares.exported()
     }
 
@@ -269,7 +269,7 @@ impl Driver {
     }
 
     /// The node's share side (its server's pid and records).
-    pub(crate) fn shares(&self) -> &volring_share::ShareSide {
+    pub fn shares(&self) -> &volring_share::ShareSide {
         self.shares.side()
     }
 }
