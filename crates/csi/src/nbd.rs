@@ -242,7 +242,7 @@ impl NbdSide {
                 }
             }
             None => {
-                inner.export(rec)?;
+                inner.serve(rec)?;
                 let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
                 let att = LocalAttachment::attach(&mut control, &inner.server, &rec.volume_id, &rec.volume_id, cfg.connections, tune)
                     .map_err(attach_error)?;

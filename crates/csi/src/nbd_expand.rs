@@ -51,8 +51,9 @@ pub enum GrowError {
     Attach(#[from] nbdattach::Error),
     #[error("{0}")]
     Volume(#[from] volring_volumes::Error),
-    #[error("re-open the export: {0}")]
-    Export(String),
+    /// The export could not be re-opened at the image's new size.
+    #[error("re-open the export of {}: {source}", image.display())]
+    Export { image: std::path::PathBuf, source: volring_nbd::Error },
 }
 
 impl From<GrowError> for Error {
@@ -102,9 +103,9 @@ impl NbdSide {
             // Joined before the connections close, so no notice is missed.
             let mut notices = LinkDeadListener::open()?;
             if served.is_some() {
-                inner.server.remove_export(&rec.volume_id).map_err(|e| GrowError::Export(e.to_string()))?;
+                inner.server.remove_export(&rec.volume_id).map_err(|source| GrowError::Export { image: rec.image.clone(), source })?;
             }
-            inner.export(rec).map_err(|e| GrowError::Export(e.to_string()))?;
+            inner.export(rec).map_err(|source| GrowError::Export { image: rec.image.clone(), source })?;
             let dropped = await_dead(&mut notices, index, att.connections)?;
             let (sockets, details) = connected_sockets(&inner.server, &att.export, att.connections)?;
             let fds: Vec<_> = sockets.iter().map(std::os::fd::AsFd::as_fd).collect();
@@ -156,7 +157,8 @@ mod tests {
         assert_eq!(code(GrowError::NotServed(3)), tonic::Code::FailedPrecondition);
         assert_eq!(code(GrowError::KernelRefused { index: 3, have: 1 << 20, want: 2 << 20 }), tonic::Code::FailedPrecondition);
         assert_eq!(code(GrowError::Stuck { index: 3, dropped: 1, connections: 2 }), tonic::Code::Internal);
-        assert_eq!(code(GrowError::Export("gone".into())), tonic::Code::Internal);
+        let gone = volring_nbd::Error::NoSuchExport("v".into());
+        assert_eq!(code(GrowError::Export { image: "/p/v.img".into(), source: gone }), tonic::Code::Internal);
         let msg = Error::from(GrowError::KernelRefused { index: 3, have: 1 << 20, want: 2 << 20 }).to_string();
         assert!(msg.contains("does not resize nbd devices"), "{msg}");
     }

@@ -79,7 +79,7 @@ impl walk::Steps for NoSteps {
 impl Inner {
     /// Fresh socketpairs from this agent's server for a local device.
     pub(super) fn heal_local(&self, rec: &StagedVolume, index: u32) -> Healed {
-        let result = self.export(rec).and_then(|()| {
+        let result = self.serve(rec).and_then(|()| {
             let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
             LocalAttachment::reattach(&mut control, &self.server, index, &rec.volume_id, &rec.volume_id, self.config.connections)
                 .map_err(attach_error)
@@ -159,7 +159,7 @@ impl Inner {
     }
 
     /// Serves the volume's image as export `<volume id>` (once).
-    pub(super) fn export(&self, rec: &StagedVolume) -> Result<()> {
+    pub(super) fn export(&self, rec: &StagedVolume) -> std::result::Result<(), volring_nbd::Error> {
         if self.server.exports().get(&rec.volume_id).is_some() {
             return Ok(());
         }
@@ -171,8 +171,13 @@ impl Inner {
             max_connections: 0,
             description: format!("volume {}", rec.volume_id),
         };
-        self.server.add_export(&spec).map_err(|e| Error::Internal(format!("serve {}: {e}", rec.image.display())))?;
+        self.server.add_export(&spec)?;
         Ok(())
+    }
+
+    /// [`Inner::export`], its failure as the driver reports it.
+    pub(super) fn serve(&self, rec: &StagedVolume) -> Result<()> {
+        self.export(rec).map_err(|e| Error::Internal(format!("serve {}: {e}", rec.image.display())))
     }
 
     /// One try at every device owed fresh sockets. Local ones here (no

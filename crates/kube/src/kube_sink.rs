@@ -36,8 +36,13 @@ const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// No kubeconfig or service account was found, or it is unusable.
     #[error("no Kubernetes client configuration: {0}")]
-    Config(String),
+    Config(#[from] kube::config::InferConfigError),
+    /// The configuration was found but a client cannot be made from it
+    /// (its TLS settings, say).
+    #[error("no Kubernetes client from the configuration: {0}")]
+    Client(#[from] kube::Error),
 }
 
 pub struct KubeSink {
@@ -62,7 +67,7 @@ impl KubeSink {
     pub fn for_node(mut config: kube::Config, node: &str) -> Result<Self, Error> {
         config.default_retry = false;
         volring_share::kube::identify(&mut config, node);
-        let client = kube::Client::try_from(config).map_err(|e| Error::Config(e.to_string()))?;
+        let client = kube::Client::try_from(config)?;
         Ok(Self { client, warned: Default::default() })
     }
 
@@ -73,7 +78,7 @@ impl KubeSink {
 
     /// [`KubeSink::infer`] for `node` (the agent's `--node-id`).
     pub async fn infer_for(node: &str) -> Result<Self, Error> {
-        let config = kube::Config::infer().await.map_err(|e| Error::Config(e.to_string()))?;
+        let config = kube::Config::infer().await?;
         Self::for_node(config, node)
     }
 

@@ -20,8 +20,15 @@ pub enum Error {
     Resource(String),
     #[error("unknown output format {0:?} (json, yaml, wide)")]
     Format(String),
-    #[error("{0}")]
-    Read(String),
+    /// The node's store could not be read.
+    #[error("the node's store: {0}")]
+    Store(#[from] volring_volumes::store::Error),
+    /// No usable cluster configuration (kubeconfig or service account).
+    #[error("the cluster's configuration: {0}")]
+    Config(#[from] kube::config::InferConfigError),
+    /// The API server refused the LIST or did not answer.
+    #[error("the cluster: {0}")]
+    Cluster(#[from] kube::Error),
 }
 
 /// kubectl's names for the resources, and `volumes` (the node objects
@@ -114,23 +121,22 @@ pub fn render(kind: Kind, items: &[serde_json::Value], format: Format) -> String
 
 /// Every object of `kind` in the node's store (read beside a running agent).
 pub fn read_store(state_dir: &Path, kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
-    let contents = volring_volumes::store::Store::read_only(&state_dir.join(volring_volumes::store::FILE), false)
-        .map_err(|e| Error::Read(e.to_string()))?;
+    let contents = volring_volumes::store::Store::read_only(&state_dir.join(volring_volumes::store::FILE), false)?;
     let prefix = format!("{}/", kind.as_str());
     Ok(contents.published.iter().filter(|(k, _)| k.starts_with(&prefix)).filter_map(|(_, b)| serde_json::from_slice(b).ok()).collect())
 }
 
 /// Every object of `kind` in the cluster (all nodes), page by page.
 pub async fn read_cluster(kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
-    let mut config = kube::Config::infer().await.map_err(|e| Error::Read(e.to_string()))?;
+    let mut config = kube::Config::infer().await?;
     volring_share::kube::identify(&mut config, &volring_devices::node_name());
-    let client = kube::Client::try_from(config).map_err(|e| Error::Read(e.to_string()))?;
+    let client = kube::Client::try_from(config)?;
     let api: kube::Api<kube::core::DynamicObject> =
         kube::Api::all_with(client, &kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(GROUP, VERSION, kind.as_str())));
     let mut out = Vec::new();
     let mut lp = kube::api::ListParams::default().limit(super::kube_sink::PAGE as u32);
     loop {
-        let page = api.list(&lp).await.map_err(|e| Error::Read(e.to_string()))?;
+        let page = api.list(&lp).await?;
         out.extend(page.items.iter().filter_map(|o| serde_json::to_value(o).ok()));
         match page.metadata.continue_ {
             Some(c) if !c.is_empty() => lp = lp.continue_token(&c),
