@@ -204,7 +204,7 @@ pub fn read(sys: &Path, name: &str) -> Result<Device, Error> {
     // only a device with a device/ directory has the ones kept there.
     let on_loop = kind == DeviceKind::Loop || parent.as_deref().is_some_and(|p| p.starts_with("loop"));
     let hw = !on_loop && disk_dir.join("device").exists();
-    let mut under_device = |d: &mut Attrs<'_>, name: &str| if hw { d.text(name) } else { None };
+    let under_device = |d: &mut Attrs<'_>, name: &str| if hw { d.text(name) } else { None };
     let model = under_device(&mut d, "device/model");
     let vendor = under_device(&mut d, "device/vendor");
     // virtio and nvme keep the serial at the top; SCSI under device/.
