@@ -169,13 +169,27 @@ pub fn read(sys: &Path, name: &str) -> Result<Device, Error> {
     // the name is reused mid-read.
     let dir = resolve_link(&link).map_err(|e| vanished_or(name, e))?;
     let mut a = Attrs { dir: &dir, errors: Vec::new() };
-    let dev = match attr(&dir, "dev") {
-        Ok(Some(s)) => parse_devnum(&s).ok_or_else(|| Error::Attribute(name.to_string(), format!("dev: {s:?}")))?,
-        Ok(None) => return Err(Error::Vanished(name.to_string())),
-        Err(e) => return Err(vanished_or(name, e)),
-    };
+    // `uevent` says the device number and whether it is a partition (and
+    // which), which spares reading `dev` and `partition`; those are read
+    // when it does not say.
     let uevent = a.text("uevent").map(|u| parse_uevent_file(&u)).unwrap_or_default();
-    let partition_no = a.number("partition");
+    let from_uevent = uevent
+        .get("MAJOR")
+        .zip(uevent.get("MINOR"))
+        .and_then(|(major, minor)| Some(DevNum { major: major.parse().ok()?, minor: minor.parse().ok()? }));
+    let dev = match from_uevent {
+        Some(d) => d,
+        None => match attr(&dir, "dev") {
+            Ok(Some(s)) => parse_devnum(&s).ok_or_else(|| Error::Attribute(name.to_string(), format!("dev: {s:?}")))?,
+            Ok(None) => return Err(Error::Vanished(name.to_string())),
+            Err(e) => return Err(vanished_or(name, e)),
+        },
+    };
+    let partition_no = match uevent.get("DEVTYPE").map(String::as_str) {
+        Some("disk") => None,
+        Some("partition") => uevent.get("PARTN").and_then(|n| n.parse().ok()).or_else(|| a.number("partition")),
+        _ => a.number("partition"),
+    };
     let parent = partition_no.and_then(|_| dir.parent()?.file_name().map(|n| n.to_string_lossy().into_owned()));
     // Partitions have no queue/ or device/ of their own: use the disk's.
     let disk_dir: PathBuf = if partition_no.is_some() { dir.parent().map(Path::to_path_buf).unwrap_or(dir.clone()) } else { dir.clone() };
@@ -183,7 +197,8 @@ pub fn read(sys: &Path, name: &str) -> Result<Device, Error> {
     let size_bytes = a.number("size").unwrap_or(0).saturating_mul(512);
     let read_only = a.flag("ro");
     let holders = a.names("holders");
-    let slaves = a.names("slaves");
+    // A loop device stacks on a file, never on block devices.
+    let slaves = if kind == DeviceKind::Loop { Vec::new() } else { a.names("slaves") };
     // Only a device of that kind has the kind's directory: a miss costs a
     // failed open each, and most of a storage node's devices are loops.
     let loop_backing = (kind == DeviceKind::Loop).then(|| a.text("loop/backing_file")).flatten().map(|file| LoopBacking {
