@@ -1,5 +1,6 @@
 //! The alerts of deploy/monitoring/rules.yaml under `promtool test rules`
-//! (deploy/monitoring/rules_test.yaml): every alert has a case on an idle
+//! (tests/monitoring/rules_test.yaml: outside deploy/, which holds only
+//! objects for a cluster): every alert has a case on an idle
 //! node, where it stays quiet, and a case where its condition holds, where
 //! it fires. And an idle agent counts no overflow resync of its mount
 //! watcher, the one reason `VolringMountResyncStorm` counts.
@@ -17,6 +18,11 @@ use serde_json::Value;
 
 fn monitoring() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring")
+}
+
+/// promtool's unit tests of the rules: not a cluster object, so not in deploy/.
+fn rules_test() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/monitoring/rules_test.yaml")
 }
 
 /// The PrometheusRule's groups as a plain rules file, as promtool reads it.
@@ -49,7 +55,7 @@ fn promtool(args: &[&str], dir: &Path) -> Result<Option<(bool, String)>, Failed>
 fn every_alert_has_a_quiet_and_a_firing_case() -> Result<(), Failed> {
     let rules_text = std::fs::read_to_string(monitoring().join("rules.yaml"))?;
     let rules: Value = serde_saphyr::from_str(&rules_text).map_err(|e| format!("rules.yaml: {e}"))?;
-    let tests: Value = serde_saphyr::from_str(&std::fs::read_to_string(monitoring().join("rules_test.yaml"))?)
+    let tests: Value = serde_saphyr::from_str(&std::fs::read_to_string(rules_test())?)
         .map_err(|e| format!("rules_test.yaml: {e}"))?;
     let alerts: BTreeSet<String> = rules["spec"]["groups"]
         .as_array()
@@ -84,7 +90,7 @@ fn promtool_test_rules_passes() -> Result<(), Failed> {
     let scratch = Scratch::new();
     let rules = std::fs::read_to_string(monitoring().join("rules.yaml"))?;
     std::fs::write(scratch.path().join("volring-rules.yaml"), plain_rules(&rules)?)?;
-    std::fs::copy(monitoring().join("rules_test.yaml"), scratch.path().join("rules_test.yaml"))?;
+    std::fs::copy(rules_test(), scratch.path().join("rules_test.yaml"))?;
     let Some((ok, said)) = promtool(&["test", "rules", "rules_test.yaml"], scratch.path())? else { return Ok(()) };
     check(ok && said.contains("SUCCESS"), format!("promtool test rules:\n{said}"))?;
 
