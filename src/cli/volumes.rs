@@ -235,6 +235,17 @@ pub(crate) fn parse_scrape(text: &str) -> Scrape {
             "inodes" => space(3, &mut out.space),
             "inodes_used" => space(4, &mut out.space),
             "inodes_free" => space(5, &mut out.space),
+            // What only the info series carries: the pods' UIDs, joined
+            // by commas, and the access (a filesystem's type).
+            "info" => {
+                v.pod_uids =
+                    labels.get("pod_uid").into_iter().flat_map(|u| u.split(',')).filter(|u| !u.is_empty()).map(str::to_string).collect();
+                v.access = match (labels.get("access").map(String::as_str), labels.get("fstype")) {
+                    (Some("block"), _) => "block".into(),
+                    (_, Some(fs)) if !fs.is_empty() => fs.clone(),
+                    (access, _) => access.unwrap_or_default().to_string(),
+                };
+            }
             _ => {}
         }
     }
@@ -299,6 +310,8 @@ volring_volume_capacity_bytes{volume="pvc-1",device="loop7",persistentvolumeclai
 volring_volume_reads_completed_total{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namespace="",pod="a \"quoted\\ name"} 3
 volring_volume_drift{volume="pvc-3",kind="staging_missing"} 1
 volring_device_reads_completed_total{device="loop7"} 99
+volring_volume_info{volume="pvc-1",device="loop7",persistentvolumeclaim="data",namespace="web",pod="web-0,web-1",persistentvolume="pv-1",pod_uid="u-1,u-2",access="filesystem",fstype="ext4"} 1
+volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namespace="",pod="",persistentvolume="",pod_uid="",access="block",fstype=""} 1
 "#;
         let s = parse_scrape(text);
         assert_eq!(s.volumes.len(), 3);
@@ -310,6 +323,9 @@ volring_device_reads_completed_total{device="loop7"} 99
         assert_eq!((c.reads, c.written_bytes, c.io_time), (10.0, 4096.0, 1.5));
         assert_eq!(s.space["pvc-1"][0], 1e9);
         assert_eq!(s.volumes["pvc-2"].0.pod, "a \"quoted\\ name");
+        // The info series: comma-joined pod UIDs, the access.
+        assert_eq!((v.pod_uids.as_slice(), v.access.as_str()), (&["u-1".to_string(), "u-2".to_string()][..], "ext4"));
+        assert_eq!((s.volumes["pvc-2"].0.pod_uids.len(), s.volumes["pvc-2"].0.access.as_str()), (0, "block"));
         assert!(split_sample("garbage{x=\"1\"").is_none());
         assert!(split_sample("x{y=1} 2").is_none());
     }
