@@ -213,6 +213,12 @@ fn top_ranks_the_loaded_volume_first() -> Result<(), Failed> {
     check(b["persistentvolumeclaim"] == "raw-b" && b["pod"] == "db-0" && b["pod_uids"] == json!([UID_B]), format!("B's names: {b}"))?;
     check(auto["source"].as_str().is_some_and(|s| s.starts_with("agent")), format!("--source auto picks the agent: {auto}"))?;
     check(row(&auto["rows"], "vol-a").is_some_and(|r| r["pod_uids"] == json!([UID_A])), format!("{auto}"))?;
+    // The kernel source reads the same pod UIDs from kubelet's paths, the
+    // block volume's (`volumeDevices/publish/PV/UID`) too.
+    let kernel = site.json(&["top", "--once", "--json", "--source", "kernel", "--interval", "0.01"])?;
+    for (volume, uid) in [("vol-a", UID_A), ("vol-b", UID_B)] {
+        check(row(&kernel["rows"], volume).is_some_and(|r| r["pod_uids"] == json!([uid])), format!("{volume} from the kernel: {kernel}"))?;
+    }
     site.unstage()
 }
 

@@ -151,10 +151,13 @@ pub(crate) fn staged(state_dir: &Path, kubelet_root: &Path) -> anyhow::Result<Ve
         .collect())
 }
 
-/// The pod UID in a kubelet publish path (`ROOT/pods/UID/volumes/...`).
+/// The pod UID in a kubelet publish path under `kubelet_root`, read as the
+/// agent reads it (so both sources agree): `ROOT/pods/UID/volumes/...` for
+/// a filesystem volume, `ROOT/plugins/kubernetes.io/csi/volumeDevices/
+/// publish/PV/UID` for a block one.
 fn pod_uid(target: &Path, kubelet_root: &Path) -> Option<String> {
-    let mut parts = target.strip_prefix(kubelet_root).ok()?.components();
-    (parts.next()?.as_os_str() == "pods").then(|| parts.next().map(|c| c.as_os_str().to_string_lossy().into_owned()))?
+    target.strip_prefix(kubelet_root).ok()?;
+    volring_volumes::identity::pod_of_target(target).map(|(uid, _)| uid)
 }
 
 /// A device's counters from `/sys/block/NAME/stat`.
@@ -349,5 +352,8 @@ volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namesp
         assert_eq!(pod_uid(&t, root).as_deref(), Some("1f2e-33"));
         assert_eq!(pod_uid(Path::new("/elsewhere/pods/x"), root), None);
         assert_eq!(pod_uid(&root.join("plugins/x"), root), None);
+        // A block volume's publish path ends in the pod's UID.
+        let block = root.join("plugins/kubernetes.io/csi/volumeDevices/publish/pv-b/0a9b-8c7d");
+        assert_eq!(pod_uid(&block, root).as_deref(), Some("0a9b-8c7d"));
     }
 }
