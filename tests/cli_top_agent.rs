@@ -115,7 +115,12 @@ impl Site {
         let addr = format!("127.0.0.1:{port}");
         let cfg = cfg.to_string_lossy().into_owned();
         let a = Agent::start_with(&[("VOLRING_METRICS_ADDR", &addr), ("KUBECONFIG", &cfg)]);
-        let site = Self { a, addr, _cfg: scratch, _server: server, _rt: rt };
+        Ok(Self { a, addr, _cfg: scratch, _server: server, _rt: rt })
+    }
+
+    /// Stages and publishes both volumes.
+    fn stage(&self) -> Result<(), Failed> {
+        let site = self;
         for (id, cap) in [("vol-a", mount_cap("ext4")), ("vol-b", block_cap())] {
             site.a.create(id, 64 * MIB, if id == "vol-a" { "ext4" } else { "" })?;
             let (staging, target) = site.paths(id);
@@ -124,7 +129,7 @@ impl Site {
             site.a.stage(id, &staging, cap.clone())?;
             site.a.publish(id, &staging, &target, cap, false)?;
         }
-        Ok(site)
+        Ok(())
     }
 
     /// (staging, target) of a volume, as kubelet lays them out.
@@ -192,6 +197,12 @@ fn row<'a>(rows: &'a Value, volume: &str) -> Option<&'a Value> {
 /// picks the agent.
 fn top_ranks_the_loaded_volume_first() -> Result<(), Failed> {
     let site = Site::start()?;
+    // An agent with no volume is a source with no rows, not a missing one.
+    let idle = site.json(&["top", "--once", "--json", "--source", "agent", "--interval", "0.01"])?;
+    check(idle["source"].as_str().is_some_and(|s| s.starts_with("agent")) && idle["rows"] == json!([]), format!("{idle}"))?;
+    let idle = site.json(&["df", "--json", "--source", "agent"])?;
+    check(idle["volumes"] == json!([]), format!("{idle}"))?;
+    site.stage()?;
     site.named()?;
     let load = Load::on(&site.paths("vol-a").1);
     let top = site.json(&["top", "--once", "--json", "--source", "agent", "--interval", TOP_INTERVAL])?;
@@ -226,6 +237,7 @@ fn top_ranks_the_loaded_volume_first() -> Result<(), Failed> {
 /// mount, the block one with its device's size; names from the agent.
 fn df_shows_both_volumes() -> Result<(), Failed> {
     let site = Site::start()?;
+    site.stage()?;
     site.named()?;
     let out = Command::new("dd")
         .args(["if=/dev/zero", &format!("of={}/data", site.paths("vol-a").1), "bs=1M", "count=8", "conv=fsync", "status=none"])

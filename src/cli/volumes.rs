@@ -32,8 +32,8 @@ pub(crate) struct SourceArgs {
     #[arg(long, env = "VOLRING_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
     pub(crate) metrics_addr: String,
     /// `agent`: the agent's /metrics; `kernel`: the store and sysfs;
-    /// `auto`: the agent when it answers with per-volume series, else the
-    /// kernel.
+    /// `auto`: the agent when it answers and exports the per-volume
+    /// series (an idle agent too), else the kernel.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) source: SourceChoice,
 }
@@ -181,6 +181,10 @@ pub(crate) fn diskstats() -> BTreeMap<String, Counters> {
 /// One scrape of the agent: each volume with its labels and counters.
 #[derive(Debug, Default)]
 pub(crate) struct Scrape {
+    /// The agent exports the per-volume families (their `# TYPE` lines
+    /// come even with no volume staged): an idle agent is a source with
+    /// no rows, not a missing one.
+    pub(crate) exported: bool,
     pub(crate) volumes: BTreeMap<String, (Volume, Counters)>,
     /// Per volume: capacity, used, available bytes; inodes, used, free.
     pub(crate) space: BTreeMap<String, [f64; 6]>,
@@ -200,10 +204,14 @@ pub(crate) fn fetch_metrics(addr: &str) -> Option<String> {
 }
 
 /// The `volring_volume_*` series of a scrape, by volume. A scrape without
-/// them (an agent older than them, or no volume staged) is empty.
+/// them (an agent older than them, or no volume staged) has no volumes;
+/// only the first has `exported` false.
 pub(crate) fn parse_scrape(text: &str) -> Scrape {
     let mut out = Scrape::default();
     for line in text.lines() {
+        if line.starts_with("# TYPE volring_volume_") {
+            out.exported = true;
+        }
         let Some(rest) = line.strip_prefix("volring_volume_") else { continue };
         let Some((name, labels, value)) = split_sample(rest) else { continue };
         let Some(volume) = labels.get("volume").filter(|v| !v.is_empty()) else { continue };
@@ -329,6 +337,11 @@ volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namesp
         // The info series: comma-joined pod UIDs, the access.
         assert_eq!((v.pod_uids.as_slice(), v.access.as_str()), (&["u-1".to_string(), "u-2".to_string()][..], "ext4"));
         assert_eq!((s.volumes["pvc-2"].0.pod_uids.len(), s.volumes["pvc-2"].0.access.as_str()), (0, "block"));
+        assert!(s.exported);
+        // An agent with no volume staged still exports the families.
+        let idle = parse_scrape("# HELP volring_volume_info A staged volume\n# TYPE volring_volume_info gauge\n# EOF\n");
+        assert!(idle.exported && idle.volumes.is_empty());
+        assert!(!parse_scrape("# TYPE volring_device_info gauge\nvolring_device_info{device=\"loop0\"} 1\n").exported);
         assert!(split_sample("garbage{x=\"1\"").is_none());
         assert!(split_sample("x{y=1} 2").is_none());
     }
