@@ -127,6 +127,10 @@ const EXAMPLES: &[Example] = &[
     ex("volring status", How::Run("STAGED (0)")),
     ex("volring get blockdevices", How::Run("# blockdevices from the node's store")),
     ex("volring get sn -o yaml", How::Run("# storagenodes from the node's store")),
+    ex("volring top", How::Skip("interactive: draws on a terminal until q; tests/cli_top.rs drives it in a pseudo-terminal")),
+    ex("volring top --once --json", How::Run("\"source\": \"kernel")),
+    ex("volring df", How::Run("USE%")),
+    ex("volring stats --by volume --count 1", How::Run("VOLUME")),
     ex("volring nbd serve --unix /run/volring/nbd.sock --export vol1=/srv/vol1.img", How::Server("\"listening\":[\"unix:/run/volring/nbd.sock\"]")),
     ex("volring node --metrics-addr 127.0.0.1:9477 --stats-interval 1 --stats-method auto", How::UntilCtrlC("metrics=\"http://127.0.0.1:9477/metrics\"")),
     // README.md: the CSI walk-through, with the agent of the first command running.

@@ -304,10 +304,13 @@ pub(crate) struct PublishArgs {
     /// Do not publish BlockDevice and StorageNode objects at all.
     #[arg(long)]
     pub(crate) no_publish: bool,
-    /// API requests per second the publisher may make.
+    /// API requests per second the publisher may make to a cluster. The
+    /// node's store (no cluster, or --publish-local-store) is written at
+    /// once, without pacing.
     #[arg(long, default_value_t = 20.0)]
     pub(crate) publish_qps: f64,
-    /// Requests it may make at once above the rate.
+    /// Requests it may make at once above the rate (a cluster only, as
+    /// --publish-qps).
     #[arg(long, default_value_t = 40)]
     pub(crate) publish_burst: u32,
     /// Seconds during which changes to one object become one write.
@@ -425,5 +428,21 @@ impl WatchArgs {
             batch_window: std::time::Duration::from_micros(self.mount_batch_us),
             ..WatchConfig::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Args;
+
+    /// The rate limit binds only the cluster's API: its help says the
+    /// node's store is written at once.
+    #[test]
+    fn publish_qps_help_names_the_cluster_only() {
+        let cmd = super::PublishArgs::augment_args(clap::Command::new("node"));
+        let help = |id: &str| cmd.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_help()).map(|h| h.to_string());
+        let qps = help("publish_qps").unwrap_or_default();
+        assert!(qps.contains("to a cluster") && qps.contains("without pacing"), "{qps}");
+        assert!(help("publish_burst").is_some_and(|h| h.contains("a cluster only")));
     }
 }

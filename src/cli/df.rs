@@ -52,7 +52,7 @@ pub(crate) fn rows(source: &SourceArgs) -> anyhow::Result<Vec<DfRow>> {
     if source.source != SourceChoice::Kernel {
         let scrape = volumes::fetch_metrics(&source.metrics_addr).map(|t| volumes::parse_scrape(&t)).unwrap_or_default();
         anyhow::ensure!(
-            source.source != SourceChoice::Agent || !scrape.volumes.is_empty(),
+            source.source != SourceChoice::Agent || scrape.exported,
             "no per-volume series at http://{}/metrics (is the agent running there?)",
             source.metrics_addr
         );

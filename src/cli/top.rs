@@ -107,12 +107,13 @@ pub(crate) struct Sampler {
 
 impl Sampler {
     /// Picks the source: the agent when asked, or (auto) when it answers
-    /// with per-volume series; else the kernel.
+    /// and exports the per-volume families (with no volume staged too);
+    /// else the kernel.
     pub(crate) fn new(args: &SourceArgs) -> anyhow::Result<Self> {
         let agent = match args.source {
             SourceChoice::Kernel => None,
             choice => {
-                let has_series = volumes::fetch_metrics(&args.metrics_addr).is_some_and(|t| !volumes::parse_scrape(&t).volumes.is_empty());
+                let has_series = volumes::fetch_metrics(&args.metrics_addr).is_some_and(|t| volumes::parse_scrape(&t).exported);
                 anyhow::ensure!(
                     has_series || choice == SourceChoice::Auto,
                     "no per-volume series at http://{}/metrics (is the agent running there?)",

@@ -32,8 +32,8 @@ pub(crate) struct SourceArgs {
     #[arg(long, env = "VOLRING_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
     pub(crate) metrics_addr: String,
     /// `agent`: the agent's /metrics; `kernel`: the store and sysfs;
-    /// `auto`: the agent when it answers with per-volume series, else the
-    /// kernel.
+    /// `auto`: the agent when it answers and exports the per-volume
+    /// series (an idle agent too), else the kernel.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) source: SourceChoice,
 }
@@ -151,10 +151,13 @@ pub(crate) fn staged(state_dir: &Path, kubelet_root: &Path) -> anyhow::Result<Ve
         .collect())
 }
 
-/// The pod UID in a kubelet publish path (`ROOT/pods/UID/volumes/...`).
+/// The pod UID in a kubelet publish path under `kubelet_root`, read as the
+/// agent reads it (so both sources agree): `ROOT/pods/UID/volumes/...` for
+/// a filesystem volume, `ROOT/plugins/kubernetes.io/csi/volumeDevices/
+/// publish/PV/UID` for a block one.
 fn pod_uid(target: &Path, kubelet_root: &Path) -> Option<String> {
-    let mut parts = target.strip_prefix(kubelet_root).ok()?.components();
-    (parts.next()?.as_os_str() == "pods").then(|| parts.next().map(|c| c.as_os_str().to_string_lossy().into_owned()))?
+    target.strip_prefix(kubelet_root).ok()?;
+    volring_volumes::identity::pod_of_target(target).map(|(uid, _)| uid)
 }
 
 /// A device's counters from `/sys/block/NAME/stat`.
@@ -178,6 +181,10 @@ pub(crate) fn diskstats() -> BTreeMap<String, Counters> {
 /// One scrape of the agent: each volume with its labels and counters.
 #[derive(Debug, Default)]
 pub(crate) struct Scrape {
+    /// The agent exports the per-volume families (their `# TYPE` lines
+    /// come even with no volume staged): an idle agent is a source with
+    /// no rows, not a missing one.
+    pub(crate) exported: bool,
     pub(crate) volumes: BTreeMap<String, (Volume, Counters)>,
     /// Per volume: capacity, used, available bytes; inodes, used, free.
     pub(crate) space: BTreeMap<String, [f64; 6]>,
@@ -197,10 +204,14 @@ pub(crate) fn fetch_metrics(addr: &str) -> Option<String> {
 }
 
 /// The `volring_volume_*` series of a scrape, by volume. A scrape without
-/// them (an agent older than them, or no volume staged) is empty.
+/// them (an agent older than them, or no volume staged) has no volumes;
+/// only the first has `exported` false.
 pub(crate) fn parse_scrape(text: &str) -> Scrape {
     let mut out = Scrape::default();
     for line in text.lines() {
+        if line.starts_with("# TYPE volring_volume_") {
+            out.exported = true;
+        }
         let Some(rest) = line.strip_prefix("volring_volume_") else { continue };
         let Some((name, labels, value)) = split_sample(rest) else { continue };
         let Some(volume) = labels.get("volume").filter(|v| !v.is_empty()) else { continue };
@@ -235,6 +246,17 @@ pub(crate) fn parse_scrape(text: &str) -> Scrape {
             "inodes" => space(3, &mut out.space),
             "inodes_used" => space(4, &mut out.space),
             "inodes_free" => space(5, &mut out.space),
+            // What only the info series carries: the pods' UIDs, joined
+            // by commas, and the access (a filesystem's type).
+            "info" => {
+                v.pod_uids =
+                    labels.get("pod_uid").into_iter().flat_map(|u| u.split(',')).filter(|u| !u.is_empty()).map(str::to_string).collect();
+                v.access = match (labels.get("access").map(String::as_str), labels.get("fstype")) {
+                    (Some("block"), _) => "block".into(),
+                    (_, Some(fs)) if !fs.is_empty() => fs.clone(),
+                    (access, _) => access.unwrap_or_default().to_string(),
+                };
+            }
             _ => {}
         }
     }
@@ -299,6 +321,8 @@ volring_volume_capacity_bytes{volume="pvc-1",device="loop7",persistentvolumeclai
 volring_volume_reads_completed_total{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namespace="",pod="a \"quoted\\ name"} 3
 volring_volume_drift{volume="pvc-3",kind="staging_missing"} 1
 volring_device_reads_completed_total{device="loop7"} 99
+volring_volume_info{volume="pvc-1",device="loop7",persistentvolumeclaim="data",namespace="web",pod="web-0,web-1",persistentvolume="pv-1",pod_uid="u-1,u-2",access="filesystem",fstype="ext4"} 1
+volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namespace="",pod="",persistentvolume="",pod_uid="",access="block",fstype=""} 1
 "#;
         let s = parse_scrape(text);
         assert_eq!(s.volumes.len(), 3);
@@ -310,6 +334,14 @@ volring_device_reads_completed_total{device="loop7"} 99
         assert_eq!((c.reads, c.written_bytes, c.io_time), (10.0, 4096.0, 1.5));
         assert_eq!(s.space["pvc-1"][0], 1e9);
         assert_eq!(s.volumes["pvc-2"].0.pod, "a \"quoted\\ name");
+        // The info series: comma-joined pod UIDs, the access.
+        assert_eq!((v.pod_uids.as_slice(), v.access.as_str()), (&["u-1".to_string(), "u-2".to_string()][..], "ext4"));
+        assert_eq!((s.volumes["pvc-2"].0.pod_uids.len(), s.volumes["pvc-2"].0.access.as_str()), (0, "block"));
+        assert!(s.exported);
+        // An agent with no volume staged still exports the families.
+        let idle = parse_scrape("# HELP volring_volume_info A staged volume\n# TYPE volring_volume_info gauge\n# EOF\n");
+        assert!(idle.exported && idle.volumes.is_empty());
+        assert!(!parse_scrape("# TYPE volring_device_info gauge\nvolring_device_info{device=\"loop0\"} 1\n").exported);
         assert!(split_sample("garbage{x=\"1\"").is_none());
         assert!(split_sample("x{y=1} 2").is_none());
     }
@@ -333,5 +365,8 @@ volring_device_reads_completed_total{device="loop7"} 99
         assert_eq!(pod_uid(&t, root).as_deref(), Some("1f2e-33"));
         assert_eq!(pod_uid(Path::new("/elsewhere/pods/x"), root), None);
         assert_eq!(pod_uid(&root.join("plugins/x"), root), None);
+        // A block volume's publish path ends in the pod's UID.
+        let block = root.join("plugins/kubernetes.io/csi/volumeDevices/publish/pv-b/0a9b-8c7d");
+        assert_eq!(pod_uid(&block, root).as_deref(), Some("0a9b-8c7d"));
     }
 }
