@@ -21,7 +21,21 @@
 //! others out. The volring child inherits VOLRING_NBD_* settings.
 //! VOLRING_BENCH_BASELINE=/path/to/an/older/volring adds that binary as
 //! one more peer, "baseline" (served exactly as volring is), for a
-//! before/after comparison measured in the same run.
+//! before/after comparison measured in the same run; a second path after
+//! a comma is one more such peer, "baseline2".
+//!
+//! "floor" is a peer too: the least a server can do (benches/support/
+//! nbd_floor.rs, std only, a thread per connection: recv, pwrite/pread,
+//! one write of a batch's replies), served by this binary itself; every
+//! row prints each server's CPU per op and throughput against it.
+//! `--background-load N` (or VOLRING_BENCH_BACKGROUND_LOAD=N) runs N plain
+//! CPU spinners at default priority during every round; each row prints
+//! the load average beside it. QD1 rows print p99/p99.9 completion latency.
+
+#[path = "support/load.rs"]
+mod load;
+#[path = "support/nbd_floor.rs"]
+mod nbd_floor;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -62,10 +76,15 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
     let sock = socket.to_str().expect("utf-8 path");
     let volring = env!("CARGO_BIN_EXE_volring");
     let spec = format!("disk={img}");
-    let baseline = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
+    let baselines = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
+    let mut baselines = baselines.split(',').map(str::to_string);
+    let (baseline, baseline2) = (baselines.next().unwrap_or_default(), baselines.next().unwrap_or_default());
+    let own = std::env::current_exe().expect("the bench's own path").to_str().expect("utf-8 path").to_string();
     let args: Vec<&str> = match name {
         "volring" => vec![volring, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
         "baseline" => vec![&baseline, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
+        "baseline2" => vec![&baseline2, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
+        "floor" => vec![&own, "--nbd-floor", sock, img],
         "nbdkit" => vec!["nbdkit", "-f", "-U", sock, "-t", "16", "file", img],
         "qemu-nbd-uring" => {
             vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img]
@@ -77,7 +96,7 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
         .arg(cpus)
         .args(&args)
         .stdin(Stdio::null())
-        .stdout(if name == "volring" || name == "baseline" { Stdio::piped() } else { Stdio::null() })
+        .stdout(if name.starts_with("volring") || name.starts_with("baseline") { Stdio::piped() } else { Stdio::null() })
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -101,11 +120,12 @@ struct Workload {
     bandwidth: bool,
 }
 
-const WORKLOADS: [Workload; 7] = [
+const WORKLOADS: [Workload; 8] = [
     Workload { label: "4 KiB random read, QD1, 1 connection", rw: "randread", bs: "4k", depth: 1, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random read, QD32, 1 connection", rw: "randread", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random read, 4 connections x QD8", rw: "randread", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
     Workload { label: "1 MiB sequential read, QD8", rw: "read", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
+    Workload { label: "4 KiB random write, QD1, 1 connection", rw: "randwrite", bs: "4k", depth: 1, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random write, QD32, 1 connection", rw: "randwrite", bs: "4k", depth: 32, jobs: 1, bandwidth: false },
     Workload { label: "4 KiB random write, 4 connections x QD8", rw: "randwrite", bs: "4k", depth: 8, jobs: 4, bandwidth: false },
     Workload { label: "1 MiB sequential write, QD8", rw: "write", bs: "1M", depth: 8, jobs: 1, bandwidth: true },
@@ -178,8 +198,18 @@ fn cpu_seconds(pid: u32) -> f64 {
     (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / ticks
 }
 
-/// One fio run: (IOPS or bytes per second, server CPU seconds per operation).
-fn fio(peer: &Peer, w: &Workload, secs: u64) -> (f64, f64) {
+/// One fio run.
+struct Sample {
+    /// IOPS, or bytes per second.
+    rate: f64,
+    /// Server CPU seconds per operation.
+    cpu: f64,
+    /// Completion latency percentiles 99 and 99.9, µs.
+    p99: f64,
+    p999: f64,
+}
+
+fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
     let cpu_before = cpu_seconds(peer.child.id());
     let uri = format!("nbd+unix:///disk?socket={}", peer.socket.display());
     let out = Command::new("taskset")
@@ -203,7 +233,8 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> (f64, f64) {
     let job = &v["jobs"][0][dir];
     let ops = job["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
     let rate = if w.bandwidth { job["bw_bytes"].as_f64().unwrap_or(0.0) } else { job["iops"].as_f64().unwrap_or(0.0) };
-    (rate, cpu / ops)
+    let pct = |p: &str| job["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1e3;
+    Sample { rate, cpu: cpu / ops, p99: pct("99.000000"), p999: pct("99.900000") }
 }
 
 /// CPUs of the servers and of fio: apart by default; both on CPUs 0-1
@@ -313,7 +344,18 @@ fn idle_connections(dir: &Path, img: &Path, n: usize) {
 
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing we need.
-    if std::env::args().any(|a| a == "--list") {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list") {
+        return;
+    }
+    if args.get(1).is_some_and(|a| a == "--spin") {
+        load::spin();
+    }
+    if let (Some("--nbd-floor"), Some(sock), Some(img)) = (args.get(1).map(String::as_str), args.get(2), args.get(3)) {
+        if let Err(e) = nbd_floor::serve(Path::new(sock), Path::new(img)) {
+            eprintln!("nbd floor server: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     let missing: Vec<&str> = ["fio", "nbdkit", "qemu-nbd", "taskset"].into_iter().filter(|t| !have(t)).collect();
@@ -331,7 +373,7 @@ fn main() {
     if needs_image {
         make_image(&img);
     }
-    let names = ["volring", "baseline", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    let names = ["volring", "baseline", "baseline2", "floor", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
     if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
         idle_connections(dir.path(), &img, 10_000);
         return;
@@ -350,12 +392,23 @@ fn main() {
         })
         .collect();
     let wanted = std::env::var("VOLRING_BENCH_PEERS").unwrap_or_default();
-    let with_baseline = std::env::var_os("VOLRING_BENCH_BASELINE").is_some();
+    let baseline = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
+    let with_baseline = !baseline.is_empty();
+    let with_baseline2 = baseline.contains(',');
     let names: Vec<&'static str> = names
         .into_iter()
-        .filter(|n| if *n == "baseline" { with_baseline } else { wanted.is_empty() || wanted.split(',').any(|w| w == *n) })
+        .filter(|n| match *n {
+            "baseline" => with_baseline,
+            "baseline2" => with_baseline2,
+            _ => wanted.is_empty() || wanted.split(',').any(|w| w == *n),
+        })
         .collect();
     assert!(names.first() == Some(&"volring") && names.len() >= 2, "VOLRING_BENCH_PEERS must name volring and a peer");
+    // Stopped by PID when this goes out of scope, a panic included.
+    let background = load::Background::start(load::requested());
+    if background.len() > 0 {
+        println!("background load: {} CPU spinners at default priority during every round", background.len());
+    }
     match std::env::var("VOLRING_BENCH_POOLS") {
         Ok(pools) => {
             volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
@@ -386,28 +439,52 @@ fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Pa
         "{pool}: NBD servers on CPUs {server_cpus}, fio (nbd engine) on CPUs {fio_cpus}; {rounds} interleaved rounds of {secs} s; medians"
     );
     for w in workloads {
-        let mut results: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
-        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); peers.len()];
+        let mut samples: Vec<Vec<Sample>> = peers.iter().map(|_| Vec::new()).collect();
+        let mut loads = Vec::new();
         for round in 0..rounds {
             // Rotate the order so no server always runs first or last.
             for k in 0..peers.len() {
                 let i = (k + round) % peers.len();
                 warm(img);
-                let (rate, per_op) = fio(&peers[i], w, secs);
-                results[i].push(rate);
-                cpu[i].push(per_op);
+                samples[i].push(fio(&peers[i], w, secs));
+                loads.push(load::loadavg());
             }
         }
-        let med: Vec<f64> = results.into_iter().map(median).collect();
-        let cpu: Vec<f64> = cpu.into_iter().map(median).collect();
-        println!("{} ({pool}):", w.label);
-        for ((p, m), c) in peers.iter().zip(&med).zip(&cpu) {
-            println!("  {:<16} {:<16} server CPU {:.2} µs/op", p.name, show(*m, w.bandwidth), c * 1e6);
-        }
-        let ratios: Vec<String> = peers.iter().zip(&med).skip(1).map(|(p, m)| format!("volring/{} {:.2}x", p.name, med[0] / m)).collect();
-        println!("  throughput: {}", ratios.join("   "));
-        let ratios: Vec<String> = peers.iter().zip(&cpu).skip(1).map(|(p, c)| format!("volring/{} {:.2}x", p.name, cpu[0] / c)).collect();
-        println!("  server CPU per op: {}", ratios.join("   "));
+        report(pool, w, &peers, &samples, &loads);
+    }
+}
+
+/// One row: each server's medians (and the spread of its throughput over
+/// the rounds), then the ratios against volring's and against the floor's.
+fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loads: &[f64]) {
+    let pick = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(|s| median(s.iter().map(f).collect())).collect() };
+    let (med, cpu, p99, p999) = (pick(|s| s.rate), pick(|s| s.cpu), pick(|s| s.p99), pick(|s| s.p999));
+    let (lo, hi) = loads.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
+    println!("{} ({pool}): load average {lo:.1}-{hi:.1}", w.label);
+    for (i, p) in peers.iter().enumerate() {
+        let rates: Vec<f64> = samples[i].iter().map(|s| s.rate).collect();
+        let (rlo, rhi) = rates.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
+        let spread = if med[i] > 0.0 { (rhi - rlo) / med[i] * 100.0 } else { 0.0 };
+        let tail = if w.depth == 1 && w.jobs == 1 { format!("  p99 {:.0} µs  p99.9 {:.0} µs", p99[i], p999[i]) } else { String::new() };
+        println!(
+            "  {:<16} {:<16} server CPU {:.2} µs/op  (rounds spread {spread:.0}%){tail}",
+            p.name,
+            show(med[i], w.bandwidth),
+            cpu[i] * 1e6
+        );
+    }
+    let ratios: Vec<String> = peers.iter().zip(&med).skip(1).map(|(p, m)| format!("volring/{} {:.2}x", p.name, med[0] / m)).collect();
+    println!("  throughput: {}", ratios.join("   "));
+    let ratios: Vec<String> = peers.iter().zip(&cpu).skip(1).map(|(p, c)| format!("volring/{} {:.2}x", p.name, cpu[0] / c)).collect();
+    println!("  server CPU per op: {}", ratios.join("   "));
+    if let Some(f) = peers.iter().position(|p| p.name == "floor") {
+        let vs: Vec<String> = peers
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != f)
+            .map(|(i, p)| format!("{}/floor {:.2}x CPU, {:.2}x throughput", p.name, cpu[i] / cpu[f], med[i] / med[f]))
+            .collect();
+        println!("  against the floor: {}", vs.join("   "));
     }
 }
 

@@ -32,6 +32,14 @@
 //!   voluntary context switches rose: it waited on the disk, writeback or a
 //!   lock) sends writes back to the ring for [`BACKOFF`], so one slow
 //!   device does not stall every connection of the ring;
+//! - so does one that took over [`SLOW`] because the ring thread was
+//!   preempted (it was off the CPU that long without sleeping: other work
+//!   wants the CPU). The scheduler shares a contended CPU per thread: a ring
+//!   doing every connection's writes itself gets one share, where a server
+//!   with a thread per connection gets one per connection (4 connections ×
+//!   QD8 writes under two CPU spinners: 0.24× nbdkit's throughput at the
+//!   same CPU per write, benchmarks.md); io_uring's workers are threads of
+//!   their own (1.35–1.7× the inline throughput there);
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
 //!   burst does not hold its first replies back.
@@ -195,9 +203,11 @@ impl WritePath {
         matches!((before, self.mode), (Mode::Probe { .. }, Mode::Inline) | (Mode::Probe { .. } | Mode::Reprobe, Mode::Ring))
     }
 
-    /// A blocking write took `took`; `slept` if the thread waited meanwhile.
-    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, now: Instant) {
-        if took > SLOW && slept {
+    /// A blocking write took `took`; `slept` if the thread waited
+    /// meanwhile, `preempted` if it was off the CPU over [`SLOW`] without
+    /// sleeping (the CPU is contended).
+    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, now: Instant) {
+        if took > SLOW && (slept || preempted) {
             self.mode = Mode::Backoff(now + BACKOFF);
         }
     }
@@ -208,13 +218,44 @@ impl WritePath {
     }
 }
 
-/// A ring's side of inline writes: for telling whether a write slept.
+/// A ring's side of inline writes: for telling whether a write slept or
+/// was preempted.
 #[derive(Debug, Default)]
 pub(super) struct RingInline {
-    /// The thread's voluntary context switches, read at `at` (a loop turn).
-    switches: Option<(Instant, u64)>,
+    /// Read at the first inline write of a loop turn.
+    snapshot: Option<Snapshot>,
     /// Inline writes since the replies were last flushed.
     unflushed: u32,
+}
+
+/// The thread's state when a turn's inline writes began.
+#[derive(Debug, Clone, Copy)]
+struct Snapshot {
+    turn: Instant,
+    /// Voluntary context switches so far (`None`: unreadable).
+    switches: Option<u64>,
+    /// When it was taken, and the thread's CPU time then: the wall time
+    /// since, less the CPU time since, is how long the thread was off the CPU.
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl Snapshot {
+    fn take(turn: Instant) -> Snapshot {
+        let switches = volring_sys::thread_voluntary_switches().ok();
+        Snapshot { turn, switches, wall: Instant::now(), cpu: volring_sys::thread_cpu_time() }
+    }
+
+    /// Whether the thread slept since, and whether it was off the CPU for
+    /// over [`SLOW`] without sleeping.
+    fn since(&self, switches: Option<u64>, cpu: Duration) -> (bool, bool) {
+        let slept = match (self.switches, switches) {
+            (Some(before), Some(after)) => after > before,
+            _ => true,
+        };
+        let off_cpu = self.wall.elapsed().saturating_sub(cpu.saturating_sub(self.cpu));
+        (slept, !slept && off_cpu > SLOW)
+    }
 }
 
 /// One write the ring may do here: its export, the descriptor it goes
@@ -255,22 +296,19 @@ impl RingInline {
                 tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
             }
         }
-        if self.switches.is_none_or(|(turn, _)| turn != now) {
-            self.switches = volring_sys::thread_voluntary_switches().ok().map(|n| (now, n));
-        }
+        let snapshot = match self.snapshot {
+            Some(s) if s.turn == now => s,
+            _ => *self.snapshot.insert(Snapshot::take(now)),
+        };
         let t0 = Instant::now();
         let res = rustix::io::pwritev2(w.fd, &[IoSlice::new(w.data)], w.offset, ReadWriteFlags::empty());
         let took = t0.elapsed();
         if took > SLOW {
-            let after = volring_sys::thread_voluntary_switches().ok();
-            let slept = match (self.switches, after) {
-                (Some((_, before)), Some(after)) => after > before,
-                _ => true,
-            };
-            self.switches = after.map(|n| (now, n));
-            path.blocking_done(took, slept, now);
+            let (slept, preempted) = snapshot.since(volring_sys::thread_voluntary_switches().ok(), volring_sys::thread_cpu_time());
+            self.snapshot = Some(Snapshot::take(now));
+            path.blocking_done(took, slept, preempted, now);
             if !path.inline_now() {
-                tracing::debug!(export = %w.export.name, took_us = took.as_micros() as u64, "NBD writes: a blocking write slept; through the ring for a while");
+                tracing::debug!(export = %w.export.name, took_us = took.as_micros() as u64, slept, preempted, "NBD writes: a blocking write slept or was preempted; through the ring for a while");
             }
         }
         w.export.stats.inline_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -364,19 +402,52 @@ mod tests {
         let now = Instant::now();
         let mut p = WritePath::new(InlineWrites::Auto);
         p.nowait_done(Err(Errno::OPNOTSUPP));
-        // Slow without sleeping (preempted, or a long copy): stays inline.
-        p.blocking_done(SLOW * 5, false, now);
+        // Slow without sleeping and on the CPU (a long copy): stays inline.
+        p.blocking_done(SLOW * 5, false, false, now);
         assert_eq!(p.route(4096, false, now), Route::Blocking);
         // Slept but fast: stays inline.
-        p.blocking_done(SLOW / 2, true, now);
+        p.blocking_done(SLOW / 2, true, false, now);
         assert_eq!(p.route(4096, false, now), Route::Blocking);
         // Slow and slept: the ring until the backoff ends, then inline again.
-        p.blocking_done(SLOW * 2, true, now);
+        p.blocking_done(SLOW * 2, true, false, now);
         assert!(!p.inline_now());
         assert_eq!(p.route(4096, false, now), Route::Ring);
         assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
         assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
         assert!(p.inline_now());
+    }
+
+    /// A ring thread preempted in the middle of its inline writes (a
+    /// contended CPU) hands them to io_uring's workers for a while: more
+    /// threads get more of a contended CPU than one does.
+    #[test]
+    fn a_slow_write_that_was_preempted_backs_off_for_a_while() {
+        let now = Instant::now();
+        let mut p = WritePath::new(InlineWrites::Auto);
+        p.nowait_done(Err(Errno::OPNOTSUPP));
+        // Preempted but fast: stays inline.
+        p.blocking_done(SLOW / 2, false, true, now);
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+        p.blocking_done(SLOW * 2, false, true, now);
+        assert!(!p.inline_now());
+        assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
+        assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+    }
+
+    /// Off the CPU without a voluntary switch is preemption; with one, it
+    /// is a sleep; on the CPU the whole time, neither.
+    #[test]
+    fn the_snapshot_tells_preemption_from_sleep() {
+        let now = Instant::now();
+        let s = Snapshot { turn: now, switches: Some(10), wall: now - SLOW * 3, cpu: Duration::from_millis(5) };
+        // 3 ms or more of wall time, 0.5 ms of it on the CPU, no switch: preempted.
+        assert_eq!(s.since(Some(10), Duration::from_micros(5_500)), (false, true));
+        // The same with a voluntary switch: slept.
+        assert_eq!(s.since(Some(11), Duration::from_micros(5_500)), (true, false));
+        // On the CPU the whole time (a long copy): neither.
+        assert_eq!(s.since(Some(10), Duration::from_secs(3600)), (false, false));
+        // Switches unreadable: counted as a sleep, as before.
+        assert_eq!(s.since(None, Duration::from_secs(3600)), (true, false));
     }
 
     #[test]
@@ -523,7 +594,7 @@ mod tests {
         let now = Instant::now();
         p.nowait_done(Err(Errno::OPNOTSUPP));
         assert_eq!(p.route(4096, false, now), Route::Blocking);
-        p.blocking_done(SLOW * 2, true, now);
+        p.blocking_done(SLOW * 2, true, false, now);
         for _ in 0..10 {
             assert_eq!(p.route(4096, false, now), Route::Ring);
         }
