@@ -55,8 +55,7 @@ fn promtool(args: &[&str], dir: &Path) -> Result<Option<(bool, String)>, Failed>
 fn every_alert_has_a_quiet_and_a_firing_case() -> Result<(), Failed> {
     let rules_text = std::fs::read_to_string(monitoring().join("rules.yaml"))?;
     let rules: Value = serde_saphyr::from_str(&rules_text).map_err(|e| format!("rules.yaml: {e}"))?;
-    let tests: Value = serde_saphyr::from_str(&std::fs::read_to_string(rules_test())?)
-        .map_err(|e| format!("rules_test.yaml: {e}"))?;
+    let tests: Value = serde_saphyr::from_str(&std::fs::read_to_string(rules_test())?).map_err(|e| format!("rules_test.yaml: {e}"))?;
     let alerts: BTreeSet<String> = rules["spec"]["groups"]
         .as_array()
         .ok_or("no groups")?
