@@ -193,6 +193,12 @@ const EXAMPLES: &[Example] = &[
     ex("cargo bench --bench volume_series", How::Skip(BENCH)),
     ex("cargo bench --bench state_scale", How::Skip(BENCH)),
     ex("cargo bench --bench nbd_peers", How::Skip(BENCH)),
+    ex("cargo bench --bench nbd_peers --no-run", How::Skip(BENCH)),
+    ex(
+        "VOLRING_BENCH_SECS=3 VOLRING_BENCH_ROUNDS=3 VOLRING_BENCH_ONLY=all VOLRING_BENCH_PEERS=volring,floor,nbdkit VOLRING_BENCH_BASELINE=/tmp/volring-b6aead9,/tmp/volring-ac8946f target/release/deps/nbd_peers-* --bench",
+        How::Skip(BENCH),
+    ),
+    ex("VOLRING_BENCH_BACKGROUND_LOAD=2 VOLRING_BENCH_ONLY=all cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex(
         "VOLRING_BENCH_ONLY=reads VOLRING_BENCH_PEERS=volring,nbdkit VOLRING_BENCH_BASELINE=/path/to/old/volring cargo bench --bench nbd_peers",
