@@ -51,30 +51,7 @@ enum LogFormat {
 enum Command {
     /// Run the node agent (foreground; stops on SIGINT/SIGTERM; SIGHUP is
     /// ignored). One agent per state directory.
-    Node {
-        #[command(flatten)]
-        watch: WatchArgs,
-        /// Log every mount and device event, not only summaries.
-        #[arg(long)]
-        log_events: bool,
-        /// Serve Prometheus metrics at http://ADDR/metrics ("off" to disable).
-        #[arg(long, default_value = "127.0.0.1:9477")]
-        metrics_addr: String,
-        /// Seconds between device stat samples.
-        #[arg(long, default_value_t = 1.0)]
-        stats_interval: f64,
-        /// How device counters are read.
-        #[arg(long, value_enum, default_value = "auto")]
-        stats_method: StatMethod,
-        #[command(flatten)]
-        scan: ScanArgs,
-        #[command(flatten)]
-        csi: Box<CsiArgs>,
-        #[command(flatten)]
-        nbd: NodeNbdArgs,
-        #[command(flatten)]
-        publish: PublishArgs,
-    },
+    Node(Box<NodeArgs>),
     /// Serve exports over NBD.
     Nbd {
         #[command(subcommand)]
@@ -259,6 +236,33 @@ enum Command {
     Man,
 }
 
+// The `node` command's flags (its help text is the variant's).
+#[derive(clap::Args)]
+struct NodeArgs {
+    #[command(flatten)]
+    watch: WatchArgs,
+    /// Log every mount and device event, not only summaries.
+    #[arg(long)]
+    log_events: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics ("off" to disable).
+    #[arg(long, default_value = "127.0.0.1:9477")]
+    metrics_addr: String,
+    /// Seconds between device stat samples.
+    #[arg(long, default_value_t = 1.0)]
+    stats_interval: f64,
+    /// How device counters are read.
+    #[arg(long, value_enum, default_value = "auto")]
+    stats_method: StatMethod,
+    #[command(flatten)]
+    scan: ScanArgs,
+    #[command(flatten)]
+    csi: Box<CsiArgs>,
+    #[command(flatten)]
+    nbd: NodeNbdArgs,
+    #[command(flatten)]
+    publish: PublishArgs,
+}
+
 #[derive(Subcommand)]
 enum NbdCommand {
     /// Serve image files and block devices until SIGINT/SIGTERM; SIGHUP
@@ -369,47 +373,75 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// `volring node`: the agent, configured from its flags, until a signal.
+fn node(args: NodeArgs) -> anyhow::Result<()> {
+    let NodeArgs { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd, publish } = args;
+    let metrics = match metrics_addr.as_str() {
+        "off" => None,
+        a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
+    };
+    let config = volring::agent::AgentConfig {
+        mounts: watch.config(),
+        // One name for this node everywhere: the CSI node id it
+        // reports is the name its BlockDevices and StorageNode carry.
+        devices: ScanConfig {
+            io: watch.config().backend,
+            node_name: csi.node_id.clone().unwrap_or_else(volring_devices::node_name),
+            ..scan.config()
+        },
+        stats: CollectorConfig {
+            interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),
+            method: stats_method,
+            ..CollectorConfig::default()
+        },
+        metrics,
+        log_events,
+        state_dir: csi.state_dir.clone(),
+        csi: csi
+            .config()?
+            .map(|mut c| {
+                nbd.export().map(|e| {
+                    c.nbd_export = e;
+                    c
+                })
+            })
+            .transpose()?,
+        nbd: nbd.config()?,
+        reconcile: csi.reconcile(),
+        share_kube: csi.share_kube(),
+        nfs_client_address: csi.nfs_client_address,
+        publish: publish.config(),
+    };
+    runtime()?.block_on(volring::agent::run(config))
+}
+
+/// `volring get`: the node's objects from the cluster when one is
+/// configured (or `--kube`), else from the node's own store.
+fn get(resource: &str, output: Option<&str>, kube: bool, local_store: bool, state_dir: &std::path::Path) -> anyhow::Result<()> {
+    use volring_kube::{kube_sink::KubeSink, show};
+    let (kind, format) = (show::resource(resource)?, show::format(output)?);
+    let source = if local_store { None } else { KubeSink::detect() };
+    let items = if kube || source.is_some() {
+        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
+        eprintln!("# {} from the cluster ({from})", kind.plural());
+        runtime()?.block_on(show::read_cluster(kind))?
+    } else {
+        // A mistyped --state-dir is not an empty node.
+        anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
+        let store = state_dir.join(volring_volumes::store::FILE);
+        eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
+        show::read_store(state_dir, kind)?
+    };
+    if let Some(note) = volring_kube::queued::note(state_dir) {
+        eprintln!("{note}");
+    }
+    std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Node { watch, log_events, metrics_addr, stats_interval, stats_method, scan, csi, nbd, publish } => {
-            let metrics = match metrics_addr.as_str() {
-                "off" => None,
-                a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
-            };
-            let config = volring::agent::AgentConfig {
-                mounts: watch.config(),
-                // One name for this node everywhere: the CSI node id it
-                // reports is the name its BlockDevices and StorageNode carry.
-                devices: ScanConfig {
-                    io: watch.config().backend,
-                    node_name: csi.node_id.clone().unwrap_or_else(volring_devices::node_name),
-                    ..scan.config()
-                },
-                stats: CollectorConfig {
-                    interval: std::time::Duration::from_secs_f64(stats_interval.max(0.01)),
-                    method: stats_method,
-                    ..CollectorConfig::default()
-                },
-                metrics,
-                log_events,
-                state_dir: csi.state_dir.clone(),
-                csi: csi
-                    .config()?
-                    .map(|mut c| {
-                        nbd.export().map(|e| {
-                            c.nbd_export = e;
-                            c
-                        })
-                    })
-                    .transpose()?,
-                nbd: nbd.config()?,
-                reconcile: csi.reconcile(),
-                share_kube: csi.share_kube(),
-                nfs_client_address: csi.nfs_client_address,
-                publish: publish.config(),
-            };
-            runtime()?.block_on(volring::agent::run(config))
-        }
+        Command::Node(args) => node(*args),
         Command::Nbd { command: NbdCommand::Serve { exports, exports_file, unix, tcp, tuning, stats_interval } } => {
             let listen = unix.into_iter().map(volring_nbd::Listen::Unix).chain(tcp.into_iter().map(volring_nbd::Listen::Tcp)).collect();
             let specs = exports.iter().map(|e| e.parse()).collect::<Result<Vec<volring_nbd::ExportSpec>, _>>()?;
@@ -458,27 +490,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", volring_kube::objects::crds_yaml());
             Ok(())
         }
-        Command::Get { resource, output, kube, local_store, state_dir } => {
-            use volring_kube::{kube_sink::KubeSink, show};
-            let (kind, format) = (show::resource(&resource)?, show::format(output.as_deref())?);
-            let source = if local_store { None } else { KubeSink::detect() };
-            let items = if kube || source.is_some() {
-                let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
-                eprintln!("# {} from the cluster ({from})", kind.plural());
-                runtime()?.block_on(show::read_cluster(kind))?
-            } else {
-                // A mistyped --state-dir is not an empty node.
-                anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
-                let store = state_dir.join(volring_volumes::store::FILE);
-                eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
-                show::read_store(&state_dir, kind)?
-            };
-            if let Some(note) = volring_kube::queued::note(&state_dir) {
-                eprintln!("{note}");
-            }
-            std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
-            Ok(())
-        }
+        Command::Get { resource, output, kube, local_store, state_dir } => get(&resource, output.as_deref(), kube, local_store, &state_dir),
         Command::Devices { devices, json, noheadings, bytes, columns, scan } => print_devices(
             json,
             columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0),

@@ -104,16 +104,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
     let view = reconciler.as_ref().map(|(_, r)| r.view.clone());
     let publisher = match &config.publish {
         Some(p) => {
-            let inputs = publisher::Inputs {
-                state_dir: &config.state_dir,
-                node: &config.devices.node_name,
-                driver: driver.clone(),
-                view: view.clone(),
-                inventory: &devices.inventory,
-                stats: publish_stats.unwrap_or_default(),
-                names: identities.as_ref().map(|i| i.names.clone()),
-            };
-            Some(publisher::start(p, inputs, parts).await?)
+            Some(publisher::start(p, publish_inputs(config, &driver, &view, &devices.inventory, publish_stats, &identities), parts).await?)
         }
         None => None,
     };
@@ -144,6 +135,27 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
         dirty: driver.is_some(),
     };
     Ok(Started { events, ready: t.ready, summary })
+}
+
+/// What the publisher reads: this node's name and store, and the parts
+/// started before it.
+fn publish_inputs<'a>(
+    config: &'a AgentConfig,
+    driver: &Option<Arc<volring_csi::Driver>>,
+    view: &Option<Arc<volring_volumes::state::actual::HealthView>>,
+    inventory: &'a Inventory,
+    stats: Option<Arc<volring_kube::updater::Stats>>,
+    identities: &Option<volumes::Identities>,
+) -> publisher::Inputs<'a> {
+    publisher::Inputs {
+        state_dir: &config.state_dir,
+        node: &config.devices.node_name,
+        driver: driver.clone(),
+        view: view.clone(),
+        inventory,
+        stats: stats.unwrap_or_default(),
+        names: identities.as_ref().map(|i| i.names.clone()),
+    }
 }
 
 /// Takes what only one agent may have (the CSI socket, the metrics

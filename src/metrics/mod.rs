@@ -120,43 +120,7 @@ impl Collector for Sources {
         let mut fam = e.encode_descriptor("volring_stat_method", "Collection method in use (1)", None, MetricType::Gauge)?;
         ConstGauge::new(1i64).encode(fam.encode_family(&[("method", snap.method)])?)?;
 
-        let c: Vec<(&str, &volring_devices::IoCounters)> = snap.devices.iter().map(|d| (&*d.name, &d.counters)).collect();
-        let total = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
-            let rows: Vec<(&str, u64)> = c.iter().map(|(n, c)| (*n, f(c))).collect();
-            per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
-        };
-        let seconds = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
-            let rows: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, f(c) as f64 / 1000.0)).collect();
-            per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
-        };
-        total("volring_device_reads_completed", "Reads completed", &|c| c.reads, &mut e)?;
-        total("volring_device_writes_completed", "Writes completed", &|c| c.writes, &mut e)?;
-        total("volring_device_read_bytes", "Bytes read", &|c| c.read_sectors * 512, &mut e)?;
-        total("volring_device_written_bytes", "Bytes written", &|c| c.write_sectors * 512, &mut e)?;
-        total("volring_device_discards_completed", "Discards completed", &|c| c.discards, &mut e)?;
-        total("volring_device_flushes_completed", "Flushes completed", &|c| c.flushes, &mut e)?;
-        seconds("volring_device_read_time_seconds", "Time spent reading", &|c| c.read_ticks, &mut e)?;
-        seconds("volring_device_write_time_seconds", "Time spent writing", &|c| c.write_ticks, &mut e)?;
-        seconds("volring_device_io_time_seconds", "Time with I/O in flight", &|c| c.io_ticks, &mut e)?;
-        // The rest of /proc/diskstats, as node_exporter names them: merges,
-        // discards' bytes and time, flush time, and the weighted I/O time
-        // whose rate is the average queue size (iostat's aqu-sz).
-        total("volring_device_reads_merged", "Adjacent reads merged", &|c| c.reads_merged, &mut e)?;
-        total("volring_device_writes_merged", "Adjacent writes merged", &|c| c.writes_merged, &mut e)?;
-        total("volring_device_discards_merged", "Adjacent discards merged", &|c| c.discards_merged, &mut e)?;
-        total("volring_device_discarded_bytes", "Bytes discarded", &|c| c.discard_sectors * 512, &mut e)?;
-        seconds("volring_device_discard_time_seconds", "Time spent discarding", &|c| c.discard_ticks, &mut e)?;
-        seconds("volring_device_flush_time_seconds", "Time spent flushing", &|c| c.flush_ticks, &mut e)?;
-        seconds(
-            "volring_device_io_time_weighted_seconds",
-            "I/O time weighted by I/Os in flight (its rate is the average queue size)",
-            &|c| c.time_in_queue,
-            &mut e,
-        )?;
-        let in_flight: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, c.in_flight as f64)).collect();
-        per_device(&mut e, "volring_device_io_in_flight", "I/Os in flight now", MetricType::Gauge, &in_flight, |v, m| {
-            ConstGauge::new(v).encode(m)
-        })?;
+        encode_device_counters(&mut e, &snap)?;
 
         device_info::encode(&mut e, &inv)?;
         if let Some(v) = &self.volumes {
@@ -179,16 +143,37 @@ impl Collector for Sources {
             per_device(&mut e, name, help, MetricType::Gauge, &rows, |v, m| ConstGauge::new(v).encode(m))?;
         }
 
+        self.encode_watchers(&mut e)?;
+        if let Some(exports) = &self.nbd {
+            encode_nbd(&mut e, exports)?;
+        }
+        if let Some(r) = &self.reconcile {
+            encode_reconcile(&mut e, r)?;
+        }
+        if let Some(d) = &self.csi {
+            csi::encode(&mut e, d)?;
+        }
+        if let Some(p) = &self.publish {
+            publish::encode(&mut e, p)?;
+        }
+        Ok(())
+    }
+}
+
+impl Sources {
+    /// The hotplug listener's, mount watcher's and ring threads' own
+    /// counters.
+    fn encode_watchers(&self, e: &mut DescriptorEncoder<'_>) -> Result<(), FmtError> {
         for (help, name, v) in [
             ("Kernel uevents received", "volring_hotplug_uevents", &self.hotplug.uevents),
             ("Uevents refused as malformed", "volring_hotplug_refused", &self.hotplug.refused),
             ("Device events delivered", "volring_hotplug_events", &self.hotplug.emitted),
             ("Device events dropped on a full queue (a rescan follows)", "volring_hotplug_dropped", &self.hotplug.dropped),
         ] {
-            counter(&mut e, name, help, v.load(Ordering::Relaxed))?;
+            counter(e, name, help, v.load(Ordering::Relaxed))?;
         }
         let m = self.mounts.load();
-        counter(&mut e, "volring_mount_events", "Mount events delivered", m.mount_events)?;
+        counter(e, "volring_mount_events", "Mount events delivered", m.mount_events)?;
         {
             // By cause: only `overflow` means events were lost (the alert's
             // series); `periodic` ticks on an idle node too.
@@ -197,7 +182,7 @@ impl Collector for Sources {
                 ConstCounter::new(n).encode(fam.encode_family(&[("reason", cause.label())])?)?;
             }
         }
-        counter(&mut e, "volring_log_lines_lost", "Log lines dropped because stderr refused them (its reader gone)", logs::lines_lost())?;
+        counter(e, "volring_log_lines_lost", "Log lines dropped because stderr refused them (its reader gone)", logs::lines_lost())?;
 
         for (family, help, pick) in [
             ("volring_ring_cpu_seconds", "CPU time of each ring thread", 0),
@@ -215,20 +200,49 @@ impl Collector for Sources {
                 }
             }
         }
-        if let Some(exports) = &self.nbd {
-            encode_nbd(&mut e, exports)?;
-        }
-        if let Some(r) = &self.reconcile {
-            encode_reconcile(&mut e, r)?;
-        }
-        if let Some(d) = &self.csi {
-            csi::encode(&mut e, d)?;
-        }
-        if let Some(p) = &self.publish {
-            publish::encode(&mut e, p)?;
-        }
         Ok(())
     }
+}
+
+/// Each device's /proc/diskstats counters from the latest collection, as
+/// node_exporter names them.
+fn encode_device_counters(e: &mut DescriptorEncoder<'_>, snap: &volring_devices::StatSnapshot) -> Result<(), FmtError> {
+    let c: Vec<(&str, &volring_devices::IoCounters)> = snap.devices.iter().map(|d| (&*d.name, &d.counters)).collect();
+    let total = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+        let rows: Vec<(&str, u64)> = c.iter().map(|(n, c)| (*n, f(c))).collect();
+        per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
+    };
+    let seconds = |name: &str, help: &str, f: &dyn Fn(&volring_devices::IoCounters) -> u64, e: &mut DescriptorEncoder<'_>| {
+        let rows: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, f(c) as f64 / 1000.0)).collect();
+        per_device(e, name, help, MetricType::Counter, &rows, |v, m| ConstCounter::new(v).encode(m))
+    };
+    total("volring_device_reads_completed", "Reads completed", &|c| c.reads, e)?;
+    total("volring_device_writes_completed", "Writes completed", &|c| c.writes, e)?;
+    total("volring_device_read_bytes", "Bytes read", &|c| c.read_sectors * 512, e)?;
+    total("volring_device_written_bytes", "Bytes written", &|c| c.write_sectors * 512, e)?;
+    total("volring_device_discards_completed", "Discards completed", &|c| c.discards, e)?;
+    total("volring_device_flushes_completed", "Flushes completed", &|c| c.flushes, e)?;
+    seconds("volring_device_read_time_seconds", "Time spent reading", &|c| c.read_ticks, e)?;
+    seconds("volring_device_write_time_seconds", "Time spent writing", &|c| c.write_ticks, e)?;
+    seconds("volring_device_io_time_seconds", "Time with I/O in flight", &|c| c.io_ticks, e)?;
+    // The rest of /proc/diskstats, as node_exporter names them: merges,
+    // discards' bytes and time, flush time, and the weighted I/O time
+    // whose rate is the average queue size (iostat's aqu-sz).
+    total("volring_device_reads_merged", "Adjacent reads merged", &|c| c.reads_merged, e)?;
+    total("volring_device_writes_merged", "Adjacent writes merged", &|c| c.writes_merged, e)?;
+    total("volring_device_discards_merged", "Adjacent discards merged", &|c| c.discards_merged, e)?;
+    total("volring_device_discarded_bytes", "Bytes discarded", &|c| c.discard_sectors * 512, e)?;
+    seconds("volring_device_discard_time_seconds", "Time spent discarding", &|c| c.discard_ticks, e)?;
+    seconds("volring_device_flush_time_seconds", "Time spent flushing", &|c| c.flush_ticks, e)?;
+    seconds(
+        "volring_device_io_time_weighted_seconds",
+        "I/O time weighted by I/Os in flight (its rate is the average queue size)",
+        &|c| c.time_in_queue,
+        e,
+    )?;
+    let in_flight: Vec<(&str, f64)> = c.iter().map(|(n, c)| (*n, c.in_flight as f64)).collect();
+    per_device(e, "volring_device_io_in_flight", "I/Os in flight now", MetricType::Gauge, &in_flight, |v, m| ConstGauge::new(v).encode(m))?;
+    Ok(())
 }
 
 /// The kinds of drift, in the order they are exported; every kind gets a

@@ -24,7 +24,7 @@ use super::share::Shares;
 use super::share_client::NfsClient;
 use super::{Error, Result};
 use volring_volumes::filesystem::{self, Content, FsKind};
-use volring_volumes::{attach, mounting, AccessKind, AttachKind, Attachment, StagePhase, StagedVolume};
+use volring_volumes::{attach, mounting, AccessKind, AttachKind, Attachment, RemoteExport, StagePhase, StagedVolume};
 
 /// Node service, stage and unstage; the reconciler's repairs come
 /// through here too.
@@ -69,14 +69,7 @@ impl Stager {
         if meta.is_none() {
             self.shares.created_for(id, &access, Some(&req.volume_context))?;
         }
-        let default_fs = match &meta {
-            Some(m) => m.fs_type.clone(),
-            None => req.volume_context.get(super::controller::PARAM_FS_TYPE).cloned(),
-        };
-        let requested_fs = match req.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()) {
-            Some(ProtoAccessType::Mount(m)) if !m.fs_type.is_empty() => Some(m.fs_type.clone()),
-            _ => default_fs,
-        };
+        let requested_fs = requested_fs(&req, meta.as_ref());
         let kind = match &meta {
             Some(m) => attach_kind(&req.volume_context, &m.parameters)?,
             None => AttachKind::Nbd,
@@ -95,24 +88,7 @@ impl Stager {
             }
             tracing::warn!(volume = id, phase = ?r.phase, "completing an interrupted or damaged stage");
         }
-        let rec = prior.clone().unwrap_or_else(|| StagedVolume {
-            volume_id: id.to_string(),
-            image: self.base.pool.image_path(id),
-            staging_path: staging.clone(),
-            access: match &access.access {
-                AccessType::Block => AccessKind::Block,
-                AccessType::Mount { flags, .. } => {
-                    AccessKind::Mount { fs_type: requested_fs.clone().unwrap_or_default(), flags: flags.clone() }
-                }
-            },
-            read_only: access.read_only(),
-            phase: StagePhase::Attaching,
-            loop_number: None,
-            attach: kind,
-            nbd_index: None,
-            published: Default::default(),
-            remote,
-        });
+        let rec = prior.clone().unwrap_or_else(|| self.new_record(id, &staging, &access, requested_fs.as_deref(), kind, remote));
         // A volume this node exports is staged here only while no other
         // node holds it through the export (`fence`); the holder is taken
         // before the record is first written and dropped again if the
@@ -138,6 +114,37 @@ impl Stager {
         }
         self.shares.export_if_shared(id, &access, Some(&req.volume_context))?;
         Ok(NodeStageVolumeResponse {})
+    }
+
+    /// The record a first stage of volume `id` starts from: nothing
+    /// attached yet, nothing published.
+    fn new_record(
+        &self,
+        id: &str,
+        staging: &Path,
+        access: &Access,
+        requested_fs: Option<&str>,
+        kind: AttachKind,
+        remote: Option<RemoteExport>,
+    ) -> StagedVolume {
+        StagedVolume {
+            volume_id: id.to_string(),
+            image: self.base.pool.image_path(id),
+            staging_path: staging.to_path_buf(),
+            access: match &access.access {
+                AccessType::Block => AccessKind::Block,
+                AccessType::Mount { flags, .. } => {
+                    AccessKind::Mount { fs_type: requested_fs.unwrap_or_default().to_string(), flags: flags.clone() }
+                }
+            },
+            read_only: access.read_only(),
+            phase: StagePhase::Attaching,
+            loop_number: None,
+            attach: kind,
+            nbd_index: None,
+            published: Default::default(),
+            remote,
+        }
     }
 
     /// Stages `rec` (the caller holds the volume's lock): the steps, and on
@@ -196,17 +203,7 @@ impl Stager {
         self.base.records.put(rec)?;
         volring_volumes::fault::point("stage:attach");
         let att = match rec.attach {
-            AttachKind::Loop => {
-                let known = attach::of_record(rec);
-                match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
-                    Some(a) => a,
-                    None => {
-                        let a = attach::attach(&rec.image, rec.read_only, self.base.config.direct_io && self.base.pool.direct_io())?;
-                        undo.push(Undo::Detach(a.number, rec.image.clone()));
-                        a
-                    }
-                }
-            }
+            AttachKind::Loop => self.loop_device(rec, leftover, undo)?,
             AttachKind::Nbd => self.nbd_device(rec, leftover, undo)?,
         };
         match att.kind {
@@ -471,6 +468,21 @@ impl Stager {
         Ok(())
     }
 
+    /// The volume's loop device: the recorded one, else one a crashed
+    /// stage left on the image (`leftover`), else a new one (undone on a
+    /// later failure).
+    fn loop_device(&self, rec: &StagedVolume, leftover: bool, undo: &mut Rollback) -> Result<Attachment> {
+        let known = attach::of_record(rec);
+        match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
+            Some(a) => Ok(a),
+            None => {
+                let a = attach::attach(&rec.image, rec.read_only, self.base.config.direct_io && self.base.pool.direct_io())?;
+                undo.push(Undo::Detach(a.number, rec.image.clone()));
+                Ok(a)
+            }
+        }
+    }
+
     /// The nbd device for a stage: the recorded one when it still carries
     /// the volume id; after a crash between connecting and recording the
     /// index, the device carrying the volume id (given fresh sockets, its
@@ -558,5 +570,18 @@ impl Rollback {
                 tracing::error!(error = %e, "rolling back a failed stage");
             }
         }
+    }
+}
+
+/// The filesystem a stage asks for: the capability's, else the volume's
+/// own (its pool record, or the context of one another node holds).
+fn requested_fs(req: &NodeStageVolumeRequest, meta: Option<&volring_volumes::VolumeMeta>) -> Option<String> {
+    let default_fs = match meta {
+        Some(m) => m.fs_type.clone(),
+        None => req.volume_context.get(super::controller::PARAM_FS_TYPE).cloned(),
+    };
+    match req.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()) {
+        Some(ProtoAccessType::Mount(m)) if !m.fs_type.is_empty() => Some(m.fs_type.clone()),
+        _ => default_fs,
     }
 }

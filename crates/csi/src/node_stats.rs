@@ -7,7 +7,7 @@
 //! it. After an unmount the path shows the parent filesystem; that is
 //! reported as the volume being gone, never measured as the volume.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 
 use super::owned::{Expect, Found};
@@ -19,10 +19,11 @@ use super::base::Base;
 use super::nbd::NbdSide;
 use super::share_client::NfsClient;
 use super::{Error, Expansion, Result};
+use volring_mounts::DevNum;
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
 use volring_volumes::state::actual::HealthView;
-use volring_volumes::{attach, AccessKind};
+use volring_volumes::{attach, AccessKind, Attachment, StagedVolume};
 
 /// Node service, the questions about a staged volume and its growth.
 pub(crate) struct Stats {
@@ -63,17 +64,7 @@ impl Stats {
         // beneath the kubelet root (`device_node`), which is kept. Reporting
         // it reports nothing the caller does not already reach there.
         // Anything else stays NotFound.
-        let (rec, device) = match self.base.located(id, &path) {
-            Ok(rec) => (rec, None),
-            Err(Error::NotFound(why)) => {
-                let not_here = || Error::NotFound(why.clone());
-                let rec = self.base.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
-                let dev = attach::of_record(&rec).ok_or_else(not_here)?.dev;
-                let fd = self.base.root.device_node(&path, dev)?.ok_or_else(not_here)?;
-                (rec, Some((fd, dev)))
-            }
-            Err(e) => return Err(e),
-        };
+        let (rec, device) = self.locate(id, &path)?;
         let checked = if path == rec.staging_path { rec.staged_at() } else { path.clone() };
         let att = attach::of_record(&rec);
         let mut usage = Vec::new();
@@ -91,37 +82,82 @@ impl Stats {
                     Found::Missing => Some(format!("{} does not exist", checked.display())),
                     Found::Unmounted => Some(format!("the volume is not mounted at {}", checked.display())),
                     Found::Foreign(n) => Some(format!("{} holds device {}, not the volume's {}", checked.display(), n.dev, a.dev)),
-                    Found::Ours(fd) => match self.table_disagrees(&checked, &fd) {
-                        Some(why) => Some(why),
-                        None => match &rec.access {
-                            AccessKind::Block => {
-                                let size = attach::device_bytes(&a)?;
-                                usage.push(bytes_usage(size, 0, size));
-                                None
-                            }
-                            AccessKind::Mount { .. } => match rustix::fs::fstatvfs(&fd) {
-                                Ok(s) => {
-                                    let (f, blocks) = (s.f_frsize, s.f_blocks);
-                                    usage.push(bytes_usage(blocks * f, s.f_bavail * f, (blocks - s.f_bfree.min(blocks)) * f));
-                                    usage.push(VolumeUsage {
-                                        total: s.f_files as i64,
-                                        available: s.f_ffree as i64,
-                                        used: s.f_files.saturating_sub(s.f_ffree) as i64,
-                                        unit: volume_usage::Unit::Inodes as i32,
-                                    });
-                                    shut_down(fd.as_fd(), &checked)
-                                }
-                                Err(e) => Some(format!("statfs {}: {e}", checked.display())),
-                            },
-                        },
-                    },
+                    Found::Ours(fd) => self.measure(&rec, &a, fd, &checked, &mut usage)?,
                 }
             }
         };
+        let volume_condition = Some(self.condition(id, &rec, &checked, problem, att.as_ref()));
+        Ok(NodeGetVolumeStatsResponse { usage, volume_condition })
+    }
+
+    /// The volume's record for `path`, and the device node proven there
+    /// when `path` is kubelet's own bind of a raw block volume (see
+    /// `node_stats`); NotFound when neither.
+    fn locate(&self, id: &str, path: &Path) -> Result<(StagedVolume, Option<(OwnedFd, DevNum)>)> {
+        match self.base.located(id, path) {
+            Ok(rec) => Ok((rec, None)),
+            Err(Error::NotFound(why)) => {
+                let not_here = || Error::NotFound(why.clone());
+                let rec = self.base.records.get(id).filter(|r| matches!(r.access, AccessKind::Block)).ok_or_else(not_here)?;
+                let dev = attach::of_record(&rec).ok_or_else(not_here)?.dev;
+                let fd = self.base.root.device_node(path, dev)?.ok_or_else(not_here)?;
+                Ok((rec, Some((fd, dev))))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Measures the volume through `fd` (its own mount root or device node)
+    /// into `usage`; `Some` says why the volume is not usable there.
+    fn measure(
+        &self,
+        rec: &StagedVolume,
+        a: &Attachment,
+        fd: OwnedFd,
+        checked: &Path,
+        usage: &mut Vec<VolumeUsage>,
+    ) -> Result<Option<String>> {
+        let problem = match self.table_disagrees(checked, &fd) {
+            Some(why) => Some(why),
+            None => match &rec.access {
+                AccessKind::Block => {
+                    let size = attach::device_bytes(a)?;
+                    usage.push(bytes_usage(size, 0, size));
+                    None
+                }
+                AccessKind::Mount { .. } => match rustix::fs::fstatvfs(&fd) {
+                    Ok(s) => {
+                        let (f, blocks) = (s.f_frsize, s.f_blocks);
+                        usage.push(bytes_usage(blocks * f, s.f_bavail * f, (blocks - s.f_bfree.min(blocks)) * f));
+                        usage.push(VolumeUsage {
+                            total: s.f_files as i64,
+                            available: s.f_ffree as i64,
+                            used: s.f_files.saturating_sub(s.f_ffree) as i64,
+                            unit: volume_usage::Unit::Inodes as i32,
+                        });
+                        shut_down(fd.as_fd(), checked)
+                    }
+                    Err(e) => Some(format!("statfs {}: {e}", checked.display())),
+                },
+            },
+        };
+        Ok(problem)
+    }
+
+    /// The volume's condition: `problem` found at the path, what the device
+    /// says and the reconciler's verdict on the volume as a whole.
+    fn condition(
+        &self,
+        id: &str,
+        rec: &StagedVolume,
+        checked: &Path,
+        problem: Option<String>,
+        att: Option<&Attachment>,
+    ) -> VolumeCondition {
         // The device may be there and mounted and still serve nothing: an
         // nbd connection that is dead, an ext4 that shut itself down after
         // an I/O error (the mount table still says rw then).
-        let problem = match (problem, att.and_then(|a| self.device_problem(&a))) {
+        let problem = match (problem, att.and_then(|a| self.device_problem(a))) {
             (Some(p), Some(d)) => Some(format!("{p}; {d}")),
             (p, d) => p.or(d),
         };
@@ -130,7 +166,7 @@ impl Stats {
         // a past repair).
         let verdict = self.health.get().and_then(|v| v.get(id));
         let proven = volring_volumes::state::actual::Proven {
-            staging: problem.is_none() && checked == rec.staged_at(),
+            staging: problem.is_none() && *checked == rec.staged_at(),
             device: problem.is_none(),
             settled: rec.phase == volring_volumes::StagePhase::Staged,
         };
@@ -143,8 +179,7 @@ impl Stats {
             (None, Some(r)) => format!("healthy; repaired at unix time {} ({})", r.at_unix, r.describe()),
             (None, None) => "healthy".into(),
         };
-        let volume_condition = Some(VolumeCondition { abnormal: problem.is_some(), message });
-        Ok(NodeGetVolumeStatsResponse { usage, volume_condition })
+        VolumeCondition { abnormal: problem.is_some(), message }
     }
 
     /// What is wrong below the mount: the nbd connection, or ext4's own

@@ -1,19 +1,21 @@
 //! Node service, publish and unpublish: the staged volume bound onto a pod's
 //! target, and taken off it again — only ever the volume's own mount.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
 
 use rustix::mount::MountFlags;
 
 use super::owned::{path_error, Expect, Found};
 use super::proto::*;
-use super::validate::{self, AccessType};
+use super::validate::{self, Access, AccessType};
 use std::sync::Arc;
 
 use super::base::Base;
 use super::share::Shares;
 use super::share_client::NfsClient;
 use super::{Error, Result};
+use volring_volumes::beneath::Node;
 use volring_volumes::{attach, mounting, AccessKind, StagePhase, StagedVolume};
 
 /// Node service, publish and unpublish.
@@ -45,26 +47,8 @@ impl Publisher {
         // As at the stage, by the pool's record (a volume another node
         // holds was checked against its context when it was staged).
         self.shares.created_for(id, &access, None)?;
-        let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
-        let mut rec =
-            self.base.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
-        if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
-            return Err(Error::FailedPrecondition(format!("volume {id} was staged for {} access", kind_name(&rec.access))));
-        }
-        if target == staging || target.starts_with(&staging) || staging.starts_with(&target) {
-            return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
-        }
-        let att = attach::of_record(&rec).ok_or_else(not_staged)?;
-        let expect = Expect::of(&rec, &att);
+        let (mut rec, expect, source) = self.staged_source(id, &staging, &target, &access)?;
         let read_only = req.readonly || access.read_only() || rec.read_only;
-        // The source is the volume's own staging mount, proven so on the
-        // descriptor the bind is made from.
-        let source = match self.base.root.look(&rec.staged_at(), Some(expect))? {
-            Found::Ours(fd) => fd,
-            _ => {
-                return Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display())))
-            }
-        };
         // Intent first: the target is recorded before it is made, so after a
         // crash from here on unpublish finds the record and removes the
         // target this call made (the spec asks the SP to delete what it
@@ -82,17 +66,7 @@ impl Publisher {
                 }
             }
         };
-        let made = match rec.access {
-            AccessKind::Mount { .. } => self.base.root.beneath.create_dirs(&target),
-            AccessKind::Block => self.base.root.beneath.create_file(&target),
-        }
-        .map_err(|e| path_error(e, &target))
-        .and_then(|fd| {
-            let node =
-                volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
-            Ok((fd, node))
-        });
-        let (target_fd, node) = match made {
+        let (target_fd, node) = match self.make_target(&rec.access, &target) {
             Ok(m) => m,
             Err(e) => {
                 forget(&mut rec);
@@ -126,6 +100,40 @@ impl Publisher {
         volring_volumes::fault::point("publish:bound");
         tracing::info!(volume = id, target = %target.display(), read_only, "published");
         Ok(NodePublishVolumeResponse {})
+    }
+
+    /// The volume's staged record, what its mounts must be, and its own
+    /// staging mount (proven so on the descriptor the bind is made from),
+    /// after the checks a publish to `target` needs: staged at `staging`
+    /// for the same kind of access, and no overlap between the two paths.
+    fn staged_source(&self, id: &str, staging: &Path, target: &Path, access: &Access) -> Result<(StagedVolume, Expect, OwnedFd)> {
+        let not_staged = || Error::FailedPrecondition(format!("volume {id} is not staged at {}", staging.display()));
+        let rec =
+            self.base.records.get(id).filter(|r| r.phase == StagePhase::Staged && r.staging_path == staging).ok_or_else(not_staged)?;
+        if access.is_mount() != matches!(rec.access, AccessKind::Mount { .. }) {
+            return Err(Error::FailedPrecondition(format!("volume {id} was staged for {} access", kind_name(&rec.access))));
+        }
+        if target == staging || target.starts_with(staging) || staging.starts_with(target) {
+            return Err(Error::InvalidArgument("target_path and staging_target_path overlap".into()));
+        }
+        let att = attach::of_record(&rec).ok_or_else(not_staged)?;
+        let expect = Expect::of(&rec, &att);
+        match self.base.root.look(&rec.staged_at(), Some(expect))? {
+            Found::Ours(fd) => Ok((rec, expect, fd)),
+            _ => Err(Error::FailedPrecondition(format!("volume {id} is no longer mounted at {}; stage it again", staging.display()))),
+        }
+    }
+
+    /// Creates the publish target beneath the kubelet root (a directory for
+    /// a mount, a file for a block device) and states it on its descriptor.
+    fn make_target(&self, access: &AccessKind, target: &Path) -> Result<(OwnedFd, Node)> {
+        let fd = match access {
+            AccessKind::Mount { .. } => self.base.root.beneath.create_dirs(target),
+            AccessKind::Block => self.base.root.beneath.create_file(target),
+        }
+        .map_err(|e| path_error(e, target))?;
+        let node = volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", target.display())))?;
+        Ok((fd, node))
     }
 
     /// Takes the volume's own mounts off a target it was published at, then

@@ -311,33 +311,8 @@ impl Sink for KubeSink {
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                let ev: serde_json::Value =
-                    serde_json::from_slice(&line).map_err(|e| SinkError::Unavailable(format!("watch event: {e}")))?;
-                let obj = &ev["object"];
-                let rv = obj.pointer("/metadata/resourceVersion").and_then(|r| r.as_str());
-                match ev["type"].as_str().unwrap_or_default() {
-                    "ADDED" | "MODIFIED" => {
-                        if let Some(o) = Object::from_api(kind, obj) {
-                            seen(Seen::Put(o));
-                        }
-                    }
-                    "DELETED" => {
-                        if let Some(name) = obj.pointer("/metadata/name").and_then(|n| n.as_str()) {
-                            seen(Seen::Gone(Key { kind, name: name.to_string() }));
-                        }
-                    }
-                    "BOOKMARK" => {}
-                    "ERROR" => {
-                        if obj["code"].as_u64() == Some(410) {
-                            return Ok(Watched::Expired);
-                        }
-                        let msg = obj["message"].as_str().unwrap_or("a watch ERROR event").to_string();
-                        return Err(SinkError::Unavailable(format!("watch: {msg}")));
-                    }
-                    other => return Err(SinkError::Unavailable(format!("watch: an event of type {other:?}"))),
-                }
-                if let Some(rv) = rv {
-                    *version = rv.to_string();
+                if let Some(end) = watch_event(kind, &line, version, seen)? {
+                    return Ok(end);
                 }
             }
             if buf.len() > MAX_BODY {
@@ -385,6 +360,40 @@ impl Sink for KubeSink {
             Err(classify(status, &body))
         }
     }
+}
+
+/// Acts on one line of a watch stream: an object seen or gone, and the
+/// version to resume from. `Some` ends the watch (410: the version is too
+/// old); an unreadable line or an ERROR event is an error.
+fn watch_event(kind: Kind, line: &[u8], version: &mut String, seen: &(dyn Fn(Seen) + Send + Sync)) -> Result<Option<Watched>, SinkError> {
+    let ev: serde_json::Value = serde_json::from_slice(line).map_err(|e| SinkError::Unavailable(format!("watch event: {e}")))?;
+    let obj = &ev["object"];
+    let rv = obj.pointer("/metadata/resourceVersion").and_then(|r| r.as_str());
+    match ev["type"].as_str().unwrap_or_default() {
+        "ADDED" | "MODIFIED" => {
+            if let Some(o) = Object::from_api(kind, obj) {
+                seen(Seen::Put(o));
+            }
+        }
+        "DELETED" => {
+            if let Some(name) = obj.pointer("/metadata/name").and_then(|n| n.as_str()) {
+                seen(Seen::Gone(Key { kind, name: name.to_string() }));
+            }
+        }
+        "BOOKMARK" => {}
+        "ERROR" => {
+            if obj["code"].as_u64() == Some(410) {
+                return Ok(Some(Watched::Expired));
+            }
+            let msg = obj["message"].as_str().unwrap_or("a watch ERROR event").to_string();
+            return Err(SinkError::Unavailable(format!("watch: {msg}")));
+        }
+        other => return Err(SinkError::Unavailable(format!("watch: an event of type {other:?}"))),
+    }
+    if let Some(rv) = rv {
+        *version = rv.to_string();
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

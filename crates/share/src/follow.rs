@@ -149,31 +149,9 @@ impl Follower {
                 || answered.is_none()
                 || done.values().any(|t| !t.serving)
                 || failing.values().chain(leave_failing.values()).any(|f| f.next <= Instant::now());
-            let serving = if now.iter().any(|e| e.pvc.is_some()) {
-                if ask {
-                    answered = Some(self.answers().await);
-                }
-                answered.unwrap_or(false)
-            } else {
-                answered = None;
-                false
-            };
+            let serving = self.serving(&now, ask, &mut answered).await;
             for e in &now {
-                let Some((ns, name)) = e.pvc.clone() else {
-                    if !unnamed.contains(&e.volume_id) {
-                        tracing::warn!(volume = %e.volume_id,
-                            "shared volume has no PVC recorded (external-provisioner without --extra-create-metadata): no Service for it");
-                        unnamed.push(e.volume_id.clone());
-                    }
-                    continue;
-                };
-                let v = SharedVolume {
-                    volume_id: e.volume_id.clone(),
-                    pvc_namespace: ns,
-                    pvc_name: name,
-                    server: self.server.ip(),
-                    server_port: self.server.port(),
-                };
+                let Some(v) = self.shared_volume(e, &mut unnamed) else { continue };
                 leaving.remove(&v.volume_id);
                 leave_failing.remove(&v.volume_id);
                 known.insert(v.volume_id.clone(), v.clone());
@@ -182,26 +160,7 @@ impl Follower {
                 if done.get(&v.volume_id) == Some(&target) || Failing::waiting(&failing, &v.volume_id) {
                     continue;
                 }
-                let published = |endpoint: &str| tracing::info!(volume = %v.volume_id, endpoint, "NFS endpoint published on the PVC");
-                let r = if serving { self.controller.reconcile(v, published).await } else { self.controller.reconcile_idle(v).await };
-                match r {
-                    Ok(out) => {
-                        if serving {
-                            tracing::debug!(volume = %v.volume_id, ?out, "Service and EndpointSlice reconciled");
-                        } else {
-                            tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
-                                "the NFS server does not answer yet: the Service is kept with an empty EndpointSlice");
-                        }
-                        failing.remove(&v.volume_id);
-                        done.insert(v.volume_id.clone(), target);
-                    }
-                    Err(err) => {
-                        let wait = Failing::failed(&mut failing, &v.volume_id);
-                        done.remove(&v.volume_id);
-                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "Service and EndpointSlice not reconciled");
-                    }
-                }
+                self.bring(target, &mut done, &mut failing).await;
             }
             // A volume no longer exported here: its EndpointSlice must not send
             // clients to this node any more. Once withdrawn it is
@@ -215,35 +174,13 @@ impl Follower {
             done.retain(|id, _| exported(id));
             failing.retain(|id, _| exported(id));
             unnamed.retain(|id| exported(id));
-            let due: Vec<SharedVolume> = leaving.values().filter(|v| !Failing::waiting(&leave_failing, &v.volume_id)).cloned().collect();
-            for v in due {
-                match self.controller.withdraw(&v).await {
-                    Ok(wrote) => {
-                        tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the EndpointSlice");
-                        leaving.remove(&v.volume_id);
-                        leave_failing.remove(&v.volume_id);
-                    }
-                    Err(err) => {
-                        let wait = Failing::failed(&mut leave_failing, &v.volume_id);
-                        tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
-                            "EndpointSlice not emptied after the export went away");
-                    }
-                }
-            }
-            // The nodes announced on each exported volume's PVC, admitted.
-            let named: Vec<(String, String, String)> =
-                now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
-            if !named.is_empty() && Instant::now() >= clients_at {
-                for (id, ns, name) in &named {
-                    self.admit_announced(id, ns, name).await;
-                }
-                clients_at = Instant::now() + self.controller.poll();
-            }
+            self.withdraw_due(&mut leaving, &mut leave_failing).await;
+            let named = self.admit_due(&now, &mut clients_at).await;
             // Woken by the next export change; else by the earliest retry,
             // the next look at a server that did not answer, or the next
             // read of the announced clients.
             let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
-            if !named.is_empty() {
+            if named {
                 next = Some(next.map_or(clients_at, |n| n.min(clients_at)));
             }
             if done.values().any(|t| !t.serving) {
@@ -257,12 +194,116 @@ impl Follower {
             };
         }
         // Stopping: the server goes with the agent. Bounded by the caller.
-        for v in known.values().chain(leaving.values()) {
+        self.withdraw_all(known.values().chain(leaving.values())).await;
+    }
+
+    /// Whether the server is taken to be serving: asked again when `ask`,
+    /// else as `answered` last; not at all when no export names a PVC
+    /// (no Service is kept then).
+    async fn serving(&self, now: &[Exported], ask: bool, answered: &mut Option<bool>) -> bool {
+        if now.iter().any(|e| e.pvc.is_some()) {
+            if ask {
+                *answered = Some(self.answers().await);
+            }
+            answered.unwrap_or(false)
+        } else {
+            *answered = None;
+            false
+        }
+    }
+
+    /// Admits the nodes announced on each exported volume's PVC when
+    /// `clients_at` is due, and sets the next read; true when any export
+    /// names a PVC (so the loop wakes for that next read).
+    async fn admit_due(&self, now: &[Exported], clients_at: &mut Instant) -> bool {
+        let named: Vec<(String, String, String)> =
+            now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
+        if !named.is_empty() && Instant::now() >= *clients_at {
+            for (id, ns, name) in &named {
+                self.admit_announced(id, ns, name).await;
+            }
+            *clients_at = Instant::now() + self.controller.poll();
+        }
+        !named.is_empty()
+    }
+
+    /// Takes this node's address out of every one of `volumes`'
+    /// EndpointSlices, on the way out; failures are logged only.
+    async fn withdraw_all(&self, volumes: impl Iterator<Item = &SharedVolume>) {
+        for v in volumes {
             match self.controller.withdraw(v).await {
                 Ok(wrote) => {
                     tracing::info!(volume = %v.volume_id, emptied = wrote, "stopping: this node's address is out of the EndpointSlice")
                 }
                 Err(err) => tracing::warn!(volume = %v.volume_id, error = %err, "stopping: EndpointSlice not emptied"),
+            }
+        }
+    }
+
+    /// Export `e`'s objects, or `None` (warned about once, kept in
+    /// `unnamed`) when no PVC was recorded for it: no Service can be named.
+    fn shared_volume(&self, e: &Exported, unnamed: &mut Vec<String>) -> Option<SharedVolume> {
+        let Some((ns, name)) = e.pvc.clone() else {
+            if !unnamed.contains(&e.volume_id) {
+                tracing::warn!(volume = %e.volume_id,
+                    "shared volume has no PVC recorded (external-provisioner without --extra-create-metadata): no Service for it");
+                unnamed.push(e.volume_id.clone());
+            }
+            return None;
+        };
+        Some(SharedVolume {
+            volume_id: e.volume_id.clone(),
+            pvc_namespace: ns,
+            pvc_name: name,
+            server: self.server.ip(),
+            server_port: self.server.port(),
+        })
+    }
+
+    /// Brings one volume's Service and EndpointSlice to `target`; records
+    /// it in `done` on success, in `failing` (with its next try) on failure.
+    async fn bring(&self, target: Target, done: &mut HashMap<String, Target>, failing: &mut HashMap<String, Failing>) {
+        let v = &target.v;
+        let serving = target.serving;
+        let published = |endpoint: &str| tracing::info!(volume = %v.volume_id, endpoint, "NFS endpoint published on the PVC");
+        let r = if serving { self.controller.reconcile(v, published).await } else { self.controller.reconcile_idle(v).await };
+        match r {
+            Ok(out) => {
+                if serving {
+                    tracing::debug!(volume = %v.volume_id, ?out, "Service and EndpointSlice reconciled");
+                } else {
+                    tracing::info!(volume = %v.volume_id, server = %self.server, ?out,
+                        "the NFS server does not answer yet: the Service is kept with an empty EndpointSlice");
+                }
+                failing.remove(&v.volume_id);
+                done.insert(v.volume_id.clone(), target);
+            }
+            Err(err) => {
+                let wait = Failing::failed(failing, &v.volume_id);
+                done.remove(&v.volume_id);
+                tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
+                    "Service and EndpointSlice not reconciled");
+            }
+        }
+    }
+
+    /// Takes this node's address out of the EndpointSlice of each volume
+    /// in `leaving` whose retry is due; a withdrawn volume is forgotten, a
+    /// failed one waits in `leave_failing`.
+    async fn withdraw_due(&self, leaving: &mut HashMap<String, SharedVolume>, leave_failing: &mut HashMap<String, Failing>) {
+        let due: Vec<SharedVolume> = leaving.values().filter(|v| !Failing::waiting(leave_failing, &v.volume_id)).cloned().collect();
+        for v in due {
+            match self.controller.withdraw(&v).await {
+                Ok(wrote) => {
+                    tracing::info!(volume = %v.volume_id, emptied = wrote, "NFS export gone from this node: its address is out of the EndpointSlice");
+                    leaving.remove(&v.volume_id);
+                    leave_failing.remove(&v.volume_id);
+                }
+                Err(err) => {
+                    let wait = Failing::failed(leave_failing, &v.volume_id);
+                    tracing::warn!(volume = %v.volume_id, error = %err, retry_in_ms = wait.as_millis() as u64,
+                        "EndpointSlice not emptied after the export went away");
+                }
             }
         }
     }

@@ -274,8 +274,38 @@ impl ShareController {
             }
         };
 
+        self.ensure_slice(v, &owner, serving, &mut out).await?;
+        let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
+        let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
+        if !serving {
+            return Ok(out);
+        }
+        let endpoint = match ip.parse::<IpAddr>() {
+            Ok(IpAddr::V6(a)) => format!("[{a}]:{NFS_PORT}"),
+            _ => format!("{ip}:{NFS_PORT}"),
+        };
+        let have = pvc.metadata.annotations.as_ref().and_then(|a| a.get(ENDPOINT_ANNOTATION));
+        if have != Some(&endpoint) {
+            // A merge patch of the one annotation: the PVC's other fields
+            // belong to others and are not sent back.
+            let patch = serde_json::json!({"metadata": {"annotations": {ENDPOINT_ANNOTATION: endpoint}}});
+            pvcs.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::Api { what: what("PersistentVolumeClaim"), source: e })?;
+            publish(&endpoint);
+            out.published = Some(endpoint);
+        }
+        Ok(out)
+    }
+
+    /// Brings the volume's EndpointSlice to this node's address (`serving`)
+    /// or to none, creating or replacing it as needed; says what it did in
+    /// `out`.
+    async fn ensure_slice(&self, v: &SharedVolume, owner: &OwnerReference, serving: bool, out: &mut Outcome) -> Result<(), Error> {
+        let (ns, name) = (v.pvc_namespace.as_str(), v.pvc_name.as_str());
+        let what = |kind: &str| format!("{kind} {ns}/{name}");
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
-        let want = if serving { desired_slice(v, &owner) } else { idle_slice(v, &owner) };
+        let want = if serving { desired_slice(v, owner) } else { idle_slice(v, owner) };
         let what_slice = what("EndpointSlice");
         let api_err = |e| Error::Api { what: what_slice.clone(), source: e };
         match slices.get_opt(name).await.map_err(api_err)? {
@@ -299,27 +329,7 @@ impl ShareController {
                 out.endpoints_updated = true;
             }
         }
-        let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.clone()).filter(|ip| !ip.is_empty() && ip != "None");
-        let ip = ip.ok_or_else(|| Error::NoClusterIp(what("Service")))?;
-        if !serving {
-            return Ok(out);
-        }
-        let endpoint = match ip.parse::<IpAddr>() {
-            Ok(IpAddr::V6(a)) => format!("[{a}]:{NFS_PORT}"),
-            _ => format!("{ip}:{NFS_PORT}"),
-        };
-        let have = pvc.metadata.annotations.as_ref().and_then(|a| a.get(ENDPOINT_ANNOTATION));
-        if have != Some(&endpoint) {
-            // A merge patch of the one annotation: the PVC's other fields
-            // belong to others and are not sent back.
-            let patch = serde_json::json!({"metadata": {"annotations": {ENDPOINT_ANNOTATION: endpoint}}});
-            pvcs.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(|e| Error::Api { what: what("PersistentVolumeClaim"), source: e })?;
-            publish(&endpoint);
-            out.published = Some(endpoint);
-        }
-        Ok(out)
+        Ok(())
     }
 
     /// Re-reads a just-created object every `poll` until it is visible, at

@@ -128,32 +128,8 @@ impl Requests {
         let refuse = |sh: &mut Shared, out: &mut Output, code: u32, why: &'static str| {
             out.reply_small(sh, ci, &req, ReplyBody::Error { errno: code, message: why }, at)
         };
-        let allowed = match req.kind {
-            cmd::READ => cf::DF,
-            cmd::FLUSH => 0,
-            cmd::TRIM => cf::FUA,
-            cmd::WRITE_ZEROES => cf::FUA | cf::NO_HOLE | cf::FAST_ZERO,
-            cmd::CACHE => 0,
-            cmd::BLOCK_STATUS => cf::REQ_ONE,
-            _ => return refuse(sh, out, errno::EINVAL, "unknown command"),
-        };
-        if req.flags & !allowed != 0 || (req.has(cf::DF) && !style.structured()) {
-            return refuse(sh, out, errno::EINVAL, "unsupported command flags");
-        }
-        if req.kind == cmd::READ && req.length > u64::from(MAX_BLOCK) {
-            return refuse(sh, out, errno::EOVERFLOW, "READ longer than the maximum block size");
-        }
-        if req.kind != cmd::FLUSH {
-            if req.length == 0 {
-                return refuse(sh, out, errno::EINVAL, "zero-length request");
-            }
-            if !in_bounds(size, &req) {
-                let code = if req.kind == cmd::WRITE_ZEROES { errno::ENOSPC } else { errno::EINVAL };
-                return refuse(sh, out, code, "request beyond the end of the export");
-            }
-        }
-        if read_only && matches!(req.kind, cmd::TRIM | cmd::WRITE_ZEROES) {
-            return refuse(sh, out, errno::EPERM, "export is read-only");
+        if let Some((code, why)) = refusal(&req, style, size, read_only) {
+            return refuse(sh, out, code, why);
         }
         match req.kind {
             cmd::READ => {
@@ -500,4 +476,40 @@ fn extents(e: &Export, offset: u64, len: u64, limit: usize, seeks: u32, used: &m
         out.push(Extent { length: len, flags: 0 });
     }
     Ok(out)
+}
+
+/// Why a request (other than a WRITE) on an export of `size` bytes is
+/// refused, with the NBD error it gets: an unknown command, flags the
+/// command does not take, a READ over the block size, a zero length, a range
+/// past the end, or a change to a read-only export. `None`: it is served.
+#[inline]
+fn refusal(req: &Request, style: HeaderStyle, size: u64, read_only: bool) -> Option<(u32, &'static str)> {
+    let allowed = match req.kind {
+        cmd::READ => cf::DF,
+        cmd::FLUSH => 0,
+        cmd::TRIM => cf::FUA,
+        cmd::WRITE_ZEROES => cf::FUA | cf::NO_HOLE | cf::FAST_ZERO,
+        cmd::CACHE => 0,
+        cmd::BLOCK_STATUS => cf::REQ_ONE,
+        _ => return Some((errno::EINVAL, "unknown command")),
+    };
+    if req.flags & !allowed != 0 || (req.has(cf::DF) && !style.structured()) {
+        return Some((errno::EINVAL, "unsupported command flags"));
+    }
+    if req.kind == cmd::READ && req.length > u64::from(MAX_BLOCK) {
+        return Some((errno::EOVERFLOW, "READ longer than the maximum block size"));
+    }
+    if req.kind != cmd::FLUSH {
+        if req.length == 0 {
+            return Some((errno::EINVAL, "zero-length request"));
+        }
+        if !in_bounds(size, req) {
+            let code = if req.kind == cmd::WRITE_ZEROES { errno::ENOSPC } else { errno::EINVAL };
+            return Some((code, "request beyond the end of the export"));
+        }
+    }
+    if read_only && matches!(req.kind, cmd::TRIM | cmd::WRITE_ZEROES) {
+        return Some((errno::EPERM, "export is read-only"));
+    }
+    None
 }

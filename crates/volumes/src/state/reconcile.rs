@@ -449,28 +449,7 @@ impl Core {
                 health.drift.retain(|d| !matches!(d, actual::Drift::DeviceDetached | actual::Drift::StagingMissing));
                 Outcome::Verdict(health)
             }
-            Acted::Done => {
-                self.failed.remove(id);
-                self.stats.repairs_done.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(volume = %id, ?action, drift = ?health.drift, "repaired");
-                let what = std::mem::take(&mut health.drift);
-                self.history.record(now_unix(), id, action, what.clone(), RepairResult::Repaired);
-                health.last_repair = Some(Repair { what, at_unix: now_unix() });
-                // What is there now, after the repair: proven, since the
-                // table has not seen the repair's own mount yet.
-                match self.volumes.record(id) {
-                    Some(r) => match self.volumes.prove(&r) {
-                        Proof::Seen { actual, .. } => health.drift = actual::assess(&r, &actual).0,
-                        Proof::Unsettled(why) => self.lag(id, why),
-                    },
-                    None => {
-                        self.unindex(id);
-                        self.view.remove(id);
-                        return Outcome::Verdict(VolumeHealth::default());
-                    }
-                }
-                Outcome::Verdict(health)
-            }
+            Acted::Done => self.repaired(id, action, health),
             Acted::Failed(e) => {
                 self.stats.repairs_failed.fetch_add(1, Ordering::Relaxed);
                 let attempts = self.failed.get(id).map_or(1, |(n, _)| n + 1);
@@ -482,6 +461,31 @@ impl Core {
                 Outcome::Verdict(health)
             }
         }
+    }
+
+    /// After a repair of volume `id`: counted, logged and put in its
+    /// history, and its drift is what is proven there now.
+    fn repaired(&mut self, id: &str, action: Action, mut health: VolumeHealth) -> Outcome {
+        self.failed.remove(id);
+        self.stats.repairs_done.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(volume = %id, ?action, drift = ?health.drift, "repaired");
+        let what = std::mem::take(&mut health.drift);
+        self.history.record(now_unix(), id, action, what.clone(), RepairResult::Repaired);
+        health.last_repair = Some(Repair { what, at_unix: now_unix() });
+        // What is there now, after the repair: proven, since the
+        // table has not seen the repair's own mount yet.
+        match self.volumes.record(id) {
+            Some(r) => match self.volumes.prove(&r) {
+                Proof::Seen { actual, .. } => health.drift = actual::assess(&r, &actual).0,
+                Proof::Unsettled(why) => self.lag(id, why),
+            },
+            None => {
+                self.unindex(id);
+                self.view.remove(id);
+                return Outcome::Verdict(VolumeHealth::default());
+            }
+        }
+        Outcome::Verdict(health)
     }
 
     /// While the table lags nothing new is reported, but what the kernel
