@@ -34,7 +34,7 @@ struct Node {
 impl Node {
     fn start() -> Result<Self, Failed> {
         let a = Agent::start();
-        for (id, pod) in [("pvc-busy", BUSY_POD), ("pvc-idle", IDLE_POD)] {
+        for (id, pod) in [("pvc-z-busy", BUSY_POD), ("pvc-idle", IDLE_POD)] {
             a.create(id, 64 * MIB, "ext4")?;
             let staging = a.k(&format!("plugins/kubernetes.io/csi/volring/{id}/globalmount"));
             a.stage(id, &staging, mount_cap("ext4"))?;
@@ -67,7 +67,7 @@ impl Node {
     }
 
     fn unstage(&self) -> Result<(), Failed> {
-        for (id, pod) in [("pvc-busy", BUSY_POD), ("pvc-idle", IDLE_POD)] {
+        for (id, pod) in [("pvc-z-busy", BUSY_POD), ("pvc-idle", IDLE_POD)] {
             self.a.unpublish(id, &self.target(id, pod))?;
             self.a.unstage(id, &self.staging(id))?;
         }
@@ -123,20 +123,20 @@ fn names(rows: &Value) -> Vec<String> {
 /// `stats --by volume` shows both.
 fn once_ranks_the_loaded_volume_first() -> Result<(), Failed> {
     let n = Node::start()?;
-    let load = Load::on(&n.target("pvc-busy", BUSY_POD));
+    let load = Load::on(&n.target("pvc-z-busy", BUSY_POD));
     let top = n.json(&["top", "--once", "--json", "--interval", "1"])?;
     let stats = n.json(&["stats", "--by", "volume", "--all", "--count", "1", "--interval", "0.5", "--json"])?;
     drop(load);
     check(top["view"] == "volumes" && top["source"].as_str().is_some_and(|s| s.starts_with("kernel")), format!("{top}"))?;
     let rows = &top["rows"];
-    check(names(rows) == ["pvc-busy", "pvc-idle"], format!("the loaded volume first: {rows}"))?;
+    check(names(rows) == ["pvc-z-busy", "pvc-idle"], format!("the loaded volume first: {rows}"))?;
     check(rows[0]["writes_per_second"].as_f64().is_some_and(|w| w > 0.0), format!("it writes: {}", rows[0]))?;
     check(rows[0]["write_bytes_per_second"].as_f64() > rows[1]["write_bytes_per_second"].as_f64(), format!("{rows}"))?;
     check(rows[0]["pod_uids"][0] == BUSY_POD && rows[1]["pod_uids"][0] == IDLE_POD, format!("pod UIDs from the publish paths: {rows}"))?;
     check(rows[0]["device"].as_str().is_some_and(|d| d.starts_with("loop")), format!("its loop device: {}", rows[0]))?;
     let mut seen = names(&stats["volumes"]);
     seen.sort();
-    check(seen == ["pvc-busy", "pvc-idle"], format!("stats --by volume: {stats}"))?;
+    check(seen == ["pvc-idle", "pvc-z-busy"], format!("stats --by volume: {stats}"))?;
 
     // Filter and sort by name.
     let only = n.json(&["top", "--once", "--json", "--interval", "0.1", "--filter", "idle", "--sort", "name"])?;
@@ -148,12 +148,14 @@ fn once_ranks_the_loaded_volume_first() -> Result<(), Failed> {
 /// as coreutils' df of their staging mounts.
 fn df_matches_coreutils() -> Result<(), Failed> {
     let n = Node::start()?;
-    let file = format!("{}/data", n.target("pvc-busy", BUSY_POD));
+    let file = format!("{}/data", n.target("pvc-z-busy", BUSY_POD));
     let out = Command::new("dd").args(["if=/dev/zero", &format!("of={file}"), "bs=1M", "count=8", "conv=fsync"]).output()?;
     check(out.status.success(), "dd")?;
     let v = n.json(&["df", "--json"])?;
     let rows = v["volumes"].as_array().cloned().unwrap_or_default();
-    check(names(&v["volumes"]) == ["pvc-busy", "pvc-idle"], format!("both volumes: {v}"))?;
+    let mut both = names(&v["volumes"]);
+    both.sort();
+    check(both == ["pvc-idle", "pvc-z-busy"], format!("both volumes: {v}"))?;
     for r in &rows {
         let staging = n.staging(r["volume"].as_str().unwrap_or_default());
         let out = Command::new("df").args(["-B1", "--output=size,used,avail,pcent"]).arg(&staging).output()?;
@@ -167,7 +169,8 @@ fn df_matches_coreutils() -> Result<(), Failed> {
         check(ours == theirs, format!("{}: volring {ours:?}, df {theirs:?}", r["volume"]))?;
         check(r["mount"] == staging.as_str() && r["access"] == "ext4", format!("{r}"))?;
     }
-    check(rows[0]["used_bytes"].as_u64() > rows[1]["used_bytes"].as_u64(), "the written one uses more")?;
+    let used = |id: &str| rows.iter().find(|r| r["volume"] == id).and_then(|r| r["used_bytes"].as_u64());
+    check(used("pvc-z-busy") > used("pvc-idle"), "the written one uses more")?;
     let text = n.volring(&["df"]).output()?;
     let text = String::from_utf8(text.stdout)?;
     check(text.starts_with("VOLUME") && text.contains("USE%") && text.lines().count() == 3, text.clone())?;
@@ -269,15 +272,15 @@ impl Drop for Screen {
 /// gives the terminal back.
 fn the_tui_in_a_pseudo_terminal() -> Result<(), Failed> {
     let n = Node::start()?;
-    let load = Load::on(&n.target("pvc-busy", BUSY_POD));
+    let load = Load::on(&n.target("pvc-z-busy", BUSY_POD));
     let mut s = Screen::spawn(&n)?;
-    let busy_first = |t: &str| t.find("pvc-busy").zip(t.find("pvc-idle")).is_some_and(|(b, i)| b < i);
+    let busy_first = |t: &str| t.find("pvc-z-busy").zip(t.find("pvc-idle")).is_some_and(|(b, i)| b < i);
     s.wait("the volumes, busiest first", |t| t.contains("volumes by IOPS") && busy_first(t) && t.contains("uid:"))?;
     s.keys("d")?;
     s.wait("the devices", |t| t.contains("devices by IOPS") && t.contains("loop"))?;
     s.keys("v/idle\r")?;
     s.wait("the filtered volumes", |t| {
-        t.contains("filter: idle") && !t.contains("filter: idle_") && t.contains("pvc-idle") && !t.contains("pvc-busy")
+        t.contains("filter: idle") && !t.contains("filter: idle_") && t.contains("pvc-idle") && !t.contains("pvc-z-busy")
     })?;
     s.keys("s")?;
     s.wait("sorted by throughput", |t| t.contains("volumes by throughput"))?;

@@ -203,17 +203,50 @@ pub(crate) fn fetch_metrics(addr: &str) -> Option<String> {
     head.starts_with("HTTP/1.1 200").then(|| body.to_string())
 }
 
+/// The per-volume families the agent exports (without `volring_volume_`).
+const CONTRACT: [&str; 15] = [
+    "reads_completed_total",
+    "writes_completed_total",
+    "read_bytes_total",
+    "written_bytes_total",
+    "read_time_seconds_total",
+    "write_time_seconds_total",
+    "io_time_seconds_total",
+    "in_flight",
+    "capacity_bytes",
+    "used_bytes",
+    "available_bytes",
+    "inodes",
+    "inodes_used",
+    "inodes_free",
+    "info",
+];
+
+/// Whether `family` (after `volring_volume_`) is one of [`CONTRACT`]; a
+/// counter's TYPE line names it without `_total`, as OpenMetrics does.
+fn in_contract(family: &str) -> bool {
+    CONTRACT.iter().any(|c| *c == family || c.strip_suffix("_total") == Some(family))
+}
+
 /// The `volring_volume_*` series of a scrape, by volume. A scrape without
 /// them (an agent older than them, or no volume staged) has no volumes;
 /// only the first has `exported` false.
 pub(crate) fn parse_scrape(text: &str) -> Scrape {
     let mut out = Scrape::default();
     for line in text.lines() {
-        if line.starts_with("# TYPE volring_volume_") {
+        // A contract family, not any `volring_volume_*`: an agent older than
+        // the per-volume series exports `volring_volume_drift` already.
+        if line.strip_prefix("# TYPE volring_volume_").and_then(|t| t.split_whitespace().next()).is_some_and(in_contract) {
             out.exported = true;
         }
         let Some(rest) = line.strip_prefix("volring_volume_") else { continue };
         let Some((name, labels, value)) = split_sample(rest) else { continue };
+        // Only the contract's families make a row: other `volring_volume_*`
+        // series (the reconciler's `volring_volume_drift`) name volumes that
+        // may not be staged, with no device to show.
+        if !in_contract(name) {
+            continue;
+        }
         let Some(volume) = labels.get("volume").filter(|v| !v.is_empty()) else { continue };
         let (v, c) = out.volumes.entry(volume.clone()).or_insert_with(|| {
             let label = |k: &str| labels.get(k).cloned().unwrap_or_default();
@@ -325,7 +358,8 @@ volring_volume_info{volume="pvc-1",device="loop7",persistentvolumeclaim="data",n
 volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namespace="",pod="",persistentvolume="",pod_uid="",access="block",fstype=""} 1
 "#;
         let s = parse_scrape(text);
-        assert_eq!(s.volumes.len(), 3);
+        // pvc-3 has only a drift series: not a staged volume's row.
+        assert_eq!(s.volumes.keys().collect::<Vec<_>>(), ["pvc-1", "pvc-2"]);
         let (v, c) = &s.volumes["pvc-1"];
         assert_eq!(
             (v.device.as_str(), v.persistentvolumeclaim.as_str(), v.namespace.as_str(), v.pod.as_str()),
@@ -342,6 +376,9 @@ volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namesp
         let idle = parse_scrape("# HELP volring_volume_info A staged volume\n# TYPE volring_volume_info gauge\n# EOF\n");
         assert!(idle.exported && idle.volumes.is_empty());
         assert!(!parse_scrape("# TYPE volring_device_info gauge\nvolring_device_info{device=\"loop0\"} 1\n").exported);
+        assert!(
+            !parse_scrape("# TYPE volring_volume_drift gauge\nvolring_volume_drift{volume=\"v\",kind=\"staging_missing\"} 1\n").exported
+        );
         assert!(split_sample("garbage{x=\"1\"").is_none());
         assert!(split_sample("x{y=1} 2").is_none());
     }

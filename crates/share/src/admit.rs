@@ -51,11 +51,20 @@ fn under(pvc: &PersistentVolumeClaim, prefix: &str) -> BTreeMap<String, String> 
     pvc.metadata.annotations.iter().flatten().filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n.to_string(), v.clone()))).collect()
 }
 
-/// The nodes that announced themselves on `pvc`, with their addresses
-/// (ones that are no IP address are left out: the owner never writes them
-/// into its configuration).
+/// The nodes that announced themselves on `pvc`, with their addresses.
+/// Left out, so the owner never writes them into its configuration: a value
+/// that is no single IP address, and the unspecified, multicast and IPv4
+/// broadcast addresses (none is one node's, and ganesha may read the
+/// unspecified one as "any client").
 pub fn announced(pvc: &PersistentVolumeClaim) -> BTreeMap<String, String> {
-    under(pvc, CLIENT_PREFIX).into_iter().filter(|(_, a)| a.parse::<std::net::IpAddr>().is_ok()).collect()
+    under(pvc, CLIENT_PREFIX).into_iter().filter(|(_, a)| a.parse::<std::net::IpAddr>().is_ok_and(one_node)).collect()
+}
+
+/// Whether `ip` can name one node. Loopback stays: a node may consume its
+/// own share through it (the host tests do), and it admits only the owner.
+fn one_node(ip: std::net::IpAddr) -> bool {
+    let broadcast = matches!(ip, std::net::IpAddr::V4(v4) if v4.is_broadcast());
+    !(ip.is_unspecified() || ip.is_multicast() || broadcast)
 }
 
 fn api(client: &kube::Client, ns: &str) -> Api<PersistentVolumeClaim> {
@@ -156,6 +165,10 @@ mod tests {
                 ("nfs-client.volring.io/a".to_string(), "10.0.0.1".to_string()),
                 ("nfs-client.volring.io/b".to_string(), "10.0.0.0/8".to_string()),
                 ("nfs-client.volring.io/c".to_string(), "*".to_string()),
+                ("nfs-client.volring.io/d".to_string(), "0.0.0.0".to_string()),
+                ("nfs-client.volring.io/e".to_string(), "::".to_string()),
+                ("nfs-client.volring.io/f".to_string(), "224.0.0.1".to_string()),
+                ("nfs-client.volring.io/g".to_string(), "255.255.255.255".to_string()),
                 ("nfs-admitted.volring.io/a".to_string(), "10.0.0.1".to_string()),
                 ("other".to_string(), "x".to_string()),
             ]
