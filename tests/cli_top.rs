@@ -11,11 +11,11 @@ mod csi_support;
 
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::check;
+use common::load::Load;
 use csi_support::{mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use serde_json::Value;
@@ -72,46 +72,6 @@ impl Node {
             self.a.unstage(id, &self.staging(id))?;
         }
         Ok(())
-    }
-}
-
-/// dd writing to `dir` with direct I/O, over and over, until dropped (at
-/// most 10,000 rounds).
-struct Load {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn on(dir: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (flag, file) = (stop.clone(), format!("of={dir}/load"));
-        let thread = std::thread::spawn(move || {
-            for _ in 0..10_000 {
-                if flag.load(Ordering::Relaxed) {
-                    break;
-                }
-                let ok = Command::new("dd")
-                    .args(["if=/dev/zero", &file, "bs=4k", "count=2048", "oflag=direct", "conv=notrunc"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !ok {
-                    break;
-                }
-            }
-        });
-        Self { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -14,12 +14,11 @@ mod common;
 mod csi_support;
 mod kube_support;
 
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::check;
+use common::load::Load;
 use csi_support::{block_cap, mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use serde_json::{json, Value};
@@ -32,46 +31,6 @@ const PATIENCE: Duration = Duration::from_secs(60);
 /// Longer than the stats interval of csi_support's agent (5 s), so two
 /// scrapes this far apart straddle at least one of its device samples.
 const TOP_INTERVAL: &str = "6";
-
-/// dd writing to `dir` with direct I/O, over and over, until dropped (at
-/// most 10,000 rounds).
-struct Load {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn on(dir: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (flag, file) = (stop.clone(), format!("of={dir}/load"));
-        let thread = std::thread::spawn(move || {
-            for _ in 0..10_000 {
-                if flag.load(Ordering::Relaxed) {
-                    break;
-                }
-                let ok = Command::new("dd")
-                    .args(["if=/dev/zero", &file, "bs=4k", "count=2048", "oflag=direct", "conv=notrunc"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !ok {
-                    break;
-                }
-            }
-        });
-        Self { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
 
 /// The agent with `/metrics` on a free port, talking to the API stand-in
 /// that knows both volumes' PVs and pods; A (ext4) and B (block) staged and
