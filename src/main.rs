@@ -107,15 +107,8 @@ enum Command {
     /// only; works with or without a running agent. When the store cannot
     /// be read it says so and shows the staged volumes the kernel shows.
     Status {
-        /// The agent's state directory.
-        #[arg(long, default_value = "/var/lib/volring")]
-        state_dir: std::path::PathBuf,
-        /// The image pool, if not <state-dir>/pool.
-        #[arg(long)]
-        pool_dir: Option<std::path::PathBuf>,
-        /// kubelet's root directory (where staged volumes are mounted).
-        #[arg(long, default_value = "/var/lib/kubelet")]
-        kubelet_root: std::path::PathBuf,
+        #[command(flatten)]
+        dirs: cli::status::NodeDirs,
         /// One JSON document instead of tables.
         #[arg(long)]
         json: bool,
@@ -127,15 +120,8 @@ enum Command {
     /// Dry run unless --apply (which needs the agent stopped; a starting
     /// agent does the same by itself).
     Recover {
-        /// The agent's state directory.
-        #[arg(long, default_value = "/var/lib/volring")]
-        state_dir: std::path::PathBuf,
-        /// The image pool, if not <state-dir>/pool.
-        #[arg(long)]
-        pool_dir: Option<std::path::PathBuf>,
-        /// kubelet's root directory.
-        #[arg(long, default_value = "/var/lib/kubelet")]
-        kubelet_root: std::path::PathBuf,
+        #[command(flatten)]
+        dirs: cli::status::NodeDirs,
         /// Write the rebuilt records (a damaged store is set aside first).
         #[arg(long)]
         apply: bool,
@@ -478,14 +464,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             use std::io::IsTerminal;
             runtime()?.block_on(stream(watch_args.config(), json || !std::io::stdout().is_terminal()))
         }
-        Command::Status { state_dir, pool_dir, kubelet_root, json } => {
+        Command::Status { dirs, json } => {
             // A mistyped --state-dir is not an empty node.
-            anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
-            print_status(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, &kubelet_root, json)
+            anyhow::ensure!(dirs.state_dir.is_dir(), "state directory {} does not exist", dirs.state_dir.display());
+            print_status(&dirs, json)
         }
-        Command::Recover { state_dir, pool_dir, kubelet_root, apply, json } => {
-            cli::status::recover(&pool_dir.unwrap_or_else(|| state_dir.join("pool")), &state_dir, &kubelet_root, apply, json)
-        }
+        Command::Recover { dirs, apply, json } => cli::status::recover(&dirs, apply, json),
         Command::Crds => {
             print!("{}", volring_kube::objects::crds_yaml());
             Ok(())

@@ -1,7 +1,12 @@
 //! `volring status`: what the node's state directory holds.
 
-use volring_volumes::state::actual::VolumeHealth;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+use volring_volumes::state::actual::{Drift, VolumeHealth};
 use volring_volumes::state::history::RepairResult;
+use volring_volumes::status::{StagedStatus, StatusReport};
 use volring_volumes::store::utc_text;
 
 /// How many of the kept repairs the text shows (`--json` has all).
@@ -27,8 +32,7 @@ fn health_lines(h: &VolumeHealth) -> Vec<String> {
     let mut lines = Vec::new();
     for d in &h.drift {
         let path = match d {
-            volring_volumes::state::actual::Drift::TargetMissing { path }
-            | volring_volumes::state::actual::Drift::TargetForeign { path } => {
+            Drift::TargetMissing { path } | Drift::TargetForeign { path } => {
                 format!(" ({})", path.display())
             }
             _ => String::new(),
@@ -45,34 +49,63 @@ fn health_lines(h: &VolumeHealth) -> Vec<String> {
     lines
 }
 
-/// The state directory's report, read beside a running agent or without.
-pub(crate) fn read_report(
-    pool: &std::path::Path,
-    state_dir: &std::path::Path,
-    kubelet_root: &std::path::Path,
-) -> anyhow::Result<volring_volumes::status::StatusReport> {
-    // Holding the agent's lock while reading means no agent runs, so a store
-    // a crash left unrepaired may be repaired; beside a running agent the
-    // store is only read.
-    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
-    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
-    Ok(volring_volumes::status::report(pool, state_dir, Some(kubelet_root), no_agent)?)
+/// The directories `status` and `recover` read: one set of flags, so the
+/// two commands cannot drift apart in name, default or meaning.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct NodeDirs {
+    /// The agent's state directory.
+    #[arg(long, default_value = "/var/lib/volring")]
+    pub(crate) state_dir: PathBuf,
+    /// The image pool, if not <state-dir>/pool.
+    #[arg(long)]
+    pub(crate) pool_dir: Option<PathBuf>,
+    /// kubelet's root directory (where staged volumes are mounted).
+    #[arg(long, default_value = "/var/lib/kubelet")]
+    pub(crate) kubelet_root: PathBuf,
 }
 
-pub(crate) fn print_status(
-    pool: &std::path::Path,
-    state_dir: &std::path::Path,
-    kubelet_root: &std::path::Path,
-    json: bool,
-) -> anyhow::Result<()> {
-    use std::io::Write;
-    let r = read_report(pool, state_dir, kubelet_root)?;
+impl NodeDirs {
+    fn pool(&self) -> PathBuf {
+        self.pool_dir.clone().unwrap_or_else(|| self.state_dir.join("pool"))
+    }
+
+    /// Whether no agent holds the state directory now. The lock file stays
+    /// open (and, when taken, locked) while the returned handle lives, so a
+    /// store a crash left unrepaired may be repaired by this process alone;
+    /// beside a running agent the store is only read.
+    fn take_if_free(&self) -> (Option<File>, bool) {
+        let lock = File::open(self.state_dir.join("agent.lock")).ok();
+        let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+        (lock, no_agent)
+    }
+}
+
+/// The state directory's report, read beside a running agent or without.
+pub(crate) fn read_report(dirs: &NodeDirs) -> anyhow::Result<StatusReport> {
+    let (_lock, no_agent) = dirs.take_if_free();
+    Ok(volring_volumes::status::report(&dirs.pool(), &dirs.state_dir, Some(&dirs.kubelet_root), no_agent)?)
+}
+
+/// `volring status`: the report as tables, or as one JSON document.
+pub(crate) fn print_status(dirs: &NodeDirs, json: bool) -> anyhow::Result<()> {
+    let r = read_report(dirs)?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &r)?;
         writeln!(out)?;
         return Ok(());
     }
+    write_store_notes(&mut out, &r)?;
+    write_volumes(&mut out, &r)?;
+    write_staged(&mut out, &r)?;
+    write_quarantined(&mut out, &r)?;
+    write_repairs(&mut out, &r)?;
+    write_problems(&mut out, &r)?;
+    Ok(())
+}
+
+/// A store that cannot be read, and each rebuild of it from the kernel.
+fn write_store_notes(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
     if let Some(e) = &r.store_error {
         writeln!(
             out,
@@ -93,22 +126,24 @@ pub(crate) fn print_status(
             writeln!(out, "  not rebuilt: {what}")?;
         }
     }
+    Ok(())
+}
+
+fn write_volumes(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
     writeln!(out, "VOLUMES ({}) in {}", r.volumes.len(), r.pool_dir.display())?;
     writeln!(out, "{:<40} {:>14} {:>14} {:<5}", "ID", "SIZE", "ALLOCATED", "FS")?;
     for v in &r.volumes {
         let alloc = v.allocated_bytes.map_or("missing".to_string(), |b| b.to_string());
         writeln!(out, "{:<40} {:>14} {:>14} {:<5}", v.id, v.size_bytes, alloc, v.fs_type.as_deref().unwrap_or("-"))?;
     }
+    Ok(())
+}
+
+fn write_staged(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
     writeln!(out, "\nSTAGED ({}) in {}", r.staged.len(), r.store.display())?;
     writeln!(out, "{:<40} {:<11} {:<6} {:<14} {:<3} {:<16} STAGING PATH / TARGETS", "ID", "PHASE", "ACCESS", "DEVICE", "RO", "HEALTH")?;
     for s in &r.staged {
-        let mut health = s.health.as_ref().and_then(|h| serde_json::from_value::<VolumeHealth>(h.clone()).ok());
-        // A verdict that saw a stage mid-way is older than a record that
-        // says the stage finished (the reconciler writes a new one when it
-        // hears of the mount).
-        if let Some(h) = health.as_mut().filter(|_| s.phase == volring_volumes::StagePhase::Staged) {
-            h.drift.retain(|d| !matches!(d, volring_volumes::state::actual::Drift::Interrupted { .. }));
-        }
+        let health = staged_health(s);
         let dev = match (&s.device, s.attached) {
             (Some(d), true) => d.display().to_string(),
             (Some(d), false) => format!("{} (gone)", d.display()),
@@ -131,32 +166,55 @@ pub(crate) fn print_status(
         for (t, ro) in &s.targets {
             writeln!(out, "{:>97} {}{}", "->", t.display(), if *ro { " (ro)" } else { "" })?;
         }
-        if let Some(h) = &health {
-            for line in health_lines(h) {
-                writeln!(out, "    {line}")?;
-            }
+        for line in health.as_ref().map(health_lines).unwrap_or_default() {
+            writeln!(out, "    {line}")?;
         }
     }
+    Ok(())
+}
+
+/// A staged volume's last verdict, without an `Interrupted` drift the
+/// record has since outlived: a verdict that saw a stage mid-way is older
+/// than a record that says the stage finished (the reconciler writes a new
+/// one when it hears of the mount).
+fn staged_health(s: &StagedStatus) -> Option<VolumeHealth> {
+    let mut health = s.health.as_ref().and_then(|h| serde_json::from_value::<VolumeHealth>(h.clone()).ok());
+    if let Some(h) = health.as_mut().filter(|_| s.phase == volring_volumes::StagePhase::Staged) {
+        h.drift.retain(|d| !matches!(d, Drift::Interrupted { .. }));
+    }
+    health
+}
+
+fn write_quarantined(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
     if !r.quarantined.is_empty() {
         writeln!(out, "\nQUARANTINED ({})", r.quarantined.len())?;
         for q in &r.quarantined {
             writeln!(out, "{}  moved to {}: {}", q.volume_id().unwrap_or(&q.name), q.path.display(), q.reason)?;
         }
     }
-    if !r.repairs.is_empty() {
-        let shown = r.repairs.len().min(REPAIRS_SHOWN);
-        writeln!(out, "\nREPAIRS (last {shown} of {} kept)", r.repairs.len())?;
-        writeln!(out, "{:<20} {:<40} {:<14} {:<32} RESULT", "TIME", "VOLUME", "ACTION", "DRIFT")?;
-        for e in &r.repairs[r.repairs.len() - shown..] {
-            let result = match &e.result {
-                RepairResult::Repaired => "repaired".to_string(),
-                RepairResult::Failed { error } if e.attempts > 1 => format!("failed ({} times): {error}", e.attempts),
-                RepairResult::Failed { error } => format!("failed: {error}"),
-            };
-            let action = serde_json::to_value(e.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-            writeln!(out, "{:<20} {:<40} {:<14} {:<32} {result}", utc_text(e.at_unix), e.volume, action, e.kinds())?;
-        }
+    Ok(())
+}
+
+fn write_repairs(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
+    if r.repairs.is_empty() {
+        return Ok(());
     }
+    let shown = r.repairs.len().min(REPAIRS_SHOWN);
+    writeln!(out, "\nREPAIRS (last {shown} of {} kept)", r.repairs.len())?;
+    writeln!(out, "{:<20} {:<40} {:<14} {:<32} RESULT", "TIME", "VOLUME", "ACTION", "DRIFT")?;
+    for e in &r.repairs[r.repairs.len() - shown..] {
+        let result = match &e.result {
+            RepairResult::Repaired => "repaired".to_string(),
+            RepairResult::Failed { error } if e.attempts > 1 => format!("failed ({} times): {error}", e.attempts),
+            RepairResult::Failed { error } => format!("failed: {error}"),
+        };
+        let action = serde_json::to_value(e.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        writeln!(out, "{:<20} {:<40} {:<14} {:<32} {result}", utc_text(e.at_unix), e.volume, action, e.kinds())?;
+    }
+    Ok(())
+}
+
+fn write_problems(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
     if !r.problems.is_empty() {
         writeln!(out, "\nPROBLEMS ({})", r.problems.len())?;
         for p in &r.problems {
@@ -166,46 +224,69 @@ pub(crate) fn print_status(
     Ok(())
 }
 
+/// What `recover` found, and the ids it wrote (`None` on a dry run).
+struct Recovered {
+    store: PathBuf,
+    store_missing: bool,
+    store_error: Option<String>,
+    known: usize,
+    found: volring_volumes::recover::Found,
+    written: Option<Vec<String>>,
+}
+
 /// `volring recover`: what the kernel shows of staged volumes the store
 /// has no record of (all of them when it cannot be read), as records; with
 /// `apply`, written (a damaged store set aside first). Needs the agent
 /// stopped to write.
-pub(crate) fn recover(
-    pool: &std::path::Path,
-    state_dir: &std::path::Path,
-    kubelet_root: &std::path::Path,
-    apply: bool,
-    json: bool,
-) -> anyhow::Result<()> {
-    use std::io::Write;
-    use volring_volumes::store::{self, Store};
-    let lock = std::fs::File::open(state_dir.join("agent.lock")).ok();
-    let no_agent = lock.as_ref().is_none_or(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok());
+pub(crate) fn recover(dirs: &NodeDirs, apply: bool, json: bool) -> anyhow::Result<()> {
+    let (lock, no_agent) = dirs.take_if_free();
     if apply && !no_agent {
-        anyhow::bail!("an agent holds {}: stop it first (a starting agent rebuilds a lost store by itself)", state_dir.display());
+        anyhow::bail!("an agent holds {}: stop it first (a starting agent rebuilds a lost store by itself)", dirs.state_dir.display());
     }
-    let path = state_dir.join(store::FILE);
+    let rec = find_and_adopt(dirs, apply, no_agent)?;
+    drop(lock);
+    let mut out = std::io::stdout().lock();
+    if json {
+        let v = serde_json::json!({
+            "store": rec.store, "store_missing": rec.store_missing, "store_error": rec.store_error,
+            "adopted": rec.found.adopted, "refused": rec.found.refused, "written": rec.written,
+        });
+        serde_json::to_writer_pretty(&mut out, &v)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    write_recovered(&mut out, &rec)?;
+    Ok(())
+}
+
+/// Reads the store (a repair only when `no_agent`), asks the kernel for
+/// staged volumes without a record, and with `apply` writes them as
+/// records of one recovery.
+fn find_and_adopt(dirs: &NodeDirs, apply: bool, no_agent: bool) -> anyhow::Result<Recovered> {
+    use volring_volumes::staged::StoreLoss;
+    use volring_volumes::store::{self, Store};
+    let pool = dirs.pool();
+    let path = dirs.state_dir.join(store::FILE);
     let (store_error, known): (Option<String>, Vec<String>) = match Store::read_only(&path, no_agent) {
         Ok(c) => (None, c.volumes.into_iter().map(|(id, _)| id).collect()),
         Err(e) => (Some(e.to_string()), Vec::new()),
     };
-    let missing = !path.exists();
-    let mut out = std::io::stdout().lock();
+    let store_missing = !path.exists();
     let (found, written) = if apply {
-        let records = volring_volumes::StagedRecords::open(state_dir)?;
-        let found = volring_volumes::recover::from_kernel(pool, kubelet_root, &|id| records.contains(id));
+        let records = volring_volumes::StagedRecords::open(&dirs.state_dir)?;
+        let found = volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| records.contains(id));
         let recovery = store::Recovery {
             at: store::timestamp(),
             cause: records.loss().map_or("operator: volring recover --apply".into(), |l| l.cause()),
             set_aside: match records.loss() {
-                Some(volring_volumes::staged::StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
+                Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
                 _ => None,
             },
             adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
             refused: found.refused.clone(),
         };
         // Nothing found and nothing damaged: nothing to write or say.
-        let damaged = matches!(records.loss(), Some(volring_volumes::staged::StoreLoss::Damaged { .. }));
+        let damaged = matches!(records.loss(), Some(StoreLoss::Damaged { .. }));
         let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged {
             Vec::new()
         } else {
@@ -213,29 +294,23 @@ pub(crate) fn recover(
         };
         (found, Some(ids))
     } else {
-        (volring_volumes::recover::from_kernel(pool, kubelet_root, &|id| known.iter().any(|k| k == id)), None)
+        (volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| known.iter().any(|k| k == id)), None)
     };
-    drop(lock);
-    if json {
-        let v = serde_json::json!({
-            "store": path, "store_missing": missing, "store_error": store_error,
-            "adopted": found.adopted, "refused": found.refused, "written": written,
-        });
-        serde_json::to_writer_pretty(&mut out, &v)?;
-        writeln!(out)?;
-        return Ok(());
-    }
-    match (&store_error, missing) {
+    Ok(Recovered { store: path, store_missing, store_error, known: known.len(), found, written })
+}
+
+fn write_recovered(out: &mut impl Write, rec: &Recovered) -> io::Result<()> {
+    match (&rec.store_error, rec.store_missing) {
         (Some(e), _) => writeln!(out, "the store cannot be read: {e}")?,
-        (None, true) => writeln!(out, "there is no store at {}", path.display())?,
-        (None, false) => writeln!(out, "the store holds {} staged records; only volumes without one are looked at", known.len())?,
+        (None, true) => writeln!(out, "there is no store at {}", rec.store.display())?,
+        (None, false) => writeln!(out, "the store holds {} staged records; only volumes without one are looked at", rec.known)?,
     }
-    for r in &found.adopted {
+    for r in &rec.found.adopted {
         let targets: Vec<String> = r.published.keys().map(|t| t.display().to_string()).collect();
         writeln!(
             out,
             "{} {}: {} {} at {}{}",
-            if written.is_some() { "rebuilt" } else { "would rebuild" },
+            if rec.written.is_some() { "rebuilt" } else { "would rebuild" },
             r.volume_id,
             r.device_name().unwrap_or_default(),
             match &r.access {
@@ -246,10 +321,10 @@ pub(crate) fn recover(
             if targets.is_empty() { String::new() } else { format!(", published at {}", targets.join(", ")) }
         )?;
     }
-    for r in &found.refused {
+    for r in &rec.found.refused {
         writeln!(out, "not provable, left alone: {r}")?;
     }
-    if written.is_none() && !found.adopted.is_empty() {
+    if rec.written.is_none() && !rec.found.adopted.is_empty() {
         writeln!(out, "dry run: nothing written (--apply writes, with the agent stopped)")?;
     }
     Ok(())

@@ -137,7 +137,8 @@ impl Rates {
 /// status` reads them.
 pub(crate) fn staged(state_dir: &Path, kubelet_root: &Path) -> anyhow::Result<Vec<Volume>> {
     anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
-    let r = super::status::read_report(&state_dir.join("pool"), state_dir, kubelet_root)?;
+    let dirs = super::status::NodeDirs { state_dir: state_dir.to_path_buf(), pool_dir: None, kubelet_root: kubelet_root.to_path_buf() };
+    let r = super::status::read_report(&dirs)?;
     Ok(r.staged
         .into_iter()
         .map(|s| Volume {
