@@ -166,7 +166,15 @@ fn top_ranks_the_loaded_volume_first() -> Result<(), Failed> {
     let load = Load::on(&site.paths("vol-a").1);
     let top = site.json(&["top", "--once", "--json", "--source", "agent", "--interval", TOP_INTERVAL])?;
     let auto = site.json(&["top", "--once", "--json", "--source", "auto", "--interval", "0.01"])?;
+    // Two scrapes 10 ms apart mostly fall between two of the agent's
+    // 1 s collections: the rates are per the agent's sample times, and
+    // --once waits for its next sample rather than print zeros.
+    let short = site.json(&["top", "--once", "--json", "--source", "agent", "--interval", "0.01"])?;
     drop(load);
+    check(
+        row(&short["rows"], "vol-a").is_some_and(|r| r["writes_per_second"].as_f64().is_some_and(|w| w > 0.0)),
+        format!("a short --interval still sees the load: {short}"),
+    )?;
     check(top["source"].as_str().is_some_and(|s| s.starts_with("agent")), format!("{top}"))?;
     let rows = &top["rows"];
     let order: Vec<&str> = rows.as_array().into_iter().flatten().filter_map(|r| r["volume"].as_str()).collect();

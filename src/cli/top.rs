@@ -102,7 +102,37 @@ pub(crate) struct Sampler {
     args: SourceArgs,
     /// The agent's address when it is the source; `None`: the kernel.
     agent: Option<String>,
-    last: BTreeMap<(View, String), (Instant, Counters)>,
+    last: BTreeMap<(View, String), Last>,
+    /// The kernel source's clock: sample times are seconds since this.
+    epoch: Instant,
+    /// When the agent's collector took the counters of the last scrape.
+    agent_sampled_at: Option<f64>,
+}
+
+/// How long `--once` waits for the agent's next collection when its
+/// interval has passed without one (the agent's `--stats-interval` is
+/// 1 s by default).
+const AGENT_SAMPLE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// A row's previous sample: when it was taken (seconds on the source's
+/// clock), its counters, and the rates shown for it.
+#[derive(Debug, Clone, Copy)]
+struct Last {
+    at: f64,
+    counters: Counters,
+    rates: Rates,
+}
+
+/// A row's rates from its previous sample and this one. A sample taken at
+/// the same time as the previous one (the agent has not collected again
+/// since the last refresh) is no new information: the rates shown stay,
+/// rather than drop to zero and then double at the next refresh.
+fn advance(last: Option<&Last>, at: f64, counters: Counters) -> Last {
+    match last {
+        Some(l) if at <= l.at => *l,
+        Some(l) => Last { at, counters, rates: Rates::between(&l.counters, &counters, at - l.at) },
+        None => Last { at, counters, rates: Rates::default() },
+    }
 }
 
 impl Sampler {
@@ -125,7 +155,7 @@ impl Sampler {
         if agent.is_none() {
             anyhow::ensure!(args.state_dir.is_dir(), "state directory {} does not exist", args.state_dir.display());
         }
-        Ok(Self { args: args.clone(), agent, last: BTreeMap::new() })
+        Ok(Self { args: args.clone(), agent, last: BTreeMap::new(), epoch: Instant::now(), agent_sampled_at: None })
     }
 
     pub(crate) fn source(&self) -> String {
@@ -137,12 +167,19 @@ impl Sampler {
 
     /// The rows now, with rates since the last call (zero on the first).
     pub(crate) fn sample(&mut self, view: View) -> anyhow::Result<Vec<Row>> {
-        let now = Instant::now();
+        // The agent's counters carry the time its collector read them; the
+        // kernel's are read now.
+        let mut now = self.epoch.elapsed().as_secs_f64();
         let mut rows = Vec::new();
         let mut raw: Vec<(volumes::Volume, Option<Counters>)> = match (&self.agent, view) {
             (Some(addr), View::Volumes) => {
                 let text = volumes::fetch_metrics(addr).ok_or_else(|| anyhow::anyhow!("the agent at {addr} stopped answering"))?;
-                volumes::parse_scrape(&text).volumes.into_values().map(|(v, c)| (v, Some(c))).collect()
+                let scrape = volumes::parse_scrape(&text);
+                if let Some(at) = scrape.sampled_at {
+                    now = at;
+                }
+                self.agent_sampled_at = scrape.sampled_at;
+                scrape.volumes.into_values().map(|(v, c)| (v, Some(c))).collect()
             }
             (None, View::Volumes) => volumes::staged(&self.args.state_dir, &self.args.kubelet_root)?
                 .into_iter()
@@ -170,13 +207,14 @@ impl Sampler {
         let mut seen = Vec::with_capacity(raw.len());
         for (v, c) in raw.drain(..) {
             let key = (view, if view == View::Volumes { v.volume.clone() } else { v.device.clone() });
-            let rates = match (c, self.last.get(&key)) {
-                (Some(c), Some((at, before))) => Rates::between(before, &c, now.duration_since(*at).as_secs_f64()),
-                _ => Rates::default(),
+            let rates = match c {
+                Some(c) => {
+                    let next = advance(self.last.get(&key), now, c);
+                    self.last.insert(key.clone(), next);
+                    next.rates
+                }
+                None => Rates::default(),
             };
-            if let Some(c) = c {
-                self.last.insert(key.clone(), (now, c));
-            }
             seen.push(key);
             rows.push(Row {
                 volume: v.volume,
@@ -264,8 +302,16 @@ fn once(args: &TopArgs) -> anyhow::Result<()> {
     let view = if args.devices { View::Devices } else { View::Volumes };
     let mut sampler = Sampler::new(&args.source)?;
     sampler.sample(view)?;
+    let first = sampler.agent_sampled_at;
     std::thread::sleep(Duration::from_secs_f64(args.interval.clamp(0.01, 3600.0)));
     let mut rows = sampler.sample(view)?;
+    // Two scrapes of one agent sample are no interval: wait (bounded) for
+    // the agent's next collection, so a short --interval is not all zeros.
+    let deadline = Instant::now() + AGENT_SAMPLE_PATIENCE;
+    while first.is_some() && sampler.agent_sampled_at == first && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        rows = sampler.sample(view)?;
+    }
     if let Some(f) = &args.filter {
         rows.retain(|r| r.matches(f));
     }
@@ -345,5 +391,29 @@ mod tests {
         assert_eq!(rows[0].volume, "c");
         let t = text_table(&rows);
         assert!(t.starts_with("VOLUME") && t.lines().count() == 4, "{t}");
+    }
+
+    fn reads(n: f64) -> Counters {
+        Counters { reads: n, ..Counters::default() }
+    }
+
+    /// The agent collects once a second; `top` refreshes when it likes.
+    /// Rates are per the agent's clock, and a refresh between two agent
+    /// samples keeps what was shown instead of flashing zero.
+    #[test]
+    fn rates_follow_the_sources_clock_and_a_repeated_sample_keeps_them() {
+        let first = advance(None, 100.0, reads(1_000.0));
+        assert_eq!(first.rates, Rates::default());
+        // 500 reads between agent samples 1 s apart: 500/s, however long
+        // `top` itself waited between the two scrapes.
+        let second = advance(Some(&first), 101.0, reads(1_500.0));
+        assert_eq!(second.rates.reads_per_second, 500.0);
+        // A scrape before the agent sampled again: same time, same counters.
+        let repeat = advance(Some(&second), 101.0, reads(1_500.0));
+        assert_eq!(repeat.rates.reads_per_second, 500.0);
+        assert_eq!(repeat.at, 101.0);
+        // The next agent sample 2 s on (a refresh skipped one): per second.
+        let third = advance(Some(&repeat), 103.0, reads(2_500.0));
+        assert_eq!(third.rates.reads_per_second, 500.0);
     }
 }

@@ -189,6 +189,9 @@ pub(crate) struct Scrape {
     pub(crate) volumes: BTreeMap<String, (Volume, Counters)>,
     /// Per volume: capacity, used, available bytes; inodes, used, free.
     pub(crate) space: BTreeMap<String, [f64; 6]>,
+    /// When the agent's collector read the counters (Unix seconds), if the
+    /// agent says: the clock to compute rates against.
+    pub(crate) sampled_at: Option<f64>,
 }
 
 /// Reads `http://addr/metrics`; `None` when nothing answers there.
@@ -235,6 +238,10 @@ fn in_contract(family: &str) -> bool {
 pub(crate) fn parse_scrape(text: &str) -> Scrape {
     let mut out = Scrape::default();
     for line in text.lines() {
+        if let Some(v) = line.strip_prefix("volring_stat_sample_timestamp_seconds ") {
+            out.sampled_at = v.trim().parse::<f64>().ok().filter(|t| t.is_finite() && *t > 0.0);
+            continue;
+        }
         // A contract family, not any `volring_volume_*`: an agent older than
         // the per-volume series exports `volring_volume_drift` already.
         if line.strip_prefix("# TYPE volring_volume_").and_then(|t| t.split_whitespace().next()).is_some_and(in_contract) {
@@ -376,6 +383,11 @@ volring_volume_info{volume="pvc-2",device="nbd0",persistentvolumeclaim="",namesp
         // An agent with no volume staged still exports the families.
         let idle = parse_scrape("# HELP volring_volume_info A staged volume\n# TYPE volring_volume_info gauge\n# EOF\n");
         assert!(idle.exported && idle.volumes.is_empty());
+        // When the agent took its sample: the clock rates are taken against.
+        assert_eq!(s.sampled_at, None);
+        let timed = parse_scrape("volring_stat_sample_timestamp_seconds 1.7643e9\nvolring_stat_samples_total 5\n");
+        assert_eq!(timed.sampled_at, Some(1.7643e9));
+        assert_eq!(parse_scrape("volring_stat_sample_timestamp_seconds NaN\n").sampled_at, None);
         assert!(!parse_scrape("# TYPE volring_device_info gauge\nvolring_device_info{device=\"loop0\"} 1\n").exported);
         assert!(
             !parse_scrape("# TYPE volring_volume_drift gauge\nvolring_volume_drift{volume=\"v\",kind=\"staging_missing\"} 1\n").exported

@@ -117,6 +117,10 @@ impl Collector for Sources {
         )?;
         gauge(&mut e, "volring_stat_collection_seconds", "Cost of the latest counter collection", snap.cost.as_secs_f64())?;
         counter(&mut e, "volring_stat_samples", "Counter collections so far", snap.generation)?;
+        // When the counters below were read: a reader that turns two scrapes
+        // into rates divides by this, not by its own clock (the counters
+        // move once per --stats-interval, not per scrape).
+        gauge(&mut e, "volring_stat_sample_timestamp_seconds", "When the latest counter collection was taken (Unix time)", snap.unix_time)?;
         let mut fam = e.encode_descriptor("volring_stat_method", "Collection method in use (1)", None, MetricType::Gauge)?;
         ConstGauge::new(1i64).encode(fam.encode_family(&[("method", snap.method)])?)?;
 
