@@ -165,6 +165,26 @@ fn clients_follow_stage_and_unstage() -> Result<(), Failed> {
     check(refused.contains("NOENT"), format!("after B's unstage: {refused}"))?;
     let root = String::from_utf8(libnfs("nfs-ls", &[&url(port, "/")])?)?;
     check(!root.contains(VOLUME), format!("after B's unstage the pseudo root still shows the volume: {root}"))?;
+
+    // B stages again, then unstages while the API server is down: the
+    // unstage finishes, the announcement stays on the PVC for now, and B
+    // takes it off once the API server is back (the old agent logged it
+    // and left it there for good).
+    eventually(30, || match stage_b() {
+        Err(s) if s.message().contains("mount ") => Ok(()),
+        other => Err(format!("B's second stage: {other:?}")),
+    })?;
+    check(annotations()["nfs-client.volring.io/test-node"] == "127.0.0.1", format!("B announced again: {}", annotations()))?;
+    server.api.set_outage(true);
+    let mut n = b.c.node.clone();
+    let unstaged =
+        b.run(n.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: VOLUME.into(), staging_target_path: b_staging.clone() }));
+    server.api.set_outage(false);
+    check(unstaged.is_ok(), format!("an unstage during an API outage: {unstaged:?}"))?;
+    eventually(60, || {
+        let gone = annotations().get("nfs-client.volring.io/test-node").is_none();
+        gone.then_some(()).ok_or_else(|| format!("the announcement an outage kept stays: {}", annotations()))
+    })?;
     drop(b);
     a.unstage(VOLUME, &staging)?;
     drop(api_rt);

@@ -413,17 +413,23 @@ pub async fn in_cluster<D: ShareHost>(
 /// PVCs (every node of a cluster, also one that serves no NFS itself).
 /// With an `address`, a stage first announces this node on the PVC and
 /// waits for the owner to admit it (UNAVAILABLE until then), and the
-/// unstage takes the announcement off ([`super::admit`]).
+/// unstage takes the announcement off ([`super::admit`]); one the API
+/// server did not take off (an outage) is retried until it is.
 pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
     let handle = tokio::runtime::Handle::current();
     let store = driver.shares().store();
-    let (c, h, s, n) = (client.clone(), handle.clone(), store.clone(), node.to_string());
+    // A stage's announcement and a retried renouncement of the same
+    // volume take turns, so a retry never takes off a new stage's.
+    let turns = Arc::new(tokio::sync::Mutex::new(()));
+    let (c, h, s, n, t) = (client.clone(), handle.clone(), store.clone(), node.to_string(), turns.clone());
     driver.set_endpoint_lookup(Box::new(move |id, ns, name| {
-        let (client, node, store) = (&c, &n, &s);
+        let (client, node, store, turns) = (&c, &n, &s, &t);
         let lookup = async move {
             if let Some(address) = address {
                 let pvc = (ns.to_string(), name.to_string());
+                let _turn = turns.lock().await;
                 super::records::put_announced(store, id, &pvc).map_err(|e| e.to_string())?;
+                super::records::remove_renounce_pending(store, id).map_err(|e| e.to_string())?;
                 let admitted = super::admit::announce(client, ns, name, node, &address.to_string()).await.map_err(|e| e.to_string())?;
                 if !admitted {
                     return Err(format!("the owning node has not admitted this node ({address}) to the NFS export yet"));
@@ -439,23 +445,83 @@ pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, 
     if address.is_none() {
         return;
     }
-    let node = node.to_string();
+    let renouncer = Renouncer { client, store, node: node.to_string(), turns };
+    let r = renouncer.clone();
     driver.shares().on_unmounted(move |id| {
-        let Some((ns, name)) = super::records::get_announced(&store, id) else { return };
-        let renounce = async { tokio::time::timeout(LOOKUP_WAIT, super::admit::renounce(&client, &ns, &name, &node)).await };
+        let Some(pvc) = super::records::get_announced(&r.store, id) else { return };
         // On a thread of its own: block_on must not run on a runtime's
         // thread, and the caller's is not known here.
-        let r = std::thread::scope(|t| t.spawn(|| handle.block_on(renounce)).join());
-        match r {
-            Ok(Ok(Ok(()))) => {
-                if let Err(e) = super::records::remove_announced(&store, id) {
-                    tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement");
-                }
-            }
-            Ok(Ok(Err(e))) => tracing::warn!(volume = id, error = %e, "the NFS announcement stays on the PVC"),
-            _ => tracing::warn!(volume = id, "no answer from the API server: the NFS announcement stays on the PVC"),
+        let done = std::thread::scope(|t| t.spawn(|| handle.block_on(r.renounce(id, &pvc))).join());
+        if done.is_err() {
+            tracing::warn!(volume = id, "the NFS announcement's renouncement panicked");
         }
     });
+    tokio::spawn(renouncer.retry_pending());
+}
+
+/// How often announcements left on PVCs by an unstage during an API outage
+/// are tried again (one GET, and a PATCH when still there, per volume).
+const RENOUNCE_RETRY: Duration = Duration::from_secs(5);
+
+/// Takes this node's announcements off PVCs of volumes it no longer stages.
+#[derive(Clone)]
+struct Renouncer {
+    client: kube::Client,
+    store: Arc<volring_volumes::store::Store>,
+    node: String,
+    turns: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Renouncer {
+    /// Takes the announcement for `id` off `pvc`; one the API server does
+    /// not take now is kept as pending (in the store, so a restarted agent
+    /// retries it too).
+    async fn renounce(&self, id: &str, pvc: &(String, String)) {
+        let _turn = self.turns.lock().await;
+        self.renounce_in_turn(id, pvc).await;
+    }
+
+    /// [`Self::renounce`], with the turn already taken.
+    async fn renounce_in_turn(&self, id: &str, pvc: &(String, String)) {
+        let (ns, name) = pvc;
+        let result = tokio::time::timeout(LOOKUP_WAIT, super::admit::renounce(&self.client, ns, name, &self.node)).await;
+        let error = match result {
+            Ok(Ok(())) => {
+                let gone = super::records::remove_announced(&self.store, id)
+                    .and_then(|()| super::records::remove_renounce_pending(&self.store, id));
+                if let Err(e) = gone {
+                    tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement");
+                }
+                return;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer from the API server within {LOOKUP_WAIT:?}"),
+        };
+        tracing::warn!(volume = id, error, "the NFS announcement stays on the PVC for now; retried every {RENOUNCE_RETRY:?}");
+        if let Err(e) = super::records::put_renounce_pending(&self.store, id, pvc) {
+            tracing::warn!(volume = id, error = %e, "cannot record the NFS announcement to take off");
+        }
+    }
+
+    /// Every [`RENOUNCE_RETRY`], the pending renouncements; for as long as
+    /// the runtime runs (the work is records in the store: nothing is lost
+    /// when the agent stops mid-way).
+    async fn retry_pending(self) {
+        let mut every = tokio::time::interval(RENOUNCE_RETRY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            for (id, pvc) in super::records::renounce_pending(&self.store) {
+                let _turn = self.turns.lock().await;
+                // Proven in the turn: a stage of the volume since took the
+                // record away, and its announcement is a new one that stays.
+                let still = super::records::renounce_pending(&self.store).iter().any(|(i, _)| *i == id);
+                if still {
+                    self.renounce_in_turn(&id, &pvc).await;
+                }
+            }
+        }
+    }
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS

@@ -119,6 +119,35 @@ pub(crate) fn remove_announced(store: &Store, volume_id: &str) -> Result<(), Err
     store.apply(&[Change::RemovePublished(&format!("{ANNOUNCED_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
 }
 
+const RENOUNCE_PREFIX: &str = "NfsRenounce/";
+
+/// Moves the announcement of `volume_id` (PVC `pvc`) to the ones still to
+/// be taken off: the unstage finished, but the API server did not take the
+/// PATCH (an outage). One write, so no crash leaves both or neither.
+pub(crate) fn put_renounce_pending(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
+    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
+    let pending = format!("{RENOUNCE_PREFIX}{volume_id}");
+    let announced = format!("{ANNOUNCED_PREFIX}{volume_id}");
+    store.apply(&[Change::PutPublished(&pending, &bytes), Change::RemovePublished(&announced)]).map_err(|e| Error::Store(e.to_string()))
+}
+
+/// The announcements still to be taken off, by volume (records that do not
+/// decode, or name what Kubernetes does not allow, are skipped).
+pub(crate) fn renounce_pending(store: &Store) -> Vec<(String, (String, String))> {
+    let rows = store.published_under(RENOUNCE_PREFIX).unwrap_or_default();
+    rows.into_iter()
+        .filter_map(|(key, bytes)| {
+            let id = key.strip_prefix(RENOUNCE_PREFIX)?.to_string();
+            let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
+            Some((id, super::pvc(&ns, &name)?))
+        })
+        .collect()
+}
+
+pub(crate) fn remove_renounce_pending(store: &Store, volume_id: &str) -> Result<(), Error> {
+    store.apply(&[Change::RemovePublished(&format!("{RENOUNCE_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
+}
+
 const PVC_PREFIX: &str = "NfsPvc/";
 
 /// Records the PVC (namespace, name) of shared volume `volume_id`, staged
@@ -201,6 +230,22 @@ mod tests {
         assert!(export_id(&full[1..], "c").is_ok_and(|i| i == 1), "the one free id");
         assert!(export_id(&full, "c").is_err());
         assert_ne!(preferred_export_id("pvc-1"), preferred_export_id("pvc-2"));
+    }
+
+    /// An announcement an outage kept on the PVC moves to the pending ones
+    /// in one write, and stays there until removed.
+    #[test]
+    fn a_failed_renounce_is_kept_until_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("state.redb")).unwrap();
+        let pvc = ("apps".to_string(), "acl".to_string());
+        put_announced(&store, "pvc-1", &pvc).unwrap();
+        assert!(renounce_pending(&store).is_empty());
+        put_renounce_pending(&store, "pvc-1", &pvc).unwrap();
+        assert_eq!(get_announced(&store, "pvc-1"), None);
+        assert_eq!(renounce_pending(&store), vec![("pvc-1".to_string(), pvc.clone())]);
+        remove_renounce_pending(&store, "pvc-1").unwrap();
+        assert!(renounce_pending(&store).is_empty());
     }
 
     #[test]
