@@ -91,7 +91,7 @@ const fn ex(cmd: &'static str, how: How) -> Example {
     Example { cmd, how, sub: &[], agent: false }
 }
 
-const NO_CLUSTER: &str = "needs a Kubernetes cluster; tests/deploy.rs checks every manifest it applies";
+const NO_CLUSTER: &str = "needs a Kubernetes cluster; tests/deploy/ checks every manifest it applies";
 /// The remote-volume example spans two nodes and needs the nbd module.
 const REMOTE: &str = "two nodes (the owner at 10.0.0.5) and the nbd module on the second: tests/nbd_remote.rs runs the export side here, tests/vm/remote.rs the attach in the 6.1 VM";
 const BENCH: &str = "a bench: minutes of load on every core; run by hand, its figures are in docs/benchmarks.md";

@@ -3,18 +3,20 @@
 //! resources' HTTP API with the real server's semantics as far as the
 //! publisher can observe them:
 //!
-//! - LIST with `labelSelector` (equality terms, comma-joined), `limit` and
-//!   an opaque `continue` token; a list carries `metadata.resourceVersion`.
+//! - LIST (`routes.rs`, which routes every request) with `labelSelector`
+//!   (equality terms, comma-joined), `limit` and an opaque `continue`
+//!   token; a list carries `metadata.resourceVersion`.
 //!   `fieldSelector` (`=`, `==`, `!=` terms) on `metadata.name` and on the
 //!   fields the CRD volring installs lists as `selectableFields` (read from
 //!   `volring_kube::objects`, as the API server reads the CRD), any other
 //!   field a 400 "field label not supported", as the real server answers.
 //! - GET, DELETE (200 with the object; 404 with a Status when absent).
-//! - PATCH with `application/apply-patch+yaml` (server-side apply; bodies
-//!   must be JSON, which is YAML): `fieldManager` is required (422 without),
-//!   field ownership per top-level spec/status field and per label, a
-//!   change to a field another manager owns is a 409 conflict unless
-//!   `force=true`, fields the manager stops applying are removed, a
+//! - PATCH with `application/apply-patch+yaml` (server-side apply,
+//!   `apply.rs`; bodies must be JSON, which is YAML): `fieldManager` is
+//!   required (422 without), field ownership per top-level spec/status
+//!   field and per label, a change to a field another manager owns is a
+//!   409 conflict unless `force=true`, fields the manager stops applying
+//!   are removed, a
 //!   `metadata.resourceVersion` in the body is a precondition (409 when
 //!   stale), a no-op apply does not change the resourceVersion.
 //! - WATCH (`watch.rs`): label-selected event streams with bookmarks,
@@ -54,8 +56,10 @@
 
 #![allow(dead_code)]
 
+mod apply;
 mod cluster;
 mod core;
+mod routes;
 mod validate;
 mod watch;
 
@@ -69,6 +73,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
+
+use apply::{fields_of, label_fields};
+use routes::handle;
 
 const PREFIX: &str = "/apis/volring.io/v1alpha1/";
 /// Read-only: VolumeAttachments (seeded by the test, as the attacher would).
@@ -446,167 +453,6 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-async fn handle(State(api): State<StandIn>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
-    let path = uri.path().to_string();
-    let query = uri.query().unwrap_or("").to_string();
-    let started = Instant::now();
-    let user_agent = headers.get(axum::http::header::USER_AGENT).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    let q = query_pairs(&query);
-    if method == Method::GET && q.get("watch").is_some_and(|w| w == "true" || w == "1") {
-        // Long-running: not counted by the max-in-flight filter.
-        let plural = path.strip_prefix(PREFIX).filter(|p| !p.contains('/')).map(str::to_string);
-        let resp = match plural {
-            _ if api.flight.lock().unwrap().outage => unavailable(),
-            Some(p) => watch::serve(&api, &p, &q),
-            None => reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "watch not served here by the stand-in"),
-            ),
-        };
-        let status = resp.status().as_u16();
-        api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
-        return resp;
-    }
-    let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
-    let admitted = {
-        let mut f = api.flight.lock().unwrap();
-        let (class_now, class_max) = if mutating { (f.mutating, f.max_mutating) } else { (f.readonly, f.max_readonly) };
-        if f.outage {
-            Err(unavailable())
-        } else if class_max.is_some_and(|m| class_now >= m) {
-            Err(too_many_requests())
-        } else {
-            f.now += 1;
-            f.max = f.max.max(f.now);
-            if mutating {
-                f.mutating += 1;
-            } else {
-                f.readonly += 1;
-            }
-            Ok(f.hold)
-        }
-    };
-    let hold = match admitted {
-        Ok(hold) => hold,
-        Err(resp) => {
-            let status = resp.status().as_u16();
-            api.lock().log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
-            return resp;
-        }
-    };
-    // Out of the count when served, or when the client gave up on it.
-    let counted = InFlight { flight: api.flight.clone(), mutating };
-    if !hold.is_zero() {
-        tokio::time::sleep(hold).await;
-    }
-    drop(counted);
-    let mut g = api.lock();
-    let resp = serve(&mut g, &method, &path, &query, &headers, &body);
-    let status = resp.status().as_u16();
-    g.log.push(Logged { at: Instant::now(), started, method, path, query, status, user_agent });
-    resp
-}
-
-/// One admitted request, counted in flight until dropped.
-struct InFlight {
-    flight: Arc<Mutex<Flight>>,
-    mutating: bool,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut f = self.flight.lock().unwrap_or_else(|e| e.into_inner());
-        f.now -= 1;
-        if self.mutating {
-            f.mutating -= 1;
-        } else {
-            f.readonly -= 1;
-        }
-    }
-}
-
-/// What kube-apiserver's max-in-flight filter answers a request over its
-/// limit.
-fn too_many_requests() -> Response {
-    let code = StatusCode::TOO_MANY_REQUESTS;
-    let mut body = status_body(code, "TooManyRequests", "Too many requests, please try again later.");
-    body["details"] = json!({"retryAfterSeconds": 1});
-    let mut r = reply(code, body);
-    r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
-    r
-}
-
-/// What a client reads while the server is down (no Retry-After).
-fn unavailable() -> Response {
-    let code = StatusCode::SERVICE_UNAVAILABLE;
-    reply(code, status_body(code, "ServiceUnavailable", "the server is currently unable to handle the request"))
-}
-
-fn take_fault(g: &mut Inner, method: &Method, path: &str) -> Option<Fault> {
-    let i = g.faults.iter().position(|f| f.method.as_ref().is_none_or(|m| m == method) && path.contains(&f.path_contains))?;
-    let f = g.faults[i].clone();
-    if g.faults[i].times <= 1 {
-        g.faults.remove(i);
-    } else {
-        g.faults[i].times -= 1;
-    }
-    Some(f)
-}
-
-fn serve(g: &mut Inner, method: &Method, path: &str, query: &str, headers: &HeaderMap, body: &[u8]) -> Response {
-    if let Some(f) = take_fault(g, method, path) {
-        let code = StatusCode::from_u16(f.status).unwrap();
-        let mut r = reply(code, status_body(code, "Injected", "injected by the test"));
-        if let Some(s) = f.retry_after {
-            r.headers_mut().insert("retry-after", HeaderValue::from_str(&s.to_string()).unwrap());
-        }
-        return r;
-    }
-    if let Some(r) = path.strip_prefix("/api/v1/").and_then(|rest| cluster::serve(g, method, rest, query)) {
-        return r;
-    }
-    if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
-        let merge = headers.get("content-type").is_some_and(|v| v.as_bytes() == b"application/merge-patch+json");
-        return core::serve(g, method, rest, &query_pairs(query), body, merge);
-    }
-    if let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/namespaces/").filter(|r| r.split('/').nth(1) == Some("endpointslices"))
-    {
-        return core::serve(g, method, rest, &query_pairs(query), body, false);
-    }
-    if let Some(rest) = path.strip_prefix(STORAGE_PREFIX) {
-        return storage(g, method, rest, query);
-    }
-    let Some(rest) = path.strip_prefix(PREFIX) else {
-        return reply(
-            StatusCode::NOT_FOUND,
-            status_body(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"),
-        );
-    };
-    let parts: Vec<&str> = rest.split('/').collect();
-    let q = query_pairs(query);
-    match (method.clone(), parts.as_slice()) {
-        (Method::GET, [plural]) => list(g, plural, &q),
-        (Method::GET, [plural, name]) => match g.objects.get(&(plural.to_string(), name.to_string())) {
-            Some(s) => reply(StatusCode::OK, s.obj.clone()),
-            None => not_found(plural, name),
-        },
-        (Method::DELETE, [plural, name]) => match g.objects.remove(&(plural.to_string(), name.to_string())) {
-            Some(s) => {
-                g.rv += 1;
-                watch::record(g, plural, Some(s.obj.clone()), None);
-                reply(StatusCode::OK, s.obj)
-            }
-            None => not_found(plural, name),
-        },
-        (Method::PATCH, [plural, name]) => apply(g, plural, name, false, &q, headers, body),
-        (Method::PATCH, [plural, name, "status"]) => apply(g, plural, name, true, &q, headers, body),
-        _ => reply(
-            StatusCode::METHOD_NOT_ALLOWED,
-            status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
-        ),
-    }
-}
-
 /// A volring resource's kind, from its plural.
 fn kind_of(plural: &str) -> &'static str {
     match plural {
@@ -628,307 +474,6 @@ fn matches(obj: &Value, selector: &str) -> bool {
         let v = v.trim_start_matches('=');
         obj["metadata"]["labels"][k].as_str() == Some(v)
     })
-}
-
-/// storage.k8s.io/v1: LIST and GET of volumeattachments. Like the real
-/// server, the only field selector a VolumeAttachment supports is
-/// `metadata.name`; any other is a 400.
-fn storage(g: &Inner, method: &Method, rest: &str, query: &str) -> Response {
-    let parts: Vec<&str> = rest.split('/').collect();
-    let q = query_pairs(query);
-    match (method, parts.as_slice()) {
-        (&Method::GET, ["volumeattachments"]) => {
-            let fields = q.get("fieldSelector").cloned().unwrap_or_default();
-            for term in fields.split(',').filter(|t| !t.is_empty()) {
-                let field = term.split(['=', '!']).next().unwrap_or_default();
-                if field != "metadata.name" {
-                    let code = StatusCode::BAD_REQUEST;
-                    return reply(code, status_body(code, "BadRequest", &format!("field label not supported: {field}")));
-                }
-            }
-            list_of(g, "volumeattachments", "storage.k8s.io/v1", "VolumeAttachmentList", &q, &fields)
-        }
-        (&Method::GET, ["volumeattachments", name]) => match g.objects.get(&("volumeattachments".to_string(), name.to_string())) {
-            Some(s) => reply(StatusCode::OK, s.obj.clone()),
-            None => not_found("volumeattachments", name),
-        },
-        _ => reply(
-            StatusCode::METHOD_NOT_ALLOWED,
-            status_body(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served by the stand-in"),
-        ),
-    }
-}
-
-/// The fields each volring resource lets a LIST select by: `metadata.name`,
-/// and what its CRD declares in `selectableFields`.
-fn selectable(plural: &str) -> Vec<String> {
-    use kube::CustomResourceExt;
-    let crds = [volring_kube::objects::BlockDevice::crd(), volring_kube::objects::StorageNode::crd()];
-    let crd = crds.iter().find(|c| c.spec.names.plural == plural);
-    let declared = crd.into_iter().flat_map(|c| c.spec.versions.iter()).flat_map(|v| v.selectable_fields.iter().flatten());
-    std::iter::once("metadata.name".to_string()).chain(declared.map(|f| f.json_path.trim_start_matches('.').to_string())).collect()
-}
-
-fn list(g: &Inner, plural: &str, q: &BTreeMap<String, String>) -> Response {
-    let fields = q.get("fieldSelector").cloned().unwrap_or_default();
-    let allowed = selectable(plural);
-    for term in fields.split(',').filter(|t| !t.is_empty()) {
-        let field = term.split(['=', '!']).next().unwrap_or_default();
-        if !allowed.iter().any(|a| a == field) {
-            let code = StatusCode::BAD_REQUEST;
-            return reply(code, status_body(code, "BadRequest", &format!("field label not supported: {field}")));
-        }
-    }
-    list_of(g, plural, "volring.io/v1alpha1", "List", q, &fields)
-}
-
-/// `fields`: `path=x`, `path==x`, `path!=x` terms (checked by the caller);
-/// a path's value is compared as the API server does, as a string.
-fn fields_match(obj: &Value, fields: &str) -> bool {
-    fields.split(',').filter(|t| !t.is_empty()).all(|t| {
-        let (path, want, equal) = match t.split_once("!=") {
-            Some((p, v)) => (p, v, false),
-            None => {
-                let (p, v) = t.split_once('=').unwrap_or((t, ""));
-                (p, v.trim_start_matches('='), true)
-            }
-        };
-        let pointer = format!("/{}", path.replace('.', "/"));
-        let have = match obj.pointer(&pointer) {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Null) | None => String::new(),
-            Some(v) => v.to_string(),
-        };
-        (have == want) == equal
-    })
-}
-
-fn list_of(g: &Inner, plural: &str, api_version: &str, kind: &str, q: &BTreeMap<String, String>, fields: &str) -> Response {
-    let selector = q.get("labelSelector").cloned().unwrap_or_default();
-    let limit: usize = q.get("limit").and_then(|l| l.parse().ok()).filter(|&l| l > 0).unwrap_or(usize::MAX);
-    let after = q.get("continue").cloned().unwrap_or_default();
-    let mut items = Vec::new();
-    let mut more = None;
-    for ((p, name), s) in &g.objects {
-        if p != plural
-            || (!after.is_empty() && name.as_str() <= after.as_str())
-            || !matches(&s.obj, &selector)
-            || !fields_match(&s.obj, fields)
-        {
-            continue;
-        }
-        if items.len() == limit {
-            more = Some(items.last().and_then(|i: &Value| i["metadata"]["name"].as_str()).unwrap_or_default().to_string());
-            break;
-        }
-        items.push(s.obj.clone());
-    }
-    let mut meta = json!({"resourceVersion": g.rv.to_string()});
-    if let Some(c) = more {
-        meta["continue"] = json!(c);
-    }
-    reply(StatusCode::OK, json!({"apiVersion": api_version, "kind": kind, "metadata": meta, "items": items}))
-}
-
-fn fields_of(obj: &Value, top: &str) -> BTreeSet<String> {
-    obj[top].as_object().map(|m| m.keys().map(|k| format!("{top}.{k}")).collect()).unwrap_or_default()
-}
-
-fn label_fields(obj: &Value) -> BTreeSet<String> {
-    obj["metadata"]["labels"].as_object().map(|m| m.keys().map(|k| format!("label:{k}")).collect()).unwrap_or_default()
-}
-
-fn get_field<'a>(obj: &'a Value, f: &str) -> &'a Value {
-    match f.strip_prefix("label:") {
-        Some(k) => &obj["metadata"]["labels"][k],
-        None => {
-            let (top, k) = f.split_once('.').unwrap();
-            &obj[top][k]
-        }
-    }
-}
-
-fn set_field(obj: &mut Value, f: &str, v: Option<Value>) {
-    let (parent, k) = match f.strip_prefix("label:") {
-        Some(k) => (&mut obj["metadata"]["labels"], k.to_string()),
-        None => {
-            let (top, k) = f.split_once('.').unwrap();
-            (&mut obj[top], k.to_string())
-        }
-    };
-    if !parent.is_object() {
-        *parent = json!({});
-    }
-    let m = parent.as_object_mut().unwrap();
-    match v {
-        Some(v) => {
-            m.insert(k, v);
-        }
-        None => {
-            m.remove(&k);
-        }
-    }
-}
-
-fn apply(
-    g: &mut Inner,
-    plural: &str,
-    name: &str,
-    status: bool,
-    q: &BTreeMap<String, String>,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Response {
-    let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
-    if ct != "application/apply-patch+yaml" {
-        let code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
-        return reply(code, status_body(code, "UnsupportedMediaType", &format!("the body of the request was in an unknown format ({ct})")));
-    }
-    let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()).cloned() else {
-        let code = StatusCode::UNPROCESSABLE_ENTITY;
-        return reply(code, status_body(code, "Invalid", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value"));
-    };
-    let force = q.get("force").is_some_and(|f| f == "true");
-    let Ok(patch) = serde_json::from_slice::<Value>(body) else {
-        return reply(
-            StatusCode::BAD_REQUEST,
-            status_body(StatusCode::BAD_REQUEST, "BadRequest", "the stand-in reads JSON apply bodies only"),
-        );
-    };
-    if patch["metadata"]["name"].as_str() != Some(name) || patch["apiVersion"] != "volring.io/v1alpha1" || patch["kind"].as_str().is_none()
-    {
-        let code = StatusCode::BAD_REQUEST;
-        return reply(code, status_body(code, "BadRequest", "apiVersion, kind and metadata.name must match the URL"));
-    }
-    let validation = match validate::FieldValidation::of(q) {
-        Ok(v) => v,
-        Err(m) => return reply(StatusCode::BAD_REQUEST, status_body(StatusCode::BAD_REQUEST, "BadRequest", &m)),
-    };
-    let schema = validate::crd_schema(plural);
-    let mut patch = patch;
-    let unknown = schema.as_ref().map(|s| validate::unknown_custom(&patch, s)).unwrap_or_default();
-    if !unknown.is_empty() && validation == validate::FieldValidation::Strict {
-        let list: Vec<String> = unknown.iter().map(|f| format!("unknown field \"{f}\"")).collect();
-        let code = StatusCode::BAD_REQUEST;
-        return reply(code, status_body(code, "BadRequest", &format!("strict decoding error: {}", list.join(", "))));
-    }
-    validate::prune(&mut patch, &unknown);
-    let kind = patch["kind"].as_str().unwrap_or_default().to_string();
-    let label_errors = validate::labels(&patch);
-    if !label_errors.is_empty() {
-        return invalid(&format!("{kind}.volring.io"), name, &label_errors);
-    }
-    let key = (plural.to_string(), name.to_string());
-    let original = g.objects.get(&key).map(|s| (s.obj.clone(), s.managers.clone()));
-    let existing = g.objects.get(&key);
-    if status && existing.is_none() {
-        return not_found(plural, name);
-    }
-    if let (Some(want), Some(s)) = (patch["metadata"]["resourceVersion"].as_str(), existing) {
-        if s.obj["metadata"]["resourceVersion"].as_str() != Some(want) {
-            let code = StatusCode::CONFLICT;
-            return reply(
-                code,
-                status_body(code, "Conflict", "the object has been modified; please apply your changes to the latest version"),
-            );
-        }
-    }
-    let mut stored = match g.objects.remove(&key) {
-        Some(s) => s,
-        None => {
-            g.uid += 1;
-            let obj = json!({"apiVersion": patch["apiVersion"], "kind": patch["kind"],
-                "metadata": {"name": name, "uid": format!("uid-{}", g.uid), "creationTimestamp": "2026-01-01T00:00:00Z", "generation": 0}});
-            Stored { obj, managers: BTreeMap::new() }
-        }
-    };
-    // The fields this apply sets: the main endpoint ignores status, the
-    // status endpoint everything but status.
-    let applied: BTreeSet<String> =
-        if status { fields_of(&patch, "status") } else { fields_of(&patch, "spec").into_iter().chain(label_fields(&patch)).collect() };
-    let mut conflicts = Vec::new();
-    for f in &applied {
-        for (m, owned) in &stored.managers {
-            if m != &manager && owned.contains(f) && get_field(&stored.obj, f) != get_field(&patch, f) {
-                conflicts.push(format!("conflict with \"{m}\": {f}"));
-            }
-        }
-    }
-    if !conflicts.is_empty() && !force {
-        g.objects.insert(key, stored);
-        let code = StatusCode::CONFLICT;
-        return reply(
-            code,
-            status_body(code, "Conflict", &format!("Apply failed with {} conflicts: {}", conflicts.len(), conflicts.join(", "))),
-        );
-    }
-    let before = stored.obj.clone();
-    let scope = |f: &String| if status { f.starts_with("status.") } else { !f.starts_with("status.") };
-    let previously: BTreeSet<String> =
-        stored.managers.get(&manager).map(|o| o.iter().filter(|f| scope(f)).cloned().collect()).unwrap_or_default();
-    for f in &applied {
-        set_field(&mut stored.obj, f, Some(get_field(&patch, f).clone()));
-        for (m, owned) in stored.managers.iter_mut() {
-            if m != &manager && get_field(&before, f) != get_field(&patch, f) {
-                owned.remove(f);
-            }
-        }
-    }
-    for f in previously.difference(&applied) {
-        if !stored.managers.iter().any(|(m, o)| m != &manager && o.contains(f)) {
-            set_field(&mut stored.obj, f, None);
-        }
-    }
-    // A part left empty by that, which no one owns a field of, goes too.
-    for top in ["spec", "status"] {
-        let owned = stored.managers.iter().any(|(m, o)| m != &manager && o.iter().any(|f| f.starts_with(&format!("{top}."))))
-            || applied.iter().any(|f| f.starts_with(&format!("{top}.")));
-        if !owned && stored.obj[top].as_object().is_some_and(|m| m.is_empty()) {
-            stored.obj.as_object_mut().expect("an object").remove(top);
-        }
-    }
-    let mine = stored.managers.entry(manager).or_default();
-    mine.retain(|f| !scope(f));
-    mine.extend(applied);
-    stored.managers.retain(|_, o| !o.is_empty());
-    let created = before.get("spec").is_none() && !status && before["metadata"]["resourceVersion"].is_null();
-    // The object as it would be stored, against its CRD's schema.
-    let mut errors = Vec::new();
-    if let Some(schema) = &schema {
-        for r in schema["required"].as_array().into_iter().flatten().filter_map(|r| r.as_str()) {
-            if stored.obj.get(r).is_none() {
-                errors.push(format!("{r}: Required value"));
-            }
-        }
-        for part in ["spec", "status"] {
-            if let Some(v) = stored.obj.get(part) {
-                validate::against_schema(v, &schema["properties"][part], part, &mut errors);
-            }
-        }
-    }
-    if !errors.is_empty() {
-        if let Some((obj, managers)) = original {
-            g.objects.insert(key, Stored { obj, managers });
-        }
-        return invalid(&format!("{kind}.volring.io"), name, &errors);
-    }
-    if stored.obj != before || created {
-        if stored.obj.get("spec") != before.get("spec") {
-            let gen = stored.obj["metadata"]["generation"].as_u64().unwrap_or(0) + 1;
-            stored.obj["metadata"]["generation"] = json!(gen);
-        }
-        g.rv += 1;
-        stored.obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
-        let was = (!created).then_some(before);
-        watch::record(g, plural, was, Some(stored.obj.clone()));
-    }
-    let out = stored.obj.clone();
-    g.objects.insert(key, stored);
-    let mut r = reply(if created { StatusCode::CREATED } else { StatusCode::OK }, out);
-    if validation == validate::FieldValidation::Warn {
-        warn(&mut r, &unknown);
-    }
-    r
 }
 
 /// 422 Invalid, as apimachinery words it: `<what> "<name>" is invalid:
