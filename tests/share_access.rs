@@ -99,6 +99,19 @@ fn clients_follow_stage_and_unstage() -> Result<(), Failed> {
         (annotations()["nfs-admitted.volring.io/node-c"] == "192.0.2.77").then_some(()).ok_or_else(|| format!("{}", annotations()))
     })?;
     check(admitted(&a)? == serde_json::json!({"node-c": "192.0.2.77"}), format!("A admits {}", admitted(&a)?))?;
+    // While nothing changes, A asks the API server nothing about the PVC:
+    // it watches it (the old owner read it every --nfs-service-poll, here
+    // 50 ms: ~40 GETs in these 2 s).
+    let quiet_from = std::time::Instant::now();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let reads: Vec<String> = server
+        .api
+        .log()
+        .into_iter()
+        .filter(|l| l.started >= quiet_from && l.path.starts_with("/api/v1/namespaces/apps/persistentvolumeclaims"))
+        .map(|l| format!("{} {}?{}", l.method, l.path, l.query))
+        .collect();
+    check(reads.iter().all(|r| r.contains("watch=true")), format!("requests for the PVC while nothing changed: {reads:?}"))?;
     let root = String::from_utf8(libnfs("nfs-ls", &[&url(port, "/")])?)?;
     check(!root.contains(VOLUME), format!("the pseudo root shows the volume to a client not in the list: {root}"))?;
 

@@ -23,6 +23,12 @@
 //!   the real server does (`validate.rs`): unknown fields by
 //!   `fieldValidation`, labels, and an Endpoints' addresses and ports (no
 //!   loopback, link-local or unspecified address: 422 Invalid).
+//! - LIST of a namespace's objects (`{Kind}List` with the list's
+//!   resourceVersion) with a `fieldSelector` of `metadata.name` or
+//!   `metadata.namespace` (`=`, `==`, `!=`; any other field is a 400, as
+//!   the real server answers for a field it has no index for), and every
+//!   change recorded for watches ([`watch_key`]), so a client can follow
+//!   one PVC as kubelet follows a pod's secrets.
 
 use std::collections::BTreeMap;
 
@@ -34,6 +40,44 @@ use serde_json::{json, Value};
 
 use super::validate::{self, FieldValidation};
 use super::{invalid, reply, status_body, warn, Inner};
+
+/// The watch history's key for a namespace's objects of `plural`.
+pub(super) fn watch_key(ns: &str, plural: &str) -> String {
+    format!("core:{ns}/{plural}")
+}
+
+/// A `fieldSelector` the real server accepts for core objects: terms of
+/// `metadata.name` or `metadata.namespace`, with `=`, `==` or `!=`.
+pub(super) fn field_terms(selector: &str) -> Result<Vec<(String, bool, String)>, String> {
+    let mut out = Vec::new();
+    for term in selector.split(',').filter(|t| !t.is_empty()) {
+        let (field, equal, value) = if let Some((f, v)) = term.split_once("!=") {
+            (f, false, v)
+        } else if let Some((f, v)) = term.split_once("==") {
+            (f, true, v)
+        } else if let Some((f, v)) = term.split_once('=') {
+            (f, true, v)
+        } else {
+            return Err(format!("invalid selector: '{term}'; can't understand '{term}'"));
+        };
+        if !matches!(field, "metadata.name" | "metadata.namespace") {
+            return Err(format!("field label not supported: {field}"));
+        }
+        out.push((field.to_string(), equal, value.to_string()));
+    }
+    Ok(out)
+}
+
+/// Whether `obj` passes the terms of [`field_terms`].
+pub(super) fn fields_match(obj: &Value, terms: &[(String, bool, String)]) -> bool {
+    terms.iter().all(|(field, equal, value)| {
+        let have = match field.as_str() {
+            "metadata.name" => obj["metadata"]["name"].as_str(),
+            _ => obj["metadata"]["namespace"].as_str(),
+        };
+        (have == Some(value.as_str())) == *equal
+    })
+}
 
 /// (namespace, plural, name).
 pub(super) type Key = (String, String, String);
@@ -94,6 +138,29 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
     }
     let key = |n: &str| (ns.to_string(), plural.to_string(), n.to_string());
     match (method.clone(), name) {
+        (Method::GET, None) => {
+            let terms = match field_terms(q.get("fieldSelector").map_or("", String::as_str)) {
+                Ok(t) => t,
+                Err(m) => return bad(&m),
+            };
+            let items: Vec<Value> = g
+                .core
+                .iter()
+                .filter(|((n, p, _), o)| {
+                    n == ns
+                        && p == plural
+                        && fields_match(o, &terms)
+                        && super::matches(o, q.get("labelSelector").map_or("", String::as_str))
+                })
+                .map(|(_, o)| o.clone())
+                .collect();
+            let list_kind = format!("{}List", kind(plural).split('.').next().unwrap_or_default());
+            let api_version = if plural == "endpointslices" { "discovery.k8s.io/v1" } else { "v1" };
+            reply(
+                StatusCode::OK,
+                json!({"kind": list_kind, "apiVersion": api_version, "metadata": {"resourceVersion": g.rv.to_string()}, "items": items}),
+            )
+        }
         (Method::GET, Some(n)) => {
             let k = key(n);
             if let Some(left) = g.core_hidden.get_mut(&k) {
@@ -140,6 +207,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
                 g.core_hidden.insert(k.clone(), g.core_lag);
             }
             g.core.insert(k, obj.clone());
+            super::watch::record(g, &watch_key(ns, plural), None, Some(obj.clone()));
             let mut r = reply(StatusCode::CREATED, obj);
             if validation == FieldValidation::Warn {
                 warn(&mut r, &unknown);
@@ -183,6 +251,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             }
             obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
             g.core.insert(k, obj.clone());
+            super::watch::record(g, &watch_key(ns, plural), Some(old), Some(obj.clone()));
             let mut r = reply(StatusCode::OK, obj);
             if validation == FieldValidation::Warn {
                 warn(&mut r, &unknown);
@@ -209,6 +278,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             }
             obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
             g.core.insert(k, obj.clone());
+            super::watch::record(g, &watch_key(ns, plural), Some(old), Some(obj.clone()));
             let mut r = reply(StatusCode::OK, obj);
             if validation == FieldValidation::Warn {
                 warn(&mut r, &unknown);
@@ -219,8 +289,16 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             Some(obj) => {
                 g.rv += 1;
                 let uid = obj["metadata"]["uid"].clone();
+                super::watch::record(g, &watch_key(ns, plural), Some(obj.clone()), None);
                 // The garbage collector: dependents of the deleted object.
-                g.core.retain(|_, o| !o["metadata"]["ownerReferences"].as_array().is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid)));
+                let owned =
+                    |o: &Value| o["metadata"]["ownerReferences"].as_array().is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid));
+                let gone: Vec<Key> = g.core.iter().filter(|(_, o)| owned(o)).map(|(k, _)| k.clone()).collect();
+                for k in gone {
+                    if let Some(o) = g.core.remove(&k) {
+                        super::watch::record(g, &watch_key(&k.0, &k.1), Some(o), None);
+                    }
+                }
                 reply(StatusCode::OK, obj)
             }
             None => not_found(plural, n),

@@ -20,6 +20,7 @@
 //!   `metadata.resourceVersion` in the body is a precondition (409 when
 //!   stale), a no-op apply does not change the resourceVersion.
 //! - WATCH (`watch.rs`): label-selected event streams with bookmarks,
+//!   of volring's resources and of a namespace's PVCs (`core.rs`),
 //!   a resourceVersion to resume from, and 410 Expired once the history
 //!   it needs is compacted.
 //! - The status subresource: the main endpoint ignores `status`, the
@@ -368,8 +369,11 @@ impl StandIn {
         g.rv += 1;
         let rv = g.rv;
         let o = g.core.get_mut(&(namespace.to_string(), plural.to_string(), name.to_string())).expect("the object to edit");
+        let before = o.clone();
         f(o);
         o["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let after = o.clone();
+        watch::record(&mut g, &core::watch_key(namespace, plural), Some(before), Some(after));
     }
 
     /// Stores a PersistentVolume or a Pod (read-only to clients: `cluster.rs`).

@@ -14,7 +14,13 @@ pub(super) async fn handle(State(api): State<StandIn>, method: Method, uri: Uri,
     let q = query_pairs(&query);
     if method == Method::GET && q.get("watch").is_some_and(|w| w == "true" || w == "1") {
         // Long-running: not counted by the max-in-flight filter.
-        let plural = path.strip_prefix(PREFIX).filter(|p| !p.contains('/')).map(str::to_string);
+        // volring's resources, or one namespace's PVCs (`core.rs`).
+        let core_pvcs = path.strip_prefix("/api/v1/namespaces/").and_then(|r| r.strip_suffix("/persistentvolumeclaims"));
+        let plural = path
+            .strip_prefix(PREFIX)
+            .filter(|p| !p.contains('/'))
+            .map(str::to_string)
+            .or_else(|| core_pvcs.filter(|ns| !ns.contains('/')).map(|ns| core::watch_key(ns, "persistentvolumeclaims")));
         let resp = match plural {
             _ if api.flight.lock().unwrap().outage => unavailable(),
             Some(p) => watch::serve(&api, &p, &q),

@@ -27,7 +27,8 @@ use serde_json::{json, Value};
 
 use super::{matches, reply, status_body, Inner, StandIn};
 
-/// One change to a volring object, kept for watches.
+/// One change to a volring object (or a core one, `plural` then being
+/// [`super::core::watch_key`]), kept for watches.
 #[derive(Debug, Clone)]
 pub(super) struct Event {
     pub rv: u64,
@@ -49,10 +50,10 @@ pub(super) fn record(g: &mut Inner, plural: &str, before: Option<Value>, after: 
     g.changed.notify_waiters();
 }
 
-/// The event a watch with `selector` sends for `e`, if any.
-fn event_for(e: &Event, selector: &str) -> Option<Value> {
-    let was = e.before.as_ref().is_some_and(|o| matches(o, selector));
-    let is = e.after.as_ref().is_some_and(|o| matches(o, selector));
+/// The event a watch whose selectors pass `wanted` sends for `e`, if any.
+fn event_for(e: &Event, wanted: &dyn Fn(&Value) -> bool) -> Option<Value> {
+    let was = e.before.as_ref().is_some_and(wanted);
+    let is = e.after.as_ref().is_some_and(wanted);
     let (kind, obj) = match (was, is) {
         (false, true) => ("ADDED", e.after.clone()?),
         (true, true) => ("MODIFIED", e.after.clone()?),
@@ -75,6 +76,11 @@ fn line(v: &Value) -> Result<Bytes, std::convert::Infallible> {
 /// Serves one watch request of `plural`.
 pub(super) fn serve(api: &StandIn, plural: &str, q: &BTreeMap<String, String>) -> Response {
     let selector = q.get("labelSelector").cloned().unwrap_or_default();
+    let fields = match super::core::field_terms(q.get("fieldSelector").map_or("", String::as_str)) {
+        Ok(t) => t,
+        Err(m) => return reply(StatusCode::BAD_REQUEST, status_body(StatusCode::BAD_REQUEST, "BadRequest", &m)),
+    };
+    let wanted = move |o: &Value| matches(o, &selector) && super::core::fields_match(o, &fields);
     let bookmarks = q.get("allowWatchBookmarks").is_some_and(|b| b == "true" || b == "1");
     let timeout = Duration::from_secs(q.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800));
     let from = q.get("resourceVersion").cloned().unwrap_or_default();
@@ -85,10 +91,10 @@ pub(super) fn serve(api: &StandIn, plural: &str, q: &BTreeMap<String, String>) -
         match from.as_str() {
             "" | "0" => {
                 cursor = g.rv;
-                for ((p, _), s) in &g.objects {
-                    if p == plural && matches(&s.obj, &selector) {
-                        let _ = tx.try_send(line(&json!({"type": "ADDED", "object": s.obj})));
-                    }
+                let volring = g.objects.iter().filter(|((p, _), _)| p == plural).map(|(_, s)| &s.obj);
+                let core = g.core.iter().filter(|((ns, p, _), _)| super::core::watch_key(ns, p) == plural).map(|(_, o)| o);
+                for obj in volring.chain(core).filter(|o| wanted(o)) {
+                    let _ = tx.try_send(line(&json!({"type": "ADDED", "object": obj})));
                 }
             }
             v => match v.parse::<u64>() {
@@ -125,7 +131,7 @@ pub(super) fn serve(api: &StandIn, plural: &str, q: &BTreeMap<String, String>) -
                     (vec![], true, g.rv)
                 } else {
                     let events: Vec<Value> =
-                        g.events.iter().filter(|e| e.rv > cursor && e.plural == plural).filter_map(|e| event_for(e, &selector)).collect();
+                        g.events.iter().filter(|e| e.rv > cursor && e.plural == plural).filter_map(|e| event_for(e, &wanted)).collect();
                     (events, false, g.rv)
                 }
             };
@@ -151,8 +157,11 @@ pub(super) fn serve(api: &StandIn, plural: &str, q: &BTreeMap<String, String>) -
             if now >= next_bookmark {
                 next_bookmark = now + api.bookmark_every();
                 if bookmarks {
-                    let kind = super::kind_of(&plural);
-                    let b = json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": "volring.io/v1alpha1",
+                    let (kind, api_version) = match plural.strip_prefix("core:") {
+                        Some(_) => ("PersistentVolumeClaim", "v1"),
+                        None => (super::kind_of(&plural), "volring.io/v1alpha1"),
+                    };
+                    let b = json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": api_version,
                         "metadata": {"resourceVersion": cursor.to_string()}}});
                     if tx.send(line(&b)).await.is_err() {
                         return;

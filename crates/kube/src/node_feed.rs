@@ -169,7 +169,7 @@ mod tests {
     use volring_volumes::{AccessKind, StagePhase, StagedRecords};
 
     /// An in-memory sink: this test is about what feeds the updater, not
-    /// about the API (tests/publisher.rs covers that against the stand-in).
+    /// about the API (tests/publisher/ covers that against the stand-in).
     #[derive(Default)]
     struct Memory(Mutex<HashMap<Key, Object>>);
 

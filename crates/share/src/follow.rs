@@ -9,8 +9,8 @@
 //! that fails (the API server away, the PVC not there yet) is retried with
 //! backoff. At start every export is reconciled once, which also points
 //! the EndpointSlice back at this node after the agent or the server moved.
-//! The one timer: the nodes announced on each exported volume's PVC are
-//! read every poll interval and admitted to its export ([`super::admit`]).
+//! The nodes announced on each exported volume's PVC are watched and
+//! admitted to its export as they change ([`super::client_watch`]).
 //!
 //! The EndpointSlice names this node's advertised address only while its
 //! NFS server accepts connections (at its listen address: the advertised
@@ -135,14 +135,16 @@ impl Follower {
         let mut leaving: HashMap<String, SharedVolume> = HashMap::new();
         let mut leave_failing: HashMap<String, Failing> = HashMap::new();
         let mut unnamed: Vec<String> = Vec::new();
-        let mut clients_at = Instant::now();
+        let mut clients = super::client_watch::ClientWatches::new(self.controller.client().clone(), self.admit.clone());
         // Whether the server answered when last asked, and whether to ask
-        // again: not when only the clients' poll woke the loop (a
-        // connection a second would only fill ganesha's log).
+        // again: not when only a retry's timer woke the loop and every
+        // server answered (a connection a second would only fill
+        // ganesha's log).
         let mut answered: Option<bool> = None;
         let mut woken_by_change = true;
         loop {
             let now = (self.exports)();
+            clients.follow(&now);
             // Asked only when a Service is kept: the EndpointSlice names this
             // address only while something accepts connections there.
             let ask = woken_by_change
@@ -175,14 +177,9 @@ impl Follower {
             failing.retain(|id, _| exported(id));
             unnamed.retain(|id| exported(id));
             self.withdraw_due(&mut leaving, &mut leave_failing).await;
-            let named = self.admit_due(&now, &mut clients_at).await;
             // Woken by the next export change; else by the earliest retry,
-            // the next look at a server that did not answer, or the next
-            // read of the announced clients.
+            // or the next look at a server that did not answer.
             let mut next = failing.values().chain(leave_failing.values()).map(|f| f.next).min();
-            if named {
-                next = Some(next.map_or(clients_at, |n| n.min(clients_at)));
-            }
             if done.values().any(|t| !t.serving) {
                 let poll = Instant::now() + self.controller.poll();
                 next = Some(next.map_or(poll, |n| n.min(poll)));
@@ -194,6 +191,7 @@ impl Follower {
             };
         }
         // Stopping: the server goes with the agent. Bounded by the caller.
+        drop(clients);
         self.withdraw_all(known.values().chain(leaving.values())).await;
     }
 
@@ -210,21 +208,6 @@ impl Follower {
             *answered = None;
             false
         }
-    }
-
-    /// Admits the nodes announced on each exported volume's PVC when
-    /// `clients_at` is due, and sets the next read; true when any export
-    /// names a PVC (so the loop wakes for that next read).
-    async fn admit_due(&self, now: &[Exported], clients_at: &mut Instant) -> bool {
-        let named: Vec<(String, String, String)> =
-            now.iter().filter_map(|e| e.pvc.clone().map(|(ns, name)| (e.volume_id.clone(), ns, name))).collect();
-        if !named.is_empty() && Instant::now() >= *clients_at {
-            for (id, ns, name) in &named {
-                self.admit_announced(id, ns, name).await;
-            }
-            *clients_at = Instant::now() + self.controller.poll();
-        }
-        !named.is_empty()
     }
 
     /// Takes this node's address out of every one of `volumes`'
@@ -305,41 +288,6 @@ impl Follower {
                         "EndpointSlice not emptied after the export went away");
                 }
             }
-        }
-    }
-
-    /// Admits the nodes announced on volume `id`'s PVC to its export and
-    /// answers them on the PVC. Why polled (every poll interval) and not
-    /// watched: one GET per exported volume is what a watch would cost per
-    /// change anyway, on a node exporting a handful of volumes; a failure
-    /// is logged and tried again at the next poll.
-    async fn admit_announced(&self, id: &str, ns: &str, name: &str) {
-        let client = self.controller.client();
-        let pvc = match super::admit::read(client, ns, name).await {
-            Ok(Some(p)) => p,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::debug!(volume = id, error = %e, "cannot read the announced NFS clients");
-                return;
-            }
-        };
-        let announced = super::admit::announced(&pvc);
-        // On a blocking thread: the share side serialises export changes,
-        // and an unexport may hold it for seconds.
-        let (admit, vid, list) = (self.admit.clone(), id.to_string(), announced.clone());
-        match tokio::task::spawn_blocking(move || admit(&vid, &list)).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(volume = id, error = %e, "cannot admit the announced NFS clients");
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(volume = id, error = %e, "admitting the announced NFS clients failed");
-                return;
-            }
-        }
-        if let Err(e) = super::admit::answer(client, ns, name, &pvc, &announced).await {
-            tracing::debug!(volume = id, error = %e, "cannot answer the announced NFS clients");
         }
     }
 

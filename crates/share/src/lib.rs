@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub mod admit;
 pub mod client;
+mod client_watch;
 pub mod follow;
 pub mod ganesha;
 pub mod identity;
