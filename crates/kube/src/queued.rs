@@ -4,8 +4,9 @@
 //! `--publish-qps`, or waiting for an API server that does not answer) or
 //! for the node's store (waiting for their window).
 //!
-//! The record names the agent's pid; one whose process is gone (an agent
-//! that died without removing it) is not believed.
+//! The record names the agent's pid and that process's start time; one
+//! whose process is gone (an agent that died without removing it), or
+//! whose pid another process has since taken, is not believed.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -44,6 +45,23 @@ pub struct Queued {
     pub target: Target,
     /// The agent that counts them.
     pub(crate) pid: u32,
+    /// When that process started (clock ticks since boot, `/proc/PID/stat`
+    /// field 22): a pid reused after the agent died has another.
+    #[serde(default)]
+    pub(crate) started: u64,
+}
+
+/// Process `pid`'s start time, if it runs (field 22 of `/proc/PID/stat`,
+/// counted after the command name's closing parenthesis: the name itself
+/// may hold spaces and parentheses).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_time(&stat)
+}
+
+fn parse_start_time(stat: &str) -> Option<u64> {
+    let (_, after_name) = stat.rsplit_once(')')?;
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 fn path(state_dir: &Path) -> PathBuf {
@@ -70,7 +88,7 @@ pub fn read(state_dir: &Path) -> Option<Queued> {
         return None;
     }
     let q: Queued = serde_json::from_slice(&bytes).ok()?;
-    Path::new(&format!("/proc/{}", q.pid)).exists().then_some(q)
+    (start_time(q.pid) == Some(q.started)).then_some(q)
 }
 
 /// What `volring get` adds when the agent still holds objects.
@@ -84,11 +102,12 @@ pub fn note(state_dir: &Path) -> Option<String> {
 /// aborts the task and then calls [`remove`]).
 pub async fn follow(stats: Arc<Stats>, state_dir: PathBuf, target: Target) {
     let pid = std::process::id();
+    let started = start_time(pid).unwrap_or_default();
     let mut last = None;
     loop {
         let queued = stats.queued.load(Ordering::Relaxed);
         if last != Some(queued) {
-            let q = Queued { queued, target, pid };
+            let q = Queued { queued, target, pid, started };
             let dir = state_dir.clone();
             match tokio::task::spawn_blocking(move || write(&dir, &q)).await {
                 Ok(Ok(())) => last = Some(queued),
@@ -109,16 +128,29 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(note(dir.path()), None);
         let me = std::process::id();
-        write(dir.path(), &Queued { queued: 3, target: Target::Cluster, pid: me }).unwrap();
+        let started = start_time(me).unwrap();
+        write(dir.path(), &Queued { queued: 3, target: Target::Cluster, pid: me, started }).unwrap();
         assert_eq!(note(dir.path()).unwrap(), "# the agent still has 3 objects queued for the cluster: not shown yet");
-        write(dir.path(), &Queued { queued: 0, target: Target::Store, pid: me }).unwrap();
+        write(dir.path(), &Queued { queued: 0, target: Target::Store, pid: me, started }).unwrap();
         assert_eq!(note(dir.path()), None, "nothing queued: nothing said");
         // pid_max is at most 2^22: no process has this pid.
-        write(dir.path(), &Queued { queued: 5, target: Target::Store, pid: u32::MAX }).unwrap();
+        write(dir.path(), &Queued { queued: 5, target: Target::Store, pid: u32::MAX, started }).unwrap();
         assert_eq!(note(dir.path()), None);
+        // A dead agent's pid, since taken by another process (here: this
+        // one, started at another time): not believed.
+        write(dir.path(), &Queued { queued: 5, target: Target::Store, pid: me, started: started + 1 }).unwrap();
+        assert_eq!(note(dir.path()), None, "a reused pid");
         std::fs::write(dir.path().join(FILE), b"not json").unwrap();
         assert_eq!(note(dir.path()), None);
         remove(dir.path());
         assert!(!dir.path().join(FILE).exists());
+    }
+
+    #[test]
+    fn the_start_time_is_read_past_a_name_with_spaces_and_parentheses() {
+        let stat = "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000000 100";
+        assert_eq!(parse_start_time(stat), Some(987_654));
+        assert_eq!(parse_start_time("4242 (x) S 1"), None);
+        assert_eq!(parse_start_time("no parenthesis"), None);
     }
 }
