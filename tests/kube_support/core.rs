@@ -241,22 +241,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
                     Some(_) => {}
                 }
             }
-            let unknown = match admit(plural, &mut obj, validation) {
-                Ok(u) => u,
-                Err(r) => return *r,
-            };
-            g.rv += 1;
-            for f in ["uid", "creationTimestamp", "namespace"] {
-                obj["metadata"][f] = old["metadata"][f].clone();
-            }
-            obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
-            g.core.insert(k, obj.clone());
-            super::watch::record(g, &watch_key(ns, plural), Some(old), Some(obj.clone()));
-            let mut r = reply(StatusCode::OK, obj);
-            if validation == FieldValidation::Warn {
-                warn(&mut r, &unknown);
-            }
-            r
+            replace(g, k, old, obj, &["uid", "creationTimestamp", "namespace"], validation)
         }
         (Method::PATCH, Some(n)) => {
             if !merge_patch {
@@ -268,22 +253,7 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
             let Some(old) = g.core.get(&k).cloned() else { return not_found(plural, n) };
             let mut obj = old.clone();
             merge(&mut obj, &patch);
-            let unknown = match admit(plural, &mut obj, validation) {
-                Ok(u) => u,
-                Err(r) => return *r,
-            };
-            g.rv += 1;
-            for f in ["name", "uid", "creationTimestamp", "namespace"] {
-                obj["metadata"][f] = old["metadata"][f].clone();
-            }
-            obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
-            g.core.insert(k, obj.clone());
-            super::watch::record(g, &watch_key(ns, plural), Some(old), Some(obj.clone()));
-            let mut r = reply(StatusCode::OK, obj);
-            if validation == FieldValidation::Warn {
-                warn(&mut r, &unknown);
-            }
-            r
+            replace(g, k, old, obj, &["name", "uid", "creationTimestamp", "namespace"], validation)
         }
         (Method::DELETE, Some(n)) => match g.core.remove(&key(n)) {
             Some(obj) => {
@@ -305,6 +275,30 @@ pub(super) fn serve(g: &mut Inner, method: &Method, rest: &str, q: &BTreeMap<Str
         },
         _ => not_served(),
     }
+}
+
+/// Stores `obj` in place of `old` at `k` (a PUT or a PATCH): admitted as a
+/// write, with `kept` metadata fields of `old`, a new resourceVersion, and
+/// the change recorded for watches.
+fn replace(g: &mut Inner, k: Key, old: Value, mut obj: Value, kept: &[&str], validation: FieldValidation) -> Response {
+    let plural = k.1.clone();
+    let unknown = match admit(&plural, &mut obj, validation) {
+        Ok(u) => u,
+        Err(r) => return *r,
+    };
+    g.rv += 1;
+    for f in kept {
+        obj["metadata"][*f] = old["metadata"][*f].clone();
+    }
+    obj["metadata"]["resourceVersion"] = json!(g.rv.to_string());
+    let watch = watch_key(&k.0, &plural);
+    g.core.insert(k, obj.clone());
+    super::watch::record(g, &watch, Some(old), Some(obj.clone()));
+    let mut r = reply(StatusCode::OK, obj);
+    if validation == FieldValidation::Warn {
+        warn(&mut r, &unknown);
+    }
+    r
 }
 
 /// RFC 7386: objects merge key by key, null removes, anything else replaces.
