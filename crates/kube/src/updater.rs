@@ -185,7 +185,7 @@ impl Updater {
     }
 
     /// The object's device is gone: mark it Inactive (or delete it).
-    pub fn retire(&self, key: Key) {
+    pub(crate) fn retire(&self, key: Key) {
         self.handle().retire(key);
     }
 
@@ -231,7 +231,7 @@ impl Submitter {
     }
 
     /// See [`Updater::retire`].
-    pub fn retire(&self, key: Key) {
+    pub(crate) fn retire(&self, key: Key) {
         self.put(key, Want::Retire);
     }
 
