@@ -55,8 +55,8 @@ impl Error {
 
 /// Parameter (recorded with the volume) and volume-context key marking a
 /// shared volume; its one value is [`SHARE_NFS`].
-pub const PARAM_SHARE: &str = "share";
-pub const SHARE_NFS: &str = "nfs";
+pub(crate) const PARAM_SHARE: &str = "share";
+pub(crate) const SHARE_NFS: &str = "nfs";
 
 /// StorageClass parameter (recorded with the volume): root squash of its
 /// NFS export, `root` (the default), `none` or `all` ([`Squash`]).
@@ -87,13 +87,13 @@ pub fn mark_shared(parameters: &mut BTreeMap<String, String>) {
 /// Volume-context key: the export's `host:port` as other nodes reach it.
 pub const CTX_SERVER: &str = "nfsServer";
 /// Volume-context key: the path clients mount on that server.
-pub const CTX_EXPORT: &str = "nfsExport";
+pub(crate) const CTX_EXPORT: &str = "nfsExport";
 
 /// Volume-context keys: the namespace and name of the PVC a shared volume
 /// was created for, so other nodes know where its endpoint is published
 /// (the PVC's `volring.io/nfs-endpoint` annotation, see [`kube`]).
-pub const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
-pub const CTX_PVC_NAME: &str = "nfsPvcName";
+pub(crate) const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
+pub(crate) const CTX_PVC_NAME: &str = "nfsPvcName";
 
 /// The external-provisioner's keys (`--extra-create-metadata`) in
 /// CreateVolume's parameters, recorded with the volume.
@@ -126,7 +126,7 @@ fn pvc(ns: &str, name: &str) -> Option<(String, String)> {
 }
 
 /// The path volume `id` is exported as (`server:/<id>`).
-pub fn pseudo_path(id: &str) -> String {
+pub(crate) fn pseudo_path(id: &str) -> String {
     format!("/{id}")
 }
 
