@@ -196,8 +196,10 @@ impl ImagePool {
         self.volumes.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
     }
 
-    /// The records moved to `quarantine/` (by this run or earlier ones).
-    pub fn quarantined(&self) -> Vec<Quarantined> {
+    /// The records moved to `quarantine/` (by this run or earlier ones;
+    /// the unit tests read them).
+    #[cfg(test)]
+    fn quarantined(&self) -> Vec<Quarantined> {
         self.quarantined.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
