@@ -136,7 +136,7 @@ impl MountTable {
     }
 
     /// Mounts stacked on `point`, bottom first.
-    pub fn at<'a>(&'a self, point: &'a [u8]) -> impl Iterator<Item = &'a Arc<Mount>> + 'a {
+    pub(crate) fn at<'a>(&'a self, point: &'a [u8]) -> impl Iterator<Item = &'a Arc<Mount>> + 'a {
         let ids = self.by_point.get(&self.point_key(point)).map(Ids::as_slice).unwrap_or(&[]);
         ids.iter().filter_map(|id| self.by_id.get(id)).filter(move |m| m.mount_point() == point)
     }
