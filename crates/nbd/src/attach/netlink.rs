@@ -8,7 +8,7 @@ use volring_sys::genetlink::GenlSocket;
 use volring_sys::nlmsg::{self, nbd, DeviceStatus, Family, NbdConfig};
 
 /// A socket that knows the nbd family's id.
-pub struct NbdNetlink {
+pub(crate) struct NbdNetlink {
     sock: GenlSocket,
     family: Family,
 }
@@ -27,10 +27,6 @@ impl NbdNetlink {
         let mut sock = GenlSocket::open().map_err(Error::io("genetlink socket"))?;
         let family = resolve(&mut sock)?;
         Ok(NbdNetlink { sock, family })
-    }
-
-    pub fn family(&self) -> &Family {
-        &self.family
     }
 
     /// NBD_CMD_CONNECT; the device index the kernel chose (or was given).
