@@ -226,7 +226,7 @@ pub struct Submitter {
 
 impl Submitter {
     /// See [`Updater::submit`].
-    pub fn submit(&self, obj: Object) {
+    pub(crate) fn submit(&self, obj: Object) {
         self.put(obj.key.clone(), Want::Put(obj));
     }
 
