@@ -34,7 +34,7 @@ pub struct VolumeGuard {
 }
 
 impl VolumeLocks {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
