@@ -461,7 +461,11 @@ pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node:
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
 /// address must be `IP:port`, and one the API server accepts in an
 /// EndpointSlice ([`endpoint_address`]).
-pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
+pub(crate) fn start<D: ShareHost>(
+    driver: Arc<D>,
+    client: kube::Client,
+    config: super::kube::ControllerConfig,
+) -> Result<Running, super::Error> {
     let share = driver.shares().config();
     let server = endpoint_address(share.advertised().as_deref())?;
     let probe = share.listen.unwrap_or(server);

@@ -66,7 +66,7 @@ pub struct NfsServer {
 }
 
 impl NfsServer {
-    pub fn new(settings: Settings, files: ServerFiles) -> Result<Self, Error> {
+    pub(crate) fn new(settings: Settings, files: ServerFiles) -> Result<Self, Error> {
         std::fs::create_dir_all(&settings.recovery_dir).map_err(|e| Error::io(&settings.recovery_dir, e))?;
         std::fs::create_dir_all(&files.dir).map_err(|e| Error::io(&files.dir, e))?;
         // Checked now, so a bad path fails the agent's start, not a stage.

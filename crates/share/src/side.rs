@@ -108,7 +108,7 @@ impl ShareSide {
     }
 
     /// Calls `f` after every export, unexport and resume from now on.
-    pub fn on_change(&self, f: impl Fn() + Send + 'static) {
+    pub(crate) fn on_change(&self, f: impl Fn() + Send + 'static) {
         self.watchers.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(f));
     }
 
@@ -159,7 +159,7 @@ impl ShareSide {
 
     /// The node's store, for what the cluster side records beside the
     /// shares (the PVCs this node announced itself on).
-    pub fn store(&self) -> Arc<Store> {
+    pub(crate) fn store(&self) -> Arc<Store> {
         self.store.clone()
     }
 
