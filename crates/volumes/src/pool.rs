@@ -204,7 +204,7 @@ impl ImagePool {
     }
 
     /// The quarantined record of volume `id`, if its record is quarantined.
-    pub fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
+    pub(crate) fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
         self.quarantined.read().unwrap_or_else(|e| e.into_inner()).iter().find(|q| q.volume_id() == Some(id)).cloned()
     }
 
