@@ -60,7 +60,7 @@ impl Changes {
     }
 
     /// A change of place is a move; anything else is a change.
-    pub fn kind(self) -> EventKind {
+    pub(crate) fn kind(self) -> EventKind {
         if self.intersects(Changes::MOUNT_POINT | Changes::PARENT) {
             EventKind::Moved
         } else {
@@ -160,7 +160,7 @@ pub enum ResyncTag {
 }
 
 impl WatchEvent {
-    pub fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
+    pub(crate) fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
         WatchEvent::Resync { kind: ResyncTag::Resync, reason, changes }
     }
 

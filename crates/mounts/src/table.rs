@@ -173,7 +173,7 @@ impl MountTable {
         old
     }
 
-    pub fn remove(&mut self, id: MountId) -> Option<Arc<Mount>> {
+    pub(crate) fn remove(&mut self, id: MountId) -> Option<Arc<Mount>> {
         let m = self.by_id.remove(&id)?;
         let key = self.point_key(m.mount_point());
         index_remove(&mut self.by_point, key, id);
