@@ -14,11 +14,11 @@ extern "C" {
 
 /// A parsed libmount table; freed on drop, so a bench can time parsing and
 /// teardown separately, as it does for volring's tables.
-pub(crate) struct Table(*mut c_void);
+pub struct Table(*mut c_void);
 
 impl Table {
     /// Parses a mountinfo-format file.
-    pub(crate) fn parse_file(path: &std::path::Path) -> io::Result<Self> {
+    pub fn parse_file(path: &std::path::Path) -> io::Result<Self> {
         let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
         // SAFETY: mnt_new_table has no preconditions; it returns NULL on ENOMEM.
         let tb = unsafe { mnt_new_table() };
@@ -40,7 +40,7 @@ impl Table {
         unsafe { mnt_table_get_nents(self.0) }.max(0) as usize
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
@@ -54,7 +54,7 @@ impl Drop for Table {
 
 /// Makes glibc consolidate and return freed memory now, so the frees of one
 /// timed run are not paid for by the next run's first large allocation.
-pub(crate) fn settle_heap() {
+pub fn settle_heap() {
     // SAFETY: malloc_trim only walks glibc's own heap state; no pointer of
     // ours is involved.
     unsafe { libc::malloc_trim(0) };

@@ -93,7 +93,7 @@ impl Builder {
         Builder { buf, open: Vec::new() }
     }
 
-    pub fn put(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
+    pub(crate) fn put(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
         let len = 4 + payload.len();
         self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
