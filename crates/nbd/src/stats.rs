@@ -53,7 +53,7 @@ impl LatencySnapshot {
 }
 
 impl LatencyBuckets {
-    pub fn snapshot(&self) -> LatencySnapshot {
+    pub(crate) fn snapshot(&self) -> LatencySnapshot {
         LatencySnapshot {
             counts: std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed)),
             sum_us: self.sum_us.load(Ordering::Relaxed),

@@ -42,7 +42,7 @@ pub mod opt {
     pub(crate) const ABORT: u32 = 2;
     pub const LIST: u32 = 3;
     pub(crate) const STARTTLS: u32 = 5;
-    pub const INFO: u32 = 6;
+    pub(crate) const INFO: u32 = 6;
     pub const GO: u32 = 7;
     pub const STRUCTURED_REPLY: u32 = 8;
     pub(crate) const LIST_META_CONTEXT: u32 = 9;

@@ -48,7 +48,7 @@ pub(super) enum Refusal {
 }
 
 impl ServerBudget {
-    pub fn new(limit: usize) -> Self {
+    pub(crate) fn new(limit: usize) -> Self {
         Self { limit: limit.max(1), used: AtomicUsize::new(0), releases: AtomicU64::new(0), starved: AtomicU64::new(0) }
     }
 

@@ -240,7 +240,7 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub fn new(socket: u32, now: Instant) -> Self {
+    pub(crate) fn new(socket: u32, now: Instant) -> Self {
         Conn {
             socket,
             state: State::Reading,

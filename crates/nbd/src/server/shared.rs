@@ -38,7 +38,7 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub fn new(ring: IoRing<Token>, limits: Limits, budget: Arc<ServerBudget>) -> Self {
+    pub(crate) fn new(ring: IoRing<Token>, limits: Limits, budget: Arc<ServerBudget>) -> Self {
         Shared {
             ring,
             conns: Vec::new(),
@@ -149,7 +149,7 @@ impl Shared {
     }
 
     /// Counts a reply of connection `ci`'s export.
-    pub fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
+    pub(crate) fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
         let Some(id) = self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.id) else { return };
         let us = self.now.saturating_duration_since(started).as_micros() as u64;
         // The export's Arc is cloned only for its first request on this ring.
