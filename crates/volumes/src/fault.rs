@@ -127,7 +127,8 @@ pub fn point(name: &str) {
 ///   volume's lock; nothing has been opened or mounted yet;
 /// - `stage:premount`: a stage (a call's or the reconciler's repair) proved
 ///   the staging path empty and is about to mount onto it.
-/// Waits here when this pause point is armed (see above).
+///
+/// Waits here when this pause point is armed.
 pub fn pause(name: &str) {
     static ARMED: OnceLock<Option<(String, u64, std::path::PathBuf)>> = OnceLock::new();
     static HITS: AtomicU64 = AtomicU64::new(0);
