@@ -16,6 +16,10 @@
 //! MULTI_NODE_MULTI_WRITER (the `share` parameter below), and the node that
 //! stages such a volume exports it.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 

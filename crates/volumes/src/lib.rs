@@ -14,6 +14,10 @@
 //! them, [`state`] compares what was asked for with what the kernel shows and
 //! reconciles. [`fault`] names the crash points the recovery tests kill at.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 pub mod attach;
 pub mod beneath;
 pub mod fault;

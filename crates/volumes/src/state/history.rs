@@ -78,7 +78,7 @@ pub(crate) struct RepairHistory {
 
 impl RepairHistory {
     /// The ring as an earlier run left it in `store`.
-    pub fn load(store: &Store) -> Self {
+    pub(crate) fn load(store: &Store) -> Self {
         let rows = store.contents().map(|c| c.repairs).unwrap_or_default();
         let mut ring: VecDeque<RepairEvent> = decode(&rows).into();
         let mut pending = Vec::new();
