@@ -62,7 +62,7 @@ impl NbdNetlink {
     }
 
     /// NBD_CMD_STATUS of one device, or of every device the driver has.
-    pub fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, Error> {
+    pub(crate) fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, Error> {
         let id = self.family.id;
         let replies = self
             .sock
