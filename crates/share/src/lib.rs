@@ -23,11 +23,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-pub mod admit;
+mod admit;
 pub mod client;
 pub mod follow;
 pub mod ganesha;
-pub mod identity;
+mod identity;
 pub mod kube;
 mod records;
 mod server;
