@@ -12,7 +12,7 @@
 
 pub mod attach;
 pub mod client;
-pub mod export;
+mod export;
 pub mod handshake;
 pub mod remote;
 pub mod server;
