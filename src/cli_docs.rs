@@ -4,7 +4,7 @@
 use std::io::Write;
 
 /// Writes the completion script for `shell` to stdout.
-pub fn completions(shell: clap_complete::Shell, cmd: &mut clap::Command) -> anyhow::Result<()> {
+pub(crate) fn completions(shell: clap_complete::Shell, cmd: &mut clap::Command) -> anyhow::Result<()> {
     let mut buf = Vec::new();
     clap_complete::generate(shell, cmd, "volring", &mut buf);
     write_stdout(&buf)
@@ -14,7 +14,7 @@ pub fn completions(shell: clap_complete::Shell, cmd: &mut clap::Command) -> anyh
 /// command (it renders one command per page), then a section per
 /// subcommand, in the order `--help` lists them, with its options, so one
 /// page documents every flag.
-pub fn man(cmd: clap::Command) -> anyhow::Result<()> {
+pub(crate) fn man(cmd: clap::Command) -> anyhow::Result<()> {
     let mut buf = Vec::new();
     let mut cmd = cmd.name("volring");
     cmd.build();

@@ -7,5 +7,8 @@
 //! `volring-nbd`, `volring-volumes`, `volring-share`, `volring-csi`,
 //! `volring-kube`.
 
+// Everything is crate-private unless the binary, tests or benches use it.
+#![warn(unreachable_pub)]
+
 pub mod agent;
 pub mod metrics;

@@ -49,29 +49,29 @@ pub(crate) struct Stopped {
 }
 
 impl Components {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self { running: Vec::new(), tasks: TaskTracker::new(), stopping: Stopping::default() }
     }
 
     /// The agent's one stop signal.
-    pub fn stopping(&self) -> &Stopping {
+    pub(crate) fn stopping(&self) -> &Stopping {
         &self.stopping
     }
 
     /// Where the components' tasks are spawned.
-    pub fn tasks(&self) -> &TaskTracker {
+    pub(crate) fn tasks(&self) -> &TaskTracker {
         &self.tasks
     }
 
     /// The names of the running components, oldest first.
-    pub fn names(&self) -> Vec<&'static str> {
+    pub(crate) fn names(&self) -> Vec<&'static str> {
         self.running.iter().map(|c| c.name).collect()
     }
 
     /// Registers a component that has just started: `stop` runs when the
     /// agent stops, before the stops of every component started earlier,
     /// and is given up on after `wait`.
-    pub fn started<F, Fut>(&mut self, name: &'static str, wait: Duration, stop: F)
+    pub(crate) fn started<F, Fut>(&mut self, name: &'static str, wait: Duration, stop: F)
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
@@ -82,7 +82,7 @@ impl Components {
 
     /// [`Components::started`] for a stop that blocks (it joins threads):
     /// it runs on the blocking pool, never on the runtime's workers.
-    pub fn started_blocking<F>(&mut self, name: &'static str, wait: Duration, stop: F)
+    pub(crate) fn started_blocking<F>(&mut self, name: &'static str, wait: Duration, stop: F)
     where
         F: FnOnce() -> anyhow::Result<()> + Send + 'static,
     {
@@ -94,7 +94,7 @@ impl Components {
     /// Spawns a server: `serve` is given the future that completes when
     /// its stop is asked (for a graceful end of accepting). A server that
     /// ends before that stops the agent with an error that says so.
-    pub fn serve<S, F>(&self, what: &'static str, serve: S) -> Server
+    pub(crate) fn serve<S, F>(&self, what: &'static str, serve: S) -> Server
     where
         S: FnOnce(WaitForCancellationFutureOwned) -> F,
         F: Future<Output = std::io::Result<()>> + Send + 'static,
@@ -118,7 +118,7 @@ impl Components {
     /// Stops every component, newest first, each within its bound (one
     /// that overruns is logged and left behind), then waits a little for
     /// what is left of their tasks.
-    pub async fn stop(self) -> Stopped {
+    pub(crate) async fn stop(self) -> Stopped {
         let mut out = Stopped::default();
         for c in self.running.into_iter().rev() {
             tracing::debug!(target: TARGET, component = c.name, "stopping");
@@ -150,13 +150,13 @@ pub(crate) struct Server {
 impl Server {
     /// Asks the server to stop; gives back its task, maybe still running
     /// (to await or abort), or `None` when it had already ended.
-    pub async fn stop(self) -> Option<JoinHandle<std::io::Result<()>>> {
+    pub(crate) async fn stop(self) -> Option<JoinHandle<std::io::Result<()>>> {
         self.stop.cancel();
         self.watch.await.ok().flatten()
     }
 
     /// Ends the server at once: the task is aborted and awaited.
-    pub async fn abort(self) {
+    pub(crate) async fn abort(self) {
         if let Some(task) = self.stop().await {
             task.abort();
             let _ = task.await;
@@ -182,23 +182,23 @@ pub(crate) struct Stopping {
 
 impl Stopping {
     /// Stops the agent cleanly.
-    pub fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.token.cancel();
     }
 
     /// Stops the agent with `error` (unless an earlier failure did).
-    pub fn fail(&self, error: anyhow::Error) {
+    pub(crate) fn fail(&self, error: anyhow::Error) {
         self.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(error);
         self.token.cancel();
     }
 
     /// Completes once a stop was asked.
-    pub async fn asked(&self) {
+    pub(crate) async fn asked(&self) {
         self.token.cancelled().await
     }
 
     /// What the agent exits with: the first failure, if any.
-    pub fn outcome(&self) -> anyhow::Result<()> {
+    pub(crate) fn outcome(&self) -> anyhow::Result<()> {
         match self.failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -211,11 +211,11 @@ impl Stopping {
 pub(crate) struct OffRuntime<T: Send + 'static>(Option<T>);
 
 impl<T: Send + 'static> OffRuntime<T> {
-    pub fn new(t: T) -> Self {
+    pub(crate) fn new(t: T) -> Self {
         Self(Some(t))
     }
 
-    pub fn into_inner(mut self) -> T {
+    pub(crate) fn into_inner(mut self) -> T {
         self.0.take().expect("taken once")
     }
 }

@@ -65,7 +65,7 @@ impl Events {
     /// Runs until a stop is asked (`Ok`) or a ring thread's queue closes.
     /// On the way out the publisher is handed the last inventory (its
     /// component writes it before stopping).
-    pub async fn run(mut self, stopping: &Stopping) -> anyhow::Result<()> {
+    pub(crate) async fn run(mut self, stopping: &Stopping) -> anyhow::Result<()> {
         let mut report = tokio::time::interval(Duration::from_secs(60));
         let mut relink = tokio::time::interval(Duration::from_millis(250));
         report.tick().await;

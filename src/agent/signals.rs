@@ -14,13 +14,13 @@ pub(super) struct Signals {
 }
 
 impl Signals {
-    pub fn take() -> std::io::Result<Self> {
+    pub(crate) fn take() -> std::io::Result<Self> {
         Ok(Self { term: signal(SignalKind::terminate())?, hup: signal(SignalKind::hangup())? })
     }
 
     /// From now on (the agent is ready) SIGINT and SIGTERM stop it. SIGINT
     /// is taken only now: during the start it ends the process as usual.
-    pub fn follow(self, parts: &Components) {
+    pub(crate) fn follow(self, parts: &Components) {
         let Signals { mut term, mut hup } = self;
         let stopping = parts.stopping().clone();
         parts.tasks().spawn(async move {

@@ -42,7 +42,7 @@ pub(super) struct Identities {
 
 impl Identities {
     /// The records of `staged`, named from the cache, made current.
-    pub fn rebuild(&self, staged: &[volring_volumes::StagedVolume]) -> Arc<Vec<VolumeIdentity>> {
+    pub(crate) fn rebuild(&self, staged: &[volring_volumes::StagedVolume]) -> Arc<Vec<VolumeIdentity>> {
         let ids = Arc::new(identity::identities(staged, &self.names.load()));
         self.current.store(ids.clone());
         ids

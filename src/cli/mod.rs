@@ -2,17 +2,17 @@
 //! and the dispatch), and what they share: stdout that may close, the
 //! runtime, the "needs root" hint.
 
-pub mod args;
-pub mod devices;
-pub mod df;
-pub mod holders;
-pub mod mounts;
-pub mod nbd;
-pub mod serve;
-pub mod status;
-pub mod top;
+pub(crate) mod args;
+pub(crate) mod devices;
+pub(crate) mod df;
+pub(crate) mod holders;
+pub(crate) mod mounts;
+pub(crate) mod nbd;
+pub(crate) mod serve;
+pub(crate) mod status;
+pub(crate) mod top;
 mod top_ui;
-pub mod volumes;
+pub(crate) mod volumes;
 
 use anyhow::Context;
 

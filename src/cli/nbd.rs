@@ -10,7 +10,7 @@ use volring_nbd::attach::{LinkDeadListener, LocalAttachment, NbdControl};
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 
 #[derive(clap::Args)]
-pub struct AttachArgs {
+pub(crate) struct AttachArgs {
     /// The image to serve: NAME=PATH[,ro][,direct] (as `nbd serve --export`).
     #[arg(long)]
     pub export: String,
@@ -50,7 +50,7 @@ fn line(v: serde_json::Value) {
 
 /// Attaches (or re-attaches) and serves until SIGTERM/SIGINT; a device
 /// whose connections die meanwhile (LINK_DEAD) gets fresh sockets.
-pub fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
+pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
     let spec: ExportSpec = a.export.parse()?;
     let server = Arc::new(NbdServer::start_unlistened(config, Arc::new(Exports::new()))?);
     server.add_export(&spec)?;
@@ -127,7 +127,7 @@ pub fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) 
 }
 
 /// Disconnects a device, after checking its backend when one is given.
-pub fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
+pub(crate) fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
     if let Some(id) = backend_id {
         volring_nbd::attach::control::check_backend(index, id, control.backend(index))?;
@@ -138,7 +138,7 @@ pub fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
 }
 
 /// Every device the driver has (or one), with its backend and size.
-pub fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
+pub(crate) fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
     let devices = control.status(index)?;
     let rows: Vec<_> = devices
@@ -173,7 +173,7 @@ pub fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
 }
 
 /// Prints each LINK_DEAD notice as a JSON line.
-pub fn watch(count: Option<u64>, seconds: Option<f64>) -> anyhow::Result<()> {
+pub(crate) fn watch(count: Option<u64>, seconds: Option<f64>) -> anyhow::Result<()> {
     let mut l = LinkDeadListener::open()?;
     let control = NbdControl::open()?;
     let deadline = seconds.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));

@@ -19,14 +19,14 @@ pub enum Format {
 impl Format {
     /// OpenMetrics when the client lists it at all (Prometheus does, with
     /// the highest weight), the classic text otherwise.
-    pub fn negotiate(accept: Option<&str>) -> Self {
+    pub(crate) fn negotiate(accept: Option<&str>) -> Self {
         match accept {
             Some(a) if a.to_ascii_lowercase().contains("application/openmetrics-text") => Format::OpenMetrics,
             _ => Format::Classic,
         }
     }
 
-    pub fn content_type(self) -> &'static str {
+    pub(crate) fn content_type(self) -> &'static str {
         match self {
             Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
             Format::Classic => "text/plain; version=0.0.4; charset=utf-8",
@@ -35,7 +35,7 @@ impl Format {
 }
 
 /// Rewrites OpenMetrics exposition text as classic text.
-pub fn from_openmetrics(text: &str) -> String {
+pub(crate) fn from_openmetrics(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     // The family being copied: its name and the suffix its classic name
     // gains (counters: `_total`, info: `_info`).

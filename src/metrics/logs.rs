@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static LOST: AtomicU64 = AtomicU64::new(0);
 
 /// How many log lines could not be written so far.
-pub fn lines_lost() -> u64 {
+pub(crate) fn lines_lost() -> u64 {
     LOST.load(Ordering::Relaxed)
 }
 

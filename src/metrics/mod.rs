@@ -34,7 +34,7 @@ use volring_volumes::state::reconcile::{ReconcileStats, PASS_BUCKETS_US};
 
 /// Everything `/metrics` reads from.
 #[derive(Clone)]
-pub struct Sources {
+pub(crate) struct Sources {
     pub stats: StatsReader,
     pub inventory: Arc<ArcSwap<Inventory>>,
     pub hotplug: Arc<HotplugStats>,
@@ -63,7 +63,7 @@ pub struct Sources {
 
 /// What `/metrics` reads of the reconciler.
 #[derive(Clone)]
-pub struct Reconcile {
+pub(crate) struct Reconcile {
     pub stats: Arc<ReconcileStats>,
     pub view: Arc<HealthView>,
 }
@@ -378,7 +378,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
 }
 
 /// Renders the exposition text.
-pub fn render(sources: &Sources) -> Result<String, FmtError> {
+pub(crate) fn render(sources: &Sources) -> Result<String, FmtError> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(sources.clone()));
     if let Some(s) = &sources.share {
@@ -390,7 +390,7 @@ pub fn render(sources: &Sources) -> Result<String, FmtError> {
 }
 
 /// Renders the exposition in the format the scraper asked for.
-pub fn render_as(sources: &Sources, format: Format) -> Result<String, FmtError> {
+pub(crate) fn render_as(sources: &Sources, format: Format) -> Result<String, FmtError> {
     let text = render(sources)?;
     Ok(match format {
         Format::OpenMetrics => text,
@@ -406,7 +406,7 @@ pub fn render_as(sources: &Sources, format: Format) -> Result<String, FmtError> 
 /// kubelet's liveness probe; the CSI socket's own liveness is the
 /// livenessprobe sidecar's (it calls Probe). `/readyz` is 503 until the
 /// start pass is done and again once the agent is stopping.
-pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::io::Result<()> {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
     use axum::routing::get;
     let addr = listener.local_addr()?;

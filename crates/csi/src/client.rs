@@ -14,7 +14,7 @@ use super::proto::volume_capability::{access_mode::Mode, AccessMode, AccessType,
 use super::proto::*;
 
 /// Connects to a CSI server listening on the unix socket `path`.
-pub async fn connect(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
+pub(crate) async fn connect(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
     // The URI is required by the API and ignored by the connector.
     Endpoint::from_static("http://csi.invalid")
         .connect_with_connector(tower::service_fn(move |_: Uri| {

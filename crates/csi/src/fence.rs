@@ -238,7 +238,7 @@ impl Fence {
     /// volumes in `exported_staged` without a holder get the local one (a
     /// stage made before this fence existed). A volume held remotely and
     /// staged here is reported: both are kept, so nothing new gets it.
-    pub fn resume(&self, staged: impl Fn(&str) -> bool, exported_staged: &[String]) -> Result<()> {
+    pub(crate) fn resume(&self, staged: impl Fn(&str) -> bool, exported_staged: &[String]) -> Result<()> {
         let mut s = self.lock();
         let stray: Vec<String> = s.holders.iter().filter(|(id, h)| **h == Holder::Local && !staged(id)).map(|(id, _)| id.clone()).collect();
         for id in stray {

@@ -76,7 +76,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn code(&self) -> tonic::Code {
+    pub(crate) fn code(&self) -> tonic::Code {
         match self {
             Error::InvalidArgument(_) => tonic::Code::InvalidArgument,
             Error::NotFound(_) => tonic::Code::NotFound,
@@ -111,4 +111,4 @@ impl From<volring_volumes::Error> for Error {
     }
 }
 
-pub type Result<T> = std::result::Result<T, Error>;
+pub(crate) type Result<T> = std::result::Result<T, Error>;

@@ -34,13 +34,14 @@ pub struct VolumeGuard {
 }
 
 impl VolumeLocks {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Takes the volume for a CSI call, or `None` when another operation
-    /// holds it.
-    pub fn try_lock(&self, id: &str) -> Option<VolumeGuard> {
+    /// holds it (calls wait with `lock_for_call`; the unit tests take it so).
+    #[cfg(test)]
+    fn try_lock(&self, id: &str) -> Option<VolumeGuard> {
         self.take(id, Holder::Call)
     }
 
@@ -80,7 +81,9 @@ impl VolumeLocks {
         Some(VolumeGuard { held: self.held.clone(), id: id.to_string() })
     }
 
-    pub fn held(&self) -> usize {
+    /// How many volumes are held (the unit tests check guards release).
+    #[cfg(test)]
+    fn held(&self) -> usize {
         self.held.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }

@@ -74,7 +74,7 @@ impl ExportListener {
     }
 
     /// Where other nodes connect.
-    pub fn address(&self) -> String {
+    pub(crate) fn address(&self) -> String {
         self.server.addresses().first().cloned().unwrap_or_default()
     }
 

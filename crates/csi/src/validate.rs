@@ -62,7 +62,7 @@ pub fn path_under(p: &str, root: &Path, what: &str) -> Result<PathBuf> {
 
 /// Checks that `p` is an absolute path with no `..` and returns it
 /// normalised.
-pub fn absolute(p: &str, what: &str) -> Result<PathBuf> {
+pub(crate) fn absolute(p: &str, what: &str) -> Result<PathBuf> {
     if p.is_empty() {
         return Err(Error::InvalidArgument(format!("{what} is required")));
     }
@@ -112,7 +112,7 @@ impl Access {
 
     /// A shared (ReadWriteMany) volume: the node holding it exports its
     /// staged filesystem over NFS and other nodes mount that export.
-    pub fn shared(&self) -> bool {
+    pub(crate) fn shared(&self) -> bool {
         self.mode == Mode::MultiNodeMultiWriter
     }
 }

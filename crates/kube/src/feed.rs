@@ -25,13 +25,13 @@ pub struct Feed {
 /// This node's BlockDevices now. Devices whose id could not be read are
 /// left out (see [`Feed::devices`] and [`unread_paths`]); devices that share
 /// an id on this node each get their own object, told apart by kernel name.
-pub fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
+pub(crate) fn block_devices(inventory: &Inventory, node: &str) -> Vec<Object> {
     block_devices_of(inventory, node, &HashMap::new())
 }
 
 /// [`block_devices`], each device a volume is on naming that volume's PV
 /// and PVC from its identity record in `volumes` (by volume id).
-pub fn block_devices_of(inventory: &Inventory, node: &str, volumes: &HashMap<String, VolumeIdentity>) -> Vec<Object> {
+pub(crate) fn block_devices_of(inventory: &Inventory, node: &str, volumes: &HashMap<String, VolumeIdentity>) -> Vec<Object> {
     let mut count: HashMap<&str, usize> = HashMap::new();
     for d in inventory.devices.values().filter(|d| !d.id.is_empty()) {
         *count.entry(d.id.as_str()).or_default() += 1;
@@ -157,7 +157,7 @@ pub(crate) fn volume_entry(rec: &StagedVolume, health: Option<&VolumeHealth>) ->
 
 /// Puts what `id` (the volume's identity record) names into its entry:
 /// PV, PVC, and its pods (`namespace/name` where known, else the UID).
-pub fn name_entry(e: &mut VolumeEntry, id: &VolumeIdentity) {
+pub(crate) fn name_entry(e: &mut VolumeEntry, id: &VolumeIdentity) {
     e.persistent_volume = id.persistent_volume.clone();
     e.persistent_volume_claim = id.claim.as_ref().map(|c| objects::ClaimRef { namespace: c.namespace.clone(), name: c.name.clone() });
     e.pods = id
@@ -172,7 +172,7 @@ pub fn name_entry(e: &mut VolumeEntry, id: &VolumeIdentity) {
 const FREE_GRAIN: u64 = 1 << 30;
 
 /// The pool's size and free space (statvfs); `None` when unreadable.
-pub fn pool(dir: &Path) -> Option<Pool> {
+pub(crate) fn pool(dir: &Path) -> Option<Pool> {
     let s = rustix::fs::statvfs(dir).ok()?;
     let free = s.f_bavail.saturating_mul(s.f_frsize);
     Some(Pool {

@@ -21,7 +21,7 @@ use super::updater::{Part, Sink, SinkError};
 /// The field manager of every apply.
 pub(crate) const FIELD_MANAGER: &str = "volring";
 /// Objects per LIST page.
-pub const PAGE: usize = 500;
+pub(crate) const PAGE: usize = 500;
 /// The largest response body read (a page of 500 objects is far below).
 pub(crate) const MAX_BODY: usize = 32 << 20;
 /// A Retry-After longer than this is taken as this.
@@ -71,23 +71,19 @@ impl KubeSink {
         Ok(Self { client, warned: Default::default() })
     }
 
-    /// A client from the in-cluster service account or the kubeconfig.
-    pub async fn infer() -> Result<Self, Error> {
-        Self::infer_for(&volring_devices::node_name()).await
-    }
-
-    /// [`KubeSink::infer`] for `node` (the agent's `--node-id`).
+    /// A client from the in-cluster service account or the kubeconfig, for
+    /// `node` (the agent's `--node-id`).
     pub async fn infer_for(node: &str) -> Result<Self, Error> {
         let config = kube::Config::infer().await?;
         Self::for_node(config, node)
     }
 
     /// True when the process runs in a pod (the service account's env).
-    pub fn in_cluster() -> bool {
+    pub(crate) fn in_cluster() -> bool {
         std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && std::env::var_os("KUBERNETES_SERVICE_PORT").is_some()
     }
 
-    /// Which cluster configuration [`KubeSink::infer`] would read, in its
+    /// Which cluster configuration [`KubeSink::infer_for`] would read, in its
     /// order (a kubeconfig first, then the pod's service account); `None`
     /// when there is neither, and the node's store stands in.
     pub fn detect() -> Option<ClusterSource> {

@@ -38,7 +38,7 @@ impl NodeSignal {
 }
 
 /// Builds the node's object from what the agent holds now.
-pub type Builder = Arc<dyn Fn() -> Object + Send + Sync>;
+pub(crate) type Builder = Arc<dyn Fn() -> Object + Send + Sync>;
 
 /// The StorageNode's follower.
 pub struct NodeFeed {
@@ -62,7 +62,7 @@ impl NodeFeed {
     /// Waits for a signal and returns the object once it differs from the
     /// last one handed out. Cancel-safe: the only await is the signal's, and
     /// a dropped wait passes its wake-up on.
-    pub async fn changed(&mut self) -> Object {
+    pub(crate) async fn changed(&mut self) -> Object {
         loop {
             self.signal.wait().await;
             let o = (self.build)();

@@ -298,7 +298,7 @@ pub enum Kind {
 impl Kind {
     pub const ALL: [Kind; 2] = [Kind::BlockDevice, Kind::StorageNode];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::BlockDevice => "BlockDevice",
             Kind::StorageNode => "StorageNode",
@@ -313,7 +313,7 @@ impl Kind {
         }
     }
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Kind::BlockDevice => "blockdevice",
             Kind::StorageNode => "storagenode",
@@ -401,7 +401,7 @@ impl Object {
         }
     }
 
-    pub fn node(&self) -> Option<&str> {
+    pub(crate) fn node(&self) -> Option<&str> {
         self.labels.get(NODE_LABEL).map(String::as_str)
     }
 
@@ -457,14 +457,9 @@ pub fn legacy_block_device_name(stable_id: &str) -> String {
     format!("bd-{hex}")
 }
 
-/// The BlockDevice for a device present now.
-pub fn block_device(d: &Device, node: &str) -> Object {
-    block_device_of(d, node, None)
-}
-
 /// The BlockDevice for a device present now, with the PV and PVC of the
 /// volume on it (`who`: that volume's identity record, when staged).
-pub fn block_device_of(d: &Device, node: &str, who: Option<&volring_volumes::VolumeIdentity>) -> Object {
+pub(crate) fn block_device_of(d: &Device, node: &str, who: Option<&volring_volumes::VolumeIdentity>) -> Object {
     let volume = d.uses.iter().find_map(|u| match u {
         Use::Volume(v) => Some(v.clone()),
         _ => None,

@@ -39,7 +39,7 @@ impl Target {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Queued {
+pub(crate) struct Queued {
     /// Objects submitted and not yet written.
     pub queued: u64,
     pub target: Target,
@@ -70,7 +70,7 @@ fn path(state_dir: &Path) -> PathBuf {
 
 /// Writes the record (a whole file, renamed into place: a reader never
 /// sees half of one).
-pub fn write(state_dir: &Path, q: &Queued) -> std::io::Result<()> {
+pub(crate) fn write(state_dir: &Path, q: &Queued) -> std::io::Result<()> {
     let tmp = state_dir.join(format!(".{FILE}.tmp"));
     std::fs::write(&tmp, serde_json::to_vec(q).map_err(std::io::Error::other)?)?;
     std::fs::rename(&tmp, path(state_dir))
@@ -82,7 +82,7 @@ pub fn remove(state_dir: &Path) {
 }
 
 /// The running agent's record, if there is one and its agent still runs.
-pub fn read(state_dir: &Path) -> Option<Queued> {
+pub(crate) fn read(state_dir: &Path) -> Option<Queued> {
     let bytes = std::fs::read(path(state_dir)).ok()?;
     if bytes.len() > 4096 {
         return None;

@@ -185,7 +185,7 @@ impl Updater {
     }
 
     /// The object's device is gone: mark it Inactive (or delete it).
-    pub fn retire(&self, key: Key) {
+    pub(crate) fn retire(&self, key: Key) {
         self.handle().retire(key);
     }
 
@@ -226,12 +226,12 @@ pub struct Submitter {
 
 impl Submitter {
     /// See [`Updater::submit`].
-    pub fn submit(&self, obj: Object) {
+    pub(crate) fn submit(&self, obj: Object) {
         self.put(obj.key.clone(), Want::Put(obj));
     }
 
     /// See [`Updater::retire`].
-    pub fn retire(&self, key: Key) {
+    pub(crate) fn retire(&self, key: Key) {
         self.put(key, Want::Retire);
     }
 

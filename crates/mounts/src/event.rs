@@ -45,7 +45,7 @@ impl Serialize for Changes {
 
 impl Changes {
     /// What differs between two states of one mount.
-    pub fn between(a: &Mount, b: &Mount) -> Self {
+    pub(crate) fn between(a: &Mount, b: &Mount) -> Self {
         let mut c = Changes::empty();
         c.set(Changes::MOUNT_POINT, a.mount_point() != b.mount_point());
         c.set(Changes::PARENT, a.parent != b.parent);
@@ -60,7 +60,7 @@ impl Changes {
     }
 
     /// A change of place is a move; anything else is a change.
-    pub fn kind(self) -> EventKind {
+    pub(crate) fn kind(self) -> EventKind {
         if self.intersects(Changes::MOUNT_POINT | Changes::PARENT) {
             EventKind::Moved
         } else {
@@ -111,7 +111,7 @@ impl MountEvent {
     }
 
     /// The event that takes `old` to `new`, or `None` when nothing differs.
-    pub fn between(old: &Arc<Mount>, new: &Arc<Mount>) -> Option<Self> {
+    pub(crate) fn between(old: &Arc<Mount>, new: &Arc<Mount>) -> Option<Self> {
         let changes = Changes::between(old, new);
         (!changes.is_empty()).then(|| Self {
             kind: changes.kind(),
@@ -160,7 +160,7 @@ pub enum ResyncTag {
 }
 
 impl WatchEvent {
-    pub fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
+    pub(crate) fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
         WatchEvent::Resync { kind: ResyncTag::Resync, reason, changes }
     }
 

@@ -41,7 +41,7 @@ impl Column {
         (Column::Propagation, "PROPAGATION"),
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         Self::ALL.iter().find(|(c, _)| *c == self).map_or("", |(_, n)| n)
     }
 

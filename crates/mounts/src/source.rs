@@ -27,7 +27,7 @@ impl Statmounter {
     }
 
     /// One mount by unique id; `None` when it has left the namespace.
-    pub fn stat(&mut self, id: u64) -> Result<Option<Mount>, Error> {
+    pub(crate) fn stat(&mut self, id: u64) -> Result<Option<Mount>, Error> {
         match mount_api::statmount(id, FULL_MASK, &mut self.buf) {
             Ok(()) => decode(&self.buf).map(Some),
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),

@@ -136,7 +136,7 @@ impl MountTable {
     }
 
     /// Mounts stacked on `point`, bottom first.
-    pub fn at<'a>(&'a self, point: &'a [u8]) -> impl Iterator<Item = &'a Arc<Mount>> + 'a {
+    pub(crate) fn at<'a>(&'a self, point: &'a [u8]) -> impl Iterator<Item = &'a Arc<Mount>> + 'a {
         let ids = self.by_point.get(&self.point_key(point)).map(Ids::as_slice).unwrap_or(&[]);
         ids.iter().filter_map(|id| self.by_id.get(id)).filter(move |m| m.mount_point() == point)
     }
@@ -173,7 +173,7 @@ impl MountTable {
         old
     }
 
-    pub fn remove(&mut self, id: MountId) -> Option<Arc<Mount>> {
+    pub(crate) fn remove(&mut self, id: MountId) -> Option<Arc<Mount>> {
         let m = self.by_id.remove(&id)?;
         let key = self.point_key(m.mount_point());
         index_remove(&mut self.by_point, key, id);

@@ -16,7 +16,7 @@ use super::Error;
 
 /// Largest option reply kept; the spec's longest (an INFO with a
 /// description, an error message) are far shorter.
-pub const MAX_REPLY_LEN: usize = 64 * 1024;
+pub(crate) const MAX_REPLY_LEN: usize = 64 * 1024;
 const REPLY_HEADER_LEN: usize = 20;
 
 /// What the server told about the export.

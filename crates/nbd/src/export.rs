@@ -19,10 +19,10 @@ use super::stats::{ExportSnapshot, ExportStats};
 use super::Error;
 
 /// Largest request payload: what qemu and the kernel client use.
-pub const MAX_BLOCK: u32 = 32 << 20;
+pub(crate) const MAX_BLOCK: u32 = 32 << 20;
 /// Alignment O_DIRECT needs of offsets, lengths and memory; requests that
 /// do not meet it go through the export's buffered descriptor.
-pub const DIRECT_ALIGN: u64 = 4096;
+pub(crate) const DIRECT_ALIGN: u64 = 4096;
 
 /// `NAME=PATH[,ro][,direct][,limit=N][,description=TEXT]`, as on the command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,12 +149,12 @@ impl Export {
     }
 
     /// The descriptor for aligned requests (O_DIRECT when enabled).
-    pub fn file(&self) -> &OwnedFd {
+    pub(crate) fn file(&self) -> &OwnedFd {
         &self.file
     }
 
     /// The buffered descriptor, when `file` is O_DIRECT.
-    pub fn buffered(&self) -> Option<&OwnedFd> {
+    pub(crate) fn buffered(&self) -> Option<&OwnedFd> {
         self.buffered.as_ref()
     }
 
@@ -163,15 +163,15 @@ impl Export {
     }
 
     /// A descriptor that supports lseek(SEEK_DATA) and fadvise.
-    pub fn any_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+    pub(crate) fn any_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.buffered.as_ref().unwrap_or(&self.file).as_fd()
     }
 
-    pub fn is_removed(&self) -> bool {
+    pub(crate) fn is_removed(&self) -> bool {
         self.removed.load(Ordering::Acquire)
     }
 
-    pub fn info(&self) -> ExportInfo {
+    pub(crate) fn info(&self) -> ExportInfo {
         ExportInfo { size: self.size, read_only: self.read_only, description: self.description.clone(), block_sizes: (1, 4096, MAX_BLOCK) }
     }
 
@@ -183,7 +183,7 @@ impl Export {
     /// Takes a connection slot, or says why not: the export is gone, full,
     /// or its [`Admission`] refuses `client` (the name the client gave
     /// itself, if any).
-    pub fn admit_why(&self, client: Option<&str>) -> Result<(), String> {
+    pub(crate) fn admit_why(&self, client: Option<&str>) -> Result<(), String> {
         if self.is_removed() {
             return Err("no longer served".into());
         }
@@ -204,13 +204,13 @@ impl Export {
 
     /// Gives a connection slot back (a connection that ended without the
     /// client's NBD_CMD_DISC: see [`Export::release_after`]).
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         self.release_after(false);
     }
 
     /// Gives a connection slot back; `disconnected`: the client ended the
     /// connection with NBD_CMD_DISC (it let go of the export on purpose).
-    pub fn release_after(&self, disconnected: bool) {
+    pub(crate) fn release_after(&self, disconnected: bool) {
         let _ = self.stats.connections.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         if let Some(a) = &self.admission {
             a.released(&self.name, disconnected);
@@ -319,7 +319,7 @@ impl Exports {
 
     /// Takes an export out: new connections are refused at once; the server
     /// closes the existing ones (see `NbdServer::remove_export`).
-    pub fn remove(&self, name: &str) -> Result<Arc<Export>, Error> {
+    pub(crate) fn remove(&self, name: &str) -> Result<Arc<Export>, Error> {
         let export =
             self.map.write().unwrap_or_else(|p| p.into_inner()).remove(name).ok_or_else(|| Error::NoSuchExport(name.to_string()))?;
         export.removed.store(true, Ordering::Release);

@@ -13,7 +13,7 @@ pub const MAX_OPTION_LEN: usize = 16 * 1024;
 /// Size of the option header the client sends.
 const OPTION_HEADER_LEN: usize = 16;
 /// The context id the server hands out for `base:allocation`.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 
 /// What the handshake needs to know about an export.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl Default for Handshake {
 }
 
 /// The server's first bytes: NBDMAGIC, IHAVEOPT, handshake flags.
-pub fn greeting() -> [u8; 18] {
+pub(crate) fn greeting() -> [u8; 18] {
     let mut g = [0u8; 18];
     g[..8].copy_from_slice(&wire::NBDMAGIC.to_be_bytes());
     g[8..16].copy_from_slice(&wire::IHAVEOPT.to_be_bytes());
@@ -120,7 +120,7 @@ pub fn greeting() -> [u8; 18] {
 /// The transmission flags of an export for a client that negotiated `style`.
 /// CAN_MULTI_CONN is honest because every connection to an export shares
 /// one open file: a flush on any of them syncs the whole inode.
-pub fn transmission_flags(info: &ExportInfo, style: HeaderStyle) -> u16 {
+pub(crate) fn transmission_flags(info: &ExportInfo, style: HeaderStyle) -> u16 {
     let mut f = tx::HAS_FLAGS | tx::SEND_FLUSH | tx::SEND_FUA | tx::SEND_CACHE | tx::CAN_MULTI_CONN;
     if info.read_only {
         f |= tx::READ_ONLY;

@@ -6,9 +6,13 @@
 //! - [`server`]: ring threads that own the sockets and the files and drive
 //!   both through io_uring, replying out of order as requests complete.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 pub mod attach;
 pub mod client;
-pub mod export;
+mod export;
 pub mod handshake;
 pub mod remote;
 pub mod server;

@@ -24,12 +24,12 @@ use subtle::ConstantTimeEq;
 use super::Error;
 
 /// The port NBD servers listen on unless told otherwise (IANA).
-pub const DEFAULT_PORT: u16 = 10809;
+pub(crate) const DEFAULT_PORT: u16 = 10809;
 /// Bytes of randomness in a secret.
-pub const SECRET_BYTES: usize = 32;
+pub(crate) const SECRET_BYTES: usize = 32;
 /// Longest URI accepted (a host name of 253 bytes, a port and an export
 /// name of 128 bytes fit with room to spare).
-pub const MAX_URI_LEN: usize = 1024;
+pub(crate) const MAX_URI_LEN: usize = 1024;
 
 /// `nbd://HOST[:PORT]/EXPORT`: where a remote volume is served. The export
 /// is a volume id; the secret is never part of the URI (it travels in its

@@ -33,7 +33,7 @@ fn bucket_of(us: u64) -> usize {
 /// One command's latencies: a count per bucket (not cumulative) and the
 /// sum, all only ever added to.
 #[derive(Default)]
-pub struct LatencyBuckets {
+pub(crate) struct LatencyBuckets {
     counts: [AtomicU64; BUCKETS],
     sum_us: AtomicU64,
 }
@@ -53,7 +53,7 @@ impl LatencySnapshot {
 }
 
 impl LatencyBuckets {
-    pub fn snapshot(&self) -> LatencySnapshot {
+    pub(crate) fn snapshot(&self) -> LatencySnapshot {
         LatencySnapshot {
             counts: std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed)),
             sum_us: self.sum_us.load(Ordering::Relaxed),
@@ -125,7 +125,7 @@ impl Pending {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.counts.iter().all(|&c| c == 0)
     }
 }

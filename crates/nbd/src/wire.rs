@@ -8,17 +8,17 @@ pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
 pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
-pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+pub(crate) const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
-pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
+pub(crate) const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+pub(crate) const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 /// Handshake flags (server) and client flags.
 pub mod handshake_flags {
-    pub const FIXED_NEWSTYLE: u16 = 1 << 0;
-    pub const NO_ZEROES: u16 = 1 << 1;
-    pub const C_FIXED_NEWSTYLE: u32 = 1 << 0;
-    pub const C_NO_ZEROES: u32 = 1 << 1;
+    pub(crate) const FIXED_NEWSTYLE: u16 = 1 << 0;
+    pub(crate) const NO_ZEROES: u16 = 1 << 1;
+    pub(crate) const C_FIXED_NEWSTYLE: u32 = 1 << 0;
+    pub(crate) const C_NO_ZEROES: u32 = 1 << 1;
 }
 
 /// Transmission flags, sent with the export's size.
@@ -26,26 +26,26 @@ pub mod tx {
     pub const HAS_FLAGS: u16 = 1 << 0;
     pub const READ_ONLY: u16 = 1 << 1;
     pub const SEND_FLUSH: u16 = 1 << 2;
-    pub const SEND_FUA: u16 = 1 << 3;
+    pub(crate) const SEND_FUA: u16 = 1 << 3;
     pub const ROTATIONAL: u16 = 1 << 4;
-    pub const SEND_TRIM: u16 = 1 << 5;
-    pub const SEND_WRITE_ZEROES: u16 = 1 << 6;
-    pub const SEND_DF: u16 = 1 << 7;
+    pub(crate) const SEND_TRIM: u16 = 1 << 5;
+    pub(crate) const SEND_WRITE_ZEROES: u16 = 1 << 6;
+    pub(crate) const SEND_DF: u16 = 1 << 7;
     pub const CAN_MULTI_CONN: u16 = 1 << 8;
-    pub const SEND_CACHE: u16 = 1 << 10;
-    pub const SEND_FAST_ZERO: u16 = 1 << 11;
+    pub(crate) const SEND_CACHE: u16 = 1 << 10;
+    pub(crate) const SEND_FAST_ZERO: u16 = 1 << 11;
 }
 
 /// Option numbers.
 pub mod opt {
     pub const EXPORT_NAME: u32 = 1;
-    pub const ABORT: u32 = 2;
+    pub(crate) const ABORT: u32 = 2;
     pub const LIST: u32 = 3;
-    pub const STARTTLS: u32 = 5;
-    pub const INFO: u32 = 6;
+    pub(crate) const STARTTLS: u32 = 5;
+    pub(crate) const INFO: u32 = 6;
     pub const GO: u32 = 7;
     pub const STRUCTURED_REPLY: u32 = 8;
-    pub const LIST_META_CONTEXT: u32 = 9;
+    pub(crate) const LIST_META_CONTEXT: u32 = 9;
     pub const SET_META_CONTEXT: u32 = 10;
     pub const EXTENDED_HEADERS: u32 = 11;
 }
@@ -53,24 +53,24 @@ pub mod opt {
 /// Option reply types.
 pub mod rep {
     pub const ACK: u32 = 1;
-    pub const SERVER: u32 = 2;
+    pub(crate) const SERVER: u32 = 2;
     pub const INFO: u32 = 3;
-    pub const META_CONTEXT: u32 = 4;
+    pub(crate) const META_CONTEXT: u32 = 4;
     pub const ERR_UNSUP: u32 = 0x8000_0001;
     pub const ERR_POLICY: u32 = 0x8000_0002;
-    pub const ERR_INVALID: u32 = 0x8000_0003;
-    pub const ERR_UNKNOWN: u32 = 0x8000_0006;
+    pub(crate) const ERR_INVALID: u32 = 0x8000_0003;
+    pub(crate) const ERR_UNKNOWN: u32 = 0x8000_0006;
     pub const ERR_SHUTDOWN: u32 = 0x8000_0007;
-    pub const ERR_TOO_BIG: u32 = 0x8000_0009;
-    pub const ERR_EXT_HEADER_REQD: u32 = 0x8000_000a;
+    pub(crate) const ERR_TOO_BIG: u32 = 0x8000_0009;
+    pub(crate) const ERR_EXT_HEADER_REQD: u32 = 0x8000_000a;
 }
 
 /// `NBD_INFO_*` items of INFO and GO.
 pub mod info {
-    pub const EXPORT: u16 = 0;
-    pub const NAME: u16 = 1;
-    pub const DESCRIPTION: u16 = 2;
-    pub const BLOCK_SIZE: u16 = 3;
+    pub(crate) const EXPORT: u16 = 0;
+    pub(crate) const NAME: u16 = 1;
+    pub(crate) const DESCRIPTION: u16 = 2;
+    pub(crate) const BLOCK_SIZE: u16 = 3;
 }
 
 /// Command types.
@@ -80,7 +80,7 @@ pub mod cmd {
     pub const DISC: u16 = 2;
     pub const FLUSH: u16 = 3;
     pub const TRIM: u16 = 4;
-    pub const CACHE: u16 = 5;
+    pub(crate) const CACHE: u16 = 5;
     pub const WRITE_ZEROES: u16 = 6;
     pub const BLOCK_STATUS: u16 = 7;
 }
@@ -98,7 +98,7 @@ pub mod cmd_flags {
 /// Structured reply chunk types and flags.
 pub mod chunk {
     pub const FLAG_DONE: u16 = 1 << 0;
-    pub const NONE: u16 = 0;
+    pub(crate) const NONE: u16 = 0;
     pub const OFFSET_DATA: u16 = 1;
     pub const OFFSET_HOLE: u16 = 2;
     pub const BLOCK_STATUS: u16 = 5;
@@ -109,16 +109,16 @@ pub mod chunk {
 /// Error numbers on the wire (not the host's errno values).
 pub mod errno {
     pub const EPERM: u32 = 1;
-    pub const EIO: u32 = 5;
-    pub const ENOMEM: u32 = 12;
+    pub(crate) const EIO: u32 = 5;
+    pub(crate) const ENOMEM: u32 = 12;
     pub const EINVAL: u32 = 22;
     pub const ENOSPC: u32 = 28;
     pub const EOVERFLOW: u32 = 75;
     pub const ENOTSUP: u32 = 95;
-    pub const ESHUTDOWN: u32 = 108;
+    pub(crate) const ESHUTDOWN: u32 = 108;
 
     /// The wire number for a host error; anything without its own number is EIO.
-    pub fn from_host(e: i32) -> u32 {
+    pub(crate) fn from_host(e: i32) -> u32 {
         match e {
             libc::EPERM | libc::EACCES | libc::EROFS => EPERM,
             libc::ENOMEM => ENOMEM,
@@ -142,8 +142,8 @@ pub const BASE_ALLOCATION: &str = "base:allocation";
 
 /// Header sizes: compact request, extended request, simple reply,
 /// structured chunk, extended chunk.
-pub const REQUEST_LEN: usize = 28;
-pub const EXTENDED_REQUEST_LEN: usize = 32;
+pub(crate) const REQUEST_LEN: usize = 28;
+pub(crate) const EXTENDED_REQUEST_LEN: usize = 32;
 pub const SIMPLE_REPLY_LEN: usize = 16;
 pub const STRUCTURED_REPLY_LEN: usize = 20;
 pub const EXTENDED_REPLY_LEN: usize = 32;
@@ -171,7 +171,7 @@ impl HeaderStyle {
         }
     }
 
-    pub fn structured(self) -> bool {
+    pub(crate) fn structured(self) -> bool {
         self != HeaderStyle::Simple
     }
 }
@@ -188,7 +188,7 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn has(&self, flag: u16) -> bool {
+    pub(crate) fn has(&self, flag: u16) -> bool {
         self.flags & flag != 0
     }
 
@@ -250,7 +250,7 @@ pub fn encode_request(req: &Request, style: HeaderStyle, out: &mut Vec<u8>) {
 /// leave in one piece. `payload` is the number of bytes that follow it;
 /// simple replies ignore `chunk_type`, `flags` and `payload` (their data
 /// has no length field) and only they use `error`.
-pub struct ReplyHeader {
+pub(crate) struct ReplyHeader {
     pub style: HeaderStyle,
     pub cookie: u64,
     pub offset: u64,
@@ -261,7 +261,7 @@ pub struct ReplyHeader {
 }
 
 impl ReplyHeader {
-    pub fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         match self.style {
             HeaderStyle::Simple => SIMPLE_REPLY_LEN,
             HeaderStyle::Structured => STRUCTURED_REPLY_LEN,
@@ -271,7 +271,7 @@ impl ReplyHeader {
 
     /// Writes the header into the last `self.size()` bytes of `dst` and
     /// returns its length.
-    pub fn write_before(&self, dst: &mut [u8]) -> usize {
+    pub(crate) fn write_before(&self, dst: &mut [u8]) -> usize {
         let n = self.size();
         let start = dst.len() - n;
         let h = &mut dst[start..];

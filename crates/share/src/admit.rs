@@ -26,15 +26,15 @@ use kube::api::{Api, Patch, PatchParams};
 use super::kube::Error;
 
 /// The annotation prefix a consuming node announces itself under.
-pub const CLIENT_PREFIX: &str = "nfs-client.volring.io/";
+pub(crate) const CLIENT_PREFIX: &str = "nfs-client.volring.io/";
 /// The annotation prefix the owning node answers under.
-pub const ADMITTED_PREFIX: &str = "nfs-admitted.volring.io/";
+pub(crate) const ADMITTED_PREFIX: &str = "nfs-admitted.volring.io/";
 
 /// The annotation name part for `node`: the node's name when it fits an
 /// annotation name (at most 63 characters, alphanumeric at both ends,
 /// `-`, `_`, `.` inside), else `h-` and a hash of it (node names may be
 /// 253 characters long).
-pub fn node_key(node: &str) -> String {
+pub(crate) fn node_key(node: &str) -> String {
     let fits = (1..=63).contains(&node.len())
         && node.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
         && node.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
@@ -56,7 +56,7 @@ fn under(pvc: &PersistentVolumeClaim, prefix: &str) -> BTreeMap<String, String> 
 /// that is no single IP address, and the unspecified, multicast and IPv4
 /// broadcast addresses (none is one node's, and ganesha may read the
 /// unspecified one as "any client").
-pub fn announced(pvc: &PersistentVolumeClaim) -> BTreeMap<String, String> {
+pub(crate) fn announced(pvc: &PersistentVolumeClaim) -> BTreeMap<String, String> {
     under(pvc, CLIENT_PREFIX).into_iter().filter(|(_, a)| a.parse::<std::net::IpAddr>().is_ok_and(one_node)).collect()
 }
 
@@ -89,7 +89,7 @@ async fn patch(client: &kube::Client, ns: &str, name: &str, set: BTreeMap<String
 /// The consuming side, at NodeStage: announces `node` at `address` on the
 /// PVC (written only when it is not there yet) and says whether the owner
 /// admits it already.
-pub async fn announce(client: &kube::Client, ns: &str, name: &str, node: &str, address: &str) -> Result<bool, Error> {
+pub(crate) async fn announce(client: &kube::Client, ns: &str, name: &str, node: &str, address: &str) -> Result<bool, Error> {
     let pvc = api(client, ns).get_opt(name).await.map_err(api_err(ns, name))?;
     let pvc = pvc.ok_or_else(|| Error::PvcGone { namespace: ns.into(), name: name.into() })?;
     let key = node_key(node);
@@ -102,7 +102,7 @@ pub async fn announce(client: &kube::Client, ns: &str, name: &str, node: &str, a
 
 /// The consuming side, at NodeUnstage: takes `node`'s announcement off the
 /// PVC (a PVC already gone has none).
-pub async fn renounce(client: &kube::Client, ns: &str, name: &str, node: &str) -> Result<(), Error> {
+pub(crate) async fn renounce(client: &kube::Client, ns: &str, name: &str, node: &str) -> Result<(), Error> {
     let Some(pvc) = api(client, ns).get_opt(name).await.map_err(api_err(ns, name))? else { return Ok(()) };
     let key = node_key(node);
     if under(&pvc, CLIENT_PREFIX).contains_key(&key) {
@@ -112,16 +112,10 @@ pub async fn renounce(client: &kube::Client, ns: &str, name: &str, node: &str) -
     Ok(())
 }
 
-/// The owning side: the nodes announced on the PVC now (`None`: the PVC
-/// is gone).
-pub async fn read(client: &kube::Client, ns: &str, name: &str) -> Result<Option<PersistentVolumeClaim>, Error> {
-    api(client, ns).get_opt(name).await.map_err(api_err(ns, name))
-}
-
 /// The owning side, after its server admits `admitted`: the PVC's answers
 /// (`nfs-admitted.volring.io/*`) made to say exactly that. True when
 /// something was written.
-pub async fn answer(
+pub(crate) async fn answer(
     client: &kube::Client,
     ns: &str,
     name: &str,

@@ -67,7 +67,7 @@ pub trait ShareHost: Send + Sync + 'static {
 
 /// What the loop needs from the node: the exports now, and a wake-up when
 /// they change.
-pub struct Follower {
+pub(crate) struct Follower {
     pub controller: Arc<ShareController>,
     /// Where other nodes reach this node's NFS server (the EndpointSlice's
     /// address: `--nfs-advertise`, the pod's IP in a cluster).
@@ -83,7 +83,7 @@ pub struct Follower {
 }
 
 /// See [`Follower::admit`].
-pub type Admit = Arc<dyn Fn(&str, &std::collections::BTreeMap<String, String>) -> Result<bool, super::Error> + Send + Sync>;
+pub(crate) type Admit = Arc<dyn Fn(&str, &std::collections::BTreeMap<String, String>) -> Result<bool, super::Error> + Send + Sync>;
 
 /// A volume whose last write failed.
 struct Failing {
@@ -121,7 +121,7 @@ impl Follower {
     /// Runs until `stop` completes, then takes this node's address out of
     /// the EndpointSlice of every volume it still exports (the server stops
     /// with the agent), and returns.
-    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
+    pub(crate) async fn run_until(self, stop: impl std::future::Future<Output = ()>) {
         tokio::pin!(stop);
         // What each volume was last brought to, successfully.
         let mut done: HashMap<String, Target> = HashMap::new();
@@ -363,7 +363,7 @@ pub async fn in_cluster<D: ShareHost>(
 /// waits for the owner to admit it (UNAVAILABLE until then), and the
 /// unstage takes the announcement off ([`super::admit`]); one the API
 /// server did not take off (an outage) is retried until it is.
-pub fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
+pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
     let handle = tokio::runtime::Handle::current();
     let store = driver.shares().store();
     // A stage's announcement and a retried renouncement of the same
@@ -475,7 +475,11 @@ impl Renouncer {
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
 /// address must be `IP:port`, and one the API server accepts in an
 /// EndpointSlice ([`endpoint_address`]).
-pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::kube::ControllerConfig) -> Result<Running, super::Error> {
+pub(crate) fn start<D: ShareHost>(
+    driver: Arc<D>,
+    client: kube::Client,
+    config: super::kube::ControllerConfig,
+) -> Result<Running, super::Error> {
     let share = driver.shares().config();
     let server = endpoint_address(share.advertised().as_deref())?;
     let probe = share.listen.unwrap_or(server);
@@ -502,7 +506,7 @@ pub fn start<D: ShareHost>(driver: Arc<D>, client: kube::Client, config: super::
 /// reconcile: a node listening on loopback or a wildcard must advertise
 /// the address other nodes reach it at (`--nfs-advertise`, in deploy/ the
 /// pod's IP from the downward API).
-pub fn endpoint_address(advertised: Option<&str>) -> Result<SocketAddr, super::Error> {
+pub(crate) fn endpoint_address(advertised: Option<&str>) -> Result<SocketAddr, super::Error> {
     let a = advertised.unwrap_or_default();
     let addr: SocketAddr =
         a.parse().map_err(|_| super::Error::Config(format!("the advertised NFS address {a:?} is not IP:port (--nfs-advertise)")))?;

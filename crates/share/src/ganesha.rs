@@ -51,7 +51,7 @@ use super::Error;
 
 /// The server-wide settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// The one address and TCP port the server listens on.
     pub listen: SocketAddr,
     /// Where the FSAL plugins (libfsalvfs.so) are.
@@ -135,7 +135,7 @@ pub fn valid_client(c: &str) -> bool {
 /// written quoted; one that could break out of its quotes (a quote, a
 /// backslash, a control character) is refused, as are a zero or repeated
 /// export id and a repeated pseudo path.
-pub fn render(settings: &Settings, exports: &[Export]) -> Result<String, Error> {
+pub(crate) fn render(settings: &Settings, exports: &[Export]) -> Result<String, Error> {
     let mut out = String::new();
     let (addr, port) = (settings.listen.ip(), settings.listen.port());
     let plugins = quoted(&settings.plugins_dir)?;

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 /// What [`ensure`] found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Identity {
+pub(crate) enum Identity {
     /// Already set (by the operator, or an earlier agent): left alone.
     Kept(String),
     /// Was empty; set to this.
@@ -45,7 +45,7 @@ fn machine_id(candidates: &[PathBuf]) -> Option<String> {
 /// Sets `nfs4_unique_id` under `sys` to the machine id when it is empty.
 /// `load` is called when the parameter is not there (the module not
 /// loaded yet) before looking again.
-pub fn ensure(sys: &Path, machine_ids: &[PathBuf], load: impl FnOnce()) -> Identity {
+pub(crate) fn ensure(sys: &Path, machine_ids: &[PathBuf], load: impl FnOnce()) -> Identity {
     let param = parameter(sys);
     if !param.exists() {
         load();
@@ -69,7 +69,7 @@ pub fn ensure(sys: &Path, machine_ids: &[PathBuf], load: impl FnOnce()) -> Ident
 /// [`ensure`] on this node, once per process, and logged: the host's
 /// machine id is read through pid 1's root first (the agent's container
 /// has its own `/etc`; the DaemonSet shares the host's pid namespace).
-pub fn ensure_on_this_node() {
+pub(crate) fn ensure_on_this_node() {
     static DONE: OnceLock<()> = OnceLock::new();
     DONE.get_or_init(|| {
         let ids = [PathBuf::from("/proc/1/root/etc/machine-id"), PathBuf::from("/etc/machine-id")];

@@ -50,20 +50,20 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use prometheus_client::metrics::histogram::Histogram;
 
 /// The port clients mount on the Service.
-pub const NFS_PORT: u16 = 2049;
+pub(crate) const NFS_PORT: u16 = 2049;
 /// Label naming the volume on both objects.
-pub const VOLUME_LABEL: &str = "volring.io/volume";
+pub(crate) const VOLUME_LABEL: &str = "volring.io/volume";
 /// The label that ties an EndpointSlice to its Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The label that says who manages an EndpointSlice (the API server's own
 /// controllers leave a slice managed by another alone).
-pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+pub(crate) const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
 /// volring's value of [`MANAGED_BY_LABEL`].
-pub const MANAGED_BY: &str = "volring.io";
+pub(crate) const MANAGED_BY: &str = "volring.io";
 const PORT_NAME: &str = "nfs";
 /// Annotation on the PVC: the endpoint (`ClusterIP:2049`) other nodes
 /// mount the shared volume from.
-pub const ENDPOINT_ANNOTATION: &str = "volring.io/nfs-endpoint";
+pub(crate) const ENDPOINT_ANNOTATION: &str = "volring.io/nfs-endpoint";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -153,7 +153,7 @@ impl ShareController {
     }
 
     /// The API client the controller writes with.
-    pub fn client(&self) -> &kube::Client {
+    pub(crate) fn client(&self) -> &kube::Client {
         &self.client
     }
 
@@ -168,7 +168,7 @@ impl ShareController {
 
     /// The poll interval of re-reads (also how often the loop looks
     /// whether a server that does not answer yet does).
-    pub fn poll(&self) -> Duration {
+    pub(crate) fn poll(&self) -> Duration {
         self.config.poll
     }
 
@@ -188,7 +188,7 @@ impl ShareController {
     /// (whatever address it held is not serving the volume now), and
     /// nothing is published — other nodes mount only once an address is
     /// behind the ClusterIP.
-    pub async fn reconcile_idle(&self, v: &SharedVolume) -> Result<Outcome, Error> {
+    pub(crate) async fn reconcile_idle(&self, v: &SharedVolume) -> Result<Outcome, Error> {
         let start = Instant::now();
         let r = self.reconcile_inner(v, false, |_| {}).await;
         self.duration.observe(start.elapsed().as_secs_f64());
@@ -354,7 +354,7 @@ impl ShareController {
 
 /// What the owning node published for a PVC: its [`ENDPOINT_ANNOTATION`]
 /// (`None`: not yet). Other nodes' NodeStage mounts this.
-pub async fn published_endpoint(client: &kube::Client, namespace: &str, name: &str) -> Result<Option<String>, Error> {
+pub(crate) async fn published_endpoint(client: &kube::Client, namespace: &str, name: &str) -> Result<Option<String>, Error> {
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
     let pvc = pvcs
         .get_opt(name)
@@ -457,7 +457,7 @@ fn meta_holds(have: &ObjectMeta, want: &ObjectMeta) -> bool {
 
 /// Equivalent: the fields volring sets agree; what the API server fills
 /// in (ClusterIP, session affinity, IP families...) is not compared.
-pub fn service_equivalent(have: &Service, want: &Service) -> bool {
+pub(crate) fn service_equivalent(have: &Service, want: &Service) -> bool {
     let ports = |s: &Service| -> Vec<(Option<String>, i32, Option<IntOrString>, String)> {
         let mut p: Vec<_> = s
             .spec
@@ -475,7 +475,7 @@ pub fn service_equivalent(have: &Service, want: &Service) -> bool {
 
 /// Equivalent: the same type, endpoints (addresses and readiness) and
 /// ports, and the labels and owner volring sets.
-pub fn slice_equivalent(have: &EndpointSlice, want: &EndpointSlice) -> bool {
+pub(crate) fn slice_equivalent(have: &EndpointSlice, want: &EndpointSlice) -> bool {
     type Ports = Vec<(Option<String>, Option<i32>, String)>;
     let flat = |e: &EndpointSlice| -> (Vec<String>, Ports) {
         let mut ips: Vec<String> = e

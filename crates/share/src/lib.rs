@@ -16,15 +16,19 @@
 //! MULTI_NODE_MULTI_WRITER (the `share` parameter below), and the node that
 //! stages such a volume exports it.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-pub mod admit;
+mod admit;
 pub mod client;
 mod client_watch;
 pub mod follow;
 pub mod ganesha;
-pub mod identity;
+mod identity;
 pub mod kube;
 mod records;
 mod server;
@@ -56,8 +60,8 @@ impl Error {
 
 /// Parameter (recorded with the volume) and volume-context key marking a
 /// shared volume; its one value is [`SHARE_NFS`].
-pub const PARAM_SHARE: &str = "share";
-pub const SHARE_NFS: &str = "nfs";
+pub(crate) const PARAM_SHARE: &str = "share";
+pub(crate) const SHARE_NFS: &str = "nfs";
 
 /// StorageClass parameter (recorded with the volume): root squash of its
 /// NFS export, `root` (the default), `none` or `all` ([`Squash`]).
@@ -88,13 +92,13 @@ pub fn mark_shared(parameters: &mut BTreeMap<String, String>) {
 /// Volume-context key: the export's `host:port` as other nodes reach it.
 pub const CTX_SERVER: &str = "nfsServer";
 /// Volume-context key: the path clients mount on that server.
-pub const CTX_EXPORT: &str = "nfsExport";
+pub(crate) const CTX_EXPORT: &str = "nfsExport";
 
 /// Volume-context keys: the namespace and name of the PVC a shared volume
 /// was created for, so other nodes know where its endpoint is published
 /// (the PVC's `volring.io/nfs-endpoint` annotation, see [`kube`]).
-pub const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
-pub const CTX_PVC_NAME: &str = "nfsPvcName";
+pub(crate) const CTX_PVC_NAMESPACE: &str = "nfsPvcNamespace";
+pub(crate) const CTX_PVC_NAME: &str = "nfsPvcName";
 
 /// The external-provisioner's keys (`--extra-create-metadata`) in
 /// CreateVolume's parameters, recorded with the volume.
@@ -127,7 +131,7 @@ fn pvc(ns: &str, name: &str) -> Option<(String, String)> {
 }
 
 /// The path volume `id` is exported as (`server:/<id>`).
-pub fn pseudo_path(id: &str) -> String {
+pub(crate) fn pseudo_path(id: &str) -> String {
     format!("/{id}")
 }
 

@@ -66,7 +66,7 @@ pub struct NfsServer {
 }
 
 impl NfsServer {
-    pub fn new(settings: Settings, files: ServerFiles) -> Result<Self, Error> {
+    pub(crate) fn new(settings: Settings, files: ServerFiles) -> Result<Self, Error> {
         std::fs::create_dir_all(&settings.recovery_dir).map_err(|e| Error::io(&settings.recovery_dir, e))?;
         std::fs::create_dir_all(&files.dir).map_err(|e| Error::io(&files.dir, e))?;
         // Checked now, so a bad path fails the agent's start, not a stage.
@@ -77,7 +77,7 @@ impl NfsServer {
 
     /// Serves exactly `exports` from now on: rewrites the configuration and
     /// has the running server re-read it (or starts the server).
-    pub fn set_exports(&self, mut exports: Vec<Export>) -> Result<(), Error> {
+    pub(crate) fn set_exports(&self, mut exports: Vec<Export>) -> Result<(), Error> {
         exports.sort();
         let text = ganesha::render(&self.shared.settings, &exports)?;
         let mut st = self.shared.lock();
@@ -130,7 +130,7 @@ impl NfsServer {
     /// path only when it creates the export, and a reload keeps an
     /// unchanged export on what it resolved before. Clients ride through
     /// as through any restart (hard mounts, NFSv4 grace).
-    pub fn restart(&self) {
+    pub(crate) fn restart(&self) {
         let st = self.shared.lock();
         if let Some(fd) = &st.pidfd {
             let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::TERM);
@@ -138,17 +138,8 @@ impl NfsServer {
     }
 
     /// The server's process id while it runs.
-    pub fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.shared.lock().pid
-    }
-
-    /// How many times the process was started.
-    pub fn starts(&self) -> u64 {
-        self.shared.lock().starts
-    }
-
-    pub fn exports(&self) -> Vec<Export> {
-        self.shared.lock().exports.clone()
     }
 
     fn thread_running(&self) -> bool {

@@ -108,7 +108,7 @@ impl ShareSide {
     }
 
     /// Calls `f` after every export, unexport and resume from now on.
-    pub fn on_change(&self, f: impl Fn() + Send + 'static) {
+    pub(crate) fn on_change(&self, f: impl Fn() + Send + 'static) {
         self.watchers.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(f));
     }
 
@@ -124,13 +124,8 @@ impl ShareSide {
     }
 
     /// The running NFS server's pid.
-    pub fn server_pid(&self) -> Option<u32> {
+    pub(crate) fn server_pid(&self) -> Option<u32> {
         self.server.get().and_then(NfsServer::pid)
-    }
-
-    /// Times the server process was started.
-    pub fn server_starts(&self) -> u64 {
-        self.server.get().map_or(0, NfsServer::starts)
     }
 
     /// The record of shared volume `id` mounted here from another node.
@@ -158,20 +153,14 @@ impl ShareSide {
 
     /// Calls `f` with the volume id after each [`ShareSide::remove_mount_record`]
     /// (set once; later calls are ignored).
-    pub fn on_unmounted(&self, f: impl Fn(&str) + Send + Sync + 'static) {
+    pub(crate) fn on_unmounted(&self, f: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.unmounted.set(Box::new(f));
     }
 
     /// The node's store, for what the cluster side records beside the
     /// shares (the PVCs this node announced itself on).
-    pub fn store(&self) -> Arc<Store> {
+    pub(crate) fn store(&self) -> Arc<Store> {
         self.store.clone()
-    }
-
-    /// Exports volume `id`'s staged filesystem at `path` with root squash;
-    /// idempotent.
-    pub fn export(&self, id: &str, path: &Path) -> Result<ShareRecord, Error> {
-        self.export_squashed(id, path, Squash::Root)
     }
 
     /// Exports volume `id`'s staged filesystem at `path`, `squash` as its
@@ -207,7 +196,7 @@ impl ShareSide {
     /// configuration (SIGHUP; no client loses its state). True when the
     /// list changed; false also when `id` is not exported here. An address
     /// that is no IP is refused ([`super::ganesha::valid_client`]).
-    pub fn set_clients(&self, id: &str, clients: &std::collections::BTreeMap<String, String>) -> Result<bool, Error> {
+    pub(crate) fn set_clients(&self, id: &str, clients: &std::collections::BTreeMap<String, String>) -> Result<bool, Error> {
         if let Some((node, bad)) = clients.iter().find(|(_, a)| !super::ganesha::valid_client(a)) {
             return Err(Error::Config(format!("node {node}'s NFS client address {bad:?} is no IP address")));
         }

@@ -65,7 +65,7 @@ impl GenlSocket {
         Ok(())
     }
 
-    pub fn send(&self, msg: &[u8]) -> io::Result<()> {
+    pub(crate) fn send(&self, msg: &[u8]) -> io::Result<()> {
         let n = rustix::net::sendto(&self.fd, msg, SendFlags::empty(), &SocketAddrNetlink::new(0, 0))?;
         if n != msg.len() {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "short netlink send"));

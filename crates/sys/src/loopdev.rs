@@ -123,10 +123,6 @@ impl LoopDevice {
         PathBuf::from(format!("/dev/loop{}", self.number))
     }
 
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
     /// Makes the device re-read its backing file's size (after the file grew).
     pub fn refresh_capacity(&self) -> io::Result<()> {
         // SAFETY: LOOP_SET_CAPACITY takes no argument.

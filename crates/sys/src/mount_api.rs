@@ -23,7 +23,6 @@ pub mod mask {
     pub const MNT_ROOT: u64 = 0x8;
     pub const MNT_POINT: u64 = 0x10;
     pub const FS_TYPE: u64 = 0x20;
-    pub const MNT_NS_ID: u64 = 0x40;
     pub const MNT_OPTS: u64 = 0x80;
     pub const FS_SUBTYPE: u64 = 0x100;
     pub const SB_SOURCE: u64 = 0x200;

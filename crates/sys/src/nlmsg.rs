@@ -26,7 +26,7 @@ const NLA_TYPE_MASK: u16 = !(1 << 15 | 1 << 14);
 
 /// The generic netlink controller (linux/genetlink.h).
 pub const GENL_ID_CTRL: u16 = 0x10;
-pub const CTRL_CMD_GETFAMILY: u8 = 3;
+pub(crate) const CTRL_CMD_GETFAMILY: u8 = 3;
 pub(crate) const CTRL_ATTR_FAMILY_ID: u16 = 1;
 pub(crate) const CTRL_ATTR_FAMILY_NAME: u16 = 2;
 pub(crate) const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
@@ -62,9 +62,9 @@ pub mod nbd {
     pub(crate) const DEVICE_INDEX: u16 = 1;
     pub(crate) const DEVICE_CONNECTED: u16 = 2;
 
-    /// Client flags (linux/nbd.h).
-    pub const CFLAG_DESTROY_ON_DISCONNECT: u64 = 1 << 0;
-    pub const CFLAG_DISCONNECT_ON_CLOSE: u64 = 1 << 1;
+    /// A client flag (linux/nbd.h) the unit tests set.
+    #[cfg(test)]
+    pub(crate) const CFLAG_DISCONNECT_ON_CLOSE: u64 = 1 << 1;
 }
 
 fn align4(n: usize) -> usize {
@@ -93,7 +93,7 @@ impl Builder {
         Builder { buf, open: Vec::new() }
     }
 
-    pub fn put(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
+    pub(crate) fn put(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
         let len = 4 + payload.len();
         self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
@@ -102,20 +102,23 @@ impl Builder {
         self
     }
 
-    pub fn u8(&mut self, kind: u16, v: u8) -> &mut Self {
+    /// The unit tests encode replies the kernel sends with these.
+    #[cfg(test)]
+    fn u8(&mut self, kind: u16, v: u8) -> &mut Self {
         self.put(kind, &[v])
     }
-    pub fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
+    #[cfg(test)]
+    fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
         self.put(kind, &v.to_ne_bytes())
     }
     pub fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
         self.put(kind, &v.to_ne_bytes())
     }
-    pub fn u64(&mut self, kind: u16, v: u64) -> &mut Self {
+    pub(crate) fn u64(&mut self, kind: u16, v: u64) -> &mut Self {
         self.put(kind, &v.to_ne_bytes())
     }
     /// A NUL-terminated string, as the kernel's NLA_STRING/NLA_NUL_STRING want.
-    pub fn string(&mut self, kind: u16, s: &str) -> &mut Self {
+    pub(crate) fn string(&mut self, kind: u16, s: &str) -> &mut Self {
         let mut v = Vec::with_capacity(s.len() + 1);
         v.extend_from_slice(s.as_bytes());
         v.push(0);
@@ -440,8 +443,9 @@ pub fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
     Ok(out)
 }
 
-/// Encodes a STATUS reply as the kernel does (for tests and fuzz seeds).
-pub fn status_reply(family: u16, devices: &[DeviceStatus], seq: u32) -> Vec<u8> {
+/// Encodes a STATUS reply as the kernel does (the unit tests' input).
+#[cfg(test)]
+fn status_reply(family: u16, devices: &[DeviceStatus], seq: u32) -> Vec<u8> {
     let mut b = Builder::new(family, 0, nbd::CMD_STATUS, nbd::VERSION);
     b.begin_nest(nbd::ATTR_DEVICE_LIST);
     for d in devices {

@@ -228,7 +228,7 @@ fn loop_numbers() -> impl Iterator<Item = u32> {
 
 /// How long a detach the kernel deferred (the device is held open
 /// elsewhere) may take before [`detach`] gives up and says so.
-pub const DETACH_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const DETACH_WAIT: Duration = Duration::from_secs(5);
 
 /// Detaches `/dev/loop<number>` if it is still attached to `image`, waits
 /// until the kernel has really let go of the image, and removes the device;
@@ -327,7 +327,7 @@ pub fn refresh_capacity(a: &Attachment) -> Result<u64, Error> {
     size_bytes(a.number)
 }
 
-pub fn size_bytes(number: u32) -> Result<u64, Error> {
+pub(crate) fn size_bytes(number: u32) -> Result<u64, Error> {
     sysfs_size(&format!("loop{number}"))
 }
 

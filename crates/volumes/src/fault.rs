@@ -121,15 +121,14 @@ pub fn point(name: &str) {
 /// the agent does next. `VOLRING_PAUSE_POINT=name` (or `name@N`, the N-th
 /// time) with `VOLRING_PAUSE_DIR=dir`: at [`pause`]`("name")` the agent
 /// creates `dir/name.reached` and waits (at most a minute) until the test
-/// creates `dir/name.go`. Every pause point is listed in [`PAUSES`].
+/// creates `dir/name.go`. The pause points:
 ///
 /// - `reconcile:decided`: the reconciler decided a repair and holds the
 ///   volume's lock; nothing has been opened or mounted yet;
 /// - `stage:premount`: a stage (a call's or the reconciler's repair) proved
 ///   the staging path empty and is about to mount onto it.
-pub const PAUSES: &[&str] = &["reconcile:decided", "stage:premount"];
-
-/// Waits here when this pause point is armed (see [`PAUSES`]).
+///
+/// Waits here when this pause point is armed.
 pub fn pause(name: &str) {
     static ARMED: OnceLock<Option<(String, u64, std::path::PathBuf)>> = OnceLock::new();
     static HITS: AtomicU64 = AtomicU64::new(0);

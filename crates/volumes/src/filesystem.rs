@@ -58,7 +58,7 @@ impl FsKind {
     /// kernel refuses to mount an xfs whose sector size is smaller than
     /// the device's logical block size — the 4 KiB of an nbd device on
     /// another node, where the volume moves to (issue 17).
-    pub fn mkfs_command(self, device: &str) -> (&'static str, Vec<String>) {
+    pub(crate) fn mkfs_command(self, device: &str) -> (&'static str, Vec<String>) {
         match self {
             FsKind::Ext4 => (
                 "mkfs.ext4",
@@ -84,13 +84,14 @@ pub enum Content {
 
 /// Classifies the first [`PROBE_LEN`](volring_devices::probe::PROBE_LEN) bytes of a device (pure), as if they
 /// were all of it.
-pub fn classify(head: &[u8]) -> Content {
+#[cfg(test)]
+fn classify(head: &[u8]) -> Content {
     classify_sample(&Sample::whole(head))
 }
 
 /// Classifies what [`read_plan`] read from a device (pure): blank only when
 /// no signature matched and every byte read, head and tail, is zero.
-pub fn classify_sample(sample: &Sample<'_>) -> Content {
+pub(crate) fn classify_sample(sample: &Sample<'_>) -> Content {
     let found = probe_sample(sample, 512);
     if let Some(fs) = found.filesystem {
         return match fs.fstype.as_str() {

@@ -190,7 +190,7 @@ pub fn pod_of_target(target: &Path) -> Option<(String, Option<String>)> {
 }
 
 /// The PV name in a kubelet staging path, when the path has it.
-pub fn pv_of_staging(staging: &Path) -> Option<String> {
+pub(crate) fn pv_of_staging(staging: &Path) -> Option<String> {
     let c = normal(staging)?;
     let pv = match c.as_slice() {
         [.., "volumeDevices", "staging", pv] => *pv,

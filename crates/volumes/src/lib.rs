@@ -14,14 +14,18 @@
 //! them, [`state`] compares what was asked for with what the kernel shows and
 //! reconciles. [`fault`] names the crash points the recovery tests kill at.
 
+// Everything is crate-private unless another crate uses it: a `pub`
+// item no other crate can reach is an error (`-D warnings`).
+#![warn(unreachable_pub)]
+
 pub mod attach;
 pub mod beneath;
 pub mod fault;
 pub mod filesystem;
 pub mod identity;
 pub mod mounting;
-pub mod persist;
-pub mod pool;
+mod persist;
+mod pool;
 pub mod recover;
 pub mod staged;
 pub mod state;

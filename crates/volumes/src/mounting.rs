@@ -16,7 +16,7 @@ use rustix::mount::{
 };
 
 /// The spec's limit for all mount flags together.
-pub const MAX_FLAGS_LEN: usize = 4096;
+pub(crate) const MAX_FLAGS_LEN: usize = 4096;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountOptions {

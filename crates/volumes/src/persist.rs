@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 /// The subdirectory of a record directory that holds quarantined records.
-pub const QUARANTINE: &str = "quarantine";
+pub(crate) const QUARANTINE: &str = "quarantine";
 /// The note beside a quarantined record saying why it was moved.
 const REASON: &str = ".reason";
 /// A note longer than this is cut (it is read back by `status`).
@@ -20,7 +20,7 @@ const MAX_REASON: u64 = 4096;
 
 /// Writes `bytes` to `dir/name`: a temporary file, fsync, rename over the
 /// old one, fsync of the directory (the rename itself must be durable).
-pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
     let tmp = dir.join(format!(".{name}.tmp"));
     {
         let mut f = File::create(&tmp)?;
@@ -32,7 +32,7 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Removes `dir/name` durably; a missing file is not an error.
-pub fn remove_durable(dir: &Path, name: &str) -> io::Result<()> {
+pub(crate) fn remove_durable(dir: &Path, name: &str) -> io::Result<()> {
     match fs::remove_file(dir.join(name)) {
         Ok(()) => sync_dir(dir),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -40,12 +40,12 @@ pub fn remove_durable(dir: &Path, name: &str) -> io::Result<()> {
     }
 }
 
-pub fn sync_dir(dir: &Path) -> io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
 /// Removes temporary files a crash left behind in `dir`.
-pub fn sweep_temporaries(dir: &Path) -> io::Result<usize> {
+pub(crate) fn sweep_temporaries(dir: &Path) -> io::Result<usize> {
     let mut n = 0;
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
@@ -81,7 +81,7 @@ impl Quarantined {
 /// Moves `dir/name` into `dir/quarantine/` (as `name`, or `name.N` when an
 /// earlier record of that name is already there), writes the reason beside
 /// it, and makes both durable before returning.
-pub fn quarantine(dir: &Path, name: &str, reason: &str) -> io::Result<Quarantined> {
+pub(crate) fn quarantine(dir: &Path, name: &str, reason: &str) -> io::Result<Quarantined> {
     let qdir = dir.join(QUARANTINE);
     if !qdir.is_dir() {
         fs::create_dir_all(&qdir)?;
@@ -107,7 +107,7 @@ pub fn quarantine(dir: &Path, name: &str, reason: &str) -> io::Result<Quarantine
 
 /// The records quarantined in `dir/quarantine/` (by this run or earlier
 /// ones), in name order. Reading never changes anything.
-pub fn quarantined(dir: &Path) -> io::Result<Vec<Quarantined>> {
+pub(crate) fn quarantined(dir: &Path) -> io::Result<Vec<Quarantined>> {
     let qdir = dir.join(QUARANTINE);
     let entries = match fs::read_dir(&qdir) {
         Ok(e) => e,

@@ -196,13 +196,15 @@ impl ImagePool {
         self.volumes.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
     }
 
-    /// The records moved to `quarantine/` (by this run or earlier ones).
-    pub fn quarantined(&self) -> Vec<Quarantined> {
+    /// The records moved to `quarantine/` (by this run or earlier ones;
+    /// the unit tests read them).
+    #[cfg(test)]
+    fn quarantined(&self) -> Vec<Quarantined> {
         self.quarantined.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The quarantined record of volume `id`, if its record is quarantined.
-    pub fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
+    pub(crate) fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
         self.quarantined.read().unwrap_or_else(|e| e.into_inner()).iter().find(|q| q.volume_id() == Some(id)).cloned()
     }
 

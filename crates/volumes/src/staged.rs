@@ -207,7 +207,7 @@ pub(crate) fn record_ids(dir: &Path) -> std::io::Result<Vec<String>> {
 }
 
 /// The directory of legacy per-volume JSON records inside the state directory.
-pub const LEGACY_DIR: &str = "staged";
+pub(crate) const LEGACY_DIR: &str = "staged";
 
 /// Where imported legacy records are moved.
 const IMPORTED_DIR: &str = "imported";
@@ -298,8 +298,10 @@ impl StagedRecords {
         self.changed.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(f));
     }
 
-    /// The records quarantined (by this run or earlier ones).
-    pub fn quarantined(&self) -> Vec<Quarantined> {
+    /// The records quarantined (by this run or earlier ones; the unit
+    /// tests read them).
+    #[cfg(test)]
+    fn quarantined(&self) -> Vec<Quarantined> {
         self.quarantined.clone()
     }
 

@@ -57,7 +57,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn is_damage(&self) -> bool {
+    pub(crate) fn is_damage(&self) -> bool {
         matches!(self, Error::Damaged { .. })
     }
 }
@@ -127,11 +127,11 @@ fn civil(secs: u64) -> (i64, i64, i64, u64) {
 }
 
 /// The prefix of a damaged store's name once set aside.
-pub const DAMAGED: &str = "state.redb.damaged-";
+pub(crate) const DAMAGED: &str = "state.redb.damaged-";
 
 /// Moves the damaged store at `path` aside (`state.redb.damaged-<UTC
 /// time>` beside it, kept for the operator) durably, and returns where.
-pub fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
+pub(crate) fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let stamp = timestamp();
     let mut to = dir.join(format!("{DAMAGED}{stamp}"));
@@ -147,7 +147,7 @@ pub fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
 }
 
 /// The damaged stores set aside in `state_dir`, oldest first.
-pub fn set_aside_in(state_dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn set_aside_in(state_dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(state_dir)
         .into_iter()
         .flatten()
@@ -280,14 +280,14 @@ impl Store {
     }
 
     /// Reads everything in one transaction.
-    pub fn contents(&self) -> Result<Contents, Error> {
+    pub(crate) fn contents(&self) -> Result<Contents, Error> {
         read_all(&self.db, &self.path)
     }
 
     /// Opens the store and reads it all once, so damage anywhere in it
     /// (not only in the header `open` checks) shows now, as
     /// [`Error::Damaged`], rather than in the middle of a call.
-    pub fn open_checked(path: &Path) -> Result<(Self, Contents), Error> {
+    pub(crate) fn open_checked(path: &Path) -> Result<(Self, Contents), Error> {
         let store = Self::open(path)?;
         let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.contents()));
         match read {
@@ -299,7 +299,7 @@ impl Store {
     }
 
     /// The stored verdicts alone (the reconciler's start needs no records).
-    pub fn health(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
+    pub(crate) fn health(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
         let err = |detail: String| Error::Store { path: self.path.clone(), detail };
         let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
         let t = tx.open_table(HEALTH).map_err(|e| err(e.to_string()))?;
@@ -336,7 +336,7 @@ impl Store {
     }
 
     /// The hash recorded for an imported legacy file of this name.
-    pub fn imported(&self, name: &str) -> Result<Option<u64>, Error> {
+    pub(crate) fn imported(&self, name: &str) -> Result<Option<u64>, Error> {
         let err = |detail: String| Error::Store { path: self.path.clone(), detail };
         let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
         let t = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;

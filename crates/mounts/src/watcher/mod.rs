@@ -138,7 +138,7 @@ pub enum ResyncCause {
 }
 
 impl ResyncCause {
-    pub const ALL: [ResyncCause; 5] = [Self::Overflow, Self::Periodic, Self::Unpaired, Self::Requested, Self::Reparse];
+    pub(crate) const ALL: [ResyncCause; 5] = [Self::Overflow, Self::Periodic, Self::Unpaired, Self::Requested, Self::Reparse];
 
     /// The `reason` label value of `volring_mount_resyncs_total`.
     pub fn label(self) -> &'static str {

@@ -8,7 +8,7 @@ use volring_sys::genetlink::GenlSocket;
 use volring_sys::nlmsg::{self, nbd, DeviceStatus, Family, NbdConfig};
 
 /// A socket that knows the nbd family's id.
-pub struct NbdNetlink {
+pub(crate) struct NbdNetlink {
     sock: GenlSocket,
     family: Family,
 }
@@ -23,18 +23,14 @@ fn resolve(sock: &mut GenlSocket) -> Result<Family, Error> {
 
 impl NbdNetlink {
     /// [`Error::FamilyNotFound`] when the nbd module is not loaded.
-    pub fn open() -> Result<Self, Error> {
+    pub(crate) fn open() -> Result<Self, Error> {
         let mut sock = GenlSocket::open().map_err(Error::io("genetlink socket"))?;
         let family = resolve(&mut sock)?;
         Ok(NbdNetlink { sock, family })
     }
 
-    pub fn family(&self) -> &Family {
-        &self.family
-    }
-
     /// NBD_CMD_CONNECT; the device index the kernel chose (or was given).
-    pub fn connect(&mut self, config: &NbdConfig) -> Result<u32, Error> {
+    pub(crate) fn connect(&mut self, config: &NbdConfig) -> Result<u32, Error> {
         let id = self.family.id;
         let replies = self
             .sock
@@ -46,7 +42,7 @@ impl NbdNetlink {
 
     /// NBD_CMD_RECONFIGURE: the given sockets replace dead ones (the kernel
     /// ignores sockets beyond the dead ones).
-    pub fn reconfigure(&mut self, config: &NbdConfig) -> Result<(), Error> {
+    pub(crate) fn reconfigure(&mut self, config: &NbdConfig) -> Result<(), Error> {
         if config.index.is_none() {
             return Err(Error::Invalid("reconfigure needs an index".into()));
         }
@@ -57,7 +53,7 @@ impl NbdNetlink {
         Ok(())
     }
 
-    pub fn disconnect(&mut self, index: u32) -> Result<(), Error> {
+    pub(crate) fn disconnect(&mut self, index: u32) -> Result<(), Error> {
         let id = self.family.id;
         self.sock
             .transact(|seq| nlmsg::nbd_index_request(id, nbd::CMD_DISCONNECT, Some(index), seq))
@@ -66,7 +62,7 @@ impl NbdNetlink {
     }
 
     /// NBD_CMD_STATUS of one device, or of every device the driver has.
-    pub fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, Error> {
+    pub(crate) fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, Error> {
         let id = self.family.id;
         let replies = self
             .sock

@@ -48,30 +48,30 @@ pub(super) enum Refusal {
 }
 
 impl ServerBudget {
-    pub fn new(limit: usize) -> Self {
+    pub(crate) fn new(limit: usize) -> Self {
         Self { limit: limit.max(1), used: AtomicUsize::new(0), releases: AtomicU64::new(0), starved: AtomicU64::new(0) }
     }
 
-    pub fn used(&self) -> usize {
+    pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
 
-    pub fn releases(&self) -> u64 {
+    pub(crate) fn releases(&self) -> u64 {
         self.releases.load(Ordering::Relaxed)
     }
 
     /// How many times a light connection was refused.
-    pub fn starved(&self) -> u64 {
+    pub(crate) fn starved(&self) -> u64 {
         self.starved.load(Ordering::Relaxed)
     }
 
-    pub fn charge(&self, n: usize) {
+    pub(crate) fn charge(&self, n: usize) {
         if n > 0 {
             self.used.fetch_add(n, Ordering::Relaxed);
         }
     }
 
-    pub fn release(&self, n: usize) {
+    pub(crate) fn release(&self, n: usize) {
         if n > 0 {
             let _ = self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| Some(u.saturating_sub(n)));
             self.releases.fetch_add(1, Ordering::Relaxed);
@@ -120,7 +120,7 @@ pub(super) struct Account {
 
 impl Account {
     /// Whether one more request costing `held`/`mem` bytes may be taken now.
-    pub fn admit(&self, gate: Gate<'_>, held: usize, mem: usize) -> Result<(), Refusal> {
+    pub(crate) fn admit(&self, gate: Gate<'_>, held: usize, mem: usize) -> Result<(), Refusal> {
         if self.requests >= gate.limits.conn_requests {
             return Err(Refusal::Conn);
         }
@@ -140,17 +140,17 @@ impl Account {
 
     /// Whether a connection stopped by its own limits may be read again:
     /// half of each drained, so it is not woken for every reply.
-    pub fn drained_enough(&self, limits: &Limits) -> bool {
+    pub(crate) fn drained_enough(&self, limits: &Limits) -> bool {
         self.held <= limits.conn_bytes / 2 && self.requests <= limits.conn_requests / 2
     }
 
-    pub fn charge(&mut self, server: &ServerBudget, held: usize, mem: usize) {
+    pub(crate) fn charge(&mut self, server: &ServerBudget, held: usize, mem: usize) {
         self.held += held;
         self.mem += mem;
         server.charge(mem);
     }
 
-    pub fn release(&mut self, server: &ServerBudget, held: usize, mem: usize) {
+    pub(crate) fn release(&mut self, server: &ServerBudget, held: usize, mem: usize) {
         self.held = self.held.saturating_sub(held);
         let mem = mem.min(self.mem);
         self.mem -= mem;
@@ -158,7 +158,7 @@ impl Account {
     }
 
     /// Gives back everything (the connection is gone).
-    pub fn close(&mut self, server: &ServerBudget) {
+    pub(crate) fn close(&mut self, server: &ServerBudget) {
         server.release(self.mem);
         *self = Account::default();
     }

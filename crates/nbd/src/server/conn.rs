@@ -37,7 +37,7 @@ pub(super) struct Attached {
 
 impl Attached {
     /// The slot and data offset for a request of this range.
-    pub fn route(&self, offset: u64, len: u64) -> (u32, usize) {
+    pub(crate) fn route(&self, offset: u64, len: u64) -> (u32, usize) {
         match self.buffered {
             Some(b) if !offset.is_multiple_of(DIRECT_ALIGN) || !len.is_multiple_of(DIRECT_ALIGN) => (b, DATA_OFFSET),
             Some(_) => (self.file, DIRECT_DATA_OFFSET),
@@ -47,7 +47,7 @@ impl Attached {
 
     /// Whether a READ of this range is spliced from the page cache (no
     /// buffer) rather than read into a buffer.
-    pub fn spliced(&self, offset: u64, len: u64) -> bool {
+    pub(crate) fn spliced(&self, offset: u64, len: u64) -> bool {
         len >= SPLICE_MIN && self.route(offset, len).1 == DATA_OFFSET
     }
 
@@ -167,7 +167,7 @@ pub(super) enum State {
 
 impl State {
     /// Whether replies may still be queued and sent.
-    pub fn sends(self) -> bool {
+    pub(crate) fn sends(self) -> bool {
         matches!(self, State::Reading | State::Paused(_) | State::Draining)
     }
 }
@@ -193,7 +193,7 @@ pub(super) enum Tx {
 }
 
 impl Tx {
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Tx::Idle => "idle",
             Tx::Sending => "sending",
@@ -240,7 +240,7 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub fn new(socket: u32, now: Instant) -> Self {
+    pub(crate) fn new(socket: u32, now: Instant) -> Self {
         Conn {
             socket,
             state: State::Reading,
@@ -266,14 +266,14 @@ impl Conn {
     }
 
     /// Reading → Paused: what it received waits in `inbuf`.
-    pub fn pause(&mut self, why: Blocked) {
+    pub(crate) fn pause(&mut self, why: Blocked) {
         if self.state == State::Reading {
             self.state = State::Paused(why);
         }
     }
 
     /// Paused → Reading, once what stopped it has eased.
-    pub fn resume_if_ready(&mut self, limits: &super::budget::Limits) -> bool {
+    pub(crate) fn resume_if_ready(&mut self, limits: &super::budget::Limits) -> bool {
         let State::Paused(why) = self.state else { return false };
         let ready = match why {
             Blocked::Refused(Refusal::Conn) => self.account.drained_enough(limits),
@@ -287,7 +287,7 @@ impl Conn {
     }
 
     /// Reading or Paused → Draining.
-    pub fn drain(&mut self) {
+    pub(crate) fn drain(&mut self) {
         if matches!(self.state, State::Reading | State::Paused(_)) {
             self.state = State::Draining;
         }
@@ -295,7 +295,7 @@ impl Conn {
 
     /// Any state before the shutdown → Broken (queued replies are the
     /// caller's to drop).
-    pub fn break_off(&mut self) {
+    pub(crate) fn break_off(&mut self) {
         if self.state.sends() {
             self.state = State::Broken;
         }
@@ -305,7 +305,7 @@ impl Conn {
     /// answered and, unless it is broken, its replies gone. (A broken one
     /// does not wait for its splice: a client that never reads would hold
     /// it, and its export slot, forever; the shutdown ends it.)
-    pub fn drained(&self) -> bool {
+    pub(crate) fn drained(&self) -> bool {
         self.account.requests == 0
             && match self.state {
                 State::Draining => self.out.is_empty() && matches!(self.tx, Tx::Idle),
@@ -315,14 +315,14 @@ impl Conn {
     }
 
     /// The reply headers it negotiated (simple until it has).
-    pub fn style(&self) -> HeaderStyle {
+    pub(crate) fn style(&self) -> HeaderStyle {
         match &self.phase {
             Phase::Serving { style, .. } => *style,
             Phase::Handshake(_) => HeaderStyle::Simple,
         }
     }
 
-    pub fn attached(&self) -> Option<&Attached> {
+    pub(crate) fn attached(&self) -> Option<&Attached> {
         match &self.phase {
             Phase::Serving { attached, .. } => Some(attached),
             Phase::Handshake(_) => None,
@@ -330,7 +330,7 @@ impl Conn {
     }
 
     /// Charges `inbuf`'s memory to the server after it changed size.
-    pub fn sync_inbuf(&mut self, server: &super::budget::ServerBudget) {
+    pub(crate) fn sync_inbuf(&mut self, server: &super::budget::ServerBudget) {
         if self.inbuf.is_empty() && self.inbuf.capacity() > 4096 {
             self.inbuf = Vec::new();
         }
@@ -348,7 +348,7 @@ impl Conn {
     /// Header fragments wait in `inbuf`; payload bytes go straight into the
     /// WRITE's own buffer. Each request is admitted through `gate` before
     /// anything is allocated for it: one that does not fit is left untaken.
-    pub fn feed(&mut self, data: &[u8], bufs: &mut Buffers, gate: Gate<'_>, now: Instant) -> Result<(usize, Fed), Error> {
+    pub(crate) fn feed(&mut self, data: &[u8], bufs: &mut Buffers, gate: Gate<'_>, now: Instant) -> Result<(usize, Fed), Error> {
         let Phase::Serving { attached, style, .. } = &self.phase else {
             return Err(Error::Protocol("request before the handshake ended"));
         };

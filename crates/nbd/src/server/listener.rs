@@ -68,7 +68,7 @@ fn file_id(meta: &std::fs::Metadata) -> (u64, u64) {
 }
 
 /// How long a bind waits for an address that is still in use.
-pub const LISTEN_PATIENCE: Duration = Duration::from_secs(10);
+pub(crate) const LISTEN_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Why one attempt to bind did not give a listener.
 enum Attempt {

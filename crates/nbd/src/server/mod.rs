@@ -113,7 +113,7 @@ impl Default for ServerConfig {
 /// core, at most this many. Each ring holds up to 32 MiB of its own
 /// (registered buffers, receive buffers, a cache of freed buffers) outside
 /// the connections' budget, so a large machine does not pay for 64 rings.
-pub const DEFAULT_MAX_RINGS: usize = 4;
+pub(crate) const DEFAULT_MAX_RINGS: usize = 4;
 
 /// Messages to a ring thread, through its [`Mailbox`].
 enum Command {
@@ -178,7 +178,7 @@ impl NbdServer {
     /// the server greets it and negotiates as with an accepted client.
     /// Sockets are dealt to the rings round-robin; a ring whose mailbox
     /// is full is passed over for the next (nothing waits).
-    pub fn serve_connected(&self, fd: OwnedFd) -> Result<(), Error> {
+    pub(crate) fn serve_connected(&self, fd: OwnedFd) -> Result<(), Error> {
         let n = self.mailboxes.len();
         let first = self.next_connected.fetch_add(1, Ordering::Relaxed);
         let mut cmd = Command::Adopt(fd);

@@ -38,7 +38,7 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub fn new(ring: IoRing<Token>, limits: Limits, budget: Arc<ServerBudget>) -> Self {
+    pub(crate) fn new(ring: IoRing<Token>, limits: Limits, budget: Arc<ServerBudget>) -> Self {
         Shared {
             ring,
             conns: Vec::new(),
@@ -54,16 +54,16 @@ impl Shared {
         }
     }
 
-    pub fn conn(&self, ci: u32) -> Option<&Conn> {
+    pub(crate) fn conn(&self, ci: u32) -> Option<&Conn> {
         self.conns[ci as usize].as_ref()
     }
 
-    pub fn conn_mut(&mut self, ci: u32) -> Option<&mut Conn> {
+    pub(crate) fn conn_mut(&mut self, ci: u32) -> Option<&mut Conn> {
         self.conns[ci as usize].as_mut()
     }
 
     /// Puts a new connection into a free slot.
-    pub fn insert(&mut self, conn: Conn) -> u32 {
+    pub(crate) fn insert(&mut self, conn: Conn) -> u32 {
         let ci = match self.free_conns.pop() {
             Some(i) => i,
             None => {
@@ -77,7 +77,7 @@ impl Shared {
     }
 
     /// Takes a closed connection out; its slot is free.
-    pub fn remove(&mut self, ci: u32) -> Option<Conn> {
+    pub(crate) fn remove(&mut self, ci: u32) -> Option<Conn> {
         let c = self.conns[ci as usize].take()?;
         self.free_conns.push(ci);
         self.live -= 1;
@@ -86,7 +86,7 @@ impl Shared {
     }
 
     /// Queues connection `ci` to be looked at after this batch.
-    pub fn mark(&mut self, ci: u32) {
+    pub(crate) fn mark(&mut self, ci: u32) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
             if !c.dirty {
                 c.dirty = true;
@@ -97,7 +97,7 @@ impl Shared {
 
     /// No more requests are read; the connection closes once its requests
     /// are answered and sent.
-    pub fn begin_close(&mut self, ci: u32) {
+    pub(crate) fn begin_close(&mut self, ci: u32) {
         if let Some(c) = self.conns[ci as usize].as_mut() {
             c.drain();
         }
@@ -105,7 +105,7 @@ impl Shared {
     }
 
     /// The socket is unusable: drop queued replies and close at once.
-    pub fn break_conn(&mut self, ci: u32) {
+    pub(crate) fn break_conn(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.break_off();
         drop_parts(c, self.ring.buffers_mut(), &self.budget);
@@ -113,7 +113,7 @@ impl Shared {
     }
 
     /// Ends the receive armed on connection `ci`, if any.
-    pub fn stop_receiving(&mut self, ci: u32) {
+    pub(crate) fn stop_receiving(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         if let Rx::Multishot(op) | Rx::Direct(op) = c.rx {
             c.rx = Rx::Cancelling;
@@ -124,7 +124,7 @@ impl Shared {
     /// Draining or Broken → ShuttingDown, once drained (see `Conn::drained`):
     /// the receive is ended and the socket shut down, which also wakes a
     /// splice stuck on a full socket with an error.
-    pub fn shut_down_if_drained(&mut self, ci: u32) {
+    pub(crate) fn shut_down_if_drained(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.drained()) else { return };
         c.state = State::ShuttingDown;
         self.stop_receiving(ci);
@@ -135,7 +135,7 @@ impl Shared {
     }
 
     /// ShuttingDown → Closing once no socket operation is left.
-    pub fn close_socket(&mut self, ci: u32) {
+    pub(crate) fn close_socket(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.socket_ops == 0) else { return };
         match self.ring.close_file(Token::Close(ci), c.socket) {
             Ok(_) => c.state = State::Closing,
@@ -144,12 +144,12 @@ impl Shared {
     }
 
     /// The export connection `ci` is attached to.
-    pub fn export_of(&self, ci: u32) -> Option<Arc<Export>> {
+    pub(crate) fn export_of(&self, ci: u32) -> Option<Arc<Export>> {
         self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.clone())
     }
 
     /// Counts a reply of connection `ci`'s export.
-    pub fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
+    pub(crate) fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
         let Some(id) = self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.id) else { return };
         let us = self.now.saturating_duration_since(started).as_micros() as u64;
         // The export's Arc is cloned only for its first request on this ring.
@@ -161,7 +161,7 @@ impl Shared {
     }
 
     /// Folds this batch's counters into the exports'.
-    pub fn fold_stats(&mut self) {
+    pub(crate) fn fold_stats(&mut self) {
         for (export, pending) in self.stats.values_mut() {
             export.stats.fold(pending);
         }

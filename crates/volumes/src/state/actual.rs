@@ -110,7 +110,7 @@ pub enum Action {
 }
 
 /// Compares a volume's desired record with its actual state.
-pub fn assess(rec: &StagedVolume, actual: &VolumeActual) -> (Vec<Drift>, Action) {
+pub(crate) fn assess(rec: &StagedVolume, actual: &VolumeActual) -> (Vec<Drift>, Action) {
     let mut drift = Vec::new();
     match rec.phase {
         StagePhase::Unstaging => return (vec![Drift::Interrupted { phase: rec.phase }], Action::FinishUnstage),
@@ -165,7 +165,7 @@ pub enum Proof {
 /// What the reconciler may do about a volume whose table view drifts,
 /// once the proof is in.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Checked {
+pub(crate) enum Checked {
     /// The kernel shows what the table shows: report `drift`; take
     /// `action`, unless `blocked` says why not.
     Confirmed { drift: Vec<Drift>, action: Action, blocked: Option<String> },
@@ -178,7 +178,7 @@ pub enum Checked {
 /// Checks the table's view of a volume (`table`) against a proof. Only a
 /// drift the proof shows too is reported, and only an action it supports
 /// is taken; a repair never mounts under a covered path.
-pub fn check(rec: &StagedVolume, table: &VolumeActual, proof: &Proof) -> Checked {
+pub(crate) fn check(rec: &StagedVolume, table: &VolumeActual, proof: &Proof) -> Checked {
     let (actual, covered) = match proof {
         Proof::Unsettled(why) => return Checked::Lagging(why.clone()),
         Proof::Seen { actual, covered } => (actual, covered),
@@ -262,12 +262,8 @@ impl VolumeHealth {
 impl VolumeHealth {
     /// What is wrong with the volume as a whole — its device, its staging
     /// mount, an unfinished operation, a failed repair — leaving out its
-    /// targets (a question about a target is answered for that target).
-    pub fn volume_problem(&self) -> Option<String> {
-        self.volume_problem_beside(Proven::default())
-    }
-
-    /// [`Self::volume_problem`] less what a caller has just proven by
+    /// targets (a question about a target is answered for that target),
+    /// less what a caller has just proven by
     /// descriptor: a verdict is as old as the last mount event the
     /// reconciler saw, and a stage that re-mounted the volume a moment ago
     /// must not be reported as "staging mount gone" until that event lands.

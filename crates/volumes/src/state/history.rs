@@ -16,7 +16,7 @@ use super::actual::{Action, Drift};
 use crate::store::{Change, Store};
 
 /// How many repairs the ring keeps.
-pub const KEEP: usize = 32;
+pub(crate) const KEEP: usize = 32;
 
 /// How a repair attempt went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,7 +62,7 @@ fn key(seq: u64) -> String {
 
 /// Decodes the store's raw rows, oldest first; undecodable rows are
 /// skipped (an operator's view must not fail on one bad entry).
-pub fn decode(rows: &[(String, Vec<u8>)]) -> Vec<RepairEvent> {
+pub(crate) fn decode(rows: &[(String, Vec<u8>)]) -> Vec<RepairEvent> {
     let mut v: Vec<RepairEvent> = rows.iter().filter_map(|(_, b)| serde_json::from_slice(b).ok()).collect();
     v.sort_by_key(|e| e.seq);
     v
@@ -70,7 +70,7 @@ pub fn decode(rows: &[(String, Vec<u8>)]) -> Vec<RepairEvent> {
 
 /// The ring, owned by the reconciler's thread.
 #[derive(Debug, Default)]
-pub struct RepairHistory {
+pub(crate) struct RepairHistory {
     ring: VecDeque<RepairEvent>,
     /// Store rows to write (`Some`) or remove (`None`) at the next flush.
     pending: Vec<(String, Option<Vec<u8>>)>,
@@ -78,7 +78,7 @@ pub struct RepairHistory {
 
 impl RepairHistory {
     /// The ring as an earlier run left it in `store`.
-    pub fn load(store: &Store) -> Self {
+    pub(crate) fn load(store: &Store) -> Self {
         let rows = store.contents().map(|c| c.repairs).unwrap_or_default();
         let mut ring: VecDeque<RepairEvent> = decode(&rows).into();
         let mut pending = Vec::new();
@@ -91,7 +91,7 @@ impl RepairHistory {
     }
 
     /// Records an attempt on `volume`; written at the next [`Self::flush`].
-    pub fn record(&mut self, at_unix: u64, volume: &str, action: Action, drift: Vec<Drift>, result: RepairResult) {
+    pub(crate) fn record(&mut self, at_unix: u64, volume: &str, action: Action, drift: Vec<Drift>, result: RepairResult) {
         if let Some(last) = self.ring.back_mut() {
             let same_failure = matches!(result, RepairResult::Failed { .. })
                 && last.volume == volume
@@ -117,15 +117,16 @@ impl RepairHistory {
         }
     }
 
-    /// Oldest first.
-    pub fn entries(&self) -> impl Iterator<Item = &RepairEvent> {
+    /// Oldest first (what the unit tests compare).
+    #[cfg(test)]
+    fn entries(&self) -> impl Iterator<Item = &RepairEvent> {
         self.ring.iter()
     }
 
     /// Writes what changed since the last flush, in one transaction. A
     /// store that refuses is logged: the ring is a record for people, the
     /// repairs themselves are done.
-    pub fn flush(&mut self, store: &Store) {
+    pub(crate) fn flush(&mut self, store: &Store) {
         if self.pending.is_empty() {
             return;
         }
