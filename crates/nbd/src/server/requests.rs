@@ -252,7 +252,8 @@ impl Requests {
                 let (b, start) = (r.buf.expect("reads own a buffer"), r.data_off + done as usize);
                 let slice = (b, start, r.data_off + len as usize);
                 // Only page-cache reads: an O_DIRECT read never runs on the ring thread.
-                if r.data_off == DATA_OFFSET && self.reads.offload() {
+                let in_flight = self.table.len() - self.free.len();
+                if r.data_off == DATA_OFFSET && self.reads.offload(in_flight) {
                     sh.ring.read_async(t, r.file, slice, off + done)
                 } else {
                     sh.ring.read(t, r.file, slice, off + done)
