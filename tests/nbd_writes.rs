@@ -3,7 +3,8 @@
 //! queue depth 32 (done on the ring thread on ext4, through io_uring on
 //! xfs) and 1 MiB writes (their payloads received straight into the write
 //! buffer) read back identical; and on ext4 small writes are done on the
-//! ring thread unless inline writes are turned off.
+//! ring thread unless inline writes are turned off. Last, READs handed to
+//! io_uring's workers (a ring starved of CPU) read back what was written.
 
 mod common;
 mod nbd_support;
@@ -13,8 +14,9 @@ use std::time::Duration;
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use nbd_support::{run, Rng, Served, MIB};
-use volring_nbd::InlineWrites;
+use nbd_support::{run, RawClient, Rng, Served, MIB};
+use volring_nbd::wire::{cmd, HeaderStyle};
+use volring_nbd::{InlineWrites, OffloadReads};
 
 const T: Duration = Duration::from_secs(120);
 const SIZE: u64 = 32 * MIB;
@@ -137,11 +139,75 @@ fn ext4_small_writes_inline_unless_off() -> Result<(), Failed> {
     Ok(())
 }
 
+/// Threads of io_uring's workers serving a ring of this process's NBD
+/// server (named `iou-wrk-<tid of the ring thread>`).
+fn ring_workers() -> usize {
+    let comms: Vec<(String, String)> = std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|t| Some((t.file_name().to_str()?.to_string(), std::fs::read_to_string(t.path().join("comm")).ok()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let rings: Vec<&str> = comms.iter().filter(|(_, c)| c.starts_with("nbd-ring-")).map(|(tid, _)| tid.as_str()).collect();
+    comms.iter().filter(|(_, c)| rings.iter().any(|tid| c.trim() == format!("iou-wrk-{tid}"))).count()
+}
+
+/// Page-cache READs handed to io_uring's workers (what a ring starved of
+/// CPU does; `always` here) read back what was written, over several
+/// connections at once, small and unaligned; and they did go to workers.
+fn reads_in_io_uring_workers_read_back_what_was_written() -> Result<(), Failed> {
+    let s = Served::with_config(&[], |c| {
+        c.offload_reads = OffloadReads::Always;
+        c.threads = 1;
+    });
+    let img = s.dir.path().join("disk.img");
+    let data = random(5, SIZE / 4);
+    // Written to the file, not through the server: no write of the server
+    // starts a worker, so the workers counted below are the reads'.
+    std::fs::write(&img, &data)?;
+    s.add("disk", &img, false, 0);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (socket, data) = (s.socket.clone(), data.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut c = RawClient::connect(&socket, "disk", HeaderStyle::Structured, false).map_err(|e| e.to_string())?;
+                let mut rng = Rng(0x77 + t);
+                for _ in 0..500 {
+                    let len = [4096, 512, 1 + rng.below(60_000)][rng.below(3) as usize];
+                    let off = rng.below(data.len() as u64 - len);
+                    let r = c.call(cmd::READ, 0, off, len, &[]).map_err(|e| e.to_string())?;
+                    if r.error != 0 || r.data != data[off as usize..(off + len) as usize] {
+                        return Err(format!("connection {t}: read {off}+{len} differs (error {})", r.error));
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let workers = ring_workers();
+    for t in threads {
+        t.join().map_err(|_| "a reader panicked")??;
+    }
+    // nbdcopy: requests in flight together, answered out of order.
+    let back = s.dir.path().join("back.raw");
+    let (ok, _, err) =
+        run("nbdcopy", &["--connections=2", "--requests=16", "--request-size=4096", &s.uri("disk"), back.to_str().unwrap()], T);
+    check(ok, format!("nbdcopy out: {err}"))?;
+    check(std::fs::read(&back)? == data, "read back through NBD with reads offloaded differs")?;
+    let workers = workers.max(ring_workers());
+    check(workers > 0, "no io_uring worker served the ring's reads")
+}
+
 fn main() {
     let trials = vec![
         Trial::test("nbd_writes::ext4_writes_read_back_identical", ext4_writes_read_back_identical),
         Trial::test("nbd_writes::xfs_writes_read_back_identical", xfs_writes_read_back_identical),
         Trial::test("nbd_writes::ext4_small_writes_inline_unless_off", ext4_small_writes_inline_unless_off),
+        Trial::test(
+            "nbd_writes::reads_in_io_uring_workers_read_back_what_was_written",
+            reads_in_io_uring_workers_read_back_what_was_written,
+        ),
     ];
     common::run_in_private_namespace(trials)
 }

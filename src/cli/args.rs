@@ -19,6 +19,10 @@ pub(crate) struct NbdTuning {
     /// export, off sends every write through io_uring.
     #[arg(long, env = "VOLRING_NBD_INLINE_WRITES", default_value = "auto")]
     pub(crate) nbd_inline_writes: volring_nbd::InlineWrites,
+    /// Page-cache reads in io_uring's worker threads when a ring thread is
+    /// starved of CPU (auto), never (off) or always.
+    #[arg(long, env = "VOLRING_NBD_OFFLOAD_READS", default_value = "auto")]
+    pub(crate) nbd_offload_reads: volring_nbd::OffloadReads,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10.0)]
     pub(crate) handshake_timeout: f64,
@@ -48,6 +52,7 @@ impl NbdTuning {
             listen,
             threads: self.nbd_threads,
             inline_writes: self.nbd_inline_writes,
+            offload_reads: self.nbd_offload_reads,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
             stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),

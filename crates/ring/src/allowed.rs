@@ -56,6 +56,6 @@ pub(crate) fn restrictions() -> Vec<io_uring::register::Restriction> {
     use io_uring::squeue::Flags;
     let mut r: Vec<Restriction> = IoRing::<u64>::OPCODES.iter().map(|(code, _)| Restriction::sqe_op(*code)).collect();
     r.extend(LATE_REGISTRATIONS.iter().map(|op| Restriction::register_op(*op)));
-    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::BUFFER_SELECT).bits()));
+    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::BUFFER_SELECT | Flags::ASYNC).bits()));
     r
 }

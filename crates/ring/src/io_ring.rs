@@ -418,11 +418,23 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Reads `file` at `offset` into `buf[start..end]`.
-    pub fn read(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64) -> io::Result<OpId> {
+    pub fn read(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
+        self.read_with(token, file, slice, offset, squeue::Flags::empty())
+    }
+
+    /// Reads like [`read`](Self::read), but in one of io_uring's worker
+    /// threads (IOSQE_ASYNC) rather than inline in the submitting call,
+    /// even when the data is in the page cache: a caller starved of CPU
+    /// hands the copies to threads the scheduler gives shares of their own.
+    pub fn read_async(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
+        self.read_with(token, file, slice, offset, squeue::Flags::ASYNC)
+    }
+
+    fn read_with(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64, flags: squeue::Flags) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| match index {
-            Some(i) => opcode::ReadFixed::new(types::Fixed(file), ptr, len, i).offset(offset).build().user_data(ud),
-            None => opcode::Read::new(types::Fixed(file), ptr, len).offset(offset).build().user_data(ud),
+            Some(i) => opcode::ReadFixed::new(types::Fixed(file), ptr, len, i).offset(offset).build().flags(flags).user_data(ud),
+            None => opcode::Read::new(types::Fixed(file), ptr, len).offset(offset).build().flags(flags).user_data(ud),
         })
     }
 

@@ -214,3 +214,27 @@ fn more_ops_than_the_completion_queue_holds_wait_and_none_is_lost() {
     assert_eq!(seen.len() as u64, n, "every timeout completed once");
     assert_eq!(ring.in_flight(), 0);
 }
+
+/// A read handed to io_uring's workers (IOSQE_ASYNC, which the ring's
+/// restrictions must let through) reads what a plain one does.
+#[test]
+fn a_read_in_a_worker_reads_the_file() {
+    let mut ring = small_ring();
+    let mut file = tempfile::tempfile().expect("temporary file");
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+    file.write_all(&data).expect("write");
+    let slot = ring.register_file(file.as_raw_fd()).expect("fixed file");
+    for (token, offset, worker) in [(1u64, 4096u64, true), (2, 100, false), (3, 0, true)] {
+        let buf = ring.buffers_mut().alloc(4096);
+        if worker {
+            ring.read_async(token, slot, (buf, 0, 4096), offset).expect("read in a worker");
+        } else {
+            ring.read(token, slot, (buf, 0, 4096), offset).expect("read");
+        }
+        let done = until_ended(&mut ring, token);
+        assert_eq!(done.iter().find(|c| c.token == token).map(|c| c.result), Some(4096), "{done:?}");
+        let got = ring.buffers().get(buf).expect("the buffer").to_vec();
+        assert_eq!(&got[..4096], &data[offset as usize..offset as usize + 4096], "read {token}");
+        ring.buffers_mut().free(buf);
+    }
+}

@@ -19,6 +19,7 @@ mod output;
 mod receive;
 mod requests;
 mod shared;
+mod starve;
 mod token;
 mod worker;
 
@@ -34,6 +35,7 @@ use super::export::{Export, ExportSpec, Exports};
 use super::Error;
 pub use inline::InlineWrites;
 use listener::Listener;
+pub use starve::OffloadReads;
 use volring_ring::io_ring::IoRingConfig;
 use volring_ring::Mailbox;
 
@@ -63,6 +65,9 @@ pub struct ServerConfig {
     /// Whether small buffered writes may be done on the ring thread when
     /// the file system would hand them to io_uring's workers (ext4).
     pub inline_writes: InlineWrites,
+    /// Whether a ring thread starved of CPU hands its page-cache reads to
+    /// io_uring's workers (threads the scheduler shares CPU with too).
+    pub offload_reads: OffloadReads,
     /// A client that has not finished negotiating by then is dropped.
     pub handshake_timeout: Duration,
     /// A connection with nothing in flight and no traffic for this long is
@@ -96,6 +101,7 @@ impl Default for ServerConfig {
             listen: Vec::new(),
             threads: 0,
             inline_writes: InlineWrites::Auto,
+            offload_reads: OffloadReads::Auto,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             stall_timeout: Duration::from_secs(60),

@@ -9,6 +9,7 @@ use super::exports::Attachments;
 use super::inline::{InlineWrite, RingInline};
 use super::output::Output;
 use super::shared::Shared;
+use super::starve::{OffloadReads, ReadPath};
 use super::token::Token;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
@@ -78,18 +79,22 @@ pub(super) struct Requests {
     zeroes: Option<BufId>,
     /// Small buffered writes done on the ring thread.
     inline: RingInline,
-}
-
-impl Default for Requests {
-    fn default() -> Self {
-        Requests { table: Vec::new(), free: Vec::new(), seeks_left: SEEKS_PER_TURN, zeroes: None, inline: RingInline::default() }
-    }
+    /// Whether page-cache reads go to io_uring's workers.
+    reads: ReadPath,
 }
 
 impl Requests {
-    /// A new loop turn: its share of lseek calls.
-    pub(super) fn new_turn(&mut self) {
+    /// The requests of the calling ring thread.
+    pub(super) fn new(offload_reads: OffloadReads) -> Self {
+        let reads = ReadPath::new(offload_reads);
+        Requests { table: Vec::new(), free: Vec::new(), seeks_left: SEEKS_PER_TURN, zeroes: None, inline: RingInline::default(), reads }
+    }
+
+    /// A new loop turn at `now`: its share of lseek calls, and whether the
+    /// ring is starved of CPU.
+    pub(super) fn new_turn(&mut self, now: Instant) {
         self.seeks_left = SEEKS_PER_TURN;
+        self.reads.turn(now);
     }
 
     /// Gives back the slots of a past burst when none is in use; returns
@@ -245,7 +250,14 @@ impl Requests {
             (_, Step::Sync) | (cmd::FLUSH, _) => sh.ring.fsync(t, r.file, true),
             (cmd::READ, _) => {
                 let (b, start) = (r.buf.expect("reads own a buffer"), r.data_off + done as usize);
-                sh.ring.read(t, r.file, (b, start, r.data_off + len as usize), off + done)
+                let slice = (b, start, r.data_off + len as usize);
+                // Only page-cache reads: an O_DIRECT read never runs on the ring thread.
+                let in_flight = self.table.len() - self.free.len();
+                if r.data_off == DATA_OFFSET && self.reads.offload(in_flight) {
+                    sh.ring.read_async(t, r.file, slice, off + done)
+                } else {
+                    sh.ring.read(t, r.file, slice, off + done)
+                }
             }
             (cmd::WRITE, _) => {
                 let (b, start, fua) = (r.buf.expect("writes own a buffer"), r.data_off + done as usize, r.req.has(cf::FUA));

@@ -102,7 +102,7 @@ impl Worker {
             sh: Shared::new(ring, limits, ctx.budget),
             rx: Receive::default(),
             out: Output { scratch: Vec::with_capacity(4096) },
-            reqs: Requests::default(),
+            reqs: Requests::new(ctx.config.offload_reads),
             exports: Attachments::new(ctx.exports, ctx.config.inline_writes),
             accept,
             diag: Diagnostics::default(),
@@ -131,7 +131,7 @@ impl Worker {
                 self.sh.ring.submit_and_wait(1, None)?;
             }
             self.sh.now = Instant::now();
-            self.reqs.new_turn();
+            self.reqs.new_turn(self.sh.now);
             cqes.clear();
             self.sh.ring.complete(&mut cqes);
             self.diag.turn(&cqes);

@@ -1,0 +1,289 @@
+//! Whether a ring thread is starved of CPU, and so whether its page-cache
+//! READs are handed to io_uring's workers.
+//!
+//! A READ of a cached page completes inline in the ring thread's own
+//! `io_uring_enter`: the copy is the ring's work, and the ring is one
+//! thread. On a contended CPU the scheduler shares per runnable thread, so
+//! the ring gets one share for all its connections where a server with a
+//! thread per connection gets one per connection; and a woken ring waits
+//! up to a tick (4 ms at HZ=250) behind a spinner (`perf sched`: over half
+//! of a loaded run spent runnable but not running, benchmarks.md). There
+//! the reads go with IOSQE_ASYNC: io_uring's workers are threads of their
+//! own, each with its share, and the ring keeps parsing and replying.
+//!
+//! A quiet ring keeps its reads inline: a hand-off costs a worker wake-up
+//! per read, and inline is what makes one ring cheap per op.
+//!
+//! The evidence is the thread's run delay, the second field of
+//! `/proc/thread-self/schedstat`: time spent runnable but not running.
+//! Every [`WINDOW`] of wall time the ring compares it with the wall time
+//! and its own CPU time ([`starved`]); a starved window sends reads to the
+//! workers for [`OFFLOAD_FOR`], then one window is judged inline again.
+//! Windows with reads offloaded are not judged: the workers run on the
+//! same CPUs, and a ring that waited behind its own workers would keep
+//! offloading after the contention had gone.
+
+use std::fs::File;
+use std::time::{Duration, Instant};
+
+use crate::Error;
+
+/// Wall time over which the run delay is judged.
+pub(super) const WINDOW: Duration = Duration::from_millis(20);
+/// How long reads go to the workers after a starved window.
+pub(super) const OFFLOAD_FOR: Duration = Duration::from_secs(1);
+/// A window counts as starved when the ring waited for the CPU at least
+/// this fraction (1/n) of its wall time...
+const DELAY_SHARE: u32 = 5;
+/// ...and at least half as long as it ran (a ring busy on its CPU that
+/// waited a little is served well)...
+const DELAY_PER_CPU: u32 = 2;
+/// ...and at least this long: a window with one short wait is not
+/// contention.
+const MIN_DELAY: Duration = Duration::from_millis(2);
+/// Requests in flight on the ring (the read included) below which a read
+/// stays inline even when starved: the ring must wake for the reply of a
+/// lone read anyway, so a worker only adds a hand-off to its latency (QD1
+/// reads at load 3: 1.33x the CPU per read and p99 545 against 208 µs).
+/// With more in flight, the workers copy while the ring parses and replies.
+pub(super) const MIN_IN_FLIGHT: usize = 4;
+
+/// Whether page-cache reads may be handed to io_uring's workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OffloadReads {
+    /// When the ring thread is starved of CPU (see the module docs).
+    #[default]
+    Auto,
+    /// Never: every read of a cached page is done by the ring thread.
+    Off,
+    /// Always (for tests and measurements).
+    Always,
+}
+
+impl std::str::FromStr for OffloadReads {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "auto" => Ok(OffloadReads::Auto),
+            "off" => Ok(OffloadReads::Off),
+            "always" => Ok(OffloadReads::Always),
+            _ => Err(Error::Setting { what: "NBD offload-reads mode", value: s.to_string(), why: "expected auto, off or always" }),
+        }
+    }
+}
+
+/// Whether a window of `wall` time in which the thread ran `cpu` and
+/// waited `delay` runnable but not running was starved of CPU.
+pub(super) fn starved(wall: Duration, cpu: Duration, delay: Duration) -> bool {
+    delay >= MIN_DELAY && delay * DELAY_SHARE >= wall && delay * DELAY_PER_CPU >= cpu
+}
+
+/// The thread's CPU time and run delay from the text of its
+/// `/proc/.../schedstat` ("cpu_ns delay_ns timeslices"); `None` if it is
+/// not that.
+pub(super) fn parse_schedstat(text: &[u8]) -> Option<(Duration, Duration)> {
+    let text = std::str::from_utf8(text).ok()?;
+    let mut fields = text.split_ascii_whitespace().map(|f| f.parse::<u64>().ok());
+    let cpu = fields.next()??;
+    let delay = fields.next()??;
+    Some((Duration::from_nanos(cpu), Duration::from_nanos(delay)))
+}
+
+/// One sample of the thread's schedstat.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at: Instant,
+    cpu: Duration,
+    delay: Duration,
+}
+
+/// A ring's read path: whether its page-cache reads go to the workers now.
+#[derive(Debug)]
+pub(super) struct ReadPath {
+    setting: OffloadReads,
+    /// The ring thread's own schedstat, opened on that thread (`None`:
+    /// unreadable, and reads stay inline).
+    stat: Option<File>,
+    /// The start of the window being judged (`None`: reads are offloaded,
+    /// or nothing was read yet).
+    window: Option<Sample>,
+    /// Reads go to the workers until then.
+    offload_until: Option<Instant>,
+    /// Windows judged starved so far (diagnostics and tests).
+    pub starved_windows: u64,
+}
+
+impl ReadPath {
+    /// The read path of the calling thread (a ring thread, as it starts).
+    pub(super) fn new(setting: OffloadReads) -> Self {
+        let stat = match setting {
+            OffloadReads::Auto => File::open("/proc/thread-self/schedstat").ok(),
+            OffloadReads::Off | OffloadReads::Always => None,
+        };
+        ReadPath { setting, stat, window: None, offload_until: None, starved_windows: 0 }
+    }
+
+    fn sample(&self, now: Instant) -> Option<Sample> {
+        let mut buf = [0u8; 96];
+        let n = rustix::io::pread(self.stat.as_ref()?, &mut buf, 0).ok()?;
+        let (cpu, delay) = parse_schedstat(&buf[..n])?;
+        Some(Sample { at: now, cpu, delay })
+    }
+
+    /// A new loop turn at `now`: ends a window that is over.
+    pub(super) fn turn(&mut self, now: Instant) {
+        if self.setting != OffloadReads::Auto || self.stat.is_none() {
+            return;
+        }
+        if let Some(until) = self.offload_until {
+            if now < until {
+                return;
+            }
+            self.offload_until = None;
+            self.window = None;
+        }
+        match self.window {
+            None => self.window = self.sample(now),
+            Some(start) if now.saturating_duration_since(start.at) >= WINDOW => {
+                let Some(end) = self.sample(now) else { return };
+                self.judge(start, end);
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// Judges the window from `start` to `end`.
+    fn judge(&mut self, start: Sample, end: Sample) {
+        let wall = end.at.saturating_duration_since(start.at);
+        let (cpu, delay) = (end.cpu.saturating_sub(start.cpu), end.delay.saturating_sub(start.delay));
+        if starved(wall, cpu, delay) {
+            self.starved_windows += 1;
+            self.offload_until = Some(end.at + OFFLOAD_FOR);
+            self.window = None;
+            tracing::debug!(
+                wall_us = wall.as_micros() as u64,
+                cpu_us = cpu.as_micros() as u64,
+                delay_us = delay.as_micros() as u64,
+                "NBD ring starved of CPU: page-cache reads to io_uring's workers for a while"
+            );
+        } else {
+            self.window = Some(end);
+        }
+    }
+
+    /// Whether a page-cache read goes to io_uring's workers now, with
+    /// `in_flight` requests on the ring (this one included).
+    pub(super) fn offload(&self, in_flight: usize) -> bool {
+        match self.setting {
+            OffloadReads::Always => true,
+            OffloadReads::Off => false,
+            OffloadReads::Auto => self.offload_until.is_some() && in_flight >= MIN_IN_FLIGHT,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn the_loaded_ring_of_the_benchmark_is_starved() {
+        // perf sched, 4 x QD8 reads under two spinners: in 2 s the ring ran
+        // 436 ms and waited 1,034 ms runnable.
+        assert!(starved(2000 * MS, 436 * MS, 1034 * MS));
+        // One window of it: 20 ms, 4 ms run, 10 ms waited (a tick and more).
+        assert!(starved(20 * MS, 4 * MS, 10 * MS));
+    }
+
+    #[test]
+    fn a_quiet_or_busy_but_served_ring_is_not() {
+        // Alone on its CPU: no wait.
+        assert!(!starved(20 * MS, 15 * MS, Duration::ZERO));
+        // Sharing a CPU with the client now and then: waits, but little.
+        assert!(!starved(20 * MS, 12 * MS, 3 * MS));
+        // Waited a fifth of the window but ran far longer than it waited.
+        assert!(!starved(20 * MS, 16 * MS, 4 * MS));
+        // One short wait in a short window is not contention.
+        assert!(!starved(5 * MS, MS / 2, 3 * MS / 2));
+        // Idle: nothing ran, nothing waited.
+        assert!(!starved(20 * MS, Duration::ZERO, Duration::ZERO));
+    }
+
+    #[test]
+    fn schedstat_is_parsed_and_junk_is_refused() {
+        assert_eq!(parse_schedstat(b"455797 6134131 2\n"), Some((Duration::from_nanos(455_797), Duration::from_nanos(6_134_131))));
+        assert_eq!(parse_schedstat(b"455797\n"), None);
+        assert_eq!(parse_schedstat(b"a b c"), None);
+        assert_eq!(parse_schedstat(b"\xff\xfe"), None);
+        assert_eq!(parse_schedstat(b""), None);
+    }
+
+    fn path_at(setting: OffloadReads) -> ReadPath {
+        ReadPath { setting, stat: None, window: None, offload_until: None, starved_windows: 0 }
+    }
+
+    fn sample(at: Instant, cpu_ms: u64, delay_ms: u64) -> Sample {
+        Sample { at, cpu: Duration::from_millis(cpu_ms), delay: Duration::from_millis(delay_ms) }
+    }
+
+    #[test]
+    fn a_starved_window_offloads_for_a_while_then_is_judged_inline_again() {
+        let t0 = Instant::now();
+        let mut p = path_at(OffloadReads::Auto);
+        assert!(!p.offload(MIN_IN_FLIGHT));
+        // A quiet window keeps reads inline, and the next window starts there.
+        p.judge(sample(t0, 0, 0), sample(t0 + 20 * MS, 15, 0));
+        assert!(!p.offload(MIN_IN_FLIGHT));
+        assert_eq!(p.window.map(|s| s.at), Some(t0 + 20 * MS));
+        // A starved one sends them to the workers until OFFLOAD_FOR has passed.
+        p.judge(sample(t0 + 20 * MS, 15, 0), sample(t0 + 40 * MS, 19, 10));
+        assert!(p.offload(MIN_IN_FLIGHT));
+        assert_eq!(p.starved_windows, 1);
+        // But not a lone read: the ring wakes for its reply either way.
+        assert!(!p.offload(MIN_IN_FLIGHT - 1));
+        assert!(!p.offload(1));
+        // Without a schedstat to read, turns change nothing...
+        p.turn(t0 + 40 * MS + OFFLOAD_FOR / 2);
+        assert!(p.offload(MIN_IN_FLIGHT));
+        // ...but with one, the end of the offload starts a window inline.
+        p.stat = File::open("/proc/thread-self/schedstat").ok();
+        assert!(p.stat.is_some(), "this kernel has no /proc/thread-self/schedstat");
+        p.turn(t0 + 40 * MS + OFFLOAD_FOR);
+        assert!(!p.offload(MIN_IN_FLIGHT));
+        assert!(p.window.is_some(), "a window starts once the offload ends");
+    }
+
+    #[test]
+    fn off_and_always_do_not_look() {
+        let t0 = Instant::now();
+        let mut off = ReadPath::new(OffloadReads::Off);
+        let mut always = ReadPath::new(OffloadReads::Always);
+        for p in [&mut off, &mut always] {
+            assert!(p.stat.is_none());
+            p.turn(t0);
+            p.turn(t0 + WINDOW * 2);
+        }
+        assert!(!off.offload(MIN_IN_FLIGHT));
+        assert!(always.offload(1));
+        assert_eq!("auto".parse::<OffloadReads>().ok(), Some(OffloadReads::Auto));
+        assert_eq!("always".parse::<OffloadReads>().ok(), Some(OffloadReads::Always));
+        assert!("on".parse::<OffloadReads>().is_err());
+    }
+
+    /// The thread's own schedstat reads back, again and again from the
+    /// same descriptor, and its CPU time moves.
+    #[test]
+    fn the_thread_schedstat_is_read_again_from_one_descriptor() {
+        let p = ReadPath::new(OffloadReads::Auto);
+        let first = p.sample(Instant::now()).expect("a schedstat sample");
+        let mut x = 0u64;
+        for i in 0..2_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        let second = p.sample(Instant::now()).expect("a second sample");
+        assert!(second.cpu > first.cpu, "{first:?} then {second:?}");
+        assert!(second.delay >= first.delay);
+    }
+}
