@@ -32,15 +32,18 @@
 //! # Who uses what
 //! - [`RingThread`] + [`Reactor`] (`reactor`, `uring`, `epoll`, `thread`):
 //!   one std thread runs a [`Driver`] — the mount watcher, hot-plug, the
-//!   stat collector's timer — that polls, reads and sets timeouts. io_uring
+//!   stat collector — that polls, reads and sets timeouts. io_uring
 //!   when the kernel allows it, else epoll and plain syscalls; drivers
 //!   cannot tell them apart except by [`Reactor::backend`]. Its io_uring is
 //!   made on that thread with `SINGLE_ISSUER | DEFER_TASKRUN` where the
 //!   kernel allows, and a driver may set a batch window
 //!   ([`Reactor::set_batch_window`]): the mount watcher handles a storm of
 //!   fanotify events once a millisecond instead of once per event.
-//! - [`batch::BatchReader`]: many reads at once on the calling thread (stat
-//!   files, device probes); falls back to `pread`.
+//! - [`batch::ReadBatch`]: many reads at once, waited for on the calling
+//!   thread. A ring thread's [`Reactor`] runs them on its own ring (the stat
+//!   collector's samples: one ring per thread); [`batch::BatchReader`] is a
+//!   ring of its own for callers without one (device probes, benches).
+//!   Both fall back to `pread`.
 //! - [`io_ring::IoRing`]: the NBD server's ring (multishot accept/receive,
 //!   fixed files and buffers, splice); io_uring only — the server refuses to
 //!   start without it. [`buffers`] holds its memory.
@@ -62,6 +65,7 @@ mod epoll;
 pub mod io_ring;
 pub mod mailbox;
 mod ops;
+mod pipes;
 pub mod queue;
 mod reactor;
 mod setup;
