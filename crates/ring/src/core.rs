@@ -79,6 +79,12 @@ impl<T> UringCore<T> {
         self.in_kernel
     }
 
+    /// Whether one more entry would go to the kernel at once, not to the
+    /// backlog.
+    pub(super) fn has_room(&self) -> bool {
+        self.in_kernel < self.cap && self.backlog.is_empty()
+    }
+
     /// Entries waiting for room under the cap.
     pub(super) fn backlogged(&self) -> usize {
         self.backlog.len()
