@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::stats::{parse_diskstats, IoCounters};
 use volring_mounts::DevNum;
-use volring_ring::batch::{BatchRead, BatchReader, ReadBatch};
 use volring_ring::BackendChoice;
+use volring_ring::{BatchRead, BatchReader, ReadBatch};
 
 /// How counters are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, clap::ValueEnum)]
@@ -72,18 +72,6 @@ impl StatSource {
         let files = StatFiles::new(devices)?;
         let depth = (files.len() as u32).clamp(8, 4096);
         Ok(Self { files, reader: BatchReader::new(io, depth)? })
-    }
-
-    pub fn len(&self) -> usize {
-        self.files.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.files.len() == 0
-    }
-
-    pub fn devices(&self) -> impl Iterator<Item = (DevNum, &Arc<str>)> {
-        self.files.devices()
     }
 
     /// Reads every tracked device's counters with `method` (`Auto` reads

@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use super::collect::{StatFiles, StatMethod};
 use super::stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
 use volring_mounts::DevNum;
-use volring_ring::batch::ReadBatch;
+use volring_ring::ReadBatch;
 use volring_ring::{BackendChoice, Completion, Driver, Flow, Reactor, RingStats, RingThread};
 
 #[derive(Debug, Clone)]
@@ -41,11 +41,9 @@ impl StatsReader {
     }
 }
 
-pub enum CollectorCommand {
+pub(crate) enum CollectorCommand {
     /// Track exactly these devices from now on.
     Track(Vec<(DevNum, Arc<str>)>),
-    /// Sample now, out of turn.
-    SampleNow,
 }
 
 /// The running collector.
@@ -89,10 +87,6 @@ impl StatCollector {
     /// Changes the tracked set; `false` when the command queue is full.
     pub fn track(&self, devices: Vec<(DevNum, Arc<str>)>) -> bool {
         self.ring.send(CollectorCommand::Track(devices)).is_ok()
-    }
-
-    pub fn sample_now(&self) -> bool {
-        self.ring.send(CollectorCommand::SampleNow).is_ok()
     }
 
     pub fn stop(self) -> io::Result<()> {
@@ -196,7 +190,6 @@ impl Driver for CollectorDriver {
                 }
                 Err(e) => tracing::warn!(error = %e, "stat collector could not track the new device set"),
             },
-            CollectorCommand::SampleNow => self.sample(ring),
         }
         Flow::Continue
     }

@@ -31,7 +31,7 @@ pub const PROBE_LEN: usize = 512 << 10;
 /// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
 /// so up to 256 KiB more), which also covers the md 0.90 superblock (the
 /// last 64 KiB-aligned 64 KiB) and the md 1.0 one (8–12 KiB from the end).
-pub const TAIL_MAX: usize = (512 << 10) + (256 << 10);
+pub(crate) const TAIL_MAX: usize = (512 << 10) + (256 << 10);
 
 /// The read budget per device: two reads, at most this many bytes.
 pub const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
@@ -73,7 +73,7 @@ impl<'a> Sample<'a> {
         self.runs.push((offset, bytes));
     }
 
-    pub fn size(&self) -> u64 {
+    pub(crate) fn size(&self) -> u64 {
         self.size
     }
 
@@ -166,12 +166,6 @@ impl FsType {
             FsType::CephBluestore => "ceph_bluestore",
             FsType::ZfsMember => "zfs_member",
         }
-    }
-
-    /// True for a member of something larger (RAID, LVM, cache, pool):
-    /// such a device is in use even with nothing mounted.
-    pub fn is_member(self) -> bool {
-        matches!(self, FsType::Lvm2Member | FsType::LinuxRaidMember | FsType::Bcache | FsType::CephBluestore | FsType::ZfsMember)
     }
 }
 

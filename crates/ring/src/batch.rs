@@ -33,7 +33,7 @@ use io_uring::{opcode, types};
 use super::core::UringCore;
 use super::ops::{Reaped, IGNORED};
 use super::setup::RingSetup;
-use super::{Backend, BackendChoice};
+use super::BackendChoice;
 
 /// One read of a batch.
 pub struct BatchRead<'a> {
@@ -120,14 +120,6 @@ impl BatchReader {
             }
             Err(e) if choice == BackendChoice::IoUring => Err(e),
             Err(_) => Ok(none),
-        }
-    }
-
-    pub fn backend(&self) -> Backend {
-        if self.core.is_some() {
-            Backend::IoUring
-        } else {
-            Backend::Epoll
         }
     }
 

@@ -20,9 +20,10 @@ use super::ops::{is_reserved, OpTable, Reaped, CANCEL_ALL, IGNORED};
 
 static LEAKED_OPS: AtomicU64 = AtomicU64::new(0);
 
+#[cfg(test)]
 /// Operations (with their buffers) this process gave up on because the
 /// kernel still held them when their ring was dropped.
-pub fn leaked_ops() -> u64 {
+pub(crate) fn leaked_ops() -> u64 {
     LEAKED_OPS.load(Ordering::Relaxed)
 }
 
@@ -74,6 +75,7 @@ impl<T> UringCore<T> {
         self
     }
 
+    #[cfg(test)]
     /// Entries in the kernel now (never more than the cap).
     pub(super) fn in_kernel(&self) -> usize {
         self.in_kernel
@@ -85,6 +87,7 @@ impl<T> UringCore<T> {
         self.in_kernel < self.cap && self.backlog.is_empty()
     }
 
+    #[cfg(test)]
     /// Entries waiting for room under the cap.
     pub(super) fn backlogged(&self) -> usize {
         self.backlog.len()

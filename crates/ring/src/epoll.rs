@@ -62,6 +62,7 @@ impl EpollEngine {
         Ok(Self { epoll, ops: OpTable::default(), ready: Vec::new(), timers: Vec::new() })
     }
 
+    #[cfg(test)]
     pub(super) fn in_flight(&self) -> usize {
         self.ops.len()
     }

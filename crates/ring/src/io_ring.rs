@@ -202,9 +202,10 @@ impl<T: Copy> IoRing<T> {
         self.core.ops().len()
     }
 
+    #[cfg(test)]
     /// Entries in the kernel now (capped by what the completion queue
     /// holds), and those waiting for room.
-    pub fn in_kernel(&self) -> (usize, usize) {
+    pub(crate) fn in_kernel(&self) -> (usize, usize) {
         (self.core.in_kernel(), self.core.backlogged())
     }
 

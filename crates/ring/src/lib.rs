@@ -39,9 +39,9 @@
 //!   kernel allows, and a driver may set a batch window
 //!   ([`Reactor::set_batch_window`]): the mount watcher handles a storm of
 //!   fanotify events once a millisecond instead of once per event.
-//! - [`batch::ReadBatch`]: many reads at once, waited for on the calling
+//! - [`ReadBatch`]: many reads at once, waited for on the calling
 //!   thread. A ring thread's [`Reactor`] runs them on its own ring (the stat
-//!   collector's samples: one ring per thread); [`batch::BatchReader`] is a
+//!   collector's samples: one ring per thread); [`BatchReader`] is a
 //!   ring of its own for callers without one (device probes, benches).
 //!   Both fall back to `pread`.
 //! - [`io_ring::IoRing`]: the NBD server's ring (multishot accept/receive,
@@ -57,13 +57,15 @@
 //! the reactor and the batch reader probe at start and fall back, saying so
 //! once in the log.
 
+#![warn(unreachable_pub)]
+
 mod allowed;
-pub mod batch;
+mod batch;
 pub mod buffers;
 mod core;
 mod epoll;
 pub mod io_ring;
-pub mod mailbox;
+mod mailbox;
 mod ops;
 mod pipes;
 pub mod queue;
@@ -74,7 +76,7 @@ mod uring;
 
 use std::io;
 
-pub use self::core::leaked_ops;
+pub use batch::{BatchRead, BatchReader, ReadBatch};
 pub use mailbox::Mailbox;
 pub use reactor::Reactor;
 pub use thread::{Driver, RingStats, RingThread};

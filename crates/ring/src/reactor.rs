@@ -97,7 +97,7 @@ impl Reactor {
         Ok(Self { engine, reaped: Vec::with_capacity(256), deferred: Vec::new(), batches: Batches::default() })
     }
 
-    pub fn backend(&self) -> Backend {
+    pub(crate) fn backend(&self) -> Backend {
         match self.engine {
             Engine::Uring(_) => Backend::IoUring,
             Engine::Epoll(_) => Backend::Epoll,
@@ -116,9 +116,10 @@ impl Reactor {
         }
     }
 
+    #[cfg(test)]
     /// Operations submitted and not yet ended (multishot polls count until
     /// they are cancelled).
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         match &self.engine {
             Engine::Uring(e) => e.in_flight(),
             Engine::Epoll(e) => e.in_flight(),

@@ -87,6 +87,7 @@ impl UringEngine {
         self.min_wait
     }
 
+    #[cfg(test)]
     pub(super) fn in_flight(&self) -> usize {
         self.core.ops().len()
     }
