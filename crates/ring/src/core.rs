@@ -7,7 +7,7 @@
 //! core — on a clean stop, an early return, or while a panic unwinds —
 //! cancels every op, waits (bounded) for their last completions, and only
 //! then lets what they held be freed. What the kernel has not let go of by
-//! the deadline is leaked on purpose: counted in [`leaked_ops`] and logged.
+//! the deadline is leaked on purpose: counted and logged.
 
 use std::collections::VecDeque;
 use std::io;

@@ -25,7 +25,7 @@
 //! unwinding through a ring thread — cancels every op, waits (bounded: each
 //! user picks its deadline) for their last completions, and only then frees
 //! what they held. What the kernel still holds at the deadline is leaked on
-//! purpose, counted by [`leaked_ops`] and logged, never freed under it.
+//! purpose, counted and logged, never freed under it.
 //! Memory shared by many ops (the NBD server's buffer arena and receive
 //! pool) is leaked with them by its owner when the core reports leftovers.
 //!
