@@ -11,6 +11,10 @@
 //!
 //! `cargo bench --bench csi_volumes -- [--volumes 1000] [--publish 200] [--clients 4] [--callers 8] [--calls 20000]`
 //!
+//! `VOLRING_BENCH_AGENT=/path/to/volring` runs that agent binary instead of
+//! this build's (say a build of an older commit), so two agents can be
+//! measured by the same client, round by round.
+//!
 //! Runs as root in a private mount namespace; every volume is unpublished,
 //! unstaged and deleted at the end, and the agent is stopped by PID.
 
@@ -78,7 +82,8 @@ fn main() {
     volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let dir = tempfile::Builder::new().prefix("volring-bench-csi-").tempdir().expect("dir");
     let socket = dir.path().join("csi.sock");
-    let child = Command::new(env!("CARGO_BIN_EXE_volring"))
+    let agent_bin = std::env::var_os("VOLRING_BENCH_AGENT").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_volring")), PathBuf::from);
+    let child = Command::new(&agent_bin)
         .args(["node", "--metrics-addr", "off", "--node-id", "bench", "--stats-interval", "10", "--csi-endpoint"])
         .arg(format!("unix://{}", socket.display()))
         .arg("--kubelet-root")

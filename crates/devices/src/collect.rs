@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::stats::{parse_diskstats, IoCounters};
 use volring_mounts::DevNum;
-use volring_ring::batch::{BatchRead, BatchReader};
 use volring_ring::BackendChoice;
+use volring_ring::{BatchRead, BatchReader, ReadBatch};
 
 /// How counters are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, clap::ValueEnum)]
@@ -58,8 +58,37 @@ impl StatMethod {
 /// The counters of one read, per tracked device, in tracking order.
 pub type Sample = Vec<(DevNum, Arc<str>, Result<IoCounters, String>)>;
 
-/// Open files and buffers for all methods over one set of devices.
+/// Open files and buffers for all methods over one set of devices, with a
+/// ring of its own for the batched reads: for reading outside a ring thread
+/// (the bench, tests). The collector keeps the files only ([`StatFiles`])
+/// and reads through its ring thread's reactor, so that thread has one ring.
 pub struct StatSource {
+    files: StatFiles,
+    reader: BatchReader,
+}
+
+impl StatSource {
+    pub fn new(devices: impl IntoIterator<Item = (DevNum, Arc<str>)>, io: BackendChoice) -> io::Result<Self> {
+        let files = StatFiles::new(devices)?;
+        let depth = (files.len() as u32).clamp(8, 4096);
+        Ok(Self { files, reader: BatchReader::new(io, depth)? })
+    }
+
+    /// Reads every tracked device's counters with `method` (`Auto` reads
+    /// with diskstats).
+    pub fn read(&mut self, method: StatMethod) -> io::Result<Sample> {
+        self.files.read(method, &mut self.reader)
+    }
+
+    /// Times each of `methods` `rounds` times; the median of each, fastest first.
+    pub fn calibrate(&mut self, methods: &[StatMethod], rounds: usize) -> Vec<(StatMethod, Duration)> {
+        self.files.calibrate(methods, rounds, &mut self.reader)
+    }
+}
+
+/// The tracked devices' open files and buffers; the batched reads go
+/// through whatever ring the caller has.
+pub(crate) struct StatFiles {
     devices: Vec<(DevNum, Arc<str>)>,
     /// Each device's `/sys/class/block/<name>/stat`, kept open; `None` if
     /// it could not be opened.
@@ -68,7 +97,6 @@ pub struct StatSource {
     index: HashMap<DevNum, usize>,
     diskstats: File,
     diskstats_buf: Vec<u8>,
-    reader: BatchReader,
 }
 
 /// First size of the `/proc/diskstats` buffer; doubled while a read fills it.
@@ -78,8 +106,8 @@ const MAX_DISKSTATS: usize = 64 << 20;
 /// A sysfs `stat` line is 17 counters of up to 20 digits.
 const STAT_LINE: usize = 512;
 
-impl StatSource {
-    pub fn new(devices: impl IntoIterator<Item = (DevNum, Arc<str>)>, io: BackendChoice) -> io::Result<Self> {
+impl StatFiles {
+    pub(crate) fn new(devices: impl IntoIterator<Item = (DevNum, Arc<str>)>) -> io::Result<Self> {
         let mut tracked = Vec::new();
         let mut files = Vec::new();
         let mut index = HashMap::new();
@@ -91,7 +119,6 @@ impl StatSource {
             files.push(File::open(format!("/sys/class/block/{name}/stat")).ok());
             tracked.push((dev, name));
         }
-        let depth = (tracked.len() as u32).clamp(8, 4096);
         let bufs = vec![vec![0; STAT_LINE]; tracked.len()];
         Ok(Self {
             devices: tracked,
@@ -100,42 +127,37 @@ impl StatSource {
             index,
             diskstats: File::open("/proc/diskstats")?,
             diskstats_buf: vec![0; DISKSTATS_START],
-            reader: BatchReader::new(io, depth)?,
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.devices.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
-    }
-
-    pub fn devices(&self) -> impl Iterator<Item = (DevNum, &Arc<str>)> {
+    pub(crate) fn devices(&self) -> impl Iterator<Item = (DevNum, &Arc<str>)> {
         self.devices.iter().map(|(d, n)| (*d, n))
     }
 
     /// Reads every tracked device's counters with `method` (`Auto` reads
-    /// with diskstats).
-    pub fn read(&mut self, method: StatMethod) -> io::Result<Sample> {
+    /// with diskstats), batched reads through `io`.
+    pub(crate) fn read(&mut self, method: StatMethod, io: &mut dyn ReadBatch) -> io::Result<Sample> {
         match method {
-            StatMethod::Auto | StatMethod::Diskstats => self.read_diskstats(),
-            StatMethod::Ring => self.read_ring(),
+            StatMethod::Auto | StatMethod::Diskstats => self.read_diskstats(io),
+            StatMethod::Ring => self.read_ring(io),
             StatMethod::Pread => Ok(self.read_pread()),
             StatMethod::OpenRead => Ok(self.read_open()),
         }
     }
 
     /// Times each of `methods` `rounds` times; the median of each, fastest first.
-    pub fn calibrate(&mut self, methods: &[StatMethod], rounds: usize) -> Vec<(StatMethod, Duration)> {
+    pub(crate) fn calibrate(&mut self, methods: &[StatMethod], rounds: usize, io: &mut dyn ReadBatch) -> Vec<(StatMethod, Duration)> {
         let mut out: Vec<(StatMethod, Duration)> = methods
             .iter()
             .filter_map(|&m| {
                 let mut times = Vec::with_capacity(rounds);
                 for _ in 0..rounds.max(1) {
                     let t = Instant::now();
-                    self.read(m).ok()?;
+                    self.read(m, io).ok()?;
                     times.push(t.elapsed());
                 }
                 times.sort();
@@ -146,7 +168,7 @@ impl StatSource {
         out
     }
 
-    fn read_diskstats(&mut self) -> io::Result<Sample> {
+    fn read_diskstats(&mut self, io: &mut dyn ReadBatch) -> io::Result<Sample> {
         let len = loop {
             if self.diskstats_buf.is_empty() {
                 // A read abandoned at a deadline kept its buffer (the ring
@@ -155,7 +177,7 @@ impl StatSource {
                 self.diskstats_buf = vec![0; DISKSTATS_START];
             }
             let mut reads = [BatchRead::new(self.diskstats.as_fd(), 0, std::mem::take(&mut self.diskstats_buf))];
-            self.reader.read_all(&mut reads, Duration::from_secs(5))?;
+            io.read_batch(&mut reads, Duration::from_secs(5))?;
             let [r] = reads;
             self.diskstats_buf = r.buf;
             let n = r.result?;
@@ -182,7 +204,7 @@ impl StatSource {
             .collect())
     }
 
-    fn read_ring(&mut self) -> io::Result<Sample> {
+    fn read_ring(&mut self, io: &mut dyn ReadBatch) -> io::Result<Sample> {
         let mut reads = Vec::with_capacity(self.devices.len());
         let mut owners = Vec::with_capacity(self.devices.len());
         for (i, (f, buf)) in self.files.iter().zip(self.bufs.iter_mut()).enumerate() {
@@ -191,7 +213,7 @@ impl StatSource {
                 owners.push(i);
             }
         }
-        self.reader.read_all(&mut reads, Duration::from_secs(5))?;
+        io.read_batch(&mut reads, Duration::from_secs(5))?;
         let mut results: Vec<Option<Result<IoCounters, String>>> = vec![None; self.devices.len()];
         for (r, &i) in reads.into_iter().zip(&owners) {
             results[i] = Some(match r.result {
@@ -253,9 +275,9 @@ mod tests {
         std::thread::spawn(move || {
             let mut source = StatSource::new(Vec::new(), BackendChoice::Auto).unwrap();
             // What an abandoned read leaves behind: the buffer is in the ring.
-            source.diskstats_buf = Vec::new();
+            source.files.diskstats_buf = Vec::new();
             let r = source.read(StatMethod::Diskstats).map(|s| s.len());
-            let _ = tx.send((r.map_err(|e| e.to_string()), source.diskstats_buf.len()));
+            let _ = tx.send((r.map_err(|e| e.to_string()), source.files.diskstats_buf.len()));
         });
         let (r, len) = rx.recv_timeout(Duration::from_secs(30)).expect("the read ends");
         assert_eq!(r, Ok(0));

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-use super::collect::{StatMethod, StatSource};
+use super::collect::{StatFiles, StatMethod};
 use super::stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
 use volring_mounts::DevNum;
+use volring_ring::ReadBatch;
 use volring_ring::{BackendChoice, Completion, Driver, Flow, Reactor, RingStats, RingThread};
 
 #[derive(Debug, Clone)]
@@ -40,11 +41,9 @@ impl StatsReader {
     }
 }
 
-pub enum CollectorCommand {
+pub(crate) enum CollectorCommand {
     /// Track exactly these devices from now on.
     Track(Vec<(DevNum, Arc<str>)>),
-    /// Sample now, out of turn.
-    SampleNow,
 }
 
 /// The running collector.
@@ -57,8 +56,9 @@ impl StatCollector {
     pub fn start(cfg: CollectorConfig, devices: Vec<(DevNum, Arc<str>)>) -> io::Result<Self> {
         let reader = StatsReader::default();
         let out = reader.clone();
+        let io = cfg.io;
         let make = move || {
-            let source = StatSource::new(devices, cfg.io)?;
+            let source = StatFiles::new(devices)?;
             Ok(CollectorDriver {
                 cfg,
                 source,
@@ -72,7 +72,7 @@ impl StatCollector {
                 calibration: Vec::new(),
             })
         };
-        let ring = RingThread::spawn_with("volring-stats", make, BackendChoice::Auto, 64)?;
+        let ring = RingThread::spawn_with("volring-stats", make, io, 64)?;
         Ok(Self { ring, reader })
     }
 
@@ -89,10 +89,6 @@ impl StatCollector {
         self.ring.send(CollectorCommand::Track(devices)).is_ok()
     }
 
-    pub fn sample_now(&self) -> bool {
-        self.ring.send(CollectorCommand::SampleNow).is_ok()
-    }
-
     pub fn stop(self) -> io::Result<()> {
         self.ring.stop().map(|_| ())
     }
@@ -100,7 +96,9 @@ impl StatCollector {
 
 struct CollectorDriver {
     cfg: CollectorConfig,
-    source: StatSource,
+    /// Read through the ring thread's reactor: the thread's one ring does
+    /// the timer, the mailbox and the batched reads.
+    source: StatFiles,
     out: StatsReader,
     /// The method in use (with `Auto`, after calibration).
     chosen: Option<StatMethod>,
@@ -115,14 +113,14 @@ struct CollectorDriver {
 const TICK: u64 = 1;
 
 impl CollectorDriver {
-    fn method(&mut self) -> StatMethod {
+    fn method(&mut self, ring: &mut dyn ReadBatch) -> StatMethod {
         if self.cfg.method != StatMethod::Auto {
             return self.cfg.method;
         }
         let len = self.source.len();
         let drifted = len.abs_diff(self.calibrated_len) * 4 > self.calibrated_len.max(1);
         if self.chosen.is_none() || drifted || self.since_calibration >= self.cfg.recalibrate_after {
-            self.calibration = self.source.calibrate(&StatMethod::MEASURED, 3);
+            self.calibration = self.source.calibrate(&StatMethod::MEASURED, 3, ring);
             self.chosen = self.calibration.first().map(|&(m, _)| m);
             self.calibrated_len = len;
             self.since_calibration = 0;
@@ -131,12 +129,12 @@ impl CollectorDriver {
         self.chosen.unwrap_or(StatMethod::Diskstats)
     }
 
-    fn sample(&mut self) {
-        let method = self.method();
+    fn sample(&mut self, ring: &mut dyn ReadBatch) {
+        let method = self.method(ring);
         let started = Instant::now();
         let taken_at = self.epoch.elapsed();
         let unix_time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        let sample = match self.source.read(method) {
+        let sample = match self.source.read(method, ring) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, method = method.as_str(), "stat collection failed");
@@ -177,29 +175,28 @@ impl Driver for CollectorDriver {
     type Command = CollectorCommand;
 
     fn start(&mut self, ring: &mut Reactor) -> io::Result<()> {
-        self.sample();
+        self.sample(ring);
         ring.timeout(TICK, self.cfg.interval)
     }
 
-    fn on_command(&mut self, cmd: CollectorCommand, _ring: &mut Reactor) -> Flow {
+    fn on_command(&mut self, cmd: CollectorCommand, ring: &mut Reactor) -> Flow {
         match cmd {
-            CollectorCommand::Track(devices) => match StatSource::new(devices, self.cfg.io) {
+            CollectorCommand::Track(devices) => match StatFiles::new(devices) {
                 Ok(s) => {
                     self.source = s;
                     let keep: std::collections::HashSet<DevNum> = self.source.devices().map(|(d, _)| d).collect();
                     self.prev.retain(|d, _| keep.contains(d));
-                    self.sample();
+                    self.sample(ring);
                 }
                 Err(e) => tracing::warn!(error = %e, "stat collector could not track the new device set"),
             },
-            CollectorCommand::SampleNow => self.sample(),
         }
         Flow::Continue
     }
 
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
         if c.token == TICK {
-            self.sample();
+            self.sample(ring);
             if let Err(e) = ring.timeout(TICK, self.cfg.interval) {
                 tracing::error!(error = %e, "stat collector cannot re-arm its timer; stopping");
                 return Flow::Stop;

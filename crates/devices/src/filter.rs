@@ -23,18 +23,6 @@ pub struct DeviceFilter {
 }
 
 impl DeviceFilter {
-    /// node-disk-manager's default: no loop, ram, floppy, CD, md, dm, rbd or
-    /// zfs volumes, no OS disk.
-    pub fn node_disk_manager_defaults() -> Self {
-        Self {
-            exclude_paths: ["/dev/loop", "/dev/fd0", "/dev/sr0", "/dev/ram", "/dev/md", "/dev/dm-", "/dev/rbd", "/dev/zd"]
-                .map(String::from)
-                .to_vec(),
-            exclude_os_disk: true,
-            ..Self::default()
-        }
-    }
-
     pub fn admits(&self, d: &Device) -> bool {
         let path = d.path.to_string_lossy();
         let vendor = d.vendor.as_deref().unwrap_or("");

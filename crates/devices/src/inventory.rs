@@ -16,8 +16,8 @@ use super::filter::DeviceFilter;
 use super::probe::{probe_sample, read_plan, Sample};
 use super::{sysfs, Error};
 use volring_mounts::{DevNum, MountTable};
-use volring_ring::batch::{BatchRead, BatchReader};
 use volring_ring::BackendChoice;
+use volring_ring::{BatchRead, BatchReader};
 
 /// Where the inventory looks, and what it keeps.
 #[derive(Debug, Clone)]

@@ -7,6 +7,8 @@
 //! uevents; [`StatCollector`] samples I/O counters on a ring thread and
 //! publishes each [`StatSnapshot`] for lock-free readers.
 
+#![warn(unreachable_pub)]
+
 mod collect;
 mod collector;
 mod device;

@@ -61,7 +61,7 @@ pub enum Column {
 }
 
 /// Every column: its lsblk name and what it shows (for `--help`).
-pub const COLUMNS: [(Column, &str, &str); 30] = [
+pub(crate) const COLUMNS: [(Column, &str, &str); 30] = [
     (Column::Name, "NAME", "device name, partitions drawn under their disk"),
     (Column::Kname, "KNAME", "kernel name"),
     (Column::Path, "PATH", "path of the device node"),
@@ -114,14 +114,14 @@ pub const DEFAULT_COLUMNS: [Column; 14] = [
 ];
 
 impl Column {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         COLUMNS.iter().find(|c| c.0 == self).map_or("?", |c| c.1)
     }
 }
 
 /// Parses `-o`: `COL,COL` (lsblk names, any case), or `+COL,...` to add
 /// to the default columns, as lsblk takes it.
-pub fn parse_columns(spec: &str) -> Result<Vec<Column>, String> {
+pub(crate) fn parse_columns(spec: &str) -> Result<Vec<Column>, String> {
     let (mut cols, list) = match spec.strip_prefix('+') {
         Some(rest) => (DEFAULT_COLUMNS.to_vec(), rest),
         None => (Vec::new(), spec),
@@ -278,14 +278,6 @@ fn fs_space(col: Column, d: &super::Device, bytes: bool) -> String {
     }
 }
 
-/// lsblk-like: one row per device, partitions right under their disk, in
-/// the columns asked for. What could not be read follows the table, one
-/// `# ` line per device and cause, so a partial answer never passes for a
-/// whole one. `active_swap` holds the devices in `/proc/swaps`.
-pub fn device_table(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>) -> String {
-    device_table_with(inv, cols, active_swap, TableStyle::default())
-}
-
 /// lsblk's switches for the table.
 #[derive(Clone, Copy, Debug)]
 pub struct TableStyle {
@@ -301,7 +293,11 @@ impl Default for TableStyle {
     }
 }
 
-/// [`device_table`] with lsblk's `-n` and `-b`.
+/// lsblk-like: one row per device, partitions right under their disk, in
+/// the columns asked for. What could not be read follows the table, one
+/// `# ` line per device and cause, so a partial answer never passes for a
+/// whole one. `active_swap` holds the devices in `/proc/swaps`.
+/// `style`: lsblk's `-n` and `-b`.
 pub fn device_table_with(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>, style: TableStyle) -> String {
     let mut rows: Vec<Vec<String>> = Vec::new();
     let row = |d: &super::Device, prefix: &str| -> Vec<String> {
@@ -355,7 +351,7 @@ pub fn device_table_with(inv: &Inventory, cols: &[Column], active_swap: &BTreeSe
 
 /// One `# NAME: ...` line per thing the scan could not read: devices it
 /// could not list, first blocks it could not read, attributes, unknown ids.
-pub fn unread_notes(inv: &Inventory) -> String {
+pub(crate) fn unread_notes(inv: &Inventory) -> String {
     let mut out = String::new();
     for (name, e) in &inv.errors {
         let _ = writeln!(out, "# {name}: not listed: {e}");
@@ -378,7 +374,7 @@ pub fn unread_notes(inv: &Inventory) -> String {
 
 /// A wall-clock time as ISO 8601 UTC with milliseconds, the way a sample
 /// is stamped (`iostat -t` prints local time; UTC sorts and compares).
-pub fn utc_timestamp(unix_secs: f64) -> String {
+pub(crate) fn utc_timestamp(unix_secs: f64) -> String {
     let ms = (unix_secs.max(0.0) * 1000.0).round() as u64;
     let (days, day_ms) = (ms / 86_400_000, ms % 86_400_000);
     // Days since 1970-01-01 to a civil date (proleptic Gregorian), by
@@ -397,7 +393,7 @@ pub fn utc_timestamp(unix_secs: f64) -> String {
 }
 
 /// The iostat -x columns `volring stats` prints, in iostat's order.
-pub const STAT_COLUMNS: [&str; 22] = [
+pub(crate) const STAT_COLUMNS: [&str; 22] = [
     "r/s", "rkB/s", "rrqm/s", "%rrqm", "r_await", "rareq-sz", "w/s", "wkB/s", "wrqm/s", "%wrqm", "w_await", "wareq-sz", "d/s", "dkB/s",
     "drqm/s", "%drqm", "d_await", "dareq-sz", "f/s", "f_await", "aqu-sz", "%util",
 ];

@@ -113,7 +113,7 @@ pub struct DiskstatsLine<'a> {
 }
 
 /// Parses one `/proc/diskstats` line: `major minor name` then the counters.
-pub fn parse_diskstats_line(line: &[u8]) -> Result<DiskstatsLine<'_>, StatLineError> {
+pub(crate) fn parse_diskstats_line(line: &[u8]) -> Result<DiskstatsLine<'_>, StatLineError> {
     let mut fields = line.split(|b| b.is_ascii_whitespace()).filter(|f| !f.is_empty());
     let mut header = || fields.next().ok_or(StatLineError::MissingHeader);
     let major = header()?;
@@ -265,14 +265,10 @@ impl StatSnapshot {
     pub fn get(&self, dev: DevNum) -> Option<&DeviceStat> {
         self.devices.binary_search_by_key(&dev, |d| d.dev).ok().map(|i| &self.devices[i])
     }
-
-    pub fn by_name(&self, name: &str) -> Option<&DeviceStat> {
-        self.devices.iter().find(|d| &*d.name == name)
-    }
 }
 
 mod duration_ms {
-    pub fn serialize<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f64(d.as_secs_f64() * 1000.0)
     }
 }

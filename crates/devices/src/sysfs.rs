@@ -122,7 +122,7 @@ pub fn parse_devnum(s: &str) -> Option<DevNum> {
 }
 
 /// The names in `/sys/class/block`, sorted.
-pub fn list(sys: &Path) -> Result<Vec<String>, Error> {
+pub(crate) fn list(sys: &Path) -> Result<Vec<String>, Error> {
     let dir = sys.join("class/block");
     let rd = std::fs::read_dir(&dir).map_err(|e| Error::Io("listing /sys/class/block", e))?;
     let mut names: Vec<String> = rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
@@ -300,7 +300,7 @@ pub fn parse_udev_db(text: &str) -> (BTreeMap<String, String>, Vec<PathBuf>) {
 
 /// Reads the udev database entry of `dev` under `run` (`/run`); empty when
 /// udev does not run (as in many containers).
-pub fn udev_entry(run: &Path, dev: DevNum) -> (BTreeMap<String, String>, Vec<PathBuf>) {
+pub(crate) fn udev_entry(run: &Path, dev: DevNum) -> (BTreeMap<String, String>, Vec<PathBuf>) {
     match std::fs::read_to_string(run.join(format!("udev/data/b{}:{}", dev.major, dev.minor))) {
         Ok(t) => parse_udev_db(&t),
         Err(_) => Default::default(),
@@ -309,7 +309,7 @@ pub fn udev_entry(run: &Path, dev: DevNum) -> (BTreeMap<String, String>, Vec<Pat
 
 /// `/dev/disk/by-id` and `/dev/disk/by-path` links, grouped by the kernel
 /// name they resolve to.
-pub fn disk_links(dev: &Path) -> BTreeMap<String, Vec<PathBuf>> {
+pub(crate) fn disk_links(dev: &Path) -> BTreeMap<String, Vec<PathBuf>> {
     let mut out: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
     for sub in ["disk/by-id", "disk/by-path"] {
         let Ok(rd) = std::fs::read_dir(dev.join(sub)) else { continue };

@@ -11,7 +11,7 @@ use volring_mounts::DevNum;
 
 /// The kernel's own bound on one uevent's environment (`UEVENT_BUFFER_SIZE`
 /// is 2 KiB); anything larger is not from the kernel.
-pub const MAX_UEVENT: usize = 8192;
+pub(crate) const MAX_UEVENT: usize = 8192;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -57,7 +57,7 @@ pub struct UEvent {
 }
 
 impl UEvent {
-    pub fn is_block(&self) -> bool {
+    pub(crate) fn is_block(&self) -> bool {
         self.subsystem.as_deref() == Some("block")
     }
 

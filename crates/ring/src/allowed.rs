@@ -9,7 +9,7 @@ use super::io_ring::IoRing;
 impl<T: Copy> IoRing<T> {
     /// Every operation the ring submits, with its name: what it probes
     /// for and the only ones its restrictions let through.
-    pub const OPCODES: [(u8, &'static str); 16] = [
+    pub(crate) const OPCODES: [(u8, &'static str); 16] = [
         (opcode::PollAdd::CODE, "POLL_ADD"),
         (opcode::AcceptMulti::CODE, "ACCEPT"),
         (opcode::Timeout::CODE, "TIMEOUT"),

@@ -205,7 +205,7 @@ impl Buffers {
     /// Empties the cache of freed buffers and asks the allocator to give
     /// its free pages back; for a ring with nothing to do. Returns the
     /// bytes released from the cache.
-    pub fn trim(&mut self) -> usize {
+    pub(crate) fn trim(&mut self) -> usize {
         let released = self.cached_bytes;
         for class in 0..CLASSES {
             while let Some(p) = self.cache[class].pop() {
@@ -291,11 +291,6 @@ impl Buffers {
                 BufId(self.slots.len() as u32 - 1)
             }
         }
-    }
-
-    /// Largest length `alloc` can give.
-    pub fn max_len(&self) -> usize {
-        PAGE << (CLASSES - 1)
     }
 
     fn slot(&self, id: BufId) -> Option<&Slot> {
@@ -385,12 +380,6 @@ impl Buffers {
         if s.busy == 0 && s.orphan {
             self.release(id);
         }
-    }
-
-    /// Bytes held: arena, live heap buffers, cache.
-    pub fn footprint(&self) -> usize {
-        let live: usize = self.slots.iter().flatten().map(|s| if let Mem::Heap { class, .. } = s.mem { PAGE << class } else { 0 }).sum();
-        self.arena.len + live + self.cached_bytes
     }
 }
 

@@ -7,7 +7,7 @@
 //! core — on a clean stop, an early return, or while a panic unwinds —
 //! cancels every op, waits (bounded) for their last completions, and only
 //! then lets what they held be freed. What the kernel has not let go of by
-//! the deadline is leaked on purpose: counted in [`leaked_ops`] and logged.
+//! the deadline is leaked on purpose: counted and logged.
 
 use std::collections::VecDeque;
 use std::io;
@@ -20,9 +20,10 @@ use super::ops::{is_reserved, OpTable, Reaped, CANCEL_ALL, IGNORED};
 
 static LEAKED_OPS: AtomicU64 = AtomicU64::new(0);
 
+#[cfg(test)]
 /// Operations (with their buffers) this process gave up on because the
 /// kernel still held them when their ring was dropped.
-pub fn leaked_ops() -> u64 {
+pub(crate) fn leaked_ops() -> u64 {
     LEAKED_OPS.load(Ordering::Relaxed)
 }
 
@@ -74,11 +75,19 @@ impl<T> UringCore<T> {
         self
     }
 
+    #[cfg(test)]
     /// Entries in the kernel now (never more than the cap).
     pub(super) fn in_kernel(&self) -> usize {
         self.in_kernel
     }
 
+    /// Whether one more entry would go to the kernel at once, not to the
+    /// backlog.
+    pub(super) fn has_room(&self) -> bool {
+        self.in_kernel < self.cap && self.backlog.is_empty()
+    }
+
+    #[cfg(test)]
     /// Entries waiting for room under the cap.
     pub(super) fn backlogged(&self) -> usize {
         self.backlog.len()

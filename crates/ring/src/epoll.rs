@@ -62,6 +62,7 @@ impl EpollEngine {
         Ok(Self { epoll, ops: OpTable::default(), ready: Vec::new(), timers: Vec::new() })
     }
 
+    #[cfg(test)]
     pub(super) fn in_flight(&self) -> usize {
         self.ops.len()
     }
@@ -74,6 +75,9 @@ impl EpollEngine {
     /// ready, which is what a multishot poll that the driver drains amounts
     /// to. Reads happen now; their results come with the next wait.
     pub(super) fn submit(&mut self, op: Op) -> io::Result<()> {
+        if !op.is_single() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "batch reads start in their batch"));
+        }
         let ud = self.ops.insert(op);
         let op = self.ops.get_mut(ud).expect("just inserted");
         match &mut op.pending {
@@ -95,12 +99,16 @@ impl EpollEngine {
                 self.ready.push((ud, res));
             }
             Pending::Timeout { after, .. } => self.timers.push((Instant::now() + *after, ud)),
+            // Refused above: the epoll engine reads a batch with `pread`.
+            Pending::Batch(_) => {}
         }
         Ok(())
     }
 
+    /// Waits for readiness or the next timer; without waiting when reads
+    /// done at submission or `out` (completions left to deliver) are there.
     pub(super) fn wait(&mut self, out: &mut Vec<Reaped<Op>>) -> io::Result<()> {
-        let timeout = if !self.ready.is_empty() {
+        let timeout = if !self.ready.is_empty() || !out.is_empty() {
             Some(rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })
         } else {
             self.timers.iter().map(|(t, _)| *t).min().map(|t| {

@@ -17,10 +17,12 @@
 //! file tables); [`IoRing::new`] fails cleanly when any of that is missing.
 //! What it may submit is in `allowed.rs`.
 //!
-//! Why one file of ~700 lines: every method here pushes an SQE whose
-//! buffers and descriptors the same op table must own until the last
-//! completion, and keeping the submitters beside that table is what lets a
-//! reader check each `// SAFETY:` against the table's rules in one place.
+//! Every submitter stays in this file: each pushes an SQE whose buffers and
+//! descriptors the same op table must own until the last completion, and
+//! keeping them beside that table is what lets a reader check each
+//! `// SAFETY:` against the table's rules in one place. The splice pipes'
+//! pool (`pipes.rs`), and the sizes and rlimit helpers of `new`
+//! (`setup.rs`), live apart.
 
 use std::io;
 use std::mem::ManuallyDrop;
@@ -34,7 +36,10 @@ use super::allowed::{missing_opcode, restrictions};
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
 use super::ops::Reaped;
-use super::setup::RingSetup;
+use super::pipes::PipePool;
+pub use super::pipes::{PipeId, PIPE_SIZE};
+pub use super::setup::IoRingConfig;
+use super::setup::{pinned_memory, raise_nofile_limit, RingSetup};
 
 /// A byte range of a buffer: id, start, end.
 pub type BufSlice = (BufId, usize, usize);
@@ -69,51 +74,6 @@ impl<T> Cqe<T> {
         // kernel just installed for this process; nothing else refers to it.
         (self.result >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(self.result) })
     }
-}
-
-/// Sizes of one ring.
-#[derive(Debug, Clone)]
-pub struct IoRingConfig {
-    pub sq_entries: u32,
-    pub cq_entries: u32,
-    /// Fixed-file slots (sockets and images).
-    pub files: u32,
-    pub arena_slots: u32,
-    pub arena_slot_size: usize,
-    pub heap_cache: usize,
-    /// Provided receive buffers: a power of two, each `recv_buf_size` bytes.
-    pub recv_bufs: u16,
-    pub recv_buf_size: usize,
-}
-
-impl Default for IoRingConfig {
-    fn default() -> Self {
-        Self {
-            sq_entries: 1024,
-            // Room for a multishot receive on every fixed-file slot (an
-            // idle connection's only op) and the I/O of busy ones: ops in
-            // flight are capped at what the completion queue holds.
-            cq_entries: 32768,
-            files: 16384,
-            arena_slots: 64,
-            arena_slot_size: 128 * 1024,
-            heap_cache: 64 << 20,
-            recv_bufs: 128,
-            recv_buf_size: 64 * 1024,
-        }
-    }
-}
-
-/// A pipe for splicing file pages into a socket without copying them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PipeId(u32);
-
-struct Pipe {
-    read: std::os::fd::OwnedFd,
-    write: std::os::fd::OwnedFd,
-    busy: u32,
-    /// Given back while busy: closed (if dirty) or pooled at the last completion.
-    returned: Option<bool>,
 }
 
 /// What an operation holds until its last completion.
@@ -161,8 +121,7 @@ pub struct IoRing<T: Copy = u64> {
     spare_iov: Vec<Vec<libc::iovec>>,
     spare_bufs: Vec<Vec<BufId>>,
     reaped: Vec<Reaped<Op<T>>>,
-    pipes: Vec<Option<Pipe>>,
-    idle_pipes: Vec<u32>,
+    pipes: PipePool,
     /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
     no_min_wait: bool,
     /// Multishot receives armed and not ended.
@@ -175,9 +134,6 @@ pub struct IoRing<T: Copy = u64> {
     /// Times the receive pool was handed to the kernel afresh.
     recv_resets: u64,
 }
-
-/// Capacity asked of each splice pipe (the unprivileged maximum).
-pub const PIPE_SIZE: usize = 1 << 20;
 
 /// Completion slots kept free of the cap on entries in the kernel, beyond
 /// one per provided buffer: for the other multishot completions (accepts,
@@ -224,8 +180,7 @@ impl<T: Copy> IoRing<T> {
             spare_iov: Vec::new(),
             spare_bufs: Vec::new(),
             reaped: Vec::with_capacity(1024),
-            pipes: Vec::new(),
-            idle_pipes: Vec::new(),
+            pipes: PipePool::default(),
             no_min_wait: false,
             armed_recvs: 0,
             recv_epoch: 0,
@@ -247,9 +202,10 @@ impl<T: Copy> IoRing<T> {
         self.core.ops().len()
     }
 
+    #[cfg(test)]
     /// Entries in the kernel now (capped by what the completion queue
     /// holds), and those waiting for room.
-    pub fn in_kernel(&self) -> (usize, usize) {
+    pub(crate) fn in_kernel(&self) -> (usize, usize) {
         (self.core.in_kernel(), self.core.backlogged())
     }
 
@@ -486,49 +442,19 @@ impl<T: Copy> IoRing<T> {
 
     /// An empty pipe for one splice sequence; give it back with `put_pipe`.
     pub fn take_pipe(&mut self) -> io::Result<PipeId> {
-        if let Some(i) = self.idle_pipes.pop() {
-            return Ok(PipeId(i));
-        }
-        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-        // A larger pipe moves a whole 1 MiB read in one splice; if the
-        // system refuses, the default size only means more splices.
-        let _ = rustix::pipe::fcntl_setpipe_size(&write, PIPE_SIZE);
-        self.pipes.push(Some(Pipe { read, write, busy: 0, returned: None }));
-        Ok(PipeId(self.pipes.len() as u32 - 1))
+        self.pipes.take()
     }
 
     /// Returns a pipe; `empty` says whether everything put in it was
     /// spliced out (a pipe with leftovers is closed, never reused).
     pub fn put_pipe(&mut self, pipe: PipeId, empty: bool) {
-        let Some(Some(p)) = self.pipes.get_mut(pipe.0 as usize) else { return };
-        if p.busy > 0 {
-            p.returned = Some(empty);
-            return;
-        }
-        self.retire_pipe(pipe.0, empty);
-    }
-
-    fn retire_pipe(&mut self, i: u32, empty: bool) {
-        if empty {
-            if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
-                p.returned = None;
-            }
-            self.idle_pipes.push(i);
-        } else {
-            self.pipes[i as usize] = None;
-        }
-    }
-
-    fn pipe_fd(&mut self, pipe: PipeId, write_end: bool) -> io::Result<RawFd> {
-        let p = self.pipes.get_mut(pipe.0 as usize).and_then(Option::as_mut).ok_or_else(stale)?;
-        p.busy += 1;
-        Ok(if write_end { p.write.as_raw_fd() } else { p.read.as_raw_fd() })
+        self.pipes.put(pipe, empty);
     }
 
     /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
     /// references, no copy, for files in the page cache).
     pub fn splice_in(&mut self, token: T, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
-        let fd = self.pipe_fd(pipe, true)?;
+        let fd = self.pipes.acquire(pipe, true).ok_or_else(stale)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fixed(file), offset as i64, types::Fd(fd), -1, len).build().user_data(ud)
         })
@@ -536,7 +462,7 @@ impl<T: Copy> IoRing<T> {
 
     /// Moves up to `len` bytes from `pipe` into a fixed socket.
     pub fn splice_out(&mut self, token: T, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
-        let fd = self.pipe_fd(pipe, false)?;
+        let fd = self.pipes.acquire(pipe, false).ok_or_else(stale)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fd(fd), -1, types::Fixed(socket), -1, len).build().user_data(ud)
         })
@@ -651,50 +577,9 @@ impl<T: Copy> IoRing<T> {
                 self.spare_bufs.push(bufs);
             }
             Held::Close(file) => self.free_files.push(file),
-            Held::Pipe(i) => {
-                if let Some(Some(p)) = self.pipes.get_mut(i as usize) {
-                    p.busy -= 1;
-                    if let (0, Some(empty)) = (p.busy, p.returned) {
-                        self.retire_pipe(i, empty);
-                    }
-                }
-            }
+            Held::Pipe(i) => self.pipes.release(i),
         }
     }
-}
-
-/// Raises this process's soft RLIMIT_NOFILE to its hard limit (once is
-/// enough; later calls change nothing) and returns the soft limit.
-/// The kernel pins registered buffers and, for a process without
-/// CAP_IPC_LOCK, counts them against RLIMIT_MEMLOCK: over it, ENOMEM. Said
-/// as that (not as a kernel too old for io_uring).
-fn pinned_memory(e: io::Error, iovecs: &[libc::iovec]) -> io::Error {
-    if e.raw_os_error() != Some(libc::ENOMEM) {
-        return e;
-    }
-    let bytes: usize = iovecs.iter().map(|v| v.iov_len).sum();
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock)
-        .current
-        .map_or("unlimited".to_string(), |n| format!("{} KiB", n >> 10));
-    io::Error::new(
-        io::ErrorKind::OutOfMemory,
-        format!(
-            "registering the ring's {} KiB of I/O buffers: ENOMEM, pinned memory over RLIMIT_MEMLOCK (ulimit -l: {limit}) \
-             for a process without CAP_IPC_LOCK: raise the limit (ulimit -l, systemd LimitMEMLOCK=) or run as root",
-            bytes >> 10
-        ),
-    )
-}
-
-fn raise_nofile_limit() -> u32 {
-    use rustix::process::{getrlimit, setrlimit, Resource};
-    let mut limit = getrlimit(Resource::Nofile);
-    if limit.current != limit.maximum {
-        limit.current = limit.maximum;
-        let _ = setrlimit(Resource::Nofile, limit);
-        limit = getrlimit(Resource::Nofile);
-    }
-    limit.current.map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 fn stale() -> io::Error {

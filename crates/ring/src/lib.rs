@@ -25,22 +25,25 @@
 //! unwinding through a ring thread — cancels every op, waits (bounded: each
 //! user picks its deadline) for their last completions, and only then frees
 //! what they held. What the kernel still holds at the deadline is leaked on
-//! purpose, counted by [`leaked_ops`] and logged, never freed under it.
+//! purpose, counted and logged, never freed under it.
 //! Memory shared by many ops (the NBD server's buffer arena and receive
 //! pool) is leaked with them by its owner when the core reports leftovers.
 //!
 //! # Who uses what
 //! - [`RingThread`] + [`Reactor`] (`reactor`, `uring`, `epoll`, `thread`):
 //!   one std thread runs a [`Driver`] — the mount watcher, hot-plug, the
-//!   stat collector's timer — that polls, reads and sets timeouts. io_uring
+//!   stat collector — that polls, reads and sets timeouts. io_uring
 //!   when the kernel allows it, else epoll and plain syscalls; drivers
 //!   cannot tell them apart except by [`Reactor::backend`]. Its io_uring is
 //!   made on that thread with `SINGLE_ISSUER | DEFER_TASKRUN` where the
 //!   kernel allows, and a driver may set a batch window
 //!   ([`Reactor::set_batch_window`]): the mount watcher handles a storm of
 //!   fanotify events once a millisecond instead of once per event.
-//! - [`batch::BatchReader`]: many reads at once on the calling thread (stat
-//!   files, device probes); falls back to `pread`.
+//! - [`ReadBatch`]: many reads at once, waited for on the calling
+//!   thread. A ring thread's [`Reactor`] runs them on its own ring (the stat
+//!   collector's samples: one ring per thread); [`BatchReader`] is a
+//!   ring of its own for callers without one (device probes, benches).
+//!   Both fall back to `pread`.
 //! - [`io_ring::IoRing`]: the NBD server's ring (multishot accept/receive,
 //!   fixed files and buffers, splice); io_uring only — the server refuses to
 //!   start without it. [`buffers`] holds its memory.
@@ -54,14 +57,17 @@
 //! the reactor and the batch reader probe at start and fall back, saying so
 //! once in the log.
 
+#![warn(unreachable_pub)]
+
 mod allowed;
-pub mod batch;
+mod batch;
 pub mod buffers;
 mod core;
 mod epoll;
 pub mod io_ring;
-pub mod mailbox;
+mod mailbox;
 mod ops;
+mod pipes;
 pub mod queue;
 mod reactor;
 mod setup;
@@ -70,7 +76,7 @@ mod uring;
 
 use std::io;
 
-pub use self::core::leaked_ops;
+pub use batch::{BatchRead, BatchReader, ReadBatch};
 pub use mailbox::Mailbox;
 pub use reactor::Reactor;
 pub use thread::{Driver, RingStats, RingThread};

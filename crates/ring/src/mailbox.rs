@@ -48,11 +48,8 @@ impl<T> Mailbox<T> {
         self.queue.pop()
     }
 
-    pub fn len(&self) -> usize {
-        self.queue.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
 }

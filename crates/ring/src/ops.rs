@@ -33,16 +33,16 @@ struct Entry<T> {
 /// One completion matched to its op.
 #[derive(Debug)]
 pub(super) struct Reaped<T> {
-    pub user_data: u64,
+    pub(super) user_data: u64,
     /// The kernel's result: bytes, events, an fd, or a negative errno.
-    pub res: i32,
+    pub(super) res: i32,
     /// io_uring's CQE flags (buffer id, `MORE`); 0 for the epoll engine.
-    pub flags: u32,
+    pub(super) flags: u32,
     /// A multishot op stays in the table; the op is `last` then.
-    pub more: bool,
+    pub(super) more: bool,
     /// The op, on its last completion: it has left the table and nothing in
     /// the kernel refers to what it holds any more.
-    pub last: Option<T>,
+    pub(super) last: Option<T>,
 }
 
 /// Operations in flight, each holding what the kernel may touch until its

@@ -1,11 +1,13 @@
 //! [`Reactor`]: what a ring thread's driver submits through — poll, read,
-//! timeout — on either engine, with the driver's tokens in the completions.
+//! timeout, and batches of reads waited for in place ([`ReadBatch`]) — on
+//! either engine, with the driver's tokens in the completions.
 
 use std::io;
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
+use super::batch::{pread_all, BatchOp, BatchRead, Batches, HoldsBatchOp, ReadBatch};
 use super::ops::{Reaped, WAKE};
 use super::{epoll, uring, Backend, BackendChoice, Completion, Token};
 
@@ -27,11 +29,35 @@ pub(super) enum Pending {
         after: Duration,
         spec: Option<Box<io_uring::types::Timespec>>,
     },
+    /// A read of a batch ([`Reactor::read_batch`]): started and reaped by
+    /// the batch itself, never handed to the driver.
+    Batch(BatchOp),
 }
 
 pub(super) struct Op {
     pub token: Token,
     pub pending: Pending,
+}
+
+impl Op {
+    /// Whether the op is one a driver asked for (poll, read, timeout):
+    /// batch reads are started by their batch only.
+    pub(super) fn is_single(&self) -> bool {
+        !matches!(self.pending, Pending::Batch(_))
+    }
+}
+
+impl HoldsBatchOp for Op {
+    fn from_batch(op: BatchOp) -> Self {
+        Op { token: 0, pending: Pending::Batch(op) }
+    }
+
+    fn into_batch(self) -> Result<BatchOp, Self> {
+        match self.pending {
+            Pending::Batch(op) => Ok(op),
+            pending => Err(Op { pending, ..self }),
+        }
+    }
 }
 
 #[allow(clippy::large_enum_variant)] // one per ring thread, made once: boxing buys nothing
@@ -44,6 +70,10 @@ enum Engine {
 pub struct Reactor {
     engine: Engine,
     reaped: Vec<Reaped<Op>>,
+    /// Completions of the driver's ops that came during a batch of reads,
+    /// delivered at the next wait.
+    deferred: Vec<Reaped<Op>>,
+    batches: Batches,
 }
 
 impl Reactor {
@@ -64,10 +94,10 @@ impl Reactor {
                 }
             },
         };
-        Ok(Self { engine, reaped: Vec::with_capacity(256) })
+        Ok(Self { engine, reaped: Vec::with_capacity(256), deferred: Vec::new(), batches: Batches::default() })
     }
 
-    pub fn backend(&self) -> Backend {
+    pub(crate) fn backend(&self) -> Backend {
         match self.engine {
             Engine::Uring(_) => Backend::IoUring,
             Engine::Epoll(_) => Backend::Epoll,
@@ -86,9 +116,10 @@ impl Reactor {
         }
     }
 
+    #[cfg(test)]
     /// Operations submitted and not yet ended (multishot polls count until
     /// they are cancelled).
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         match &self.engine {
             Engine::Uring(e) => e.in_flight(),
             Engine::Epoll(e) => e.in_flight(),
@@ -119,10 +150,12 @@ impl Reactor {
         self.submit(Op { token, pending: Pending::Timeout { after, spec: None } })
     }
 
-    /// Blocks until at least one event, then turns what ended into
+    /// Blocks until at least one event (not at all when a batch of reads
+    /// left completions to deliver), then turns what ended into
     /// completions. `woken` is set when the mailbox eventfd fired.
     pub(super) fn wait(&mut self, out: &mut Vec<Completion>, woken: &mut bool) -> io::Result<()> {
         let mut reaped = std::mem::take(&mut self.reaped);
+        reaped.append(&mut self.deferred);
         let r = match &mut self.engine {
             Engine::Uring(e) => e.wait(&mut reaped),
             Engine::Epoll(e) => e.wait(&mut reaped),
@@ -164,6 +197,8 @@ impl Reactor {
                 }
             }
             Pending::Read { buf, .. } => out.push(Completion { token, result, buf: Some(buf) }),
+            // A read abandoned at its batch's deadline let go: its buffer is free.
+            Pending::Batch(_) => self.batches.late_completion(),
             Pending::Timeout { .. } => {
                 let result = match result {
                     Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(0),
@@ -173,6 +208,21 @@ impl Reactor {
             }
         }
         Ok(())
+    }
+}
+
+impl ReadBatch for Reactor {
+    /// Runs the batch on this reactor's own ring (`pread` on the epoll
+    /// engine); the driver's completions that arrive meanwhile wait for the
+    /// ring's next turn.
+    fn read_batch(&mut self, reads: &mut [BatchRead<'_>], timeout: Duration) -> io::Result<()> {
+        match &mut self.engine {
+            Engine::Uring(e) => e.read_batch(&mut self.batches, reads, timeout, &mut self.deferred),
+            Engine::Epoll(_) => {
+                pread_all(reads);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -247,6 +297,29 @@ mod tests {
         });
         assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), vec![0]);
         assert_eq!(r.in_flight(), 1);
+    }
+
+    #[test]
+    fn a_batch_keeps_the_drivers_completions_for_the_next_wait() {
+        let wake = eventfd();
+        let mut r = uring_reactor(&wake);
+        // A poll on a ready pipe completes as soon as it is submitted: during
+        // the batch, whose one read (of a pipe nobody writes) waits out its
+        // deadline.
+        let (ready, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
+        rustix::io::write(&ready_w, b"x").expect("write");
+        r.poll(7, Arc::new(ready), crate::events::IN).unwrap();
+        let (quiet, _quiet_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
+        let mut reads = [BatchRead::new(std::os::fd::AsFd::as_fd(&quiet), 0, vec![0; 16])];
+        r.read_batch(&mut reads, Duration::from_millis(10)).unwrap();
+        assert_eq!(reads[0].result.as_ref().unwrap_err().kind(), io::ErrorKind::TimedOut);
+        assert_eq!(reads[0].buf.len(), 16, "the cancelled read's buffer came back");
+        assert_eq!(r.deferred.len(), 1, "the poll's completion was kept");
+        let (mut out, mut woken) = (Vec::new(), false);
+        r.wait(&mut out, &mut woken).unwrap();
+        assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), vec![7], "and delivered at the next wait, without blocking");
+        assert!(matches!(out[0].result, Ok(ev) if ev & crate::events::IN != 0));
+        assert_eq!(r.in_flight(), 1, "only the poll is left");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The one way a ring is made, for every io_uring in the crate: the
-//! reactor's (mount watcher, hot-plug, the collector's timer), the batch
-//! reader's (the collector's reads, the probes) and the NBD server's.
+//! reactor's (mount watcher, hot-plug, the stat collector: its timer, mailbox
+//! and batched reads), the batch reader's (the probes) and the NBD server's.
 //!
 //! Each asks for `SINGLE_ISSUER | DEFER_TASKRUN` (6.1+: the kernel runs
 //! completion work only when the ring's thread waits, instead of
@@ -13,6 +13,39 @@ use std::io;
 use std::sync::Once;
 
 use io_uring::IoUring;
+
+/// Sizes of one [`IoRing`](super::io_ring::IoRing).
+#[derive(Debug, Clone)]
+pub struct IoRingConfig {
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+    /// Fixed-file slots (sockets and images).
+    pub files: u32,
+    pub arena_slots: u32,
+    pub arena_slot_size: usize,
+    pub heap_cache: usize,
+    /// Provided receive buffers: a power of two, each `recv_buf_size` bytes.
+    pub recv_bufs: u16,
+    pub recv_buf_size: usize,
+}
+
+impl Default for IoRingConfig {
+    fn default() -> Self {
+        Self {
+            sq_entries: 1024,
+            // Room for a multishot receive on every fixed-file slot (an
+            // idle connection's only op) and the I/O of busy ones: ops in
+            // flight are capped at what the completion queue holds.
+            cq_entries: 32768,
+            files: 16384,
+            arena_slots: 64,
+            arena_slot_size: 128 * 1024,
+            heap_cache: 64 << 20,
+            recv_bufs: 128,
+            recv_buf_size: 64 * 1024,
+        }
+    }
+}
 
 /// How to make one ring.
 #[derive(Debug, Clone, Copy)]
@@ -62,4 +95,38 @@ impl RingSetup {
             }
         }
     }
+}
+
+/// The kernel pins registered buffers and, for a process without
+/// CAP_IPC_LOCK, counts them against RLIMIT_MEMLOCK: over it, ENOMEM. Said
+/// as that (not as a kernel too old for io_uring).
+pub(crate) fn pinned_memory(e: io::Error, iovecs: &[libc::iovec]) -> io::Error {
+    if e.raw_os_error() != Some(libc::ENOMEM) {
+        return e;
+    }
+    let bytes: usize = iovecs.iter().map(|v| v.iov_len).sum();
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock)
+        .current
+        .map_or("unlimited".to_string(), |n| format!("{} KiB", n >> 10));
+    io::Error::new(
+        io::ErrorKind::OutOfMemory,
+        format!(
+            "registering the ring's {} KiB of I/O buffers: ENOMEM, pinned memory over RLIMIT_MEMLOCK (ulimit -l: {limit}) \
+             for a process without CAP_IPC_LOCK: raise the limit (ulimit -l, systemd LimitMEMLOCK=) or run as root",
+            bytes >> 10
+        ),
+    )
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (once is
+/// enough; later calls change nothing) and returns the soft limit.
+pub(crate) fn raise_nofile_limit() -> u32 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+        limit = getrlimit(Resource::Nofile);
+    }
+    limit.current.map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX))
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
 
+use super::batch::{BatchRead, Batches};
 use super::core::UringCore;
 use super::ops::{Reaped, WAKE};
 use super::reactor::{Op, Pending};
@@ -39,6 +40,8 @@ pub(super) struct UringEngine {
     batch_window: Duration,
     /// The kernel honours `min_wait_usec` (6.12+).
     min_wait: bool,
+    /// Reads of a batch in flight at once (the submission queue's size).
+    batch_depth: usize,
 }
 
 /// Makes the reactor's ring: deferred task work when the kernel allows it
@@ -52,7 +55,8 @@ impl UringEngine {
         let (ring, deferred) = build_ring()?;
         let min_wait = ring.params().is_feature_min_timeout();
         tracing::debug!(deferred, min_wait, "reactor ring");
-        let mut e = Self { core: UringCore::new(ring, CANCEL_WAIT), wake, batch_window: Duration::ZERO, min_wait };
+        let batch_depth = ring.params().sq_entries() as usize;
+        let mut e = Self { core: UringCore::new(ring, CANCEL_WAIT), wake, batch_window: Duration::ZERO, min_wait, batch_depth };
         // Probe that multishot poll works (5.13+), on the eventfd we need anyway.
         e.arm_wake()?;
         e.core.submit_and_wait(0, None)?;
@@ -83,6 +87,7 @@ impl UringEngine {
         self.min_wait
     }
 
+    #[cfg(test)]
     pub(super) fn in_flight(&self) -> usize {
         self.core.ops().len()
     }
@@ -92,6 +97,9 @@ impl UringEngine {
     }
 
     pub(super) fn submit(&mut self, op: Op) -> io::Result<()> {
+        if !op.is_single() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "batch reads start in their batch"));
+        }
         // SAFETY: each sqe points only into heap memory the op owns (the read
         // buffer, the boxed timespec), which the core keeps until the op's
         // last completion; fds are kept open by the op's Arc.
@@ -107,6 +115,8 @@ impl UringEngine {
                         let ts = spec.insert(Box::new(types::Timespec::from(*after)));
                         opcode::Timeout::new(&**ts as *const types::Timespec).build()
                     }
+                    // Refused above.
+                    Pending::Batch(_) => opcode::Nop::new().build(),
                 }
                 .user_data(ud)
             })
@@ -114,8 +124,29 @@ impl UringEngine {
         r.map(|_| ())
     }
 
+    /// Runs a batch of reads on this ring (see [`super::batch`]); other
+    /// completions that come meanwhile go to `others`.
+    pub(super) fn read_batch(
+        &mut self,
+        batches: &mut Batches,
+        reads: &mut [BatchRead<'_>],
+        timeout: Duration,
+        others: &mut Vec<Reaped<Op>>,
+    ) -> io::Result<()> {
+        let start = others.len();
+        let r = batches.run(&mut self.core, self.batch_depth, reads, timeout, others);
+        if others[start..].iter().any(|c| c.user_data == WAKE && !c.more) {
+            self.arm_wake()?;
+        }
+        r
+    }
+
+    /// Waits for a completion and reaps; when `out` already holds some
+    /// (left by a batch of reads) only reaps what is there.
     pub(super) fn wait(&mut self, out: &mut Vec<Reaped<Op>>) -> io::Result<()> {
-        if self.batch_window.is_zero() || !self.min_wait {
+        if !out.is_empty() {
+            self.core.submit_and_wait(0, None)?;
+        } else if self.batch_window.is_zero() || !self.min_wait {
             self.core.submit_and_wait(1, None)?;
         } else {
             // Wait for BATCH_MAX completions during the window; once it has
