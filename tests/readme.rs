@@ -199,6 +199,9 @@ const EXAMPLES: &[Example] = &[
         How::Skip(BENCH),
     ),
     ex("VOLRING_BENCH_BACKGROUND_LOAD=2 VOLRING_BENCH_ONLY=all cargo bench --bench nbd_peers", How::Skip(BENCH)),
+    ex("target/release/deps/mount_storm-* --bench --watcher process --sizes 1000,10000 --runs 5 --volring-bin OLD:NEW", How::Skip(BENCH)),
+    ex("VOLRING_BENCH_AGENT=OLD target/release/deps/csi_volumes-* --bench [--volumes 400 --publish 100 --calls 8000]", How::Skip(BENCH)),
+    ex("VOLRING_BENCH_AGENT=NEW target/release/deps/csi_volumes-* --bench [...]", How::Skip(BENCH)),
     ex("VOLRING_BENCH_POOLS=ext4,xfs VOLRING_BENCH_ONLY=writes cargo bench --bench nbd_peers", How::Skip(BENCH)),
     ex(
         "VOLRING_BENCH_ONLY=reads VOLRING_BENCH_PEERS=volring,nbdkit VOLRING_BENCH_BASELINE=/path/to/old/volring cargo bench --bench nbd_peers",

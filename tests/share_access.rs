@@ -198,6 +198,33 @@ fn clients_follow_stage_and_unstage() -> Result<(), Failed> {
         let gone = annotations().get("nfs-client.volring.io/test-node").is_none();
         gone.then_some(()).ok_or_else(|| format!("the announcement an outage kept stays: {}", annotations()))
     })?;
+
+    // Never over a new stage's: another unstage during an outage leaves a
+    // renouncement pending, and B stages again before it is retried. The
+    // new announcement stays past the retries (5 s apart) and is admitted.
+    let stage_again = || {
+        eventually(30, || match stage_b() {
+            Err(s) if s.message().contains("mount ") => Ok(()),
+            other => Err(format!("B's stage: {other:?}")),
+        })
+    };
+    stage_again()?;
+    server.api.set_outage(true);
+    let unstaged =
+        b.run(n.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: VOLUME.into(), staging_target_path: b_staging.clone() }));
+    server.api.set_outage(false);
+    check(unstaged.is_ok(), format!("the second unstage during an outage: {unstaged:?}"))?;
+    stage_again()?;
+    std::thread::sleep(std::time::Duration::from_secs(12));
+    check(
+        annotations()["nfs-client.volring.io/test-node"] == "127.0.0.1"
+            && annotations()["nfs-admitted.volring.io/test-node"] == "127.0.0.1",
+        format!("a retried renouncement took a new stage's announcement off: {}", annotations()),
+    )?;
+    let unstaged =
+        b.run(n.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: VOLUME.into(), staging_target_path: b_staging.clone() }));
+    check(unstaged.is_ok(), format!("the last unstage: {unstaged:?}"))?;
+    check(annotations().get("nfs-client.volring.io/test-node").is_none(), format!("B's announcement stays: {}", annotations()))?;
     drop(b);
     a.unstage(VOLUME, &staging)?;
     drop(api_rt);

@@ -114,10 +114,20 @@ pub(crate) struct Sampler {
 /// 1 s by default).
 const AGENT_SAMPLE_PATIENCE: Duration = Duration::from_secs(10);
 
-/// A row's previous sample: when it was taken (seconds on the source's
-/// clock), its counters, and the rates shown for it.
+/// Whose clock a sample time is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Clock {
+    /// The agent's collector (Unix seconds, from its scrape).
+    Agent,
+    /// `top`'s own (seconds since it started).
+    Own,
+}
+
+/// A row's previous sample: when it was taken (seconds on `clock`), its
+/// counters, and the rates shown for it.
 #[derive(Debug, Clone, Copy)]
 struct Last {
+    clock: Clock,
     at: f64,
     counters: Counters,
     rates: Rates,
@@ -126,12 +136,17 @@ struct Last {
 /// A row's rates from its previous sample and this one. A sample taken at
 /// the same time as the previous one (the agent has not collected again
 /// since the last refresh) is no new information: the rates shown stay,
-/// rather than drop to zero and then double at the next refresh.
-fn advance(last: Option<&Last>, at: f64, counters: Counters) -> Last {
+/// rather than drop to zero and then double at the next refresh. A sample
+/// on another clock (an agent without the sample time replaced one with
+/// it), or earlier than the previous one (the agent's clock stepped back),
+/// starts the row again.
+fn advance(last: Option<&Last>, clock: Clock, at: f64, counters: Counters) -> Last {
+    let fresh = Last { clock, at, counters, rates: Rates::default() };
     match last {
-        Some(l) if at <= l.at => *l,
-        Some(l) => Last { at, counters, rates: Rates::between(&l.counters, &counters, at - l.at) },
-        None => Last { at, counters, rates: Rates::default() },
+        Some(l) if l.clock != clock || at < l.at => fresh,
+        Some(l) if at == l.at => *l,
+        Some(l) => Last { clock, at, counters, rates: Rates::between(&l.counters, &counters, at - l.at) },
+        None => fresh,
     }
 }
 
@@ -169,14 +184,14 @@ impl Sampler {
     pub(crate) fn sample(&mut self, view: View) -> anyhow::Result<Vec<Row>> {
         // The agent's counters carry the time its collector read them; the
         // kernel's are read now.
-        let mut now = self.epoch.elapsed().as_secs_f64();
+        let (mut clock, mut now) = (Clock::Own, self.epoch.elapsed().as_secs_f64());
         let mut rows = Vec::new();
         let mut raw: Vec<(volumes::Volume, Option<Counters>)> = match (&self.agent, view) {
             (Some(addr), View::Volumes) => {
                 let text = volumes::fetch_metrics(addr).ok_or_else(|| anyhow::anyhow!("the agent at {addr} stopped answering"))?;
                 let scrape = volumes::parse_scrape(&text);
                 if let Some(at) = scrape.sampled_at {
-                    now = at;
+                    (clock, now) = (Clock::Agent, at);
                 }
                 self.agent_sampled_at = scrape.sampled_at;
                 scrape.volumes.into_values().map(|(v, c)| (v, Some(c))).collect()
@@ -209,7 +224,7 @@ impl Sampler {
             let key = (view, if view == View::Volumes { v.volume.clone() } else { v.device.clone() });
             let rates = match c {
                 Some(c) => {
-                    let next = advance(self.last.get(&key), now, c);
+                    let next = advance(self.last.get(&key), clock, now, c);
                     self.last.insert(key.clone(), next);
                     next.rates
                 }
@@ -402,18 +417,24 @@ mod tests {
     /// samples keeps what was shown instead of flashing zero.
     #[test]
     fn rates_follow_the_sources_clock_and_a_repeated_sample_keeps_them() {
-        let first = advance(None, 100.0, reads(1_000.0));
+        let first = advance(None, Clock::Agent, 100.0, reads(1_000.0));
         assert_eq!(first.rates, Rates::default());
         // 500 reads between agent samples 1 s apart: 500/s, however long
         // `top` itself waited between the two scrapes.
-        let second = advance(Some(&first), 101.0, reads(1_500.0));
+        let second = advance(Some(&first), Clock::Agent, 101.0, reads(1_500.0));
         assert_eq!(second.rates.reads_per_second, 500.0);
         // A scrape before the agent sampled again: same time, same counters.
-        let repeat = advance(Some(&second), 101.0, reads(1_500.0));
+        let repeat = advance(Some(&second), Clock::Agent, 101.0, reads(1_500.0));
         assert_eq!(repeat.rates.reads_per_second, 500.0);
         assert_eq!(repeat.at, 101.0);
         // The next agent sample 2 s on (a refresh skipped one): per second.
-        let third = advance(Some(&repeat), 103.0, reads(2_500.0));
+        let third = advance(Some(&repeat), Clock::Agent, 103.0, reads(2_500.0));
         assert_eq!(third.rates.reads_per_second, 500.0);
+        // Another clock (an older agent took over) or a step back: the row
+        // starts again instead of freezing or dividing by 1.7e9 s.
+        let other = advance(Some(&third), Clock::Own, 5.0, reads(2_600.0));
+        assert_eq!((other.rates, other.clock, other.at), (Rates::default(), Clock::Own, 5.0));
+        let back = advance(Some(&third), Clock::Agent, 90.0, reads(2_600.0));
+        assert_eq!((back.rates, back.at), (Rates::default(), 90.0));
     }
 }

@@ -88,7 +88,10 @@ pub(crate) fn read(state_dir: &Path) -> Option<Queued> {
         return None;
     }
     let q: Queued = serde_json::from_slice(&bytes).ok()?;
-    (start_time(q.pid) == Some(q.started)).then_some(q)
+    let started = start_time(q.pid)?;
+    // A record without a start time (an older agent's, or one that could
+    // not read its own) is believed on its pid alone, as before.
+    (q.started == 0 || started == q.started).then_some(q)
 }
 
 /// What `volring get` adds when the agent still holds objects.
@@ -102,7 +105,10 @@ pub fn note(state_dir: &Path) -> Option<String> {
 /// aborts the task and then calls [`remove`]).
 pub async fn follow(stats: Arc<Stats>, state_dir: PathBuf, target: Target) {
     let pid = std::process::id();
-    let started = start_time(pid).unwrap_or_default();
+    let started = start_time(pid).unwrap_or_else(|| {
+        tracing::debug!("cannot read this process's start time: the queued record names the pid only");
+        0
+    });
     let mut last = None;
     loop {
         let queued = stats.queued.load(Ordering::Relaxed);

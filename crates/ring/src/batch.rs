@@ -242,8 +242,14 @@ impl Batches {
         if run.outstanding > 0 {
             run.abandon(core, reads, others);
         }
+        // Not submitted: the ring failed, or it had no room (other ops and
+        // reads the kernel still holds fill its cap) until the deadline.
+        let (kind, why) = match result {
+            Err(_) => (io::ErrorKind::Other, "read not submitted: the ring failed"),
+            Ok(()) => (io::ErrorKind::TimedOut, "read not submitted: no room in the ring before the deadline"),
+        };
         for r in &mut reads[next..] {
-            r.result = Err(io::Error::other("read not submitted: the ring failed"));
+            r.result = Err(io::Error::new(kind, why));
         }
         self.late += run.late;
         // Whatever is queued goes to the kernel now, while the fds are open.

@@ -11,7 +11,9 @@
 //! Why not one watch of every PVC: each node would receive every PVC
 //! change in the cluster, to keep the few it exports.
 //!
-//! Each watch LISTs its PVC (admitting what is announced now), then
+//! Each watch keeps a connection to the API server open (one per export,
+//! HTTP/2 streams of one connection where the server speaks it). It LISTs
+//! its PVC (admitting what is announced now), then
 //! WATCHes from the list's version until the stream ends (the server's
 //! timeout, an outage), then lists again; a failure — of the API server or
 //! of the admission — waits with backoff and starts over, so nothing is
@@ -58,7 +60,8 @@ impl ClientWatches {
         let wanted: HashMap<&str, &(String, String)> =
             exports.iter().filter_map(|e| e.pvc.as_ref().map(|p| (e.volume_id.as_str(), p))).collect();
         self.watches.retain(|id, w| {
-            let keep = wanted.get(id.as_str()).is_some_and(|p| **p == w.pvc);
+            // A task that ended (it only ends by a panic) is started again.
+            let keep = wanted.get(id.as_str()).is_some_and(|p| **p == w.pvc) && !w.task.is_finished();
             if !keep {
                 w.task.abort();
             }

@@ -34,6 +34,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::kube::{ShareController, SharedVolume};
+use super::renounce::{Renouncer, Turns};
 
 /// The first wait after a failed reconcile; each failure doubles it.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -362,28 +363,37 @@ pub async fn in_cluster<D: ShareHost>(
 /// With an `address`, a stage first announces this node on the PVC and
 /// waits for the owner to admit it (UNAVAILABLE until then), and the
 /// unstage takes the announcement off ([`super::admit`]); one the API
-/// server did not take off (an outage) is retried until it is.
+/// server did not take off (an outage), or that a stage which never
+/// finished left, is taken off later ([`super::renounce`]).
 pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
     let handle = tokio::runtime::Handle::current();
-    let store = driver.shares().store();
-    // A stage's announcement and a retried renouncement of the same
-    // volume take turns, so a retry never takes off a new stage's.
-    let turns = Arc::new(tokio::sync::Mutex::new(()));
-    let (c, h, s, n, t) = (client.clone(), handle.clone(), store.clone(), node.to_string(), turns.clone());
+    let renouncer = Renouncer {
+        client: client.clone(),
+        store: driver.shares().store(),
+        node: node.to_string(),
+        turns: Turns::default(),
+        announced_at: Default::default(),
+    };
+    let (h, r) = (handle.clone(), renouncer.clone());
     driver.set_endpoint_lookup(Box::new(move |id, ns, name| {
-        let (client, node, store, turns) = (&c, &n, &s, &t);
+        let r = &r;
         let lookup = async move {
             if let Some(address) = address {
                 let pvc = (ns.to_string(), name.to_string());
-                let _turn = turns.lock().await;
-                super::records::put_announced(store, id, &pvc).map_err(|e| e.to_string())?;
-                super::records::remove_renounce_pending(store, id).map_err(|e| e.to_string())?;
-                let admitted = super::admit::announce(client, ns, name, node, &address.to_string()).await.map_err(|e| e.to_string())?;
+                // This volume's turn: a retried renouncement of it waits.
+                let _turn = r.turns.take(id).await?;
+                super::records::put_announced(&r.store, id, &pvc).map_err(|e| e.to_string())?;
+                let admitted =
+                    super::admit::announce(&r.client, ns, name, &r.node, &address.to_string()).await.map_err(|e| e.to_string())?;
+                // Announced: a renouncement still pending from an earlier
+                // unstage would take this new announcement off.
+                r.announced(id);
+                super::records::remove_renounce_pending(&r.store, id).map_err(|e| e.to_string())?;
                 if !admitted {
                     return Err(format!("the owning node has not admitted this node ({address}) to the NFS export yet"));
                 }
             }
-            super::kube::published_endpoint(client, ns, name).await.map_err(|e| e.to_string())
+            super::kube::published_endpoint(&r.client, ns, name).await.map_err(|e| e.to_string())
         };
         match h.block_on(async move { tokio::time::timeout(LOOKUP_WAIT, lookup).await }) {
             Ok(r) => r,
@@ -393,7 +403,6 @@ pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node:
     if address.is_none() {
         return;
     }
-    let renouncer = Renouncer { client, store, node: node.to_string(), turns };
     let r = renouncer.clone();
     driver.shares().on_unmounted(move |id| {
         let Some(pvc) = super::records::get_announced(&r.store, id) else { return };
@@ -404,72 +413,7 @@ pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node:
             tracing::warn!(volume = id, "the NFS announcement's renouncement panicked");
         }
     });
-    tokio::spawn(renouncer.retry_pending());
-}
-
-/// How often announcements left on PVCs by an unstage during an API outage
-/// are tried again (one GET, and a PATCH when still there, per volume).
-const RENOUNCE_RETRY: Duration = Duration::from_secs(5);
-
-/// Takes this node's announcements off PVCs of volumes it no longer stages.
-#[derive(Clone)]
-struct Renouncer {
-    client: kube::Client,
-    store: Arc<volring_volumes::store::Store>,
-    node: String,
-    turns: Arc<tokio::sync::Mutex<()>>,
-}
-
-impl Renouncer {
-    /// Takes the announcement for `id` off `pvc`; one the API server does
-    /// not take now is kept as pending (in the store, so a restarted agent
-    /// retries it too).
-    async fn renounce(&self, id: &str, pvc: &(String, String)) {
-        let _turn = self.turns.lock().await;
-        self.renounce_in_turn(id, pvc).await;
-    }
-
-    /// [`Self::renounce`], with the turn already taken.
-    async fn renounce_in_turn(&self, id: &str, pvc: &(String, String)) {
-        let (ns, name) = pvc;
-        let result = tokio::time::timeout(LOOKUP_WAIT, super::admit::renounce(&self.client, ns, name, &self.node)).await;
-        let error = match result {
-            Ok(Ok(())) => {
-                let gone = super::records::remove_announced(&self.store, id)
-                    .and_then(|()| super::records::remove_renounce_pending(&self.store, id));
-                if let Err(e) = gone {
-                    tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement");
-                }
-                return;
-            }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer from the API server within {LOOKUP_WAIT:?}"),
-        };
-        tracing::warn!(volume = id, error, "the NFS announcement stays on the PVC for now; retried every {RENOUNCE_RETRY:?}");
-        if let Err(e) = super::records::put_renounce_pending(&self.store, id, pvc) {
-            tracing::warn!(volume = id, error = %e, "cannot record the NFS announcement to take off");
-        }
-    }
-
-    /// Every [`RENOUNCE_RETRY`], the pending renouncements; for as long as
-    /// the runtime runs (the work is records in the store: nothing is lost
-    /// when the agent stops mid-way).
-    async fn retry_pending(self) {
-        let mut every = tokio::time::interval(RENOUNCE_RETRY);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            for (id, pvc) in super::records::renounce_pending(&self.store) {
-                let _turn = self.turns.lock().await;
-                // Proven in the turn: a stage of the volume since took the
-                // record away, and its announcement is a new one that stays.
-                let still = super::records::renounce_pending(&self.store).iter().any(|(i, _)| *i == id);
-                if still {
-                    self.renounce_in_turn(&id, &pvc).await;
-                }
-            }
-        }
-    }
+    tokio::spawn(renouncer.retry());
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS

@@ -31,6 +31,7 @@ pub mod ganesha;
 mod identity;
 pub mod kube;
 mod records;
+mod renounce;
 mod server;
 mod side;
 

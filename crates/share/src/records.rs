@@ -131,17 +131,52 @@ pub(crate) fn put_renounce_pending(store: &Store, volume_id: &str, pvc: &(String
     store.apply(&[Change::PutPublished(&pending, &bytes), Change::RemovePublished(&announced)]).map_err(|e| Error::Store(e.to_string()))
 }
 
-/// The announcements still to be taken off, by volume (records that do not
-/// decode, or name what Kubernetes does not allow, are skipped).
-pub(crate) fn renounce_pending(store: &Store) -> Vec<(String, (String, String))> {
-    let rows = store.published_under(RENOUNCE_PREFIX).unwrap_or_default();
-    rows.into_iter()
-        .filter_map(|(key, bytes)| {
-            let id = key.strip_prefix(RENOUNCE_PREFIX)?.to_string();
-            let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
-            Some((id, super::pvc(&ns, &name)?))
-        })
-        .collect()
+/// An announcement this node may have left on a PVC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Leftover {
+    pub(crate) volume_id: String,
+    pub(crate) pvc: (String, String),
+    /// A renouncement the API server did not take (else: an announcement
+    /// with no staged volume behind it).
+    pub(crate) pending: bool,
+}
+
+/// What may be left on PVCs, by volume: each pending renouncement, and
+/// each announcement with no staged volume behind it (no mount record: a
+/// stage that never got that far). Records that do not decode, or name
+/// what Kubernetes does not allow, are skipped.
+pub(crate) fn leftovers(store: &Store) -> Result<Vec<Leftover>, Error> {
+    let read = |prefix: &str| store.published_under(prefix).map_err(|e| Error::Store(e.to_string()));
+    let decode = |prefix: &str, key: &str, bytes: &[u8]| {
+        let id = key.strip_prefix(prefix)?.to_string();
+        let (ns, name): (String, String) = serde_json::from_slice(bytes).ok()?;
+        Some((id, super::pvc(&ns, &name)?))
+    };
+    let mut out: Vec<_> = read(RENOUNCE_PREFIX)?
+        .into_iter()
+        .filter_map(|(key, bytes)| decode(RENOUNCE_PREFIX, &key, &bytes))
+        .map(|(volume_id, pvc)| Leftover { volume_id, pvc, pending: true })
+        .collect();
+    for (key, bytes) in read(ANNOUNCED_PREFIX)? {
+        let Some((id, pvc)) = decode(ANNOUNCED_PREFIX, &key, &bytes) else { continue };
+        if get_mount(store, &id)?.is_none() {
+            out.push(Leftover { volume_id: id, pvc, pending: false });
+        }
+    }
+    Ok(out)
+}
+
+/// Whether `volume_id` is still a leftover of the kind [`leftovers`] said:
+/// still pending, or still announced with no mount record.
+pub(crate) fn leftover(store: &Store, volume_id: &str, pending: bool) -> Result<bool, Error> {
+    if pending {
+        return is_renounce_pending(store, volume_id);
+    }
+    Ok(get_announced(store, volume_id).is_some() && get_mount(store, volume_id)?.is_none())
+}
+
+pub(crate) fn is_renounce_pending(store: &Store, volume_id: &str) -> Result<bool, Error> {
+    Ok(store.published(&format!("{RENOUNCE_PREFIX}{volume_id}")).map_err(|e| Error::Store(e.to_string()))?.is_some())
 }
 
 pub(crate) fn remove_renounce_pending(store: &Store, volume_id: &str) -> Result<(), Error> {
@@ -240,12 +275,17 @@ mod tests {
         let store = Store::open(&dir.path().join("state.redb")).unwrap();
         let pvc = ("apps".to_string(), "acl".to_string());
         put_announced(&store, "pvc-1", &pvc).unwrap();
-        assert!(renounce_pending(&store).is_empty());
+        // Announced, not staged (no mount record): a leftover unless a
+        // stage stands behind it.
+        let left = |pending| vec![Leftover { volume_id: "pvc-1".into(), pvc: pvc.clone(), pending }];
+        assert_eq!(leftovers(&store).unwrap(), left(false));
+        assert!(leftover(&store, "pvc-1", false).unwrap());
         put_renounce_pending(&store, "pvc-1", &pvc).unwrap();
         assert_eq!(get_announced(&store, "pvc-1"), None);
-        assert_eq!(renounce_pending(&store), vec![("pvc-1".to_string(), pvc.clone())]);
+        assert_eq!(leftovers(&store).unwrap(), left(true));
+        assert!(is_renounce_pending(&store, "pvc-1").unwrap() && !leftover(&store, "pvc-1", false).unwrap());
         remove_renounce_pending(&store, "pvc-1").unwrap();
-        assert!(renounce_pending(&store).is_empty());
+        assert!(leftovers(&store).unwrap().is_empty());
     }
 
     #[test]
