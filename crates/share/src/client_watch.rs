@@ -20,17 +20,12 @@
 //! lost between two streams.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use tokio_stream::StreamExt;
 
-use super::follow::{Admit, Exported};
-
-/// The first wait after a failed watch; each failure doubles it.
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(60);
+use super::follow::{Admit, Exported, RETRY_MAX, RETRY_MIN};
 
 /// How long the API server keeps one watch stream open (it must be under
 /// the client's read timeout, 295 s).

@@ -36,9 +36,10 @@ use tokio::time::Instant;
 use super::kube::{ShareController, SharedVolume};
 use super::renounce::{Renouncer, Turns};
 
-/// The first wait after a failed reconcile; each failure doubles it.
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(60);
+/// The first wait after a failed reconcile (or watch of a PVC); each
+/// failure doubles it.
+pub(crate) const RETRY_MIN: Duration = Duration::from_secs(1);
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// A volume this node exports, and the PVC it was created for (`None`:
 /// created without the provisioner's metadata; no Service is made).

@@ -85,14 +85,11 @@ impl Renouncer {
             Ok(Ok(())) => {
                 self.announced_at.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
                 let (store, vid) = (self.store.clone(), id.to_string());
-                let gone = tokio::task::spawn_blocking(move || {
+                let gone = off_runtime(move || {
                     super::records::remove_announced(&store, &vid).and_then(|()| super::records::remove_renounce_pending(&store, &vid))
-                })
-                .await;
-                match gone {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement"),
-                    Err(e) => tracing::warn!(volume = id, error = %e, "cannot forget the NFS announcement"),
+                });
+                if let Err(e) = gone.await {
+                    tracing::warn!(volume = id, error = e, "cannot forget the NFS announcement");
                 }
                 return;
             }
@@ -111,10 +108,8 @@ impl Renouncer {
 
     async fn keep_pending(&self, id: &str, pvc: &(String, String)) {
         let (store, vid, p) = (self.store.clone(), id.to_string(), pvc.clone());
-        match tokio::task::spawn_blocking(move || super::records::put_renounce_pending(&store, &vid, &p)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(volume = id, error = %e, "cannot record the NFS announcement to take off"),
-            Err(e) => tracing::warn!(volume = id, error = %e, "cannot record the NFS announcement to take off"),
+        if let Err(e) = off_runtime(move || super::records::put_renounce_pending(&store, &vid, &p)).await {
+            tracing::warn!(volume = id, error = e, "cannot record the NFS announcement to take off");
         }
     }
 
@@ -122,7 +117,7 @@ impl Renouncer {
     /// cannot say).
     async fn pending_now(&self, id: &str) -> Option<bool> {
         let (store, vid) = (self.store.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || super::records::is_renounce_pending(&store, &vid)).await.ok()?.ok()
+        off_runtime(move || super::records::is_renounce_pending(&store, &vid)).await.ok()
     }
 
     /// Every [`RETRY`], for as long as the runtime runs: the pending
@@ -135,13 +130,12 @@ impl Renouncer {
         loop {
             every.tick().await;
             let store = self.store.clone();
-            let leftovers = match tokio::task::spawn_blocking(move || super::records::leftovers(&store)).await {
-                Ok(Ok(l)) => l,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "cannot read the NFS announcements to take off");
+            let leftovers = match off_runtime(move || super::records::leftovers(&store)).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = e, "cannot read the NFS announcements to take off");
                     continue;
                 }
-                Err(_) => continue,
             };
             for super::records::Leftover { volume_id: id, pvc, pending } in leftovers {
                 if !pending && !self.abandoned(&id) {
@@ -152,8 +146,8 @@ impl Renouncer {
                 // away (its announcement is a new one that stays), or staged
                 // the volume after all.
                 let (store, vid) = (self.store.clone(), id.clone());
-                let still = tokio::task::spawn_blocking(move || super::records::leftover(&store, &vid, pending)).await;
-                if matches!(still, Ok(Ok(true))) && (pending || self.abandoned(&id)) {
+                let still = off_runtime(move || super::records::leftover(&store, &vid, pending)).await;
+                if matches!(still, Ok(true)) && (pending || self.abandoned(&id)) {
                     if !pending {
                         tracing::info!(volume = %id, "a stage that never finished left this node's NFS announcement: taking it off");
                     }
@@ -167,6 +161,15 @@ impl Renouncer {
     /// [`ABANDONED`].
     fn abandoned(&self, id: &str) -> bool {
         self.announced_at.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_none_or(|at| at.elapsed() >= ABANDONED)
+    }
+}
+
+/// Runs a store call on a blocking thread (redb writes fsync): the
+/// runtime's threads keep serving the agent meanwhile.
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> Result<T, super::Error> + Send + 'static) -> Result<T, String> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
     }
 }
 
