@@ -196,7 +196,10 @@ fn reads_in_io_uring_workers_read_back_what_was_written() -> Result<(), Failed> 
     check(ok, format!("nbdcopy out: {err}"))?;
     check(std::fs::read(&back)? == data, "read back through NBD with reads offloaded differs")?;
     let workers = workers.max(ring_workers());
-    check(workers > 0, "no io_uring worker served the ring's reads")
+    check(workers > 0, "no io_uring worker served the ring's reads")?;
+    // What an operator sees of it: the export's counter (volring_nbd_offloaded_reads).
+    let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    check(st.offloaded_reads >= 2000, format!("the 2,000 raw reads were not counted as offloaded: {st:?}"))
 }
 
 fn main() {

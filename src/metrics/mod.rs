@@ -324,7 +324,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
     let all = exports.all();
     let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 11] = [
+    let counters: [(&str, &str, Pick); 12] = [
         ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
@@ -336,6 +336,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
         ("volring_nbd_other_requests", "CACHE and BLOCK_STATUS requests answered", |s| s.other),
         ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
         ("volring_nbd_inline_writes", "WRITEs done on a ring thread instead of an io_uring worker", |s| s.inline_writes),
+        ("volring_nbd_offloaded_reads", "READs handed to io_uring's workers while the ring was starved of CPU", |s| s.offloaded_reads),
     ];
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;

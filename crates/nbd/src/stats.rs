@@ -77,6 +77,9 @@ pub struct ExportStats {
     /// io_uring (see `server::inline`): tells an operator which path the
     /// pool's file system got.
     pub inline_writes: AtomicU64,
+    /// Page-cache READs handed to io_uring's workers because the ring was
+    /// starved of CPU (see `server::starve`).
+    pub offloaded_reads: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.
     buckets: [LatencyBuckets; 6],
@@ -102,6 +105,7 @@ pub struct Pending {
     read_bytes: u64,
     write_bytes: u64,
     errors: u64,
+    offloaded_reads: u64,
     latencies_us: Vec<u32>,
     buckets: [[u64; BUCKETS]; 6],
     sums_us: [u64; 6],
@@ -125,8 +129,13 @@ impl Pending {
         }
     }
 
+    /// A READ handed to io_uring's workers.
+    pub(crate) fn offloaded_read(&mut self) {
+        self.offloaded_reads += 1;
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
-        self.counts.iter().all(|&c| c == 0)
+        self.counts.iter().all(|&c| c == 0) && self.offloaded_reads == 0
     }
 }
 
@@ -144,6 +153,7 @@ impl ExportStats {
         self.read_bytes.fetch_add(p.read_bytes, Ordering::Relaxed);
         self.write_bytes.fetch_add(p.write_bytes, Ordering::Relaxed);
         self.errors.fetch_add(p.errors, Ordering::Relaxed);
+        self.offloaded_reads.fetch_add(p.offloaded_reads, Ordering::Relaxed);
         for (k, target) in self.buckets.iter().enumerate() {
             if p.sums_us[k] == 0 && p.buckets[k].iter().all(|&c| c == 0) {
                 continue;
@@ -192,6 +202,7 @@ impl ExportStats {
             other: load(&self.other),
             errors: load(&self.errors),
             inline_writes: load(&self.inline_writes),
+            offloaded_reads: load(&self.offloaded_reads),
             latency_count: count,
             latency_p50_us: p50,
             latency_p99_us: p99,
@@ -216,6 +227,7 @@ pub struct ExportSnapshot {
     pub other: u64,
     pub errors: u64,
     pub inline_writes: u64,
+    pub offloaded_reads: u64,
     pub latency_count: u64,
     pub latency_p50_us: u64,
     pub latency_p99_us: u64,

@@ -254,6 +254,7 @@ impl Requests {
                 // Only page-cache reads: an O_DIRECT read never runs on the ring thread.
                 let in_flight = self.table.len() - self.free.len();
                 if r.data_off == DATA_OFFSET && self.reads.offload(in_flight) {
+                    sh.record_offloaded_read(r.conn);
                     sh.ring.read_async(t, r.file, slice, off + done)
                 } else {
                     sh.ring.read(t, r.file, slice, off + done)

@@ -150,14 +150,29 @@ impl Shared {
 
     /// Counts a reply of connection `ci`'s export.
     pub(crate) fn record(&mut self, ci: u32, kind: Kind, bytes: u64, ok: bool, started: Instant) {
-        let Some(id) = self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.id) else { return };
         let us = self.now.saturating_duration_since(started).as_micros() as u64;
-        // The export's Arc is cloned only for its first request on this ring.
-        if let Some((_, pending)) = self.stats.get_mut(&id) {
-            return pending.record(kind, bytes, ok, us);
+        if let Some(pending) = self.pending_of(ci) {
+            pending.record(kind, bytes, ok, us);
         }
-        let Some(export) = self.export_of(ci) else { return };
-        self.stats.entry(id).or_insert_with(|| (export, Default::default())).1.record(kind, bytes, ok, us);
+    }
+
+    /// Counts a READ of connection `ci`'s export handed to io_uring's
+    /// workers.
+    pub(crate) fn record_offloaded_read(&mut self, ci: u32) {
+        if let Some(pending) = self.pending_of(ci) {
+            pending.offloaded_read();
+        }
+    }
+
+    /// This batch's counters of connection `ci`'s export. The export's Arc
+    /// is cloned only for its first request on this ring.
+    fn pending_of(&mut self, ci: u32) -> Option<&mut Pending> {
+        let id = self.conn(ci).and_then(|c| c.attached()).map(|a| a.export.id)?;
+        if !self.stats.contains_key(&id) {
+            let export = self.export_of(ci)?;
+            self.stats.insert(id, (export, Default::default()));
+        }
+        self.stats.get_mut(&id).map(|(_, p)| p)
     }
 
     /// Folds this batch's counters into the exports'.
