@@ -16,9 +16,12 @@ use std::time::{Duration, Instant};
 use volring_nbd::attach::local::connected_sockets;
 use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
 use volring_nbd::client::{self, ClientHandshake, ClientOutcome};
-use volring_nbd::wire::{self, opt, rep, tx};
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 use volring_sys::nlmsg::{self, nbd, NbdConfig};
+use wire::{opt, rep, tx};
+
+#[path = "nbd_support/wire.rs"]
+mod wire;
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(20);

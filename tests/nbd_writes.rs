@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
+use nbd_support::wire::{cmd, HeaderStyle};
 use nbd_support::{run, RawClient, Rng, Served, MIB};
-use volring_nbd::wire::{cmd, HeaderStyle};
 use volring_nbd::{InlineWrites, OffloadReads};
 
 const T: Duration = Duration::from_secs(120);

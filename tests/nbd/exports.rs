@@ -25,7 +25,7 @@ pub(super) fn exports_added_and_removed_at_run_time() -> Result<(), Failed> {
     s.add("late", &path, true, 0);
     let mut c = RawClient::connect(&s.socket, "late", HeaderStyle::Structured, false)?;
     let r = c.call(cmd::READ, 0, 0, 4, &[])?;
-    check(r.data == b"abcd" && c.flags & volring_nbd::wire::tx::READ_ONLY != 0, "added again, read-only")
+    check(r.data == b"abcd" && c.flags & nbd_support::wire::tx::READ_ONLY != 0, "added again, read-only")
 }
 
 /// BLOCK_STATUS from SEEK_DATA/SEEK_HOLE, and hole chunks for sparse reads.

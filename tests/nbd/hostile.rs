@@ -113,8 +113,8 @@ pub(super) fn client_that_never_reads_is_bounded() -> Result<(), Failed> {
     'fill: for i in 0..20_000u64 {
         let (off, len) = if i % 2 == 0 { ((i * 4096) % (60 * MIB), 4096) } else { ((i * MIB) % (60 * MIB), MIB) };
         let mut b = Vec::new();
-        volring_nbd::wire::encode_request(
-            &volring_nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: i, offset: off, length: len },
+        nbd_support::wire::encode_request(
+            &nbd_support::wire::Request { flags: 0, kind: cmd::READ, cookie: i, offset: off, length: len },
             HeaderStyle::Structured,
             &mut b,
         );

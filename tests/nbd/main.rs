@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use common::check;
 use libtest_mimic::{Failed, Trial};
+use nbd_support::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
 use nbd_support::{pattern, run, ChildServer, ChildSpec, RawClient, Rng, ServeProcess, Served, MIB};
-use volring_nbd::wire::{cmd, cmd_flags as cf, errno, state, HeaderStyle};
 
 use clients::{
     acked_flush_survives_kill9, block_path_through_nbdfuse, nbdcopy_both_ways_multi_conn, nbdinfo_shows_every_feature, qemu_io_patterns,

@@ -154,8 +154,8 @@ pub(super) fn one_burst_of_reads_is_admitted_request_by_request() -> Result<(), 
     let mut burst = Vec::with_capacity(64 * 1024);
     let mut n = 0u64;
     while burst.len() + 28 <= 64 * 1024 {
-        let req = volring_nbd::wire::Request { flags: 0, kind: cmd::READ, cookie: n, offset: n * 61_440 % (60 * MIB), length: 61_440 };
-        volring_nbd::wire::encode_request(&req, HeaderStyle::Simple, &mut burst);
+        let req = nbd_support::wire::Request { flags: 0, kind: cmd::READ, cookie: n, offset: n * 61_440 % (60 * MIB), length: 61_440 };
+        nbd_support::wire::encode_request(&req, HeaderStyle::Simple, &mut burst);
         n += 1;
     }
     hog.s.write_all(&burst)?;
@@ -188,8 +188,8 @@ pub(super) fn list_flood_in_the_handshake_is_bounded() -> Result<(), Failed> {
     flood.read_exact(&mut greeting)?;
     let mut bytes = 3u32.to_be_bytes().to_vec();
     while bytes.len() + 16 <= 64 * 1024 + 4 {
-        bytes.extend_from_slice(&volring_nbd::wire::IHAVEOPT.to_be_bytes());
-        bytes.extend_from_slice(&volring_nbd::wire::opt::LIST.to_be_bytes());
+        bytes.extend_from_slice(&nbd_support::wire::IHAVEOPT.to_be_bytes());
+        bytes.extend_from_slice(&nbd_support::wire::opt::LIST.to_be_bytes());
         bytes.extend_from_slice(&0u32.to_be_bytes());
     }
     flood.write_all(&bytes)?;
@@ -249,14 +249,14 @@ fn hostile_readers(srv: &ChildServer, n: u64) -> Result<Vec<RawClient>, Failed> 
                     chunk.clear();
                     for i in 0..100u64 {
                         let n = batch * 100 + i;
-                        let req = volring_nbd::wire::Request {
+                        let req = nbd_support::wire::Request {
                             flags: 0,
                             kind: cmd::READ,
                             cookie: n,
                             offset: (h * 7919 + n) * 4096 % (64 * MIB),
                             length: 4096,
                         };
-                        volring_nbd::wire::encode_request(&req, HeaderStyle::Structured, &mut chunk);
+                        nbd_support::wire::encode_request(&req, HeaderStyle::Structured, &mut chunk);
                     }
                     // The server stops reading: the write times out and this client sits.
                     if c.s.write_all(&chunk).is_err() {

@@ -11,8 +11,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use volring_nbd::wire::{self, cmd, opt, HeaderStyle, Request};
 use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
+
+pub mod wire;
+
+use wire::{cmd, opt, HeaderStyle, Request};
 
 pub const MIB: u64 = 1 << 20;
 

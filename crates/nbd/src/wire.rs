@@ -4,17 +4,17 @@
 
 use super::Error;
 
-pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+pub(crate) const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+pub(crate) const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+pub(crate) const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+pub(crate) const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub(crate) const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
-pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+pub(crate) const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 pub(crate) const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 pub(crate) const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 /// Handshake flags (server) and client flags.
-pub mod handshake_flags {
+pub(crate) mod handshake_flags {
     pub(crate) const FIXED_NEWSTYLE: u16 = 1 << 0;
     pub(crate) const NO_ZEROES: u16 = 1 << 1;
     pub(crate) const C_FIXED_NEWSTYLE: u32 = 1 << 0;
@@ -22,51 +22,50 @@ pub mod handshake_flags {
 }
 
 /// Transmission flags, sent with the export's size.
-pub mod tx {
-    pub const HAS_FLAGS: u16 = 1 << 0;
-    pub const READ_ONLY: u16 = 1 << 1;
-    pub const SEND_FLUSH: u16 = 1 << 2;
+pub(crate) mod tx {
+    pub(crate) const HAS_FLAGS: u16 = 1 << 0;
+    pub(crate) const READ_ONLY: u16 = 1 << 1;
+    pub(crate) const SEND_FLUSH: u16 = 1 << 2;
     pub(crate) const SEND_FUA: u16 = 1 << 3;
-    pub const ROTATIONAL: u16 = 1 << 4;
     pub(crate) const SEND_TRIM: u16 = 1 << 5;
     pub(crate) const SEND_WRITE_ZEROES: u16 = 1 << 6;
     pub(crate) const SEND_DF: u16 = 1 << 7;
-    pub const CAN_MULTI_CONN: u16 = 1 << 8;
+    pub(crate) const CAN_MULTI_CONN: u16 = 1 << 8;
     pub(crate) const SEND_CACHE: u16 = 1 << 10;
     pub(crate) const SEND_FAST_ZERO: u16 = 1 << 11;
 }
 
 /// Option numbers.
-pub mod opt {
-    pub const EXPORT_NAME: u32 = 1;
+pub(crate) mod opt {
+    pub(crate) const EXPORT_NAME: u32 = 1;
     pub(crate) const ABORT: u32 = 2;
-    pub const LIST: u32 = 3;
+    pub(crate) const LIST: u32 = 3;
     pub(crate) const STARTTLS: u32 = 5;
     pub(crate) const INFO: u32 = 6;
-    pub const GO: u32 = 7;
-    pub const STRUCTURED_REPLY: u32 = 8;
+    pub(crate) const GO: u32 = 7;
+    pub(crate) const STRUCTURED_REPLY: u32 = 8;
     pub(crate) const LIST_META_CONTEXT: u32 = 9;
-    pub const SET_META_CONTEXT: u32 = 10;
-    pub const EXTENDED_HEADERS: u32 = 11;
+    pub(crate) const SET_META_CONTEXT: u32 = 10;
+    pub(crate) const EXTENDED_HEADERS: u32 = 11;
 }
 
-/// Option reply types.
+/// Option reply types. `ERR_POLICY` is public because a caller acts on
+/// it: a remote owner refusing by policy still has the volume staged.
 pub mod rep {
-    pub const ACK: u32 = 1;
+    pub(crate) const ACK: u32 = 1;
     pub(crate) const SERVER: u32 = 2;
-    pub const INFO: u32 = 3;
+    pub(crate) const INFO: u32 = 3;
     pub(crate) const META_CONTEXT: u32 = 4;
-    pub const ERR_UNSUP: u32 = 0x8000_0001;
+    pub(crate) const ERR_UNSUP: u32 = 0x8000_0001;
     pub const ERR_POLICY: u32 = 0x8000_0002;
     pub(crate) const ERR_INVALID: u32 = 0x8000_0003;
     pub(crate) const ERR_UNKNOWN: u32 = 0x8000_0006;
-    pub const ERR_SHUTDOWN: u32 = 0x8000_0007;
     pub(crate) const ERR_TOO_BIG: u32 = 0x8000_0009;
     pub(crate) const ERR_EXT_HEADER_REQD: u32 = 0x8000_000a;
 }
 
 /// `NBD_INFO_*` items of INFO and GO.
-pub mod info {
+pub(crate) mod info {
     pub(crate) const EXPORT: u16 = 0;
     pub(crate) const NAME: u16 = 1;
     pub(crate) const DESCRIPTION: u16 = 2;
@@ -74,47 +73,46 @@ pub mod info {
 }
 
 /// Command types.
-pub mod cmd {
-    pub const READ: u16 = 0;
-    pub const WRITE: u16 = 1;
-    pub const DISC: u16 = 2;
-    pub const FLUSH: u16 = 3;
-    pub const TRIM: u16 = 4;
+pub(crate) mod cmd {
+    pub(crate) const READ: u16 = 0;
+    pub(crate) const WRITE: u16 = 1;
+    pub(crate) const DISC: u16 = 2;
+    pub(crate) const FLUSH: u16 = 3;
+    pub(crate) const TRIM: u16 = 4;
     pub(crate) const CACHE: u16 = 5;
-    pub const WRITE_ZEROES: u16 = 6;
-    pub const BLOCK_STATUS: u16 = 7;
+    pub(crate) const WRITE_ZEROES: u16 = 6;
+    pub(crate) const BLOCK_STATUS: u16 = 7;
 }
 
 /// Command flags.
-pub mod cmd_flags {
-    pub const FUA: u16 = 1 << 0;
-    pub const NO_HOLE: u16 = 1 << 1;
-    pub const DF: u16 = 1 << 2;
-    pub const REQ_ONE: u16 = 1 << 3;
-    pub const FAST_ZERO: u16 = 1 << 4;
-    pub const PAYLOAD_LEN: u16 = 1 << 5;
+pub(crate) mod cmd_flags {
+    pub(crate) const FUA: u16 = 1 << 0;
+    pub(crate) const NO_HOLE: u16 = 1 << 1;
+    pub(crate) const DF: u16 = 1 << 2;
+    pub(crate) const REQ_ONE: u16 = 1 << 3;
+    pub(crate) const FAST_ZERO: u16 = 1 << 4;
 }
 
 /// Structured reply chunk types and flags.
-pub mod chunk {
-    pub const FLAG_DONE: u16 = 1 << 0;
+pub(crate) mod chunk {
+    pub(crate) const FLAG_DONE: u16 = 1 << 0;
     pub(crate) const NONE: u16 = 0;
-    pub const OFFSET_DATA: u16 = 1;
-    pub const OFFSET_HOLE: u16 = 2;
-    pub const BLOCK_STATUS: u16 = 5;
-    pub const BLOCK_STATUS_EXT: u16 = 6;
-    pub const ERROR: u16 = 0x8001;
+    pub(crate) const OFFSET_DATA: u16 = 1;
+    pub(crate) const OFFSET_HOLE: u16 = 2;
+    pub(crate) const BLOCK_STATUS: u16 = 5;
+    pub(crate) const BLOCK_STATUS_EXT: u16 = 6;
+    pub(crate) const ERROR: u16 = 0x8001;
 }
 
 /// Error numbers on the wire (not the host's errno values).
-pub mod errno {
-    pub const EPERM: u32 = 1;
+pub(crate) mod errno {
+    pub(crate) const EPERM: u32 = 1;
     pub(crate) const EIO: u32 = 5;
     pub(crate) const ENOMEM: u32 = 12;
-    pub const EINVAL: u32 = 22;
-    pub const ENOSPC: u32 = 28;
-    pub const EOVERFLOW: u32 = 75;
-    pub const ENOTSUP: u32 = 95;
+    pub(crate) const EINVAL: u32 = 22;
+    pub(crate) const ENOSPC: u32 = 28;
+    pub(crate) const EOVERFLOW: u32 = 75;
+    pub(crate) const ENOTSUP: u32 = 95;
     pub(crate) const ESHUTDOWN: u32 = 108;
 
     /// The wire number for a host error; anything without its own number is EIO.
@@ -133,23 +131,20 @@ pub mod errno {
 }
 
 /// `base:allocation` extent flags.
-pub mod state {
-    pub const HOLE: u32 = 1 << 0;
-    pub const ZERO: u32 = 1 << 1;
+pub(crate) mod state {
+    pub(crate) const HOLE: u32 = 1 << 0;
+    pub(crate) const ZERO: u32 = 1 << 1;
 }
 
-pub const BASE_ALLOCATION: &str = "base:allocation";
+pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
 
 /// Header sizes: compact request, extended request, simple reply,
 /// structured chunk, extended chunk.
 pub(crate) const REQUEST_LEN: usize = 28;
 pub(crate) const EXTENDED_REQUEST_LEN: usize = 32;
-pub const SIMPLE_REPLY_LEN: usize = 16;
-pub const STRUCTURED_REPLY_LEN: usize = 20;
-pub const EXTENDED_REPLY_LEN: usize = 32;
-/// Room before a reply's payload that any reply header fits in, with the
-/// 8-byte offset of a data chunk.
-pub const MAX_REPLY_HEADER: usize = EXTENDED_REPLY_LEN + 8;
+pub(crate) const SIMPLE_REPLY_LEN: usize = 16;
+pub(crate) const STRUCTURED_REPLY_LEN: usize = 20;
+pub(crate) const EXTENDED_REPLY_LEN: usize = 32;
 
 /// Which headers a connection negotiated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,7 +159,7 @@ pub enum HeaderStyle {
 }
 
 impl HeaderStyle {
-    pub fn request_len(self) -> usize {
+    pub(crate) fn request_len(self) -> usize {
         match self {
             HeaderStyle::Extended => EXTENDED_REQUEST_LEN,
             _ => REQUEST_LEN,
@@ -190,15 +185,6 @@ pub struct Request {
 impl Request {
     pub(crate) fn has(&self, flag: u16) -> bool {
         self.flags & flag != 0
-    }
-
-    /// Bytes of payload that follow this header on the wire.
-    pub fn payload_len(&self) -> u64 {
-        if self.kind == cmd::WRITE {
-            self.length
-        } else {
-            0
-        }
     }
 }
 
@@ -401,6 +387,8 @@ mod tests {
 
     #[test]
     fn header_is_written_right_before_the_payload() {
+        // Room for any reply header with the 8-byte offset of a data chunk.
+        const MAX_REPLY_HEADER: usize = EXTENDED_REPLY_LEN + 8;
         let mut buf = [0u8; MAX_REPLY_HEADER];
         let h = ReplyHeader {
             style: HeaderStyle::Structured,
