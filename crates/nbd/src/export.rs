@@ -176,7 +176,8 @@ impl Export {
     }
 
     /// Takes a connection slot; false when the limit is reached or the export is gone.
-    pub fn admit(&self) -> bool {
+    #[cfg(test)]
+    fn admit(&self) -> bool {
         self.admit_why(None).is_ok()
     }
 
@@ -275,10 +276,6 @@ impl Exports {
             return Err(Error::Secret("an admission is set before the first export"));
         }
         self.admission.set(admission).map_err(|_| Error::Secret("the admission is already set"))
-    }
-
-    pub fn is_guarded(&self) -> bool {
-        self.secrets.is_some()
     }
 
     /// Adds an export to a guarded catalog with the secret a client must

@@ -97,11 +97,6 @@ impl LinkDeadListener {
         Ok(LinkDeadListener { sock })
     }
 
-    /// A dead device's index if a notice is waiting; never blocks.
-    pub fn try_recv(&mut self) -> Result<Option<u32>, Error> {
-        self.recv_timeout(Duration::ZERO)
-    }
-
     /// The next dead device's index, waiting at most `timeout`.
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<u32>, Error> {
         let deadline = std::time::Instant::now() + timeout;
