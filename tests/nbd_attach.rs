@@ -2,11 +2,11 @@
 //! module: the client handshake (against qemu-nbd, nbdkit, a server that
 //! knows no NBD_OPT_GO, and volring's own server over socketpairs, which is
 //! how a local device is served), the typed error when the nbd family is
-//! missing, and the netlink messages. The kernel half runs in the VM
-//! (tests/vm/nbd_smoke.sh).
+//! missing, and the netlink controller (the CONNECT and LINK_DEAD messages
+//! are unit tests of volring-nbd's attach::control). The kernel half runs
+//! in the VM (tests/vm/nbd_smoke.sh).
 
 use std::io::{Read, Write};
-use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -17,7 +17,7 @@ use volring_nbd::attach::local::connected_sockets;
 use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
 use volring_nbd::client::{self, ClientHandshake, ClientOutcome};
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
-use volring_sys::nlmsg::{self, nbd, NbdConfig};
+use volring_sys::nlmsg;
 use wire::{opt, rep, tx};
 
 #[path = "nbd_support/wire.rs"]
@@ -340,39 +340,4 @@ fn genetlink_resolves_the_controller_family() {
     assert!(f.groups.iter().any(|(n, _)| n == "notify"), "groups {:?}", f.groups);
     let e = s.resolve_family("volring-nofam").unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
-}
-
-#[test]
-fn connect_and_reconfigure_messages_round_trip() {
-    let (a, b) = UnixStream::pair().unwrap();
-    let (fa, fb) = (OwnedFd::from(a), OwnedFd::from(b));
-    use std::os::fd::{AsFd, AsRawFd};
-    let d = client::ExportDetails { size: 256 * MIB, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
-    let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
-    spec.index = Some(4);
-    let msg = nlmsg::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
-    let m = nlmsg::messages(&msg).next().unwrap().unwrap();
-    let (cmd, attrs) = nlmsg::genl(m.payload).unwrap();
-    assert_eq!(cmd, nbd::CMD_CONNECT);
-    let back = nlmsg::parse_nbd_config(attrs).unwrap();
-    assert_eq!(
-        back,
-        NbdConfig {
-            index: Some(4),
-            size_bytes: Some(256 * MIB),
-            block_size: Some(4096),
-            timeout: Some(5),
-            server_flags: Some(0x105),
-            client_flags: Some(0),
-            dead_conn_timeout: Some(120),
-            backend_id: Some("pvc-1234".into()),
-            sockets: vec![fa.as_raw_fd(), fb.as_raw_fd()],
-        }
-    );
-    let notice = {
-        let mut b = nlmsg::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
-        b.u32(nbd::ATTR_INDEX, 4);
-        b.finish(0)
-    };
-    assert_eq!(volring_nbd::attach::netlink::link_dead_index(&notice).unwrap(), Some(4));
 }

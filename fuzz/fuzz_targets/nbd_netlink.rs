@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_nbd::attach::netlink::link_dead_index;
+use volring_nbd::attach::link_dead_index;
 use volring_sys::nlmsg::{self, nbd};
 
 fuzz_target!(|data: &[u8]| {

@@ -9,7 +9,7 @@ use super::Error;
 /// Largest option payload kept in memory; a larger one is read past and
 /// refused with `NBD_REP_ERR_TOO_BIG`. Names are at most 4 KiB by the spec,
 /// so this leaves room for a meta-context query list.
-pub const MAX_OPTION_LEN: usize = 16 * 1024;
+pub(crate) const MAX_OPTION_LEN: usize = 16 * 1024;
 /// Size of the option header the client sends.
 const OPTION_HEADER_LEN: usize = 16;
 /// The context id the server hands out for `base:allocation`.

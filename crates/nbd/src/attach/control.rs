@@ -78,7 +78,7 @@ impl ConnectSpec {
     }
 
     /// The CONNECT attributes with these sockets.
-    pub fn config(&self, sockets: &[BorrowedFd<'_>]) -> NbdConfig {
+    pub(crate) fn config(&self, sockets: &[BorrowedFd<'_>]) -> NbdConfig {
         NbdConfig {
             index: self.index,
             size_bytes: Some(self.size_bytes),
@@ -169,6 +169,9 @@ impl NbdControl {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use volring_sys::nlmsg::{self, nbd};
 
     #[test]
     fn backend_must_match_exactly() {
@@ -198,5 +201,42 @@ mod tests {
         assert!(ConnectSpec { size_bytes: 4097, ..s.clone() }.validate().is_err());
         assert!(ConnectSpec { backend_id: String::new(), ..s.clone() }.validate().is_err());
         assert!(ConnectSpec { server_flags: 0, ..s }.validate().is_err());
+    }
+
+    /// The CONNECT message built from a spec decodes to the attributes the
+    /// kernel is given, and a LINK_DEAD notice yields its device index.
+    #[test]
+    fn connect_and_reconfigure_messages_round_trip() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (fa, fb) = (OwnedFd::from(a), OwnedFd::from(b));
+        use std::os::fd::{AsFd, AsRawFd};
+        let d = ExportDetails { size: 256 << 20, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
+        let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
+        spec.index = Some(4);
+        let msg = nlmsg::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
+        let m = nlmsg::messages(&msg).next().unwrap().unwrap();
+        let (cmd, attrs) = nlmsg::genl(m.payload).unwrap();
+        assert_eq!(cmd, nbd::CMD_CONNECT);
+        let back = nlmsg::parse_nbd_config(attrs).unwrap();
+        assert_eq!(
+            back,
+            NbdConfig {
+                index: Some(4),
+                size_bytes: Some(256 << 20),
+                block_size: Some(4096),
+                timeout: Some(5),
+                server_flags: Some(0x105),
+                client_flags: Some(0),
+                dead_conn_timeout: Some(120),
+                backend_id: Some("pvc-1234".into()),
+                sockets: vec![fa.as_raw_fd(), fb.as_raw_fd()],
+            }
+        );
+        let notice = {
+            let mut b = nlmsg::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
+            b.u32(nbd::ATTR_INDEX, 4);
+            b.finish(0)
+        };
+        assert_eq!(crate::attach::link_dead_index(&notice).unwrap(), Some(4));
     }
 }

@@ -5,7 +5,8 @@
 //! filesystem).
 //!
 //! - `volring_sys::nlmsg`: the netlink framing and the nbd family's messages, pure;
-//! - [`netlink`]: the family's commands on a socket, and LINK_DEAD notices;
+//! - `netlink`: the family's commands on a socket, and LINK_DEAD notices
+//!   ([`LinkDeadListener`], [`link_dead_index`]);
 //! - [`control`]: [`NbdControl`] with [`ConnectSpec`], the backend
 //!   identifier check before any reconfigure;
 //! - [`local`]: a device served by this process's own NBD server over
@@ -14,14 +15,13 @@
 
 pub mod control;
 pub mod local;
-pub mod netlink;
+mod netlink;
 pub mod remote;
 
 pub use control::{ConnectSpec, NbdControl};
 pub use local::LocalAttachment;
-pub use netlink::LinkDeadListener;
+pub use netlink::{link_dead_index, LinkDeadListener};
 pub use remote::{RemoteAttachment, RemoteSource};
-pub use volring_sys::nlmsg::DeviceStatus;
 
 /// Everything that can go wrong attaching a device.
 #[derive(Debug, thiserror::Error)]

@@ -13,13 +13,13 @@ mod conn;
 mod diag;
 mod direct;
 mod exports;
-mod inline;
+pub(crate) mod inline;
 mod listener;
 mod output;
 mod receive;
 mod requests;
 mod shared;
-mod starve;
+pub(crate) mod starve;
 mod token;
 mod worker;
 
@@ -33,9 +33,9 @@ use std::time::Duration;
 
 use super::export::{Export, ExportSpec, Exports};
 use super::Error;
-pub use inline::InlineWrites;
+use inline::InlineWrites;
 use listener::Listener;
-pub use starve::OffloadReads;
+use starve::OffloadReads;
 use volring_ring::io_ring::IoRingConfig;
 use volring_ring::Mailbox;
 
