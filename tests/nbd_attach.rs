@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use volring_nbd::attach::local::connected_sockets;
 use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
-use volring_nbd::client::{self, ClientHandshake, ClientOutcome};
+use volring_nbd::client;
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 use volring_sys::nlmsg;
 use wire::{opt, rep, tx};
@@ -170,47 +170,6 @@ fn handshake_falls_back_to_export_name() {
     let d = client::negotiate(&mut s, "legacy", T).expect("negotiated by EXPORT_NAME");
     assert_eq!((d.size, d.tx_flags, d.block_sizes), (3 * MIB, tx::HAS_FLAGS | tx::SEND_FLUSH, None));
     server.join().unwrap();
-}
-
-/// The state machine fed a byte at a time agrees with one fed everything,
-/// and never takes bytes past the handshake.
-#[test]
-fn handshake_state_machine_takes_input_in_any_split() {
-    let mut server = Vec::new();
-    server.extend_from_slice(&wire::NBDMAGIC.to_be_bytes());
-    server.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
-    server.extend_from_slice(&3u16.to_be_bytes());
-    let mut info = |payload: &[u8], kind: u32| {
-        server.extend_from_slice(&wire::OPTION_REPLY_MAGIC.to_be_bytes());
-        server.extend_from_slice(&opt::GO.to_be_bytes());
-        server.extend_from_slice(&kind.to_be_bytes());
-        server.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-        server.extend_from_slice(payload);
-    };
-    let mut export = vec![0, 0];
-    export.extend_from_slice(&(5 * MIB).to_be_bytes());
-    export.extend_from_slice(&0x0d_u16.to_be_bytes());
-    info(&export, rep::INFO);
-    info(&[], rep::ACK);
-    server.extend_from_slice(b"transmission bytes");
-    let mut hs = ClientHandshake::new("x").unwrap();
-    let mut out = Vec::new();
-    let mut pending = Vec::new();
-    let mut taken = 0;
-    let mut done = None;
-    for &b in &server {
-        pending.push(b);
-        let (used, o) = hs.step(&pending, &mut out).unwrap();
-        taken += used;
-        pending.drain(..used);
-        if let ClientOutcome::Done(d) = o {
-            done = Some(d);
-            break;
-        }
-    }
-    let d = done.expect("finished");
-    assert_eq!((d.size, d.tx_flags), (5 * MIB, 0x0d));
-    assert_eq!(taken, server.len() - b"transmission bytes".len());
 }
 
 fn own_server(threads: usize) -> (tempfile::TempDir, NbdServer) {

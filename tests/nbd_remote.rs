@@ -23,8 +23,18 @@ use nbd_support::run;
 use tonic::Code;
 use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring_csi::proto::*;
-use volring_nbd::remote::{wire_name, Secret};
+use volring_nbd::remote::Secret;
 use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
+
+/// The export name a client sends for a guarded export: `<export>/<secret>`,
+/// then `/<client>` when it names itself. Written out here from the design
+/// (volring_nbd::remote's docs), not borrowed from the server that parses it.
+fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
+    match client {
+        Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
+        None => format!("{export}/{}", secret.to_hex()),
+    }
+}
 
 const T: Duration = Duration::from_secs(60);
 

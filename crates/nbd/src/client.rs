@@ -30,7 +30,7 @@ pub struct ExportDetails {
 
 /// What one [`ClientHandshake::step`] call produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientOutcome {
+pub(crate) enum ClientOutcome {
     /// Send `out` (possibly empty) and feed more input.
     NeedMore,
     /// Send `out`; the socket is in the transmission phase.
@@ -48,7 +48,7 @@ enum State {
 
 /// One connection's negotiation, client side.
 #[derive(Debug)]
-pub struct ClientHandshake {
+pub(crate) struct ClientHandshake {
     name: String,
     state: State,
     no_zeroes: bool,
@@ -74,7 +74,7 @@ fn put_option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
 }
 
 impl ClientHandshake {
-    pub fn new(export: &str) -> Result<Self, Error> {
+    pub(crate) fn new(export: &str) -> Result<Self, Error> {
         if export.len() > 4096 {
             return Err(Error::Protocol("export name longer than 4096 bytes"));
         }
@@ -84,7 +84,7 @@ impl ClientHandshake {
     /// Takes what it can of `input` (returning how much), appending what to
     /// send to `out`. Never reads past the end of the handshake: bytes after
     /// it belong to the transmission phase.
-    pub fn step(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(usize, ClientOutcome), Error> {
+    pub(crate) fn step(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(usize, ClientOutcome), Error> {
         let mut used = 0;
         loop {
             let rest = &input[used..];
@@ -219,5 +219,83 @@ pub fn negotiate<S: Read + Write + AsFd>(sock: &mut S, export: &str, timeout: Du
             return Err(Error::Protocol("handshake reply too long"));
         }
         inbuf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The fuzz entry (`fuzz/fuzz_targets/nbd_client_handshake.rs`): server
+/// bytes, cut into socket reads of `1 + data[0] % 64` bytes, fed to the
+/// client's state machine. It answers with bytes, finishes or refuses,
+/// panicking when a property fails: it never claims more input than it was
+/// given, never finishes twice, and what it sends stays small.
+pub fn fuzz_server_bytes(data: &[u8]) {
+    let Some((&cut, data)) = data.split_first() else { return };
+    let piece = usize::from(cut % 64) + 1;
+    let Ok(mut hs) = ClientHandshake::new("export") else { return };
+    let mut buffered: Vec<u8> = Vec::new();
+    let mut out = Vec::new();
+    let mut sent = 0usize;
+    for chunk in data.chunks(piece) {
+        buffered.extend_from_slice(chunk);
+        out.clear();
+        match hs.step(&buffered, &mut out) {
+            Err(_) => return,
+            Ok((used, outcome)) => {
+                assert!(used <= buffered.len());
+                buffered.drain(..used);
+                sent += out.len();
+                assert!(sent < 1024, "a client sends two options at most");
+                if let ClientOutcome::Done(_) = outcome {
+                    out.clear();
+                    assert!(hs.step(&buffered, &mut out).is_err(), "finished once");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The state machine fed a byte at a time agrees with one fed everything,
+    /// and never takes bytes past the handshake.
+    #[test]
+    fn handshake_state_machine_takes_input_in_any_split() {
+        let mut server = Vec::new();
+        server.extend_from_slice(&wire::NBDMAGIC.to_be_bytes());
+        server.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
+        server.extend_from_slice(&3u16.to_be_bytes());
+        let mut info = |payload: &[u8], kind: u32| {
+            server.extend_from_slice(&wire::OPTION_REPLY_MAGIC.to_be_bytes());
+            server.extend_from_slice(&opt::GO.to_be_bytes());
+            server.extend_from_slice(&kind.to_be_bytes());
+            server.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            server.extend_from_slice(payload);
+        };
+        let mut export = vec![0, 0];
+        export.extend_from_slice(&(5u64 << 20).to_be_bytes());
+        export.extend_from_slice(&0x0d_u16.to_be_bytes());
+        info(&export, rep::INFO);
+        info(&[], rep::ACK);
+        server.extend_from_slice(b"transmission bytes");
+        let mut hs = ClientHandshake::new("x").unwrap();
+        let mut out = Vec::new();
+        let mut pending = Vec::new();
+        let mut taken = 0;
+        let mut done = None;
+        for &b in &server {
+            pending.push(b);
+            let (used, o) = hs.step(&pending, &mut out).unwrap();
+            taken += used;
+            pending.drain(..used);
+            if let ClientOutcome::Done(d) = o {
+                done = Some(d);
+                break;
+            }
+        }
+        let d = done.expect("finished");
+        assert_eq!((d.size, d.tx_flags), (5 << 20, 0x0d));
+        assert_eq!(taken, server.len() - b"transmission bytes".len());
     }
 }

@@ -53,7 +53,7 @@ fn uri_error(uri: &str, why: &'static str) -> Error {
 
 /// What an export name (a volume id) may hold: the CSI volume id rule, so
 /// `/` (the secret's separator) and anything needing escapes never occur.
-pub fn valid_export(name: &str) -> bool {
+pub(crate) fn valid_export(name: &str) -> bool {
     !name.is_empty() && name.len() <= 128 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
@@ -172,7 +172,7 @@ impl Secret {
     /// takes does not depend on where the two differ: a wrong secret of the
     /// right length is decoded and compared whole, and the decode itself
     /// has no data-dependent branch past the length.
-    pub fn matches(&self, presented: &str) -> bool {
+    pub(crate) fn matches(&self, presented: &str) -> bool {
         let b = presented.as_bytes();
         if b.len() != 2 * SECRET_BYTES {
             return false;
@@ -218,7 +218,7 @@ pub fn valid_client(name: &str) -> bool {
 
 /// The name a client sends for a guarded export: `<export>/<secret>`, then
 /// `/<client>` when the client names itself.
-pub fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
+pub(crate) fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
     match client {
         Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
         None => format!("{export}/{}", secret.to_hex()),
@@ -227,7 +227,7 @@ pub fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String 
 
 /// A client's export name for a guarded export, split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WireName<'a> {
+pub(crate) struct WireName<'a> {
     pub export: &'a str,
     /// The secret as presented (compared by the catalog, in constant time).
     pub secret: &'a str,
@@ -238,11 +238,47 @@ pub struct WireName<'a> {
 /// A client's export name split into the export, the secret it presents
 /// and the name it gives itself; `None` when it has no `/` (it names no
 /// guarded export) or its client part is not a [`valid_client`].
-pub fn split_wire_name(name: &str) -> Option<WireName<'_>> {
+pub(crate) fn split_wire_name(name: &str) -> Option<WireName<'_>> {
     let (export, rest) = name.split_once('/')?;
     match rest.split_once('/') {
         None => Some(WireName { export, secret: rest, client: None }),
         Some((secret, client)) => valid_client(client).then_some(WireName { export, secret, client: Some(client) }),
+    }
+}
+
+/// The fuzz entry (`fuzz/fuzz_targets/nbd_export_uri.rs`): the parsers here
+/// run over one outside string, panicking when a property fails. A URI
+/// that parses prints back to itself and parses to the same value; a secret
+/// that parses round-trips through hex; the constant-time check agrees with
+/// the plain decode; and a name split at its separators gives back the
+/// whole (with a valid client part, if any).
+pub fn fuzz_outside_string(text: &str) {
+    if let Ok(u) = ExportUri::parse(text) {
+        assert!(valid_export(&u.export) && u.port > 0);
+        let again = ExportUri::parse(&u.to_string()).expect("a parsed URI prints as one");
+        assert_eq!(again, u);
+    }
+    let fixed = Secret::from_hex(&"5a".repeat(32)).expect("a fixed secret");
+    let parsed = Secret::from_hex(text);
+    assert_eq!(fixed.matches(text), parsed.as_ref().is_ok_and(|s| *s == fixed));
+    if let Ok(s) = parsed {
+        assert_eq!(Secret::from_hex(&s.to_hex()).expect("hex round trip"), s);
+        assert!(s.matches(text) && s.matches(&s.to_hex()));
+    }
+    if let Some(w) = split_wire_name(text) {
+        let mut whole = format!("{}/{}", w.export, w.secret);
+        if let Some(c) = w.client {
+            assert!(valid_client(c));
+            whole = format!("{whole}/{c}");
+        }
+        assert_eq!(whole, text);
+        if valid_export(w.export) {
+            if let Ok(s) = Secret::from_hex(w.secret) {
+                let again = wire_name(w.export, &s, w.client);
+                let hex = s.to_hex();
+                assert_eq!(split_wire_name(&again), Some(WireName { export: w.export, secret: &hex, client: w.client }));
+            }
+        }
     }
 }
 
