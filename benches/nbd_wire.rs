@@ -81,7 +81,7 @@ fn parse(c: &mut Criterion) {
             input.extend_from_slice(&data);
         }
         b.iter(|| {
-            let mut hs = Handshake::new();
+            let mut hs = Handshake::default();
             let mut out = Vec::new();
             let mut pos = 0;
             loop {

@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
     // The first byte picks how the stream is cut into socket reads.
     let Some((&cut, data)) = data.split_first() else { return };
     let piece = usize::from(cut % 64) + 1;
-    let mut hs = Handshake::new();
+    let mut hs = Handshake::default();
     let mut buffered: Vec<u8> = Vec::new();
     let mut out = Vec::new();
     for chunk in data.chunks(piece) {

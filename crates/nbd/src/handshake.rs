@@ -102,9 +102,11 @@ pub struct Handshake {
     meta: Option<(String, bool)>,
 }
 
+/// A negotiation that has not started: the greeting is sent, the client's
+/// flags are awaited.
 impl Default for Handshake {
     fn default() -> Self {
-        Self::new()
+        Self { state: State::ClientFlags, no_zeroes: false, style: HeaderStyle::Simple, meta: None }
     }
 }
 
@@ -177,10 +179,6 @@ impl<'a> Fields<'a> {
 }
 
 impl Handshake {
-    pub fn new() -> Self {
-        Self { state: State::ClientFlags, no_zeroes: false, style: HeaderStyle::Simple, meta: None }
-    }
-
     /// Consumes what it can of `input` and returns how many bytes it used.
     /// Replies are appended to `out`. An error means: close the connection.
     pub fn step<C: Catalog>(&mut self, input: &[u8], catalog: &C, out: &mut Vec<u8>) -> Result<(usize, Outcome<C::Handle>), Error> {
@@ -492,7 +490,7 @@ mod tests {
     #[test]
     fn go_enters_transmission_with_the_chosen_headers() {
         let cat = One { full: Cell::new(false) };
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut input = 3u32.to_be_bytes().to_vec();
         input.extend(option(opt::EXTENDED_HEADERS, &[]));
         let mut set = go_data("disk");
@@ -512,7 +510,7 @@ mod tests {
     #[test]
     fn unknown_export_and_unknown_option_get_errors_not_a_hang() {
         let cat = One { full: Cell::new(false) };
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut input = 1u32.to_be_bytes().to_vec();
         input.extend(option(opt::GO, &go_data("nope")));
         input.extend(option(99, b"x"));
@@ -526,7 +524,7 @@ mod tests {
     #[test]
     fn a_full_export_refuses_go_with_policy() {
         let cat = One { full: Cell::new(true) };
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut input = 1u32.to_be_bytes().to_vec();
         input.extend(option(opt::GO, &go_data("disk")));
         input.extend(option(opt::ABORT, &[]));
@@ -537,7 +535,7 @@ mod tests {
     #[test]
     fn oversized_option_is_skipped_without_buffering() {
         let cat = One { full: Cell::new(false) };
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut out = Vec::new();
         assert!(matches!(hs.step(&1u32.to_be_bytes(), &cat, &mut out).unwrap(), (4, Outcome::Continue)));
         let mut hdr = wire::IHAVEOPT.to_be_bytes().to_vec();
@@ -556,15 +554,15 @@ mod tests {
     #[test]
     fn export_name_without_zeroes_and_bad_flags() {
         let cat = One { full: Cell::new(false) };
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut input = 3u32.to_be_bytes().to_vec();
         input.extend(option(opt::EXPORT_NAME, b"disk"));
         let (out, outcome) = run(&mut hs, &cat, &input);
         assert!(matches!(outcome, Outcome::Enter(_)));
         assert_eq!(out.len(), 10);
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         assert!(hs.step(&0x80u32.to_be_bytes(), &cat, &mut Vec::new()).is_err());
-        let mut hs = Handshake::new();
+        let mut hs = Handshake::default();
         let mut input = 1u32.to_be_bytes().to_vec();
         input.extend(option(opt::EXPORT_NAME, b"nope"));
         assert!(matches!(run(&mut hs, &cat, &input).1, Outcome::End(Ending::ExportRefused)));
