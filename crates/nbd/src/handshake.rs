@@ -1,7 +1,7 @@
 //! The fixed-newstyle handshake as a pure state machine: bytes in, reply
 //! bytes out, and at the end the export and the headers the client chose.
 //! The server feeds it whatever the socket gave; it never blocks and never
-//! buffers more than one option ([`MAX_OPTION_LEN`]).
+//! buffers more than one option (`MAX_OPTION_LEN`, 16 KiB).
 
 use super::wire::{self, handshake_flags as hf, info, opt, rep, tx, HeaderStyle};
 use super::Error;
