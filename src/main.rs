@@ -477,7 +477,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Get { resource, output, kube, local_store, state_dir } => get(&resource, output.as_deref(), kube, local_store, &state_dir),
         Command::Devices { devices, json, noheadings, bytes, columns, scan } => print_devices(
             json,
-            columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0),
+            &columns.unwrap_or_default().0,
             &scan.config(),
             &devices,
             report::TableStyle { headings: !noheadings, bytes },

@@ -20,9 +20,9 @@ pub mod statmount;
 mod table;
 mod watcher;
 
-pub use devname::{block_device, devices_of};
+pub use devname::devices_of;
 pub use diff::diff;
-pub use escape::{escape_raw, unescape};
+pub use escape::unescape;
 pub use event::{BlockDevice, Changes, EventKind, MountEvent, ResyncReason, WatchEvent};
 pub use mount::{DevNum, Mount, MountId, Propagation};
 pub use parse::{LineError, LineFault, RawMount};

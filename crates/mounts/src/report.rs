@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::{escape_raw, EventKind, Mount, MountEvent, MountTable, WatchEvent};
+use super::escape::escape_raw;
+use super::{EventKind, Mount, MountEvent, MountTable, WatchEvent};
 
 /// A column, by findmnt's name for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
