@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use volring_mounts::{diff, parse, read_mountinfo, MountTable, Statmounter};
+use volring_mounts::{diff, mountinfo_lines, mountinfo_mounts, read_mountinfo, MountTable, Statmounter};
 
 const SIZES: [usize; 4] = [1_000, 5_000, 10_000, 20_000];
 
@@ -19,9 +19,9 @@ fn parse_group(c: &mut Criterion) {
         let text = support::kubelet_mountinfo(n);
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(BenchmarkId::new("zero_copy_lines", n), &text, |b, t| {
-            b.iter(|| parse::parse(black_box(t)).filter(|l| l.is_ok()).count())
+            b.iter(|| mountinfo_lines(black_box(t)).filter(|l| l.is_ok()).count())
         });
-        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| b.iter(|| parse::mounts(black_box(t))));
+        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| b.iter(|| mountinfo_mounts(black_box(t))));
         g.bench_with_input(BenchmarkId::new("indexed_table", n), &text, |b, t| b.iter(|| MountTable::from_mountinfo(black_box(t))));
     }
     g.finish();

@@ -196,7 +196,7 @@ pub(super) fn fanotify_mode_on_an_older_kernel_says_what_is_missing() -> Result<
         Ok(_) => return Err("fanotify mode started on a kernel that fanotify_support() says lacks it".into()),
     }
     let (watcher, _, _rx) = MountWatcher::start(WatchConfig { mode: WatchMode::Auto, ..config() })?;
-    let mode = watcher.mode();
+    let mode = watcher.stats().mode;
     let _ = watcher.stop();
     check(mode == WatchMode::Reparse, format!("auto mode chose {mode:?}"))
 }

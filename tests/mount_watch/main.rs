@@ -70,7 +70,7 @@ impl Watch {
     fn with(config: WatchConfig, scratch: &Scratch) -> Self {
         let mode = config.mode;
         let (watcher, table, rx) = MountWatcher::start(config).expect("watcher starts");
-        assert_eq!(watcher.mode(), mode);
+        assert_eq!(watcher.stats().mode, mode);
         Self { watcher: Some(watcher), rx, table, scope: scratch.path().as_os_str().as_encoded_bytes().to_vec() }
     }
 

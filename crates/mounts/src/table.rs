@@ -95,10 +95,6 @@ fn index_remove<K: std::hash::Hash + Eq>(index: &mut HashMap<K, Ids>, key: K, id
 }
 
 impl MountTable {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     pub(crate) fn with_capacity(n: usize) -> Self {
         Self {
             by_id: HashMap::with_capacity(n),
@@ -115,7 +111,7 @@ impl MountTable {
     /// Builds a table from mountinfo bytes. Malformed lines are returned
     /// beside the table, not fatal: one bad line must not hide the others.
     pub fn from_mountinfo(buf: &[u8]) -> (Self, Vec<LineError>) {
-        let (mounts, errors) = super::parse::mounts(buf);
+        let (mounts, errors) = super::parse::mountinfo_mounts(buf);
         let mut t = Self::with_capacity(mounts.len());
         for m in mounts {
             t.insert(Arc::new(m));
