@@ -240,10 +240,11 @@ fn counters_see_io() -> Result<(), Failed> {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let snap = reader.latest();
-        if snap.get(lo_dev).is_some_and(|d| d.counters.write_sectors >= 2048) {
+        let seen = snap.devices.iter().find(|d| d.dev == lo_dev);
+        if seen.is_some_and(|d| d.counters.write_sectors >= 2048) {
             break;
         }
-        check(Instant::now() < deadline, format!("collector never saw the writes: {:?}", snap.get(lo_dev)))?;
+        check(Instant::now() < deadline, format!("collector never saw the writes: {seen:?}"))?;
         std::thread::sleep(Duration::from_millis(20));
     }
     collector.stop()?;

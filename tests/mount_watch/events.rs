@@ -75,7 +75,7 @@ pub(super) fn remount_read_only(mode: WatchMode, backend: BackendChoice) -> Resu
     mount_remount(&r, MountFlags::BIND | MountFlags::RDONLY, "")?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/r")])?;
-    check(ev[0].mount.as_ref().is_some_and(|m| m.read_only()), "now ro")?;
+    check(ev[0].mount.as_ref().is_some_and(|m| read_only(m)), "now ro")?;
     check(ev[0].changes == Changes::OPTIONS, format!("changes {:?}", ev[0].changes))?;
     // Superblock: a plain remount with new fs options.
     mount_remount(&r, MountFlags::RDONLY, "size=2m")?;

@@ -254,7 +254,7 @@ mod tests {
         assert_eq!((m.fs_type, m.source, m.super_options), (&b"ext3"[..], &b"/dev/root"[..], &b"rw,errors=continue"[..]));
         let k = all[2].to_mount();
         assert_eq!(k.mount_point(), b"/var/lib/kubelet/pods/a b/vol");
-        assert!(k.read_only());
+        assert_eq!(k.options().split(|&b| b == b',').next(), Some(&b"ro"[..]), "mounted read-only");
         assert_eq!(k.propagation, Propagation { shared: Some(40), master: Some(12), propagate_from: Some(3), unbindable: true });
         assert_eq!(k.propagation.tags(), "shared:40 master:12 propagate_from:3 unbindable");
         let f = all[3].to_mount();

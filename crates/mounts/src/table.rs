@@ -153,14 +153,14 @@ impl MountTable {
     }
 
     /// All mounts in id order (stable output for people and tests).
-    pub fn sorted(&self) -> Vec<&Arc<Mount>> {
+    pub(crate) fn sorted(&self) -> Vec<&Arc<Mount>> {
         let mut v: Vec<_> = self.by_id.values().collect();
         v.sort_unstable_by_key(|m| m.id);
         v
     }
 
     /// Inserts or replaces a mount; returns the one it replaced.
-    pub fn insert(&mut self, m: Arc<Mount>) -> Option<Arc<Mount>> {
+    pub(crate) fn insert(&mut self, m: Arc<Mount>) -> Option<Arc<Mount>> {
         let old = self.remove(m.id);
         let key = self.point_key(m.mount_point());
         index_add(&mut self.by_point, key, m.id);
