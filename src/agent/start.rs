@@ -271,7 +271,7 @@ async fn watch_devices(config: &AgentConfig, table: &RwLock<MountTable>, parts: 
     let (hotplug_stats, hotplug_ring) = (hotplug.stats().clone(), hotplug.ring_stats().clone());
     parts.started_blocking("hot-plug listener", RING_WAIT, move || Ok(hotplug.stop()?));
     let inventory = events::scan(&config.devices, table).await??;
-    tracing::info!(target: TARGET, devices = inventory.len(), "block device inventory");
+    tracing::info!(target: TARGET, devices = inventory.devices.len(), "block device inventory");
     let (c, devices) = (config.stats.clone(), events::tracked(&inventory));
     let collector = Arc::new(tokio::task::spawn_blocking(move || StatCollector::start(c, devices)).await??);
     let c = collector.clone();

@@ -108,7 +108,7 @@ impl Collector for Sources {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
         let snap = self.stats.latest();
         let inv = self.inventory.load();
-        gauge(&mut e, "volring_devices", "Block devices in the inventory", inv.len() as f64)?;
+        gauge(&mut e, "volring_devices", "Block devices in the inventory", inv.devices.len() as f64)?;
         gauge(
             &mut e,
             "volring_devices_in_use",

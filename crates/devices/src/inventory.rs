@@ -112,14 +112,6 @@ impl Inventory {
         self.devices.values().find(|d| d.name == name)
     }
 
-    pub fn len(&self) -> usize {
-        self.devices.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
-    }
-
     /// Joins devices with the mount table and with each other: mount
     /// points, holders, the OS disk, partition GUIDs from the parent's
     /// table, and the stable id. Pure.

@@ -17,7 +17,7 @@ mod hotplug;
 mod inventory;
 pub mod probe;
 pub mod report;
-pub mod stats;
+mod stats;
 pub mod swaps;
 mod sysfs;
 mod uevent;
@@ -28,7 +28,7 @@ pub use device::{stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
 pub use filter::DeviceFilter;
 pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
 pub use inventory::{describe, node_name, Inventory, ScanConfig};
-pub use stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
+pub use stats::{parse_diskstats, DeviceStat, DiskstatsLine, IoCounters, IoRates, StatLineError, StatSnapshot};
 pub use sysfs::{fuzz_sysfs_text, parse_devnum};
 pub use uevent::fuzz_uevent;
 

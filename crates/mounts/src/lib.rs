@@ -25,7 +25,7 @@ pub use diff::diff;
 pub use escape::unescape;
 pub use event::{BlockDevice, Changes, EventKind, MountEvent, ResyncReason, WatchEvent};
 pub use fanotify::fuzz_fanotify_events;
-pub use mount::{DevNum, Mount, MountId, Propagation};
+pub use mount::{DevNum, Mount, Propagation};
 pub use parse::{mountinfo_lines, mountinfo_mounts, LineError, LineFault, RawMount};
 pub use source::{load, read_mountinfo, Statmounter};
 pub use table::MountTable;

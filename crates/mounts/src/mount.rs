@@ -9,7 +9,7 @@ use serde::{Serialize, Serializer};
 /// A mount's id. From `statmount` it is the kernel's unique 64-bit id (never
 /// reused); from mountinfo it is the old, reusable 32-bit id. A table holds
 /// ids of one kind only.
-pub type MountId = u64;
+pub(crate) type MountId = u64;
 
 /// A device number, `major:minor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]

@@ -105,7 +105,7 @@ impl Filter {
 }
 
 /// The top mount at the deepest mount point that contains `path`.
-fn holding(table: &MountTable, path: &[u8]) -> Option<super::MountId> {
+fn holding(table: &MountTable, path: &[u8]) -> Option<super::mount::MountId> {
     let mut p = path.strip_suffix(b"/").filter(|p| !p.is_empty()).unwrap_or(path);
     loop {
         if let Some(m) = table.top_at(p) {
