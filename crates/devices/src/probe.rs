@@ -2,11 +2,12 @@
 //! signatures, from a few bounded reads.
 //!
 //! Pure over the bytes read ([`Sample`]), so it can be fuzzed; the reads
-//! themselves are the caller's ([`probe_reads`]), laid out by [`read_plan`]. It only ever
-//! reads: unlike node-disk-manager, nothing is written to a bare disk to give
-//! it an id. Offsets and magics are those of the on-disk formats. A device
-//! that holds a RAID or volume-manager member must never look blank, so the
-//! members ([`members`]) are probed first, as blkid does.
+//! themselves are the caller's ([`probe_reads`]), laid out by
+//! [`read_plan`]. It only ever reads: unlike node-disk-manager, nothing is
+//! written to a bare disk to give it an id. Offsets and magics are those of
+//! the on-disk formats. A device that holds a RAID or volume-manager member
+//! must never look blank, so the members ([`members`]) are probed first, as
+//! blkid does.
 
 use serde::Serialize;
 
@@ -206,7 +207,7 @@ pub fn probe(buf: &[u8], logical_block: u32) -> Content {
 }
 
 /// Probes a device of `size` bytes whose logical block size is
-/// `logical_block` through the reads [`read_plan`] lays out (at most two,
+/// `logical_block` through the reads `read_plan` lays out (at most two,
 /// [`READ_BUDGET`] bytes in all): `read(offset, len)` returns the bytes at
 /// `offset`, fewer when the device ends sooner. Also says whether every
 /// byte read was zero, which is what tells a blank device from one that

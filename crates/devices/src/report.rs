@@ -143,7 +143,7 @@ pub(crate) fn parse_columns(spec: &str) -> Result<Vec<Column>, String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Columns(pub Vec<Column>);
 
-/// [`DEFAULT_COLUMNS`]: what `volring devices` shows without `-o`.
+/// `DEFAULT_COLUMNS`: what `volring devices` shows without `-o`.
 impl Default for Columns {
     fn default() -> Self {
         Columns(DEFAULT_COLUMNS.to_vec())

@@ -47,7 +47,7 @@ impl Column {
     }
 
     /// The columns `-o` names (`TARGET,SOURCE`, any case); without `-o`,
-    /// [`DEFAULT_COLUMNS`].
+    /// the default ones (`DEFAULT_COLUMNS`).
     pub fn parse_list(spec: Option<&str>) -> Result<Vec<Column>, String> {
         let Some(s) = spec else { return Ok(DEFAULT_COLUMNS.to_vec()) };
         s.split(',')
