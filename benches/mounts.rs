@@ -6,10 +6,9 @@
 mod support;
 
 use std::hint::black_box;
-use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use volring_mounts::{diff, parse, read_mountinfo, MountTable, Statmounter};
+use volring_mounts::{diff, mountinfo_lines, mountinfo_mounts, read_mountinfo, MountTable, Statmounter};
 
 const SIZES: [usize; 4] = [1_000, 5_000, 10_000, 20_000];
 
@@ -19,9 +18,9 @@ fn parse_group(c: &mut Criterion) {
         let text = support::kubelet_mountinfo(n);
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(BenchmarkId::new("zero_copy_lines", n), &text, |b, t| {
-            b.iter(|| parse::parse(black_box(t)).filter(|l| l.is_ok()).count())
+            b.iter(|| mountinfo_lines(black_box(t)).filter(|l| l.is_ok()).count())
         });
-        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| b.iter(|| parse::mounts(black_box(t))));
+        g.bench_with_input(BenchmarkId::new("owned_mounts", n), &text, |b, t| b.iter(|| mountinfo_mounts(black_box(t))));
         g.bench_with_input(BenchmarkId::new("indexed_table", n), &text, |b, t| b.iter(|| MountTable::from_mountinfo(black_box(t))));
     }
     g.finish();
@@ -32,13 +31,13 @@ fn diff_group(c: &mut Criterion) {
     let text = support::kubelet_mountinfo(10_000);
     let (old, _) = MountTable::from_mountinfo(&text);
     // The same table re-read (fresh allocations, as a resync makes), with one
-    // mount's options changed.
-    let (mut new, _) = MountTable::from_mountinfo(&text);
-    let victim = new.sorted()[5_000].clone();
-    let changed =
-        String::from_utf8_lossy(&text).lines().find(|l| l.starts_with(&format!("{} ", victim.id))).unwrap().replacen(" rw,", " ro,", 1);
-    let (one, _) = MountTable::from_mountinfo(changed.as_bytes());
-    new.insert(Arc::clone(one.get(victim.id).unwrap()));
+    // mount's options changed: the 5,001st line's.
+    let changed: Vec<String> = String::from_utf8_lossy(&text)
+        .lines()
+        .enumerate()
+        .map(|(i, l)| if i == 5_000 { l.replacen(" rw,", " ro,", 1) } else { l.to_string() })
+        .collect();
+    let (new, _) = MountTable::from_mountinfo((changed.join("\n") + "\n").as_bytes());
     assert_eq!(diff(&old, &new).len(), 1);
     g.throughput(Throughput::Elements(10_000));
     g.bench_function("10k_vs_10k_one_change", |b| b.iter(|| diff(black_box(&old), black_box(&new))));
@@ -48,7 +47,7 @@ fn diff_group(c: &mut Criterion) {
 fn snapshot_group(c: &mut Criterion, farm: &mut support::MountFarm) {
     let mut g = c.benchmark_group("mount_table_snapshot");
     g.sample_size(10);
-    let mut sm = Statmounter::new();
+    let mut sm = Statmounter::default();
     let info = std::fs::File::open("/proc/self/mountinfo").expect("mountinfo");
     let mut buf = Vec::new();
     for n in SIZES {

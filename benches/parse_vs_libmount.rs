@@ -15,7 +15,7 @@ mod support;
 use std::hint::black_box;
 use std::time::Instant;
 
-use volring_mounts::{parse, read_mountinfo, MountTable};
+use volring_mounts::{mountinfo_mounts, read_mountinfo, MountTable};
 use volring_sys::libmount;
 
 const ROUNDS: usize = 31;
@@ -58,7 +58,7 @@ fn main() {
             libmount::settle_heap();
             let t = Instant::now();
             read_mountinfo(&file, &mut buf).expect("read");
-            let (v, errors) = parse::mounts(&buf);
+            let (v, errors) = mountinfo_mounts(&buf);
             owned.push(t.elapsed().as_secs_f64() * 1e3);
             assert!(errors.is_empty() && black_box(v).len() == n);
 

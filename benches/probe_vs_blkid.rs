@@ -4,8 +4,8 @@
 //! page cache warm and with it dropped (BLKFLSBUF, via `blockdev
 //! --flushbufs`, before every probe).
 //!
-//! The in-process side is what the CSI stage path does: open, the reads of
-//! `read_plan`, `probe_sample`. Needs root and the mkfs tools of .ci/deps.
+//! The in-process side is what the CSI stage path does: open, then
+//! `probe_reads` with a positioned read. Needs root and the mkfs tools of .ci/deps.
 //!
 //! `cargo bench --bench probe_vs_blkid` (`-- <runs>` to change 100 runs)
 
@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use volring_devices::probe::{probe_sample, read_plan, Sample};
+use volring_devices::probe::probe_reads;
 use volring_sys::loopdev::{LoopDevice, LoopOptions};
 
 struct Dev {
@@ -80,19 +80,12 @@ fn cpu_ns() -> (u64, u64) {
 fn in_process(path: &str) -> String {
     let f = std::fs::File::open(path).expect("open");
     let size = std::io::Seek::seek(&mut &f, std::io::SeekFrom::End(0)).expect("size");
-    let bufs: Vec<(u64, Vec<u8>)> = read_plan(size)
-        .into_iter()
-        .map(|(o, l)| {
-            let mut b = vec![0u8; l];
-            f.read_exact_at(&mut b, o).expect("read");
-            (o, b)
-        })
-        .collect();
-    let mut s = Sample::new(size);
-    for (o, b) in &bufs {
-        s.add(*o, b);
-    }
-    probe_sample(&s, 512).filesystem.map(|f| f.fstype.as_str().to_string()).unwrap_or_default()
+    let read = |o: u64, l: usize| {
+        let mut b = vec![0u8; l];
+        f.read_exact_at(&mut b, o).map(|()| b)
+    };
+    let (content, _) = probe_reads(size, 512, read).expect("read");
+    content.filesystem.map(|f| f.fstype.as_str().to_string()).unwrap_or_default()
 }
 
 fn blkid(path: &str) -> String {

@@ -163,7 +163,7 @@ pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
 fn say_ready(s: &start::Summary, events: &events::Events) {
     tracing::info!(
         mounts = events::read(&events.table).len(),
-        devices = events.inventory.len(),
+        devices = events.inventory.devices.len(),
         metrics = s.metrics.as_deref().unwrap_or("off"),
         csi = s.csi.as_deref().unwrap_or("off"),
         nbd = s.nbd.as_deref().unwrap_or("off"),

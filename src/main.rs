@@ -443,10 +443,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args, output, target, source, types, raw, list, tree } => {
             use std::io::IsTerminal;
-            let columns = match output {
-                Some(o) => mounts::report::Column::parse_list(&o).map_err(anyhow::Error::msg)?,
-                None => mounts::report::DEFAULT_COLUMNS.to_vec(),
-            };
+            let columns = mounts::report::Column::parse_list(output.as_deref()).map_err(anyhow::Error::msg)?;
             let layout = match (raw, list, tree) {
                 (true, _, _) => mounts::report::Layout::Raw,
                 (_, true, _) => mounts::report::Layout::List,
@@ -477,7 +474,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Get { resource, output, kube, local_store, state_dir } => get(&resource, output.as_deref(), kube, local_store, &state_dir),
         Command::Devices { devices, json, noheadings, bytes, columns, scan } => print_devices(
             json,
-            columns.as_ref().map_or(&report::DEFAULT_COLUMNS[..], |c| &c.0),
+            &columns.unwrap_or_default().0,
             &scan.config(),
             &devices,
             report::TableStyle { headings: !noheadings, bytes },

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_devices::stats::{parse_diskstats, IoCounters};
+use volring_devices::{parse_diskstats, IoCounters};
 
 fuzz_target!(|data: &[u8]| {
     let lines = data.split(|&b| b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)).count();

@@ -3,12 +3,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_mounts::{diff, parse, MountTable};
+use volring_mounts::{diff, mountinfo_lines, MountTable};
 
 fuzz_target!(|data: &[u8]| {
     let lines = data.split(|&b| b == b'\n').filter(|l| !l.is_empty()).count();
     let mut seen = 0;
-    for line in parse::parse(data) {
+    for line in mountinfo_lines(data) {
         seen += 1;
         if let Ok(raw) = line {
             let m = raw.to_mount();
@@ -18,5 +18,5 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(seen, lines);
     let (table, errors) = MountTable::from_mountinfo(data);
     assert!(table.len() + errors.len() <= lines);
-    let _ = diff(&MountTable::new(), &table);
+    let _ = diff(&MountTable::default(), &table);
 });

@@ -2,8 +2,8 @@
 //! logical block size or device size, never reports more GPT partitions
 //! than the buffer can hold, and never asks for more than the read budget.
 //!
-//! The input is split into a head and a tail read, laid out as
-//! `read_plan` would for a device size taken from the input, so the
+//! The input is split into a head and a tail read, as `probe_reads` asks
+//! for them for a device size taken from the input, so the
 //! end-of-device parsers (md 0.90/1.0, ZFS's last labels, UDF's last-sector
 //! anchor) see fuzzed bytes too; the same bytes are also probed as a whole
 //! device. Labels and UUIDs stay within what their on-disk fields can hold
@@ -12,7 +12,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_devices::probe::{probe, probe_sample, read_plan, Content, Sample, READ_BUDGET};
+use volring_devices::probe::{probe, probe_reads, Content, READ_BUDGET};
 
 fn bounded(c: &Content) {
     if let Some(f) = &c.filesystem {
@@ -33,14 +33,16 @@ fuzz_target!(|data: &[u8]| {
     // data's length), then the head and tail reads filled from the data.
     let Some((size, body)) = rest.split_first_chunk::<8>().map(|(s, b)| (u64::from_le_bytes(*s), b)) else { return };
     let size = if sel & 0x80 != 0 { size } else { body.len() as u64 + (size % (1 << 20)) };
-    let plan = read_plan(size);
-    assert!(plan.len() <= 2 && plan.iter().map(|&(_, l)| l).sum::<usize>() <= READ_BUDGET);
-    let mut sample = Sample::new(size);
+    let (mut reads, mut asked) = (0, 0);
     let mut left = body;
-    for &(offset, len) in &plan {
+    let read = |_offset: u64, len: usize| {
+        reads += 1;
+        asked += len;
         let (got, more) = left.split_at(len.min(left.len()));
-        sample.add(offset, got);
         left = more;
-    }
-    bounded(&probe_sample(&sample, lb));
+        Ok::<_, std::convert::Infallible>(got.to_vec())
+    };
+    let (c, _) = probe_reads(size, lb, read).unwrap_or_else(|never| match never {});
+    assert!(reads <= 2 && asked <= READ_BUDGET);
+    bounded(&c);
 });

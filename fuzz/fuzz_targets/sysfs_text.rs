@@ -3,11 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_devices::sysfs::{parse_devnum, parse_udev_db, parse_uevent_file};
+use volring_devices::fuzz_sysfs_text;
 
 fuzz_target!(|data: &[u8]| {
-    let text = String::from_utf8_lossy(data);
-    let _ = parse_uevent_file(&text);
-    let _ = parse_udev_db(&text);
-    let _ = parse_devnum(&text);
+    fuzz_sysfs_text(&String::from_utf8_lossy(data));
 });

@@ -2,11 +2,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_devices::uevent::parse;
+use volring_devices::fuzz_uevent;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(ev) = parse(data) {
-        assert!(!ev.devpath.is_empty());
-        let _ = ev.name();
+    if let Some((devpath, _name)) = fuzz_uevent(data) {
+        assert!(!devpath.is_empty());
     }
 });

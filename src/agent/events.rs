@@ -197,7 +197,7 @@ impl Events {
         let s = self.watcher.stats();
         let snap = self.collector.reader().latest();
         tracing::info!(target: TARGET, mounts = read(&self.table).len(), events = s.mount_events, resyncs = s.resyncs,
-            cpu_ms = s.cpu.as_millis() as u64, devices = self.inventory.len(), stat_method = snap.method,
+            cpu_ms = s.cpu.as_millis() as u64, devices = self.inventory.devices.len(), stat_method = snap.method,
             stat_cost_us = snap.cost.as_micros() as u64, "status");
         self.mount_stats.store(Arc::new(s));
     }

@@ -183,7 +183,7 @@ async fn take(config: &AgentConfig, parts: &mut Components) -> anyhow::Result<Ta
     // needs only the store and the driver's own NBD server; the mount table
     // is filled in next, before the CSI server and the reconciler (the
     // first to read it) start.
-    let table = Arc::new(RwLock::new(MountTable::new()));
+    let table = Arc::new(RwLock::new(MountTable::default()));
     let ready = volring_csi::Readiness::default();
     let driver = match &config.csi {
         Some(c) => Some(csi::heal_first(c.clone(), table.clone(), ready.clone(), parts).await?),
@@ -247,7 +247,7 @@ async fn watch_mounts(config: &AgentConfig, table: &RwLock<MountTable>, parts: &
         last.store(Arc::new(w.stop()?));
         Ok(())
     });
-    tracing::info!(target: TARGET, mounts = initial.len(), mode = ?watcher.mode(), backend = ?watcher.stats().backend, "watching the mount table");
+    tracing::info!(target: TARGET, mounts = initial.len(), mode = ?watcher.stats().mode, backend = ?watcher.stats().backend, "watching the mount table");
     *table.write().unwrap_or_else(|e| e.into_inner()) = initial;
     Ok(Mounts { watcher, events, stats })
 }
@@ -271,7 +271,7 @@ async fn watch_devices(config: &AgentConfig, table: &RwLock<MountTable>, parts: 
     let (hotplug_stats, hotplug_ring) = (hotplug.stats().clone(), hotplug.ring_stats().clone());
     parts.started_blocking("hot-plug listener", RING_WAIT, move || Ok(hotplug.stop()?));
     let inventory = events::scan(&config.devices, table).await??;
-    tracing::info!(target: TARGET, devices = inventory.len(), "block device inventory");
+    tracing::info!(target: TARGET, devices = inventory.devices.len(), "block device inventory");
     let (c, devices) = (config.stats.clone(), events::tracked(&inventory));
     let collector = Arc::new(tokio::task::spawn_blocking(move || StatCollector::start(c, devices)).await??);
     let c = collector.clone();

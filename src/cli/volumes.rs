@@ -173,7 +173,7 @@ pub(crate) fn sysfs_counters(device: &str) -> Option<Counters> {
 /// Every whole device and partition in `/proc/diskstats`, by name.
 pub(crate) fn diskstats() -> BTreeMap<String, Counters> {
     let text = std::fs::read("/proc/diskstats").unwrap_or_default();
-    volring_devices::stats::parse_diskstats(&text)
+    volring_devices::parse_diskstats(&text)
         .filter_map(|(_, l)| l.ok())
         .map(|l| (String::from_utf8_lossy(l.name).into_owned(), Counters::from(&l.counters)))
         .collect()

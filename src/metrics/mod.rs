@@ -108,7 +108,7 @@ impl Collector for Sources {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
         let snap = self.stats.latest();
         let inv = self.inventory.load();
-        gauge(&mut e, "volring_devices", "Block devices in the inventory", inv.len() as f64)?;
+        gauge(&mut e, "volring_devices", "Block devices in the inventory", inv.devices.len() as f64)?;
         gauge(
             &mut e,
             "volring_devices_in_use",
@@ -182,8 +182,8 @@ impl Sources {
             // By cause: only `overflow` means events were lost (the alert's
             // series); `periodic` ticks on an idle node too.
             let mut fam = e.encode_descriptor("volring_mount_resyncs", "Full mount-table resyncs, by reason", None, MetricType::Counter)?;
-            for (cause, n) in m.resyncs_by.by_cause() {
-                ConstCounter::new(n).encode(fam.encode_family(&[("reason", cause.label())])?)?;
+            for (reason, n) in m.resyncs_by.by_reason() {
+                ConstCounter::new(n).encode(fam.encode_family(&[("reason", reason)])?)?;
             }
         }
         counter(e, "volring_log_lines_lost", "Log lines dropped because stderr refused them (its reader gone)", logs::lines_lost())?;

@@ -75,7 +75,7 @@ pub(super) fn remount_read_only(mode: WatchMode, backend: BackendChoice) -> Resu
     mount_remount(&r, MountFlags::BIND | MountFlags::RDONLY, "")?;
     let ev = w.take(1);
     expect(&ev, &s, &[(Changed, "/r")])?;
-    check(ev[0].mount.as_ref().is_some_and(|m| m.read_only()), "now ro")?;
+    check(ev[0].mount.as_ref().is_some_and(|m| read_only(m)), "now ro")?;
     check(ev[0].changes == Changes::OPTIONS, format!("changes {:?}", ev[0].changes))?;
     // Superblock: a plain remount with new fs options.
     mount_remount(&r, MountFlags::RDONLY, "size=2m")?;
@@ -196,7 +196,7 @@ pub(super) fn fanotify_mode_on_an_older_kernel_says_what_is_missing() -> Result<
         Ok(_) => return Err("fanotify mode started on a kernel that fanotify_support() says lacks it".into()),
     }
     let (watcher, _, _rx) = MountWatcher::start(WatchConfig { mode: WatchMode::Auto, ..config() })?;
-    let mode = watcher.mode();
+    let mode = watcher.stats().mode;
     let _ = watcher.stop();
     check(mode == WatchMode::Reparse, format!("auto mode chose {mode:?}"))
 }

@@ -70,7 +70,7 @@ impl Watch {
     fn with(config: WatchConfig, scratch: &Scratch) -> Self {
         let mode = config.mode;
         let (watcher, table, rx) = MountWatcher::start(config).expect("watcher starts");
-        assert_eq!(watcher.mode(), mode);
+        assert_eq!(watcher.stats().mode, mode);
         Self { watcher: Some(watcher), rx, table, scope: scratch.path().as_os_str().as_encoded_bytes().to_vec() }
     }
 
@@ -122,6 +122,12 @@ impl Drop for Watch {
     }
 }
 
+/// Mounted read-only: proc(5) puts `ro` or `rw` first in a mount's
+/// per-mount options.
+fn read_only(m: &volring_mounts::Mount) -> bool {
+    m.options().split(|&b| b == b',').next() == Some(b"ro")
+}
+
 fn target(e: &MountEvent) -> String {
     e.subject().map(|m| m.mount_point_path().display().to_string()).unwrap_or_default()
 }
@@ -157,7 +163,7 @@ use EventKind::*;
 fn same_as_kernel(table: &MountTable, mode: WatchMode) -> Result<(), Failed> {
     let (fresh, _) = volring_mounts::load(mode == WatchMode::Fanotify)?;
     let key = |t: &MountTable| {
-        let mut v: Vec<_> = t.iter().map(|m| (m.id, m.mount_point().to_vec(), m.options().to_vec(), m.propagation.tags())).collect();
+        let mut v: Vec<_> = t.iter().map(|m| (m.id, m.mount_point().to_vec(), m.options().to_vec(), m.propagation)).collect();
         v.sort();
         v
     };

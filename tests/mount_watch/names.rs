@@ -83,7 +83,7 @@ struct Row {
     info_id: Option<u32>,
     parent_info_id: Option<u32>,
     dev: String,
-    propagation: String,
+    propagation: volring_mounts::Propagation,
     root: Vec<u8>,
     mount_point: Vec<u8>,
     options: Vec<u8>,
@@ -97,7 +97,7 @@ impl std::fmt::Debug for Row {
         let e = |b: &[u8]| b.escape_ascii().to_string();
         write!(
             f,
-            "{:?} parent={:?} {} [{}] root={} point={} opts={} type={} src={} sup={}",
+            "{:?} parent={:?} {} [{:?}] root={} point={} opts={} type={} src={} sup={}",
             self.info_id,
             self.parent_info_id,
             self.dev,
@@ -119,7 +119,7 @@ fn rows(t: &MountTable) -> Vec<Row> {
             info_id: m.info_id,
             parent_info_id: t.get(m.parent).and_then(|p| p.info_id),
             dev: m.dev.to_string(),
-            propagation: m.propagation.tags(),
+            propagation: m.propagation,
             root: m.root().to_vec(),
             mount_point: m.mount_point().to_vec(),
             options: m.options().to_vec(),

@@ -45,7 +45,7 @@ impl Peer {
                     continue;
                 }
                 let (t, _) = MountTable::from_mountinfo(&buf);
-                if t.top_at(bytes(&point)).is_some_and(|m| m.read_only()) {
+                if t.top_at(bytes(&point)).is_some_and(|m| read_only(m)) {
                     ro2.store(true, Ordering::Relaxed);
                 }
                 if let Some(i) = bar.iter().position(|b| t.top_at(bytes(b)).is_some()) {
@@ -161,15 +161,15 @@ fn remount_then_umount_alone(mode: WatchMode, backend: BackendChoice, steps: Ste
             if e.kind == Detached {
                 detaches += 1;
                 // Never older than what the watcher itself reported.
-                let ro = e.mount.as_ref().map(|m| m.read_only());
+                let ro = e.mount.as_ref().map(|m| read_only(m));
                 check(
                     ro == last_ro,
                     format!("round {i}: the detach carries ro={ro:?}, the last state reported was ro={last_ro:?}: {events:#?}"),
                 )?;
             } else if let Some(m) = &e.mount {
-                last_ro = Some(m.read_only());
-                ro_seen |= m.read_only();
-                ro_changed |= e.kind == Changed && m.read_only() && e.changes.contains(Changes::OPTIONS);
+                last_ro = Some(read_only(m));
+                ro_seen |= read_only(m);
+                ro_changed |= e.kind == Changed && read_only(m) && e.changes.contains(Changes::OPTIONS);
             }
         }
         let want = if mode == WatchMode::Fanotify { 1 } else { detaches.min(1) };

@@ -136,7 +136,7 @@ mod tests {
         c.kubelet_root = dir.join("kubelet");
         c.pool_dir = dir.join("pool");
         c.state_dir = dir.join("state");
-        Driver::new(c, Arc::new(RwLock::new(MountTable::new())), Readiness::default()).unwrap()
+        Driver::new(c, Arc::new(RwLock::new(MountTable::default())), Readiness::default()).unwrap()
     }
 
     /// The healer is reached for the nbd volume (its device, an index no

@@ -52,11 +52,11 @@ impl StatMethod {
     }
 
     /// The candidates `Auto` chooses among.
-    pub const MEASURED: [StatMethod; 3] = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread];
+    pub(crate) const MEASURED: [StatMethod; 3] = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread];
 }
 
 /// The counters of one read, per tracked device, in tracking order.
-pub type Sample = Vec<(DevNum, Arc<str>, Result<IoCounters, String>)>;
+pub(crate) type Sample = Vec<(DevNum, Arc<str>, Result<IoCounters, String>)>;
 
 /// Open files and buffers for all methods over one set of devices, with a
 /// ring of its own for the batched reads: for reading outside a ring thread
@@ -80,9 +80,10 @@ impl StatSource {
         self.files.read(method, &mut self.reader)
     }
 
-    /// Times each of `methods` `rounds` times; the median of each, fastest first.
-    pub fn calibrate(&mut self, methods: &[StatMethod], rounds: usize) -> Vec<(StatMethod, Duration)> {
-        self.files.calibrate(methods, rounds, &mut self.reader)
+    /// Times each method `Auto` chooses among `rounds` times, as the
+    /// collector does; the median of each, fastest first.
+    pub fn calibrate(&mut self, rounds: usize) -> Vec<(StatMethod, Duration)> {
+        self.files.calibrate(&StatMethod::MEASURED, rounds, &mut self.reader)
     }
 }
 

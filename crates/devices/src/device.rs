@@ -210,7 +210,7 @@ const ID_ATTRS: [&str; 5] = ["wwid", "device/wwid", "serial", "device/serial", "
 /// (or a partition GUID from the disk's table) that decides root's id is
 /// missing, and the id would silently fall through to a weaker one. Such an
 /// id is reported unknown instead. `disk` is a partition's disk.
-pub fn id_unread(d: &Device, disk: Option<&Device>) -> Option<String> {
+pub(crate) fn id_unread(d: &Device, disk: Option<&Device>) -> Option<String> {
     let attr_error = |dev: &Device, names: &[&str]| {
         dev.attr_errors.iter().find(|e| names.iter().any(|n| e.strip_prefix(n).is_some_and(|r| r.starts_with(':')))).cloned()
     };

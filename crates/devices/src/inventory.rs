@@ -112,14 +112,6 @@ impl Inventory {
         self.devices.values().find(|d| d.name == name)
     }
 
-    pub fn len(&self) -> usize {
-        self.devices.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
-    }
-
     /// Joins devices with the mount table and with each other: mount
     /// points, holders, the OS disk, partition GUIDs from the parent's
     /// table, and the stable id. Pure.
@@ -234,7 +226,7 @@ fn enrich(cfg: &ScanConfig, devices: &mut [Device]) {
 /// Reads what [`read_plan`] asks of every device (its head and its tail, at
 /// most two reads each) in one ring batch and probes them. A device that cannot be opened or read is reported with
 /// the reason; a zero-size one (an unattached loop device) is not read.
-pub fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Duration) {
+pub(crate) fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Duration) {
     let mut files = Vec::with_capacity(devices.len());
     for d in devices.iter_mut() {
         d.probe_error = None;

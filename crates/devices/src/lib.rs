@@ -17,18 +17,20 @@ mod hotplug;
 mod inventory;
 pub mod probe;
 pub mod report;
-pub mod stats;
+mod stats;
 pub mod swaps;
-pub mod sysfs;
-pub mod uevent;
+mod sysfs;
+mod uevent;
 
-pub use collect::{Sample, StatMethod, StatSource};
+pub use collect::{StatMethod, StatSource};
 pub use collector::{CollectorConfig, StatCollector, StatsReader};
-pub use device::{id_unread, stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
+pub use device::{stable_id, Device, DeviceKind, DmInfo, LoopBacking, Use};
 pub use filter::DeviceFilter;
 pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
-pub use inventory::{describe, node_name, probe_all, Inventory, ScanConfig};
-pub use stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
+pub use inventory::{describe, node_name, Inventory, ScanConfig};
+pub use stats::{parse_diskstats, DeviceStat, DiskstatsLine, IoCounters, IoRates, StatLineError, StatSnapshot};
+pub use sysfs::{fuzz_sysfs_text, parse_devnum};
+pub use uevent::fuzz_uevent;
 
 /// Errors of device discovery.
 #[derive(Debug, thiserror::Error)]

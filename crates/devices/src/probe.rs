@@ -2,11 +2,12 @@
 //! signatures, from a few bounded reads.
 //!
 //! Pure over the bytes read ([`Sample`]), so it can be fuzzed; the reads
-//! themselves are the caller's, laid out by [`read_plan`]. It only ever
-//! reads: unlike node-disk-manager, nothing is written to a bare disk to give
-//! it an id. Offsets and magics are those of the on-disk formats. A device
-//! that holds a RAID or volume-manager member must never look blank, so the
-//! members ([`members`]) are probed first, as blkid does.
+//! themselves are the caller's ([`probe_reads`]), laid out by
+//! [`read_plan`]. It only ever reads: unlike node-disk-manager, nothing is
+//! written to a bare disk to give it an id. Offsets and magics are those of
+//! the on-disk formats. A device that holds a RAID or volume-manager member
+//! must never look blank, so the members ([`members`]) are probed first, as
+//! blkid does.
 
 use serde::Serialize;
 
@@ -39,7 +40,7 @@ pub const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
 /// The reads that [`probe_sample`] wants from a device of `size` bytes, as
 /// `(offset, length)`: the head, and the tail when the device is larger
 /// than the head. Never more than two reads and [`READ_BUDGET`] bytes.
-pub fn read_plan(size: u64) -> Vec<(u64, usize)> {
+pub(crate) fn read_plan(size: u64) -> Vec<(u64, usize)> {
     let head = size.min(PROBE_LEN as u64);
     let mut plan = vec![(0, head as usize)];
     if size > head {
@@ -52,24 +53,24 @@ pub fn read_plan(size: u64) -> Vec<(u64, usize)> {
 /// Bytes read from one device, each run at its offset, and the device's
 /// size (where end-of-device signatures are looked for).
 #[derive(Debug, Clone)]
-pub struct Sample<'a> {
+pub(crate) struct Sample<'a> {
     size: u64,
     runs: Vec<(u64, &'a [u8])>,
 }
 
 impl<'a> Sample<'a> {
     /// Nothing read yet, from a device of `size` bytes.
-    pub fn new(size: u64) -> Self {
+    pub(crate) fn new(size: u64) -> Self {
         Self { size, runs: Vec::new() }
     }
 
     /// A whole device held in `bytes`.
-    pub fn whole(bytes: &'a [u8]) -> Self {
+    pub(crate) fn whole(bytes: &'a [u8]) -> Self {
         Self { size: bytes.len() as u64, runs: vec![(0, bytes)] }
     }
 
     /// Adds bytes read at `offset`; bytes past the device's size are ignored.
-    pub fn add(&mut self, offset: u64, bytes: &'a [u8]) {
+    pub(crate) fn add(&mut self, offset: u64, bytes: &'a [u8]) {
         self.runs.push((offset, bytes));
     }
 
@@ -96,7 +97,7 @@ impl<'a> Sample<'a> {
     }
 
     /// True when every byte read is zero.
-    pub fn all_zero(&self) -> bool {
+    pub(crate) fn all_zero(&self) -> bool {
         self.runs.iter().all(|(_, b)| b.iter().all(|&x| x == 0))
     }
 }
@@ -205,13 +206,32 @@ pub fn probe(buf: &[u8], logical_block: u32) -> Content {
     probe_sample(&Sample::whole(buf), logical_block)
 }
 
+/// Probes a device of `size` bytes whose logical block size is
+/// `logical_block` through the reads `read_plan` lays out (at most two,
+/// [`READ_BUDGET`] bytes in all): `read(offset, len)` returns the bytes at
+/// `offset`, fewer when the device ends sooner. Also says whether every
+/// byte read was zero, which is what tells a blank device from one that
+/// holds data of no known kind. The one entry for callers that read a
+/// device themselves (the CSI stage path, the bench, the fuzz target).
+pub fn probe_reads<E>(size: u64, logical_block: u32, mut read: impl FnMut(u64, usize) -> Result<Vec<u8>, E>) -> Result<(Content, bool), E> {
+    let mut bufs = Vec::new();
+    for (offset, len) in read_plan(size) {
+        bufs.push((offset, read(offset, len)?));
+    }
+    let mut sample = Sample::new(size);
+    for (offset, bytes) in &bufs {
+        sample.add(*offset, bytes);
+    }
+    Ok((probe_sample(&sample, logical_block), sample.all_zero()))
+}
+
 /// Probes what [`read_plan`] read from a device. Members (md, LVM, bcache,
 /// BlueStore, ZFS) come first: an md 1.0 mirror half also holds the
 /// filesystem of the array at offset 0, and it is the membership that makes
 /// the device busy. BitLocker comes before FAT and NTFS, whose boot sectors
 /// it imitates. A FAT, exFAT, NTFS or BitLocker boot sector ends in 0x55AA
 /// like an MBR; when one is found there is no MBR.
-pub fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
+pub(crate) fn probe_sample(s: &Sample<'_>, logical_block: u32) -> Content {
     let buf = s.head();
     let filesystem = members::probe(s)
         .or_else(|| luks(buf))

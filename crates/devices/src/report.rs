@@ -96,7 +96,7 @@ pub(crate) const COLUMNS: [(Column, &str, &str); 30] = [
 
 /// What `volring devices` shows without `-o`: lsblk's default columns
 /// and the ones lsblk -f adds, then the hardware and the stable id.
-pub const DEFAULT_COLUMNS: [Column; 14] = [
+pub(crate) const DEFAULT_COLUMNS: [Column; 14] = [
     Column::Name,
     Column::MajMin,
     Column::Rm,
@@ -142,6 +142,13 @@ pub(crate) fn parse_columns(spec: &str) -> Result<Vec<Column>, String> {
 /// A column list as `-o` takes it (see [`parse_columns`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Columns(pub Vec<Column>);
+
+/// `DEFAULT_COLUMNS`: what `volring devices` shows without `-o`.
+impl Default for Columns {
+    fn default() -> Self {
+        Columns(DEFAULT_COLUMNS.to_vec())
+    }
+}
 
 impl std::str::FromStr for Columns {
     type Err = String;
@@ -365,7 +372,7 @@ pub(crate) fn unread_notes(inv: &Inventory) -> String {
         }
         if d.id.is_empty() {
             let disk = d.partition.as_ref().and_then(|(_, p)| inv.by_name(p));
-            let why = super::id_unread(d, disk).unwrap_or_else(|| "not computed".into());
+            let why = super::device::id_unread(d, disk).unwrap_or_else(|| "not computed".into());
             let _ = writeln!(out, "# {}: ID unknown: {why}", d.name);
         }
     }

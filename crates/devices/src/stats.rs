@@ -261,12 +261,6 @@ pub struct StatSnapshot {
     pub calibration: Vec<(&'static str, f64)>,
 }
 
-impl StatSnapshot {
-    pub fn get(&self, dev: DevNum) -> Option<&DeviceStat> {
-        self.devices.binary_search_by_key(&dev, |d| d.dev).ok().map(|i| &self.devices[i])
-    }
-}
-
 mod duration_ms {
     pub(crate) fn serialize<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f64(d.as_secs_f64() * 1000.0)

@@ -160,7 +160,7 @@ fn kind_of(name: &str, dir: &Path, is_partition: bool) -> DeviceKind {
 
 /// Reads device `name` from sysfs. Probe results, mount points and the id
 /// are filled in later by the inventory.
-pub fn read(sys: &Path, name: &str) -> Result<Device, Error> {
+pub(crate) fn read(sys: &Path, name: &str) -> Result<Device, Error> {
     if name.contains('/') || name == "." || name == ".." {
         return Err(Error::BadName(name.to_string()));
     }
@@ -276,14 +276,22 @@ fn vanished_or(name: &str, e: io::Error) -> Error {
     }
 }
 
+/// The fuzz entry (fuzz/fuzz_targets/sysfs_text.rs): runs every sysfs and
+/// udev text parser over one input; none may panic.
+pub fn fuzz_sysfs_text(text: &str) {
+    let _ = parse_uevent_file(text);
+    let _ = parse_udev_db(text);
+    let _ = parse_devnum(text);
+}
+
 /// `KEY=VALUE` lines, as in a sysfs `uevent` file.
-pub fn parse_uevent_file(text: &str) -> BTreeMap<String, String> {
+pub(crate) fn parse_uevent_file(text: &str) -> BTreeMap<String, String> {
     text.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 /// The properties (`E:KEY=VALUE`) and links (`S:disk/by-id/...`) of a udev
 /// database entry, `/run/udev/data/b<maj>:<min>`.
-pub fn parse_udev_db(text: &str) -> (BTreeMap<String, String>, Vec<PathBuf>) {
+pub(crate) fn parse_udev_db(text: &str) -> (BTreeMap<String, String>, Vec<PathBuf>) {
     let mut props = BTreeMap::new();
     let mut links = Vec::new();
     for line in text.lines() {
@@ -347,5 +355,22 @@ mod tests {
     fn names_with_slashes_are_refused() {
         assert!(matches!(read(Path::new("/sys"), "../../etc"), Err(Error::BadName(_))));
         assert!(matches!(read(Path::new("/sys"), "no-such-device-here"), Err(Error::Vanished(_))));
+    }
+
+    /// A crafted sysfs tree (not the kernel's) where `size` cannot be read:
+    /// the device is still reported, with the reason. (Was
+    /// tests/devices.rs `inventory::unreadable_attribute_is_reported`.)
+    #[test]
+    fn unreadable_attribute_is_reported() {
+        let root = tempfile::tempdir().unwrap();
+        let dev = root.path().join("devices/virtual/block/fake0");
+        std::fs::create_dir_all(dev.join("size")).unwrap(); // a directory: reading it fails
+        std::fs::write(dev.join("dev"), "7:250\n").unwrap();
+        std::fs::write(dev.join("ro"), "banana\n").unwrap();
+        std::fs::create_dir_all(root.path().join("class/block")).unwrap();
+        std::os::unix::fs::symlink(&dev, root.path().join("class/block/fake0")).unwrap();
+        let d = read(root.path(), "fake0").unwrap();
+        assert!(d.size_bytes == 0 && d.attr_errors.iter().any(|e| e.starts_with("size")), "errors {:?}", d.attr_errors);
+        assert!(d.attr_errors.iter().any(|e| e.starts_with("ro: not a number")), "errors {:?}", d.attr_errors);
     }
 }

@@ -15,7 +15,7 @@ pub(crate) const MAX_UEVENT: usize = 8192;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Action {
+pub(crate) enum Action {
     Add,
     Remove,
     Change,
@@ -44,16 +44,16 @@ impl Action {
 
 /// One kernel uevent, the fields volring uses.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct UEvent {
-    pub action: Action,
-    pub devpath: String,
-    pub subsystem: Option<String>,
+pub(crate) struct UEvent {
+    pub(crate) action: Action,
+    pub(crate) devpath: String,
+    pub(crate) subsystem: Option<String>,
     /// Kernel name under /dev (`loop3`, `mapper/..` never: dm uses `dm-N`).
-    pub devname: Option<String>,
+    pub(crate) devname: Option<String>,
     /// `disk` or `partition` for block devices.
-    pub devtype: Option<String>,
-    pub dev: Option<DevNum>,
-    pub seqnum: Option<u64>,
+    pub(crate) devtype: Option<String>,
+    pub(crate) dev: Option<DevNum>,
+    pub(crate) seqnum: Option<u64>,
 }
 
 impl UEvent {
@@ -62,13 +62,13 @@ impl UEvent {
     }
 
     /// The kernel name: DEVNAME, else the last part of DEVPATH.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         self.devname.as_deref().unwrap_or_else(|| self.devpath.rsplit('/').next().unwrap_or(""))
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum UEventError {
+pub(crate) enum UEventError {
     #[error("larger than any kernel uevent")]
     TooLarge,
     #[error("a udevd message, not the kernel's")]
@@ -83,8 +83,17 @@ pub enum UEventError {
     NotUtf8,
 }
 
+/// The fuzz entry (fuzz/fuzz_targets/uevent.rs): parses one datagram as
+/// the hot-plug watcher does and hands back the accepted event's devpath
+/// and kernel name, so the parser itself stays private to this crate.
+pub fn fuzz_uevent(msg: &[u8]) -> Option<(String, String)> {
+    let ev = parse(msg).ok()?;
+    let name = ev.name().to_string();
+    Some((ev.devpath, name))
+}
+
 /// Parses one datagram.
-pub fn parse(msg: &[u8]) -> Result<UEvent, UEventError> {
+pub(crate) fn parse(msg: &[u8]) -> Result<UEvent, UEventError> {
     if msg.len() > MAX_UEVENT {
         return Err(UEventError::TooLarge);
     }

@@ -8,7 +8,7 @@ use super::mount::{DevNum, Mount};
 
 /// Resolves `dev` through `/sys/dev/block/<maj:min>`; the name is the link's
 /// last component.
-pub fn block_device(dev: DevNum) -> BlockDevice {
+pub(crate) fn block_device(dev: DevNum) -> BlockDevice {
     let link = format!("/sys/dev/block/{}:{}", dev.major, dev.minor);
     let name = std::fs::read_link(link).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
     let path = name.as_ref().map(|n| format!("/dev/{n}"));

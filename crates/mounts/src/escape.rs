@@ -34,7 +34,7 @@ fn is_octal_triplet(t: &[u8]) -> bool {
 
 /// Escapes what would break a space-separated line, as `findmnt --raw`
 /// does (`\x20` for a space), for the CLI's raw table.
-pub fn escape_raw(raw: &[u8], out: &mut String) {
+pub(crate) fn escape_raw(raw: &[u8], out: &mut String) {
     use std::fmt::Write;
     for &b in raw {
         if b.is_ascii_graphic() && b != b'\\' {

@@ -140,28 +140,33 @@ pub enum ResyncReason {
 }
 
 /// What the watcher delivers.
-#[derive(Debug, Clone, Serialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum WatchEvent {
     Mount(MountEvent),
-    Resync {
-        #[serde(rename = "event")]
-        kind: ResyncTag,
-        reason: ResyncReason,
-        changes: Vec<MountEvent>,
-    },
+    Resync { reason: ResyncReason, changes: Vec<MountEvent> },
 }
 
-/// Serialises as `"event":"resync"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ResyncTag {
-    Resync,
+/// A mount event as itself; a resync as `{"event":"resync","reason":..,
+/// "changes":[..]}`, so a JSON reader tells them apart by `event`.
+impl Serialize for WatchEvent {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        match self {
+            WatchEvent::Mount(e) => e.serialize(s),
+            WatchEvent::Resync { reason, changes } => {
+                let mut st = s.serialize_struct("Resync", 3)?;
+                st.serialize_field("event", "resync")?;
+                st.serialize_field("reason", reason)?;
+                st.serialize_field("changes", changes)?;
+                st.end()
+            }
+        }
+    }
 }
 
 impl WatchEvent {
     pub(crate) fn resync(reason: ResyncReason, changes: Vec<MountEvent>) -> Self {
-        WatchEvent::Resync { kind: ResyncTag::Resync, reason, changes }
+        WatchEvent::Resync { reason, changes }
     }
 
     /// The single events this delivery stands for.
@@ -185,5 +190,12 @@ mod tests {
         assert_eq!(serde_json::to_string(&c).unwrap(), r#"["options","propagation"]"#);
         assert_eq!(serde_json::to_string(&Changes::MOUNT_POINT).unwrap(), r#"["mount_point"]"#);
         assert_eq!(serde_json::to_string(&Changes::empty()).unwrap(), "[]");
+    }
+
+    /// `volring mounts --watch --json` readers tell a resync by its `event`.
+    #[test]
+    fn a_resync_serializes_with_its_event_tag() {
+        let resync = WatchEvent::resync(ResyncReason::Overflow, Vec::new());
+        assert_eq!(serde_json::to_string(&resync).unwrap(), r#"{"event":"resync","reason":"overflow","changes":[]}"#);
     }
 }

@@ -12,16 +12,23 @@ const METADATA_LEN: usize = 24;
 
 /// One decoded event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FanEvent {
+pub(crate) enum FanEvent {
     /// A mount was attached and/or detached (a move reports both at once).
     Mount { id: u64, attach: bool, detach: bool },
     /// The queue overflowed: events were lost; resync.
     Overflow,
 }
 
+/// The fuzz entry (fuzz/fuzz_targets/fanotify_events.rs): decodes every
+/// event in `buf` as the watcher does and says how many items (events and
+/// at most one error) came out.
+pub fn fuzz_fanotify_events(buf: &[u8]) -> usize {
+    events(buf).count()
+}
+
 /// Iterates the events in `buf`. Stops at the first malformed event with an
 /// error: past it no offset can be trusted.
-pub fn events(buf: &[u8]) -> impl Iterator<Item = Result<FanEvent, Error>> + '_ {
+pub(crate) fn events(buf: &[u8]) -> impl Iterator<Item = Result<FanEvent, Error>> + '_ {
     let mut rest = buf;
     std::iter::from_fn(move || loop {
         if rest.is_empty() {

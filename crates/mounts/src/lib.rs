@@ -11,24 +11,25 @@ mod devname;
 mod diff;
 mod escape;
 mod event;
-pub mod fanotify;
+mod fanotify;
 mod mount;
-pub mod parse;
+mod parse;
 pub mod report;
 mod source;
 pub mod statmount;
 mod table;
 mod watcher;
 
-pub use devname::{block_device, devices_of};
+pub use devname::devices_of;
 pub use diff::diff;
-pub use escape::{escape_raw, unescape};
+pub use escape::unescape;
 pub use event::{BlockDevice, Changes, EventKind, MountEvent, ResyncReason, WatchEvent};
-pub use mount::{DevNum, Mount, MountId, Propagation};
-pub use parse::{LineError, LineFault, RawMount};
+pub use fanotify::fuzz_fanotify_events;
+pub use mount::{DevNum, Mount, Propagation};
+pub use parse::{mountinfo_lines, mountinfo_mounts, LineError, LineFault, RawMount};
 pub use source::{load, read_mountinfo, Statmounter};
 pub use table::MountTable;
-pub use watcher::{MountWatcher, ResyncCause, ResyncCounts, WatchConfig, WatchMode, WatcherStats};
+pub use watcher::{MountWatcher, ResyncCounts, WatchConfig, WatchMode, WatcherStats};
 
 /// Errors of the mount-table engine.
 #[derive(Debug, thiserror::Error)]

@@ -9,7 +9,7 @@ use serde::{Serialize, Serializer};
 /// A mount's id. From `statmount` it is the kernel's unique 64-bit id (never
 /// reused); from mountinfo it is the old, reusable 32-bit id. A table holds
 /// ids of one kind only.
-pub type MountId = u64;
+pub(crate) type MountId = u64;
 
 /// A device number, `major:minor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -31,7 +31,7 @@ impl Serialize for DevNum {
 }
 
 /// Mount propagation, as mountinfo's optional fields state it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Serialize)]
 pub struct Propagation {
     /// `shared:N`: peer group this mount belongs to.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -48,7 +48,7 @@ pub struct Propagation {
 
 impl Propagation {
     /// The optional fields as mountinfo writes them (`shared:1 master:2`).
-    pub fn tags(&self) -> String {
+    pub(crate) fn tags(&self) -> String {
         let mut parts = Vec::new();
         if let Some(n) = self.shared {
             parts.push(format!("shared:{n}"));
@@ -156,11 +156,6 @@ impl Mount {
     /// Superblock options (`rw,size=1024k`).
     pub fn super_options(&self) -> &[u8] {
         self.field(Field::SuperOptions)
-    }
-
-    /// True when the per-mount options say `ro`.
-    pub fn read_only(&self) -> bool {
-        self.options().split(|&b| b == b',').next() == Some(b"ro")
     }
 
     /// Options as findmnt shows them: per-mount, then the superblock's

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::{escape_raw, EventKind, Mount, MountEvent, MountTable, WatchEvent};
+use super::escape::escape_raw;
+use super::{EventKind, Mount, MountEvent, MountTable, WatchEvent};
 
 /// A column, by findmnt's name for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,7 +25,7 @@ pub enum Column {
 }
 
 /// The columns `volring mounts` shows unless told otherwise.
-pub const DEFAULT_COLUMNS: [Column; 4] = [Column::Target, Column::Source, Column::FsType, Column::Options];
+pub(crate) const DEFAULT_COLUMNS: [Column; 4] = [Column::Target, Column::Source, Column::FsType, Column::Options];
 
 impl Column {
     const ALL: [(Column, &'static str); 11] = [
@@ -45,8 +46,10 @@ impl Column {
         Self::ALL.iter().find(|(c, _)| *c == self).map_or("", |(_, n)| n)
     }
 
-    /// `TARGET,SOURCE` (any case) to columns.
-    pub fn parse_list(s: &str) -> Result<Vec<Column>, String> {
+    /// The columns `-o` names (`TARGET,SOURCE`, any case); without `-o`,
+    /// the default ones (`DEFAULT_COLUMNS`).
+    pub fn parse_list(spec: Option<&str>) -> Result<Vec<Column>, String> {
+        let Some(s) = spec else { return Ok(DEFAULT_COLUMNS.to_vec()) };
         s.split(',')
             .filter(|c| !c.is_empty())
             .map(|c| {
@@ -102,7 +105,7 @@ impl Filter {
 }
 
 /// The top mount at the deepest mount point that contains `path`.
-fn holding(table: &MountTable, path: &[u8]) -> Option<super::MountId> {
+fn holding(table: &MountTable, path: &[u8]) -> Option<super::mount::MountId> {
     let mut p = path.strip_suffix(b"/").filter(|p| !p.is_empty()).unwrap_or(path);
     loop {
         if let Some(m) = table.top_at(p) {
@@ -288,12 +291,12 @@ mod tests {
     #[test]
     fn raw_is_one_escaped_line_per_mount_and_columns_are_chosen() {
         let t = table();
-        let cols = Column::parse_list("target,maj:min,propagation").unwrap();
+        let cols = Column::parse_list(Some("target,maj:min,propagation")).unwrap();
         let out = render(&t.sorted(), &cols, Layout::Raw, &Filter::default());
         assert_eq!(out.lines().next(), Some("TARGET MAJ:MIN PROPAGATION"));
         assert!(out.contains("/data 7:0 shared:3\n"), "{out}");
         assert!(out.contains("/data/with\\x20space 0:30 \n"), "{out}");
-        assert!(Column::parse_list("TARGET,NOPE").unwrap_err().contains("NOPE"));
+        assert!(Column::parse_list(Some("TARGET,NOPE")).unwrap_err().contains("NOPE"));
     }
 
     #[test]

@@ -17,10 +17,6 @@ pub struct Statmounter {
 }
 
 impl Statmounter {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// True when this kernel has `listmount` and `statmount` (6.8+).
     pub(crate) fn supported() -> bool {
         mount_api::listmount_available()
@@ -75,7 +71,7 @@ pub fn read_mountinfo(fd: impl AsFd, buf: &mut Vec<u8>) -> io::Result<()> {
 /// The mount table of the calling thread's namespace, from the best source.
 pub fn load(prefer_statmount: bool) -> Result<(MountTable, Vec<super::parse::LineError>), Error> {
     if prefer_statmount && Statmounter::supported() {
-        return Ok((Statmounter::new().snapshot()?, Vec::new()));
+        return Ok((Statmounter::default().snapshot()?, Vec::new()));
     }
     let f = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?;
     let mut buf = Vec::new();

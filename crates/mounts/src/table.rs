@@ -95,10 +95,6 @@ fn index_remove<K: std::hash::Hash + Eq>(index: &mut HashMap<K, Ids>, key: K, id
 }
 
 impl MountTable {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     pub(crate) fn with_capacity(n: usize) -> Self {
         Self {
             by_id: HashMap::with_capacity(n),
@@ -115,7 +111,7 @@ impl MountTable {
     /// Builds a table from mountinfo bytes. Malformed lines are returned
     /// beside the table, not fatal: one bad line must not hide the others.
     pub fn from_mountinfo(buf: &[u8]) -> (Self, Vec<LineError>) {
-        let (mounts, errors) = super::parse::mounts(buf);
+        let (mounts, errors) = super::parse::mountinfo_mounts(buf);
         let mut t = Self::with_capacity(mounts.len());
         for m in mounts {
             t.insert(Arc::new(m));
@@ -157,14 +153,14 @@ impl MountTable {
     }
 
     /// All mounts in id order (stable output for people and tests).
-    pub fn sorted(&self) -> Vec<&Arc<Mount>> {
+    pub(crate) fn sorted(&self) -> Vec<&Arc<Mount>> {
         let mut v: Vec<_> = self.by_id.values().collect();
         v.sort_unstable_by_key(|m| m.id);
         v
     }
 
     /// Inserts or replaces a mount; returns the one it replaced.
-    pub fn insert(&mut self, m: Arc<Mount>) -> Option<Arc<Mount>> {
+    pub(crate) fn insert(&mut self, m: Arc<Mount>) -> Option<Arc<Mount>> {
         let old = self.remove(m.id);
         let key = self.point_key(m.mount_point());
         index_add(&mut self.by_point, key, m.id);

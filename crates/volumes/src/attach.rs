@@ -20,7 +20,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use volring_devices::sysfs::parse_devnum;
+use volring_devices::parse_devnum;
 use volring_mounts::DevNum;
 use volring_sys::loopdev::{self, LoopDevice, LoopOptions};
 

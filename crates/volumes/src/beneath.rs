@@ -226,7 +226,7 @@ fn stat_refused(fd: BorrowedFd<'_>) -> io::Result<Node> {
     let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
     let mut info = Vec::new();
     volring_mounts::read_mountinfo(std::fs::File::open("/proc/self/mountinfo")?, &mut info)?;
-    let m = volring_mounts::parse::parse(&info).flatten().find(|m| m.id == mnt_id).ok_or_else(refused)?;
+    let m = volring_mounts::mountinfo_lines(&info).flatten().find(|m| m.id == mnt_id).ok_or_else(refused)?;
     if volring_mounts::unescape(m.mount_point).as_ref() != path.as_os_str().as_bytes() {
         return Err(refused());
     }

@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use volring_devices::probe::{probe_sample, read_plan, Sample};
+use volring_devices::probe::probe_reads;
 
 use super::{run, Error};
 
@@ -86,13 +86,13 @@ pub enum Content {
 /// were all of it.
 #[cfg(test)]
 fn classify(head: &[u8]) -> Content {
-    classify_sample(&Sample::whole(head))
+    let read = |offset: u64, len: usize| Ok::<_, std::convert::Infallible>(head[offset as usize..][..len].to_vec());
+    classify_probed(probe_reads(head.len() as u64, 512, read).unwrap_or_else(|never| match never {}))
 }
 
-/// Classifies what [`read_plan`] read from a device (pure): blank only when
-/// no signature matched and every byte read, head and tail, is zero.
-pub(crate) fn classify_sample(sample: &Sample<'_>) -> Content {
-    let found = probe_sample(sample, 512);
+/// Classifies what [`probe_reads`] found on a device's head and tail
+/// (pure): blank only when no signature matched and every byte read is zero.
+pub(crate) fn classify_probed((found, all_zero): (volring_devices::probe::Content, bool)) -> Content {
     if let Some(fs) = found.filesystem {
         return match fs.fstype.as_str() {
             t @ ("ext2" | "ext3" | "ext4" | "xfs" | "btrfs") => Content::Filesystem(t),
@@ -102,7 +102,7 @@ pub(crate) fn classify_sample(sample: &Sample<'_>) -> Content {
     if let Some(t) = found.table {
         return Content::Other(format!("a {:?} partition table", t.table).to_lowercase());
     }
-    if sample.all_zero() {
+    if all_zero {
         Content::Blank
     } else {
         Content::Other("data of an unknown kind".to_string())
@@ -121,8 +121,7 @@ pub fn probe_device(device: &Path) -> Result<Content, Error> {
     if size == 0 {
         return Err(Error::Precondition(format!("{} reports a size of 0 (being detached?); not probed", device.display())));
     }
-    let mut bufs = Vec::new();
-    for (offset, len) in read_plan(size) {
+    let probed = probe_reads(size, 512, |offset, len| {
         let mut buf = vec![0u8; len];
         let mut got = 0;
         while got < buf.len() {
@@ -137,13 +136,9 @@ pub fn probe_device(device: &Path) -> Result<Content, Error> {
                 n => got += n,
             }
         }
-        bufs.push((offset, buf));
-    }
-    let mut sample = Sample::new(size);
-    for (offset, buf) in &bufs {
-        sample.add(*offset, buf);
-    }
-    Ok(classify_sample(&sample))
+        Ok(buf)
+    })?;
+    Ok(classify_probed(probed))
 }
 
 pub fn format(kind: FsKind, device: &Path) -> Result<(), Error> {

@@ -168,7 +168,7 @@ fn attach_onto(mnt: &OwnedFd, target: BorrowedFd<'_>) -> io::Result<()> {
 fn parent_of(id: u64) -> io::Result<Option<u64>> {
     let mut info = Vec::new();
     volring_mounts::read_mountinfo(std::fs::File::open("/proc/thread-self/mountinfo")?, &mut info)?;
-    let parent = volring_mounts::parse::parse(&info).flatten().find(|m| u64::from(m.id) == id).map(|m| u64::from(m.parent));
+    let parent = volring_mounts::mountinfo_lines(&info).flatten().find(|m| u64::from(m.id) == id).map(|m| u64::from(m.parent));
     Ok(parent)
 }
 

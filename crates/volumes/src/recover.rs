@@ -204,7 +204,7 @@ fn mounts_under(root: &Path) -> Vec<Seen> {
         return Vec::new();
     }
     let mut by_path: BTreeMap<PathBuf, (bool, String)> = BTreeMap::new();
-    for m in volring_mounts::parse::parse(&info).flatten() {
+    for m in volring_mounts::mountinfo_lines(&info).flatten() {
         let point = PathBuf::from(std::ffi::OsStr::from_bytes(&volring_mounts::unescape(m.mount_point)));
         let Ok(rel) = point.strip_prefix(&real) else { continue };
         if rel.as_os_str().is_empty() {

@@ -160,7 +160,7 @@ impl FanotifyDriver {
     pub(super) fn new(config: &WatchConfig, emitter: Emitter) -> Result<Self, Error> {
         let fan = open_group()?;
         let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
-        let mut kernel = Statmounter::new();
+        let mut kernel = Statmounter::default();
         let table = kernel.snapshot()?;
         Ok(Self {
             fan: Arc::new(fan),

@@ -102,6 +102,7 @@ pub(super) struct Counters {
 /// A point-in-time copy of a watcher's counters.
 #[derive(Debug, Clone, Serialize)]
 pub struct WatcherStats {
+    /// The strategy in use (never `Auto`).
     pub mode: WatchMode,
     pub backend: ring::Backend,
     pub cpu: Duration,
@@ -123,7 +124,7 @@ pub struct WatcherStats {
 /// means events were lost; the periodic resync runs on an idle node too, so
 /// an alert on resyncs must tell the causes apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResyncCause {
+pub(crate) enum ResyncCause {
     /// fanotify's queue overflowed or its data could not be read: events
     /// were lost.
     Overflow,
@@ -141,7 +142,7 @@ impl ResyncCause {
     pub(crate) const ALL: [ResyncCause; 5] = [Self::Overflow, Self::Periodic, Self::Unpaired, Self::Requested, Self::Reparse];
 
     /// The `reason` label value of `volring_mount_resyncs_total`.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::Overflow => "overflow",
             Self::Periodic => "periodic",
@@ -163,8 +164,14 @@ pub struct ResyncCounts {
 }
 
 impl ResyncCounts {
+    /// Each cause's `reason` label (of `volring_mount_resyncs_total`) with
+    /// its count.
+    pub fn by_reason(&self) -> [(&'static str, u64); 5] {
+        self.by_cause().map(|(cause, n)| (cause.label(), n))
+    }
+
     /// Each cause with its count, in [`ResyncCause::ALL`]'s order.
-    pub fn by_cause(&self) -> [(ResyncCause, u64); 5] {
+    pub(crate) fn by_cause(&self) -> [(ResyncCause, u64); 5] {
         [
             (ResyncCause::Overflow, self.overflow),
             (ResyncCause::Periodic, self.periodic),
@@ -174,7 +181,7 @@ impl ResyncCounts {
         ]
     }
 
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.by_cause().iter().map(|(_, n)| n).sum()
     }
 }
@@ -304,11 +311,6 @@ impl MountWatcher {
     /// is missing; `WatchMode::Auto` falls back to reparse there.
     pub fn fanotify_support() -> Result<(), Error> {
         fanotify::support()
-    }
-
-    /// The strategy in use (never `Auto`).
-    pub fn mode(&self) -> WatchMode {
-        self.mode
     }
 
     /// Asks for a full resync; false when the command queue is full (one is

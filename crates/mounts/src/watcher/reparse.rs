@@ -32,7 +32,7 @@ pub(super) struct ReparseDriver {
 impl ReparseDriver {
     pub(super) fn new(emitter: Emitter) -> Result<Self, Error> {
         let mountinfo: OwnedFd = std::fs::File::open("/proc/thread-self/mountinfo").map_err(|e| Error::Io("open mountinfo", e))?.into();
-        let mut d = Self { mountinfo: Arc::new(mountinfo), buf: Vec::new(), table: MountTable::new(), emitter, dirty: false };
+        let mut d = Self { mountinfo: Arc::new(mountinfo), buf: Vec::new(), table: MountTable::default(), emitter, dirty: false };
         d.table = d.read_table()?;
         Ok(d)
     }
