@@ -18,7 +18,7 @@ use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, N
 use volring_nbd::client::{self, ClientHandshake, ClientOutcome};
 use volring_nbd::wire::{self, opt, rep, tx};
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
-use volring_sys::nlmsg::{self, nbd, NbdConfig};
+use volring_sys::nlmsg::{self, NbdCmd, NbdConfig};
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(20);
@@ -333,7 +333,9 @@ fn missing_nbd_module_is_family_not_found() {
 fn genetlink_resolves_the_controller_family() {
     let mut s = volring_sys::genetlink::GenlSocket::open().expect("socket");
     let f = s.resolve_family("nlctrl").expect("nlctrl");
-    assert_eq!(f.id, nlmsg::GENL_ID_CTRL);
+    // GENL_ID_CTRL (linux/genetlink.h), from the header, not the code under test.
+    const GENL_ID_CTRL: u16 = 0x10;
+    assert_eq!(f.id, GENL_ID_CTRL);
     assert!(f.groups.iter().any(|(n, _)| n == "notify"), "groups {:?}", f.groups);
     let e = s.resolve_family("volring-nofam").unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
@@ -347,11 +349,9 @@ fn connect_and_reconfigure_messages_round_trip() {
     let d = client::ExportDetails { size: 256 * MIB, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
     let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
     spec.index = Some(4);
-    let msg = nlmsg::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
-    let m = nlmsg::messages(&msg).next().unwrap().unwrap();
-    let (cmd, attrs) = nlmsg::genl(m.payload).unwrap();
-    assert_eq!(cmd, nbd::CMD_CONNECT);
-    let back = nlmsg::parse_nbd_config(attrs).unwrap();
+    let msg = nlmsg::nbd_request(0x1a, NbdCmd::Connect, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
+    let (cmd, back) = nlmsg::parse_nbd_request(&msg).unwrap();
+    assert_eq!(cmd, NbdCmd::Connect as u8);
     assert_eq!(
         back,
         NbdConfig {
@@ -366,10 +366,23 @@ fn connect_and_reconfigure_messages_round_trip() {
             sockets: vec![fa.as_raw_fd(), fb.as_raw_fd()],
         }
     );
+    // A LINK_DEAD notice written from the UAPI headers (linux/netlink.h,
+    // linux/genetlink.h, linux/nbd-netlink.h), not by the code under test:
+    // nlmsghdr {len 28, type = the family, flags 0, seq 0, port 0},
+    // genlmsghdr {cmd NBD_CMD_LINK_DEAD = 4, version 1}, and one attribute
+    // {len 8, NBD_ATTR_INDEX = 1} holding device 4.
     let notice = {
-        let mut b = nlmsg::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
-        b.u32(nbd::ATTR_INDEX, 4);
-        b.finish(0)
+        let mut m = Vec::new();
+        m.extend_from_slice(&28u32.to_ne_bytes());
+        m.extend_from_slice(&0x1au16.to_ne_bytes());
+        m.extend_from_slice(&0u16.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[4, 1, 0, 0]);
+        m.extend_from_slice(&8u16.to_ne_bytes());
+        m.extend_from_slice(&1u16.to_ne_bytes());
+        m.extend_from_slice(&4u32.to_ne_bytes());
+        m
     };
     assert_eq!(volring_nbd::attach::netlink::link_dead_index(&notice).unwrap(), Some(4));
 }
