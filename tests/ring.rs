@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use volring_ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
+use volring_ring::{queue, Backend, BackendChoice, Completion, Driver, Events, Flow, Reactor, RingThread};
 
 /// The longest a test waits for the ring thread (an event, a report): each
 /// wait ends as soon as it arrives, so the bound only matters on a loaded CI
@@ -37,7 +37,7 @@ impl Driver for Echo {
     type Command = String;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.poll(READY, self.pipe.clone(), events::IN)?;
+        ring.poll(READY, self.pipe.clone(), Events::IN)?;
         ring.timeout(TIMER, Duration::from_millis(20))
     }
 

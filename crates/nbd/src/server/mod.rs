@@ -36,7 +36,7 @@ use super::Error;
 pub use inline::InlineWrites;
 use listener::Listener;
 pub use starve::OffloadReads;
-use volring_ring::io_ring::IoRingConfig;
+use volring_ring::IoRingConfig;
 use volring_ring::Mailbox;
 
 /// Where the server listens.
