@@ -460,10 +460,13 @@ impl<T: Copy> IoRing<T> {
     /// (one per send that was in flight at once, each as long as its
     /// longest send), an oversized completion scratch, cached buffers, and
     /// then the allocator's free pages. For a ring with nothing to do.
-    pub fn trim(&mut self) {
+    /// `freed_elsewhere`: bytes its owner freed outside the ring (request
+    /// tables, vectors of a past burst), so the allocator is asked for its
+    /// free pages even when the ring itself freed nothing.
+    pub fn trim(&mut self, freed_elsewhere: usize) {
         let iov: usize = self.spare_iov.iter().map(|v| v.capacity() * std::mem::size_of::<libc::iovec>()).sum();
         let ids: usize = self.spare_bufs.iter().map(|v| v.capacity() * std::mem::size_of::<BufId>()).sum();
-        let mut freed = iov + ids;
+        let mut freed = freed_elsewhere + iov + ids;
         self.spare_iov = Vec::new();
         self.spare_bufs = Vec::new();
         if self.reaped.capacity() > 1024 {

@@ -359,8 +359,7 @@ impl Worker {
         freed += self.rx.trim();
         // Closed connections freed their vectors: worth a malloc_trim too.
         freed += std::mem::take(&mut sh.closed_since_trim) * std::mem::size_of::<Conn>();
-        sh.ring.buffers_mut().note_freed(freed);
-        sh.ring.trim();
+        sh.ring.trim(freed);
     }
 
     /// The server refused a light connection: drops the heaviest of this
