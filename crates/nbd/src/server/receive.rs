@@ -335,7 +335,7 @@ impl Receive {
         }
     }
 
-    /// The kernel lost provided buffers (see `IoRing::recv_pool_lost`):
+    /// The kernel lost provided buffers (see `IoRingStats::recv_pool_lost`):
     /// every multishot receive of the ring is ended, and none is armed
     /// until the pool has been handed over afresh.
     fn begin_recovery(&mut self, sh: &mut Shared) {
