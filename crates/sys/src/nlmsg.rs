@@ -484,12 +484,10 @@ pub fn parse_link_dead(dgram: &[u8]) -> Result<Option<u32>, Malformed> {
     Ok(None)
 }
 
-/// The `nbd_netlink` fuzz target's entry: every parser of this module
-/// (datagram split, error and genl headers, attributes and nested ones,
-/// the controller's family reply, STATUS replies, indexes, the nbd config
-/// decoder) on arbitrary bytes. Whatever the bytes, each answers or
-/// refuses; it panics only when a config that decodes does not re-encode
-/// to one that decodes the same, which is what the fuzzer looks for.
+/// The `nbd_netlink` fuzz target's entry: every parser of this module on
+/// arbitrary bytes, each of which answers or refuses. It panics only when a
+/// config that decodes does not re-encode to one that decodes the same,
+/// which is what the fuzzer looks for.
 pub fn fuzz_parse(data: &[u8]) {
     for m in messages(data).take(64) {
         let Ok(m) = m else { break };
