@@ -88,8 +88,9 @@ pub enum Op<'a> {
     /// Completes once after `after` (result -ETIME).
     Timeout { after: Duration },
     /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
-    /// references, no copy, for files in the page cache).
-    SpliceIn { file: u32, offset: u64, pipe: PipeId, len: u32 },
+    /// references, no copy, for files in the page cache); at most what one
+    /// pipe holds (1 MiB) per op: the result says how much moved.
+    SpliceIn { file: u32, offset: u64, pipe: PipeId, len: u64 },
     /// Moves up to `len` bytes from `pipe` into a socket.
     SpliceOut { pipe: PipeId, socket: u32, len: u32 },
 }

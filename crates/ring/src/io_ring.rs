@@ -36,7 +36,7 @@ use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
 use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId};
 use super::ops::Reaped;
-use super::pipes::{PipeId, PipePool};
+use super::pipes::{PipeId, PipePool, PIPE_SIZE};
 use super::setup::{pinned_memory, raise_nofile_limit, IoRingConfig, RingSetup};
 
 /// What an operation holds until its last completion.
@@ -246,7 +246,7 @@ impl<T: Copy> IoRing<T> {
             Sqe::Shutdown { socket } => self.shutdown(token, socket),
             Sqe::Close { socket } => self.close_file(token, socket),
             Sqe::Timeout { after } => self.timeout(token, after),
-            Sqe::SpliceIn { file, offset, pipe, len } => self.splice_in(token, file, offset, pipe, len),
+            Sqe::SpliceIn { file, offset, pipe, len } => self.splice_in(token, file, offset, pipe, len.min(PIPE_SIZE as u64) as u32),
             Sqe::SpliceOut { pipe, socket, len } => self.splice_out(token, pipe, socket, len),
         }
     }

@@ -82,7 +82,7 @@ pub use buffers::{BufId, Buffers};
 pub use io_op::{Cqe, IoRingStats, Op, OpId};
 pub use io_ring::IoRing;
 pub use mailbox::Mailbox;
-pub use pipes::{PipeId, PIPE_SIZE};
+pub use pipes::PipeId;
 pub use reactor::Reactor;
 pub use setup::IoRingConfig;
 pub use thread::{Driver, RingStats, RingThread};

@@ -89,16 +89,14 @@ impl Output {
         }
         if let Part::Splice { file, offset, len, started } = c.out[0] {
             c.out.remove(0);
-            let begun = sh.ring.take_pipe().and_then(|pipe| {
-                let chunk = len.min(volring_ring::PIPE_SIZE as u64) as u32;
-                match sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len: chunk }) {
+            let begun =
+                sh.ring.take_pipe().and_then(|pipe| match sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len }) {
                     Ok(_) => Ok(pipe),
                     Err(e) => {
                         sh.ring.put_pipe(pipe, true);
                         Err(e)
                     }
-                }
-            });
+                });
             match begun {
                 Ok(pipe) => {
                     c.tx = Tx::Splicing(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
@@ -161,8 +159,7 @@ impl Output {
         let next = if in_pipe > 0 {
             sh.ring.submit(Token::SpliceOut(ci), Op::SpliceOut { pipe, socket, len: in_pipe })
         } else if left > 0 {
-            let chunk = left.min(volring_ring::PIPE_SIZE as u64) as u32;
-            sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len: chunk })
+            sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len: left })
         } else {
             let c = sh.conns[ci as usize].as_mut().expect("checked above");
             c.tx = Tx::Idle;
