@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use volring_ring::{events, queue, Backend, BackendChoice, Completion, Driver, Flow, Reactor, RingThread};
+use volring_ring::{queue, Backend, BackendChoice, Completion, Driver, Events, Flow, Reactor, RingThread};
 
 /// The longest a test waits for the ring thread (an event, a report): each
 /// wait ends as soon as it arrives, so the bound only matters on a loaded CI
@@ -37,7 +37,7 @@ impl Driver for Echo {
     type Command = String;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.poll(READY, self.pipe.clone(), events::IN)?;
+        ring.poll(READY, self.pipe.clone(), Events::IN)?;
         ring.timeout(TIMER, Duration::from_millis(20))
     }
 
@@ -80,7 +80,8 @@ fn exercise(choice: BackendChoice, expect: Backend) {
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC | rustix::pipe::PipeFlags::NONBLOCK).expect("pipe");
     let (tx, rx) = queue::bounded(16);
     let t0 = Instant::now();
-    let ring = RingThread::spawn("test-ring", Echo { pipe: Arc::new(r), out: tx, reading: false }, choice, 4).expect("ring starts");
+    let ring = RingThread::spawn_with("test-ring", move || Ok(Echo { pipe: Arc::new(r), out: tx, reading: false }), choice, 4)
+        .expect("ring starts");
     assert_eq!(ring.backend(), expect);
     assert_eq!(rx.recv_timeout(PATIENCE).as_deref(), Some("timer"));
     assert!(t0.elapsed() >= Duration::from_millis(20));
@@ -121,7 +122,7 @@ fn a_failing_driver_start_is_reported() {
             Flow::Continue
         }
     }
-    let err = RingThread::spawn("fails", Fails, BackendChoice::Auto, 1).err().expect("start error");
+    let err = RingThread::spawn_with("fails", || Ok(Fails), BackendChoice::Auto, 1).err().expect("start error");
     assert_eq!(err.to_string(), "no");
 }
 
@@ -313,7 +314,7 @@ fn a_driver_that_panics_with_a_read_in_flight_frees_its_buffer_only_after_the_ke
     let (held_tx, held_rx) = std::sync::mpsc::channel();
     let before = io_uring_fds();
     let driver = PanicsWithReadQueued { pipe: pipe.clone(), before, held: held_tx };
-    let ring = RingThread::spawn("test-panic", driver, BackendChoice::IoUring, 1).expect("ring starts");
+    let ring = RingThread::spawn_with("test-panic", move || Ok(driver), BackendChoice::IoUring, 1).expect("ring starts");
     let held = held_rx.recv_timeout(PATIENCE).expect("the driver saw its ring");
     assert!(!held.is_empty(), "the ring's fd was found");
     held_rx.recv_timeout(PATIENCE).expect("the driver is about to panic");
@@ -364,7 +365,7 @@ fn a_start_that_fails_with_reads_in_flight_frees_their_buffers_only_after_the_ke
     let (held_tx, held_rx) = std::sync::mpsc::channel();
     let before = io_uring_fds();
     let driver = FailsWithReadsInFlight { pipe: pipe.clone(), before, held: held_tx };
-    let err = RingThread::spawn("test-start", driver, BackendChoice::IoUring, 1).err().expect("start fails");
+    let err = RingThread::spawn_with("test-start", move || Ok(driver), BackendChoice::IoUring, 1).err().expect("start fails");
     assert_eq!(err.to_string(), "start fails with reads in flight");
     unwatch(START_BUF);
     let held = held_rx.recv_timeout(PATIENCE).expect("the driver saw its ring");

@@ -397,7 +397,7 @@ impl ChildSpec {
     /// received bytes (connection and request records, allocator slack,
     /// thread stacks touched under load).
     pub fn allowance_kib(&self) -> u64 {
-        let ring = volring_ring::io_ring::IoRingConfig::default();
+        let ring = volring_ring::IoRingConfig::default();
         let per_ring = usize::from(ring.recv_bufs) * ring.recv_buf_size + self.heap_cache;
         ((self.threads * per_ring) as u64 + 16 * MIB) / 1024
     }
@@ -453,7 +453,7 @@ impl Drop for ChildServer {
 pub fn child_server_main() {
     let Ok(spec) = std::env::var(CHILD_ENV) else { return };
     let spec: ChildSpec = serde_json::from_str(&spec).expect("child spec");
-    let ring = volring_ring::io_ring::IoRingConfig { heap_cache: spec.heap_cache, ..Default::default() };
+    let ring = volring_ring::IoRingConfig { heap_cache: spec.heap_cache, ..Default::default() };
     let config = ServerConfig {
         listen: vec![Listen::Unix(spec.socket.clone())],
         threads: spec.threads,

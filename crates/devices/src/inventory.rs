@@ -17,7 +17,7 @@ use super::probe::{probe_sample, read_plan, Sample};
 use super::{sysfs, Error};
 use volring_mounts::{DevNum, MountTable};
 use volring_ring::BackendChoice;
-use volring_ring::{BatchRead, BatchReader};
+use volring_ring::{BatchRead, BatchReader, ReadBatch};
 
 /// Where the inventory looks, and what it keeps.
 #[derive(Debug, Clone)]
@@ -261,7 +261,7 @@ pub(crate) fn probe_all(devices: &mut [Device], io: BackendChoice, timeout: Dura
             }
         }
     }
-    if let Err(e) = reader.read_all(&mut reads, timeout) {
+    if let Err(e) = reader.read_batch(&mut reads, timeout) {
         for &i in &owners {
             devices[i].probe_error = Some(format!("read: {e}"));
         }

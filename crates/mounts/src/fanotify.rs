@@ -6,7 +6,12 @@
 //! `FAN_EVENT_INFO_TYPE_MNT` record whose u64 mount id sits 8 bytes in.
 
 use super::Error;
-use volring_sys::fanotify::{FAN_EVENT_INFO_TYPE_MNT, FAN_MNT_ATTACH, FAN_MNT_DETACH, FAN_Q_OVERFLOW};
+use volring_sys::fanotify::{FAN_MNT_ATTACH, FAN_MNT_DETACH};
+
+/// Event bit: the group's queue overflowed and events were lost.
+const FAN_Q_OVERFLOW: u64 = 0x0000_4000;
+/// Info record type that carries a 64-bit mount id.
+const FAN_EVENT_INFO_TYPE_MNT: u8 = 7;
 
 const METADATA_LEN: usize = 24;
 

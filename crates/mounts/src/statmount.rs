@@ -14,7 +14,20 @@
 use super::escape::unescape;
 use super::mount::{DevNum, Field, Mount, MountBuilder, Propagation};
 use super::Error;
-use volring_sys::mount_api::mask;
+
+/// `STATMOUNT_*` bits (include/uapi/linux/mount.h): what a request asks
+/// for and a reply's `mask` says it holds; part of the reply's layout.
+mod mask {
+    pub(super) const SB_BASIC: u64 = 0x1;
+    pub(super) const MNT_BASIC: u64 = 0x2;
+    pub(super) const PROPAGATE_FROM: u64 = 0x4;
+    pub(super) const MNT_ROOT: u64 = 0x8;
+    pub(super) const MNT_POINT: u64 = 0x10;
+    pub(super) const FS_TYPE: u64 = 0x20;
+    pub(super) const MNT_OPTS: u64 = 0x80;
+    pub(super) const FS_SUBTYPE: u64 = 0x100;
+    pub(super) const SB_SOURCE: u64 = 0x200;
+}
 
 /// Everything the watcher asks for: all that a mountinfo line holds.
 pub(crate) const FULL_MASK: u64 = mask::SB_BASIC

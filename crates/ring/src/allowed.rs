@@ -32,8 +32,8 @@ impl<T: Copy> IoRing<T> {
 /// The kernel's io_uring lacks an operation the NBD server needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the kernel's io_uring lacks IORING_OP_{name}, which the NBD server needs (Linux 6.0+)")]
-pub struct MissingOpcode {
-    pub name: &'static str,
+pub(crate) struct MissingOpcode {
+    pub(crate) name: &'static str,
 }
 
 /// Which of [`IoRing::OPCODES`] `supported` says no to first.

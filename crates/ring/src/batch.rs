@@ -123,18 +123,6 @@ impl BatchReader {
         }
     }
 
-    /// Performs every read in `reads`, each result in its entry. Returns an
-    /// error only when the ring itself fails (reads not done then say so).
-    pub fn read_all(&mut self, reads: &mut [BatchRead<'_>], timeout: Duration) -> io::Result<()> {
-        let Some(core) = self.core.as_mut() else {
-            pread_all(reads);
-            return Ok(());
-        };
-        // Only reads and cancel requests are in this ring: nothing else to keep.
-        let mut others = Vec::new();
-        self.batches.run(core, self.depth, reads, timeout, &mut others)
-    }
-
     /// Queues a no-op carrying `user_data`: a completion the next batch sees.
     #[cfg(test)]
     fn inject_completion(&mut self, user_data: u64) {
@@ -146,7 +134,13 @@ impl BatchReader {
 
 impl ReadBatch for BatchReader {
     fn read_batch(&mut self, reads: &mut [BatchRead<'_>], timeout: Duration) -> io::Result<()> {
-        self.read_all(reads, timeout)
+        let Some(core) = self.core.as_mut() else {
+            pread_all(reads);
+            return Ok(());
+        };
+        // Only reads and cancel requests are in this ring: nothing else to keep.
+        let mut others = Vec::new();
+        self.batches.run(core, self.depth, reads, timeout, &mut others)
     }
 }
 
@@ -340,7 +334,7 @@ mod tests {
         let mut reader = BatchReader::new(BackendChoice::IoUring, 8).unwrap();
         let (quiet, _quiet_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
         let mut first = [BatchRead::new(quiet.as_fd(), 0, vec![0; 16])];
-        reader.read_all(&mut first, Duration::from_millis(10)).unwrap();
+        reader.read_batch(&mut first, Duration::from_millis(10)).unwrap();
         assert_eq!(first[0].result.as_ref().unwrap_err().kind(), io::ErrorKind::TimedOut);
         // The abandoned read's completion arrives during the next batch (as
         // it does when a hung device lets go late), ahead of the new read's.
@@ -348,7 +342,7 @@ mod tests {
         let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
         rustix::io::write(&w, b"fresh").unwrap();
         let mut second = [BatchRead::new(r.as_fd(), 0, vec![0; 16])];
-        reader.read_all(&mut second, Duration::from_secs(5)).unwrap();
+        reader.read_batch(&mut second, Duration::from_secs(5)).unwrap();
         assert_eq!(second[0].data(), b"fresh", "the new read's result is its own");
     }
 
@@ -357,7 +351,7 @@ mod tests {
         let mut reader = BatchReader::new(BackendChoice::IoUring, 8).unwrap();
         let (quiet, _w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
         let mut reads = [BatchRead::new(quiet.as_fd(), 0, vec![0; 16]), BatchRead::new(quiet.as_fd(), 0, vec![0; 16])];
-        reader.read_all(&mut reads, Duration::from_millis(10)).unwrap();
+        reader.read_batch(&mut reads, Duration::from_millis(10)).unwrap();
         for r in &reads {
             assert_eq!(r.result.as_ref().unwrap_err().kind(), io::ErrorKind::TimedOut);
         }

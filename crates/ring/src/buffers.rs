@@ -230,7 +230,7 @@ impl Buffers {
     /// Counts memory the owner freed outside the buffers (request tables,
     /// vectors of a past burst), so the next [`Buffers::trim`] also asks
     /// the allocator to return free pages when no buffer was freed.
-    pub fn note_freed(&mut self, bytes: usize) {
+    pub(crate) fn note_freed(&mut self, bytes: usize) {
         self.freed_since_trim += bytes;
     }
 

@@ -26,55 +26,18 @@
 
 use std::io;
 use std::mem::ManuallyDrop;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types};
 
-pub use super::allowed::MissingOpcode;
-use super::allowed::{missing_opcode, restrictions};
+use super::allowed::{missing_opcode, restrictions, MissingOpcode};
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
+use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId};
 use super::ops::Reaped;
-use super::pipes::PipePool;
-pub use super::pipes::{PipeId, PIPE_SIZE};
-pub use super::setup::IoRingConfig;
-use super::setup::{pinned_memory, raise_nofile_limit, RingSetup};
-
-/// A byte range of a buffer: id, start, end.
-pub type BufSlice = (BufId, usize, usize);
-
-/// A submitted operation, for cancelling it: its generation-tagged
-/// user_data, so cancelling an op that already ended can never hit the
-/// newer op in its slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpId(u64);
-
-/// One completion, with the driver's token: whatever `Copy` value the
-/// driver named the operation with (an enum of what it is for). The ring
-/// keeps it in the op table beside the op, so it never has to fit into, or
-/// be unpacked from, the kernel's `user_data`: that carries only the op
-/// table's key and generation (see `ops`).
-#[derive(Debug, Clone, Copy)]
-pub struct Cqe<T = u64> {
-    pub token: T,
-    /// Bytes, a new fd, or a negative errno.
-    pub result: i32,
-    /// A multishot operation stays armed.
-    pub more: bool,
-    /// The provided buffer a receive landed in; hand it back with `recycle`.
-    pub recv_buf: Option<u16>,
-}
-
-impl<T> Cqe<T> {
-    /// The descriptor an accept completion carries, now owned by the caller.
-    pub fn accepted_fd(&self) -> Option<std::os::fd::OwnedFd> {
-        use std::os::fd::FromRawFd;
-        // SAFETY: a successful accept completion's result is a descriptor the
-        // kernel just installed for this process; nothing else refers to it.
-        (self.result >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(self.result) })
-    }
-}
+use super::pipes::{PipeId, PipePool, PIPE_SIZE};
+use super::setup::{pinned_memory, raise_nofile_limit, IoRingConfig, RingSetup};
 
 /// What an operation holds until its last completion.
 enum Held {
@@ -129,7 +92,7 @@ pub struct IoRing<T: Copy = u64> {
     /// Completions that carried a provided buffer, since the ring was made.
     recv_epoch: u64,
     /// The kernel said its provided buffers ran out while it should have
-    /// held them all: it lost some (see [`IoRing::recv_pool_lost`]).
+    /// held them all: it lost some (see [`IoRingStats::recv_pool_lost`]).
     recv_lost: bool,
     /// Times the receive pool was handed to the kernel afresh.
     recv_resets: u64,
@@ -197,9 +160,17 @@ impl<T: Copy> IoRing<T> {
         &mut self.bufs
     }
 
-    /// Operations submitted and not yet finished.
-    pub fn in_flight(&self) -> usize {
-        self.core.ops().len()
+    /// A snapshot of the ring's diagnostics (see [`IoRingStats`]).
+    pub fn stats(&self) -> IoRingStats {
+        IoRingStats {
+            in_flight: self.core.ops().len(),
+            armed_recvs: self.armed_recvs,
+            recv_taken: self.recv.taken(),
+            recv_pool_lost: self.recv_lost,
+            stale_completions: self.core.ops().stale(),
+            recv_counts: self.recv.counts,
+            recv_pool_resets: self.recv_resets,
+        }
     }
 
     #[cfg(test)]
@@ -256,65 +227,49 @@ impl<T: Copy> IoRing<T> {
         }
     }
 
+    /// Queues `op` under `token` (see [`Op`](crate::Op) for what each
+    /// does); its completions carry the token. Fails at once, holding
+    /// nothing, when a buffer or pipe it names is stale or the table is full.
+    pub fn submit(&mut self, token: T, op: Sqe<'_>) -> io::Result<OpId> {
+        match op {
+            Sqe::AcceptMulti { listener } => self.accept_multi(token, listener),
+            Sqe::PollMulti { fd, events } => self.poll_multi(token, fd, events),
+            Sqe::RecvMulti { socket } => self.recv_multi(token, socket),
+            Sqe::RecvInto { socket, into } => self.recv_into(token, socket, into),
+            Sqe::Send { socket, parts } => self.send(token, socket, parts),
+            Sqe::Read { file, into, offset, in_worker: false } => self.read(token, file, into, offset),
+            Sqe::Read { file, into, offset, in_worker: true } => self.read_async(token, file, into, offset),
+            Sqe::Write { file, from, offset, dsync } => self.write(token, file, from, offset, dsync),
+            Sqe::Fsync { file, data_only } => self.fsync(token, file, data_only),
+            Sqe::Fallocate { file, mode, offset, len } => self.fallocate(token, file, mode, offset, len),
+            Sqe::Fadvise { file, offset, len, advice } => self.fadvise(token, file, offset, len, advice),
+            Sqe::Shutdown { socket } => self.shutdown(token, socket),
+            Sqe::Close { socket } => self.close_file(token, socket),
+            Sqe::Timeout { after } => self.timeout(token, after),
+            Sqe::SpliceIn { file, offset, pipe, len } => self.splice_in(token, file, offset, pipe, len.min(PIPE_SIZE as u64) as u32),
+            Sqe::SpliceOut { pipe, socket, len } => self.splice_out(token, pipe, socket, len),
+        }
+    }
+
     /// Accepts connections on `listener` until cancelled; each completion's
     /// result is a new (close-on-exec) fd.
-    pub fn accept_multi(&mut self, token: T, listener: RawFd) -> io::Result<OpId> {
+    fn accept_multi(&mut self, token: T, listener: RawFd) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| opcode::AcceptMulti::new(types::Fd(listener)).flags(libc::SOCK_CLOEXEC).build().user_data(ud))
     }
 
     /// Waits for `events` on `fd` until cancelled.
-    pub fn poll_multi(&mut self, token: T, fd: &impl AsRawFd, events: u32) -> io::Result<OpId> {
-        let fd = fd.as_raw_fd();
+    fn poll_multi(&mut self, token: T, fd: RawFd, events: u32) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| opcode::PollAdd::new(types::Fd(fd), events).multi(true).build().user_data(ud))
     }
 
     /// Receives on a fixed socket into provided buffers until cancelled, the
     /// peer closes, or the pool runs dry (ENOBUFS: arm again after recycling).
-    pub fn recv_multi(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+    fn recv_multi(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         let group = self.recv.group;
         let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
         let op = self.start(token, held, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))?;
         self.armed_recvs += 1;
         Ok(op)
-    }
-
-    /// Whether the kernel lost provided buffers: a receive armed while the
-    /// driver held none ended with ENOBUFS before any buffer came back, so
-    /// the kernel's ring was empty although every buffer had been given to
-    /// it. Debian 12's 6.1 kernel does this when multishot receives are
-    /// cancelled (seen: all 128 gone within ~400 receives while one was
-    /// cancelled before every large write); without a remedy the pool
-    /// drains and every connection of the ring stops being read. The
-    /// remedy: end every multishot receive, then [`IoRing::reset_recv_pool`].
-    pub fn recv_pool_lost(&self) -> bool {
-        self.recv_lost
-    }
-
-    /// Multishot receives armed and not yet ended.
-    pub fn armed_recvs(&self) -> usize {
-        self.armed_recvs
-    }
-
-    /// Provided buffers the driver holds (handed out, not recycled).
-    pub fn recv_taken(&self) -> u16 {
-        self.recv.taken()
-    }
-
-    /// Completions that matched no live operation (late ones), since the
-    /// ring was made: a diagnostic (a late receive would strand its buffer).
-    pub fn stale_completions(&self) -> u64 {
-        self.core.ops().stale()
-    }
-
-    /// The receive pool's counters: buffers handed out by completions,
-    /// handed out while already out, recycled, recycled while not out.
-    pub fn recv_counts(&self) -> [u64; 4] {
-        self.recv.counts
-    }
-
-    /// Times the receive pool was handed to the kernel afresh.
-    pub fn recv_pool_resets(&self) -> u64 {
-        self.recv_resets
     }
 
     /// Hands the kernel a fresh ring of every provided buffer the driver
@@ -340,7 +295,7 @@ impl<T: Copy> IoRing<T> {
     /// for all of it (MSG_WAITALL; short only on end of stream, an error or
     /// a cancel): a large payload lands where it is written from, without
     /// passing through the provided buffers.
-    pub fn recv_into(&mut self, token: T, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
+    fn recv_into(&mut self, token: T, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
         let (ptr, len, _) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| {
             opcode::Recv::new(types::Fixed(socket), ptr, len).flags(libc::MSG_WAITALL).build().user_data(ud)
@@ -348,7 +303,7 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Sends `parts` (buffer, start, end) in order with one sendmsg.
-    pub fn send(&mut self, token: T, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
+    fn send(&mut self, token: T, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
         let mut iov = self.spare_iov.pop().unwrap_or_default();
         let mut bufs = self.spare_bufs.pop().unwrap_or_default();
         iov.clear();
@@ -374,7 +329,7 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Reads `file` at `offset` into `buf[start..end]`.
-    pub fn read(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
+    fn read(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
         self.read_with(token, file, slice, offset, squeue::Flags::empty())
     }
 
@@ -382,7 +337,7 @@ impl<T: Copy> IoRing<T> {
     /// threads (IOSQE_ASYNC) rather than inline in the submitting call,
     /// even when the data is in the page cache: a caller starved of CPU
     /// hands the copies to threads the scheduler gives shares of their own.
-    pub fn read_async(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
+    fn read_async(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
         self.read_with(token, file, slice, offset, squeue::Flags::ASYNC)
     }
 
@@ -396,7 +351,7 @@ impl<T: Copy> IoRing<T> {
 
     /// Writes `buf[start..end]` to `file` at `offset`; `dsync` makes it
     /// durable before it completes (RWF_DSYNC: the FUA of a file).
-    pub fn write(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
+    fn write(&mut self, token: T, file: u32, (buf, start, end): BufSlice, offset: u64, dsync: bool) -> io::Result<OpId> {
         let (ptr, len, index) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         let flags = if dsync { libc::RWF_DSYNC } else { 0 };
         self.start(token, Held::Buf(buf), |ud| match index {
@@ -406,35 +361,35 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// fdatasync (or fsync) of `file`.
-    pub fn fsync(&mut self, token: T, file: u32, data_only: bool) -> io::Result<OpId> {
+    fn fsync(&mut self, token: T, file: u32, data_only: bool) -> io::Result<OpId> {
         let flags = if data_only { types::FsyncFlags::DATASYNC } else { types::FsyncFlags::empty() };
         self.start(token, Held::Nothing, |ud| opcode::Fsync::new(types::Fixed(file)).flags(flags).build().user_data(ud))
     }
 
-    pub fn fallocate(&mut self, token: T, file: u32, mode: i32, offset: u64, len: u64) -> io::Result<OpId> {
+    fn fallocate(&mut self, token: T, file: u32, mode: i32, offset: u64, len: u64) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| {
             opcode::Fallocate::new(types::Fixed(file), len).offset(offset).mode(mode).build().user_data(ud)
         })
     }
 
-    pub fn fadvise(&mut self, token: T, file: u32, offset: u64, len: u32, advice: i32) -> io::Result<OpId> {
+    fn fadvise(&mut self, token: T, file: u32, offset: u64, len: u32, advice: i32) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| {
             opcode::Fadvise::new(types::Fixed(file), len as _, advice).offset(offset).build().user_data(ud)
         })
     }
 
     /// shutdown(2) both ways: wakes a pending receive with 0 and fails sends.
-    pub fn shutdown(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+    fn shutdown(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         self.start(token, Held::Nothing, |ud| opcode::Shutdown::new(types::Fixed(socket), libc::SHUT_RDWR).build().user_data(ud))
     }
 
     /// Closes a fixed socket; the slot is reusable once this completes.
-    pub fn close_file(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+    fn close_file(&mut self, token: T, socket: u32) -> io::Result<OpId> {
         self.start(token, Held::Close(socket), |ud| opcode::Close::new(types::Fixed(socket)).build().user_data(ud))
     }
 
     /// Completes once after `after` (result -ETIME).
-    pub fn timeout(&mut self, token: T, after: Duration) -> io::Result<OpId> {
+    fn timeout(&mut self, token: T, after: Duration) -> io::Result<OpId> {
         let ts = Box::new(types::Timespec::from(after));
         let p: *const types::Timespec = &*ts;
         self.start(token, Held::Timeout(ts), |ud| opcode::Timeout::new(p).build().user_data(ud))
@@ -453,7 +408,7 @@ impl<T: Copy> IoRing<T> {
 
     /// Moves up to `len` bytes of `file` at `offset` into `pipe` (page
     /// references, no copy, for files in the page cache).
-    pub fn splice_in(&mut self, token: T, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
+    fn splice_in(&mut self, token: T, file: u32, offset: u64, pipe: PipeId, len: u32) -> io::Result<OpId> {
         let fd = self.pipes.acquire(pipe, true).ok_or_else(stale)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fixed(file), offset as i64, types::Fd(fd), -1, len).build().user_data(ud)
@@ -461,7 +416,7 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Moves up to `len` bytes from `pipe` into a fixed socket.
-    pub fn splice_out(&mut self, token: T, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
+    fn splice_out(&mut self, token: T, pipe: PipeId, socket: u32, len: u32) -> io::Result<OpId> {
         let fd = self.pipes.acquire(pipe, false).ok_or_else(stale)?;
         self.start(token, Held::Pipe(pipe.0), |ud| {
             opcode::Splice::new(types::Fd(fd), -1, types::Fixed(socket), -1, len).build().user_data(ud)
@@ -505,10 +460,13 @@ impl<T: Copy> IoRing<T> {
     /// (one per send that was in flight at once, each as long as its
     /// longest send), an oversized completion scratch, cached buffers, and
     /// then the allocator's free pages. For a ring with nothing to do.
-    pub fn trim(&mut self) {
+    /// `freed_elsewhere`: bytes its owner freed outside the ring (request
+    /// tables, vectors of a past burst), so the allocator is asked for its
+    /// free pages even when the ring itself freed nothing.
+    pub fn trim(&mut self, freed_elsewhere: usize) {
         let iov: usize = self.spare_iov.iter().map(|v| v.capacity() * std::mem::size_of::<libc::iovec>()).sum();
         let ids: usize = self.spare_bufs.iter().map(|v| v.capacity() * std::mem::size_of::<BufId>()).sum();
-        let mut freed = iov + ids;
+        let mut freed = freed_elsewhere + iov + ids;
         self.spare_iov = Vec::new();
         self.spare_bufs = Vec::new();
         if self.reaped.capacity() > 1024 {

@@ -56,12 +56,12 @@ fn buffers_the_kernel_lost_are_noticed_and_handed_over_afresh() {
     ring.recv_multi(1, socket).unwrap();
     let done = until_ended(&mut ring, 1);
     assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
-    assert!(ring.recv_pool_lost(), "every buffer was given and none came back: lost");
-    assert_eq!(ring.armed_recvs(), 0);
+    assert!(ring.stats().recv_pool_lost, "every buffer was given and none came back: lost");
+    assert_eq!(ring.stats().armed_recvs, 0);
 
     ring.reset_recv_pool().unwrap();
-    assert!(!ring.recv_pool_lost());
-    assert_eq!(ring.recv_pool_resets(), 1);
+    assert!(!ring.stats().recv_pool_lost);
+    assert_eq!(ring.stats().recv_pool_resets, 1);
     let op = ring.recv_multi(2, socket).unwrap();
     let got = until_ended_or_data(&mut ring, 2);
     let bid = got.recv_buf.expect("a provided buffer again");
@@ -94,7 +94,7 @@ fn a_pool_drained_by_the_driver_is_not_a_loss() {
     ring.recv_multi(20, socket).unwrap();
     let done = until_ended(&mut ring, 20);
     assert_eq!(done.last().map(|c| c.result), Some(-libc::ENOBUFS), "{done:?}");
-    assert!(!ring.recv_pool_lost(), "the driver held every buffer: an ordinary ENOBUFS");
+    assert!(!ring.stats().recv_pool_lost, "the driver held every buffer: an ordinary ENOBUFS");
     ring.recycle(held[0]);
     ring.recycle(held[0]);
     assert_eq!(ring.recv.taken(), 3, "a second recycle of one buffer is ignored");
@@ -146,7 +146,7 @@ fn completions_reaped_together_with_their_ops_last_one_are_delivered() {
     }
     assert_eq!(got.len(), 4 * 4096, "every buffer's bytes delivered: {done:?}");
     assert_eq!(got[..], sent[..4 * 4096]);
-    assert_eq!(ring.recv_taken(), 0, "every buffer handed out came back");
+    assert_eq!(ring.stats().recv_taken, 0, "every buffer handed out came back");
 }
 
 #[test]
@@ -212,7 +212,7 @@ fn more_ops_than_the_completion_queue_holds_wait_and_none_is_lost() {
         }
     }
     assert_eq!(seen.len() as u64, n, "every timeout completed once");
-    assert_eq!(ring.in_flight(), 0);
+    assert_eq!(ring.stats().in_flight, 0);
 }
 
 /// A read handed to io_uring's workers (IOSQE_ASYNC, which the ring's

@@ -14,7 +14,7 @@
 //! 1. *start*: the op goes into the table, its sqe (pointing only into the
 //!    op's own heap memory) is queued under the table's user_data.
 //! 2. *in flight*: the table owns the op; the user keeps only the
-//!    user_data (its [`io_ring::OpId`], or nothing). Cancelling asks the
+//!    user_data (its [`OpId`], or nothing). Cancelling asks the
 //!    kernel to end it; the op stays in the table all the same.
 //! 3. *reaped*: on the last completion (no `MORE` flag) the op leaves the
 //!    table and what it held goes back to the user (a read's buffer) or is
@@ -44,9 +44,9 @@
 //!   collector's samples: one ring per thread); [`BatchReader`] is a
 //!   ring of its own for callers without one (device probes, benches).
 //!   Both fall back to `pread`.
-//! - [`io_ring::IoRing`]: the NBD server's ring (multishot accept/receive,
-//!   fixed files and buffers, splice); io_uring only — the server refuses to
-//!   start without it. [`buffers`] holds its memory.
+//! - [`IoRing`]: the NBD server's ring (multishot accept/receive, fixed
+//!   files and buffers, splice), asked for each [`Op`]; io_uring only — the
+//!   server refuses to start without it. [`Buffers`] holds its memory.
 //!
 //! # Hand-offs
 //! Into a ring: a [`Mailbox`] (bounded lock-free queue + eventfd the ring
@@ -61,10 +61,11 @@
 
 mod allowed;
 mod batch;
-pub mod buffers;
+mod buffers;
 mod core;
 mod epoll;
-pub mod io_ring;
+mod io_op;
+mod io_ring;
 mod mailbox;
 mod ops;
 mod pipes;
@@ -77,8 +78,13 @@ mod uring;
 use std::io;
 
 pub use batch::{BatchRead, BatchReader, ReadBatch};
+pub use buffers::{BufId, Buffers};
+pub use io_op::{Cqe, IoRingStats, Op, OpId};
+pub use io_ring::IoRing;
 pub use mailbox::Mailbox;
+pub use pipes::PipeId;
 pub use reactor::Reactor;
+pub use setup::IoRingConfig;
 pub use thread::{Driver, RingStats, RingThread};
 
 /// A driver's name for one of its operations; comes back in the completion.
@@ -101,13 +107,17 @@ pub enum BackendChoice {
     Epoll,
 }
 
-/// `poll(2)` event bits a driver may wait for.
-pub mod events {
-    pub const IN: u32 = libc::POLLIN as u32;
-    pub const PRI: u32 = libc::POLLPRI as u32;
-    pub const OUT: u32 = libc::POLLOUT as u32;
-    pub const ERR: u32 = libc::POLLERR as u32;
-    pub const HUP: u32 = libc::POLLHUP as u32;
+bitflags::bitflags! {
+    /// `poll(2)` event bits: what a driver waits for with
+    /// [`Reactor::poll`], and what a poll's completion says is ready.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Events: u32 {
+        const IN = libc::POLLIN as u32;
+        const PRI = libc::POLLPRI as u32;
+        const OUT = libc::POLLOUT as u32;
+        const ERR = libc::POLLERR as u32;
+        const HUP = libc::POLLHUP as u32;
+    }
 }
 
 /// The outcome of one operation.

@@ -61,7 +61,7 @@ impl<T> Default for OpTable<T> {
 
 /// The one place a `user_data` is made and taken apart: slab key in the
 /// low 32 bits, generation in the high 32. Drivers never see it: their
-/// tokens (typed, see `io_ring::Cqe`) stay in the table beside the op.
+/// tokens (typed, see `Cqe`) stay in the table beside the op.
 fn join(key: usize, generation: u32) -> u64 {
     (u64::from(generation) << 32) | key as u64
 }

@@ -8,7 +8,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 /// Capacity asked of each splice pipe (the unprivileged maximum).
-pub const PIPE_SIZE: usize = 1 << 20;
+pub(crate) const PIPE_SIZE: usize = 1 << 20;
 
 /// A pipe for splicing file pages into a socket without copying them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

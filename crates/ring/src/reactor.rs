@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::batch::{pread_all, BatchOp, BatchRead, Batches, HoldsBatchOp, ReadBatch};
 use super::ops::{Reaped, WAKE};
-use super::{epoll, uring, Backend, BackendChoice, Completion, Token};
+use super::{epoll, uring, Backend, BackendChoice, Completion, Events, Token};
 
 /// What one reactor op holds until its last completion: the fd stays open
 /// and the buffer stays alive for exactly that long.
@@ -135,8 +135,8 @@ impl Reactor {
 
     /// Waits for `events` on `fd` until cancelled: one completion per
     /// readiness, re-armed by the ring if the kernel ends the multishot.
-    pub fn poll(&mut self, token: Token, fd: Arc<OwnedFd>, events: u32) -> io::Result<()> {
-        self.submit(Op { token, pending: Pending::Poll { fd, events } })
+    pub fn poll(&mut self, token: Token, fd: Arc<OwnedFd>, events: Events) -> io::Result<()> {
+        self.submit(Op { token, pending: Pending::Poll { fd, events: events.bits() } })
     }
 
     /// Reads into `buf` (its whole length) at `offset`, or at the file
@@ -308,7 +308,7 @@ mod tests {
         // deadline.
         let (ready, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
         rustix::io::write(&ready_w, b"x").expect("write");
-        r.poll(7, Arc::new(ready), crate::events::IN).unwrap();
+        r.poll(7, Arc::new(ready), crate::Events::IN).unwrap();
         let (quiet, _quiet_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
         let mut reads = [BatchRead::new(std::os::fd::AsFd::as_fd(&quiet), 0, vec![0; 16])];
         r.read_batch(&mut reads, Duration::from_millis(10)).unwrap();
@@ -318,7 +318,7 @@ mod tests {
         let (mut out, mut woken) = (Vec::new(), false);
         r.wait(&mut out, &mut woken).unwrap();
         assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), vec![7], "and delivered at the next wait, without blocking");
-        assert!(matches!(out[0].result, Ok(ev) if ev & crate::events::IN != 0));
+        assert!(matches!(out[0].result, Ok(ev) if ev & crate::Events::IN.bits() != 0));
         assert_eq!(r.in_flight(), 1, "only the poll is left");
     }
 

@@ -48,14 +48,11 @@ pub struct RingThread<D: Driver> {
 }
 
 impl<D: Driver> RingThread<D> {
-    /// Starts `driver` on a new thread named `name`. Returns once the driver's
-    /// `start` has run, with its error if it failed.
-    pub fn spawn(name: &str, driver: D, choice: BackendChoice, command_capacity: usize) -> io::Result<Self> {
-        Self::spawn_with(name, move || Ok(driver), choice, command_capacity)
-    }
-
-    /// Like `spawn`, but builds the driver on the ring thread itself, for
-    /// drivers that must be made where they run (in another namespace, say).
+    /// Starts a new thread named `name`, builds the driver there with `make`
+    /// (so a driver can be made where it runs: in another namespace, say)
+    /// and returns once the driver's `start` has run, with its error if
+    /// `make` or `start` failed. A driver made beforehand is passed as
+    /// `move || Ok(driver)`.
     pub fn spawn_with<F>(name: &str, make: F, choice: BackendChoice, command_capacity: usize) -> io::Result<Self>
     where
         F: FnOnce() -> io::Result<D> + Send + 'static,

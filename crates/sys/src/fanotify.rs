@@ -2,7 +2,9 @@
 //!
 //! Constants come from include/uapi/linux/fanotify.h of 6.15; the installed
 //! headers are older. Decoding the events is a pure function in
-//! `mounts::fanotify`.
+//! `mounts::fanotify`, which keeps the event record's own constants (the
+//! overflow bit, the mount info record's type); the two event bits are
+//! here because the mark asks for them too.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -18,10 +20,6 @@ const FAN_MARK_MNTNS: libc::c_uint = 0x110;
 pub const FAN_MNT_ATTACH: u64 = 0x0100_0000;
 /// Event bit: a mount was detached from the namespace (umount, move source).
 pub const FAN_MNT_DETACH: u64 = 0x0200_0000;
-/// Event bit: the group's queue overflowed and events were lost.
-pub const FAN_Q_OVERFLOW: u64 = 0x0000_4000;
-/// Info record type that carries a 64-bit mount id.
-pub const FAN_EVENT_INFO_TYPE_MNT: u8 = 7;
 
 /// Opens a non-blocking fanotify group that reports attach and detach of every
 /// mount in the caller's current mount namespace.

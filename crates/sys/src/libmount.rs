@@ -35,13 +35,9 @@ impl Table {
     }
 
     /// Number of entries.
-    pub fn len(&self) -> usize {
+    pub fn entries(&self) -> usize {
         // SAFETY: self.0 is a live table until drop.
         unsafe { mnt_table_get_nents(self.0) }.max(0) as usize
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

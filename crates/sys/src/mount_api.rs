@@ -3,7 +3,8 @@
 //! The installed headers predate these calls, so the request layout and the
 //! syscall numbers are defined here from the kernel's UAPI. The reply of
 //! `statmount` is returned as raw bytes; decoding it is a pure function in
-//! `mounts::statmount` so that it can be fuzzed.
+//! `mounts::statmount` so that it can be fuzzed, and the `STATMOUNT_*` mask
+//! bits, which say what a reply holds, live with that decoder.
 
 use std::io;
 
@@ -14,19 +15,6 @@ const SYS_LISTMOUNT: libc::c_long = 458;
 
 /// `LSMT_ROOT`: list from the root of the caller's mount namespace.
 pub(crate) const LSMT_ROOT: u64 = u64::MAX;
-
-/// `STATMOUNT_*` request bits.
-pub mod mask {
-    pub const SB_BASIC: u64 = 0x1;
-    pub const MNT_BASIC: u64 = 0x2;
-    pub const PROPAGATE_FROM: u64 = 0x4;
-    pub const MNT_ROOT: u64 = 0x8;
-    pub const MNT_POINT: u64 = 0x10;
-    pub const FS_TYPE: u64 = 0x20;
-    pub const MNT_OPTS: u64 = 0x80;
-    pub const FS_SUBTYPE: u64 = 0x100;
-    pub const SB_SOURCE: u64 = 0x200;
-}
 
 /// `struct mnt_id_req`, first published size (24 bytes).
 #[repr(C)]

@@ -16,8 +16,8 @@ pub struct Malformed(pub &'static str);
 pub(crate) const NLMSG_HDRLEN: usize = 16;
 pub(crate) const GENL_HDRLEN: usize = 4;
 /// Message types and flags (linux/netlink.h).
-pub const NLMSG_ERROR: u16 = 2;
-pub const NLMSG_DONE: u16 = 3;
+pub(crate) const NLMSG_ERROR: u16 = 2;
+pub(crate) const NLMSG_DONE: u16 = 3;
 pub(crate) const NLM_F_REQUEST: u16 = 1;
 pub(crate) const NLM_F_ACK: u16 = 4;
 /// Attribute type bits (linux/netlink.h).
@@ -25,7 +25,7 @@ const NLA_F_NESTED: u16 = 1 << 15;
 const NLA_TYPE_MASK: u16 = !(1 << 15 | 1 << 14);
 
 /// The generic netlink controller (linux/genetlink.h).
-pub const GENL_ID_CTRL: u16 = 0x10;
+pub(crate) const GENL_ID_CTRL: u16 = 0x10;
 pub(crate) const CTRL_CMD_GETFAMILY: u8 = 3;
 pub(crate) const CTRL_ATTR_FAMILY_ID: u16 = 1;
 pub(crate) const CTRL_ATTR_FAMILY_NAME: u16 = 2;
@@ -33,19 +33,30 @@ pub(crate) const CTRL_ATTR_MCAST_GROUPS: u16 = 7;
 pub(crate) const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
 pub(crate) const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 
-/// The nbd family (linux/nbd-netlink.h).
-pub mod nbd {
-    pub const FAMILY: &str = "nbd";
+/// The nbd family's name, to resolve its id with.
+pub const NBD_FAMILY: &str = "nbd";
+/// The nbd family's multicast group (LINK_DEAD notices).
+pub const NBD_MCAST_GROUP: &str = "nbd_mc_group";
+
+/// The nbd family's commands (linux/nbd-netlink.h `enum nbd_commands`):
+/// one type, so a request cannot carry a number that is no command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum NbdCmd {
+    Connect = 1,
+    Disconnect = 2,
+    Reconfigure = 3,
+    LinkDead = 4,
+    Status = 5,
+}
+
+/// The nbd family's attribute layout (linux/nbd-netlink.h): the values of
+/// `enum nbd_attrs`, the socket and device list items. Private: only the
+/// encoder and parsers below read or write it.
+mod nbd {
     pub(crate) const VERSION: u8 = 1;
-    pub const MCAST_GROUP: &str = "nbd_mc_group";
 
-    pub const CMD_CONNECT: u8 = 1;
-    pub const CMD_DISCONNECT: u8 = 2;
-    pub const CMD_RECONFIGURE: u8 = 3;
-    pub const CMD_LINK_DEAD: u8 = 4;
-    pub const CMD_STATUS: u8 = 5;
-
-    pub const ATTR_INDEX: u16 = 1;
+    pub(crate) const ATTR_INDEX: u16 = 1;
     pub(crate) const ATTR_SIZE_BYTES: u16 = 2;
     pub(crate) const ATTR_BLOCK_SIZE_BYTES: u16 = 3;
     pub(crate) const ATTR_TIMEOUT: u16 = 4;
@@ -73,7 +84,7 @@ fn align4(n: usize) -> usize {
 
 /// Builds one request: headers first, attributes appended, lengths patched
 /// in by [`Builder::finish`].
-pub struct Builder {
+pub(crate) struct Builder {
     buf: Vec<u8>,
     /// Start offsets of nests not closed yet.
     open: Vec<usize>,
@@ -82,7 +93,7 @@ pub struct Builder {
 impl Builder {
     /// A genl request of `family`'s `cmd`; the sequence number is set by
     /// [`Builder::finish`].
-    pub fn new(family: u16, flags: u16, cmd: u8, version: u8) -> Self {
+    pub(crate) fn new(family: u16, flags: u16, cmd: u8, version: u8) -> Self {
         let mut buf = Vec::with_capacity(128);
         buf.extend_from_slice(&0u32.to_ne_bytes());
         buf.extend_from_slice(&family.to_ne_bytes());
@@ -111,7 +122,7 @@ impl Builder {
     fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
         self.put(kind, &v.to_ne_bytes())
     }
-    pub fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
+    pub(crate) fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
         self.put(kind, &v.to_ne_bytes())
     }
     pub(crate) fn u64(&mut self, kind: u16, v: u64) -> &mut Self {
@@ -140,7 +151,7 @@ impl Builder {
     }
 
     /// The message with its length and sequence number.
-    pub fn finish(mut self, seq: u32) -> Vec<u8> {
+    pub(crate) fn finish(mut self, seq: u32) -> Vec<u8> {
         assert!(self.open.is_empty(), "unclosed nest");
         let len = self.buf.len() as u32;
         self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
@@ -151,17 +162,17 @@ impl Builder {
 
 /// One netlink message out of a datagram.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message<'a> {
-    pub kind: u16,
-    pub flags: u16,
-    pub seq: u32,
-    pub port: u32,
+pub(crate) struct Message<'a> {
+    pub(crate) kind: u16,
+    pub(crate) flags: u16,
+    pub(crate) seq: u32,
+    pub(crate) port: u32,
     /// Everything after the netlink header.
-    pub payload: &'a [u8],
+    pub(crate) payload: &'a [u8],
 }
 
 /// Splits a datagram into its messages.
-pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>, Malformed>> {
+pub(crate) fn messages(mut buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>, Malformed>> {
     std::iter::from_fn(move || {
         if buf.is_empty() {
             return None;
@@ -188,13 +199,13 @@ pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>, Malf
 }
 
 /// The errno of an NLMSG_ERROR message (0 is an ack).
-pub fn error_code(payload: &[u8]) -> Result<i32, Malformed> {
+pub(crate) fn error_code(payload: &[u8]) -> Result<i32, Malformed> {
     let b = payload.get(0..4).ok_or(Malformed("short error message"))?;
     Ok(i32::from_ne_bytes(b.try_into().unwrap()))
 }
 
 /// A genl message: its command and attributes.
-pub fn genl(payload: &[u8]) -> Result<(u8, &[u8]), Malformed> {
+pub(crate) fn genl(payload: &[u8]) -> Result<(u8, &[u8]), Malformed> {
     if payload.len() < GENL_HDRLEN {
         return Err(Malformed("short genl header"));
     }
@@ -203,39 +214,39 @@ pub fn genl(payload: &[u8]) -> Result<(u8, &[u8]), Malformed> {
 
 /// One attribute: its type (flag bits removed) and payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Attr<'a> {
-    pub kind: u16,
-    pub data: &'a [u8],
+pub(crate) struct Attr<'a> {
+    pub(crate) kind: u16,
+    pub(crate) data: &'a [u8],
 }
 
 impl<'a> Attr<'a> {
-    pub fn u8(&self) -> Result<u8, Malformed> {
+    pub(crate) fn u8(&self) -> Result<u8, Malformed> {
         self.data.first().copied().ok_or(Malformed("short u8 attribute"))
     }
-    pub fn u16(&self) -> Result<u16, Malformed> {
+    pub(crate) fn u16(&self) -> Result<u16, Malformed> {
         let b = self.data.get(0..2).ok_or(Malformed("short u16 attribute"))?;
         Ok(u16::from_ne_bytes(b.try_into().unwrap()))
     }
-    pub fn u32(&self) -> Result<u32, Malformed> {
+    pub(crate) fn u32(&self) -> Result<u32, Malformed> {
         let b = self.data.get(0..4).ok_or(Malformed("short u32 attribute"))?;
         Ok(u32::from_ne_bytes(b.try_into().unwrap()))
     }
-    pub fn u64(&self) -> Result<u64, Malformed> {
+    pub(crate) fn u64(&self) -> Result<u64, Malformed> {
         let b = self.data.get(0..8).ok_or(Malformed("short u64 attribute"))?;
         Ok(u64::from_ne_bytes(b.try_into().unwrap()))
     }
     /// A string without its terminating NUL (and anything after one).
-    pub fn str(&self) -> Result<&'a str, Malformed> {
+    pub(crate) fn str(&self) -> Result<&'a str, Malformed> {
         let end = self.data.iter().position(|&b| b == 0).unwrap_or(self.data.len());
         std::str::from_utf8(&self.data[..end]).map_err(|_| Malformed("attribute string is not UTF-8"))
     }
-    pub fn nested(&self) -> impl Iterator<Item = Result<Attr<'a>, Malformed>> {
+    pub(crate) fn nested(&self) -> impl Iterator<Item = Result<Attr<'a>, Malformed>> {
         attrs(self.data)
     }
 }
 
 /// The attributes in `buf`, in order.
-pub fn attrs(mut buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>, Malformed>> {
+pub(crate) fn attrs(mut buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>, Malformed>> {
     std::iter::from_fn(move || {
         if buf.len() < 4 {
             // Trailing padding shorter than a header is ignored.
@@ -269,7 +280,7 @@ pub(crate) fn get_family_request(name: &str, seq: u32) -> Vec<u8> {
 }
 
 /// Parses the controller's family reply (the genl payload's attributes).
-pub fn parse_family(attributes: &[u8]) -> Result<Family, Malformed> {
+pub(crate) fn parse_family(attributes: &[u8]) -> Result<Family, Malformed> {
     let mut f = Family::default();
     let mut have_id = false;
     for a in attrs(attributes) {
@@ -323,8 +334,11 @@ pub struct NbdConfig {
     pub sockets: Vec<i32>,
 }
 
-pub fn nbd_config_request(family: u16, cmd: u8, c: &NbdConfig, seq: u32) -> Vec<u8> {
-    let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd, nbd::VERSION);
+/// One request of the nbd family: CONNECT and RECONFIGURE send the whole
+/// config; DISCONNECT and STATUS only its `index` (STATUS without one asks
+/// for every device).
+pub fn nbd_request(family: u16, cmd: NbdCmd, c: &NbdConfig, seq: u32) -> Vec<u8> {
+    let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd as u8, nbd::VERSION);
     if let Some(v) = c.index {
         b.u32(nbd::ATTR_INDEX, v);
     }
@@ -355,7 +369,7 @@ pub fn nbd_config_request(family: u16, cmd: u8, c: &NbdConfig, seq: u32) -> Vec<
 
 /// The pure decoding of an [`NbdConfig`] (the kernel's view of a request);
 /// what the fuzzer and the round-trip tests check the encoder against.
-pub fn parse_nbd_config(attributes: &[u8]) -> Result<NbdConfig, Malformed> {
+fn parse_nbd_config(attributes: &[u8]) -> Result<NbdConfig, Malformed> {
     let mut c = NbdConfig::default();
     for a in attrs(attributes) {
         let a = a?;
@@ -388,17 +402,8 @@ pub fn parse_nbd_config(attributes: &[u8]) -> Result<NbdConfig, Malformed> {
     Ok(c)
 }
 
-/// NBD_CMD_DISCONNECT or NBD_CMD_STATUS for one device (`None`: status of all).
-pub fn nbd_index_request(family: u16, cmd: u8, index: Option<u32>, seq: u32) -> Vec<u8> {
-    let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd, nbd::VERSION);
-    if let Some(i) = index {
-        b.u32(nbd::ATTR_INDEX, i);
-    }
-    b.finish(seq)
-}
-
 /// The device index in a CONNECT reply or a LINK_DEAD notice.
-pub fn parse_index(attributes: &[u8]) -> Result<u32, Malformed> {
+fn parse_index(attributes: &[u8]) -> Result<u32, Malformed> {
     for a in attrs(attributes) {
         let a = a?;
         if a.kind == nbd::ATTR_INDEX {
@@ -415,7 +420,7 @@ pub struct DeviceStatus {
     pub connected: bool,
 }
 
-pub fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
+fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
     let mut out = Vec::new();
     for a in attrs(attributes) {
         let a = a?;
@@ -443,10 +448,80 @@ pub fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
     Ok(out)
 }
 
+/// The kernel's view of a request [`nbd_request`] built: the command and
+/// config of the first message in `msg`. The encoder's oracle (the round
+/// trip tests and the fuzzer decode what it wrote).
+pub fn parse_nbd_request(msg: &[u8]) -> Result<(u8, NbdConfig), Malformed> {
+    let m = messages(msg).next().ok_or(Malformed("no netlink message"))??;
+    let (cmd, attributes) = genl(m.payload)?;
+    Ok((cmd, parse_nbd_config(attributes)?))
+}
+
+/// The device index of a CONNECT reply (a reply payload, as
+/// [`GenlSocket::transact`](crate::genetlink::GenlSocket::transact) returns it).
+pub fn parse_connect_reply(payload: &[u8]) -> Result<u32, Malformed> {
+    parse_index(genl(payload)?.1)
+}
+
+/// The devices of one STATUS reply payload.
+pub fn parse_status_reply(payload: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
+    parse_status(genl(payload)?.1)
+}
+
+/// The device a LINK_DEAD notice names, if the datagram holds one (acks,
+/// errors and other commands: `None`).
+pub fn parse_link_dead(dgram: &[u8]) -> Result<Option<u32>, Malformed> {
+    for m in messages(dgram) {
+        let m = m?;
+        if m.kind == NLMSG_ERROR || m.kind == NLMSG_DONE {
+            continue;
+        }
+        let (cmd, attributes) = genl(m.payload)?;
+        if cmd == NbdCmd::LinkDead as u8 {
+            return parse_index(attributes).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// The `nbd_netlink` fuzz target's entry: every parser of this module on
+/// arbitrary bytes, each of which answers or refuses. It panics only when a
+/// config that decodes does not re-encode to one that decodes the same,
+/// which is what the fuzzer looks for.
+pub fn fuzz_parse(data: &[u8]) {
+    for m in messages(data).take(64) {
+        let Ok(m) = m else { break };
+        assert!(m.payload.len() <= data.len());
+        let _ = error_code(m.payload);
+        let Ok((_, attributes)) = genl(m.payload) else { continue };
+        let _ = parse_family(attributes);
+        let _ = parse_status(attributes);
+        let _ = parse_index(attributes);
+        for a in attrs(attributes).take(256) {
+            let Ok(a) = a else { break };
+            let _ = (a.u8(), a.u16(), a.u32(), a.u64(), a.str());
+            for n in a.nested().take(256) {
+                if n.is_err() {
+                    break;
+                }
+            }
+        }
+        if let Ok(c) = parse_nbd_config(attributes) {
+            // Strings cut at a NUL or of invalid UTF-8 do not round-trip by
+            // design; the rest must.
+            if c.backend_id.as_deref().is_none_or(|s| !s.contains('\0')) && c.sockets.len() < 1000 {
+                let again = nbd_request(1, NbdCmd::Connect, &c, 1);
+                let (_, back) = parse_nbd_request(&again).expect("re-decodes");
+                assert_eq!(back, c);
+            }
+        }
+    }
+}
+
 /// Encodes a STATUS reply as the kernel does (the unit tests' input).
 #[cfg(test)]
 fn status_reply(family: u16, devices: &[DeviceStatus], seq: u32) -> Vec<u8> {
-    let mut b = Builder::new(family, 0, nbd::CMD_STATUS, nbd::VERSION);
+    let mut b = Builder::new(family, 0, NbdCmd::Status as u8, nbd::VERSION);
     b.begin_nest(nbd::ATTR_DEVICE_LIST);
     for d in devices {
         b.begin_nest(nbd::DEVICE_ITEM).u32(nbd::DEVICE_INDEX, d.index).u8(nbd::DEVICE_CONNECTED, d.connected as u8).end_nest();
@@ -472,12 +547,12 @@ mod tests {
             backend_id: Some("vol-1".into()),
             sockets: vec![7, 9],
         };
-        let msg = nbd_config_request(0x20, nbd::CMD_CONNECT, &c, 42);
+        let msg = nbd_request(0x20, NbdCmd::Connect, &c, 42);
         let m: Vec<_> = messages(&msg).collect::<Result<_, _>>().unwrap();
         assert_eq!(m.len(), 1);
         assert_eq!((m[0].kind, m[0].seq, m[0].flags), (0x20, 42, NLM_F_REQUEST | NLM_F_ACK));
         let (cmd, body) = genl(m[0].payload).unwrap();
-        assert_eq!(cmd, nbd::CMD_CONNECT);
+        assert_eq!(cmd, NbdCmd::Connect as u8);
         assert_eq!(parse_nbd_config(body).unwrap(), c);
     }
 
@@ -499,8 +574,20 @@ mod tests {
     }
 
     #[test]
+    fn a_link_dead_notice_names_its_device_and_other_messages_none() {
+        let mut b = Builder::new(0x1a, 0, NbdCmd::LinkDead as u8, nbd::VERSION);
+        b.u32(nbd::ATTR_INDEX, 4);
+        assert_eq!(parse_link_dead(&b.finish(0)), Ok(Some(4)));
+        let status = status_reply(0x1a, &[DeviceStatus { index: 4, connected: false }], 1);
+        assert_eq!(parse_link_dead(&status), Ok(None));
+        let (cmd, c) =
+            parse_nbd_request(&nbd_request(0x1a, NbdCmd::Disconnect, &NbdConfig { index: Some(2), ..Default::default() }, 1)).unwrap();
+        assert_eq!((cmd, c.index, c.sockets.len()), (NbdCmd::Disconnect as u8, Some(2), 0));
+    }
+
+    #[test]
     fn truncated_input_is_refused_not_read_past() {
-        let msg = nbd_config_request(0x20, nbd::CMD_CONNECT, &NbdConfig { index: Some(1), sockets: vec![3], ..Default::default() }, 1);
+        let msg = nbd_request(0x20, NbdCmd::Connect, &NbdConfig { index: Some(1), sockets: vec![3], ..Default::default() }, 1);
         for cut in 0..msg.len() {
             let _ = messages(&msg[..cut]).collect::<Vec<_>>();
             let _ = parse_nbd_config(&msg[NLMSG_HDRLEN + GENL_HDRLEN..cut.max(NLMSG_HDRLEN + GENL_HDRLEN)]);

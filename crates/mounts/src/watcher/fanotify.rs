@@ -494,8 +494,8 @@ impl Driver for FanotifyDriver {
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
         ring.set_batch_window(self.batch_window);
-        ring.poll(FAN_READY, self.fan.clone(), ring::events::IN)?;
-        ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::events::PRI)?;
+        ring.poll(FAN_READY, self.fan.clone(), ring::Events::IN)?;
+        ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::Events::PRI)?;
         if let Some(every) = self.resync_interval {
             ring.timeout(PERIODIC, every)?;
         }

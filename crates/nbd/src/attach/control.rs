@@ -171,7 +171,7 @@ mod tests {
     use super::*;
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
-    use volring_sys::nlmsg::{self, nbd};
+    use volring_sys::nlmsg::{self, NbdCmd};
 
     #[test]
     fn backend_must_match_exactly() {
@@ -213,11 +213,9 @@ mod tests {
         let d = ExportDetails { size: 256 << 20, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
         let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
         spec.index = Some(4);
-        let msg = nlmsg::nbd_config_request(0x1a, nbd::CMD_CONNECT, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
-        let m = nlmsg::messages(&msg).next().unwrap().unwrap();
-        let (cmd, attrs) = nlmsg::genl(m.payload).unwrap();
-        assert_eq!(cmd, nbd::CMD_CONNECT);
-        let back = nlmsg::parse_nbd_config(attrs).unwrap();
+        let msg = nlmsg::nbd_request(0x1a, NbdCmd::Connect, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
+        let (cmd, back) = nlmsg::parse_nbd_request(&msg).unwrap();
+        assert_eq!(cmd, NbdCmd::Connect as u8);
         assert_eq!(
             back,
             NbdConfig {
@@ -232,10 +230,23 @@ mod tests {
                 sockets: vec![fa.as_raw_fd(), fb.as_raw_fd()],
             }
         );
+        // A LINK_DEAD notice written from the UAPI headers (linux/netlink.h,
+        // linux/genetlink.h, linux/nbd-netlink.h), not by the code under test:
+        // nlmsghdr {len 28, type = the family, flags 0, seq 0, port 0},
+        // genlmsghdr {cmd NBD_CMD_LINK_DEAD = 4, version 1}, and one attribute
+        // {len 8, NBD_ATTR_INDEX = 1} holding device 4.
         let notice = {
-            let mut b = nlmsg::Builder::new(0x1a, 0, nbd::CMD_LINK_DEAD, 1);
-            b.u32(nbd::ATTR_INDEX, 4);
-            b.finish(0)
+            let mut m = Vec::new();
+            m.extend_from_slice(&28u32.to_ne_bytes());
+            m.extend_from_slice(&0x1au16.to_ne_bytes());
+            m.extend_from_slice(&0u16.to_ne_bytes());
+            m.extend_from_slice(&0u32.to_ne_bytes());
+            m.extend_from_slice(&0u32.to_ne_bytes());
+            m.extend_from_slice(&[4, 1, 0, 0]);
+            m.extend_from_slice(&8u16.to_ne_bytes());
+            m.extend_from_slice(&1u16.to_ne_bytes());
+            m.extend_from_slice(&4u32.to_ne_bytes());
+            m
         };
         assert_eq!(crate::attach::link_dead_index(&notice).unwrap(), Some(4));
     }

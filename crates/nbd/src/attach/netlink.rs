@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::Error;
 use volring_sys::genetlink::GenlSocket;
-use volring_sys::nlmsg::{self, nbd, DeviceStatus, Family, NbdConfig};
+use volring_sys::nlmsg::{self, DeviceStatus, Family, NbdCmd, NbdConfig};
 
 /// A socket that knows the nbd family's id.
 pub(crate) struct NbdNetlink {
@@ -14,7 +14,7 @@ pub(crate) struct NbdNetlink {
 }
 
 fn resolve(sock: &mut GenlSocket) -> Result<Family, Error> {
-    match sock.resolve_family(nbd::FAMILY) {
+    match sock.resolve_family(nlmsg::NBD_FAMILY) {
         Ok(f) => Ok(f),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Err(Error::FamilyNotFound),
         Err(source) => Err(Error::Kernel { op: "CTRL_CMD_GETFAMILY nbd", source }),
@@ -34,10 +34,10 @@ impl NbdNetlink {
         let id = self.family.id;
         let replies = self
             .sock
-            .transact(|seq| nlmsg::nbd_config_request(id, nbd::CMD_CONNECT, config, seq))
+            .transact(|seq| nlmsg::nbd_request(id, NbdCmd::Connect, config, seq))
             .map_err(|source| Error::Kernel { op: "NBD_CMD_CONNECT", source })?;
         let reply = replies.first().ok_or(Error::Malformed("CONNECT without a reply"))?;
-        Ok(nlmsg::parse_index(nlmsg::genl(reply)?.1)?)
+        Ok(nlmsg::parse_connect_reply(reply)?)
     }
 
     /// NBD_CMD_RECONFIGURE: the given sockets replace dead ones (the kernel
@@ -48,7 +48,7 @@ impl NbdNetlink {
         }
         let id = self.family.id;
         self.sock
-            .transact(|seq| nlmsg::nbd_config_request(id, nbd::CMD_RECONFIGURE, config, seq))
+            .transact(|seq| nlmsg::nbd_request(id, NbdCmd::Reconfigure, config, seq))
             .map_err(|source| Error::Kernel { op: "NBD_CMD_RECONFIGURE", source })?;
         Ok(())
     }
@@ -56,7 +56,7 @@ impl NbdNetlink {
     pub(crate) fn disconnect(&mut self, index: u32) -> Result<(), Error> {
         let id = self.family.id;
         self.sock
-            .transact(|seq| nlmsg::nbd_index_request(id, nbd::CMD_DISCONNECT, Some(index), seq))
+            .transact(|seq| nlmsg::nbd_request(id, NbdCmd::Disconnect, &NbdConfig { index: Some(index), ..Default::default() }, seq))
             .map_err(|source| Error::Kernel { op: "NBD_CMD_DISCONNECT", source })?;
         Ok(())
     }
@@ -66,11 +66,11 @@ impl NbdNetlink {
         let id = self.family.id;
         let replies = self
             .sock
-            .transact(|seq| nlmsg::nbd_index_request(id, nbd::CMD_STATUS, index, seq))
+            .transact(|seq| nlmsg::nbd_request(id, NbdCmd::Status, &NbdConfig { index, ..Default::default() }, seq))
             .map_err(|source| Error::Kernel { op: "NBD_CMD_STATUS", source })?;
         let mut out = Vec::new();
         for r in &replies {
-            out.extend(nlmsg::parse_status(nlmsg::genl(r)?.1)?);
+            out.extend(nlmsg::parse_status_reply(r)?);
         }
         Ok(out)
     }
@@ -90,7 +90,7 @@ impl LinkDeadListener {
         let group = family
             .groups
             .iter()
-            .find(|(n, _)| n == nbd::MCAST_GROUP)
+            .find(|(n, _)| n == nlmsg::NBD_MCAST_GROUP)
             .map(|(_, id)| *id)
             .ok_or(Error::Malformed("nbd family without its multicast group"))?;
         sock.add_membership(group).map_err(|source| Error::Kernel { op: "join nbd_mc_group", source })?;
@@ -117,15 +117,5 @@ impl LinkDeadListener {
 
 /// The device a LINK_DEAD datagram names (other messages: `None`).
 pub fn link_dead_index(dgram: &[u8]) -> Result<Option<u32>, Error> {
-    for m in nlmsg::messages(dgram) {
-        let m = m?;
-        if m.kind == nlmsg::NLMSG_ERROR || m.kind == nlmsg::NLMSG_DONE {
-            continue;
-        }
-        let (cmd, attrs) = nlmsg::genl(m.payload)?;
-        if cmd == nbd::CMD_LINK_DEAD {
-            return Ok(nlmsg::parse_index(attrs).map(Some)?);
-        }
-    }
-    Ok(None)
+    Ok(nlmsg::parse_link_dead(dgram)?)
 }

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 
 use super::token::Token;
-use volring_ring::io_ring::{Cqe, IoRing, OpId};
+use volring_ring::{Cqe, IoRing, Op, OpId};
 
 pub(super) struct Acceptor {
     /// Listeners this ring accepts on (ring 0 only).
@@ -30,7 +30,7 @@ impl Acceptor {
     }
 
     fn arm(&mut self, ring: &mut IoRing<Token>, i: usize) -> io::Result<()> {
-        self.accepts[i] = Some(ring.accept_multi(Token::Accept(i as u32), self.listeners[i])?);
+        self.accepts[i] = Some(ring.submit(Token::Accept(i as u32), Op::AcceptMulti { listener: self.listeners[i] })?);
         Ok(())
     }
 

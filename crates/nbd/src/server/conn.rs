@@ -9,8 +9,8 @@ use crate::export::{Export, DIRECT_ALIGN, MAX_BLOCK};
 use crate::handshake::Handshake;
 use crate::wire::{self, cmd, errno, HeaderStyle, Request};
 use crate::Error;
-use volring_ring::buffers::{BufId, Buffers};
-use volring_ring::io_ring::OpId;
+use volring_ring::OpId;
+use volring_ring::{BufId, Buffers};
 
 /// Where a request's data starts in its buffer: room for any reply header
 /// before it; a page for O_DIRECT, whose memory must be aligned.
@@ -110,7 +110,7 @@ pub(super) enum Part {
 
 /// A splice sequence in progress: file → pipe → socket, a pipeful at a time.
 pub(super) struct Splicing {
-    pub pipe: volring_ring::io_ring::PipeId,
+    pub pipe: volring_ring::PipeId,
     pub file: u32,
     pub offset: u64,
     /// Bytes still to move from the file.

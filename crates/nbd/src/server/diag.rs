@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::receive::Receive;
 use super::shared::Shared;
 use super::token::Token;
-use volring_ring::io_ring::Cqe;
+use volring_ring::Cqe;
 
 /// Completions of one ring since its last tick, by kind and outcome.
 #[derive(Default)]
@@ -193,9 +193,9 @@ impl Diagnostics {
             empty_turns = spin,
             dirty = sh.dirty.len(),
             live = sh.live,
-            in_flight = sh.ring.in_flight(),
-            armed_recvs = sh.ring.armed_recvs(),
-            recv_taken = sh.ring.recv_taken(),
+            in_flight = sh.ring.stats().in_flight,
+            armed_recvs = sh.ring.stats().armed_recvs,
+            recv_taken = sh.ring.stats().recv_taken,
             recovering = rx.recovering(),
             conns = ?conns,
             "NBD ring is spinning: many loop turns without a completion"
@@ -233,11 +233,11 @@ impl Diagnostics {
             s.file_errors,
             s.last_error,
             s.bufs_by_kind,
-            sh.ring.in_flight(),
-            sh.ring.armed_recvs(),
-            sh.ring.recv_taken(),
-            sh.ring.stale_completions(),
-            sh.ring.recv_counts(),
+            sh.ring.stats().in_flight,
+            sh.ring.stats().armed_recvs,
+            sh.ring.stats().recv_taken,
+            sh.ring.stats().stale_completions,
+            sh.ring.stats().recv_counts,
             sh.budget.used(),
             sh.budget.releases(),
             rx.waiting(),

@@ -17,7 +17,7 @@
 
 use super::conn::Conn;
 use super::token::Token;
-use volring_ring::io_ring::{IoRing, OpId};
+use volring_ring::{IoRing, Op, OpId};
 
 /// WRITEs at least this long are received directly.
 pub(super) const DIRECT_MIN: u64 = 128 * 1024;
@@ -36,5 +36,5 @@ pub(super) fn arm(ring: &mut IoRing<Token>, ci: u32, c: &Conn) -> std::io::Resul
     let p = c.payload.as_ref().ok_or_else(|| std::io::Error::other("no payload to receive"))?;
     let at = p.data_off + p.filled;
     let take = (p.req.length as usize - p.filled).min(DIRECT_CHUNK);
-    ring.recv_into(Token::RecvInto(ci), c.socket, (p.buf, at, at + take))
+    ring.submit(Token::RecvInto(ci), Op::RecvInto { socket: c.socket, into: (p.buf, at, at + take) })
 }

@@ -12,7 +12,7 @@ use super::inline::{InlineWrites, WritePath};
 use super::shared::Shared;
 use super::token::Token;
 use crate::export::{Export, Exports};
-use volring_ring::io_ring::IoRing;
+use volring_ring::IoRing;
 
 /// An export's descriptors as registered in this ring.
 struct Registered {

@@ -36,7 +36,7 @@ use super::Error;
 use inline::InlineWrites;
 use listener::Listener;
 use starve::OffloadReads;
-use volring_ring::io_ring::IoRingConfig;
+use volring_ring::IoRingConfig;
 use volring_ring::Mailbox;
 
 /// Where the server listens.

@@ -9,7 +9,7 @@ use super::shared::Shared;
 use super::token::Token;
 use crate::stats::Kind;
 use crate::wire::{self, cmd, ReplyBody, Request};
-use volring_ring::buffers::{BufId, Buffers};
+use volring_ring::{BufId, Buffers, Op};
 
 /// Most parts one sendmsg carries (IOV_MAX).
 const MAX_SEND_PARTS: usize = 1024;
@@ -89,16 +89,14 @@ impl Output {
         }
         if let Part::Splice { file, offset, len, started } = c.out[0] {
             c.out.remove(0);
-            let begun = sh.ring.take_pipe().and_then(|pipe| {
-                let chunk = len.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-                match sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk) {
+            let begun =
+                sh.ring.take_pipe().and_then(|pipe| match sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len }) {
                     Ok(_) => Ok(pipe),
                     Err(e) => {
                         sh.ring.put_pipe(pipe, true);
                         Err(e)
                     }
-                }
-            });
+                });
             match begun {
                 Ok(pipe) => {
                     c.tx = Tx::Splicing(Splicing { pipe, file, offset, left: len, in_pipe: 0, len, started });
@@ -117,7 +115,7 @@ impl Output {
             Part::Buf(b, s, e) => (b, s, e),
             Part::Splice { .. } => unreachable!("counted only buffers"),
         }));
-        match sh.ring.send(Token::Send(ci), c.socket, &c.sending) {
+        match sh.ring.submit(Token::Send(ci), Op::Send { socket: c.socket, parts: &c.sending }) {
             Ok(_) => {
                 c.tx = Tx::Sending;
                 c.socket_ops += 1;
@@ -159,10 +157,9 @@ impl Output {
         let (pipe, file, offset, left, in_pipe, socket) = (sp.pipe, sp.file, sp.offset, sp.left, sp.in_pipe, c.socket);
         let (len, started) = (sp.len, sp.started);
         let next = if in_pipe > 0 {
-            sh.ring.splice_out(Token::SpliceOut(ci), pipe, socket, in_pipe)
+            sh.ring.submit(Token::SpliceOut(ci), Op::SpliceOut { pipe, socket, len: in_pipe })
         } else if left > 0 {
-            let chunk = left.min(volring_ring::io_ring::PIPE_SIZE as u64) as u32;
-            sh.ring.splice_in(Token::SpliceIn(ci), file, offset, pipe, chunk)
+            sh.ring.submit(Token::SpliceIn(ci), Op::SpliceIn { file, offset, pipe, len: left })
         } else {
             let c = sh.conns[ci as usize].as_mut().expect("checked above");
             c.tx = Tx::Idle;

@@ -14,7 +14,7 @@ use super::requests::Requests;
 use super::shared::Shared;
 use super::token::Token;
 use crate::handshake::Outcome;
-use volring_ring::io_ring::Cqe;
+use volring_ring::{Cqe, Op};
 
 /// A handshake stops being read while this many reply bytes wait to be
 /// sent (a flood of NBD_OPT_LIST would otherwise queue without bound).
@@ -285,7 +285,11 @@ impl Receive {
         let wants_direct = self.direct && direct::wants_direct(c);
         match c.rx {
             Rx::Idle if wants_direct || !self.recovering => {
-                let armed = if wants_direct { direct::arm(&mut sh.ring, ci, c) } else { sh.ring.recv_multi(Token::Recv(ci), c.socket) };
+                let armed = if wants_direct {
+                    direct::arm(&mut sh.ring, ci, c)
+                } else {
+                    sh.ring.submit(Token::Recv(ci), Op::RecvMulti { socket: c.socket })
+                };
                 match armed {
                     Ok(op) => {
                         c.rx = if wants_direct { Rx::Direct(op) } else { Rx::Multishot(op) };
@@ -314,7 +318,7 @@ impl Receive {
         if !self.waiters.is_empty() && sh.budget.releases() != self.waiters_seen {
             self.wake_waiters(sh);
         }
-        if sh.ring.recv_pool_lost() && !self.recovering {
+        if sh.ring.stats().recv_pool_lost && !self.recovering {
             self.begin_recovery(sh);
         }
     }
@@ -331,7 +335,7 @@ impl Receive {
         }
     }
 
-    /// The kernel lost provided buffers (see `IoRing::recv_pool_lost`):
+    /// The kernel lost provided buffers (see `IoRingStats::recv_pool_lost`):
     /// every multishot receive of the ring is ended, and none is armed
     /// until the pool has been handed over afresh.
     fn begin_recovery(&mut self, sh: &mut Shared) {
@@ -354,11 +358,11 @@ impl Receive {
     /// Once no multishot receive is armed any more, the pool goes back to
     /// the kernel whole and every connection is read again.
     pub(super) fn finish_recovery(&mut self, sh: &mut Shared) {
-        if !self.recovering || sh.ring.armed_recvs() != 0 {
+        if !self.recovering || sh.ring.stats().armed_recvs != 0 {
             return;
         }
         match sh.ring.reset_recv_pool() {
-            Ok(()) => tracing::warn!(resets = sh.ring.recv_pool_resets(), "NBD receive buffers handed to the kernel afresh"),
+            Ok(()) => tracing::warn!(resets = sh.ring.stats().recv_pool_resets, "NBD receive buffers handed to the kernel afresh"),
             Err(e) => tracing::error!(error = %e, "NBD receive buffers could not be handed over afresh"),
         }
         self.recovering = false;

@@ -14,7 +14,7 @@ use super::token::Token;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
 use crate::wire::{self, chunk, cmd, cmd_flags as cf, errno, Extent, HeaderStyle, ReplyBody, ReplyHeader, Request};
-use volring_ring::buffers::{BufId, Buffers};
+use volring_ring::{BufId, Buffers, Op};
 
 /// Reads at least this long ask the file whether the range is a hole first,
 /// and answer a hole with one chunk and no data.
@@ -247,7 +247,7 @@ impl Requests {
         let t = Token::Req(ri);
         let (off, len, done) = (r.req.offset, r.req.length, r.done);
         let res = match (r.req.kind, r.step) {
-            (_, Step::Sync) | (cmd::FLUSH, _) => sh.ring.fsync(t, r.file, true),
+            (_, Step::Sync) | (cmd::FLUSH, _) => sh.ring.submit(t, Op::Fsync { file: r.file, data_only: true }),
             (cmd::READ, _) => {
                 let (b, start) = (r.buf.expect("reads own a buffer"), r.data_off + done as usize);
                 let slice = (b, start, r.data_off + len as usize);
@@ -255,26 +255,31 @@ impl Requests {
                 let in_flight = self.table.len() - self.free.len();
                 if r.data_off == DATA_OFFSET && self.reads.offload(in_flight) {
                     sh.record_offloaded_read(r.conn);
-                    sh.ring.read_async(t, r.file, slice, off + done)
+                    sh.ring.submit(t, Op::Read { file: r.file, into: slice, offset: off + done, in_worker: true })
                 } else {
-                    sh.ring.read(t, r.file, slice, off + done)
+                    sh.ring.submit(t, Op::Read { file: r.file, into: slice, offset: off + done, in_worker: false })
                 }
             }
             (cmd::WRITE, _) => {
                 let (b, start, fua) = (r.buf.expect("writes own a buffer"), r.data_off + done as usize, r.req.has(cf::FUA));
-                sh.ring.write(t, r.file, (b, start, r.data_off + len as usize), off + done, fua)
+                sh.ring.submit(t, Op::Write { file: r.file, from: (b, start, r.data_off + len as usize), offset: off + done, dsync: fua })
             }
             (cmd::WRITE_ZEROES, Step::ZeroFill) => {
                 let b = self.zeroes.expect("made before the first zero fill");
                 let n = (len - done).min(ZERO_CHUNK as u64) as usize;
-                sh.ring.write(t, r.file, (b, 0, n), off + done, false)
+                sh.ring.submit(t, Op::Write { file: r.file, from: (b, 0, n), offset: off + done, dsync: false })
             }
-            (cmd::TRIM, _) => sh.ring.fallocate(t, r.file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len),
+            (cmd::TRIM, _) => sh
+                .ring
+                .submit(t, Op::Fallocate { file: r.file, mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset: off, len }),
             (cmd::WRITE_ZEROES, _) => {
                 let mode = if r.req.has(cf::NO_HOLE) { libc::FALLOC_FL_ZERO_RANGE } else { libc::FALLOC_FL_PUNCH_HOLE };
-                sh.ring.fallocate(t, r.file, mode | libc::FALLOC_FL_KEEP_SIZE, off, len)
+                sh.ring.submit(t, Op::Fallocate { file: r.file, mode: mode | libc::FALLOC_FL_KEEP_SIZE, offset: off, len })
             }
-            (cmd::CACHE, _) => sh.ring.fadvise(t, r.file, off, len.min(u64::from(u32::MAX)) as u32, libc::POSIX_FADV_WILLNEED),
+            (cmd::CACHE, _) => sh.ring.submit(
+                t,
+                Op::Fadvise { file: r.file, offset: off, len: len.min(u64::from(u32::MAX)) as u32, advice: libc::POSIX_FADV_WILLNEED },
+            ),
             _ => unreachable!("only file commands get a request slot"),
         };
         if let Err(e) = res {

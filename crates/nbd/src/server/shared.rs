@@ -14,8 +14,8 @@ use super::conn::{Conn, Part, Rx, State};
 use super::token::Token;
 use crate::export::Export;
 use crate::stats::{Kind, Pending};
-use volring_ring::buffers::Buffers;
-use volring_ring::io_ring::IoRing;
+use volring_ring::Buffers;
+use volring_ring::{IoRing, Op};
 
 pub(super) struct Shared {
     pub ring: IoRing<Token>,
@@ -129,7 +129,7 @@ impl Shared {
         c.state = State::ShuttingDown;
         self.stop_receiving(ci);
         let c = self.conns[ci as usize].as_mut().expect("present above");
-        if self.ring.shutdown(Token::Shutdown(ci), c.socket).is_ok() {
+        if self.ring.submit(Token::Shutdown(ci), Op::Shutdown { socket: c.socket }).is_ok() {
             c.socket_ops += 1;
         }
     }
@@ -137,7 +137,7 @@ impl Shared {
     /// ShuttingDown → Closing once no socket operation is left.
     pub(crate) fn close_socket(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut().filter(|c| c.socket_ops == 0) else { return };
-        match self.ring.close_file(Token::Close(ci), c.socket) {
+        match self.ring.submit(Token::Close(ci), Op::Close { socket: c.socket }) {
             Ok(_) => c.state = State::Closing,
             Err(e) => tracing::warn!(error = %e, "NBD socket close could not be submitted"),
         }

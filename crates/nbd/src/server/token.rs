@@ -1,7 +1,7 @@
 //! What each of a ring's operations is for.
 //!
 //! The ring keeps a token beside every operation it hands to the kernel
-//! and gives it back with each completion (`volring_ring::io_ring::Cqe`);
+//! and gives it back with each completion (`volring_ring::Cqe`);
 //! the kernel's `user_data` carries only the op table's slot and
 //! generation, so a late completion of an ended operation matches nothing.
 //! Nothing here is packed into integers.

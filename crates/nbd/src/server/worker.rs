@@ -26,8 +26,8 @@ use super::token::Token;
 use super::{Command, Control, ServerConfig};
 use crate::export::Exports;
 use crate::handshake;
-use volring_ring::io_ring::{Cqe, IoRing};
 use volring_ring::Mailbox;
+use volring_ring::{Cqe, IoRing, Op};
 
 /// Send buffer asked for each connection.
 const SEND_BUFFER: usize = 4 << 20;
@@ -91,9 +91,9 @@ pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
 impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
-        ring.poll_multi(Token::Wake, &ctx.mailboxes[ctx.id], libc::POLLIN as u32)?;
+        ring.submit(Token::Wake, Op::PollMulti { fd: ctx.mailboxes[ctx.id].as_raw_fd(), events: libc::POLLIN as u32 })?;
         let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
-        ring.timeout(Token::Tick, tick)?;
+        ring.submit(Token::Tick, Op::Timeout { after: tick })?;
         let limits = Limits { conn_bytes: ctx.config.max_queued_bytes, conn_requests: ctx.config.max_requests.max(1) };
         let mut accept = Acceptor::new(ctx.listeners);
         accept.arm_all(&mut ring)?;
@@ -198,7 +198,9 @@ impl Worker {
         }
         if !more {
             let mailboxes = self.mailboxes.clone();
-            if let Err(e) = self.sh.ring.poll_multi(Token::Wake, &mailboxes[self.id], libc::POLLIN as u32) {
+            if let Err(e) =
+                self.sh.ring.submit(Token::Wake, Op::PollMulti { fd: mailboxes[self.id].as_raw_fd(), events: libc::POLLIN as u32 })
+            {
                 tracing::error!(error = %e, "NBD ring lost its command wakeup");
             }
         }
@@ -357,8 +359,7 @@ impl Worker {
         freed += self.rx.trim();
         // Closed connections freed their vectors: worth a malloc_trim too.
         freed += std::mem::take(&mut sh.closed_since_trim) * std::mem::size_of::<Conn>();
-        sh.ring.buffers_mut().note_freed(freed);
-        sh.ring.trim();
+        sh.ring.trim(freed);
     }
 
     /// The server refused a light connection: drops the heaviest of this
@@ -381,7 +382,7 @@ impl Worker {
     }
 
     fn on_tick(&mut self) {
-        if let Err(e) = self.sh.ring.timeout(Token::Tick, self.tick) {
+        if let Err(e) = self.sh.ring.submit(Token::Tick, Op::Timeout { after: self.tick }) {
             tracing::error!(error = %e, "NBD ring lost its timer");
         }
         self.diag.on_tick(self.id, &self.sh, &self.rx);
