@@ -102,7 +102,7 @@ fn main() {
         let t = Instant::now();
         let recs = Arc::new(StagedRecords::open(dir.path()).expect("store"));
         let load = t.elapsed();
-        assert_eq!(recs.len(), n);
+        assert_eq!(recs.ids().len(), n);
         let (info, _) = MountTable::from_mountinfo(&std::fs::read("/proc/self/mountinfo").unwrap_or_default());
         let table = Arc::new(RwLock::new(info));
         let t = Instant::now();

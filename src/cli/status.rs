@@ -263,8 +263,8 @@ pub(crate) fn recover(dirs: &NodeDirs, apply: bool, json: bool) -> anyhow::Resul
 /// staged volumes without a record, and with `apply` writes them as
 /// records of one recovery.
 fn find_and_adopt(dirs: &NodeDirs, apply: bool, no_agent: bool) -> anyhow::Result<Recovered> {
-    use volring_volumes::staged::StoreLoss;
     use volring_volumes::store::{self, Store};
+    use volring_volumes::StoreLoss;
     let pool = dirs.pool();
     let path = dirs.state_dir.join(store::FILE);
     let (store_error, known): (Option<String>, Vec<String>) = match Store::read_only(&path, no_agent) {

@@ -135,7 +135,7 @@ impl Driver {
             rebuild_from_kernel(&pool, &records, &config.kubelet_root, &loss)?;
         }
         let nbd = Arc::new(NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir));
-        tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
+        tracing::info!(pool = %pool.dir().display(), volumes = pool.provisioned().0, staged = records.ids().len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         let side = Arc::new(volring_share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone()));
         let fence = Arc::new(Fence::open(records.store().clone())?);
@@ -294,13 +294,8 @@ impl volring_share::follow::ShareHost for Driver {
 /// proven is reported and left alone, and all of it is said loudly — an
 /// ERROR in the log and a line in `volring status` (kept in the new store).
 /// A new node (no store, nothing in the kernel) is only noted.
-fn rebuild_from_kernel(
-    pool: &ImagePool,
-    records: &StagedRecords,
-    kubelet_root: &Path,
-    loss: &volring_volumes::staged::StoreLoss,
-) -> Result<()> {
-    use volring_volumes::staged::StoreLoss;
+fn rebuild_from_kernel(pool: &ImagePool, records: &StagedRecords, kubelet_root: &Path, loss: &volring_volumes::StoreLoss) -> Result<()> {
+    use volring_volumes::StoreLoss;
     let found = volring_volumes::recover::from_kernel(pool.dir(), kubelet_root, &|id| records.contains(id));
     if *loss == StoreLoss::Missing && found.adopted.is_empty() && found.refused.is_empty() {
         tracing::info!(store = %records.store().path().display(), "no store yet: a new one made");

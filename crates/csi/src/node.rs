@@ -451,7 +451,7 @@ impl Stager {
         for a in &devices {
             self.base.root.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
             self.base.root.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
-            if attach::claimed_path(&a.path())? {
+            if attach::claimed(&a.path())? {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {id} has no record and {} is still in use (mounted or held elsewhere, a publish target?); not detached",
                     a.path().display()

@@ -115,8 +115,7 @@ pub fn storage_node_named(
         .iter()
         .map(|r| {
             let mut e = feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref());
-            let mut id = VolumeIdentity::from_staged(r);
-            id.name_with(names);
+            let id = VolumeIdentity::named(r, names);
             feed::name_entry(&mut e, &id);
             e
         })

@@ -118,22 +118,12 @@ pub fn prove_loop(number: u32, image: &Path) -> DeviceProof {
     }
 }
 
-/// Whether anything holds `/dev/loop<number>` exclusively now: a mounted
-/// filesystem, a device-mapper or md stack, another `O_EXCL` opener. The
-/// kernel answers an exclusive open with EBUSY then; this asks it and
-/// closes at once. (A bind mount of the device node holds nothing and is
-/// not seen here.)
-pub fn claimed(number: u32) -> Result<bool, Error> {
-    let p = format!("/dev/loop{number}");
-    match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(&p) {
-        Ok(_) => Ok(false),
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
-        Err(e) => Err(Error::io("open exclusively", &p)(e)),
-    }
-}
-
-/// [`claimed`] for any block device node (`/dev/nbd0` too).
-pub fn claimed_path(p: &Path) -> Result<bool, Error> {
+/// Whether anything holds the block device node `p` (`/dev/loop3`,
+/// `/dev/nbd0`) exclusively now: a mounted filesystem, a device-mapper or
+/// md stack, another `O_EXCL` opener. The kernel answers an exclusive open
+/// with EBUSY then; this asks it and closes at once. (A bind mount of the
+/// device node holds nothing and is not seen here.)
+pub fn claimed(p: &Path) -> Result<bool, Error> {
     match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(p) {
         Ok(_) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
@@ -178,7 +168,7 @@ pub fn attach(image: &Path, read_only: bool, direct_io: bool) -> Result<Attachme
 }
 
 /// The device `/dev/loop<number>` if it is attached to `image`.
-pub fn existing(number: u32, image: &Path) -> Option<Attachment> {
+pub(crate) fn existing(number: u32, image: &Path) -> Option<Attachment> {
     (backing_file(number)?.as_path() == image)
         .then(|| device_number(number).ok().map(|dev| Attachment { number, dev, kind: AttachKind::Loop }))?
 }

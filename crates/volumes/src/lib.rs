@@ -27,7 +27,7 @@ pub mod mounting;
 mod persist;
 mod pool;
 pub mod recover;
-pub mod staged;
+mod staged;
 pub mod state;
 pub mod status;
 pub mod store;
@@ -38,7 +38,7 @@ pub use identity::{ClusterNames, VolumeIdentity};
 pub use mounting::MountOptions;
 pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
-pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume};
+pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume, StoreLoss};
 pub use status::StatusReport;
 
 use std::path::PathBuf;
