@@ -44,7 +44,7 @@ fn health_lines(h: &VolumeHealth) -> Vec<String> {
         lines.push(format!("repair failed: {e}"));
     }
     if let Some(r) = &h.last_repair {
-        lines.push(format!("last repair {}: {}", utc_text(r.at_unix), r.describe()));
+        lines.push(format!("last repair {}: {r}", utc_text(r.at_unix)));
     }
     lines
 }
@@ -275,23 +275,9 @@ fn find_and_adopt(dirs: &NodeDirs, apply: bool, no_agent: bool) -> anyhow::Resul
     let (found, written) = if apply {
         let records = volring_volumes::StagedRecords::open(&dirs.state_dir)?;
         let found = volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| records.contains(id));
-        let recovery = store::Recovery {
-            at: store::timestamp(),
-            cause: records.loss().map_or("operator: volring recover --apply".into(), |l| l.cause()),
-            set_aside: match records.loss() {
-                Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
-                _ => None,
-            },
-            adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
-            refused: found.refused.clone(),
-        };
         // Nothing found and nothing damaged: nothing to write or say.
         let damaged = matches!(records.loss(), Some(StoreLoss::Damaged { .. }));
-        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged {
-            Vec::new()
-        } else {
-            records.adopt(&found.adopted, &recovery)?
-        };
+        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged { Vec::new() } else { records.adopt(&found)? };
         (found, Some(ids))
     } else {
         (volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| known.iter().any(|k| k == id)), None)

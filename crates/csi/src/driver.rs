@@ -301,18 +301,8 @@ fn rebuild_from_kernel(pool: &ImagePool, records: &StagedRecords, kubelet_root: 
         tracing::info!(store = %records.store().path().display(), "no store yet: a new one made");
         return Ok(());
     }
-    let recovery = volring_volumes::store::Recovery {
-        at: volring_volumes::store::timestamp(),
-        cause: loss.cause(),
-        set_aside: match loss {
-            StoreLoss::Damaged { set_aside, .. } => Some(set_aside.clone()),
-            StoreLoss::Missing => None,
-        },
-        adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
-        refused: found.refused.clone(),
-    };
-    let adopted = records.adopt(&found.adopted, &recovery)?;
-    tracing::error!(store = %records.store().path().display(), cause = %recovery.cause, adopted = adopted.len(),
+    let adopted = records.adopt(&found)?;
+    tracing::error!(store = %records.store().path().display(), cause = %loss.cause(), adopted = adopted.len(),
         refused = found.refused.len(), volumes = ?adopted,
         "THE NODE'S STORE WAS LOST: the staged volumes' records were rebuilt from the kernel (see `volring status`)");
     for r in &found.refused {

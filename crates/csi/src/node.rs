@@ -23,8 +23,9 @@ use super::nbd::NbdSide;
 use super::share::Shares;
 use super::share_client::NfsClient;
 use super::{Error, Result};
+use volring_volumes::attach::{self, Attachment};
 use volring_volumes::filesystem::{self, Content, FsKind};
-use volring_volumes::{attach, mounting, AccessKind, AttachKind, Attachment, RemoteExport, StagePhase, StagedVolume};
+use volring_volumes::{mounting, AccessKind, AttachKind, RemoteExport, StagePhase, StagedVolume};
 
 /// Node service, stage and unstage; the reconciler's repairs come
 /// through here too.

@@ -115,7 +115,8 @@ pub fn storage_node_named(
         .iter()
         .map(|r| {
             let mut e = feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref());
-            let id = VolumeIdentity::named(r, names);
+            let mut id = VolumeIdentity::from_staged(r);
+            id.name_with(names);
             feed::name_entry(&mut e, &id);
             e
         })

@@ -69,15 +69,8 @@ pub struct VolumeIdentity {
 }
 
 impl VolumeIdentity {
-    /// The staged record `v`, named with what the cluster said (`names`).
-    pub fn named(v: &StagedVolume, names: &ClusterNames) -> Self {
-        let mut i = Self::from_staged(v);
-        i.name_with(names);
-        i
-    }
-
     /// The record as the CSI driver's record shows it (no cluster names).
-    pub(crate) fn from_staged(v: &StagedVolume) -> Self {
+    pub fn from_staged(v: &StagedVolume) -> Self {
         let targets: Vec<PathBuf> = v.published.keys().cloned().collect();
         let mut uids = BTreeSet::new();
         let mut pv = pv_of_staging(&v.staging_path);
@@ -106,7 +99,7 @@ impl VolumeIdentity {
     }
 
     /// Fills in what the cluster said (leaves what it did not say as it is).
-    pub(crate) fn name_with(&mut self, names: &ClusterNames) {
+    pub fn name_with(&mut self, names: &ClusterNames) {
         if self.persistent_volume.is_none() {
             self.persistent_volume = names.volume_pv.get(&self.volume_id).cloned();
         }
@@ -147,7 +140,14 @@ pub struct ClusterNames {
 
 /// The records of every staged volume, named with `names`.
 pub fn identities(staged: &[StagedVolume], names: &ClusterNames) -> Vec<VolumeIdentity> {
-    let mut v: Vec<VolumeIdentity> = staged.iter().map(|s| VolumeIdentity::named(s, names)).collect();
+    let mut v: Vec<VolumeIdentity> = staged
+        .iter()
+        .map(|s| {
+            let mut i = VolumeIdentity::from_staged(s);
+            i.name_with(names);
+            i
+        })
+        .collect();
     v.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
     v
 }

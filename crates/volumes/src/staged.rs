@@ -261,17 +261,30 @@ impl StagedRecords {
         self.loss.as_ref()
     }
 
-    /// Durably records `recs` (rebuilt from the kernel) and what the
-    /// rebuild found, in one transaction. A volume that has a record
-    /// already keeps it.
-    pub fn adopt(&self, recs: &[StagedVolume], recovery: &store::Recovery) -> Result<Vec<String>, Error> {
+    /// Durably records what `found` (read from the kernel) proved, and the
+    /// recovery itself (when, why, what was adopted and refused, for
+    /// `volring status`), in one transaction. The cause is how the store
+    /// was lost, or an operator's `volring recover --apply` when it was
+    /// not. A volume that has a record already keeps it.
+    pub fn adopt(&self, found: &crate::recover::Found) -> Result<Vec<String>, Error> {
+        let recovery = store::Recovery {
+            at: store::timestamp(),
+            cause: self.loss.as_ref().map_or("operator: volring recover --apply".into(), StoreLoss::cause),
+            set_aside: match &self.loss {
+                Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
+                _ => None,
+            },
+            adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
+            refused: found.refused.clone(),
+        };
+        let recs = &found.adopted;
         let fresh: Vec<(&StagedVolume, Vec<u8>)> = recs
             .iter()
             .filter(|r| !self.contains(&r.volume_id))
             .map(|r| (r, serde_json::to_vec(r).expect("a staged record serialises")))
             .collect();
         let mut changes: Vec<Change<'_>> = fresh.iter().map(|(r, b)| Change::PutVolume(&r.volume_id, b)).collect();
-        changes.push(Change::PutRecovery(recovery));
+        changes.push(Change::PutRecovery(&recovery));
         self.store.apply(&changes).map_err(|e| self.error(e))?;
         let mut ids = Vec::new();
         {

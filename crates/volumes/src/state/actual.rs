@@ -40,7 +40,7 @@ pub struct VolumeActual {
 }
 
 /// Reads the actual state of the volume `rec` describes.
-pub fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
+pub(crate) fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
     let device = attach::of_record(rec);
     let staging = at_path(table, &rec.staged_at(), rec, device);
     let targets = rec.published.keys().map(|t| (t.clone(), at_path(table, t, rec, device))).collect();
@@ -283,9 +283,10 @@ impl VolumeHealth {
     }
 }
 
-impl Repair {
-    pub fn describe(&self) -> String {
-        self.what.iter().map(describe).collect::<Vec<_>>().join("; ")
+/// What was repaired, for people: each drift described, `; `-separated.
+impl std::fmt::Display for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what.iter().map(describe).collect::<Vec<_>>().join("; "))
     }
 }
 
