@@ -302,7 +302,7 @@ fn rebuild_from_kernel(pool: &ImagePool, records: &StagedRecords, kubelet_root: 
         return Ok(());
     }
     let adopted = records.adopt(&found)?;
-    tracing::error!(store = %records.store().path().display(), cause = %loss.cause(), adopted = adopted.len(),
+    tracing::error!(store = %records.store().path().display(), cause = %loss, adopted = adopted.len(),
         refused = found.refused.len(), volumes = ?adopted,
         "THE NODE'S STORE WAS LOST: the staged volumes' records were rebuilt from the kernel (see `volring status`)");
     for r in &found.refused {

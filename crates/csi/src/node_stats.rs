@@ -186,7 +186,8 @@ impl Stats {
     /// What is wrong below the mount: the nbd connection, or ext4's own
     /// error count (`/sys/fs/ext4/<device>/errors_count`).
     fn device_problem(&self, a: &Attachment) -> Option<String> {
-        let fs_errors = ext4_errors(&a.name()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
+        let fs_errors =
+            ext4_errors(&a.to_string()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
         match (self.nbd.problem(a), fs_errors) {
             (Some(n), Some(f)) => Some(format!("{n}; {f}")),
             (n, f) => n.or(f),

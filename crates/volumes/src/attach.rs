@@ -38,12 +38,14 @@ pub struct Attachment {
 
 impl Attachment {
     pub fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/dev/{}", self.name()))
+        PathBuf::from(format!("/dev/{self}"))
     }
+}
 
-    /// The kernel's name of the device (`loop3`, `nbd0`).
-    pub fn name(&self) -> String {
-        format!("{}{}", self.kind.as_str(), self.number)
+/// The kernel's name of the device (`loop3`, `nbd0`).
+impl std::fmt::Display for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.kind.as_str(), self.number)
     }
 }
 
@@ -323,7 +325,7 @@ pub(crate) fn size_bytes(number: u32) -> Result<u64, Error> {
 
 /// The size of the device in bytes, as the kernel sees it.
 pub fn device_bytes(a: &Attachment) -> Result<u64, Error> {
-    sysfs_size(&a.name())
+    sysfs_size(&a.to_string())
 }
 
 fn sysfs_size(name: &str) -> Result<u64, Error> {

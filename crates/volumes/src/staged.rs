@@ -156,11 +156,12 @@ pub enum StoreLoss {
     Damaged { detail: String, set_aside: PathBuf },
 }
 
-impl StoreLoss {
-    pub fn cause(&self) -> String {
+/// The cause, as a recovery records it: `missing`, or `damaged: <why>`.
+impl std::fmt::Display for StoreLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StoreLoss::Missing => "missing".into(),
-            StoreLoss::Damaged { detail, .. } => format!("damaged: {detail}"),
+            StoreLoss::Missing => f.write_str("missing"),
+            StoreLoss::Damaged { detail, .. } => write!(f, "damaged: {detail}"),
         }
     }
 }
@@ -269,7 +270,7 @@ impl StagedRecords {
     pub fn adopt(&self, found: &crate::recover::Found) -> Result<Vec<String>, Error> {
         let recovery = store::Recovery {
             at: store::timestamp(),
-            cause: self.loss.as_ref().map_or("operator: volring recover --apply".into(), StoreLoss::cause),
+            cause: self.loss.as_ref().map_or("operator: volring recover --apply".into(), StoreLoss::to_string),
             set_aside: match &self.loss {
                 Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
                 _ => None,

@@ -200,7 +200,11 @@ pub(crate) fn check(rec: &StagedVolume, table: &VolumeActual, proof: &Proof) -> 
 fn difference(table: &VolumeActual, kernel: &VolumeActual) -> String {
     let mut parts = Vec::new();
     if table.device != kernel.device {
-        parts.push(format!("device: table view {:?}, kernel {:?}", table.device.map(|a| a.name()), kernel.device.map(|a| a.name())));
+        parts.push(format!(
+            "device: table view {:?}, kernel {:?}",
+            table.device.map(|a| a.to_string()),
+            kernel.device.map(|a| a.to_string())
+        ));
     }
     if table.staging != kernel.staging {
         parts.push(format!("staging: table {:?}, kernel {:?}", table.staging, kernel.staging));
