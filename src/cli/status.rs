@@ -209,7 +209,8 @@ fn write_repairs(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
             RepairResult::Failed { error } => format!("failed: {error}"),
         };
         let action = serde_json::to_value(e.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        writeln!(out, "{:<20} {:<40} {:<14} {:<32} {result}", utc_text(e.at_unix), e.volume, action, e.kinds())?;
+        let kinds = e.drift.iter().map(Drift::kind).collect::<Vec<_>>().join(",");
+        writeln!(out, "{:<20} {:<40} {:<14} {kinds:<32} {result}", utc_text(e.at_unix), e.volume, action)?;
     }
     Ok(())
 }
