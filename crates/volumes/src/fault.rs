@@ -8,11 +8,12 @@
 //! The crash tests (tests/csi_recovery.rs, tests/crash_loop.rs) walk every
 //! point of an operation, kill there, restart and retry as kubelet does.
 //!
-//! Every point is listed in [`POINTS`], in the order a volume's life reaches
-//! them; a point sits right after a step that changed the machine (a file,
-//! a device, a mount, a record), so a kill there leaves that step done and
-//! the next one not. A unit test keeps the list equal to the calls in the
-//! source.
+//! Every point is listed in `POINTS` (below, for the unit tests), in the
+//! order a volume's life reaches them; a point sits right after a step that
+//! changed the machine (a file, a device, a mount, a record), so a kill
+//! there leaves that step done and the next one not. The unit tests keep
+//! the list equal to the calls in the source and to the crash loop's own
+//! list (tests/csi_support/crash_model.rs), which the loop kills at.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -79,7 +80,7 @@ const POINTS: &[&str] = &[
     "pool.delete.removed",
 ];
 
-/// The CSI call a point of [`POINTS`] lies in, by its name: `create`,
+/// The CSI call a point of `POINTS` lies in, by its name: `create`,
 /// `stage`, `publish`, `expand` (ControllerExpandVolume), `node_expand`,
 /// `unpublish`, `unstage` or `delete`.
 #[cfg(test)]
