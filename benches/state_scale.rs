@@ -21,7 +21,8 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use volring_mounts::MountTable;
-use volring_volumes::state::actual::{self, Action, Proof};
+use volring_volumes::attach;
+use volring_volumes::state::actual::{Action, AtPath, Proof, VolumeActual};
 use volring_volumes::state::reconcile::{Acted, ReconcileConfig, Reconciler, Volumes};
 use volring_volumes::{AccessKind, StagePhase, StagedRecords, StagedVolume};
 
@@ -44,7 +45,8 @@ impl Volumes for Records {
     /// any of their paths, as the (empty) table says; so every drift is
     /// confirmed and the proof costs one device lookup and the comparison.
     fn prove(&self, rec: &StagedVolume) -> Proof {
-        Proof::Seen { actual: actual::observe(rec, &MountTable::default()), covered: None }
+        let targets = rec.published.keys().map(|t| (t.clone(), AtPath::Missing)).collect();
+        Proof::Seen { actual: VolumeActual { device: attach::of_record(rec), staging: AtPath::Missing, targets }, covered: None }
     }
 }
 
@@ -102,7 +104,7 @@ fn main() {
         let t = Instant::now();
         let recs = Arc::new(StagedRecords::open(dir.path()).expect("store"));
         let load = t.elapsed();
-        assert_eq!(recs.len(), n);
+        assert_eq!(recs.ids().len(), n);
         let (info, _) = MountTable::from_mountinfo(&std::fs::read("/proc/self/mountinfo").unwrap_or_default());
         let table = Arc::new(RwLock::new(info));
         let t = Instant::now();

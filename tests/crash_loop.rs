@@ -34,12 +34,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::check;
-use csi_support::crash_model::{steps, Kind, Op, Rng, State, Vol};
+use csi_support::crash_model::{call_of, steps, Kind, Op, Rng, State, Vol, POINTS};
 use csi_support::{files_under, fs_bytes, loop_backing_files, loop_dev, mounts_under, Agent, MIB};
 use libtest_mimic::Failed;
 use tonic::{Code, Status};
 use volring_csi::proto::*;
-use volring_volumes::fault::{call_of, POINTS};
 
 type Res<T = ()> = Result<T, Failed>;
 
@@ -597,7 +596,7 @@ fn crash_loop() {
         fired: BTreeMap::new(),
         abandoned: 0,
         transient: Vec::new(),
-        ext4_grows: volring_volumes::filesystem::can_resize_ext4(),
+        ext4_grows: csi_support::ext4_grows_mounted(),
         double_fault: false,
         double_faults: 0,
     };

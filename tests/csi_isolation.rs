@@ -35,8 +35,11 @@ fn dev_of(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.dev()).unwrap_or(0)
 }
 
+/// Whether `p` is the root of a mount, as statx(2) says (the test's own
+/// look, not the agent's).
 fn is_mount_point(p: &Path) -> bool {
-    volring_volumes::mounting::is_mount_point(p).unwrap_or(false)
+    use rustix::fs::{statx, AtFlags, StatxAttributes, StatxFlags, CWD};
+    statx(CWD, p, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::BASIC_STATS).is_ok_and(|s| s.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
 }
 
 /// Stage B where A is mounted: refused, A untouched; B's publish and

@@ -380,8 +380,8 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     let b = r.view().get("pvc-b");
     let repairs = r.stats().repairs_done.load(std::sync::atomic::Ordering::Relaxed);
     let under_cover = mounts_under(Path::new(&staging_b));
-    let autoclear = std::fs::read_to_string(format!("/sys/block/{}/loop/autoclear", orphan.name())).unwrap_or_default();
-    let orphan_served = attach::existing(orphan.number, &image).is_some();
+    let autoclear = std::fs::read_to_string(format!("/sys/block/{orphan}/loop/autoclear")).unwrap_or_default();
+    let orphan_served = attach::find_backed_by(&image).iter().any(|d| d.number == orphan.number);
     // Every wrong decision is listed, not only the first.
     let orphans = r.stats().orphans.lock().map_err(|e| e.to_string())?.clone();
     let wrong: Vec<String> = [

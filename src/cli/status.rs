@@ -44,7 +44,7 @@ fn health_lines(h: &VolumeHealth) -> Vec<String> {
         lines.push(format!("repair failed: {e}"));
     }
     if let Some(r) = &h.last_repair {
-        lines.push(format!("last repair {}: {}", utc_text(r.at_unix), r.describe()));
+        lines.push(format!("last repair {}: {r}", utc_text(r.at_unix)));
     }
     lines
 }
@@ -209,7 +209,8 @@ fn write_repairs(out: &mut impl Write, r: &StatusReport) -> io::Result<()> {
             RepairResult::Failed { error } => format!("failed: {error}"),
         };
         let action = serde_json::to_value(e.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        writeln!(out, "{:<20} {:<40} {:<14} {:<32} {result}", utc_text(e.at_unix), e.volume, action, e.kinds())?;
+        let kinds = e.drift.iter().map(Drift::kind).collect::<Vec<_>>().join(",");
+        writeln!(out, "{:<20} {:<40} {:<14} {kinds:<32} {result}", utc_text(e.at_unix), e.volume, action)?;
     }
     Ok(())
 }
@@ -263,8 +264,8 @@ pub(crate) fn recover(dirs: &NodeDirs, apply: bool, json: bool) -> anyhow::Resul
 /// staged volumes without a record, and with `apply` writes them as
 /// records of one recovery.
 fn find_and_adopt(dirs: &NodeDirs, apply: bool, no_agent: bool) -> anyhow::Result<Recovered> {
-    use volring_volumes::staged::StoreLoss;
     use volring_volumes::store::{self, Store};
+    use volring_volumes::StoreLoss;
     let pool = dirs.pool();
     let path = dirs.state_dir.join(store::FILE);
     let (store_error, known): (Option<String>, Vec<String>) = match Store::read_only(&path, no_agent) {
@@ -275,23 +276,9 @@ fn find_and_adopt(dirs: &NodeDirs, apply: bool, no_agent: bool) -> anyhow::Resul
     let (found, written) = if apply {
         let records = volring_volumes::StagedRecords::open(&dirs.state_dir)?;
         let found = volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| records.contains(id));
-        let recovery = store::Recovery {
-            at: store::timestamp(),
-            cause: records.loss().map_or("operator: volring recover --apply".into(), |l| l.cause()),
-            set_aside: match records.loss() {
-                Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
-                _ => None,
-            },
-            adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
-            refused: found.refused.clone(),
-        };
         // Nothing found and nothing damaged: nothing to write or say.
         let damaged = matches!(records.loss(), Some(StoreLoss::Damaged { .. }));
-        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged {
-            Vec::new()
-        } else {
-            records.adopt(&found.adopted, &recovery)?
-        };
+        let ids = if found.adopted.is_empty() && found.refused.is_empty() && !damaged { Vec::new() } else { records.adopt(&found)? };
         (found, Some(ids))
     } else {
         (volring_volumes::recover::from_kernel(&pool, &dirs.kubelet_root, &|id| known.iter().any(|k| k == id)), None)

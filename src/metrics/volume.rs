@@ -29,6 +29,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
 use volring_devices::{Inventory, IoCounters, StatSnapshot};
+use volring_volumes::identity::KubeletLabels;
 use volring_volumes::VolumeIdentity;
 
 /// A filesystem's figures, as kubelet's volume stats report them.
@@ -46,7 +47,7 @@ struct FsStat {
 struct Row<'a> {
     id: &'a VolumeIdentity,
     device: &'a str,
-    pod: String,
+    kubelet: KubeletLabels<'a>,
     io: Option<&'a IoCounters>,
     capacity: Option<u64>,
     fs: Option<FsStat>,
@@ -57,9 +58,9 @@ impl Row<'_> {
         [
             ("volume", self.id.volume_id.as_str()),
             ("device", self.device),
-            ("persistentvolumeclaim", self.id.pvc_name()),
-            ("namespace", self.id.namespace()),
-            ("pod", self.pod.as_str()),
+            ("persistentvolumeclaim", self.kubelet.persistentvolumeclaim),
+            ("namespace", self.kubelet.namespace),
+            ("pod", self.kubelet.pod.as_str()),
         ]
     }
 }
@@ -88,7 +89,7 @@ fn rows<'a>(ids: &'a [VolumeIdentity], snap: &'a StatSnapshot, inv: &'a Inventor
             let mounted = dev.is_some_and(|d| d.mountpoints.iter().any(|m| m == &id.staging_path));
             let fs = if id.block || !mounted { None } else { statvfs(&id.staging_path) };
             let capacity = fs.map(|f| f.capacity).or_else(|| dev.filter(|_| id.block).map(|d| d.size_bytes));
-            Some(Row { id, device, pod: id.pod_label(), io: io.get(device).copied(), capacity, fs })
+            Some(Row { id, device, kubelet: id.labels(), io: io.get(device).copied(), capacity, fs })
         })
         .collect()
 }

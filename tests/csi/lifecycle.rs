@@ -181,7 +181,7 @@ pub(super) fn expand_while_published(fs: &'static str) -> impl FnOnce() -> Resul
         let e = a.expand("pvc-grow", big, mount_cap(fs))?;
         check(e.capacity_bytes == big && e.node_expansion_required, format!("controller expand: {e:?}"))?;
         let node = a.node_expand("pvc-grow", &target, big);
-        if fs == "ext4" && !volring_volumes::filesystem::can_resize_ext4() {
+        if fs == "ext4" && !ext4_grows_mounted() {
             // This machine withholds CAP_SYS_RESOURCE; the answer must say so.
             expect_code(node, Code::FailedPrecondition, "ext4 grow without CAP_SYS_RESOURCE")?;
         } else {

@@ -18,7 +18,7 @@ use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 
 use common::check;
-use csi_support::{block_cap, code, loops_under, mount_cap, mounts_under, Agent, MIB};
+use csi_support::{block_cap, code, ext4_grows_mounted, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use tonic::Code;
 use volring_csi::client::capability;

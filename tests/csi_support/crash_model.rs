@@ -7,6 +7,54 @@ use volring_csi::proto::VolumeCapability;
 
 use super::{block_cap, mount_cap, MIB};
 
+/// Every fault point the agent has (`VOLRING_FAULT_POINT`), in the order a
+/// volume's life reaches them: the crash loop's own list of where it kills.
+/// The agent's unit test (volring-volumes `fault`) keeps it equal to the
+/// points in the agent's source, and the loop fails a run in which a listed
+/// point never fired.
+pub const POINTS: &[&str] = &[
+    "pool.create.created",
+    "pool.create.sized",
+    "pool.create.placed",
+    "pool.create.recorded",
+    "stage:attach",
+    "stage:attached",
+    "stage:path",
+    "stage:mkfs",
+    "stage:formatted",
+    "stage:mount",
+    "stage:mounted",
+    "stage:staged",
+    "publish:target",
+    "publish:bind",
+    "publish:bound",
+    "pool.expand.grown",
+    "pool.expand.recorded",
+    "expand:refreshed",
+    "node_expand:refreshed",
+    "node_expand:grow",
+    "node_expand:grown",
+    "unpublish:unmounted",
+    "unpublish:removed",
+    "unpublish:done",
+    "unstage:intent",
+    "unstage:unmounted",
+    "unstage:removed",
+    "unstage:detached",
+    "unstage:done",
+    "pool.delete.tombstoned",
+    "pool.delete.unrecorded",
+    "pool.delete.removed",
+];
+
+/// The CSI call a point of [`POINTS`] lies in, by its name (the part before
+/// the first `:` or `.`, after an optional `pool.`): `create`, `stage`,
+/// `publish`, `expand`, `node_expand`, `unpublish`, `unstage` or `delete`.
+pub fn call_of(point: &str) -> &str {
+    let name = point.strip_prefix("pool.").unwrap_or(point);
+    name.split([':', '.']).next().unwrap_or(name)
+}
+
 /// xorshift64*, seeded through splitmix64 so any seed (0 too) works.
 pub struct Rng(u64);
 
@@ -105,7 +153,7 @@ pub enum Op {
 }
 
 impl Op {
-    /// The call's name as `fault::call_of` gives it.
+    /// The call's name as [`call_of`] gives it.
     pub fn call(self) -> &'static str {
         match self {
             Op::Create => "create",

@@ -341,3 +341,11 @@ fn log_tail(log: &Path, n: usize) -> String {
     let lines: Vec<String> = raw.lines().map(without_colours).collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+/// Whether the agent (started by this test process, with its
+/// capabilities) may grow a mounted ext4 filesystem: the kernel grows one
+/// only for CAP_SYS_RESOURCE, so without it NodeExpandVolume of an ext4
+/// volume must answer FailedPrecondition.
+pub fn ext4_grows_mounted() -> bool {
+    rustix::thread::capabilities(None).is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_RESOURCE))
+}

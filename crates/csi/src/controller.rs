@@ -11,7 +11,8 @@ use super::nbd::NbdSide;
 use super::nbd_export::NbdExports;
 use super::{Error, Expansion, Result};
 use volring_share::ShareSide;
-use volring_volumes::{attach, AccessKind, AttachKind, FsKind, StagePhase, VolumeMeta};
+use volring_volumes::filesystem::FsKind;
+use volring_volumes::{attach, AccessKind, AttachKind, StagePhase, VolumeMeta};
 
 /// StorageClass parameters volring understands; the external-provisioner's
 /// own `csi.storage.k8s.io/` keys are passed through and ignored.

@@ -135,7 +135,7 @@ impl Driver {
             rebuild_from_kernel(&pool, &records, &config.kubelet_root, &loss)?;
         }
         let nbd = Arc::new(NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir));
-        tracing::info!(pool = %pool.dir().display(), volumes = pool.len(), staged = records.len(), direct_io = pool.direct_io(),
+        tracing::info!(pool = %pool.dir().display(), volumes = pool.provisioned().0, staged = records.ids().len(), direct_io = pool.direct_io(),
             "CSI volume pool");
         let side = Arc::new(volring_share::ShareSide::new(config.share.clone(), &config.state_dir, records.store().clone()));
         let fence = Arc::new(Fence::open(records.store().clone())?);
@@ -294,30 +294,15 @@ impl volring_share::follow::ShareHost for Driver {
 /// proven is reported and left alone, and all of it is said loudly — an
 /// ERROR in the log and a line in `volring status` (kept in the new store).
 /// A new node (no store, nothing in the kernel) is only noted.
-fn rebuild_from_kernel(
-    pool: &ImagePool,
-    records: &StagedRecords,
-    kubelet_root: &Path,
-    loss: &volring_volumes::staged::StoreLoss,
-) -> Result<()> {
-    use volring_volumes::staged::StoreLoss;
+fn rebuild_from_kernel(pool: &ImagePool, records: &StagedRecords, kubelet_root: &Path, loss: &volring_volumes::StoreLoss) -> Result<()> {
+    use volring_volumes::StoreLoss;
     let found = volring_volumes::recover::from_kernel(pool.dir(), kubelet_root, &|id| records.contains(id));
     if *loss == StoreLoss::Missing && found.adopted.is_empty() && found.refused.is_empty() {
         tracing::info!(store = %records.store().path().display(), "no store yet: a new one made");
         return Ok(());
     }
-    let recovery = volring_volumes::store::Recovery {
-        at: volring_volumes::store::timestamp(),
-        cause: loss.cause(),
-        set_aside: match loss {
-            StoreLoss::Damaged { set_aside, .. } => Some(set_aside.clone()),
-            StoreLoss::Missing => None,
-        },
-        adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
-        refused: found.refused.clone(),
-    };
-    let adopted = records.adopt(&found.adopted, &recovery)?;
-    tracing::error!(store = %records.store().path().display(), cause = %recovery.cause, adopted = adopted.len(),
+    let adopted = records.adopt(&found)?;
+    tracing::error!(store = %records.store().path().display(), cause = %loss, adopted = adopted.len(),
         refused = found.refused.len(), volumes = ?adopted,
         "THE NODE'S STORE WAS LOST: the staged volumes' records were rebuilt from the kernel (see `volring status`)");
     for r in &found.refused {

@@ -93,7 +93,9 @@ impl NbdSide {
             Some(Served::Local(att)) => att,
             Some(Served::Remote(_)) | None => return Err(GrowError::NotServed(index)),
         };
-        let image = std::fs::metadata(&rec.image).map_err(volring_volumes::Error::io("stat", &rec.image))?.len();
+        let image = std::fs::metadata(&rec.image)
+            .map_err(|source| volring_volumes::Error::Io { what: "stat", path: rec.image.clone(), source })?
+            .len();
         // The device takes whole blocks (4096 unless the export needs more).
         let block = nbdattach::ConnectSpec::for_export(&att.details, &att.backend_id).block_size;
         let want = image - image % block;

@@ -23,8 +23,9 @@ use super::nbd::NbdSide;
 use super::share::Shares;
 use super::share_client::NfsClient;
 use super::{Error, Result};
+use volring_volumes::attach::{self, Attachment};
 use volring_volumes::filesystem::{self, Content, FsKind};
-use volring_volumes::{attach, mounting, AccessKind, AttachKind, Attachment, RemoteExport, StagePhase, StagedVolume};
+use volring_volumes::{mounting, AccessKind, AttachKind, RemoteExport, StagePhase, StagedVolume};
 
 /// Node service, stage and unstage; the reconciler's repairs come
 /// through here too.
@@ -451,7 +452,7 @@ impl Stager {
         for a in &devices {
             self.base.root.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
             self.base.root.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
-            if attach::claimed_path(&a.path())? {
+            if attach::claimed(&a.path())? {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {id} has no record and {} is still in use (mounted or held elsewhere, a publish target?); not detached",
                     a.path().display()

@@ -20,10 +20,11 @@ use super::nbd::NbdSide;
 use super::share_client::NfsClient;
 use super::{Error, Expansion, Result};
 use volring_mounts::DevNum;
+use volring_volumes::attach::{self, Attachment};
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
 use volring_volumes::state::actual::HealthView;
-use volring_volumes::{attach, AccessKind, Attachment, StagedVolume};
+use volring_volumes::{AccessKind, StagedVolume};
 
 /// Node service, the questions about a staged volume and its growth.
 pub(crate) struct Stats {
@@ -176,7 +177,7 @@ impl Stats {
         };
         let message = match (&problem, verdict.as_deref().and_then(|h| h.last_repair.as_ref())) {
             (Some(p), _) => p.clone(),
-            (None, Some(r)) => format!("healthy; repaired at unix time {} ({})", r.at_unix, r.describe()),
+            (None, Some(r)) => format!("healthy; repaired at unix time {} ({r})", r.at_unix),
             (None, None) => "healthy".into(),
         };
         VolumeCondition { abnormal: problem.is_some(), message }
@@ -184,8 +185,9 @@ impl Stats {
 
     /// What is wrong below the mount: the nbd connection, or ext4's own
     /// error count (`/sys/fs/ext4/<device>/errors_count`).
-    fn device_problem(&self, a: &volring_volumes::Attachment) -> Option<String> {
-        let fs_errors = ext4_errors(&a.name()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
+    fn device_problem(&self, a: &Attachment) -> Option<String> {
+        let fs_errors =
+            ext4_errors(&a.to_string()).filter(|&n| n > 0).map(|n| format!("ext4 on {} recorded {n} errors", a.path().display()));
         match (self.nbd.problem(a), fs_errors) {
             (Some(n), Some(f)) => Some(format!("{n}; {f}")),
             (n, f) => n.or(f),

@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 
 use super::{Error, Result};
 use volring_mounts::DevNum;
+use volring_volumes::attach::Attachment;
 use volring_volumes::beneath::{self, Beneath, Kind, Node};
-use volring_volumes::{mounting, AccessKind, Attachment, StagedVolume};
+use volring_volumes::{mounting, AccessKind, StagedVolume};
 
 /// A mount point is unmounted at most this many times over (stacked mounts).
 const MAX_STACKED: usize = 8;

@@ -126,7 +126,7 @@ impl Repairs {
             // The table says where it is mounted; the kernel says whether
             // anything holds it now. Detached only when both say nothing
             // does and the device still serves that very image.
-            let claimed = if mounted.is_empty() && remove { attach::claimed(att.number) } else { Ok(false) };
+            let claimed = if mounted.is_empty() && remove { attach::claimed(&att.path()) } else { Ok(false) };
             if !mounted.is_empty() {
                 what.push_str(&format!(", mounted at {}", mounted.join(", ")));
             } else if !matches!(claimed, Ok(false)) {

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use super::proto::volume_capability::{access_mode::Mode, AccessType as ProtoAccessType};
 use super::proto::{CapacityRange, VolumeCapability};
 use super::{Error, Result};
-use volring_volumes::{FsKind, MountOptions};
+use volring_volumes::filesystem::FsKind;
+use volring_volumes::MountOptions;
 
 pub const MAX_ID_LEN: usize = 128;
 pub(crate) const MAX_PATH_LEN: usize = 4096;

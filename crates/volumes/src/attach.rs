@@ -38,12 +38,14 @@ pub struct Attachment {
 
 impl Attachment {
     pub fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/dev/{}", self.name()))
+        PathBuf::from(format!("/dev/{self}"))
     }
+}
 
-    /// The kernel's name of the device (`loop3`, `nbd0`).
-    pub fn name(&self) -> String {
-        format!("{}{}", self.kind.as_str(), self.number)
+/// The kernel's name of the device (`loop3`, `nbd0`).
+impl std::fmt::Display for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.kind.as_str(), self.number)
     }
 }
 
@@ -118,22 +120,12 @@ pub fn prove_loop(number: u32, image: &Path) -> DeviceProof {
     }
 }
 
-/// Whether anything holds `/dev/loop<number>` exclusively now: a mounted
-/// filesystem, a device-mapper or md stack, another `O_EXCL` opener. The
-/// kernel answers an exclusive open with EBUSY then; this asks it and
-/// closes at once. (A bind mount of the device node holds nothing and is
-/// not seen here.)
-pub fn claimed(number: u32) -> Result<bool, Error> {
-    let p = format!("/dev/loop{number}");
-    match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(&p) {
-        Ok(_) => Ok(false),
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
-        Err(e) => Err(Error::io("open exclusively", &p)(e)),
-    }
-}
-
-/// [`claimed`] for any block device node (`/dev/nbd0` too).
-pub fn claimed_path(p: &Path) -> Result<bool, Error> {
+/// Whether anything holds the block device node `p` (`/dev/loop3`,
+/// `/dev/nbd0`) exclusively now: a mounted filesystem, a device-mapper or
+/// md stack, another `O_EXCL` opener. The kernel answers an exclusive open
+/// with EBUSY then; this asks it and closes at once. (A bind mount of the
+/// device node holds nothing and is not seen here.)
+pub fn claimed(p: &Path) -> Result<bool, Error> {
     match OpenOptions::new().read(true).custom_flags(libc::O_EXCL | libc::O_CLOEXEC).open(p) {
         Ok(_) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
@@ -178,7 +170,7 @@ pub fn attach(image: &Path, read_only: bool, direct_io: bool) -> Result<Attachme
 }
 
 /// The device `/dev/loop<number>` if it is attached to `image`.
-pub fn existing(number: u32, image: &Path) -> Option<Attachment> {
+pub(crate) fn existing(number: u32, image: &Path) -> Option<Attachment> {
     (backing_file(number)?.as_path() == image)
         .then(|| device_number(number).ok().map(|dev| Attachment { number, dev, kind: AttachKind::Loop }))?
 }
@@ -333,7 +325,7 @@ pub(crate) fn size_bytes(number: u32) -> Result<u64, Error> {
 
 /// The size of the device in bytes, as the kernel sees it.
 pub fn device_bytes(a: &Attachment) -> Result<u64, Error> {
-    sysfs_size(&a.name())
+    sysfs_size(&a.to_string())
 }
 
 fn sysfs_size(name: &str) -> Result<u64, Error> {

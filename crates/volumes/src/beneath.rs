@@ -64,10 +64,6 @@ impl Beneath {
         Ok(Self { root: root_fd, path: root.to_path_buf() })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The normal components of `p` below the root; `p` must be the root
     /// itself or lie below it (lexically: requests are validated first).
     fn components<'a>(&self, p: &'a Path) -> io::Result<Vec<&'a std::ffi::OsStr>> {

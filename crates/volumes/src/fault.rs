@@ -8,11 +8,12 @@
 //! The crash tests (tests/csi_recovery.rs, tests/crash_loop.rs) walk every
 //! point of an operation, kill there, restart and retry as kubelet does.
 //!
-//! Every point is listed in [`POINTS`], in the order a volume's life reaches
-//! them; a point sits right after a step that changed the machine (a file,
-//! a device, a mount, a record), so a kill there leaves that step done and
-//! the next one not. A unit test keeps the list equal to the calls in the
-//! source.
+//! Every point is listed in `POINTS` (below, for the unit tests), in the
+//! order a volume's life reaches them; a point sits right after a step that
+//! changed the machine (a file, a device, a mount, a record), so a kill
+//! there leaves that step done and the next one not. The unit tests keep
+//! the list equal to the calls in the source and to the crash loop's own
+//! list (tests/csi_support/crash_model.rs), which the loop kills at.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -43,7 +44,8 @@ use std::sync::OnceLock;
 /// - DeleteVolume: `pool.delete.tombstoned` (image renamed to its
 ///   tombstone), `pool.delete.unrecorded` (record removed),
 ///   `pool.delete.removed` (tombstone removed).
-pub const POINTS: &[&str] = &[
+#[cfg(test)]
+const POINTS: &[&str] = &[
     "pool.create.created",
     "pool.create.sized",
     "pool.create.placed",
@@ -78,10 +80,11 @@ pub const POINTS: &[&str] = &[
     "pool.delete.removed",
 ];
 
-/// The CSI call a point of [`POINTS`] lies in, by its name: `create`,
+/// The CSI call a point of `POINTS` lies in, by its name: `create`,
 /// `stage`, `publish`, `expand` (ControllerExpandVolume), `node_expand`,
 /// `unpublish`, `unstage` or `delete`.
-pub fn call_of(point: &str) -> &str {
+#[cfg(test)]
+fn call_of(point: &str) -> &str {
     let name = point.strip_prefix("pool.").unwrap_or(point);
     name.split([':', '.']).next().unwrap_or(name)
 }
@@ -181,6 +184,17 @@ mod tests {
         let mut listed = POINTS.to_vec();
         listed.sort();
         assert_eq!(in_source, listed);
+    }
+
+    /// The crash loop (tests/crash_loop.rs) kills at the points its model
+    /// lists; a point missing there would never be crashed at.
+    #[test]
+    fn the_crash_model_lists_every_point() {
+        let model = include_str!("../../../tests/csi_support/crash_model.rs");
+        let start = model.find("pub const POINTS: &[&str] = &[").expect("the model's point list");
+        let list = &model[start..start + model[start..].find("];").expect("the end of the list")];
+        let named: Vec<&str> = list.split('"').skip(1).step_by(2).collect();
+        assert_eq!(named, POINTS);
     }
 
     #[test]

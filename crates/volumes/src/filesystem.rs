@@ -214,7 +214,7 @@ fn mntent_escape(field: &str) -> String {
 }
 
 /// True when this process may grow a mounted ext4 filesystem.
-pub fn can_resize_ext4() -> bool {
+pub(crate) fn can_resize_ext4() -> bool {
     rustix::thread::capabilities(None).is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_RESOURCE))
 }
 

@@ -109,22 +109,29 @@ impl VolumeIdentity {
         self.pods = self.pod_uids.iter().filter_map(|u| names.pods.get(u).cloned()).collect();
     }
 
-    /// Kubelet's `persistentvolumeclaim` label: the PVC's name, or "".
-    pub fn pvc_name(&self) -> &str {
-        self.claim.as_ref().map_or("", |c| c.name.as_str())
+    /// The labels kubelet gives a volume's metrics, from what the cluster
+    /// said (each "" when it said nothing).
+    pub fn labels(&self) -> KubeletLabels<'_> {
+        let pods: BTreeSet<&str> = self.pods.iter().map(|p| p.name.as_str()).collect();
+        KubeletLabels {
+            persistentvolumeclaim: self.claim.as_ref().map_or("", |c| c.name.as_str()),
+            namespace: self.claim.as_ref().map_or("", |c| c.namespace.as_str()),
+            pod: pods.into_iter().collect::<Vec<_>>().join(","),
+        }
     }
+}
 
-    /// Kubelet's `namespace` label: the PVC's namespace, or "".
-    pub fn namespace(&self) -> &str {
-        self.claim.as_ref().map_or("", |c| c.namespace.as_str())
-    }
-
-    /// The `pod` label: the pods' names, comma-joined (a volume published
-    /// to several pods of the node keeps one series), or "".
-    pub fn pod_label(&self) -> String {
-        let names: BTreeSet<&str> = self.pods.iter().map(|p| p.name.as_str()).collect();
-        names.into_iter().collect::<Vec<_>>().join(",")
-    }
+/// A volume's labels as kubelet names them, for metric series that join
+/// kubelet's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeletLabels<'a> {
+    /// The PVC's name.
+    pub persistentvolumeclaim: &'a str,
+    /// The PVC's namespace.
+    pub namespace: &'a str,
+    /// The pods' names, comma-joined (a volume published to several pods
+    /// of the node keeps one series).
+    pub pod: String,
 }
 
 /// What the cluster told about this node's volumes, as the agent caches it.
@@ -233,7 +240,8 @@ mod tests {
         assert_eq!(i.persistent_volume.as_deref(), Some("pvc-1234"));
         assert_eq!(i.device.as_deref(), Some("loop7"));
         assert_eq!((i.block, i.fs_type.as_deref()), (false, Some("ext4")));
-        assert_eq!((i.pvc_name(), i.namespace(), i.pod_label().as_str()), ("", "", ""));
+        let l = i.labels();
+        assert_eq!((l.persistentvolumeclaim, l.namespace, l.pod.as_str()), ("", "", ""));
     }
 
     #[test]
@@ -276,14 +284,15 @@ mod tests {
             names.pods.insert(uid.into(), PodRef { uid: uid.into(), namespace: "shop".into(), name: name.into() });
         }
         let v = identities(&[staged(mount, "/k/s", &[&t1, &t2])], &names);
-        assert_eq!((v[0].pvc_name(), v[0].namespace()), ("data", "shop"));
-        assert_eq!(v[0].pod_label(), "web-0,web-1");
+        let l = v[0].labels();
+        assert_eq!((l.persistentvolumeclaim, l.namespace), ("data", "shop"));
+        assert_eq!(l.pod, "web-0,web-1");
         // Without a PV in the paths, the cluster's volumeHandle index names it.
         let mut s = staged(AccessKind::Block, "/k/s", &[]);
         s.volume_id = "handle-9".into();
         names.volume_pv.insert("handle-9".into(), "pvc-1".into());
         let v = identities(&[s], &names);
-        assert_eq!((v[0].persistent_volume.as_deref(), v[0].pvc_name()), (Some("pvc-1"), "data"));
+        assert_eq!((v[0].persistent_volume.as_deref(), v[0].labels().persistentvolumeclaim), (Some("pvc-1"), "data"));
         assert!(v[0].block);
     }
 }

@@ -27,19 +27,16 @@ pub mod mounting;
 mod persist;
 mod pool;
 pub mod recover;
-pub mod staged;
+mod staged;
 pub mod state;
 pub mod status;
 pub mod store;
 
-pub use attach::Attachment;
-pub use filesystem::{Content, FsKind};
 pub use identity::{ClusterNames, VolumeIdentity};
 pub use mounting::MountOptions;
 pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
-pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume};
-pub use status::StatusReport;
+pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume, StoreLoss};
 
 use std::path::PathBuf;
 
@@ -68,7 +65,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn io(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
         let path = path.into();
         move |source| Error::Io { what, path, source }
     }

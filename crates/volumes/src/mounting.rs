@@ -237,17 +237,6 @@ fn with_kernel_message(e: io::Error, fs: &OwnedFd) -> io::Error {
     io::Error::new(e.kind(), format!("{e} ({})", said.join("; ")))
 }
 
-/// True when `path` is the root of a mount (asks the kernel about this one
-/// path; no table is read).
-pub fn is_mount_point(path: &Path) -> io::Result<bool> {
-    use rustix::fs::{statx, AtFlags, StatxAttributes, StatxFlags, CWD};
-    match statx(CWD, path, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::BASIC_STATS) {
-        Ok(s) => Ok(s.stx_attributes.contains(StatxAttributes::MOUNT_ROOT)),
-        Err(rustix::io::Errno::NOENT) => Ok(false),
-        Err(e) => Err(e.into()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

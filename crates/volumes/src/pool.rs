@@ -208,14 +208,6 @@ impl ImagePool {
         self.quarantined.read().unwrap_or_else(|e| e.into_inner()).iter().find(|q| q.volume_id() == Some(id)).cloned()
     }
 
-    pub fn len(&self) -> usize {
-        self.volumes.read().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// How many volumes, and their sizes together.
     pub fn provisioned(&self) -> (usize, u64) {
         let v = self.volumes.read().unwrap_or_else(|e| e.into_inner());

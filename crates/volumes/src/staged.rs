@@ -156,11 +156,12 @@ pub enum StoreLoss {
     Damaged { detail: String, set_aside: PathBuf },
 }
 
-impl StoreLoss {
-    pub fn cause(&self) -> String {
+/// The cause, as a recovery records it: `missing`, or `damaged: <why>`.
+impl std::fmt::Display for StoreLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StoreLoss::Missing => "missing".into(),
-            StoreLoss::Damaged { detail, .. } => format!("damaged: {detail}"),
+            StoreLoss::Missing => f.write_str("missing"),
+            StoreLoss::Damaged { detail, .. } => write!(f, "damaged: {detail}"),
         }
     }
 }
@@ -261,17 +262,30 @@ impl StagedRecords {
         self.loss.as_ref()
     }
 
-    /// Durably records `recs` (rebuilt from the kernel) and what the
-    /// rebuild found, in one transaction. A volume that has a record
-    /// already keeps it.
-    pub fn adopt(&self, recs: &[StagedVolume], recovery: &store::Recovery) -> Result<Vec<String>, Error> {
+    /// Durably records what `found` (read from the kernel) proved, and the
+    /// recovery itself (when, why, what was adopted and refused, for
+    /// `volring status`), in one transaction. The cause is how the store
+    /// was lost, or an operator's `volring recover --apply` when it was
+    /// not. A volume that has a record already keeps it.
+    pub fn adopt(&self, found: &crate::recover::Found) -> Result<Vec<String>, Error> {
+        let recovery = store::Recovery {
+            at: store::timestamp(),
+            cause: self.loss.as_ref().map_or("operator: volring recover --apply".into(), StoreLoss::to_string),
+            set_aside: match &self.loss {
+                Some(StoreLoss::Damaged { set_aside, .. }) => Some(set_aside.clone()),
+                _ => None,
+            },
+            adopted: found.adopted.iter().map(|r| r.volume_id.clone()).collect(),
+            refused: found.refused.clone(),
+        };
+        let recs = &found.adopted;
         let fresh: Vec<(&StagedVolume, Vec<u8>)> = recs
             .iter()
             .filter(|r| !self.contains(&r.volume_id))
             .map(|r| (r, serde_json::to_vec(r).expect("a staged record serialises")))
             .collect();
         let mut changes: Vec<Change<'_>> = fresh.iter().map(|(r, b)| Change::PutVolume(&r.volume_id, b)).collect();
-        changes.push(Change::PutRecovery(recovery));
+        changes.push(Change::PutRecovery(&recovery));
         self.store.apply(&changes).map_err(|e| self.error(e))?;
         let mut ids = Vec::new();
         {
@@ -317,14 +331,6 @@ impl StagedRecords {
 
     pub fn contains(&self, id: &str) -> bool {
         self.lock().contains_key(id)
-    }
-
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     pub fn all(&self) -> Vec<StagedVolume> {
@@ -525,7 +531,7 @@ mod tests {
         assert_eq!(again.get("pvc-1"), Some(r.clone()));
         again.remove("pvc-1").unwrap();
         drop(again);
-        assert!(StagedRecords::open(d.path()).unwrap().is_empty());
+        assert!(StagedRecords::open(d.path()).unwrap().ids().is_empty());
         let recs = StagedRecords::open(d.path()).unwrap();
         recs.put(&r).unwrap();
         drop(recs);
@@ -553,12 +559,12 @@ mod tests {
         // Imported once: a second open changes nothing.
         drop(again);
         let again = StagedRecords::open(d.path()).unwrap();
-        assert_eq!(again.len(), 2);
+        assert_eq!(again.ids().len(), 2);
         // A record the store cannot decode is quarantined in the store.
         again.store().apply(&[Change::PutVolume("pvc-bad", b"\x00garbage")]).unwrap();
         drop(again);
         let again = StagedRecords::open(d.path()).unwrap();
         assert!(again.get("pvc-bad").is_none() && again.quarantined_record("pvc-bad").is_some());
-        assert_eq!(again.len(), 2);
+        assert_eq!(again.ids().len(), 2);
     }
 }

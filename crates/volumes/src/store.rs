@@ -98,7 +98,7 @@ pub struct Recovery {
 }
 
 /// The UTC time now as `YYYYmmddTHHMMSSZ`.
-pub fn timestamp() -> String {
+pub(crate) fn timestamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let (y, m, d, rem) = civil(secs);
     format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)

@@ -40,7 +40,7 @@ pub struct VolumeActual {
 }
 
 /// Reads the actual state of the volume `rec` describes.
-pub fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
+pub(crate) fn observe(rec: &StagedVolume, table: &MountTable) -> VolumeActual {
     let device = attach::of_record(rec);
     let staging = at_path(table, &rec.staged_at(), rec, device);
     let targets = rec.published.keys().map(|t| (t.clone(), at_path(table, t, rec, device))).collect();
@@ -200,7 +200,11 @@ pub(crate) fn check(rec: &StagedVolume, table: &VolumeActual, proof: &Proof) -> 
 fn difference(table: &VolumeActual, kernel: &VolumeActual) -> String {
     let mut parts = Vec::new();
     if table.device != kernel.device {
-        parts.push(format!("device: table view {:?}, kernel {:?}", table.device.map(|a| a.name()), kernel.device.map(|a| a.name())));
+        parts.push(format!(
+            "device: table view {:?}, kernel {:?}",
+            table.device.map(|a| a.to_string()),
+            kernel.device.map(|a| a.to_string())
+        ));
     }
     if table.staging != kernel.staging {
         parts.push(format!("staging: table {:?}, kernel {:?}", table.staging, kernel.staging));
@@ -283,9 +287,10 @@ impl VolumeHealth {
     }
 }
 
-impl Repair {
-    pub fn describe(&self) -> String {
-        self.what.iter().map(describe).collect::<Vec<_>>().join("; ")
+/// What was repaired, for people: each drift described, `; `-separated.
+impl std::fmt::Display for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what.iter().map(describe).collect::<Vec<_>>().join("; "))
     }
 }
 

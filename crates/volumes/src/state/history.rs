@@ -48,13 +48,6 @@ fn one() -> u32 {
     1
 }
 
-impl RepairEvent {
-    /// The drift kinds, comma-separated (`staging_missing,device_detached`).
-    pub fn kinds(&self) -> String {
-        self.drift.iter().map(Drift::kind).collect::<Vec<_>>().join(",")
-    }
-}
-
 /// The store's key of entry `seq`: fixed width, so keys sort by `seq`.
 fn key(seq: u64) -> String {
     format!("{seq:020}")
