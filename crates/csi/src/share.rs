@@ -10,7 +10,7 @@ use super::{Error, Result};
 use volring_share::ShareSide;
 
 /// Reads the endpoint published on a PVC; runs on the CSI call's blocking thread.
-pub use volring_share::follow::EndpointLookup;
+pub(crate) use volring_share::follow::EndpointLookup;
 
 /// The shares this node serves: the hooks around its own stages.
 pub(crate) struct Shares {
