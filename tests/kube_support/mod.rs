@@ -419,6 +419,17 @@ impl StandIn {
     }
 }
 
+/// volring's CRDs, read once from what `volring crds` prints (as the API
+/// server reads them once applied).
+fn crds() -> &'static [k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition] {
+    static CRDS: std::sync::OnceLock<Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>> =
+        std::sync::OnceLock::new();
+    CRDS.get_or_init(|| {
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&volring_kube::objects::crds_yaml()).expect("the CRDs are YAML");
+        docs.into_iter().filter(|d| !d.is_null()).map(|d| serde_json::from_value(d).expect("a CRD")).collect()
+    })
+}
+
 fn status_body(code: StatusCode, reason: &str, message: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()})
 }

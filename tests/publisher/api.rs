@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The Kubernetes API's path of VolumeAttachments (the test's own).
+const ATTACHMENTS: &str = "/apis/storage.k8s.io/v1/volumeattachments";
+
 #[tokio::test]
 async fn lists_are_paginated() {
     let server = Server::start().await;
@@ -61,7 +64,7 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
     let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     inv.link(&table, "n1");
-    let node = objects::storage_node("n1", None, vec![]);
+    let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None);
     let initial = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;
     let server = Server::start().await;
@@ -104,7 +107,7 @@ async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_dr
     assert_eq!(got, want);
     let log = server.api.log();
     assert_eq!(log.len(), 3, "three pages of 500: {log:?}");
-    assert!(log.iter().all(|l| l.path == attachments::PATH && l.status == 200 && l.query.contains("limit=500")), "{log:?}");
+    assert!(log.iter().all(|l| l.path == ATTACHMENTS && l.status == 200 && l.query.contains("limit=500")), "{log:?}");
     assert!(log.iter().all(|l| !l.query.contains("fieldSelector")));
 }
 
@@ -114,8 +117,8 @@ async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_dr
 #[tokio::test]
 async fn every_request_names_volring_and_its_node() {
     let server = Server::start().await;
-    let want = volring_share::kube::user_agent("n1");
-    assert_eq!(want, format!("volring/{} (n1)", env!("CARGO_PKG_VERSION")));
+    // The form crates/share's unit test checks `user_agent` makes.
+    let want = format!("volring/{} (n1)", env!("CARGO_PKG_VERSION"));
     let sink = Arc::new(KubeSink::for_node(server.config(), "n1").unwrap());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
@@ -123,7 +126,7 @@ async fn every_request_names_volring_and_its_node() {
     volring_kube::attachments::attached_here(&sink, "volring.csi.io", "n1").await.unwrap();
     let log = server.api.log();
     assert!(log.iter().any(|l| l.method == Method::GET && l.path.ends_with(&bd("n1", 1, 1).key.name)), "the re-read: {log:#?}");
-    assert!(log.iter().any(|l| l.path == volring_kube::attachments::PATH));
+    assert!(log.iter().any(|l| l.path == ATTACHMENTS));
     for l in &log {
         assert_eq!(l.user_agent.as_deref(), Some(want.as_str()), "{} {}", l.method, l.path);
     }
@@ -131,7 +134,7 @@ async fn every_request_names_volring_and_its_node() {
     server.api.clear_log();
     let sink = KubeSink::new(server.config()).unwrap();
     volring_kube::Sink::list(&sink, Kind::StorageNode, "n1").await.unwrap();
-    let ua = volring_share::kube::user_agent(&volring_devices::node_name());
+    let ua = format!("volring/{} ({})", env!("CARGO_PKG_VERSION"), volring_devices::node_name());
     assert_eq!(server.api.log()[0].user_agent.as_deref(), Some(ua.as_str()));
 }
 
@@ -184,7 +187,7 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("spec.capacity.storage in body must be of type integer"), "{reply}");
     let mut bad = o.main_body();
-    bad["metadata"]["labels"][objects::NODE_LABEL] = json!("n".repeat(64));
+    bad["metadata"]["labels"][NODE_LABEL] = json!("n".repeat(64));
     let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("at most 63 characters"), "{reply}");

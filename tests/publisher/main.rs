@@ -24,7 +24,7 @@ use publisher_support::*;
 use serde_json::json;
 use volring_kube::embedded_sink::EmbeddedSink;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::{self, Kind, Object};
+use volring_kube::objects::{Kind, Object};
 use volring_kube::{GonePolicy, Updater, UpdaterConfig};
 
 /// A stored object of `node` numbered `i` for a status storm.

@@ -194,7 +194,7 @@ async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let bds: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
-    let sn = objects::storage_node("n1", None, vec![]);
+    let sn = volring_kube::node_feed::storage_node("n1", &[], None, None, None);
     let mut all = bds.clone();
     all.push(sn.clone());
     let up = Updater::start(sink, config("n1"), all);
@@ -208,11 +208,11 @@ async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
     client.request::<serde_json::Value>(req).await.expect("delete bd0");
     server.api.edit("blockdevices", &bds[1].key.name, |o| o["status"]["state"] = json!("Inactive"));
     server.api.edit("blockdevices", &bds[2].key.name, |o| {
-        o["metadata"]["labels"].as_object_mut().unwrap().remove(objects::NODE_LABEL);
+        o["metadata"]["labels"].as_object_mut().unwrap().remove(NODE_LABEL);
     });
     server.api.edit("storagenodes", "n1", |o| o["spec"]["nodeName"] = json!("someone-else"));
 
-    let label = |o: &Object| server.api.object("blockdevices", &o.key.name).map(|v| v["metadata"]["labels"][objects::NODE_LABEL].clone());
+    let label = |o: &Object| server.api.object("blockdevices", &o.key.name).map(|v| v["metadata"]["labels"][NODE_LABEL].clone());
     until("bd0 back", || stored_status(&server, &bds[0]) == bds[0].status).await;
     until("bd1's status back", || stored_status(&server, &bds[1]) == bds[1].status).await;
     until("bd2's label back", || label(&bds[2]) == Some(json!("n1"))).await;

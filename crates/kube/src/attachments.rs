@@ -27,7 +27,7 @@ use super::kube_sink::{query_escape, KubeSink, PAGE};
 use super::sink::SinkError;
 
 /// Where VolumeAttachments are listed.
-pub const PATH: &str = "/apis/storage.k8s.io/v1/volumeattachments";
+pub(crate) const PATH: &str = "/apis/storage.k8s.io/v1/volumeattachments";
 /// A LIST that keeps handing out continue tokens is cut here.
 const MAX_PAGES: usize = 10_000;
 

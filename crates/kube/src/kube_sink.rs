@@ -209,7 +209,7 @@ fn base(kind: Kind) -> String {
 }
 
 /// Percent-encodes a query value (everything but unreserved characters).
-pub fn query_escape(s: &str) -> String {
+pub(crate) fn query_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
