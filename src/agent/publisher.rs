@@ -41,7 +41,7 @@ pub(super) struct Inputs<'a> {
     pub driver: Option<Arc<volring_csi::Driver>>,
     pub view: Option<Arc<volring_volumes::state::actual::HealthView>>,
     pub inventory: &'a Inventory,
-    pub stats: Arc<volring_kube::updater::Stats>,
+    pub stats: Arc<volring_kube::Stats>,
     /// What the cluster told of the volumes' names (the StorageNode lists
     /// each volume's PVC and pods).
     pub names: Option<Arc<arc_swap::ArcSwap<volring_volumes::ClusterNames>>>,
@@ -150,7 +150,7 @@ fn cut_at_stop(name: &'static str, task: impl std::future::Future<Output = ()> +
 
 /// Keeps the count of objects the publisher still holds in the state
 /// directory, for `volring get` (`volring_kube::queued`); removed at stop.
-fn record_queued(stats: Arc<volring_kube::updater::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
+fn record_queued(stats: Arc<volring_kube::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
     let dir = state_dir.to_path_buf();
     let handle = parts.tasks().spawn(queued::follow(stats, dir.clone(), target));
     parts.started("publisher queue record", HOOK_WAIT, move || async move {

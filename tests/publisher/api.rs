@@ -43,7 +43,8 @@ async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_noth
     let seen = volring_volumes::store::Store::read_only(&path, true).unwrap().published;
     assert_eq!(seen.len(), 20);
     for o in &objs {
-        let key = volring_kube::embedded_sink::store_key(&o.key);
+        // The store key is `Kind/name` (the test's own: `volring get` reads it).
+        let key = format!("BlockDevice/{}", o.key.name);
         let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
         let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
         assert_eq!(&back, o);

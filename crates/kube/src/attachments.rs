@@ -55,7 +55,7 @@ pub(crate) fn attached_volume(item: &Value, driver: &str, node: &str) -> Option<
 }
 
 /// One page's volumes attached here, and the continue token ("" at the end).
-pub fn page(body: &Value, driver: &str, node: &str) -> (Vec<String>, String) {
+pub(crate) fn page(body: &Value, driver: &str, node: &str) -> (Vec<String>, String) {
     let ids = body
         .get("items")
         .and_then(Value::as_array)

@@ -181,7 +181,7 @@ impl KubeSink {
 
 /// Retry-After in seconds (the API server sends seconds); absent or
 /// unreadable: one second.
-pub fn retry_after_of(v: Option<&str>) -> Duration {
+pub(crate) fn retry_after_of(v: Option<&str>) -> Duration {
     v.and_then(|s| s.trim().parse::<u64>().ok()).map_or(Duration::from_secs(1), Duration::from_secs).min(MAX_RETRY_AFTER)
 }
 

@@ -296,7 +296,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::BlockDevice, Kind::StorageNode];
+    pub(crate) const ALL: [Kind; 2] = [Kind::BlockDevice, Kind::StorageNode];
 
     pub(crate) fn as_str(self) -> &'static str {
         match self {
@@ -377,7 +377,7 @@ impl Object {
     /// The object marked as gone from its node: a BlockDevice becomes
     /// Inactive (its other facts stay as last seen); `None` for kinds that
     /// have no such state.
-    pub fn retired(&self) -> Option<Object> {
+    pub(crate) fn retired(&self) -> Option<Object> {
         match self.key.kind {
             Kind::BlockDevice => {
                 let mut o = self.clone();

@@ -58,8 +58,8 @@ mod worker;
 use worker::Worker;
 
 use super::objects::{Key, Kind, Object};
-pub use super::sink::{Part, Seen, Sink, SinkError, Watched};
-pub use super::stats::{Stats, StatsSnapshot};
+pub(crate) use super::sink::{Part, Seen, Sink, SinkError, Watched};
+pub(crate) use super::stats::{Stats, StatsSnapshot};
 
 /// What to do with the objects of devices that are gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
