@@ -54,6 +54,7 @@ pub(super) struct Inputs<'a> {
 pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Components) -> anyhow::Result<Feeding> {
     let mut uc = UpdaterConfig::new(i.node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
+    uc.stats = i.stats.clone();
     uc.unread_paths = volring_kube::feed::unread_paths(i.inventory);
     let node_signal = NodeSignal::default();
     // What the healer hook's cross-check found (cluster only).
@@ -74,14 +75,14 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
             let hook = volring_kube::attachments::healer_hook(sink.clone(), d, i.node.to_string(), unknown, node_signal.clone());
             cut_at_stop("healer hook", hook, parts);
         }
-        Updater::start_counting(sink, uc, initial, i.stats)
+        Updater::start(sink, uc, initial)
     } else {
         let store = match i.driver.as_ref().map(|d| d.store()) {
             Some(s) => s,
             None => Arc::new(volring_volumes::store::Store::open(&i.state_dir.join(volring_volumes::store::FILE))?),
         };
         tracing::info!(target: TARGET, objects = initial.len(), "no cluster: publishing to the node's store");
-        Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, i.stats)
+        Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
     };
     let up = Arc::new(up);
     record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
@@ -123,9 +124,9 @@ fn node_feed(i: &Inputs<'_>, signal: &NodeSignal, unknown: Arc<std::sync::Mutex<
             match &driver {
                 Some(d) => {
                     let names = names.as_ref().map(|n| n.load_full()).unwrap_or_default();
-                    node_feed::storage_node_named(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref(), &names)
+                    node_feed::storage_node(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref(), &names)
                 }
-                None => node_feed::storage_node(&name, &[], None, None, u.as_deref()),
+                None => node_feed::storage_node(&name, &[], None, None, u.as_deref(), &Default::default()),
             }
         }),
     )
@@ -151,12 +152,11 @@ fn cut_at_stop(name: &'static str, task: impl std::future::Future<Output = ()> +
 /// Keeps the count of objects the publisher still holds in the state
 /// directory, for `volring get` (`volring_kube::queued`); removed at stop.
 fn record_queued(stats: Arc<volring_kube::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
-    let dir = state_dir.to_path_buf();
-    let handle = parts.tasks().spawn(queued::follow(stats, dir.clone(), target));
+    let handle = parts.tasks().spawn(queued::follow(stats, state_dir.to_path_buf(), target));
     parts.started("publisher queue record", HOOK_WAIT, move || async move {
+        // The task removes the record as it is dropped.
         handle.abort();
         let _ = handle.await;
-        queued::remove(&dir);
         Ok(())
     });
 }

@@ -65,7 +65,7 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
     let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     inv.link(&table, "n1");
-    let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None);
+    let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
     let initial = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;
     let server = Server::start().await;

@@ -194,7 +194,7 @@ async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let bds: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
-    let sn = volring_kube::node_feed::storage_node("n1", &[], None, None, None);
+    let sn = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
     let mut all = bds.clone();
     all.push(sn.clone());
     let up = Updater::start(sink, config("n1"), all);

@@ -88,22 +88,11 @@ impl NodeFeed {
 }
 
 /// The StorageNode of `node` from the staged records, the reconciler's
-/// verdicts and the pool directory; `unknown_attachments` is what the
-/// healer hook's cross-check found (`None`: it has not run, or there is no
-/// cluster).
+/// verdicts and the pool directory, each volume named with its PV, PVC and
+/// pods (from kubelet's paths, and `names`: what the cluster told);
+/// `unknown_attachments` is what the healer hook's cross-check found
+/// (`None`: it has not run, or there is no cluster).
 pub fn storage_node(
-    node: &str,
-    records: &[StagedVolume],
-    view: Option<&HealthView>,
-    pool_dir: Option<&Path>,
-    unknown_attachments: Option<&[String]>,
-) -> Object {
-    storage_node_named(node, records, view, pool_dir, unknown_attachments, &ClusterNames::default())
-}
-
-/// [`storage_node`], each volume named with its PV, PVC and pods (from
-/// kubelet's paths, and `names`: what the cluster told).
-pub fn storage_node_named(
     node: &str,
     records: &[StagedVolume],
     view: Option<&HealthView>,
@@ -236,11 +225,11 @@ mod tests {
     #[test]
     fn unknown_attachments_are_a_false_condition_and_no_check_is_none() {
         let cond = |o: &Object| o.status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "AttachmentsKnown").cloned();
-        assert_eq!(cond(&storage_node("n1", &[], None, None, None)), None);
-        let ok = cond(&storage_node("n1", &[], None, None, Some(&[]))).unwrap();
+        assert_eq!(cond(&storage_node("n1", &[], None, None, None, &ClusterNames::default())), None);
+        let ok = cond(&storage_node("n1", &[], None, None, Some(&[]), &ClusterNames::default())).unwrap();
         assert_eq!(ok["status"], "True");
         let ids: Vec<String> = (0..25).map(|i| format!("pvc-{i}")).collect();
-        let bad = cond(&storage_node("n1", &[], None, None, Some(&ids))).unwrap();
+        let bad = cond(&storage_node("n1", &[], None, None, Some(&ids), &ClusterNames::default())).unwrap();
         assert_eq!((bad["status"].as_str(), bad["reason"].as_str()), (Some("False"), Some("UnknownVolumeAttachments")));
         let msg = bad["message"].as_str().unwrap();
         assert!(
@@ -248,7 +237,7 @@ mod tests {
             "{msg}"
         );
         // The Ready condition is untouched by it.
-        let ready = storage_node("n1", &[], None, None, Some(&ids)).status["conditions"][0].clone();
+        let ready = storage_node("n1", &[], None, None, Some(&ids), &ClusterNames::default()).status["conditions"][0].clone();
         assert_eq!(ready["type"], "Ready");
     }
 
@@ -271,7 +260,7 @@ mod tests {
             signal,
             Arc::new(move || {
                 b.fetch_add(1, Ordering::SeqCst);
-                storage_node("n1", &r.all(), Some(&*v), None, None)
+                storage_node("n1", &r.all(), Some(&*v), None, None, &ClusterNames::default())
             }),
         );
         let sink = Arc::new(Memory::default());
