@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::{Key, Kind, Object};
+use volring_kube::{Key, Kind, Object};
 use volring_kube::{Part, Sink, Updater, UpdaterConfig};
 
 /// The labels volring puts on its objects (the bench's own, as a client

@@ -15,7 +15,7 @@ use publisher_support::*;
 use serde_json::json;
 use volring_kube::kube_sink::KubeSink;
 use volring_kube::node_feed::storage_node;
-use volring_kube::objects::Key;
+use volring_kube::Key;
 use volring_kube::{GonePolicy, Updater};
 
 /// H1: two nodes cloned from one image have devices with the same stable
@@ -27,7 +27,7 @@ async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let initial =
-        |node: &str| Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default()));
+        |node: &str| Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
     for node in ["n1", "n2"] {
         let s = Updater::start(sink.clone(), config(node), initial(node)).shutdown(Duration::from_secs(10)).await;
         assert_eq!((s.writes_main, s.refused, s.abandoned), (4, 0, 0), "{node}: {s:?}");
@@ -65,7 +65,7 @@ async fn an_object_under_the_old_name_is_replaced() {
     use volring_kube::feed::Feed;
     let server = Server::start().await;
     let inv = cloned_inventory("n1", 1);
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     let mut old = volring_kube::embedded_sink::api_form(&initial[0]);
     let legacy = legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
     old["metadata"]["name"] = json!(legacy);
@@ -87,7 +87,7 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
     for d in inv.devices.values_mut() {
         d.id = id.clone();
     }
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     assert_eq!(initial.len(), 3);
     assert_ne!(initial[0].key, initial[1].key, "one id on two devices of one node");
     let server = Server::start().await;
@@ -105,12 +105,10 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
 async fn an_unread_id_is_not_a_removal() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 2);
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let up = Updater::start(sink.clone(), config("n1"), initial.clone());
-    let mut feed = Feed::default();
-    feed.seed(&initial);
     until("both devices", || bd_names_of(&server, "n1").len() == 2).await;
     let first = *inv.devices.keys().next().unwrap();
     inv.devices.get_mut(&first).unwrap().id.clear();
@@ -123,7 +121,7 @@ async fn an_unread_id_is_not_a_removal() {
     // A restart while it cannot be read does not retire it either.
     let mut c = config("n1");
     c.unread_paths = volring_kube::feed::unread_paths(&inv);
-    let now = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let now = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     assert_eq!(now.len(), 2);
     let s = Updater::start(sink, c, now).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
@@ -138,12 +136,10 @@ async fn an_unread_id_is_not_a_removal() {
 async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 3);
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let up = Updater::start(sink, config("n1"), initial.clone());
-    let mut feed = Feed::default();
-    feed.seed(&initial);
     until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
     let before = up.stats().snapshot().submitted;
     let devs: Vec<_> = inv.devices.keys().copied().collect();
@@ -174,7 +170,7 @@ async fn a_nodes_objects_are_found_by_hostname_label_and_by_node_field() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     for node in ["n1", "n2"] {
-        let initial = Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default()));
+        let initial = Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
         Updater::start(sink.clone(), config(node), initial).shutdown(Duration::from_secs(10)).await;
     }
     let client = kube::Client::try_from(server.config()).unwrap();

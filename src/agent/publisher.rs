@@ -60,9 +60,7 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     // What the healer hook's cross-check found (cluster only).
     let unknown: Arc<std::sync::Mutex<Option<Vec<String>>>> = Default::default();
     let mut node_feed = node_feed(&i, &node_signal, unknown.clone());
-    let initial = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
-    let mut feed = volring_kube::feed::Feed::default();
-    feed.seed(&initial);
+    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
     let source = KubeSink::detect();
     let to_cluster = p.kube.unwrap_or(source.is_some());
     let queued_stats = i.stats.clone();
@@ -86,17 +84,15 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     };
     let up = Arc::new(up);
     record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
-    let node_build = node_feed.builder();
     let follower = parts.tasks().spawn(node_feed.follow(up.handle()));
     let last = up.clone();
     parts.started("publisher", STOP_WAIT, move || async move {
+        // Dropped, the follower submits the StorageNode as it is now.
         follower.abort();
         let _ = follower.await;
         // The loop is over and has fed it the last inventory: this is the
         // only reference left.
         let up = Arc::into_inner(last).context("the publisher's updater is still in use at stop")?;
-        // What is already stored is not written again.
-        up.submit(node_build());
         let s = up.shutdown(FLUSH).await;
         tracing::info!(target: TARGET, writes = s.writes_main + s.writes_status, unchanged = s.unchanged, coalesced = s.coalesced,
             abandoned = s.abandoned, "publisher stopped");

@@ -66,7 +66,7 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     inv.link(&table, "n1");
     let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
-    let initial = volring_kube::feed::Feed::initial(&inv, "n1", node);
+    let (_, initial) = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());

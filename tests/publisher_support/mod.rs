@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use sha2::Digest;
-use volring_kube::objects::{Key, Kind, Object};
 use volring_kube::UpdaterConfig;
+use volring_kube::{Key, Kind, Object};
 
 use crate::kube_support::Server;
 

@@ -1,6 +1,6 @@
 //! The Kubernetes publisher: what the node knows, as custom resources.
 //!
-//! - [`objects`]: the CRDs (BlockDevice, StorageNode) and the pure builders
+//! - `objects`: the CRDs (BlockDevice, StorageNode) and the pure builders
 //!   that turn devices and volumes into objects.
 //! - `updater`: the batched, coalescing updater; `pace` is its token
 //!   bucket, its in-flight limit (AIMD on 429 and 503) and backoff.
@@ -26,7 +26,7 @@ mod fuzz;
 pub mod kube_sink;
 pub mod names;
 pub mod node_feed;
-pub mod objects;
+mod objects;
 mod pace;
 pub mod queued;
 pub mod show;
@@ -35,7 +35,7 @@ mod stats;
 mod updater;
 
 pub use fuzz::fuzz_api_object;
-pub use objects::{Key, Kind, Object};
+pub use objects::{crds_yaml, Key, Kind, Object};
 pub use sink::{Part, Seen, Sink, SinkError, Watched};
 pub use stats::{Stats, StatsSnapshot};
 pub use updater::{GonePolicy, Submitter, Updater, UpdaterConfig};

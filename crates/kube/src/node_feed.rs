@@ -73,13 +73,19 @@ impl NodeFeed {
         }
     }
 
-    /// The builder, for a last look at shutdown.
-    pub fn builder(&self) -> Builder {
-        self.build.clone()
-    }
-
-    /// Follows the signals for good, submitting each changed object.
+    /// Follows the signals for good, submitting each changed object. When
+    /// the task is dropped (the publisher's stop aborts it), submits the
+    /// object as it is then, for the updater's last flush (what is already
+    /// stored is not written again).
     pub async fn follow(mut self, to: Submitter) {
+        /// The last look, taken as the follower is dropped.
+        struct Last(Builder, Submitter);
+        impl Drop for Last {
+            fn drop(&mut self) {
+                self.1.submit((self.0)());
+            }
+        }
+        let _last = Last(self.build.clone(), to.clone());
         loop {
             let o = self.changed().await;
             to.submit(o);
