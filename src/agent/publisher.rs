@@ -54,7 +54,6 @@ pub(super) struct Inputs<'a> {
 pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Components) -> anyhow::Result<Feeding> {
     let mut uc = UpdaterConfig::new(i.node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
-    uc.stats = i.stats.clone();
     uc.unread_paths = volring_kube::feed::unread_paths(i.inventory);
     let node_signal = NodeSignal::default();
     // What the healer hook's cross-check found (cluster only).
@@ -73,14 +72,14 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
             let hook = volring_kube::attachments::healer_hook(sink.clone(), d, i.node.to_string(), unknown, node_signal.clone());
             cut_at_stop("healer hook", hook, parts);
         }
-        Updater::start(sink, uc, initial)
+        Updater::start_counting(sink, uc, initial, i.stats)
     } else {
         let store = match i.driver.as_ref().map(|d| d.store()) {
             Some(s) => s,
             None => Arc::new(volring_volumes::store::Store::open(&i.state_dir.join(volring_volumes::store::FILE))?),
         };
         tracing::info!(target: TARGET, objects = initial.len(), "no cluster: publishing to the node's store");
-        Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
+        Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, i.stats)
     };
     let up = Arc::new(up);
     record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);

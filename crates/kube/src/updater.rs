@@ -97,9 +97,6 @@ pub struct UpdaterConfig {
     /// `/dev` paths of devices present whose stable id could not be read
     /// at start: their stored objects are not retired by the first diff.
     pub unread_paths: HashSet<String>,
-    /// Where the updater counts (made before it, so `/metrics` can hold
-    /// them from its start).
-    pub stats: Arc<Stats>,
 }
 
 impl UpdaterConfig {
@@ -119,7 +116,6 @@ impl UpdaterConfig {
             backoff_max: Duration::from_secs(30),
             gone: GonePolicy::MarkInactive,
             unread_paths: HashSet::new(),
-            stats: Arc::default(),
         }
     }
 }
@@ -169,9 +165,14 @@ pub struct Updater {
 impl Updater {
     /// Starts the updater. `initial` is everything this node has now: the
     /// first LIST is diffed against it, and this node's stored objects
-    /// missing from it are retired. It counts into `config.stats`.
+    /// missing from it are retired.
     pub fn start<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>) -> Updater {
-        let stats = config.stats.clone();
+        Self::start_counting(sink, config, initial, Arc::default())
+    }
+
+    /// [`Updater::start`], counting into `stats` (made before the updater,
+    /// so `/metrics` can hold them from its start).
+    pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
         let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), wake: Notify::new(), stats, stopping: AtomicBool::new(false) });
         let worker = Worker::new(sink, shared.clone(), config);
         let task = tokio::spawn(worker.run(initial));
