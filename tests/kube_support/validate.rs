@@ -364,7 +364,7 @@ pub(super) fn against_schema(v: &Value, schema: &Value, at: &str, errs: &mut Vec
 /// `volring crds` prints.
 pub(super) fn crd_schema(plural: &str) -> Option<Value> {
     let crds = super::crds();
-    let crd = crds.into_iter().find(|c| c.spec.names.plural == plural)?;
-    let v = serde_json::to_value(&crd).ok()?;
+    let crd = crds.iter().find(|c| c.spec.names.plural == plural)?;
+    let v = serde_json::to_value(crd).ok()?;
     Some(v["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone())
 }
