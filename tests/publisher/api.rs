@@ -207,11 +207,12 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
 #[tokio::test]
 async fn a_write_the_schema_refuses_is_dropped_and_counted() {
     let server = Server::start().await;
-    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
     let mut o = bd("n1", 1, 1);
     o.status["state"] = json!("Exploded");
     up.submit(o.clone());
-    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    until("the refusal", || stats.refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
     let s = up.shutdown(Duration::from_secs(5)).await;
     assert_eq!((s.writes_main, s.writes_status, s.refused), (1, 0, 1), "{s:?}");
     assert!(stored_status(&server, &o).is_null(), "the object is there, without the refused status");

@@ -49,11 +49,12 @@ async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes
 #[tokio::test]
 async fn a_refused_write_is_dropped_and_counted() {
     let server = Server::start().await;
-    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 422, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     up.submit(o.clone());
-    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    until("the refusal", || stats.refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
     let stats = up.shutdown(Duration::from_secs(2)).await;
     assert!(server.api.object("blockdevices", &o.key.name).is_none());
     assert_eq!((stats.refused, stats.abandoned), (1, 0));

@@ -272,9 +272,9 @@ mod tests {
         let sink = Arc::new(Memory::default());
         let mut config = UpdaterConfig::new("n1");
         config.window = Duration::from_millis(300);
-        let up = Updater::start(sink.clone(), config, vec![feed.current()]);
+        let stats = Arc::new(crate::Stats::default());
+        let up = Updater::start_counting(sink.clone(), config, vec![feed.current()], stats.clone());
         let follower = tokio::spawn(feed.follow(up.handle()));
-        let stats = up.stats().clone();
         until("the initial StorageNode", || stats.writes_status.load(Ordering::SeqCst) == 1).await;
 
         // Quiet: longer than the 2 s timer this replaced, no rebuild at all.

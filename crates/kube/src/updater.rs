@@ -195,10 +195,6 @@ impl Updater {
         Submitter { shared: self.shared.clone() }
     }
 
-    pub fn stats(&self) -> &Arc<Stats> {
-        &self.shared.stats
-    }
-
     /// Writes what is pending now, without waiting for the window, within
     /// `deadline`; what is left then is counted as abandoned.
     pub async fn shutdown(self, deadline: Duration) -> StatsSnapshot {
