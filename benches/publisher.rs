@@ -52,8 +52,35 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::{self, Key, Kind, Object, NODE_LABEL};
+use volring_kube::{Key, Kind, Object};
 use volring_kube::{Part, Sink, Updater, UpdaterConfig};
+
+/// The labels volring puts on its objects (the bench's own, as a client
+/// selecting them would spell them).
+const NODE_LABEL: &str = "volring.io/node";
+const KIND_LABEL: &str = "volring.io/kind";
+
+/// A BlockDevice's name: `bd-` and the first 16 hex digits of the SHA-256
+/// of the node, a zero byte and the stable id.
+fn block_device_name(node: &str, stable_id: &str) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(node.as_bytes());
+    h.update([0u8]);
+    h.update(stable_id.as_bytes());
+    format!("bd-{}", h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// A label selector as a query value: unreserved characters as they are,
+/// every other byte percent-encoded.
+fn query_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
 
 const DEVICES: usize = 1000;
 const EVENTS: usize = 10_000;
@@ -62,8 +89,8 @@ const SYNC: usize = 5000;
 fn bd(i: usize, gen: usize) -> Object {
     let stable = format!("serial-bench-{i}");
     Object {
-        key: Key { kind: Kind::BlockDevice, name: objects::block_device_name("n1", &stable) },
-        labels: [(NODE_LABEL.to_string(), "n1".to_string()), (objects::KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
+        key: Key { kind: Kind::BlockDevice, name: block_device_name("n1", &stable) },
+        labels: [(NODE_LABEL.to_string(), "n1".to_string()), (KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
         spec: json!({"nodeName": "n1", "path": format!("/dev/x{i}"), "stableId": stable,
             "capacity": {"storage": 1u64 << 30, "logicalSectorSize": 512, "physicalSectorSize": 4096},
             "details": {"deviceType": "disk", "driveType": "SSD", "removable": false, "readOnly": false},
@@ -114,7 +141,7 @@ fn unlimited() -> UpdaterConfig {
 async fn list_all(client: &kube::Client, selector: Option<&str>) -> serde_json::Value {
     let mut uri = "/apis/volring.io/v1alpha1/blockdevices".to_string();
     if let Some(s) = selector {
-        uri.push_str(&format!("?labelSelector={}", volring_kube::kube_sink::query_escape(s)));
+        uri.push_str(&format!("?labelSelector={}", query_escape(s)));
     }
     let req = http::Request::get(uri).body(Vec::new()).unwrap();
     client.request::<serde_json::Value>(req).await.expect("list")

@@ -468,7 +468,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Recover { dirs, apply, json } => cli::status::recover(&dirs, apply, json),
         Command::Crds => {
-            print!("{}", volring_kube::objects::crds_yaml());
+            print!("{}", volring_kube::crds_yaml());
             Ok(())
         }
         Command::Get { resource, output, kube, local_store, state_dir } => get(&resource, output.as_deref(), kube, local_store, &state_dir),

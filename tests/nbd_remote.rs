@@ -21,7 +21,6 @@ use csi_support::{code, mount_cap, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
 use nbd_support::run;
 use tonic::Code;
-use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring_csi::proto::*;
 use volring_nbd::remote::Secret;
 use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
@@ -35,6 +34,12 @@ fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
         None => format!("{export}/{}", secret.to_hex()),
     }
 }
+
+/// The volume-context keys of an exported volume, as docs/nbd.md names
+/// them (the test's own, not the driver's: a key the driver changed would
+/// strand every volume created before).
+const CONTEXT_URI: &str = "volring.io/nbd-uri";
+const CONTEXT_SECRET: &str = "volring.io/nbd-secret";
 
 const T: Duration = Duration::from_secs(60);
 

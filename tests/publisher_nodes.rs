@@ -14,7 +14,8 @@ use kube_support::Server;
 use publisher_support::*;
 use serde_json::json;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::{self, Key, NODE_LABEL};
+use volring_kube::node_feed::storage_node;
+use volring_kube::Key;
 use volring_kube::{GonePolicy, Updater};
 
 /// H1: two nodes cloned from one image have devices with the same stable
@@ -25,7 +26,8 @@ async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
     use volring_kube::feed::Feed;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let initial = |node: &str| Feed::initial(&cloned_inventory(node, 3), node, objects::storage_node(node, None, vec![]));
+    let initial =
+        |node: &str| Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
     for node in ["n1", "n2"] {
         let s = Updater::start(sink.clone(), config(node), initial(node)).shutdown(Duration::from_secs(10)).await;
         assert_eq!((s.writes_main, s.refused, s.abandoned), (4, 0, 0), "{node}: {s:?}");
@@ -47,7 +49,7 @@ async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
     let before_n2: Vec<_> = n2.iter().map(|n| server.api.object("blockdevices", n).unwrap()).collect();
     let mut c = config("n1");
     c.gone = GonePolicy::Delete;
-    let only_node = vec![objects::storage_node("n1", None, vec![])];
+    let only_node = vec![storage_node("n1", &[], None, None, None, &Default::default())];
     let s = Updater::start(sink, c, only_node).shutdown(Duration::from_secs(10)).await;
     assert_eq!(s.deletes, 3, "{s:?}");
     assert!(bd_names_of(&server, "n1").is_empty());
@@ -63,9 +65,9 @@ async fn an_object_under_the_old_name_is_replaced() {
     use volring_kube::feed::Feed;
     let server = Server::start().await;
     let inv = cloned_inventory("n1", 1);
-    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     let mut old = volring_kube::embedded_sink::api_form(&initial[0]);
-    let legacy = objects::legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
+    let legacy = legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
     old["metadata"]["name"] = json!(legacy);
     server.api.seed("blockdevices", old);
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
@@ -85,7 +87,7 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
     for d in inv.devices.values_mut() {
         d.id = id.clone();
     }
-    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     assert_eq!(initial.len(), 3);
     assert_ne!(initial[0].key, initial[1].key, "one id on two devices of one node");
     let server = Server::start().await;
@@ -103,12 +105,10 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
 async fn an_unread_id_is_not_a_removal() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 2);
-    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let up = Updater::start(sink.clone(), config("n1"), initial.clone());
-    let mut feed = Feed::default();
-    feed.seed(&initial);
     until("both devices", || bd_names_of(&server, "n1").len() == 2).await;
     let first = *inv.devices.keys().next().unwrap();
     inv.devices.get_mut(&first).unwrap().id.clear();
@@ -121,7 +121,7 @@ async fn an_unread_id_is_not_a_removal() {
     // A restart while it cannot be read does not retire it either.
     let mut c = config("n1");
     c.unread_paths = volring_kube::feed::unread_paths(&inv);
-    let now = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let now = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
     assert_eq!(now.len(), 2);
     let s = Updater::start(sink, c, now).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
@@ -136,20 +136,19 @@ async fn an_unread_id_is_not_a_removal() {
 async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 3);
-    let initial = Feed::initial(&inv, "n1", objects::storage_node("n1", None, vec![]));
+    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let up = Updater::start(sink, config("n1"), initial.clone());
-    let mut feed = Feed::default();
-    feed.seed(&initial);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(sink, config("n1"), initial.clone(), stats.clone());
     until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
-    let before = up.stats().snapshot().submitted;
+    let before = stats.snapshot().submitted;
     let devs: Vec<_> = inv.devices.keys().copied().collect();
     inv.devices.remove(&devs[0]);
     inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
     feed.devices(&up, &inv, "n1");
     feed.devices(&up, &inv, "n1");
-    assert_eq!(up.stats().snapshot().submitted - before, 2, "one retire and one change; nothing for the third, or for the repeat");
+    assert_eq!(stats.snapshot().submitted - before, 2, "one retire and one change; nothing for the third, or for the repeat");
     let s = up.shutdown(Duration::from_secs(10)).await;
     let state = |k: &Key| server.api.object("blockdevices", &k.name).unwrap()["status"]["state"].clone();
     assert_eq!(state(&initial[0].key), "Inactive");
@@ -172,7 +171,7 @@ async fn a_nodes_objects_are_found_by_hostname_label_and_by_node_field() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     for node in ["n1", "n2"] {
-        let initial = Feed::initial(&cloned_inventory(node, 3), node, objects::storage_node(node, None, vec![]));
+        let initial = Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
         Updater::start(sink.clone(), config(node), initial).shutdown(Duration::from_secs(10)).await;
     }
     let client = kube::Client::try_from(server.config()).unwrap();

@@ -17,7 +17,7 @@ use kube_support::Server;
 use publisher_support::*;
 use serde_json::json;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::Object;
+use volring_kube::Object;
 use volring_kube::Updater;
 
 /// The resourceVersion a watch request resumed from.

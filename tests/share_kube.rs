@@ -91,7 +91,7 @@ async fn service_and_endpoints_life_cycle() {
         assert_eq!(o["metadata"]["labels"]["volring.io/volume"], "pvc-0001");
     }
     // Every request names volring and its node (issue 29).
-    let ua = volring_share::kube::user_agent("n1");
+    let ua = format!("volring/{} (n1)", env!("CARGO_PKG_VERSION"));
     assert!(server.api.log().iter().filter(|l| l.path.starts_with("/api")).all(|l| l.user_agent.as_deref() == Some(ua.as_str())));
     // The re-read after each create: GETs until visible (2 hidden + 1).
     let calls = core_calls(&server);

@@ -41,7 +41,7 @@ pub(super) struct Inputs<'a> {
     pub driver: Option<Arc<volring_csi::Driver>>,
     pub view: Option<Arc<volring_volumes::state::actual::HealthView>>,
     pub inventory: &'a Inventory,
-    pub stats: Arc<volring_kube::updater::Stats>,
+    pub stats: Arc<volring_kube::Stats>,
     /// What the cluster told of the volumes' names (the StorageNode lists
     /// each volume's PVC and pods).
     pub names: Option<Arc<arc_swap::ArcSwap<volring_volumes::ClusterNames>>>,
@@ -59,9 +59,7 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     // What the healer hook's cross-check found (cluster only).
     let unknown: Arc<std::sync::Mutex<Option<Vec<String>>>> = Default::default();
     let mut node_feed = node_feed(&i, &node_signal, unknown.clone());
-    let initial = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
-    let mut feed = volring_kube::feed::Feed::default();
-    feed.seed(&initial);
+    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
     let source = KubeSink::detect();
     let to_cluster = p.kube.unwrap_or(source.is_some());
     let queued_stats = i.stats.clone();
@@ -85,17 +83,15 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     };
     let up = Arc::new(up);
     record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
-    let node_build = node_feed.builder();
     let follower = parts.tasks().spawn(node_feed.follow(up.handle()));
     let last = up.clone();
     parts.started("publisher", STOP_WAIT, move || async move {
+        // Dropped, the follower submits the StorageNode as it is now.
         follower.abort();
         let _ = follower.await;
         // The loop is over and has fed it the last inventory: this is the
         // only reference left.
         let up = Arc::into_inner(last).context("the publisher's updater is still in use at stop")?;
-        // What is already stored is not written again.
-        up.submit(node_build());
         let s = up.shutdown(FLUSH).await;
         tracing::info!(target: TARGET, writes = s.writes_main + s.writes_status, unchanged = s.unchanged, coalesced = s.coalesced,
             abandoned = s.abandoned, "publisher stopped");
@@ -123,9 +119,9 @@ fn node_feed(i: &Inputs<'_>, signal: &NodeSignal, unknown: Arc<std::sync::Mutex<
             match &driver {
                 Some(d) => {
                     let names = names.as_ref().map(|n| n.load_full()).unwrap_or_default();
-                    node_feed::storage_node_named(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref(), &names)
+                    node_feed::storage_node(&name, &d.staged(), view.as_deref(), Some(d.pool_dir()), u.as_deref(), &names)
                 }
-                None => node_feed::storage_node(&name, &[], None, None, u.as_deref()),
+                None => node_feed::storage_node(&name, &[], None, None, u.as_deref(), &Default::default()),
             }
         }),
     )
@@ -150,13 +146,12 @@ fn cut_at_stop(name: &'static str, task: impl std::future::Future<Output = ()> +
 
 /// Keeps the count of objects the publisher still holds in the state
 /// directory, for `volring get` (`volring_kube::queued`); removed at stop.
-fn record_queued(stats: Arc<volring_kube::updater::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
-    let dir = state_dir.to_path_buf();
-    let handle = parts.tasks().spawn(queued::follow(stats, dir.clone(), target));
+fn record_queued(stats: Arc<volring_kube::Stats>, state_dir: &Path, target: Target, parts: &mut Components) {
+    let handle = parts.tasks().spawn(queued::follow(stats, state_dir.to_path_buf(), target));
     parts.started("publisher queue record", HOOK_WAIT, move || async move {
+        // The task removes the record as it is dropped.
         handle.abort();
         let _ = handle.await;
-        queued::remove(&dir);
         Ok(())
     });
 }

@@ -79,7 +79,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
     };
     // Made before /metrics serves, so the publisher's series are there from
     // the first scrape.
-    let publish_stats = config.publish.as_ref().map(|_| Arc::new(volring_kube::updater::Stats::default()));
+    let publish_stats = config.publish.as_ref().map(|_| Arc::new(volring_kube::Stats::default()));
     let share = share_loop(config, driver.as_ref(), parts).await?;
     let identities = match &driver {
         Some(d) => Some(volumes::start(config, d, parts).await),
@@ -144,7 +144,7 @@ fn publish_inputs<'a>(
     driver: &Option<Arc<volring_csi::Driver>>,
     view: &Option<Arc<volring_volumes::state::actual::HealthView>>,
     inventory: &'a Inventory,
-    stats: Option<Arc<volring_kube::updater::Stats>>,
+    stats: Option<Arc<volring_kube::Stats>>,
     identities: &Option<volumes::Identities>,
 ) -> publisher::Inputs<'a> {
     publisher::Inputs {

@@ -281,7 +281,7 @@ impl CsiArgs {
         };
         c.share.advertise = self.nfs_advertise.clone();
         c.share.clients = self.nfs_clients.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
-        if let Some(bad) = c.share.clients.iter().find(|c| !volring_share::ganesha::valid_client(c)) {
+        if let Some(bad) = c.share.clients.iter().find(|c| !volring_share::valid_client(c)) {
             anyhow::bail!("--nfs-clients {bad:?}: an IP address or address/prefix network");
         }
         c.share.ganesha = self.nfs_ganesha.clone();

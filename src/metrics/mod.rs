@@ -52,7 +52,7 @@ pub(crate) struct Sources {
     /// when the agent begins to stop.
     pub ready: volring_csi::Readiness,
     /// The publisher's counters, when it runs.
-    pub publish: Option<Arc<volring_kube::updater::Stats>>,
+    pub publish: Option<Arc<volring_kube::Stats>>,
     /// The shared-volume loop's controller, when it runs (its reconcile
     /// duration histogram).
     pub share: Option<Arc<volring_share::kube::ShareController>>,

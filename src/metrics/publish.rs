@@ -10,7 +10,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::MetricType;
 
 use super::{counter, how_many};
-use volring_kube::updater::Stats;
+use volring_kube::Stats;
 
 pub(super) fn encode(e: &mut DescriptorEncoder<'_>, s: &Stats) -> Result<(), FmtError> {
     let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);

@@ -4,6 +4,11 @@
 
 use super::*;
 
+/// The topology key the CSINode and the volumes' PVs carry (the test's
+/// own: a key the driver changed would strand every PV that names the old
+/// one).
+const TOPOLOGY_KEY: &str = "topology.volring.csi.io/node";
+
 pub(super) fn identity_controller_and_listing() -> Result<(), Failed> {
     let a = Agent::start();
     let mut id = a.c.identity.clone();
@@ -14,10 +19,7 @@ pub(super) fn identity_controller_and_listing() -> Result<(), Failed> {
     let mut n = a.c.node.clone();
     let ni = a.run(n.node_get_info(NodeGetInfoRequest {}))?.into_inner();
     check(ni.node_id == "test-node", "node id")?;
-    check(
-        ni.accessible_topology.is_some_and(|t| t.segments.get(volring_csi::TOPOLOGY_KEY).map(String::as_str) == Some("test-node")),
-        "topology",
-    )?;
+    check(ni.accessible_topology.is_some_and(|t| t.segments.get(TOPOLOGY_KEY).map(String::as_str) == Some("test-node")), "topology")?;
     let nc = a.run(n.node_get_capabilities(NodeGetCapabilitiesRequest {}))?.into_inner();
     check(nc.capabilities.len() == 5, "node capabilities")?;
     let mut c = a.c.controller.clone();
@@ -55,7 +57,7 @@ pub(super) fn identity_controller_and_listing() -> Result<(), Failed> {
         name: "pvc-far".into(),
         volume_capabilities: vec![mount_cap("")],
         accessibility_requirements: Some(TopologyRequirement {
-            requisite: vec![Topology { segments: [(volring_csi::TOPOLOGY_KEY.to_string(), "elsewhere".to_string())].into() }],
+            requisite: vec![Topology { segments: [(TOPOLOGY_KEY.to_string(), "elsewhere".to_string())].into() }],
             preferred: vec![],
         }),
         ..Default::default()

@@ -7,7 +7,7 @@
 //! functions) and against writes the agent must not make.
 
 use serde_json::{json, Value};
-use volring_share::kube::{desired_service, desired_slice, idle_slice, SharedVolume};
+use volring_share::kube::{desired_service, desired_slice, SharedVolume};
 
 /// The agent's ServiceAccount as the API server names it in a request.
 const AGENT: &str = "system:serviceaccount:volring:volring-agent";
@@ -166,9 +166,9 @@ pub fn the_agents_own_writes() -> Vec<(&'static str, Request)> {
     svc_have["spec"]["clusterIP"] = "10.96.0.7".into();
     let mut moved = v.clone();
     moved.server = "192.0.2.20".parse().expect("ip");
-    let slice = stored(desired_slice(&v, &owner()), "EndpointSlice", "discovery.k8s.io/v1");
-    let idle = stored(idle_slice(&v, &owner()), "EndpointSlice", "discovery.k8s.io/v1");
-    let other = stored(desired_slice(&moved, &owner()), "EndpointSlice", "discovery.k8s.io/v1");
+    let slice = stored(desired_slice(&v, &owner(), true), "EndpointSlice", "discovery.k8s.io/v1");
+    let idle = stored(desired_slice(&v, &owner(), false), "EndpointSlice", "discovery.k8s.io/v1");
+    let other = stored(desired_slice(&moved, &owner(), true), "EndpointSlice", "discovery.k8s.io/v1");
     vec![
         ("Service create", req("CREATE", SERVICE, svc.clone(), Value::Null)),
         ("Service update", req("UPDATE", SERVICE, svc_have.clone(), svc_have.clone())),
@@ -183,7 +183,7 @@ pub fn the_agents_own_writes() -> Vec<(&'static str, Request)> {
 pub fn writes_it_must_not_make() -> Vec<(&'static str, Request)> {
     let v = vol();
     let svc = stored(desired_service(&v, &owner()), "Service", "v1");
-    let slice = stored(desired_slice(&v, &owner()), "EndpointSlice", "discovery.k8s.io/v1");
+    let slice = stored(desired_slice(&v, &owner(), true), "EndpointSlice", "discovery.k8s.io/v1");
     let kubernetes = json!({"apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "kubernetes", "namespace": "default", "labels": {"component": "apiserver", "provider": "kubernetes"}},
         "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.1", "ports": [{"name": "https", "port": 443, "targetPort": 6443}]}});

@@ -8,7 +8,7 @@
 //!   token; a list carries `metadata.resourceVersion`.
 //!   `fieldSelector` (`=`, `==`, `!=` terms) on `metadata.name` and on the
 //!   fields the CRD volring installs lists as `selectableFields` (read from
-//!   `volring_kube::objects`, as the API server reads the CRD), any other
+//!   `volring_kube::crds_yaml`, as the API server reads the CRD), any other
 //!   field a 400 "field label not supported", as the real server answers.
 //! - GET, DELETE (200 with the object; 404 with a Status when absent).
 //! - PATCH with `application/apply-patch+yaml` (server-side apply,
@@ -417,6 +417,17 @@ impl StandIn {
         let before = g.objects.insert((plural.to_string(), name), Stored { obj: obj.clone(), managers }).map(|s| s.obj);
         watch::record(&mut g, plural, before, Some(obj));
     }
+}
+
+/// volring's CRDs, read once from what `volring crds` prints (as the API
+/// server reads them once applied).
+fn crds() -> &'static [k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition] {
+    static CRDS: std::sync::OnceLock<Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>> =
+        std::sync::OnceLock::new();
+    CRDS.get_or_init(|| {
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&volring_kube::crds_yaml()).expect("the CRDs are YAML");
+        docs.into_iter().filter(|d| !d.is_null()).map(|d| serde_json::from_value(d).expect("a CRD")).collect()
+    })
 }
 
 fn status_body(code: StatusCode, reason: &str, message: &str) -> Value {

@@ -205,8 +205,7 @@ fn storage(g: &Inner, method: &Method, rest: &str, query: &str) -> Response {
 /// The fields each volring resource lets a LIST select by: `metadata.name`,
 /// and what its CRD declares in `selectableFields`.
 fn selectable(plural: &str) -> Vec<String> {
-    use kube::CustomResourceExt;
-    let crds = [volring_kube::objects::BlockDevice::crd(), volring_kube::objects::StorageNode::crd()];
+    let crds = super::crds();
     let crd = crds.iter().find(|c| c.spec.names.plural == plural);
     let declared = crd.into_iter().flat_map(|c| c.spec.versions.iter()).flat_map(|v| v.selectable_fields.iter().flatten());
     std::iter::once("metadata.name".to_string()).chain(declared.map(|f| f.json_path.trim_start_matches('.').to_string())).collect()

@@ -363,9 +363,8 @@ pub(super) fn against_schema(v: &Value, schema: &Value, at: &str, errs: &mut Vec
 /// The OpenAPI schema of a volring resource (by plural), from the CRD
 /// `volring crds` prints.
 pub(super) fn crd_schema(plural: &str) -> Option<Value> {
-    use kube::CustomResourceExt;
-    let crds = [volring_kube::objects::BlockDevice::crd(), volring_kube::objects::StorageNode::crd()];
-    let crd = crds.into_iter().find(|c| c.spec.names.plural == plural)?;
-    let v = serde_json::to_value(&crd).ok()?;
+    let crds = super::crds();
+    let crd = crds.iter().find(|c| c.spec.names.plural == plural)?;
+    let v = serde_json::to_value(crd).ok()?;
     Some(v["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone())
 }

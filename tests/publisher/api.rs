@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The Kubernetes API's path of VolumeAttachments (the test's own).
+const ATTACHMENTS: &str = "/apis/storage.k8s.io/v1/volumeattachments";
+
 #[tokio::test]
 async fn lists_are_paginated() {
     let server = Server::start().await;
@@ -40,7 +43,8 @@ async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_noth
     let seen = volring_volumes::store::Store::read_only(&path, true).unwrap().published;
     assert_eq!(seen.len(), 20);
     for o in &objs {
-        let key = volring_kube::embedded_sink::store_key(&o.key);
+        // The store key is `Kind/name` (the test's own: `volring get` reads it).
+        let key = format!("BlockDevice/{}", o.key.name);
         let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
         let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
         assert_eq!(&back, o);
@@ -61,8 +65,8 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
     let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     inv.link(&table, "n1");
-    let node = objects::storage_node("n1", None, vec![]);
-    let initial = volring_kube::feed::Feed::initial(&inv, "n1", node);
+    let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
+    let (_, initial) = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
@@ -104,7 +108,7 @@ async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_dr
     assert_eq!(got, want);
     let log = server.api.log();
     assert_eq!(log.len(), 3, "three pages of 500: {log:?}");
-    assert!(log.iter().all(|l| l.path == attachments::PATH && l.status == 200 && l.query.contains("limit=500")), "{log:?}");
+    assert!(log.iter().all(|l| l.path == ATTACHMENTS && l.status == 200 && l.query.contains("limit=500")), "{log:?}");
     assert!(log.iter().all(|l| !l.query.contains("fieldSelector")));
 }
 
@@ -114,8 +118,8 @@ async fn volume_attachments_are_listed_in_pages_and_filtered_to_this_node_and_dr
 #[tokio::test]
 async fn every_request_names_volring_and_its_node() {
     let server = Server::start().await;
-    let want = volring_share::kube::user_agent("n1");
-    assert_eq!(want, format!("volring/{} (n1)", env!("CARGO_PKG_VERSION")));
+    // The form crates/share's unit test checks `user_agent` makes.
+    let want = format!("volring/{} (n1)", env!("CARGO_PKG_VERSION"));
     let sink = Arc::new(KubeSink::for_node(server.config(), "n1").unwrap());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
@@ -123,7 +127,7 @@ async fn every_request_names_volring_and_its_node() {
     volring_kube::attachments::attached_here(&sink, "volring.csi.io", "n1").await.unwrap();
     let log = server.api.log();
     assert!(log.iter().any(|l| l.method == Method::GET && l.path.ends_with(&bd("n1", 1, 1).key.name)), "the re-read: {log:#?}");
-    assert!(log.iter().any(|l| l.path == volring_kube::attachments::PATH));
+    assert!(log.iter().any(|l| l.path == ATTACHMENTS));
     for l in &log {
         assert_eq!(l.user_agent.as_deref(), Some(want.as_str()), "{} {}", l.method, l.path);
     }
@@ -131,7 +135,7 @@ async fn every_request_names_volring_and_its_node() {
     server.api.clear_log();
     let sink = KubeSink::new(server.config()).unwrap();
     volring_kube::Sink::list(&sink, Kind::StorageNode, "n1").await.unwrap();
-    let ua = volring_share::kube::user_agent(&volring_devices::node_name());
+    let ua = format!("volring/{} ({})", env!("CARGO_PKG_VERSION"), volring_devices::node_name());
     assert_eq!(server.api.log()[0].user_agent.as_deref(), Some(ua.as_str()));
 }
 
@@ -184,7 +188,7 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("spec.capacity.storage in body must be of type integer"), "{reply}");
     let mut bad = o.main_body();
-    bad["metadata"]["labels"][objects::NODE_LABEL] = json!("n".repeat(64));
+    bad["metadata"]["labels"][NODE_LABEL] = json!("n".repeat(64));
     let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("at most 63 characters"), "{reply}");
@@ -203,11 +207,12 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
 #[tokio::test]
 async fn a_write_the_schema_refuses_is_dropped_and_counted() {
     let server = Server::start().await;
-    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
     let mut o = bd("n1", 1, 1);
     o.status["state"] = json!("Exploded");
     up.submit(o.clone());
-    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    until("the refusal", || stats.refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
     let s = up.shutdown(Duration::from_secs(5)).await;
     assert_eq!((s.writes_main, s.writes_status, s.refused), (1, 0, 1), "{s:?}");
     assert!(stored_status(&server, &o).is_null(), "the object is there, without the refused status");

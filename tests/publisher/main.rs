@@ -24,8 +24,8 @@ use publisher_support::*;
 use serde_json::json;
 use volring_kube::embedded_sink::EmbeddedSink;
 use volring_kube::kube_sink::KubeSink;
-use volring_kube::objects::{self, Kind, Object};
 use volring_kube::{GonePolicy, Updater, UpdaterConfig};
+use volring_kube::{Kind, Object};
 
 /// A stored object of `node` numbered `i` for a status storm.
 async fn seeded(server: &Server, sink: &Arc<KubeSink>, c: &UpdaterConfig, n: usize) -> Vec<Object> {

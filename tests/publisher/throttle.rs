@@ -122,13 +122,14 @@ async fn a_429_halves_the_requests_in_flight_and_only_its_object_waits() {
     (c.concurrency, c.grow_every) = (4, Duration::from_secs(3600));
     server.api.set_hold(Duration::from_millis(100));
     server.api.inject(Fault { status: 429, retry_after: Some(2), method: Some(Method::PATCH), path_contains: String::new(), times: 1 });
-    let up = Updater::start(sink, c, objs);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(sink, c, objs, stats.clone());
     until("the initial lists", || server.api.log().len() >= 2).await;
     let now: Vec<Object> = (0..40).map(|i| bd("n1", i, 1)).collect();
     for o in &now {
         up.submit(o.clone());
     }
-    let limit = || up.stats().limit.load(std::sync::atomic::Ordering::Relaxed);
+    let limit = || stats.limit.load(std::sync::atomic::Ordering::Relaxed);
     until("the limit halved", || limit() == 2).await;
     let cut = std::time::Instant::now();
     until("every object", || now.iter().all(|o| stored_status(&server, o) == o.status)).await;
@@ -160,9 +161,10 @@ async fn requests_in_flight_stay_within_the_concurrency() {
     c.concurrency = 3;
     server.api.set_hold(Duration::from_millis(50));
     let objs: Vec<Object> = (0..40).map(|i| bd("n1", i, 1)).collect();
-    let up = Updater::start(sink, c, objs);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(sink, c, objs, stats.clone());
     // The queue gauge (volring_publish_queued) counts what is being written.
-    let queued = || up.stats().queued.load(std::sync::atomic::Ordering::Relaxed);
+    let queued = || stats.queued.load(std::sync::atomic::Ordering::Relaxed);
     until("the queue gauge to count the batch", || queued() >= 30).await;
     let s = up.shutdown(Duration::from_secs(30)).await;
     assert_eq!((s.writes_main, s.writes_status, s.abandoned, s.queued), (40, 40, 0, 0), "{s:?}");

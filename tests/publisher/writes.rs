@@ -49,11 +49,12 @@ async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes
 #[tokio::test]
 async fn a_refused_write_is_dropped_and_counted() {
     let server = Server::start().await;
-    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![]);
+    let stats = Arc::new(volring_kube::Stats::default());
+    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 422, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     up.submit(o.clone());
-    until("the refusal", || up.stats().refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
+    until("the refusal", || stats.refused.load(std::sync::atomic::Ordering::Relaxed) == 1).await;
     let stats = up.shutdown(Duration::from_secs(2)).await;
     assert!(server.api.object("blockdevices", &o.key.name).is_none());
     assert_eq!((stats.refused, stats.abandoned), (1, 0));
@@ -194,7 +195,7 @@ async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let bds: Vec<Object> = (0..3).map(|i| bd("n1", i, 1)).collect();
-    let sn = objects::storage_node("n1", None, vec![]);
+    let sn = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
     let mut all = bds.clone();
     all.push(sn.clone());
     let up = Updater::start(sink, config("n1"), all);
@@ -208,11 +209,11 @@ async fn objects_deleted_or_edited_behind_the_agents_back_are_written_again() {
     client.request::<serde_json::Value>(req).await.expect("delete bd0");
     server.api.edit("blockdevices", &bds[1].key.name, |o| o["status"]["state"] = json!("Inactive"));
     server.api.edit("blockdevices", &bds[2].key.name, |o| {
-        o["metadata"]["labels"].as_object_mut().unwrap().remove(objects::NODE_LABEL);
+        o["metadata"]["labels"].as_object_mut().unwrap().remove(NODE_LABEL);
     });
     server.api.edit("storagenodes", "n1", |o| o["spec"]["nodeName"] = json!("someone-else"));
 
-    let label = |o: &Object| server.api.object("blockdevices", &o.key.name).map(|v| v["metadata"]["labels"][objects::NODE_LABEL].clone());
+    let label = |o: &Object| server.api.object("blockdevices", &o.key.name).map(|v| v["metadata"]["labels"][NODE_LABEL].clone());
     until("bd0 back", || stored_status(&server, &bds[0]) == bds[0].status).await;
     until("bd1's status back", || stored_status(&server, &bds[1]) == bds[1].status).await;
     until("bd2's label back", || label(&bds[2]) == Some(json!("n1"))).await;

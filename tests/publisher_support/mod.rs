@@ -6,17 +6,41 @@
 use std::time::Duration;
 
 use serde_json::json;
-use volring_kube::objects::{self, Key, Kind, Object, NODE_LABEL};
+use sha2::Digest;
 use volring_kube::UpdaterConfig;
+use volring_kube::{Key, Kind, Object};
 
 use crate::kube_support::Server;
+
+/// The labels volring puts on its objects, as docs/kubernetes.md names them
+/// (the tests' own: a label the code renamed would orphan every object
+/// stored under the old one, and selectors written against it).
+pub const NODE_LABEL: &str = "volring.io/node";
+pub const KIND_LABEL: &str = "volring.io/kind";
+
+/// A BlockDevice's name: `bd-` and the first 16 hex digits of the SHA-256
+/// of the node, a zero byte and the stable id (the tests' own, so a name
+/// the code changed is caught: it would orphan every stored object).
+pub fn block_device_name(node: &str, stable_id: &str) -> String {
+    let mut h = sha2::Sha256::new();
+    h.update(node.as_bytes());
+    h.update([0u8]);
+    h.update(stable_id.as_bytes());
+    format!("bd-{}", h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// The name versions before issue 29 gave a BlockDevice: the same from the
+/// stable id alone.
+pub fn legacy_block_device_name(stable_id: &str) -> String {
+    format!("bd-{}", sha2::Sha256::digest(stable_id.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect::<String>())
+}
 
 /// A BlockDevice of `node` numbered `i`, whose status carries `gen`.
 pub fn bd(node: &str, i: usize, gen: usize) -> Object {
     let stable = format!("serial-test-{node}-{i}");
     Object {
-        key: Key { kind: Kind::BlockDevice, name: objects::block_device_name(node, &stable) },
-        labels: [(NODE_LABEL.to_string(), node.to_string()), (objects::KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
+        key: Key { kind: Kind::BlockDevice, name: block_device_name(node, &stable) },
+        labels: [(NODE_LABEL.to_string(), node.to_string()), (KIND_LABEL.to_string(), "blockdevice".to_string())].into(),
         spec: json!({"nodeName": node, "path": format!("/dev/sd{i}"), "stableId": stable,
             "capacity": {"storage": 1u64 << 30, "logicalSectorSize": 512, "physicalSectorSize": 4096},
             "details": {"deviceType": "disk", "driveType": "SSD", "removable": false, "readOnly": false},

@@ -24,8 +24,13 @@ use crate::harness::{image_or_skip, Vm};
 use libtest_mimic::Failed;
 use sha2::Digest;
 use tonic::Code;
-use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring_csi::proto::*;
+
+/// The volume-context keys of an exported volume, as docs/nbd.md names
+/// them (the test's own, not the driver's: a key the driver changed would
+/// strand every volume created before).
+const CONTEXT_URI: &str = "volring.io/nbd-uri";
+const CONTEXT_SECRET: &str = "volring.io/nbd-secret";
 
 const SCRIPT: &str = include_str!("move.sh");
 const GUEST_SIDE: &str = "10.0.2.100:10809";

@@ -21,9 +21,14 @@ use crate::harness::{image_or_skip, Vm};
 use crate::kube_support;
 use libtest_mimic::Failed;
 use volring_csi::client::capability;
-use volring_csi::nbd_export::{CONTEXT_SECRET, CONTEXT_URI};
 use volring_csi::proto::volume_capability::access_mode::Mode;
 use volring_csi::proto::*;
+
+/// The volume-context keys of an exported volume, as docs/nbd.md names
+/// them (the test's own, not the driver's: a key the driver changed would
+/// strand every volume created before).
+const CONTEXT_URI: &str = "volring.io/nbd-uri";
+const CONTEXT_SECRET: &str = "volring.io/nbd-secret";
 
 const SCRIPT: &str = include_str!("share_move.sh");
 const GUEST_NBD: &str = "10.0.2.100:10809";

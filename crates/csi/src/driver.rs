@@ -99,6 +99,36 @@ impl Readiness {
     }
 }
 
+/// One RPC's calls as `/metrics` shows them: how many ended with each gRPC
+/// code, and how long they took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RpcSnapshot {
+    pub rpc: &'static str,
+    /// Calls ended, by gRPC code name (`OK` ... `Unauthenticated`), every
+    /// code listed.
+    pub by_code: Vec<(&'static str, u64)>,
+    /// Calls per latency bucket: upper bound in seconds (the last one
+    /// `f64::MAX`), count in that bucket alone (not cumulative).
+    pub buckets: Vec<(f64, u64)>,
+    /// All calls' durations together, seconds.
+    pub sum_seconds: f64,
+}
+
+/// A snapshot of the driver for `/metrics` ([`Driver::stats`]).
+#[derive(Debug, Clone)]
+pub struct DriverStats {
+    /// Every RPC the driver serves, in the order `/metrics` lists them.
+    pub rpcs: Vec<RpcSnapshot>,
+    /// Volumes staged on this node, and of those, published to a target.
+    pub staged: usize,
+    pub published: usize,
+    /// The pool's volumes, bytes provisioned (their sizes together), and
+    /// the bytes the pool's filesystem has left.
+    pub pool_volumes: usize,
+    pub provisioned: u64,
+    pub available: Option<u64>,
+}
+
 /// The CSI driver: owned parts, each with its own file and state, over
 /// one shared [`Base`]. The gRPC services (`service.rs`) hand each call to
 /// its part; the agent uses the methods below.
@@ -167,31 +197,25 @@ impl Driver {
         &self.base.config
     }
 
-    /// Calls by RPC, gRPC code and latency.
-    pub fn rpc_stats(&self) -> &RpcStats {
-        &self.rpc_stats
-    }
-
-    /// The pool's volumes: how many, bytes provisioned (their sizes
-    /// together), and the bytes the pool's filesystem has left.
-    pub fn pool_usage(&self) -> (usize, u64, Option<u64>) {
-        let (n, provisioned) = self.base.pool.provisioned();
-        (n, provisioned, self.base.pool.free_bytes().ok())
-    }
-
-    /// Volumes staged on this node, and of those, published to a target.
-    pub fn staged_and_published(&self) -> (usize, usize) {
+    /// What `/metrics` shows of the driver, as it is now: calls by RPC,
+    /// gRPC code and latency, the volumes staged and published, the pool's
+    /// volumes and bytes.
+    pub fn stats(&self) -> DriverStats {
         let all = self.base.records.all();
-        (all.len(), all.iter().filter(|r| !r.published.is_empty()).count())
+        let (pool_volumes, provisioned) = self.base.pool.provisioned();
+        DriverStats {
+            rpcs: self.rpc_stats.snapshot(),
+            staged: all.len(),
+            published: all.iter().filter(|r| !r.published.is_empty()).count(),
+            pool_volumes,
+            provisioned,
+            available: self.base.pool.free_bytes().ok(),
+        }
     }
 
     /// How many calls are running.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Acquire)
-    }
-
-    pub fn locks(&self) -> &VolumeLocks {
-        &self.base.locks
     }
 
     /// The node's store (with no cluster the publisher writes there too:
@@ -257,31 +281,22 @@ impl Driver {
         self.exports.address()
     }
 
-    /// The volumes this node exports over NFS now, each with its PVC.
-    pub fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
-        self.shares.exported()
-    }
-
     /// Sets how NodeStage of a shared volume another node holds finds the
     /// endpoint published on its PVC (in a cluster).
     pub(crate) fn set_endpoint_lookup(&self, f: EndpointLookup) {
         self.nfs.set_endpoint_lookup(f)
     }
-
-    /// The node's share side (its server's pid and records).
-    pub fn shares(&self) -> &volring_share::ShareSide {
-        self.shares.side()
-    }
 }
 
 /// The cluster's shared-volume loop (`volring_share::follow`) reaches the
 /// driver through this trait: share sits below csi in the crate graph.
+/// `/metrics` reads the node's exports through it too.
 impl volring_share::follow::ShareHost for Driver {
     fn shares(&self) -> &volring_share::ShareSide {
-        Driver::shares(self)
+        self.shares.side()
     }
     fn exported_shares(&self) -> Vec<volring_share::follow::Exported> {
-        Driver::exported_shares(self)
+        self.shares.exported()
     }
     fn set_endpoint_lookup(&self, f: EndpointLookup) {
         Driver::set_endpoint_lookup(self, f)

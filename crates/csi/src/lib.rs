@@ -28,22 +28,23 @@ mod owned;
 pub mod proto;
 mod publish;
 mod repair;
-pub mod rpc_stats;
+mod rpc_stats;
 pub mod server;
 mod service;
 mod share;
-pub use share::EndpointLookup;
 mod share_client;
+/// Only the fuzz targets' entries are public; the validators are the
+/// calls' own.
 pub mod validate;
 
 pub use attached::AttachedCheck;
-pub use driver::{CsiConfig, Driver, Expansion, Readiness};
-pub use locks::{VolumeGuard, VolumeLocks};
+pub use driver::{CsiConfig, Driver, DriverStats, Expansion, Readiness, RpcSnapshot};
+use locks::{VolumeGuard, VolumeLocks};
 
 /// The plugin name reported by GetPluginInfo (and used by CSIDriver objects).
 pub const DRIVER_NAME: &str = "volring.csi.io";
 /// The topology key naming the node a volume lives on.
-pub const TOPOLOGY_KEY: &str = "topology.volring.csi.io/node";
+pub(crate) const TOPOLOGY_KEY: &str = "topology.volring.csi.io/node";
 
 /// Why a CSI call failed; each variant is one gRPC code, chosen by the CSI
 /// specification's error tables.

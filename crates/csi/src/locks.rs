@@ -22,13 +22,13 @@ pub(crate) enum Holder {
 type Held = Arc<Mutex<HashMap<String, Holder>>>;
 
 #[derive(Default, Clone)]
-pub struct VolumeLocks {
+pub(crate) struct VolumeLocks {
     held: Held,
 }
 
 /// Held while an operation runs; releases the volume when dropped (also
 /// when the operation panics).
-pub struct VolumeGuard {
+pub(crate) struct VolumeGuard {
     held: Held,
     id: String,
 }

@@ -30,18 +30,17 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-#[path = "nbd_expand.rs"]
-mod expand;
-pub use expand::GrowError;
 #[path = "nbd_alive.rs"]
 mod alive;
+#[path = "nbd_expand.rs"]
+mod expand;
 #[path = "nbd_served.rs"]
 mod served;
 #[path = "nbd_walk.rs"]
 mod walk;
 use served::{attach_error, device_size, remote_error, remote_source, unavailable, Inner, Live, NoSteps, RealSteps, Served};
 use walk::Plan;
-pub use walk::REMOTE_WAIT;
+pub(crate) use walk::REMOTE_WAIT;
 
 use super::{Error, Result};
 use volring_nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl, RemoteAttachment};

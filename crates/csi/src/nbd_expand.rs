@@ -34,7 +34,7 @@ const DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why an nbd device could not grow.
 #[derive(Debug, thiserror::Error)]
-pub enum GrowError {
+pub(crate) enum GrowError {
     /// No server in this agent serves the device (an agent restarted with
     /// `--nbd-no-heal`, or a device the healer could not reconnect).
     #[error("/dev/nbd{0} is not served by this agent; stage the volume again")]

@@ -27,9 +27,9 @@ use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
 use volring_volumes::VolumeMeta;
 
 /// Volume-context key: where the volume is served (`nbd://HOST:PORT/ID`).
-pub const CONTEXT_URI: &str = "volring.io/nbd-uri";
+pub(crate) const CONTEXT_URI: &str = "volring.io/nbd-uri";
 /// Volume-context key: the volume's secret (64 hex digits).
-pub const CONTEXT_SECRET: &str = "volring.io/nbd-secret";
+pub(crate) const CONTEXT_SECRET: &str = "volring.io/nbd-secret";
 
 /// How the node's export listener runs.
 #[derive(Debug, Clone)]

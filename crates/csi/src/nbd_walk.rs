@@ -30,7 +30,7 @@ use volring_volumes::StagedVolume;
 /// How long the start pass waits, for every remote volume together,
 /// before the agent goes on (and serves CSI) with the rest still
 /// connecting in the background.
-pub const REMOTE_WAIT: Duration = Duration::from_millis(200);
+pub(crate) const REMOTE_WAIT: Duration = Duration::from_millis(200);
 
 /// Remote connects (and threads) a walk runs at once, at most.
 pub(crate) const MAX_REMOTE_HEALS: usize = 8;

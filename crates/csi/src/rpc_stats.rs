@@ -5,6 +5,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::RpcSnapshot;
+
 /// Every RPC the driver serves, in the order `/metrics` lists them.
 pub(crate) const RPCS: &[&str] = &[
     "GetPluginInfo",
@@ -36,12 +38,12 @@ pub(crate) const RPCS: &[&str] = &[
 
 /// Upper bounds of the latency buckets, microseconds: from a capability
 /// query (tens of µs) to a stage that formats a large xfs (seconds).
-pub const LATENCY_BUCKETS_US: [u64; 12] =
+pub(crate) const LATENCY_BUCKETS_US: [u64; 12] =
     [100, 250, 1_000, 2_500, 10_000, 25_000, 100_000, 250_000, 1_000_000, 2_500_000, 10_000_000, 30_000_000];
 
 /// The gRPC status codes by number (0 OK ... 16 Unauthenticated), as
 /// `/metrics` labels them.
-pub const CODES: [&str; 17] = [
+pub(crate) const CODES: [&str; 17] = [
     "OK",
     "Cancelled",
     "Unknown",
@@ -63,18 +65,18 @@ pub const CODES: [&str; 17] = [
 
 /// One RPC's counters.
 #[derive(Default)]
-pub struct RpcCounters {
+pub(crate) struct RpcCounters {
     /// Calls ended, by gRPC code number.
-    pub by_code: [AtomicU64; CODES.len()],
+    pub(crate) by_code: [AtomicU64; CODES.len()],
     /// Calls per latency bucket ([`LATENCY_BUCKETS_US`], then one past the
     /// last bound), not cumulative.
-    pub buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
+    pub(crate) buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     /// All calls' durations together, microseconds.
-    pub sum_us: AtomicU64,
+    pub(crate) sum_us: AtomicU64,
 }
 
 /// Counters for every RPC in [`RPCS`].
-pub struct RpcStats {
+pub(crate) struct RpcStats {
     per_rpc: Vec<RpcCounters>,
 }
 
@@ -99,8 +101,25 @@ impl RpcStats {
     }
 
     /// Each RPC with its counters, in [`RPCS`] order.
-    pub fn each(&self) -> impl Iterator<Item = (&'static str, &RpcCounters)> {
+    pub(crate) fn each(&self) -> impl Iterator<Item = (&'static str, &RpcCounters)> {
         RPCS.iter().copied().zip(&self.per_rpc)
+    }
+
+    /// Every RPC's counters as they are now, in [`RPCS`] order.
+    pub(crate) fn snapshot(&self) -> Vec<RpcSnapshot> {
+        self.each()
+            .map(|(rpc, c)| RpcSnapshot {
+                rpc,
+                by_code: CODES.iter().copied().zip(c.by_code.iter().map(|n| n.load(Ordering::Relaxed))).collect(),
+                buckets: LATENCY_BUCKETS_US
+                    .iter()
+                    .map(|&b| b as f64 / 1e6)
+                    .chain([f64::MAX])
+                    .zip(c.buckets.iter().map(|n| n.load(Ordering::Relaxed)))
+                    .collect(),
+                sum_seconds: c.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            })
+            .collect()
     }
 }
 
@@ -123,6 +142,12 @@ mod tests {
         assert_eq!(c.buckets[LATENCY_BUCKETS_US.len()].load(Ordering::Relaxed), 1);
         let total: u64 = s.each().flat_map(|(_, c)| c.by_code.iter()).map(|n| n.load(Ordering::Relaxed)).sum();
         assert_eq!(total, 3, "an unknown RPC is not counted");
+        let snap = s.snapshot();
+        let stage = snap.iter().find(|r| r.rpc == "NodeStageVolume").unwrap();
+        assert_eq!((stage.by_code[0], stage.by_code[9]), (("OK", 2), ("FailedPrecondition", 1)));
+        assert_eq!(stage.buckets.len(), LATENCY_BUCKETS_US.len() + 1);
+        assert_eq!((stage.buckets[0], stage.buckets[LATENCY_BUCKETS_US.len()]), ((1e-4, 1), (f64::MAX, 1)));
+        assert_eq!(snap.len(), RPCS.len());
     }
 
     #[test]

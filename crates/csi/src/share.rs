@@ -10,7 +10,7 @@ use super::{Error, Result};
 use volring_share::ShareSide;
 
 /// Reads the endpoint published on a PVC; runs on the CSI call's blocking thread.
-pub use volring_share::follow::EndpointLookup;
+pub(crate) use volring_share::follow::EndpointLookup;
 
 /// The shares this node serves: the hooks around its own stages.
 pub(crate) struct Shares {
@@ -46,11 +46,8 @@ impl Shares {
         let rec = self.base.records.get(id).ok_or_else(|| Error::Internal(format!("volume {id} has no staged record")))?;
         // Root squash as the StorageClass says (a volume moved here from
         // another node's pool has only its context).
-        let squash = match (self.base.pool.get(id), context) {
-            (Some(m), _) => volring_share::squash_of(&m.parameters),
-            (None, Some(c)) => volring_share::squash_in_context(c),
-            (None, None) => Ok(volring_share::Squash::Root),
-        };
+        let recorded = self.base.pool.get(id).map(|m| m.parameters);
+        let squash = volring_share::squash_of(recorded.as_ref(), context);
         let squash = squash.map_err(|e| Error::InvalidArgument(format!("volume {id}: {e}")))?;
         self.side
             .export_squashed(id, &rec.staged_at(), squash)
@@ -112,24 +109,7 @@ impl Shares {
     /// The volumes this node exports over NFS now, each with the PVC it was
     /// created for (for the cluster's Service loop, `volring_share::follow`).
     pub(crate) fn exported(&self) -> Vec<volring_share::follow::Exported> {
-        let records = match self.side.records() {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot read the share records");
-                return Vec::new();
-            }
-        };
-        records
-            .into_iter()
-            .map(|r| volring_share::follow::Exported {
-                pvc: match self.base.pool.get(&r.volume_id) {
-                    Some(m) => volring_share::pvc_of(&m.parameters),
-                    // Staged here from another node's export (moved here).
-                    None => volring_share::get_pvc(self.base.records.store(), &r.volume_id),
-                },
-                volume_id: r.volume_id,
-            })
-            .collect()
+        self.side.exported(|id| self.base.pool.get(id).map(|m| m.parameters))
     }
 
     /// The node's share side (its server's pid and records).

@@ -13,25 +13,25 @@ use super::{Error, Result};
 use volring_volumes::filesystem::FsKind;
 use volring_volumes::MountOptions;
 
-pub const MAX_ID_LEN: usize = 128;
+pub(crate) const MAX_ID_LEN: usize = 128;
 pub(crate) const MAX_PATH_LEN: usize = 4096;
 /// The size of a volume created without a capacity range.
 pub(crate) const DEFAULT_SIZE: u64 = 1 << 30;
 /// The largest volume volring creates whatever the pool's filesystem allows
 /// (a policy ceiling; the filesystem's own limit, probed when the pool
 /// opens, is often lower: ext4 with 4 KiB blocks holds files up to 16 TiB).
-pub const MAX_SIZE: u64 = 64 << 40;
+pub(crate) const MAX_SIZE: u64 = 64 << 40;
 const MIB: u64 = 1 << 20;
 
 /// Volume ids name files in the pool and state directories, so they are
 /// restricted to a charset that cannot name anything else.
-pub fn volume_id(id: &str) -> Result<()> {
+pub(crate) fn volume_id(id: &str) -> Result<()> {
     safe_name(id, "volume_id")
 }
 
 /// Volume names become ids (CreateVolume is idempotent by name), so the same
 /// rules apply; Kubernetes names (`pvc-<uid>`) pass.
-pub fn volume_name(name: &str) -> Result<()> {
+pub(crate) fn volume_name(name: &str) -> Result<()> {
     safe_name(name, "name")
 }
 
@@ -53,7 +53,7 @@ fn safe_name(s: &str, what: &str) -> Result<()> {
 
 /// Checks that `p` is an absolute path with no `..`, strictly inside
 /// `root`, and returns it normalised (`//` and `.` removed).
-pub fn path_under(p: &str, root: &Path, what: &str) -> Result<PathBuf> {
+pub(crate) fn path_under(p: &str, root: &Path, what: &str) -> Result<PathBuf> {
     let out = absolute(p, what)?;
     if out == root || !out.starts_with(root) {
         return Err(Error::InvalidArgument(format!("{what} {p:?} is not inside {}", root.display())));
@@ -95,19 +95,19 @@ pub(crate) enum AccessType {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Access {
+pub(crate) struct Access {
     pub(crate) access: AccessType,
-    pub mode: Mode,
+    pub(crate) mode: Mode,
 }
 
 impl Access {
     /// A reader-only access mode: the volume is attached and mounted
     /// read-only.
-    pub fn read_only(&self) -> bool {
+    pub(crate) fn read_only(&self) -> bool {
         matches!(self.mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
     }
 
-    pub fn is_mount(&self) -> bool {
+    pub(crate) fn is_mount(&self) -> bool {
         matches!(self.access, AccessType::Mount { .. })
     }
 
@@ -122,7 +122,7 @@ impl Access {
 /// modes are served there, and MULTI_NODE_MULTI_WRITER is served to the
 /// other nodes over NFS, which carries a filesystem, so only as a mount
 /// volume. The other multi-node modes are refused.
-pub fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
+pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
     let cap = cap.ok_or_else(|| Error::InvalidArgument("volume_capability is required".into()))?;
     let mode = cap.access_mode.as_ref().ok_or_else(|| Error::InvalidArgument("volume_capability.access_mode is required".into()))?;
     let mode = Mode::try_from(mode.mode).map_err(|_| Error::InvalidArgument(format!("unknown access mode {}", mode.mode)))?;
@@ -161,7 +161,7 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
 }
 
 /// Validates a non-empty list of capabilities.
-pub fn capabilities(caps: &[VolumeCapability]) -> Result<Vec<Access>> {
+pub(crate) fn capabilities(caps: &[VolumeCapability]) -> Result<Vec<Access>> {
     if caps.is_empty() {
         return Err(Error::InvalidArgument("volume_capabilities is required".into()));
     }
@@ -171,7 +171,7 @@ pub fn capabilities(caps: &[VolumeCapability]) -> Result<Vec<Access>> {
 /// Checks a capacity range on its own: the CSI spec says neither field
 /// may be negative, and a range whose floor is above its ceiling is no
 /// range (both INVALID_ARGUMENT, the spec's code for an invalid field).
-pub fn capacity_range(r: &CapacityRange) -> Result<()> {
+pub(crate) fn capacity_range(r: &CapacityRange) -> Result<()> {
     if r.required_bytes < 0 || r.limit_bytes < 0 {
         return Err(Error::InvalidArgument("capacity_range values must not be negative".into()));
     }
@@ -184,7 +184,7 @@ pub fn capacity_range(r: &CapacityRange) -> Result<()> {
 /// The size to create: `required` (or the default) raised to `min`, rounded
 /// up to a MiB, and never above `limit`; OutOfRange when no size fits or the
 /// size is above `max`, the largest volume this pool can hold.
-pub fn capacity(range: Option<&CapacityRange>, min: u64, max: u64) -> Result<u64> {
+pub(crate) fn capacity(range: Option<&CapacityRange>, min: u64, max: u64) -> Result<u64> {
     if let Some(r) = range {
         capacity_range(r)?;
     }
@@ -214,7 +214,7 @@ pub fn capacity(range: Option<&CapacityRange>, min: u64, max: u64) -> Result<u64
 /// Version tag and separator of a ListVolumes token.
 const TOKEN_PREFIX: &str = "vr1.";
 /// The longest token [`list_token`] makes: prefix, hex id, dot, checksum.
-pub const MAX_TOKEN_LEN: usize = TOKEN_PREFIX.len() + 2 * MAX_ID_LEN + 1 + 8;
+pub(crate) const MAX_TOKEN_LEN: usize = TOKEN_PREFIX.len() + 2 * MAX_ID_LEN + 1 + 8;
 
 /// The ListVolumes token that resumes after volume `last_id`:
 /// `vr1.<id in lowercase hex>.<FNV-1a 32 of what precedes, 8 hex digits>`.
@@ -223,7 +223,7 @@ pub const MAX_TOKEN_LEN: usize = TOKEN_PREFIX.len() + 2 * MAX_ID_LEN + 1 + 8;
 /// did not issue; a versioned, checksummed token is recognisably volring's,
 /// where a bare id would accept any id-shaped string. It is not a secret:
 /// it only carries a position, which the CO may learn anyway.
-pub fn list_token(last_id: &str) -> String {
+pub(crate) fn list_token(last_id: &str) -> String {
     let mut t = String::with_capacity(MAX_TOKEN_LEN);
     t.push_str(TOKEN_PREFIX);
     for b in last_id.bytes() {
@@ -237,7 +237,7 @@ pub fn list_token(last_id: &str) -> String {
 /// The volume id a token from [`list_token`] resumes after; ABORTED (the
 /// spec's code for an invalid `starting_token`) for anything else. Pure and
 /// bounded: never allocates more than the id it returns.
-pub fn parse_list_token(token: &str) -> Result<String> {
+pub(crate) fn parse_list_token(token: &str) -> Result<String> {
     let bad = |why: &str| Error::Aborted(format!("starting_token ({} bytes) is not one volring issued: {why}", token.len()));
     if token.len() > MAX_TOKEN_LEN {
         return Err(bad("too long"));
@@ -263,10 +263,114 @@ fn fnv1a32(bytes: &[u8]) -> u32 {
     bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ b as u32).wrapping_mul(0x0100_0193))
 }
 
+/// The `csi_request` fuzz target's entry: `data` is a selector byte and a
+/// CSI request's bytes; the request is decoded and its fields validated the
+/// way the calls do. Whatever arrives, validation answers without
+/// panicking, and what it accepts keeps its promises: paths stay inside
+/// the kubelet root with no `..`, sizes respect the range and the limits
+/// (a broken promise panics, which the fuzzer reports).
+pub fn fuzz_request(data: &[u8]) {
+    use super::proto::{ControllerExpandVolumeRequest, CreateVolumeRequest, NodePublishVolumeRequest, NodeStageVolumeRequest};
+    use prost::Message;
+    use std::path::Component;
+    const ROOT: &str = "/var/lib/kubelet";
+    let path = |p: &str| {
+        if let Ok(ok) = path_under(p, Path::new(ROOT), "path") {
+            assert!(ok.starts_with(ROOT) && ok != Path::new(ROOT), "{p:?} -> {ok:?}");
+            assert!(ok.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_))), "{ok:?}");
+        }
+    };
+    let id = |s: &str| {
+        if volume_id(s).is_ok() {
+            assert!(!s.is_empty() && s.len() <= MAX_ID_LEN && !s.contains('/') && s != "." && s != "..");
+        }
+    };
+    let Some((&which, rest)) = data.split_first() else { return };
+    match which % 4 {
+        0 => {
+            if let Ok(r) = NodeStageVolumeRequest::decode(rest) {
+                id(&r.volume_id);
+                path(&r.staging_target_path);
+                let _ = capability(r.volume_capability.as_ref());
+            }
+        }
+        1 => {
+            if let Ok(r) = NodePublishVolumeRequest::decode(rest) {
+                id(&r.volume_id);
+                path(&r.staging_target_path);
+                path(&r.target_path);
+                if let Ok(a) = capability(r.volume_capability.as_ref()) {
+                    let _ = (a.read_only(), a.is_mount());
+                }
+            }
+        }
+        2 => {
+            if let Ok(r) = CreateVolumeRequest::decode(rest) {
+                let _ = volume_name(&r.name);
+                let _ = capabilities(&r.volume_capabilities);
+                let min = 16 << 20;
+                // A pool whose filesystem holds less than the policy ceiling
+                // (ext4's 16 TiB), as well as one that holds more.
+                let max = if which & 0x80 != 0 { (16 << 40) - (1 << 20) } else { MAX_SIZE };
+                if let Ok(size) = capacity(r.capacity_range.as_ref(), min, max) {
+                    assert!(size >= min && size <= max && size % 4096 == 0);
+                    if let Some(c) = &r.capacity_range {
+                        assert!(size >= c.required_bytes as u64);
+                        assert!(c.limit_bytes == 0 || size <= c.limit_bytes as u64);
+                    }
+                }
+            }
+        }
+        _ => {
+            if let Ok(r) = ControllerExpandVolumeRequest::decode(rest) {
+                id(&r.volume_id);
+                if let Some(c) = &r.capacity_range {
+                    if capacity_range(c).is_ok() {
+                        assert!(c.required_bytes >= 0 && c.limit_bytes >= 0);
+                    }
+                }
+                let _ = capacity(r.capacity_range.as_ref(), 0, MAX_SIZE);
+            }
+        }
+    }
+}
+
+/// The `list_token` fuzz target's entry: whatever string a CO sends as a
+/// ListVolumes `starting_token`, the parser answers without panicking,
+/// accepts only what volring issued (a token it accepts is exactly the one
+/// [`list_token`] makes for the id it yields), and every id's token parses
+/// back to the id (a broken promise panics).
+pub fn fuzz_list_token(s: &str) {
+    if let Ok(id) = parse_list_token(s) {
+        assert!(volume_id(&id).is_ok(), "{s:?} -> {id:?}");
+        assert_eq!(list_token(&id), s, "tokens are canonical");
+    }
+    if volume_id(s).is_ok() {
+        let t = list_token(s);
+        assert!(t.len() <= MAX_TOKEN_LEN);
+        assert_eq!(parse_list_token(&t).ok().as_deref(), Some(s));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::proto::volume_capability::{AccessMode, BlockVolume, MountVolume};
     use super::*;
+
+    /// The fuzz entries' promises hold on a few fixed inputs (a run of the
+    /// fuzzer tries many more).
+    #[test]
+    fn fuzz_entries_hold_on_samples() {
+        for s in ["", "pvc-1", "vr1.", "vr1.70.00000000", "../x"] {
+            fuzz_list_token(s);
+        }
+        fuzz_list_token(&list_token("pvc-1"));
+        for which in 0u8..4 {
+            fuzz_request(&[which]);
+            // volume_id "a/b" (field 1), then a path "../x" (field 2).
+            fuzz_request(&[which, 0x0a, 3, b'a', b'/', b'b', 0x12, 4, b'.', b'.', b'/', b'x']);
+        }
+    }
 
     fn cap(mode: Mode, access: Option<ProtoAccessType>) -> VolumeCapability {
         VolumeCapability { access_type: access, access_mode: Some(AccessMode { mode: mode as i32 }) }

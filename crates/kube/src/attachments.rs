@@ -27,7 +27,7 @@ use super::kube_sink::{query_escape, KubeSink, PAGE};
 use super::sink::SinkError;
 
 /// Where VolumeAttachments are listed.
-pub const PATH: &str = "/apis/storage.k8s.io/v1/volumeattachments";
+pub(crate) const PATH: &str = "/apis/storage.k8s.io/v1/volumeattachments";
 /// A LIST that keeps handing out continue tokens is cut here.
 const MAX_PAGES: usize = 10_000;
 
@@ -55,7 +55,7 @@ pub(crate) fn attached_volume(item: &Value, driver: &str, node: &str) -> Option<
 }
 
 /// One page's volumes attached here, and the continue token ("" at the end).
-pub fn page(body: &Value, driver: &str, node: &str) -> (Vec<String>, String) {
+pub(crate) fn page(body: &Value, driver: &str, node: &str) -> (Vec<String>, String) {
     let ids = body
         .get("items")
         .and_then(Value::as_array)

@@ -22,7 +22,7 @@ impl EmbeddedSink {
 }
 
 /// The store key of an object: `Kind/name`.
-pub fn store_key(key: &Key) -> String {
+pub(crate) fn store_key(key: &Key) -> String {
     format!("{}/{}", key.kind.as_str(), key.name)
 }
 

@@ -67,11 +67,14 @@ pub(crate) fn path_of(o: &Object) -> Option<&str> {
 }
 
 impl Feed {
-    /// Every object of `node` now: its devices and the StorageNode.
-    pub fn initial(inventory: &Inventory, node: &str, storage_node: Object) -> Vec<Object> {
+    /// Every object of `node` now, its devices and the StorageNode (the
+    /// updater's start), and the feed that remembers them.
+    pub fn initial(inventory: &Inventory, node: &str, storage_node: Object) -> (Feed, Vec<Object>) {
         let mut v = block_devices(inventory, node);
         v.push(storage_node);
-        v
+        let mut feed = Feed::default();
+        feed.seed(&v);
+        (feed, v)
     }
 
     /// The staged volumes' identity records from now on (the next
@@ -81,7 +84,7 @@ impl Feed {
     }
 
     /// Remembers the objects the updater started with.
-    pub fn seed(&mut self, objs: &[Object]) {
+    pub(crate) fn seed(&mut self, objs: &[Object]) {
         self.last.extend(objs.iter().map(|o| (o.key.clone(), o.clone())));
     }
 

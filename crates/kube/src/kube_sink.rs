@@ -181,7 +181,7 @@ impl KubeSink {
 
 /// Retry-After in seconds (the API server sends seconds); absent or
 /// unreadable: one second.
-pub fn retry_after_of(v: Option<&str>) -> Duration {
+pub(crate) fn retry_after_of(v: Option<&str>) -> Duration {
     v.and_then(|s| s.trim().parse::<u64>().ok()).map_or(Duration::from_secs(1), Duration::from_secs).min(MAX_RETRY_AFTER)
 }
 
@@ -209,7 +209,7 @@ fn base(kind: Kind) -> String {
 }
 
 /// Percent-encodes a query value (everything but unreserved characters).
-pub fn query_escape(s: &str) -> String {
+pub(crate) fn query_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {

@@ -1,10 +1,10 @@
 //! The Kubernetes publisher: what the node knows, as custom resources.
 //!
-//! - [`objects`]: the CRDs (BlockDevice, StorageNode) and the pure builders
+//! - `objects`: the CRDs (BlockDevice, StorageNode) and the pure builders
 //!   that turn devices and volumes into objects.
-//! - [`updater`]: the batched, coalescing updater; `pace` is its token
+//! - `updater`: the batched, coalescing updater; `pace` is its token
 //!   bucket, its in-flight limit (AIMD on 429 and 503) and backoff.
-//! - [`sink`]: what the updater writes through, and how writes fail.
+//! - `sink`: what the updater writes through, and how writes fail.
 //! - [`kube_sink`]: the API server as a sink (server-side apply, status
 //!   subresource, paginated LIST).
 //! - [`embedded_sink`]: with no cluster, the node's own store as the sink.
@@ -22,16 +22,20 @@
 pub mod attachments;
 pub mod embedded_sink;
 pub mod feed;
+mod fuzz;
 pub mod kube_sink;
 pub mod names;
 pub mod node_feed;
-pub mod objects;
+mod objects;
 mod pace;
 pub mod queued;
 pub mod show;
 mod sink;
 mod stats;
-pub mod updater;
+mod updater;
 
-pub use objects::{Key, Kind, Object};
-pub use updater::{GonePolicy, Part, Sink, SinkError, Submitter, Updater, UpdaterConfig};
+pub use fuzz::fuzz_api_object;
+pub use objects::{crds_yaml, Key, Kind, Object};
+pub use sink::{Part, Seen, Sink, SinkError, Watched};
+pub use stats::{Stats, StatsSnapshot};
+pub use updater::{GonePolicy, Submitter, Updater, UpdaterConfig};

@@ -73,13 +73,19 @@ impl NodeFeed {
         }
     }
 
-    /// The builder, for a last look at shutdown.
-    pub fn builder(&self) -> Builder {
-        self.build.clone()
-    }
-
-    /// Follows the signals for good, submitting each changed object.
+    /// Follows the signals for good, submitting each changed object. When
+    /// the task is dropped (the publisher's stop aborts it), submits the
+    /// object as it is then, for the updater's last flush (what is already
+    /// stored is not written again).
     pub async fn follow(mut self, to: Submitter) {
+        /// The last look, taken as the follower is dropped.
+        struct Last(Builder, Submitter);
+        impl Drop for Last {
+            fn drop(&mut self) {
+                self.1.submit((self.0)());
+            }
+        }
+        let _last = Last(self.build.clone(), to.clone());
         loop {
             let o = self.changed().await;
             to.submit(o);
@@ -88,22 +94,11 @@ impl NodeFeed {
 }
 
 /// The StorageNode of `node` from the staged records, the reconciler's
-/// verdicts and the pool directory; `unknown_attachments` is what the
-/// healer hook's cross-check found (`None`: it has not run, or there is no
-/// cluster).
+/// verdicts and the pool directory, each volume named with its PV, PVC and
+/// pods (from kubelet's paths, and `names`: what the cluster told);
+/// `unknown_attachments` is what the healer hook's cross-check found
+/// (`None`: it has not run, or there is no cluster).
 pub fn storage_node(
-    node: &str,
-    records: &[StagedVolume],
-    view: Option<&HealthView>,
-    pool_dir: Option<&Path>,
-    unknown_attachments: Option<&[String]>,
-) -> Object {
-    storage_node_named(node, records, view, pool_dir, unknown_attachments, &ClusterNames::default())
-}
-
-/// [`storage_node`], each volume named with its PV, PVC and pods (from
-/// kubelet's paths, and `names`: what the cluster told).
-pub fn storage_node_named(
     node: &str,
     records: &[StagedVolume],
     view: Option<&HealthView>,
@@ -236,11 +231,11 @@ mod tests {
     #[test]
     fn unknown_attachments_are_a_false_condition_and_no_check_is_none() {
         let cond = |o: &Object| o.status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "AttachmentsKnown").cloned();
-        assert_eq!(cond(&storage_node("n1", &[], None, None, None)), None);
-        let ok = cond(&storage_node("n1", &[], None, None, Some(&[]))).unwrap();
+        assert_eq!(cond(&storage_node("n1", &[], None, None, None, &ClusterNames::default())), None);
+        let ok = cond(&storage_node("n1", &[], None, None, Some(&[]), &ClusterNames::default())).unwrap();
         assert_eq!(ok["status"], "True");
         let ids: Vec<String> = (0..25).map(|i| format!("pvc-{i}")).collect();
-        let bad = cond(&storage_node("n1", &[], None, None, Some(&ids))).unwrap();
+        let bad = cond(&storage_node("n1", &[], None, None, Some(&ids), &ClusterNames::default())).unwrap();
         assert_eq!((bad["status"].as_str(), bad["reason"].as_str()), (Some("False"), Some("UnknownVolumeAttachments")));
         let msg = bad["message"].as_str().unwrap();
         assert!(
@@ -248,7 +243,7 @@ mod tests {
             "{msg}"
         );
         // The Ready condition is untouched by it.
-        let ready = storage_node("n1", &[], None, None, Some(&ids)).status["conditions"][0].clone();
+        let ready = storage_node("n1", &[], None, None, Some(&ids), &ClusterNames::default()).status["conditions"][0].clone();
         assert_eq!(ready["type"], "Ready");
     }
 
@@ -271,15 +266,15 @@ mod tests {
             signal,
             Arc::new(move || {
                 b.fetch_add(1, Ordering::SeqCst);
-                storage_node("n1", &r.all(), Some(&*v), None, None)
+                storage_node("n1", &r.all(), Some(&*v), None, None, &ClusterNames::default())
             }),
         );
         let sink = Arc::new(Memory::default());
         let mut config = UpdaterConfig::new("n1");
         config.window = Duration::from_millis(300);
-        let up = Updater::start(sink.clone(), config, vec![feed.current()]);
+        let stats = Arc::new(crate::Stats::default());
+        let up = Updater::start_counting(sink.clone(), config, vec![feed.current()], stats.clone());
         let follower = tokio::spawn(feed.follow(up.handle()));
-        let stats = up.stats().clone();
         until("the initial StorageNode", || stats.writes_status.load(Ordering::SeqCst) == 1).await;
 
         // Quiet: longer than the 2 s timer this replaced, no rebuild at all.

@@ -20,9 +20,9 @@ use volring_devices::{Device, DeviceKind, Use};
 pub(crate) const GROUP: &str = "volring.io";
 pub(crate) const VERSION: &str = "v1alpha1";
 /// Label: the node an object describes.
-pub const NODE_LABEL: &str = "volring.io/node";
+pub(crate) const NODE_LABEL: &str = "volring.io/node";
 /// Label: the object's kind in lower case (so one selector finds a kind).
-pub const KIND_LABEL: &str = "volring.io/kind";
+pub(crate) const KIND_LABEL: &str = "volring.io/kind";
 /// Label: the node, under the name node-disk-manager's users search by
 /// (`-l kubernetes.io/hostname=<node>`). Its value is the node's name,
 /// which is the node's own `kubernetes.io/hostname` label unless the
@@ -85,7 +85,7 @@ pub(crate) const MAX_LISTED_VOLUMES: usize = 1000;
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = kube_int_formats)]
-pub struct BlockDeviceSpec {
+pub(crate) struct BlockDeviceSpec {
     pub(crate) node_name: String,
     /// `/dev/<name>` now; may change across reboots (the name does not).
     pub path: String,
@@ -104,7 +104,7 @@ pub struct BlockDeviceSpec {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = kube_int_formats)]
-pub struct Capacity {
+pub(crate) struct Capacity {
     /// Bytes.
     pub(crate) storage: u64,
     pub(crate) logical_sector_size: u32,
@@ -133,7 +133,7 @@ pub(crate) struct Details {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, JsonSchema)]
-pub enum DeviceState {
+pub(crate) enum DeviceState {
     /// Present on the node now.
     Active,
     /// Was on the node and is gone (or the agent restarted without it).
@@ -153,7 +153,7 @@ pub(crate) enum ClaimState {
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct BlockDeviceStatus {
+pub(crate) struct BlockDeviceStatus {
     pub state: DeviceState,
     pub(crate) claim_state: ClaimState,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -176,14 +176,14 @@ pub struct BlockDeviceStatus {
 
 /// A PersistentVolumeClaim, by namespace and name.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
-pub struct ClaimRef {
+pub(crate) struct ClaimRef {
     pub namespace: String,
     pub name: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct Filesystem {
+pub(crate) struct Filesystem {
     pub fs_type: String,
     /// The first mount point, when mounted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -208,14 +208,14 @@ pub struct Filesystem {
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
-pub struct StorageNodeSpec {
+pub(crate) struct StorageNodeSpec {
     pub(crate) node_name: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = kube_int_formats)]
-pub struct StorageNodeStatus {
+pub(crate) struct StorageNodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<Pool>,
     pub(crate) volumes_total: u32,
@@ -231,7 +231,7 @@ pub struct StorageNodeStatus {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = kube_int_formats)]
-pub struct Pool {
+pub(crate) struct Pool {
     pub path: String,
     pub(crate) capacity_bytes: u64,
     pub(crate) available_bytes: u64,
@@ -241,7 +241,7 @@ pub struct Pool {
 /// is there (phase, device, health, drift).
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct VolumeEntry {
+pub(crate) struct VolumeEntry {
     pub id: String,
     /// mount or block.
     pub(crate) access: String,
@@ -296,7 +296,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::BlockDevice, Kind::StorageNode];
+    pub(crate) const ALL: [Kind; 2] = [Kind::BlockDevice, Kind::StorageNode];
 
     pub(crate) fn as_str(self) -> &'static str {
         match self {
@@ -377,7 +377,7 @@ impl Object {
     /// The object marked as gone from its node: a BlockDevice becomes
     /// Inactive (its other facts stay as last seen); `None` for kinds that
     /// have no such state.
-    pub fn retired(&self) -> Option<Object> {
+    pub(crate) fn retired(&self) -> Option<Object> {
         match self.key.kind {
             Kind::BlockDevice => {
                 let mut o = self.clone();
@@ -430,7 +430,7 @@ fn labels(kind: Kind, node: &str) -> BTreeMap<String, String> {
 /// share their partitions' GUIDs and filesystem UUIDs, and serial-less
 /// virtual disks fall through to those (node-disk-manager puts the host
 /// name into such ids for the same reason).
-pub fn block_device_name(node: &str, stable_id: &str) -> String {
+pub(crate) fn block_device_name(node: &str, stable_id: &str) -> String {
     let mut h = Sha256::new();
     h.update(node.as_bytes());
     // A separator no node name holds: ("a", "bc") and ("ab", "c") differ.
@@ -451,7 +451,7 @@ pub(crate) fn duplicate_block_device_name(node: &str, stable_id: &str, kernel_na
 /// The name earlier versions gave a BlockDevice: from the stable id alone,
 /// so it collided across nodes. A stored object of this node under such a
 /// name is superseded by its node-qualified name and is deleted.
-pub fn legacy_block_device_name(stable_id: &str) -> String {
+pub(crate) fn legacy_block_device_name(stable_id: &str) -> String {
     let digest = Sha256::digest(stable_id.as_bytes());
     let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     format!("bd-{hex}")
@@ -527,7 +527,7 @@ pub(crate) fn block_device_of(d: &Device, node: &str, who: Option<&volring_volum
 
 /// The StorageNode for `node`: `volumes` in any order; drifting ones are
 /// listed first, then by id, at most [`MAX_LISTED_VOLUMES`].
-pub fn storage_node(node: &str, pool: Option<Pool>, mut volumes: Vec<VolumeEntry>) -> Object {
+pub(crate) fn storage_node(node: &str, pool: Option<Pool>, mut volumes: Vec<VolumeEntry>) -> Object {
     let drifting = |v: &VolumeEntry| v.health != "Healthy";
     volumes.sort_by(|a, b| drifting(b).cmp(&drifting(a)).then_with(|| a.id.cmp(&b.id)));
     let total = volumes.len() as u32;

@@ -77,7 +77,7 @@ pub(crate) fn write(state_dir: &Path, q: &Queued) -> std::io::Result<()> {
 }
 
 /// Removes the record (the agent's publisher stopped).
-pub fn remove(state_dir: &Path) {
+pub(crate) fn remove(state_dir: &Path) {
     let _ = std::fs::remove_file(path(state_dir));
 }
 
@@ -102,8 +102,16 @@ pub fn note(state_dir: &Path) -> Option<String> {
 }
 
 /// Keeps the record to `stats`' queued count until cancelled (the caller
-/// aborts the task and then calls [`remove`]).
+/// aborts the task); the record is removed when the task is dropped.
 pub async fn follow(stats: Arc<Stats>, state_dir: PathBuf, target: Target) {
+    /// Removes the record when the task ends (an abort drops it).
+    struct Removed(PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            remove(&self.0);
+        }
+    }
+    let _removed = Removed(state_dir.clone());
     let pid = std::process::id();
     let started = start_time(pid).unwrap_or_else(|| {
         tracing::debug!("cannot read this process's start time: the queued record names the pid only");

@@ -58,8 +58,8 @@ mod worker;
 use worker::Worker;
 
 use super::objects::{Key, Kind, Object};
-pub use super::sink::{Part, Seen, Sink, SinkError, Watched};
-pub use super::stats::{Stats, StatsSnapshot};
+pub(crate) use super::sink::{Part, Seen, Sink, SinkError, Watched};
+pub(crate) use super::stats::{Stats, StatsSnapshot};
 
 /// What to do with the objects of devices that are gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -193,10 +193,6 @@ impl Updater {
     /// StorageNode's follower).
     pub fn handle(&self) -> Submitter {
         Submitter { shared: self.shared.clone() }
-    }
-
-    pub fn stats(&self) -> &Arc<Stats> {
-        &self.shared.stats
     }
 
     /// Writes what is pending now, without waiting for the window, within

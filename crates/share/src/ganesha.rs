@@ -68,7 +68,7 @@ pub(crate) struct Settings {
 
 /// One exported directory.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Export {
+pub(crate) struct Export {
     /// 1..=65535 (0 is ganesha's pseudo-filesystem root).
     pub id: u16,
     /// The staged filesystem on this node.

@@ -82,7 +82,7 @@ pub enum Error {
 /// `volring/<version> (<node>)`: the User-Agent of every request volring
 /// makes to the API server, so its audit log, its metrics and priority
 /// and fairness can tell volring's requests and each node's apart.
-pub fn user_agent(node: &str) -> String {
+pub(crate) fn user_agent(node: &str) -> String {
     format!("volring/{} ({node})", env!("CARGO_PKG_VERSION"))
 }
 
@@ -305,7 +305,7 @@ impl ShareController {
         let (ns, name) = (v.pvc_namespace.as_str(), v.pvc_name.as_str());
         let what = |kind: &str| format!("{kind} {ns}/{name}");
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
-        let want = if serving { desired_slice(v, owner) } else { idle_slice(v, owner) };
+        let want = desired_slice(v, owner, serving);
         let what_slice = what("EndpointSlice");
         let api_err = |e| Error::Api { what: what_slice.clone(), source: e };
         match slices.get_opt(name).await.map_err(api_err)? {
@@ -419,8 +419,18 @@ fn address_type(v: &SharedVolume) -> String {
     if v.server.is_ipv4() { "IPv4" } else { "IPv6" }.into()
 }
 
-/// The EndpointSlice of a volume served at `v.server:v.server_port`.
-pub fn desired_slice(v: &SharedVolume, owner: &OwnerReference) -> EndpointSlice {
+/// The EndpointSlice of volume `v`: when `serving`, its one endpoint is
+/// `v.server:v.server_port`; when no server answers for it, it has none
+/// (the Service keeps its ClusterIP; connections to it are refused).
+pub fn desired_slice(v: &SharedVolume, owner: &OwnerReference, serving: bool) -> EndpointSlice {
+    if !serving {
+        return EndpointSlice {
+            metadata: slice_meta(v, owner),
+            address_type: address_type(v),
+            endpoints: Some(Vec::new()),
+            ports: slice_ports(v),
+        };
+    }
     EndpointSlice {
         metadata: slice_meta(v, owner),
         address_type: address_type(v),
@@ -431,12 +441,6 @@ pub fn desired_slice(v: &SharedVolume, owner: &OwnerReference) -> EndpointSlice 
         }]),
         ports: slice_ports(v),
     }
-}
-
-/// The EndpointSlice of a volume no server answers for: no endpoints (the
-/// Service keeps its ClusterIP; connections to it are refused).
-pub fn idle_slice(v: &SharedVolume, owner: &OwnerReference) -> EndpointSlice {
-    EndpointSlice { metadata: slice_meta(v, owner), address_type: address_type(v), endpoints: Some(Vec::new()), ports: slice_ports(v) }
 }
 
 /// Whether `e` sends clients to `v.server:v.server_port` (ready or not).
@@ -501,6 +505,14 @@ pub(crate) fn slice_equivalent(have: &EndpointSlice, want: &EndpointSlice) -> bo
 mod tests {
     use super::*;
 
+    /// Issue 29: every request names volring, its version and its node
+    /// (`volring/<version> (<node>)`); the API tests compare the requests'
+    /// User-Agent with that form (this check was in tests/publisher/api.rs).
+    #[test]
+    fn the_user_agent_names_volring_its_version_and_node() {
+        assert_eq!(user_agent("n1"), format!("volring/{} (n1)", env!("CARGO_PKG_VERSION")));
+    }
+
     fn vol(ip: &str) -> SharedVolume {
         SharedVolume {
             volume_id: "pvc-1".into(),
@@ -536,13 +548,13 @@ mod tests {
         orphan.metadata.owner_references = None;
         assert!(!service_equivalent(&orphan, &want));
         // The slice follows the server's address.
-        let e1 = desired_slice(&vol("10.0.0.1"), &owner());
-        let e2 = desired_slice(&vol("10.0.0.2"), &owner());
+        let e1 = desired_slice(&vol("10.0.0.1"), &owner(), true);
+        let e2 = desired_slice(&vol("10.0.0.2"), &owner(), true);
         assert!(slice_equivalent(&e1, &e1.clone()));
         assert!(!slice_equivalent(&e1, &e2));
         assert_eq!(e1.metadata.labels.as_ref().unwrap()[SERVICE_NAME_LABEL], "data");
         assert_eq!(e1.metadata.labels.as_ref().unwrap()[MANAGED_BY_LABEL], "volring.io");
-        assert_eq!((e1.address_type.as_str(), desired_slice(&vol("fd00::1"), &owner()).address_type.as_str()), ("IPv4", "IPv6"));
+        assert_eq!((e1.address_type.as_str(), desired_slice(&vol("fd00::1"), &owner(), true).address_type.as_str()), ("IPv4", "IPv6"));
         // The Service does not.
         assert!(service_equivalent(&desired_service(&vol("10.0.0.2"), &owner()), &want));
         // A server going away takes out only its own address and port.
@@ -551,7 +563,7 @@ mod tests {
         let mut other_port = vol("10.0.0.1");
         other_port.server_port = 20490;
         assert!(!lists(&e1, &other_port));
-        assert!(!lists(&idle_slice(&vol("10.0.0.1"), &owner()), &vol("10.0.0.1")));
-        assert!(slice_equivalent(&idle_slice(&vol("10.0.0.1"), &owner()), &idle_slice(&vol("10.0.0.2"), &owner())));
+        assert!(!lists(&desired_slice(&vol("10.0.0.1"), &owner(), false), &vol("10.0.0.1")));
+        assert!(slice_equivalent(&desired_slice(&vol("10.0.0.1"), &owner(), false), &desired_slice(&vol("10.0.0.2"), &owner(), false)));
     }
 }

@@ -27,7 +27,7 @@ mod admit;
 pub mod client;
 mod client_watch;
 pub mod follow;
-pub mod ganesha;
+mod ganesha;
 mod identity;
 pub mod kube;
 mod records;
@@ -35,9 +35,8 @@ mod renounce;
 mod server;
 mod side;
 
-pub use ganesha::Squash;
-pub use records::{get_pvc, preferred_export_id, put_pvc, remove_pvc, MountRecord, ShareRecord};
-pub use server::{NfsServer, ServerFiles};
+pub use ganesha::{valid_client, Squash};
+pub use records::{put_pvc, remove_pvc, MountRecord};
 pub use side::{ShareConfig, ShareSide};
 
 /// Why sharing a volume failed.
@@ -68,16 +67,17 @@ pub(crate) const SHARE_NFS: &str = "nfs";
 /// NFS export, `root` (the default), `none` or `all` ([`Squash`]).
 pub const PARAM_SQUASH: &str = "nfsSquash";
 
-/// The squash a volume's recorded parameters ask for (the default when
-/// they say nothing; an error naming the parameter when it is no value).
-pub fn squash_of(parameters: &BTreeMap<String, String>) -> Result<Squash, Error> {
-    parameters.get(PARAM_SQUASH).map_or(Ok(Squash::Root), |v| Squash::parse(v))
-}
-
-/// The squash a volume context asks for ([`squash_of`]; a volume exported
-/// from a node that does not hold its pool record has only its context).
-pub fn squash_in_context(context: &HashMap<String, String>) -> Result<Squash, Error> {
-    context.get(PARAM_SQUASH).map_or(Ok(Squash::Root), |v| Squash::parse(v))
+/// The squash a volume's recorded parameters ask for, else (a volume
+/// exported from a node that does not hold its pool record has only its
+/// context) its volume context: the default when they say nothing or
+/// neither is there; an error naming the parameter when it is no value.
+pub fn squash_of(recorded: Option<&BTreeMap<String, String>>, context: Option<&HashMap<String, String>>) -> Result<Squash, Error> {
+    let value = match (recorded, context) {
+        (Some(parameters), _) => parameters.get(PARAM_SQUASH),
+        (None, Some(context)) => context.get(PARAM_SQUASH),
+        (None, None) => None,
+    };
+    value.map_or(Ok(Squash::Root), |v| Squash::parse(v))
 }
 
 /// Whether a volume's recorded parameters mark it shared.
@@ -108,7 +108,7 @@ const PROVISIONER_PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
 
 /// The PVC (namespace, name) a volume's recorded parameters name, when
 /// both are names Kubernetes allows.
-pub fn pvc_of(parameters: &BTreeMap<String, String>) -> Option<(String, String)> {
+pub(crate) fn pvc_of(parameters: &BTreeMap<String, String>) -> Option<(String, String)> {
     pvc(parameters.get(PROVISIONER_PVC_NAMESPACE)?, parameters.get(PROVISIONER_PVC_NAME)?)
 }
 
@@ -181,6 +181,18 @@ mod tests {
         p.insert(PROVISIONER_PVC_NAME.into(), "data".into());
         context("pvc-1", &p, Some("10.0.0.1:2049"), &mut c);
         assert_eq!(pvc_in_context(&c), Some(("apps".into(), "data".into())));
+    }
+
+    #[test]
+    fn the_squash_comes_from_the_record_else_the_context() {
+        let recorded = BTreeMap::from([(PARAM_SQUASH.to_string(), "none".to_string())]);
+        let context = HashMap::from([(PARAM_SQUASH.to_string(), "all".to_string())]);
+        assert_eq!(squash_of(Some(&recorded), Some(&context)).ok(), Some(Squash::None));
+        assert_eq!(squash_of(None, Some(&context)).ok(), Some(Squash::All));
+        assert_eq!(squash_of(Some(&BTreeMap::new()), Some(&context)).ok(), Some(Squash::Root), "the record says nothing");
+        assert_eq!(squash_of(None, None).ok(), Some(Squash::Root));
+        let bad = HashMap::from([(PARAM_SQUASH.to_string(), "some".to_string())]);
+        assert!(squash_of(None, Some(&bad)).is_err_and(|e| e.to_string().contains("nfsSquash")));
     }
 
     #[test]

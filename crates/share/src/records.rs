@@ -15,24 +15,24 @@ const PREFIX: &str = "NfsShare/";
 /// One exported volume.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ShareRecord {
-    pub volume_id: String,
-    pub export_id: u16,
+pub(crate) struct ShareRecord {
+    pub(crate) volume_id: String,
+    pub(crate) export_id: u16,
     /// The staged filesystem exported.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// The path clients mount.
-    pub pseudo: String,
+    pub(crate) pseudo: String,
     /// `host:port` clients reach the server on.
-    pub server: String,
+    pub(crate) server: String,
     /// The nodes admitted to the export (node name → the address this
     /// server sees its connections from): the ones that staged the volume
     /// and made themselves known (`follow`). Kept across restarts, so a
     /// restarted agent admits its clients again at once.
     #[serde(default)]
-    pub clients: std::collections::BTreeMap<String, String>,
+    pub(crate) clients: std::collections::BTreeMap<String, String>,
     /// Root squash, from the volume's StorageClass (`nfsSquash`).
     #[serde(default)]
-    pub squash: super::ganesha::Squash,
+    pub(crate) squash: super::ganesha::Squash,
 }
 
 pub(super) fn load(store: &Store) -> Result<Vec<ShareRecord>, Error> {
@@ -196,7 +196,7 @@ pub fn put_pvc(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result
 
 /// The PVC recorded by [`put_pvc`], if any (one that does not decode, or
 /// names what Kubernetes does not allow, is none).
-pub fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
+pub(crate) fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
     let bytes = store.published(&format!("{PVC_PREFIX}{volume_id}")).ok()??;
     let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
     super::pvc(&ns, &name)
@@ -231,7 +231,7 @@ pub(super) fn export_id(have: &[ShareRecord], volume_id: &str) -> Result<u16, Er
 }
 
 /// The export id volume `volume_id` gets on any node where it is free.
-pub fn preferred_export_id(volume_id: &str) -> u16 {
+pub(crate) fn preferred_export_id(volume_id: &str) -> u16 {
     (volring_volumes::store::fnv1a(volume_id.as_bytes()) % u64::from(u16::MAX)) as u16 + 1
 }
 

@@ -31,10 +31,10 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// Where the server's files go and which binary runs.
 #[derive(Debug, Clone)]
-pub struct ServerFiles {
-    pub binary: PathBuf,
+pub(crate) struct ServerFiles {
+    pub(crate) binary: PathBuf,
     /// Holds `ganesha.conf`, `ganesha.log`, `ganesha.pid` and `recovery/`.
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
 }
 
 #[derive(Default)]
@@ -60,7 +60,7 @@ struct Shared {
 
 /// A supervised ganesha. Starts its process with the first export and
 /// keeps it running until dropped.
-pub struct NfsServer {
+pub(crate) struct NfsServer {
     shared: Arc<Shared>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }

@@ -57,7 +57,7 @@ impl Default for ShareConfig {
 
 impl ShareConfig {
     /// The address clients are told to mount.
-    pub fn advertised(&self) -> Option<String> {
+    pub(crate) fn advertised(&self) -> Option<String> {
         self.advertise.clone().or_else(|| self.listen.map(|a| a.to_string()))
     }
 }
@@ -103,8 +103,14 @@ impl ShareSide {
         self.config.listen.is_some()
     }
 
-    pub fn config(&self) -> &ShareConfig {
+    pub(crate) fn config(&self) -> &ShareConfig {
         &self.config
+    }
+
+    /// The address clients are told to mount (`None`: this node serves no
+    /// NFS).
+    pub fn advertised(&self) -> Option<String> {
+        self.config.advertised()
     }
 
     /// Calls `f` after every export, unexport and resume from now on.
@@ -118,8 +124,35 @@ impl ShareSide {
         }
     }
 
+    /// The volumes this node exports over NFS now, each with the PVC it
+    /// was created for (for the cluster's Service loop, [`super::follow`],
+    /// and `/metrics`): read from the volume's recorded parameters
+    /// (`recorded(id)`; `None` when this node's pool holds no record of
+    /// it), else from what its stage recorded (a volume staged here from
+    /// another node's export). Empty, and logged, when the share records
+    /// cannot be read.
+    pub fn exported(&self, recorded: impl Fn(&str) -> Option<std::collections::BTreeMap<String, String>>) -> Vec<super::follow::Exported> {
+        let records = match self.records() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the share records");
+                return Vec::new();
+            }
+        };
+        records
+            .into_iter()
+            .map(|r| super::follow::Exported {
+                pvc: match recorded(&r.volume_id) {
+                    Some(parameters) => super::pvc_of(&parameters),
+                    None => records::get_pvc(&self.store, &r.volume_id),
+                },
+                volume_id: r.volume_id,
+            })
+            .collect()
+    }
+
     /// Every share this node records.
-    pub fn records(&self) -> Result<Vec<ShareRecord>, Error> {
+    pub(crate) fn records(&self) -> Result<Vec<ShareRecord>, Error> {
         records::load(&self.store)
     }
 
@@ -165,7 +198,7 @@ impl ShareSide {
 
     /// Exports volume `id`'s staged filesystem at `path`, `squash` as its
     /// StorageClass says; idempotent. The nodes admitted so far stay.
-    pub fn export_squashed(&self, id: &str, path: &Path, squash: Squash) -> Result<ShareRecord, Error> {
+    pub fn export_squashed(&self, id: &str, path: &Path, squash: Squash) -> Result<(), Error> {
         let server = self.config.advertised().ok_or_else(|| Error::Config("this node serves no NFS (--nfs-listen)".into()))?;
         let _g = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let have = records::load(&self.store)?;
@@ -188,7 +221,7 @@ impl ShareSide {
         tracing::info!(volume = id, export_id = rec.export_id, path = %path.display(), server = %rec.server, "exported over NFS");
         drop(_g);
         self.changed();
-        Ok(rec)
+        Ok(())
     }
 
     /// Admits exactly `clients` (node name → address) to volume `id`'s
