@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use volring_devices::{report, CollectorConfig, Inventory, ScanConfig, StatCollector};
+use volring_devices::{CollectorConfig, Inventory, ScanConfig, StatCollector};
+
+use super::devices_report as report;
 use volring_mounts as mounts;
 
 use super::*;

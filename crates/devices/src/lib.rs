@@ -16,7 +16,6 @@ mod filter;
 mod hotplug;
 mod inventory;
 pub mod probe;
-pub mod report;
 mod stats;
 pub mod swaps;
 mod sysfs;

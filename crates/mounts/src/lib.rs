@@ -14,7 +14,6 @@ mod event;
 mod fanotify;
 mod mount;
 mod parse;
-pub mod report;
 mod source;
 pub mod statmount;
 mod table;

@@ -256,11 +256,10 @@ mod tests {
         assert_eq!(k.mount_point(), b"/var/lib/kubelet/pods/a b/vol");
         assert_eq!(k.options().split(|&b| b == b',').next(), Some(&b"ro"[..]), "mounted read-only");
         assert_eq!(k.propagation, Propagation { shared: Some(40), master: Some(12), propagate_from: Some(3), unbindable: true });
-        assert_eq!(k.propagation.tags(), "shared:40 master:12 propagate_from:3 unbindable");
+        assert_eq!(k.propagation.to_string(), "shared:40 master:12 propagate_from:3 unbindable");
         let f = all[3].to_mount();
         assert_eq!(f.fs_type(), b"fuse.sshfs");
         assert_eq!(f.source(), b"user@host:/a\\b");
-        assert_eq!(f.merged_options(), "rw,user_id=0");
     }
 
     #[test]
