@@ -33,6 +33,14 @@ struct Echo {
     reading: bool,
 }
 
+impl Echo {
+    /// Hands one line to the test, waking it (a full queue drops the line).
+    fn say(&mut self, line: String) {
+        let _ = self.out.push(line);
+        self.out.announce();
+    }
+}
+
 impl Driver for Echo {
     type Command = String;
 
@@ -45,7 +53,7 @@ impl Driver for Echo {
         if cmd == "stop" {
             return Flow::Stop;
         }
-        let _ = self.out.try_send(format!("cmd:{cmd}"));
+        self.say(format!("cmd:{cmd}"));
         Flow::Continue
     }
 
@@ -60,11 +68,11 @@ impl Driver for Echo {
                 let buf = c.buf.expect("read returns its buffer");
                 assert_eq!(buf.len(), 64, "the buffer comes back whole");
                 let n = c.result.expect("read ok") as usize;
-                let _ = self.out.try_send(format!("read:{}", String::from_utf8_lossy(&buf[..n])));
+                self.say(format!("read:{}", String::from_utf8_lossy(&buf[..n])));
             }
             TIMER => {
                 assert!(c.result.is_ok(), "a timeout that expires is not an error");
-                let _ = self.out.try_send("timer".into());
+                self.say("timer".into());
             }
             _ => {}
         }

@@ -69,7 +69,7 @@ pub(crate) async fn stream(config: WatchConfig, json: bool) -> anyhow::Result<()
         tokio::select! {
             ev = events.recv() => {
                 let Some(ev) = ev else { break Ok(()) };
-                let queued = std::iter::from_fn(|| events.try_recv()).take(events.len());
+                let queued = events.drain();
                 let written = if json {
                     std::iter::once(ev)
                         .chain(queued)

@@ -121,14 +121,16 @@ const SOCKET: u64 = 1;
 impl HotplugDriver {
     fn emit(&mut self, ev: DeviceEvent) {
         if self.lost {
-            if self.tx.try_send(DeviceEvent::Rescan { reason: "queue full" }).is_err() {
+            if self.tx.push(DeviceEvent::Rescan { reason: "queue full" }).is_err() {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
+            self.tx.announce();
             self.lost = false;
         }
-        match self.tx.try_send(ev) {
+        match self.tx.push(ev) {
             Ok(()) => {
+                self.tx.announce();
                 self.stats.emitted.fetch_add(1, Ordering::Relaxed);
             }
             Err(_) => {

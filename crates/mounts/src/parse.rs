@@ -26,7 +26,7 @@ pub struct RawMount<'a> {
 
 /// What is wrong with a line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum LineFault {
+pub(crate) enum LineFault {
     #[error("missing field `{0}`")]
     Missing(&'static str),
     #[error("field `{0}` is not a number")]
@@ -214,7 +214,7 @@ fn lines(buf: &[u8]) -> impl Iterator<Item = &[u8]> + '_ {
 
 impl RawMount<'_> {
     /// The owned form, unescaped, keyed by the mountinfo id.
-    pub fn to_mount(&self) -> Mount {
+    pub(crate) fn to_mount(&self) -> Mount {
         let len = self.root.len()
             + self.mount_point.len()
             + self.options.len()
