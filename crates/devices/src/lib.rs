@@ -17,7 +17,7 @@ mod hotplug;
 mod inventory;
 pub mod probe;
 mod stats;
-pub mod swaps;
+mod swaps;
 mod sysfs;
 mod uevent;
 
@@ -28,6 +28,7 @@ pub use filter::DeviceFilter;
 pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
 pub use inventory::{describe, node_name, Inventory, ScanConfig};
 pub use stats::{parse_diskstats, DeviceStat, DiskstatsLine, IoCounters, IoRates, StatLineError, StatSnapshot};
+pub use swaps::{active_swap_devices, fuzz_proc_swaps};
 pub use sysfs::{fuzz_sysfs_text, parse_devnum};
 pub use uevent::fuzz_uevent;
 
