@@ -214,7 +214,7 @@ fn lines(buf: &[u8]) -> impl Iterator<Item = &[u8]> + '_ {
 
 impl RawMount<'_> {
     /// The owned form, unescaped, keyed by the mountinfo id.
-    pub(crate) fn to_mount(&self) -> Mount {
+    pub(crate) fn to_mount(self) -> Mount {
         let len = self.root.len()
             + self.mount_point.len()
             + self.options.len()
