@@ -14,8 +14,8 @@ use cli::{denied, runtime, stdout_error, NothingFound, StdoutClosed};
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 
-use volring_devices::{report, CollectorConfig, ScanConfig, StatMethod};
-use volring_mounts as mounts;
+use cli::devices_report as report;
+use volring_devices::{CollectorConfig, ScanConfig, StatMethod};
 
 mod cli_docs;
 
@@ -443,15 +443,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args, output, target, source, types, raw, list, tree } => {
             use std::io::IsTerminal;
-            let columns = mounts::report::Column::parse_list(output.as_deref()).map_err(anyhow::Error::msg)?;
+            let columns = cli::mounts_report::Column::parse_list(output.as_deref()).map_err(anyhow::Error::msg)?;
             let layout = match (raw, list, tree) {
-                (true, _, _) => mounts::report::Layout::Raw,
-                (_, true, _) => mounts::report::Layout::List,
-                (_, _, true) => mounts::report::Layout::Tree,
-                _ if std::io::stdout().is_terminal() => mounts::report::Layout::Tree,
-                _ => mounts::report::Layout::Raw,
+                (true, _, _) => cli::mounts_report::Layout::Raw,
+                (_, true, _) => cli::mounts_report::Layout::List,
+                (_, _, true) => cli::mounts_report::Layout::Tree,
+                _ if std::io::stdout().is_terminal() => cli::mounts_report::Layout::Tree,
+                _ => cli::mounts_report::Layout::Raw,
             };
-            let filter = mounts::report::Filter {
+            let filter = cli::mounts_report::Filter {
                 target: target.map(|t| t.into_os_string().into_encoded_bytes()),
                 source: source.map(String::into_bytes),
             };

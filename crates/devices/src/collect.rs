@@ -41,7 +41,8 @@ pub enum StatMethod {
 }
 
 impl StatMethod {
-    pub fn as_str(self) -> &'static str {
+    /// The name `--stats-method` takes and a snapshot reports.
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             StatMethod::Auto => "auto",
             StatMethod::Diskstats => "diskstats",
@@ -53,6 +54,13 @@ impl StatMethod {
 
     /// The candidates `Auto` chooses among.
     pub(crate) const MEASURED: [StatMethod; 3] = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread];
+}
+
+/// The method's name, as `--stats-method` takes it (`open-read`).
+impl std::fmt::Display for StatMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
 }
 
 /// The counters of one read, per tracked device, in tracking order.

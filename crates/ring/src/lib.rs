@@ -83,7 +83,7 @@ pub use io_op::{Cqe, IoRingStats, Op, OpId};
 pub use io_ring::IoRing;
 pub use mailbox::Mailbox;
 pub use pipes::PipeId;
-pub use reactor::Reactor;
+pub use reactor::{Reactor, ReactorOp};
 pub use setup::IoRingConfig;
 pub use thread::{Driver, RingStats, RingThread};
 
@@ -109,7 +109,7 @@ pub enum BackendChoice {
 
 bitflags::bitflags! {
     /// `poll(2)` event bits: what a driver waits for with
-    /// [`Reactor::poll`], and what a poll's completion says is ready.
+    /// [`ReactorOp::Poll`], and what a poll's completion says is ready.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Events: u32 {
         const IN = libc::POLLIN as u32;
