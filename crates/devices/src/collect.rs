@@ -68,7 +68,7 @@ pub(crate) type Sample = Vec<(DevNum, Arc<str>, Result<IoCounters, String>)>;
 
 /// Open files and buffers for all methods over one set of devices, with a
 /// ring of its own for the batched reads: for reading outside a ring thread
-/// (the bench, tests). The collector keeps the files only ([`StatFiles`])
+/// (the bench, tests). The collector keeps the files only (`StatFiles`)
 /// and reads through its ring thread's reactor, so that thread has one ring.
 pub struct StatSource {
     files: StatFiles,
