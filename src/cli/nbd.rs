@@ -52,7 +52,7 @@ fn line(v: serde_json::Value) {
 /// whose connections die meanwhile (LINK_DEAD) gets fresh sockets.
 pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
     let spec: ExportSpec = a.export.parse()?;
-    let server = Arc::new(NbdServer::start_unlistened(config, Arc::new(Exports::new()))?);
+    let server = Arc::new(NbdServer::start_unlistened(config, Arc::new(Exports::default()))?);
     server.add_export(&spec)?;
     let mut control = NbdControl::open()?;
     // Joined before attaching, so no notice about this device is missed.
@@ -130,7 +130,7 @@ pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Ru
 pub(crate) fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
     if let Some(id) = backend_id {
-        volring_nbd::attach::control::check_backend(index, id, control.backend(index))?;
+        volring_nbd::attach::check_backend(index, id, control.backend(index))?;
     }
     control.disconnect(index)?;
     line(serde_json::json!({"detached": index}));

@@ -471,8 +471,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
         std::fs::write(&path, [0u8; 4096]).unwrap();
-        let exports = Arc::new(volring_nbd::Exports::new());
-        let e = exports.add(&format!("a={}", path.display()).parse().unwrap()).unwrap();
+        let exports = Arc::new(volring_nbd::Exports::default());
+        let e = exports.add(&format!("a={}", path.display()).parse().unwrap(), None).unwrap();
         let mut p = volring_nbd::stats::Pending::default();
         p.record(volring_nbd::stats::Kind::Read, 4096, true, 80);
         p.record(volring_nbd::stats::Kind::Read, 4096, true, 3_000);

@@ -15,12 +15,12 @@ pub mod client;
 mod export;
 pub mod handshake;
 pub mod remote;
-pub mod server;
+mod server;
 pub mod stats;
 pub mod wire;
 
 pub use export::{Admission, Export, ExportSpec, Exports};
-pub use server::{inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
+pub use server::{default_rings, inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.
 #[derive(Debug, thiserror::Error)]

@@ -261,7 +261,7 @@ impl NbdServer {
     }
 
     pub fn add_export(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
-        let e = self.exports.add(spec)?;
+        let e = self.exports.add(spec, None)?;
         tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
         Ok(e)
     }
