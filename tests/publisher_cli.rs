@@ -42,7 +42,7 @@ async fn volring(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (std::proce
 async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
     let server = Server::start().await;
     for i in 0..3 {
-        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd("n1", i, 0)));
+        server.api.seed("blockdevices", kube_support::api_form(&bd("n1", i, 0)));
     }
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().join("home");
