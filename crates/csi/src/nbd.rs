@@ -263,7 +263,7 @@ impl NbdSide {
         let inner = self.inner()?;
         {
             let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-            nbdattach::check_backend(index, volume_id, control.backend(index)).map_err(attach_error)?;
+            nbdattach::check_backend(index, volume_id).map_err(attach_error)?;
             control.disconnect(index).map_err(attach_error)?;
         }
         self.forget(index, volume_id);
