@@ -199,7 +199,7 @@ fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duratio
     for _ in 0..RUNS {
         let t0 = Instant::now();
         let threads = volring_nbd::default_rings().max(1);
-        let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))?;
+        let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))?;
         let spec = ExportSpec {
             name: "walk".into(),
             path: image.clone(),

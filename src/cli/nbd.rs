@@ -53,7 +53,7 @@ fn line(v: serde_json::Value) {
 /// whose connections die meanwhile (LINK_DEAD) gets fresh sockets.
 pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
     let spec: ExportSpec = a.export.parse()?;
-    let server = Arc::new(NbdServer::start_unlistened(config, Arc::new(Exports::default()))?);
+    let server = Arc::new(NbdServer::start(config, Arc::new(Exports::default()))?);
     server.add_export(&spec)?;
     let mut control = NbdControl::open()?;
     // Joined before attaching, so no notice about this device is missed.

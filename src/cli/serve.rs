@@ -31,6 +31,11 @@ pub(crate) async fn nbd_serve(
         let e = exports.add(spec, None).with_context(|| format!("NBD export {}", spec.name))?;
         tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
     }
+    // A server with no listener serves only its own socketpairs: nothing
+    // for `volring nbd serve`.
+    if config.listen.is_empty() {
+        return Err(volring_nbd::Error::Listen { addr: String::new(), why: "no address to listen on".into() }.into());
+    }
     // Off the runtime: a bind may wait for a killed server's address.
     let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(config, exports)).await??);
     // Tests and scripts wait for this line: the server accepts from here on.

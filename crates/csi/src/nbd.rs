@@ -169,7 +169,7 @@ impl NbdSide {
         // (one per core, at most 4), and never fewer than one device's
         // connections.
         let threads = self.config.connections.max(1).max(volring_nbd::default_rings());
-        let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
+        let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
             server,
