@@ -404,24 +404,9 @@ fn node(args: NodeArgs) -> anyhow::Result<()> {
 /// `volring get`: the node's objects from the cluster when one is
 /// configured (or `--kube`), else from the node's own store.
 fn get(resource: &str, output: Option<&str>, kube: bool, local_store: bool, state_dir: &std::path::Path) -> anyhow::Result<()> {
-    use volring_kube::{kube_sink::KubeSink, show};
-    let (kind, format) = (show::resource(resource)?, show::format(output)?);
-    let source = if local_store { None } else { KubeSink::detect() };
-    let items = if kube || source.is_some() {
-        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
-        eprintln!("# {} from the cluster ({from})", kind.plural());
-        runtime()?.block_on(show::read_cluster(kind))?
-    } else {
-        // A mistyped --state-dir is not an empty node.
-        anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
-        let store = state_dir.join(volring_volumes::store::FILE);
-        eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
-        show::read_store(state_dir, kind)?
-    };
-    if let Some(note) = volring_kube::queued::note(state_dir) {
-        eprintln!("{note}");
-    }
-    std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
+    let query = volring_kube::show::Query { resource, output, kube, local_store, state_dir };
+    let text = runtime()?.block_on(volring_kube::show::get(query, |note| eprintln!("{note}")))?;
+    std::io::stdout().write_all(text.as_bytes()).map_err(|_| StdoutClosed)?;
     Ok(())
 }
 
