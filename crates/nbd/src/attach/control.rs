@@ -225,7 +225,7 @@ mod tests {
         spec.index = Some(4);
         let msg = nlmsg::nbd_request(0x1a, NbdCmd::Connect, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
         let (cmd, back) = nlmsg::parse_nbd_request(&msg).unwrap();
-        assert_eq!(cmd, NbdCmd::Connect as u8);
+        assert_eq!(cmd, 1, "NBD_CMD_CONNECT (linux/nbd-netlink.h)");
         assert_eq!(
             back,
             NbdConfig {
