@@ -310,27 +310,23 @@ async fn reconcile(
 /// kubeconfig or the pod's service account): NodeStage reads the endpoints
 /// published on PVCs, and a node serving NFS keeps a Service and EndpointSlice
 /// per export. Its stop empties the EndpointSlices of this node's exports
-/// first: the NFS server stops with the agent.
+/// first (the NFS server stops with the agent), and ends the retry of
+/// announcements to take off (kept in the store for the next start).
 async fn share_loop(
     config: &AgentConfig,
     driver: Option<&Arc<volring_csi::Driver>>,
     parts: &mut Components,
 ) -> anyhow::Result<Option<Arc<volring_share::kube::ShareController>>> {
     let cluster = config.publish.as_ref().and_then(|p| p.kube).unwrap_or_else(|| volring_kube::kube_sink::KubeSink::detect().is_some());
-    let running = match driver {
-        Some(d) if cluster => {
-            volring_share::follow::in_cluster(d, &config.devices.node_name, config.nfs_client_address, config.share_kube.clone()).await?
-        }
-        _ => None,
-    };
-    Ok(running.map(|s| {
-        let controller = s.controller.clone();
-        parts.started("shared-volume loop", SHARE_WAIT, move || async move {
-            s.stop(SHARE_EMPTY).await;
-            Ok(())
-        });
-        controller
-    }))
+    let Some(d) = driver.filter(|_| cluster) else { return Ok(None) };
+    let running =
+        volring_share::follow::in_cluster(d, &config.devices.node_name, config.nfs_client_address, config.share_kube.clone()).await?;
+    let controller = running.controller.clone();
+    parts.started("shared-volume loop", SHARE_WAIT, move || async move {
+        running.stop(SHARE_EMPTY).await;
+        Ok(())
+    });
+    Ok(controller)
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz`; returns the URL.

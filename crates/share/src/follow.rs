@@ -308,19 +308,36 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-/// The running loop and what `/metrics` reads of it.
+/// What runs for shared volumes in a cluster, and what `/metrics` reads
+/// of it: the export loop when this node serves NFS, and the renouncer's
+/// retry loop when it announces itself as a client.
 pub struct Running {
+    /// The export loop's controller (`None`: this node serves no NFS).
+    pub controller: Option<Arc<ShareController>>,
+    exports: Option<ExportLoop>,
+    /// The renouncer's retry loop, when this node announces itself
+    /// ([`super::renounce`]); its work is records in the store, so an
+    /// abort loses nothing.
+    retry: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The export loop: its task, and the signal that asks it to stop.
+pub(crate) struct ExportLoop {
     task: tokio::task::JoinHandle<()>,
     stop: tokio::sync::oneshot::Sender<()>,
-    pub controller: Arc<ShareController>,
 }
 
 impl Running {
-    /// Stops the loop: it first empties the EndpointSlices of what this node
-    /// exports (at most `wait`; then it is aborted).
+    /// Stops the export loop, which first empties the EndpointSlices of
+    /// what this node exports (at most `wait`; then it is aborted), and the
+    /// renouncer's retry loop.
     pub async fn stop(self, wait: Duration) {
-        let _ = self.stop.send(());
-        let mut task = self.task;
+        if let Some(retry) = self.retry {
+            retry.abort();
+            let _ = retry.await;
+        }
+        let Some(ExportLoop { mut task, stop }) = self.exports else { return };
+        let _ = stop.send(());
         if tokio::time::timeout(wait, &mut task).await.is_err() {
             tracing::warn!(wait_ms = wait.as_millis() as u64, "shared-volume loop did not stop in time; aborted");
             task.abort();
@@ -345,18 +362,18 @@ pub async fn in_cluster<D: ShareHost>(
     node: &str,
     address: Option<std::net::IpAddr>,
     config: super::kube::ControllerConfig,
-) -> Result<Option<Running>, super::Error> {
+) -> Result<Running, super::Error> {
     let cluster = |e: String| super::Error::Config(format!("shared volumes need the cluster's client configuration: {e}"));
     let mut kc = kube::Config::infer().await.map_err(|e| cluster(e.to_string()))?;
     super::kube::identify(&mut kc, node);
     let client = kube::Client::try_from(kc).map_err(|e| cluster(e.to_string()))?;
-    read_endpoints(driver.as_ref(), client.clone(), node, address);
+    let retry = read_endpoints(driver.as_ref(), client.clone(), node, address);
     if !driver.shares().enabled() {
-        return Ok(None);
+        return Ok(Running { controller: None, exports: None, retry });
     }
-    let running = start(driver.clone(), client, config)?;
+    let (exports, controller) = start(driver.clone(), client, config)?;
     tracing::info!("shared volumes: a Service and EndpointSlice per NFS export");
-    Ok(Some(running))
+    Ok(Running { controller: Some(controller), exports: Some(exports), retry })
 }
 
 /// Lets `driver`'s NodeStage read the endpoints owning nodes publish on
@@ -366,7 +383,12 @@ pub async fn in_cluster<D: ShareHost>(
 /// unstage takes the announcement off ([`super::admit`]); one the API
 /// server did not take off (an outage), or that a stage which never
 /// finished left, is taken off later ([`super::renounce`]).
-pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node: &str, address: Option<std::net::IpAddr>) {
+pub(crate) fn read_endpoints(
+    driver: &dyn ShareHost,
+    client: kube::Client,
+    node: &str,
+    address: Option<std::net::IpAddr>,
+) -> Option<tokio::task::JoinHandle<()>> {
     let handle = tokio::runtime::Handle::current();
     let renouncer = Renouncer {
         client: client.clone(),
@@ -401,9 +423,8 @@ pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node:
             Err(_) => Err(format!("no answer from the API server within {LOOKUP_WAIT:?}")),
         }
     }));
-    if address.is_none() {
-        return;
-    }
+    // Without an address nothing is announced, so nothing is renounced.
+    address?;
     let r = renouncer.clone();
     driver.shares().on_unmounted(move |id| {
         let Some(pvc) = super::records::get_announced(&r.store, id) else { return };
@@ -414,7 +435,7 @@ pub(crate) fn read_endpoints(driver: &dyn ShareHost, client: kube::Client, node:
             tracing::warn!(volume = id, "the NFS announcement's renouncement panicked");
         }
     });
-    tokio::spawn(renouncer.retry());
+    Some(tokio::spawn(renouncer.retry()))
 }
 
 /// Starts the loop over `driver`'s exports. The node's advertised NFS
@@ -424,7 +445,7 @@ pub(crate) fn start<D: ShareHost>(
     driver: Arc<D>,
     client: kube::Client,
     config: super::kube::ControllerConfig,
-) -> Result<Running, super::Error> {
+) -> Result<(ExportLoop, Arc<ShareController>), super::Error> {
     let share = driver.shares().config();
     let server = endpoint_address(share.advertised().as_deref())?;
     let probe = share.listen.unwrap_or(server);
@@ -441,7 +462,7 @@ pub(crate) fn start<D: ShareHost>(
     let task = tokio::spawn(follower.run_until(async move {
         let _ = stopped.await;
     }));
-    Ok(Running { task, stop, controller })
+    Ok((ExportLoop { task, stop }, controller))
 }
 
 /// The advertised NFS address as an EndpointSlice address: `IP:port`, and
