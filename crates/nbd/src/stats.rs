@@ -2,7 +2,7 @@
 //! and read by `/metrics` and `volring nbd serve`'s report.
 //!
 //! Latencies are kept twice: per command in fixed buckets of plain
-//! counters ([`LatencyBuckets`], exported as Prometheus histograms, so a
+//! counters (`LatencyBuckets`, exported as Prometheus histograms, so a
 //! scrape can compute any window's quantiles), and in one HDR histogram
 //! for the quantiles `volring nbd serve` prints.
 

@@ -4,10 +4,11 @@
 //!
 //! Why the PVC: it is the one object every node already reads for the
 //! volume (its endpoint annotation) and the agent's role may patch. Each
-//! node writes only its own annotation, `nfs-client.volring.io/<node>:
-//! <address>`, with a merge patch of that one key, so nodes staging at
-//! once never conflict; the owner answers with `nfs-admitted.volring.io/
-//! <node>: <address>` once its server admits that address, and a node's
+//! node writes only its own annotation,
+//! `nfs-client.volring.io/<node>: <address>`, with a merge patch of that
+//! one key, so nodes staging at once never conflict; the owner answers
+//! with `nfs-admitted.volring.io/<node>: <address>` once its server
+//! admits that address, and a node's
 //! NodeStage mounts only after it sees its own answer (until then the
 //! stage is UNAVAILABLE and kubelet retries), so the first mount is never
 //! refused. The unstage removes the node's annotation; the owner then

@@ -10,7 +10,7 @@
 //! backoff. At start every export is reconciled once, which also points
 //! the EndpointSlice back at this node after the agent or the server moved.
 //! The nodes announced on each exported volume's PVC are watched and
-//! admitted to its export as they change ([`super::client_watch`]).
+//! admitted to its export as they change (`super::client_watch`).
 //!
 //! The EndpointSlice names this node's advertised address only while its
 //! NFS server accepts connections (at its listen address: the advertised
@@ -52,7 +52,7 @@ pub struct Exported {
 /// How NodeStage of shared volume `id`, which another node holds, reads the
 /// endpoint its owner published on the PVC `(namespace, name)` (`Ok(None)`:
 /// not yet); in a cluster it also makes this node known to the owner
-/// first ([`super::admit`]).
+/// first (`super::admit`).
 pub type EndpointLookup = Box<dyn Fn(&str, &str, &str) -> std::result::Result<Option<String>, String> + Send + Sync>;
 
 /// What the cluster loop needs of the node's CSI driver. The driver sits

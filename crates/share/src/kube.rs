@@ -20,7 +20,7 @@
 //! - After a create, re-reads until the object is visible (poll interval
 //!   and total wait configurable, 1 s / 20 s by default): the endpoint is
 //!   published only once the objects are really there.
-//! - Publishes `ClusterIP:2049` as the PVC's [`ENDPOINT_ANNOTATION`] (what
+//! - Publishes `ClusterIP:2049` as the PVC's `ENDPOINT_ANNOTATION` (what
 //!   other nodes' NodeStage mounts), only when the annotation differs: a
 //!   changed endpoint turns NFS clients' handles stale, and the annotation
 //!   read back from the PVC (not a memory of this process) decides, so a
@@ -34,7 +34,7 @@
 //!   slice has no endpoints and the Service stays: clients keep the ClusterIP
 //!   they mounted and their connections are refused, which a hard mount
 //!   retries, instead of reaching an address where nothing serves the
-//!   volume ([`ShareController::reconcile_idle`],
+//!   volume (`ShareController::reconcile_idle`,
 //!   [`ShareController::withdraw`]).
 //! - Every reconcile's duration goes into one histogram.
 
@@ -86,7 +86,7 @@ pub(crate) fn user_agent(node: &str) -> String {
     format!("volring/{} ({node})", env!("CARGO_PKG_VERSION"))
 }
 
-/// Sets [`user_agent`] on every request a client made from `config` sends
+/// Sets `user_agent` on every request a client made from `config` sends
 /// (replacing any User-Agent it had).
 pub fn identify(config: &mut kube::Config, node: &str) {
     let name = http::header::USER_AGENT;

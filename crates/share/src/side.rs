@@ -168,7 +168,7 @@ impl ShareSide {
 
     /// Records a stage of a volume another node serves; its first record
     /// (the intent, before the mount) also makes this node's NFSv4 client
-    /// identity unique first ([`super::identity`]).
+    /// identity unique first (`super::identity`).
     pub fn put_mount_record(&self, r: &super::MountRecord) -> Result<(), Error> {
         if r.dev.is_none() {
             super::identity::ensure_on_this_node();

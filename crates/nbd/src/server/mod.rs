@@ -60,7 +60,7 @@ impl std::str::FromStr for Listen {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: Vec<Listen>,
-    /// Ring threads; 0 means one per core, at most [`DEFAULT_MAX_RINGS`].
+    /// Ring threads; 0 means one per core, at most `DEFAULT_MAX_RINGS`.
     pub threads: usize,
     /// Whether small buffered writes may be done on the ring thread when
     /// the file system would hand them to io_uring's workers (ext4).
@@ -183,7 +183,7 @@ impl NbdServer {
 
     /// Binds every listener of `config.listen` and starts the ring
     /// threads. With no listener, connections come only through
-    /// [`NbdServer::serve_connected`] (a process serving its own
+    /// `NbdServer::serve_connected` (a process serving its own
     /// `/dev/nbdN` over socketpairs, `attach::local_sockets`).
     pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
         let mut listeners = Vec::new();
@@ -292,7 +292,7 @@ impl Drop for NbdServer {
 }
 
 /// The rings a server starts with `threads: 0`: one per core, at most
-/// [`DEFAULT_MAX_RINGS`].
+/// `DEFAULT_MAX_RINGS`.
 pub fn default_rings() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
 }
