@@ -1,4 +1,4 @@
-//! The staged volumes' identity records (`volring_volumes::identity`): who
+//! The staged volumes' identity records (`volring_volumes::VolumeIdentity`): who
 //! keeps them and what wakes them. The CSI driver's records are the
 //! source: each stage, publish, unpublish and unstage puts or removes one,
 //! and its change hook wakes the event loop, which rebuilds the records at
@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 
 use volring_kube::kube_sink::KubeSink;
 use volring_kube::names;
-use volring_volumes::identity::{self, ClusterNames, VolumeIdentity};
+use volring_volumes::{identities, ClusterNames, VolumeIdentity};
 
 use super::component::Components;
 use super::{AgentConfig, TARGET};
@@ -43,7 +43,7 @@ pub(super) struct Identities {
 impl Identities {
     /// The records of `staged`, named from the cache, made current.
     pub(crate) fn rebuild(&self, staged: &[volring_volumes::StagedVolume]) -> Arc<Vec<VolumeIdentity>> {
-        let ids = Arc::new(identity::identities(staged, &self.names.load()));
+        let ids = Arc::new(identities(staged, &self.names.load()));
         self.current.store(ids.clone());
         ids
     }
@@ -99,7 +99,7 @@ async fn follow(sink: KubeSink, node: String, driver: Arc<volring_csi::Driver>, 
     // What the last lookup left unnamed, and when it may be asked again.
     let mut unanswered: Option<(names::Wanted, tokio::time::Instant)> = None;
     loop {
-        let from_paths = identity::identities(&driver.staged(), &ClusterNames::default());
+        let from_paths = identities(&driver.staged(), &ClusterNames::default());
         let mut cache = ClusterNames::clone(&ids.names.load());
         names::prune(&mut cache, &from_paths);
         let want = names::wanted(&from_paths, &cache);

@@ -196,7 +196,7 @@ impl Stager {
         let leftover = rec.phase != StagePhase::Staged
             && rec.loop_number.is_none()
             && rec.nbd_index.is_none()
-            && (self.base.records.contains(&rec.volume_id) || self.base.records.quarantined_record(&rec.volume_id).is_some());
+            && self.base.records.knows(&rec.volume_id);
         // An owed mkfs stays owed until it has run.
         if rec.phase != StagePhase::Formatting {
             rec.phase = StagePhase::Attaching;

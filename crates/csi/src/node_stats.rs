@@ -23,7 +23,7 @@ use volring_mounts::DevNum;
 use volring_volumes::attach::{self, Attachment};
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
-use volring_volumes::state::actual::HealthView;
+use volring_volumes::HealthView;
 use volring_volumes::{AccessKind, StagedVolume};
 
 /// Node service, the questions about a staged volume and its growth.
@@ -166,7 +166,7 @@ impl Stats {
         // the volume as a whole (its staging mount and device, a failed or
         // a past repair).
         let verdict = self.health.get().and_then(|v| v.get(id));
-        let proven = volring_volumes::state::actual::Proven {
+        let proven = volring_volumes::Proven {
             staging: problem.is_none() && *checked == rec.staged_at(),
             device: problem.is_none(),
             settled: rec.phase == volring_volumes::StagePhase::Staged,

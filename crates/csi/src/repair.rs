@@ -12,9 +12,10 @@ use super::owned::{Expect, Found};
 use super::proto::volume_capability::access_mode::Mode;
 use super::validate::{Access, AccessType};
 use volring_volumes::filesystem::FsKind;
-use volring_volumes::state::actual::{Action, AtPath, Proof, VolumeActual};
-use volring_volumes::state::reconcile::{Acted, Volumes};
-use volring_volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
+use volring_volumes::mounting::MountOptions;
+use volring_volumes::{attach, AccessKind, AttachKind, StagePhase, StagedVolume};
+use volring_volumes::{Acted, Volumes};
+use volring_volumes::{Action, AtPath, Proof, VolumeActual};
 
 /// The driver, as the reconciler sees it: the stager's steps under the
 /// repair lock.

@@ -11,7 +11,7 @@ use super::proto::volume_capability::{access_mode::Mode, AccessType as ProtoAcce
 use super::proto::{CapacityRange, VolumeCapability};
 use super::{Error, Result};
 use volring_volumes::filesystem::FsKind;
-use volring_volumes::MountOptions;
+use volring_volumes::mounting::MountOptions;
 
 pub(crate) const MAX_ID_LEN: usize = 128;
 pub(crate) const MAX_PATH_LEN: usize = 4096;

@@ -15,7 +15,7 @@
 use std::collections::BTreeSet;
 
 use serde_json::Value;
-use volring_volumes::identity::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
+use volring_volumes::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
 
 use super::kube_sink::{query_escape, KubeSink, PAGE};
 use super::updater::SinkError;

@@ -321,8 +321,16 @@ impl StagedRecords {
 
     /// The quarantined record of volume `id`, if there is one: the volume
     /// may still be attached and mounted with nothing tracking it.
-    pub fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
+    #[cfg(test)]
+    fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
         self.quarantined.iter().find(|q| q.volume_id() == Some(id)).cloned()
+    }
+
+    /// Whether this node knows of volume `id` at all: a record, or one
+    /// quarantined because it could not be read (the volume may then still
+    /// be attached and mounted with nothing tracking it).
+    pub fn knows(&self, id: &str) -> bool {
+        self.contains(id) || self.quarantined.iter().any(|q| q.volume_id() == Some(id))
     }
 
     pub fn get(&self, id: &str) -> Option<StagedVolume> {
