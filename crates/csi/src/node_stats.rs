@@ -223,7 +223,7 @@ impl Stats {
         let _guard = self.base.lock(id)?;
         let rec = self.base.located(id, &path)?;
         let att = attach::of_record(&rec)
-            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach.as_str())))?;
+            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach)))?;
         if let (Expansion::Node, Some(range)) = (self.base.config.expansion, &req.capacity_range) {
             // This node holds the image: grow it here (the controller does
             // not offer expansion in this mode). Growing an image is

@@ -202,7 +202,7 @@ fn access_of(rec: &StagedVolume, fs: Option<&str>) -> super::Result<Access> {
     let access = match &rec.access {
         AccessKind::Block => AccessType::Block,
         AccessKind::Mount { flags, .. } => {
-            let fs = FsKind::parse(fs.unwrap_or("")).ok_or_else(|| super::Error::Internal(format!("recorded fs_type {fs:?}")))?;
+            let fs = fs.unwrap_or("").parse::<FsKind>().map_err(|()| super::Error::Internal(format!("recorded fs_type {fs:?}")))?;
             let options = MountOptions::parse(flags, rec.read_only).map_err(super::Error::Internal)?;
             AccessType::Mount { fs, flags: flags.clone(), options }
         }
