@@ -33,6 +33,7 @@ pub mod status;
 pub mod store;
 
 pub use identity::{identities, pod_of_target, ClaimRef, ClusterNames, KubeletLabels, PodRef, VolumeIdentity};
+pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
 pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume, StoreLoss};
 pub use state::{
