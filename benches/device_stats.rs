@@ -114,10 +114,10 @@ fn main() {
         }
         let best = results.iter().map(|r| r.1).min().expect("methods");
         for (m, t) in &results {
-            println!("  {:<10} {:>8.3} ms  {:>5.2}x the fastest", m.as_str(), t.as_secs_f64() * 1e3, t.as_secs_f64() / best.as_secs_f64());
+            println!("  {:<10} {:>8.3} ms  {:>5.2}x the fastest", m, t.as_secs_f64() * 1e3, t.as_secs_f64() / best.as_secs_f64());
         }
         let chosen = src.calibrate(3);
-        println!("  auto picks {} here; {} io-wq workers served the ring's reads", chosen[0].0.as_str(), iou_workers());
+        println!("  auto picks {} here; {} io-wq workers served the ring's reads", chosen[0].0, iou_workers());
         let t = Instant::now();
         drop(src);
         drop(farm);

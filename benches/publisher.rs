@@ -232,7 +232,7 @@ struct Run {
 fn seed(server: &kube_support::Server, n: usize) {
     server.api.clear();
     for i in 0..n {
-        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd(i, 0)));
+        server.api.seed("blockdevices", kube_support::api_form(&bd(i, 0)));
     }
     server.api.clear_log();
 }

@@ -14,8 +14,8 @@ use cli::{denied, runtime, stdout_error, NothingFound, StdoutClosed};
 use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 
-use volring_devices::{report, CollectorConfig, ScanConfig, StatMethod};
-use volring_mounts as mounts;
+use cli::devices_report as report;
+use volring_devices::{CollectorConfig, ScanConfig, StatMethod};
 
 mod cli_docs;
 
@@ -404,24 +404,9 @@ fn node(args: NodeArgs) -> anyhow::Result<()> {
 /// `volring get`: the node's objects from the cluster when one is
 /// configured (or `--kube`), else from the node's own store.
 fn get(resource: &str, output: Option<&str>, kube: bool, local_store: bool, state_dir: &std::path::Path) -> anyhow::Result<()> {
-    use volring_kube::{kube_sink::KubeSink, show};
-    let (kind, format) = (show::resource(resource)?, show::format(output)?);
-    let source = if local_store { None } else { KubeSink::detect() };
-    let items = if kube || source.is_some() {
-        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
-        eprintln!("# {} from the cluster ({from})", kind.plural());
-        runtime()?.block_on(show::read_cluster(kind))?
-    } else {
-        // A mistyped --state-dir is not an empty node.
-        anyhow::ensure!(state_dir.is_dir(), "state directory {} does not exist", state_dir.display());
-        let store = state_dir.join(volring_volumes::store::FILE);
-        eprintln!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display());
-        show::read_store(state_dir, kind)?
-    };
-    if let Some(note) = volring_kube::queued::note(state_dir) {
-        eprintln!("{note}");
-    }
-    std::io::stdout().write_all(show::render(kind, &items, format).as_bytes()).map_err(|_| StdoutClosed)?;
+    let query = volring_kube::show::Query { resource, output, kube, local_store, state_dir };
+    let text = runtime()?.block_on(volring_kube::show::get(query, |note| eprintln!("{note}")))?;
+    std::io::stdout().write_all(text.as_bytes()).map_err(|_| StdoutClosed)?;
     Ok(())
 }
 
@@ -443,15 +428,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Csi { endpoint, call } => runtime()?.block_on(csi_call(&endpoint, call)),
         Command::Mounts { json, watch: false, watch_args, output, target, source, types, raw, list, tree } => {
             use std::io::IsTerminal;
-            let columns = mounts::report::Column::parse_list(output.as_deref()).map_err(anyhow::Error::msg)?;
+            let columns = cli::mounts_report::Column::parse_list(output.as_deref()).map_err(anyhow::Error::msg)?;
             let layout = match (raw, list, tree) {
-                (true, _, _) => mounts::report::Layout::Raw,
-                (_, true, _) => mounts::report::Layout::List,
-                (_, _, true) => mounts::report::Layout::Tree,
-                _ if std::io::stdout().is_terminal() => mounts::report::Layout::Tree,
-                _ => mounts::report::Layout::Raw,
+                (true, _, _) => cli::mounts_report::Layout::Raw,
+                (_, true, _) => cli::mounts_report::Layout::List,
+                (_, _, true) => cli::mounts_report::Layout::Tree,
+                _ if std::io::stdout().is_terminal() => cli::mounts_report::Layout::Tree,
+                _ => cli::mounts_report::Layout::Raw,
             };
-            let filter = mounts::report::Filter {
+            let filter = cli::mounts_report::Filter {
                 target: target.map(|t| t.into_os_string().into_encoded_bytes()),
                 source: source.map(String::into_bytes),
             };

@@ -198,8 +198,8 @@ fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duratio
     let mut times = Vec::new();
     for _ in 0..RUNS {
         let t0 = Instant::now();
-        let threads = volring_nbd::server::default_rings().max(1);
-        let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))?;
+        let threads = volring_nbd::default_rings().max(1);
+        let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))?;
         let spec = ExportSpec {
             name: "walk".into(),
             path: image.clone(),
@@ -209,7 +209,7 @@ fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duratio
             description: "walk".into(),
         };
         server.add_export(&spec)?;
-        let (sockets, details) = volring_nbd::attach::local::connected_sockets(&server, "walk", 1)?;
+        let (sockets, details) = volring_nbd::attach::local_sockets(&server, "walk", 1)?;
         times.push(t0.elapsed());
         check(sockets.len() == 1 && details.size == 64 << 20, format!("negotiated {} sockets, size {}", sockets.len(), details.size))?;
         drop(sockets);

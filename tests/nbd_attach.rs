@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use volring_nbd::attach::local::connected_sockets;
+use volring_nbd::attach::local_sockets as connected_sockets;
 use volring_nbd::attach::{ConnectSpec, Error as AttachError, LinkDeadListener, NbdControl};
 use volring_nbd::client;
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
@@ -175,7 +175,7 @@ fn own_server(threads: usize) -> (tempfile::TempDir, NbdServer) {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "vol.img", 64 * MIB);
     let config = ServerConfig { threads, ..Default::default() };
-    let server = NbdServer::start_unlistened(config, Arc::new(Exports::new())).expect("server");
+    let server = NbdServer::start(config, Arc::new(Exports::default())).expect("server");
     let spec =
         ExportSpec { name: "vol".into(), path: img, read_only: false, direct_io: false, max_connections: 0, description: String::new() };
     server.add_export(&spec).expect("export");

@@ -19,7 +19,7 @@ use volring_nbd::{Error, Exports, Listen, NbdServer, ServerConfig};
 
 fn start(path: &Path) -> Result<NbdServer, Error> {
     let config = ServerConfig { listen: vec![Listen::Unix(path.to_path_buf())], threads: 1, ..Default::default() };
-    NbdServer::start(config, Arc::new(Exports::new()))
+    NbdServer::start(config, Arc::new(Exports::default()))
 }
 
 fn inode(path: &Path) -> Option<u64> {

@@ -60,7 +60,7 @@ impl Guarded {
         let secret = Secret::generate().expect("secret");
         let spec =
             ExportSpec { name: "vol".into(), path, read_only: false, direct_io: false, max_connections: 0, description: String::new() };
-        server.exports().add_guarded(&spec, secret.clone()).expect("export");
+        server.exports().add(&spec, Some(secret.clone())).expect("export");
         Guarded { _dir: dir, server, secret }
     }
 

@@ -42,7 +42,7 @@ async fn volring(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (std::proce
 async fn volring_get_reads_the_cluster_a_kubeconfig_names() {
     let server = Server::start().await;
     for i in 0..3 {
-        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd("n1", i, 0)));
+        server.api.seed("blockdevices", kube_support::api_form(&bd("n1", i, 0)));
     }
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().join("home");
@@ -257,7 +257,9 @@ async fn the_nodes_store_is_written_without_the_api_pace() {
     let up = Updater::start(Arc::new(EmbeddedSink::new(store.clone())), c, objs);
     let mut stored = 0;
     for _ in 0..1200 {
-        stored = volring_kube::show::read_store(&state, volring_kube::Kind::BlockDevice).unwrap().len();
+        let query = volring_kube::show::Query { resource: "bd", output: Some("json"), kube: false, local_store: true, state_dir: &state };
+        let listed: serde_json::Value = serde_json::from_str(&volring_kube::show::get(query, |_| {}).await.unwrap()).unwrap();
+        stored = listed["items"].as_array().unwrap().len();
         if stored == 20 {
             break;
         }

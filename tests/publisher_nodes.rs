@@ -66,7 +66,7 @@ async fn an_object_under_the_old_name_is_replaced() {
     let server = Server::start().await;
     let inv = cloned_inventory("n1", 1);
     let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
-    let mut old = volring_kube::embedded_sink::api_form(&initial[0]);
+    let mut old = kube_support::api_form(&initial[0]);
     let legacy = legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
     old["metadata"]["name"] = json!(legacy);
     server.api.seed("blockdevices", old);

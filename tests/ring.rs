@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use volring_ring::{queue, Backend, BackendChoice, Completion, Driver, Events, Flow, Reactor, RingThread};
+use volring_ring::{queue, Backend, BackendChoice, Completion, Driver, Events, Flow, Reactor, ReactorOp, RingThread};
 
 /// The longest a test waits for the ring thread (an event, a report): each
 /// wait ends as soon as it arrives, so the bound only matters on a loaded CI
@@ -33,19 +33,27 @@ struct Echo {
     reading: bool,
 }
 
+impl Echo {
+    /// Hands one line to the test, waking it (a full queue drops the line).
+    fn say(&mut self, line: String) {
+        let _ = self.out.push(line);
+        self.out.announce();
+    }
+}
+
 impl Driver for Echo {
     type Command = String;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.poll(READY, self.pipe.clone(), Events::IN)?;
-        ring.timeout(TIMER, Duration::from_millis(20))
+        ring.submit(READY, ReactorOp::Poll { fd: self.pipe.clone(), events: Events::IN })?;
+        ring.submit(TIMER, ReactorOp::Timeout(Duration::from_millis(20)))
     }
 
     fn on_command(&mut self, cmd: String, _ring: &mut Reactor) -> Flow {
         if cmd == "stop" {
             return Flow::Stop;
         }
-        let _ = self.out.try_send(format!("cmd:{cmd}"));
+        self.say(format!("cmd:{cmd}"));
         Flow::Continue
     }
 
@@ -53,18 +61,18 @@ impl Driver for Echo {
         match c.token {
             READY if !self.reading => {
                 self.reading = true;
-                ring.read(READ, self.pipe.clone(), vec![0; 64], None).expect("read queued");
+                ring.submit(READ, ReactorOp::Read { fd: self.pipe.clone(), buf: vec![0; 64], offset: None }).expect("read queued");
             }
             READ => {
                 self.reading = false;
                 let buf = c.buf.expect("read returns its buffer");
                 assert_eq!(buf.len(), 64, "the buffer comes back whole");
                 let n = c.result.expect("read ok") as usize;
-                let _ = self.out.try_send(format!("read:{}", String::from_utf8_lossy(&buf[..n])));
+                self.say(format!("read:{}", String::from_utf8_lossy(&buf[..n])));
             }
             TIMER => {
                 assert!(c.result.is_ok(), "a timeout that expires is not an error");
-                let _ = self.out.try_send("timer".into());
+                self.say("timer".into());
             }
             _ => {}
         }
@@ -282,7 +290,7 @@ impl Driver for PanicsWithReadQueued {
     type Command = ();
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.timeout(ARM, Duration::from_millis(1))
+        ring.submit(ARM, ReactorOp::Timeout(Duration::from_millis(1)))
     }
 
     fn on_command(&mut self, _: (), _: &mut Reactor) -> Flow {
@@ -293,9 +301,9 @@ impl Driver for PanicsWithReadQueued {
         match c.token {
             ARM => {
                 let _ = self.held.send(hold_new_rings(&self.before));
-                ring.read(QUEUED, self.pipe.clone(), vec![0; PANIC_BUF], None).expect("read queued");
+                ring.submit(QUEUED, ReactorOp::Read { fd: self.pipe.clone(), buf: vec![0; PANIC_BUF], offset: None }).expect("read queued");
                 // The next wait hands the read to the kernel; the timer fires after.
-                ring.timeout(BOOM, Duration::from_millis(20)).expect("timer");
+                ring.submit(BOOM, ReactorOp::Timeout(Duration::from_millis(20))).expect("timer");
             }
             BOOM => {
                 let _ = self.held.send(Vec::new());
@@ -340,10 +348,10 @@ impl Driver for FailsWithReadsInFlight {
     type Command = ();
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.read(QUEUED, self.pipe.clone(), vec![0; START_BUF], None)?;
+        ring.submit(QUEUED, ReactorOp::Read { fd: self.pipe.clone(), buf: vec![0; START_BUF], offset: None })?;
         // More than any submission queue here holds: queueing them submits.
         for _ in 0..1024 {
-            ring.timeout(ARM, Duration::from_secs(3600))?;
+            ring.submit(ARM, ReactorOp::Timeout(Duration::from_secs(3600)))?;
         }
         let _ = self.held.send(hold_new_rings(&self.before));
         Err(std::io::Error::other("start fails with reads in flight"))

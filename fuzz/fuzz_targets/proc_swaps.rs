@@ -6,13 +6,13 @@
 use std::os::unix::ffi::OsStrExt;
 
 use libfuzzer_sys::fuzz_target;
-use volring_devices::swaps::parse_proc_swaps;
+use volring_devices::fuzz_proc_swaps;
 
 fuzz_target!(|data: &[u8]| {
-    let areas = parse_proc_swaps(data);
-    assert!(areas.len() <= data.split(|&b| b == b'\n').skip(1).count());
-    for a in &areas {
-        let p = a.path.as_os_str().as_bytes();
+    let paths = fuzz_proc_swaps(data);
+    assert!(paths.len() <= data.split(|&b| b == b'\n').skip(1).count());
+    for path in &paths {
+        let p = path.as_os_str().as_bytes();
         assert!(!p.is_empty());
         assert!(data.split(|&b| b == b'\n').any(|l| l.len() >= p.len()));
         if !data.contains(&b'\\') {

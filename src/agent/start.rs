@@ -199,9 +199,10 @@ async fn start_nbd(config: &AgentConfig, parts: &mut Components) -> anyhow::Resu
     // The NBD error's text already carries its cause.
     // Off the runtime: a bind may wait for a killed agent's port.
     let server_config = c.server.clone();
-    let server = tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(server_config, Arc::new(volring_nbd::Exports::new())))
-        .await?
-        .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
+    let server =
+        tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(server_config, Arc::new(volring_nbd::Exports::default())))
+            .await?
+            .map_err(|e| anyhow::anyhow!("cannot start the NBD server: {e}"))?;
     let server = OffRuntime::new(server);
     for spec in &c.exports {
         server.add_export(spec).with_context(|| format!("NBD export {}", spec.name))?;

@@ -21,12 +21,6 @@ use volring_volumes::{identities, ClusterNames, VolumeIdentity};
 use super::component::Components;
 use super::{AgentConfig, TARGET};
 
-/// One lookup (its three requests) may take this long.
-const LOOKUP_WAIT: Duration = Duration::from_secs(10);
-/// What is still unnamed is asked again after this, doubling up to the
-/// most (also when the API server answered but did not know it).
-const RETRY_FIRST: Duration = Duration::from_secs(2);
-const RETRY_MOST: Duration = Duration::from_secs(300);
 const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// What the event loop and `/metrics` share of the records.
@@ -72,7 +66,9 @@ pub(super) async fn start(config: &AgentConfig, driver: &Arc<volring_csi::Driver
             return ids;
         }
     };
-    let task = follow(sink, node, driver.clone(), ids.clone(), lookup_wake);
+    let d = driver.clone();
+    let records = move || identities(&d.staged(), &ClusterNames::default());
+    let task = names::follow(sink, node, records, ids.names.clone(), ids.changed.clone(), lookup_wake);
     let cut = tokio_util::sync::CancellationToken::new();
     let c = cut.clone();
     let handle = parts.tasks().spawn(async move {
@@ -87,99 +83,4 @@ pub(super) async fn start(config: &AgentConfig, driver: &Arc<volring_csi::Driver
         Ok(())
     });
     ids
-}
-
-/// Looks up what the cache lacks whenever the records change, and again
-/// (with a growing pause) while something stays unnamed. A change that
-/// wants nothing the last lookup did not already ask for (another volume's
-/// publish, say) waits out the pause: one volume no PV names would
-/// otherwise cost a cluster-wide PV LIST on every change of the records.
-async fn follow(sink: KubeSink, node: String, driver: Arc<volring_csi::Driver>, ids: Identities, wake: Arc<Notify>) {
-    let mut retry = RETRY_FIRST;
-    // What the last lookup left unnamed, and when it may be asked again.
-    let mut unanswered: Option<(names::Wanted, tokio::time::Instant)> = None;
-    loop {
-        let from_paths = identities(&driver.staged(), &ClusterNames::default());
-        let mut cache = ClusterNames::clone(&ids.names.load());
-        names::prune(&mut cache, &from_paths);
-        let want = names::wanted(&from_paths, &cache);
-        if let Some((asked, at)) = &unanswered {
-            if !want.is_empty() && !adds_to(&want, asked) && tokio::time::Instant::now() < *at {
-                tokio::select! {
-                    _ = wake.notified() => {}
-                    _ = tokio::time::sleep_until(*at) => {}
-                }
-                continue;
-            }
-        }
-        let mut left = names::Wanted::default();
-        if !want.is_empty() {
-            left = want.clone();
-            match tokio::time::timeout(LOOKUP_WAIT, names::look_up(&sink, &node, &want)).await {
-                Ok(Ok(found)) => {
-                    cache.volume_pv.extend(found.volume_pv);
-                    cache.claims.extend(found.claims);
-                    cache.pods.extend(found.pods);
-                    left = names::wanted(&from_paths, &cache);
-                }
-                Ok(Err(e)) => tracing::warn!(target: TARGET, error = %e, "volume names not looked up; asking again later"),
-                Err(_) => tracing::warn!(target: TARGET, "volume names: no answer within {LOOKUP_WAIT:?}; asking again later"),
-            }
-        }
-        if cache != **ids.names.load() {
-            ids.names.store(Arc::new(cache));
-            ids.changed.notify_one();
-        }
-        if left.is_empty() {
-            unanswered = None;
-            retry = RETRY_FIRST;
-            wake.notified().await;
-        } else {
-            retry = next_pause(unanswered.as_ref().map(|(asked, _)| asked), &left, retry);
-            let at = tokio::time::Instant::now() + retry;
-            unanswered = Some((left, at));
-            tokio::select! {
-                _ = wake.notified() => {}
-                _ = tokio::time::sleep_until(at) => {}
-            }
-        }
-    }
-}
-
-/// Whether `want` names something `asked` did not.
-fn adds_to(want: &names::Wanted, asked: &names::Wanted) -> bool {
-    !(want.pvs.is_subset(&asked.pvs) && want.handles.is_subset(&asked.handles) && want.pods.is_subset(&asked.pods))
-}
-
-/// The pause before asking again for `left`: the first one when it names
-/// something new since the last unanswered lookup, else the last one
-/// doubled (up to the most).
-fn next_pause(asked: Option<&names::Wanted>, left: &names::Wanted, last: Duration) -> Duration {
-    match asked {
-        Some(a) if !adds_to(left, a) => (last * 2).min(RETRY_MOST),
-        _ => RETRY_FIRST,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn want(handles: &[&str]) -> names::Wanted {
-        names::Wanted { handles: handles.iter().map(|h| h.to_string()).collect(), ..Default::default() }
-    }
-
-    /// A volume that stays unnamed is asked for less and less often; only
-    /// something newly wanted starts the pauses again.
-    #[test]
-    fn the_pause_grows_until_something_new_is_wanted() {
-        let first = next_pause(None, &want(&["v1"]), RETRY_FIRST);
-        assert_eq!(first, RETRY_FIRST);
-        let second = next_pause(Some(&want(&["v1"])), &want(&["v1"]), first);
-        assert_eq!(second, RETRY_FIRST * 2);
-        assert_eq!(next_pause(Some(&want(&["v1"])), &want(&["v1"]), RETRY_MOST), RETRY_MOST);
-        assert_eq!(next_pause(Some(&want(&["v1"])), &want(&["v1", "v2"]), second), RETRY_FIRST);
-        assert!(!adds_to(&want(&["v1"]), &want(&["v1", "v2"])));
-        assert!(adds_to(&want(&["v3"]), &want(&["v1", "v2"])));
-    }
 }

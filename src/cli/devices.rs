@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use volring_devices::{report, CollectorConfig, Inventory, ScanConfig, StatCollector};
+use volring_devices::{CollectorConfig, Inventory, ScanConfig, StatCollector};
+
+use super::devices_report as report;
 use volring_mounts as mounts;
 
 use super::*;
@@ -22,7 +24,7 @@ pub(crate) fn print_devices(
             inv.devices.values().filter(|d| wanted.contains(&d.dev)).map(|d| d.name.clone()).collect();
         inv.devices.retain(|dev, d| wanted.contains(dev) || d.partition.as_ref().is_some_and(|(_, disk)| disks.contains(disk)));
     }
-    let swaps = volring_devices::swaps::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
+    let swaps = volring_devices::active_swap_devices(std::path::Path::new("/proc/swaps")).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "/proc/swaps not read: active swap is not shown");
         Default::default()
     });

@@ -9,7 +9,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use volring_devices::report::human_size;
+use super::devices_report::human_size;
 
 use super::volumes::{self, SourceArgs, SourceChoice};
 use super::{stdout_error, NothingFound};

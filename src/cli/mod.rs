@@ -4,9 +4,11 @@
 
 pub(crate) mod args;
 pub(crate) mod devices;
+pub(crate) mod devices_report;
 pub(crate) mod df;
 pub(crate) mod holders;
 pub(crate) mod mounts;
+pub(crate) mod mounts_report;
 pub(crate) mod nbd;
 pub(crate) mod serve;
 pub(crate) mod status;

@@ -10,9 +10,9 @@ use super::*;
 pub(crate) fn print_table(
     json: bool,
     statmount: bool,
-    columns: &[mounts::report::Column],
-    layout: mounts::report::Layout,
-    filter: &mounts::report::Filter,
+    columns: &[super::mounts_report::Column],
+    layout: super::mounts_report::Layout,
+    filter: &super::mounts_report::Filter,
     types: Option<&str>,
 ) -> anyhow::Result<()> {
     // findmnt --target of a path that does not exist finds nothing (rather
@@ -40,7 +40,7 @@ pub(crate) fn print_table(
             serde_json::to_writer_pretty(&mut out, &serde_json::json!({ "filesystems": rows }))?;
             writeln!(out)?;
         } else {
-            out.write_all(mounts::report::render(&rows, columns, layout, filter).as_bytes())?;
+            out.write_all(super::mounts_report::render(&rows, columns, layout, filter).as_bytes())?;
         }
         out.flush()
     };
@@ -69,7 +69,7 @@ pub(crate) async fn stream(config: WatchConfig, json: bool) -> anyhow::Result<()
         tokio::select! {
             ev = events.recv() => {
                 let Some(ev) = ev else { break Ok(()) };
-                let queued = std::iter::from_fn(|| events.try_recv()).take(events.len());
+                let queued = events.drain();
                 let written = if json {
                     std::iter::once(ev)
                         .chain(queued)
@@ -77,7 +77,7 @@ pub(crate) async fn stream(config: WatchConfig, json: bool) -> anyhow::Result<()
                         .and_then(|_| out.flush())
                 } else {
                     let (mut text, stamp) = (String::new(), clock());
-                    std::iter::once(ev).chain(queued).for_each(|ev| mounts::report::event_lines(&ev, &stamp, &mut text));
+                    std::iter::once(ev).chain(queued).for_each(|ev| super::mounts_report::event_lines(&ev, &stamp, &mut text));
                     out.write_all(text.as_bytes()).and_then(|_| out.flush())
                 };
                 if let Err(e) = written {

@@ -1,12 +1,13 @@
 //! `volring nbd attach | detach | status | watch`: `/dev/nbdN` through the
 //! kernel's netlink interface, served by this process.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use volring_nbd::attach::{LinkDeadListener, LocalAttachment, NbdControl};
+use volring_nbd::attach::{read_backend, LinkDeadListener, LocalAttachment, NbdControl};
 use volring_nbd::{ExportSpec, Exports, NbdServer, ServerConfig};
 
 #[derive(clap::Args)]
@@ -52,7 +53,7 @@ fn line(v: serde_json::Value) {
 /// whose connections die meanwhile (LINK_DEAD) gets fresh sockets.
 pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
     let spec: ExportSpec = a.export.parse()?;
-    let server = Arc::new(NbdServer::start_unlistened(config, Arc::new(Exports::new()))?);
+    let server = Arc::new(NbdServer::start(config, Arc::new(Exports::default()))?);
     server.add_export(&spec)?;
     let mut control = NbdControl::open()?;
     // Joined before attaching, so no notice about this device is missed.
@@ -130,7 +131,7 @@ pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Ru
 pub(crate) fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
     if let Some(id) = backend_id {
-        volring_nbd::attach::control::check_backend(index, id, control.backend(index))?;
+        volring_nbd::attach::check_backend(index, id)?;
     }
     control.disconnect(index)?;
     line(serde_json::json!({"detached": index}));
@@ -150,7 +151,7 @@ pub(crate) fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
                 "index": d.index,
                 "device": format!("/dev/nbd{}", d.index),
                 "connected": d.connected,
-                "backend": control.backend(d.index),
+                "backend": read_backend(Path::new("/sys/block"), d.index),
                 "size": sectors.map(|s| s * 512),
             })
         })
@@ -175,7 +176,6 @@ pub(crate) fn status(index: Option<u32>, json: bool) -> anyhow::Result<()> {
 /// Prints each LINK_DEAD notice as a JSON line.
 pub(crate) fn watch(count: Option<u64>, seconds: Option<f64>) -> anyhow::Result<()> {
     let mut l = LinkDeadListener::open()?;
-    let control = NbdControl::open()?;
     let deadline = seconds.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let mut seen = 0;
     while count.is_none_or(|c| seen < c) {
@@ -188,7 +188,7 @@ pub(crate) fn watch(count: Option<u64>, seconds: Option<f64>) -> anyhow::Result<
         }
         if let Some(index) = l.recv_timeout(wait)? {
             seen += 1;
-            line(serde_json::json!({"link_dead": index, "backend": control.backend(index)}));
+            line(serde_json::json!({"link_dead": index, "backend": read_backend(Path::new("/sys/block"), index)}));
         }
     }
     Ok(())

@@ -22,14 +22,19 @@ pub(crate) async fn nbd_serve(
     use tokio::signal::unix::{signal, SignalKind};
     // The exports first: a missing image or exports file fails before
     // anything listens (or says it does).
-    let exports = std::sync::Arc::new(volring_nbd::Exports::new());
+    let exports = std::sync::Arc::new(volring_nbd::Exports::default());
     let from_file = match &exports_file {
         Some(p) => read_exports_file(p)?,
         None => Vec::new(),
     };
     for spec in specs.iter().chain(&from_file) {
-        let e = exports.add(spec).with_context(|| format!("NBD export {}", spec.name))?;
+        let e = exports.add(spec, None).with_context(|| format!("NBD export {}", spec.name))?;
         tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
+    }
+    // A server with no listener serves only its own socketpairs: nothing
+    // for `volring nbd serve`.
+    if config.listen.is_empty() {
+        return Err(volring_nbd::Error::Listen { addr: String::new(), why: "no address to listen on".into() }.into());
     }
     // Off the runtime: a bind may wait for a killed server's address.
     let server = std::sync::Arc::new(tokio::task::spawn_blocking(move || volring_nbd::NbdServer::start(config, exports)).await??);

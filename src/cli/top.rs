@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use volring_devices::report::human_size;
+use super::devices_report::human_size;
 
 use super::stdout_error;
 use super::volumes::{self, Counters, Rates, SourceArgs, SourceChoice};

@@ -149,7 +149,7 @@ impl Collector for Sources {
 
         self.encode_watchers(&mut e)?;
         if let Some(exports) = &self.nbd {
-            encode_nbd(&mut e, exports)?;
+            encode_nbd(&mut e, &nbd_snapshots(exports))?;
         }
         if let Some(r) = &self.reconcile {
             encode_reconcile(&mut e, r)?;
@@ -319,10 +319,8 @@ fn encode_reconcile(e: &mut DescriptorEncoder<'_>, r: &Reconcile) -> Result<(), 
 
 /// One series per export for each NBD counter, and request latency as a
 /// histogram per export and command.
-fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> Result<(), FmtError> {
+fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::ExportSnapshot]) -> Result<(), FmtError> {
     use volring_nbd::stats::{Kind, BUCKET_BOUNDS_US, KINDS};
-    let all = exports.all();
-    let snaps: Vec<_> = all.iter().map(|x| x.stats.snapshot(&x.name)).collect();
     type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 12] = [
         ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
@@ -340,12 +338,12 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
     ];
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for s in &snaps {
+        for s in snaps {
             ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
         }
     }
     let mut fam = e.encode_descriptor("volring_nbd_connections", "Connections open now", None, MetricType::Gauge)?;
-    for s in &snaps {
+    for s in snaps {
         ConstGauge::new(s.connections as f64).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
     }
     // A READ is timed until its data is in the socket (spliced ones too);
@@ -357,7 +355,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
         MetricType::Histogram,
     )?;
     let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(BUCKET_BOUNDS_US.len() + 1);
-    for x in &all {
+    for x in snaps {
         for kind in KINDS {
             let op = match kind {
                 Kind::Read => "read",
@@ -367,15 +365,21 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> 
                 Kind::Zero => "write_zeroes",
                 Kind::Other => "other",
             };
-            let h = x.stats.latency(kind);
+            let h = &x.latency[kind as usize];
             buckets.clear();
             buckets.extend(BUCKET_BOUNDS_US.iter().map(|&b| b as f64 / 1e6).chain([f64::MAX]).zip(h.counts));
             let labels = [("export", x.name.as_str()), ("op", op)];
             let mut m = fam.encode_family(&labels)?;
-            m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, h.count(), &buckets, None)?;
+            let count = h.counts.iter().sum();
+            m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, count, &buckets, None)?;
         }
     }
     Ok(())
+}
+
+/// Every export's counters, taken once for one scrape.
+fn nbd_snapshots(exports: &volring_nbd::Exports) -> Vec<volring_nbd::stats::ExportSnapshot> {
+    exports.all().iter().map(|x| x.stats.snapshot(&x.name)).collect()
 }
 
 /// Renders the exposition text.
@@ -452,7 +456,7 @@ mod tests {
     use super::*;
 
     /// Just the NBD part of the exposition.
-    struct Nbd(Arc<volring_nbd::Exports>);
+    struct Nbd(Vec<volring_nbd::stats::ExportSnapshot>);
 
     impl std::fmt::Debug for Nbd {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -471,14 +475,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
         std::fs::write(&path, [0u8; 4096]).unwrap();
-        let exports = Arc::new(volring_nbd::Exports::new());
-        let e = exports.add(&format!("a={}", path.display()).parse().unwrap()).unwrap();
-        let mut p = volring_nbd::stats::Pending::default();
-        p.record(volring_nbd::stats::Kind::Read, 4096, true, 80);
-        p.record(volring_nbd::stats::Kind::Read, 4096, true, 3_000);
-        e.stats.fold(&mut p);
+        let exports = volring_nbd::Exports::default();
+        exports.add(&format!("a={}", path.display()).parse().unwrap(), None).unwrap();
+        let mut snaps = nbd_snapshots(&exports);
+        // Two READs, of 80 us and 3 ms (the buckets nbd's stats put them
+        // in are its own unit test's).
+        let mut counts = [0; 19];
+        (counts[2], counts[7]) = (1, 1);
+        snaps[0].latency[volring_nbd::stats::Kind::Read as usize] = volring_nbd::stats::LatencySnapshot { counts, sum_us: 3_080 };
         let mut registry = Registry::default();
-        registry.register_collector(Box::new(Nbd(exports)));
+        registry.register_collector(Box::new(Nbd(snaps)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
         assert!(out.contains("# TYPE volring_nbd_request_duration_seconds histogram"), "{out}");

@@ -430,6 +430,28 @@ fn crds() -> &'static [k8s_openapi::apiextensions_apiserver::pkg::apis::apiexten
     })
 }
 
+/// An object as the API server returns it (apiVersion, kind, name,
+/// labels, spec, and status when it has one): how a test seeds the
+/// stand-in with what a publisher wrote before. Built from the CRD's group
+/// and version as the stand-in knows them, not borrowed from the
+/// publisher, so a publisher that wrote another form would be seen.
+pub fn api_form(o: &volring_kube::Object) -> Value {
+    let kind = match o.key.kind {
+        volring_kube::Kind::BlockDevice => "BlockDevice",
+        volring_kube::Kind::StorageNode => "StorageNode",
+    };
+    let mut v = json!({
+        "apiVersion": "volring.io/v1alpha1",
+        "kind": kind,
+        "metadata": {"name": o.key.name, "labels": o.labels},
+        "spec": o.spec,
+    });
+    if !o.status.is_null() {
+        v["status"] = o.status.clone();
+    }
+    v
+}
+
 fn status_body(code: StatusCode, reason: &str, message: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()})
 }

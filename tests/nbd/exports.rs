@@ -194,7 +194,7 @@ pub(super) fn tcp_listener() -> Result<(), Failed> {
     let dir = tempfile::tempdir()?;
     let img = dir.path().join("t.img");
     std::fs::File::create(&img)?.set_len(MIB)?;
-    let exports = std::sync::Arc::new(volring_nbd::Exports::new());
+    let exports = std::sync::Arc::new(volring_nbd::Exports::default());
     let config = volring_nbd::ServerConfig { listen: vec!["127.0.0.1:0".parse()?], threads: 1, ..Default::default() };
     let server = volring_nbd::NbdServer::start(config, exports)?;
     server.add_export(&format!("t={}", img.display()).parse()?)?;

@@ -37,7 +37,7 @@ impl Served {
         let socket = dir.path().join("nbd.sock");
         let mut config = ServerConfig { listen: vec![Listen::Unix(socket.clone())], threads: 2, ..Default::default() };
         tweak(&mut config);
-        let server = NbdServer::start(config, Arc::new(Exports::new())).expect("server starts");
+        let server = NbdServer::start(config, Arc::new(Exports::default())).expect("server starts");
         let s = Served { dir, socket, server: Some(server) };
         for &(name, size, ro) in exports {
             let path = s.image(name);
@@ -464,7 +464,7 @@ pub fn child_server_main() {
         ring,
         ..Default::default()
     };
-    let server = NbdServer::start(config, Arc::new(Exports::new())).expect("server starts");
+    let server = NbdServer::start(config, Arc::new(Exports::default())).expect("server starts");
     for (name, path, description) in &spec.exports {
         let e = ExportSpec {
             name: name.clone(),

@@ -13,11 +13,11 @@ async fn lists_are_paginated() {
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let objs: Vec<Object> = (0..1203).map(|i| bd("n1", i, 0)).collect();
     for o in &objs {
-        let mut v = volring_kube::embedded_sink::api_form(o);
+        let mut v = crate::kube_support::api_form(o);
         v["metadata"]["labels"]["volring.io/node"] = json!("n1");
         server.api.seed("blockdevices", v);
     }
-    server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(&bd("n2", 0, 0)));
+    server.api.seed("blockdevices", crate::kube_support::api_form(&bd("n2", 0, 0)));
     let listed = volring_kube::Sink::list(&*sink, Kind::BlockDevice, "n1").await.unwrap();
     assert_eq!(listed.len(), 1203);
     let pages = server.api.log().iter().filter(|l| l.query.contains("limit=500")).count();

@@ -188,7 +188,7 @@ async fn within(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 fn stored_at_zero(server: &Server, n: usize) -> Vec<Object> {
     let objs: Vec<Object> = (0..n).map(|i| bd("n1", i, 0)).collect();
     for o in &objs {
-        server.api.seed("blockdevices", volring_kube::embedded_sink::api_form(o));
+        server.api.seed("blockdevices", crate::kube_support::api_form(o));
     }
     objs
 }

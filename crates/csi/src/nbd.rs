@@ -20,7 +20,7 @@
 //!
 //! A volume another node holds (`remote` in its record, from the volume
 //! context's export URI and secret) is attached the same way to TCP
-//! sockets negotiated with that node's export (`nbd::attach::remote`). Its
+//! sockets negotiated with that node's export (`nbd::attach::remote_sockets`). Its
 //! server can go away while this agent lives (the owning node's agent
 //! restarts): LINK_DEAD marks the device, and the reconnect is retried
 //! every half second until the export answers again or the device is gone,
@@ -82,8 +82,8 @@ pub struct NbdAttachConfig {
 impl Default for NbdAttachConfig {
     fn default() -> Self {
         Self {
-            dead_conn_timeout: nbdattach::control::DEFAULT_DEAD_CONN_TIMEOUT,
-            request_timeout: nbdattach::control::DEFAULT_TIMEOUT,
+            dead_conn_timeout: nbdattach::DEFAULT_DEAD_CONN_TIMEOUT,
+            request_timeout: nbdattach::DEFAULT_TIMEOUT,
             connections: 1,
             heal: true,
             client: None,
@@ -168,8 +168,8 @@ impl NbdSide {
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
         // connections.
-        let threads = self.config.connections.max(1).max(volring_nbd::server::default_rings());
-        let server = NbdServer::start_unlistened(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::new()))
+        let threads = self.config.connections.max(1).max(volring_nbd::default_rings());
+        let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
             server,
@@ -199,8 +199,7 @@ impl NbdSide {
         let remote = match &rec.remote {
             Some(r) => {
                 let source = remote_source(r, cfg.client.as_deref())?;
-                let (sockets, details) =
-                    nbdattach::remote::connected_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
+                let (sockets, details) = nbdattach::remote_sockets(&source, cfg.connections).map_err(|e| remote_error(&source, e))?;
                 Some((source, sockets, details))
             }
             None => None,
@@ -211,7 +210,7 @@ impl NbdSide {
                 // No device was made: the owning node hears that this
                 // node does not hold the volume.
                 if let Some((_, sockets, _)) = remote {
-                    nbdattach::remote::let_go(sockets);
+                    nbdattach::let_go(sockets);
                 }
                 return Err(e);
             }
@@ -235,7 +234,7 @@ impl NbdSide {
                     }
                     Err(e) => {
                         drop(control);
-                        nbdattach::remote::let_go(kept);
+                        nbdattach::let_go(kept);
                         return Err(attach_error(e));
                     }
                 }
@@ -264,7 +263,7 @@ impl NbdSide {
         let inner = self.inner()?;
         {
             let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-            nbdattach::control::check_backend(index, volume_id, control.backend(index)).map_err(attach_error)?;
+            nbdattach::check_backend(index, volume_id).map_err(attach_error)?;
             control.disconnect(index).map_err(attach_error)?;
         }
         self.forget(index, volume_id);
@@ -289,7 +288,7 @@ impl NbdSide {
     fn plan(&self, rec: &StagedVolume) -> Plan {
         let Some(index) = rec.nbd_index else { return Plan::Done(Healed::Gone) };
         if attach::nbd_existing(index, &rec.volume_id).is_none() {
-            let found = nbdattach::control::read_backend(std::path::Path::new("/sys/block"), index);
+            let found = nbdattach::read_backend(std::path::Path::new("/sys/block"), index);
             return Plan::Done(match found {
                 Some(other) => Healed::Drift { index, found: Some(other) },
                 None => Healed::Gone,

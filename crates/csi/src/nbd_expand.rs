@@ -23,7 +23,7 @@
 use std::time::{Duration, Instant};
 
 use super::{Error, NbdSide, Result, Served};
-use volring_nbd::attach::local::connected_sockets;
+use volring_nbd::attach::local_sockets as connected_sockets;
 use volring_nbd::attach::{self as nbdattach, LinkDeadListener};
 use volring_volumes::attach::{self, Attachment};
 use volring_volumes::{AttachKind, StagedVolume};

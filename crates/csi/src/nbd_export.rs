@@ -96,7 +96,7 @@ impl ExportListener {
             max_connections: 0,
             description: String::new(),
         };
-        self.server.exports().add_guarded(&spec, secret).map_err(|e| Error::Internal(format!("export {}: {e}", meta.id)))?;
+        self.server.exports().add(&spec, Some(secret)).map_err(|e| Error::Internal(format!("export {}: {e}", meta.id)))?;
         tracing::info!(volume = %meta.id, "exported to other nodes");
         Ok(())
     }

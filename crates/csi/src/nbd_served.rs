@@ -13,6 +13,12 @@ use crate::{Error, Result};
 use volring_nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, NbdControl, RemoteAttachment, RemoteSource};
 use volring_nbd::client::ExportDetails;
 use volring_nbd::remote::{ExportUri, Secret};
+
+/// `NBD_REP_ERR_POLICY`, the option reply of a server that will not serve
+/// the export to this client now (the NBD protocol's doc/proto.md): kept
+/// here, not borrowed from the server's code, so a wrong number there is
+/// seen rather than followed.
+const NBD_REP_ERR_POLICY: u32 = 0x8000_0002;
 use volring_nbd::{ExportSpec, NbdServer};
 use volring_volumes::attach;
 use volring_volumes::{RemoteExport, StagedVolume};
@@ -103,7 +109,7 @@ impl Inner {
             Ok(s) => s,
             Err(e) => return Healed::Failed(e.to_string()),
         };
-        match nbdattach::remote::connected_sockets(&source, self.config.connections) {
+        match nbdattach::remote_sockets(&source, self.config.connections) {
             Ok((sockets, details)) => {
                 let fresh = alive::inodes(&sockets);
                 let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
@@ -227,7 +233,7 @@ impl Inner {
 
     pub(super) fn refresh_remote(&self, mut a: RemoteAttachment) {
         let index = a.index;
-        let result = nbdattach::remote::connected_sockets(&a.source, a.connections).and_then(|(sockets, details)| {
+        let result = nbdattach::remote_sockets(&a.source, a.connections).and_then(|(sockets, details)| {
             let fresh = alive::inodes(&sockets);
             let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
             a.refresh_with(&mut control, sockets, details)?;
@@ -315,7 +321,7 @@ pub(super) fn remote_source(r: &RemoteExport, client: Option<&str>) -> Result<Re
 /// in use at another node: it is let go there first.
 pub(super) fn remote_error(source: &RemoteSource, e: nbdattach::Error) -> Error {
     match e {
-        nbdattach::Error::Negotiation(volring_nbd::Error::Refused { reply: volring_nbd::wire::rep::ERR_POLICY, .. }) => {
+        nbdattach::Error::Negotiation(volring_nbd::Error::Refused { reply: NBD_REP_ERR_POLICY, .. }) => {
             Error::FailedPrecondition(format!("{} will not hand the volume out now: the owning node has it staged", source.uri))
         }
         nbdattach::Error::Negotiation(volring_nbd::Error::Refused { .. }) => {

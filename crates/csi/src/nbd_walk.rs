@@ -2,7 +2,7 @@
 //! volumes the cluster hands over): local volumes first, one after
 //! another — they need no network, only this agent's own server — then
 //! every remote volume at once, each on a thread of its own and bounded
-//! by its connect timeout (`nbd::attach::remote`, 5 s a connect and a
+//! by its connect timeout (`nbd::attach::remote_sockets`, 5 s a connect and a
 //! negotiation). The walk waits for the remote ones, all together, at
 //! most `wait`; those still connecting then go on in the background
 //! (reported [`Healed::Pending`], logged when they end, retried like a
@@ -437,7 +437,7 @@ mod tests {
     }
 
     /// The remote step the agent takes (a TCP connect and a negotiation
-    /// with the export, `nbd::attach::remote`), against a real owner; the
+    /// with the export, `nbd::attach::remote_sockets`), against a real owner; the
     /// local step a fake (this kernel has no nbd module).
     struct RealRemote {
         events: Mutex<Vec<String>>,
@@ -457,9 +457,9 @@ mod tests {
                 secret: volring_nbd::remote::Secret::from_hex(&r.secret).unwrap(),
                 client: None,
             };
-            let h = match volring_nbd::attach::remote::connected_sockets(&source, 1) {
+            let h = match volring_nbd::attach::remote_sockets(&source, 1) {
                 Ok((sockets, _)) => {
-                    volring_nbd::attach::remote::let_go(sockets);
+                    volring_nbd::attach::let_go(sockets);
                     Healed::Reconnected(index)
                 }
                 Err(e) => Healed::Retrying { index, why: e.to_string() },

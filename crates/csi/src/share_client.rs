@@ -31,6 +31,10 @@ const STATS_WAIT: Duration = Duration::from_secs(5);
 const MAX_BLOCKED_PROBES: usize = 4;
 static BLOCKED_PROBES: AtomicUsize = AtomicUsize::new(0);
 
+/// `NFS_SUPER_MAGIC` (linux/magic.h): what statfs says of an NFS mount,
+/// the check that a staging path holds the volume's NFS mount.
+const NFS_SUPER_MAGIC: i64 = 0x6969;
+
 fn share_err(e: volring_share::Error) -> Error {
     Error::Internal(e.to_string())
 }
@@ -155,7 +159,7 @@ impl NfsClient {
     fn unmount_if_nfs(&self, id: &str, p: &Path) -> Result<()> {
         let Some(fd) = self.base.root.beneath.open_path(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
         let st = rustix::fs::fstatfs(&fd).map_err(|e| Error::Internal(format!("statfs {}: {e}", p.display())))?;
-        if st.f_type != client::NFS_SUPER_MAGIC {
+        if st.f_type != NFS_SUPER_MAGIC {
             return Err(Error::FailedPrecondition(format!("{} holds a mount that is not volume {id}'s NFS mount", p.display())));
         }
         let node = volring_volumes::beneath::stat(fd.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", p.display())))?;
@@ -222,7 +226,7 @@ impl NfsClient {
         let mut usage = Vec::new();
         let problem = match probe(path.to_path_buf()) {
             Err(why) => Some(why),
-            Ok(s) if s.f_type != client::NFS_SUPER_MAGIC => Some(format!("{} is not the volume's NFS mount", path.display())),
+            Ok(s) if s.f_type != NFS_SUPER_MAGIC => Some(format!("{} is not the volume's NFS mount", path.display())),
             Ok(s) => {
                 let f = s.frsize;
                 usage.push(VolumeUsage {

@@ -41,7 +41,8 @@ pub enum StatMethod {
 }
 
 impl StatMethod {
-    pub fn as_str(self) -> &'static str {
+    /// The name `--stats-method` takes and a snapshot reports.
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             StatMethod::Auto => "auto",
             StatMethod::Diskstats => "diskstats",
@@ -55,12 +56,19 @@ impl StatMethod {
     pub(crate) const MEASURED: [StatMethod; 3] = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread];
 }
 
+/// The method's name, as `--stats-method` takes it (`open-read`).
+impl std::fmt::Display for StatMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
 /// The counters of one read, per tracked device, in tracking order.
 pub(crate) type Sample = Vec<(DevNum, Arc<str>, Result<IoCounters, String>)>;
 
 /// Open files and buffers for all methods over one set of devices, with a
 /// ring of its own for the batched reads: for reading outside a ring thread
-/// (the bench, tests). The collector keeps the files only ([`StatFiles`])
+/// (the bench, tests). The collector keeps the files only (`StatFiles`)
 /// and reads through its ring thread's reactor, so that thread has one ring.
 pub struct StatSource {
     files: StatFiles,

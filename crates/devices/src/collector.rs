@@ -13,7 +13,7 @@ use super::collect::{StatFiles, StatMethod};
 use super::stats::{DeviceStat, IoCounters, IoRates, StatSnapshot};
 use volring_mounts::DevNum;
 use volring_ring::ReadBatch;
-use volring_ring::{BackendChoice, Completion, Driver, Flow, Reactor, RingStats, RingThread};
+use volring_ring::{BackendChoice, Completion, Driver, Flow, Reactor, ReactorOp, RingStats, RingThread};
 
 #[derive(Debug, Clone)]
 pub struct CollectorConfig {
@@ -176,7 +176,7 @@ impl Driver for CollectorDriver {
 
     fn start(&mut self, ring: &mut Reactor) -> io::Result<()> {
         self.sample(ring);
-        ring.timeout(TICK, self.cfg.interval)
+        ring.submit(TICK, ReactorOp::Timeout(self.cfg.interval))
     }
 
     fn on_command(&mut self, cmd: CollectorCommand, ring: &mut Reactor) -> Flow {
@@ -197,7 +197,7 @@ impl Driver for CollectorDriver {
     fn on_completion(&mut self, c: Completion, ring: &mut Reactor) -> Flow {
         if c.token == TICK {
             self.sample(ring);
-            if let Err(e) = ring.timeout(TICK, self.cfg.interval) {
+            if let Err(e) = ring.submit(TICK, ReactorOp::Timeout(self.cfg.interval)) {
                 tracing::error!(error = %e, "stat collector cannot re-arm its timer; stopping");
                 return Flow::Stop;
             }

@@ -129,7 +129,7 @@ pub struct Device {
     pub os_disk: bool,
     /// Stable across reboots and renames; see [`stable_id`]. Empty when it
     /// is unknown: an input that could decide it could not be read (see
-    /// [`id_unread`]), so that a device never gets a different id because
+    /// `id_unread`), so that a device never gets a different id because
     /// of who asked.
     pub id: String,
     /// Attributes that exist but could not be read, with the reason; the

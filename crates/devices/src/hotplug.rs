@@ -20,7 +20,7 @@ use super::inventory::{describe, ScanConfig};
 use super::uevent::{self, Action, MAX_UEVENT};
 use volring_mounts::DevNum;
 use volring_ring::queue::{self, Receiver, Sender};
-use volring_ring::{Completion, Driver, Events, Flow, Reactor, RingStats, RingThread};
+use volring_ring::{Completion, Driver, Events, Flow, Reactor, ReactorOp, RingStats, RingThread};
 
 /// A change to the set of devices.
 #[derive(Debug, Clone, Serialize)]
@@ -121,14 +121,16 @@ const SOCKET: u64 = 1;
 impl HotplugDriver {
     fn emit(&mut self, ev: DeviceEvent) {
         if self.lost {
-            if self.tx.try_send(DeviceEvent::Rescan { reason: "queue full" }).is_err() {
+            if self.tx.push(DeviceEvent::Rescan { reason: "queue full" }).is_err() {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
+            self.tx.announce();
             self.lost = false;
         }
-        match self.tx.try_send(ev) {
+        match self.tx.push(ev) {
             Ok(()) => {
+                self.tx.announce();
                 self.stats.emitted.fetch_add(1, Ordering::Relaxed);
             }
             Err(_) => {
@@ -183,7 +185,7 @@ impl Driver for HotplugDriver {
     type Command = ();
 
     fn start(&mut self, ring: &mut Reactor) -> io::Result<()> {
-        ring.poll(SOCKET, self.sock.clone(), Events::IN)
+        ring.submit(SOCKET, ReactorOp::Poll { fd: self.sock.clone(), events: Events::IN })
     }
 
     fn on_command(&mut self, _cmd: (), _ring: &mut Reactor) -> Flow {
@@ -196,7 +198,7 @@ impl Driver for HotplugDriver {
         }
         if let Err(e) = c.result {
             tracing::error!(error = %e, "uevent poll failed; re-arming");
-            if ring.poll(SOCKET, self.sock.clone(), Events::IN).is_err() {
+            if ring.submit(SOCKET, ReactorOp::Poll { fd: self.sock.clone(), events: Events::IN }).is_err() {
                 return Flow::Stop;
             }
             return Flow::Continue;

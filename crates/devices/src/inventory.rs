@@ -177,6 +177,13 @@ impl Inventory {
         }
     }
 
+    /// Why `d`'s stable id is unknown (its `id` is empty), if an input the
+    /// id would rest on could not be read; the CLI says it beside the table.
+    pub fn id_unknown(&self, d: &Device) -> Option<String> {
+        let disk = d.partition.as_ref().and_then(|(_, p)| self.by_name(p));
+        id_unread(d, disk)
+    }
+
     /// Marks `dev` as used by a volume volring serves (CSI, NBD).
     pub fn mark_volume(&mut self, dev: DevNum, volume: &str) {
         if let Some(d) = self.devices.get_mut(&dev) {

@@ -16,9 +16,8 @@ mod filter;
 mod hotplug;
 mod inventory;
 pub mod probe;
-pub mod report;
 mod stats;
-pub mod swaps;
+mod swaps;
 mod sysfs;
 mod uevent;
 
@@ -29,6 +28,7 @@ pub use filter::DeviceFilter;
 pub use hotplug::{DeviceEvent, DeviceWatcher, HotplugStats};
 pub use inventory::{describe, node_name, Inventory, ScanConfig};
 pub use stats::{parse_diskstats, DeviceStat, DiskstatsLine, IoCounters, IoRates, StatLineError, StatSnapshot};
+pub use swaps::{active_swap_devices, fuzz_proc_swaps};
 pub use sysfs::{fuzz_sysfs_text, parse_devnum};
 pub use uevent::fuzz_uevent;
 

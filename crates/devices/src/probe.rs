@@ -1,12 +1,12 @@
 //! What is on a device: filesystem, volume-manager and partition-table
 //! signatures, from a few bounded reads.
 //!
-//! Pure over the bytes read ([`Sample`]), so it can be fuzzed; the reads
+//! Pure over the bytes read (`Sample`), so it can be fuzzed; the reads
 //! themselves are the caller's ([`probe_reads`]), laid out by
-//! [`read_plan`]. It only ever reads: unlike node-disk-manager, nothing is
+//! `read_plan`. It only ever reads: unlike node-disk-manager, nothing is
 //! written to a bare disk to give it an id. Offsets and magics are those of
 //! the on-disk formats. A device that holds a RAID or volume-manager member
-//! must never look blank, so the members ([`members`]) are probed first, as
+//! must never look blank, so the members (`members`) are probed first, as
 //! blkid does.
 
 use serde::Serialize;

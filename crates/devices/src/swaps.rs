@@ -3,57 +3,46 @@
 //!
 //! The file is a header line, then one line per area: the path, its type
 //! (`partition` or `file`), size, used, priority. The kernel escapes space,
-//! tab, newline and backslash in the path as `\ooo` octal.
+//! tab, newline and backslash in the path as `\ooo` octal, as in mountinfo
+//! (the mounts crate's `unescape` undoes both).
 
 use std::collections::BTreeSet;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
-use volring_mounts::DevNum;
+use volring_mounts::{unescape, DevNum};
 
 /// One line of `/proc/swaps`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SwapArea {
-    pub path: PathBuf,
+pub(crate) struct SwapArea {
+    pub(crate) path: PathBuf,
     /// A block device (`partition`, whatever the device is) rather than a
     /// swap file.
-    pub is_device: bool,
+    pub(crate) is_device: bool,
 }
 
 /// Parses `/proc/swaps`. Pure; lines that do not have a path and a type
 /// (the header among them) are skipped.
-pub fn parse_proc_swaps(text: &[u8]) -> Vec<SwapArea> {
+pub(crate) fn parse_proc_swaps(text: &[u8]) -> Vec<SwapArea> {
     text.split(|&b| b == b'\n')
         .skip(1)
         .filter_map(|line| {
             let mut fields = line.split(|b| b.is_ascii_whitespace()).filter(|f| !f.is_empty());
             let path = fields.next()?;
             let kind = fields.next()?;
-            Some(SwapArea { path: PathBuf::from(std::ffi::OsString::from_vec(unescape(path))), is_device: kind == b"partition" })
+            Some(SwapArea {
+                path: PathBuf::from(std::ffi::OsString::from_vec(unescape(path).into_owned())),
+                is_device: kind == b"partition",
+            })
         })
         .collect()
 }
 
-/// Undoes the kernel's `\ooo` escapes; a backslash not followed by three
-/// octal digits that fit a byte is kept as it is.
-fn unescape(raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        if raw[i] == b'\\' {
-            if let Some(d) = raw.get(i + 1..i + 4).filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c))) {
-                let v = d.iter().fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
-                if let Ok(b) = u8::try_from(v) {
-                    out.push(b);
-                    i += 4;
-                    continue;
-                }
-            }
-        }
-        out.push(raw[i]);
-        i += 1;
-    }
-    out
+/// The fuzz entry (fuzz/fuzz_targets/proc_swaps.rs): parses `/proc/swaps`
+/// text as [`active_swap_devices`] does and hands back each area's path, in
+/// order, so the parser and its area type stay private to this crate.
+pub fn fuzz_proc_swaps(text: &[u8]) -> Vec<PathBuf> {
+    parse_proc_swaps(text).into_iter().map(|a| a.path).collect()
 }
 
 /// The device numbers of the block devices in use as swap now. Reads

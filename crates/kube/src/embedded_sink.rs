@@ -27,7 +27,7 @@ pub(crate) fn store_key(key: &Key) -> String {
 }
 
 /// The object as the API would return it.
-pub fn api_form(o: &Object) -> serde_json::Value {
+pub(crate) fn api_form(o: &Object) -> serde_json::Value {
     let mut v = serde_json::json!({
         "apiVersion": format!("{GROUP}/{VERSION}"),
         "kind": o.key.kind.as_str(),

@@ -11,9 +11,10 @@
 //! - [`feed`]: the agent's side: inventory and volumes to objects.
 //! - [`node_feed`]: the StorageNode, rebuilt when the agent's queues say
 //!   something changed (never on a timer).
-//! - [`names`]: the cluster's names (PVC, pods) for this node's volumes.
+//! - [`names`]: the cluster's names (PVC, pods) for this node's volumes,
+//!   looked up by [`names::follow`].
 //! - [`attachments`]: the healer hook's VolumeAttachment listing.
-//! - [`show`]: `volring get`.
+//! - [`show`]: `volring get` ([`show::get`]).
 
 // Everything is crate-private unless another crate uses it: a `pub`
 // item no other crate can reach is an error (`-D warnings`).

@@ -11,10 +11,17 @@
 //!   PV is not in its paths, to find it by `spec.csi.volumeHandle`;
 //! - `LIST /api/v1/pods?fieldSelector=spec.nodeName=<node>` (paginated)
 //!   for the pods of this node.
+//!
+//! The agent runs [`follow`], which asks whenever the node's volumes change
+//! and, with a growing pause, while something stays unnamed.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use serde_json::Value;
+use tokio::sync::Notify;
 use volring_volumes::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
 
 use super::kube_sink::{query_escape, KubeSink, PAGE};
@@ -24,9 +31,17 @@ use super::updater::SinkError;
 const MAX_PV_GETS: usize = 64;
 /// Pages of a LIST read in one lookup (500 objects each).
 const MAX_PAGES: usize = 40;
+/// One lookup (its three requests) may take this long.
+const LOOKUP_WAIT: Duration = Duration::from_secs(10);
+/// What is still unnamed is asked again after this, doubling up to the
+/// most (also when the API server answered but did not know it).
+const RETRY_FIRST: Duration = Duration::from_secs(2);
+const RETRY_MOST: Duration = Duration::from_secs(300);
+/// The lookup logs as the agent it runs in (one of its components).
+const LOG_TARGET: &str = "volring::agent";
 
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     #[error("looking up {what}: {source}")]
     Api {
         what: &'static str,
@@ -37,23 +52,23 @@ pub enum Error {
 
 /// What the cache lacks for `ids`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Wanted {
+pub(crate) struct Wanted {
     /// PV names whose claim is not cached.
-    pub pvs: BTreeSet<String>,
+    pub(crate) pvs: BTreeSet<String>,
     /// Volume ids with no PV name from the paths nor the cache.
-    pub handles: BTreeSet<String>,
+    pub(crate) handles: BTreeSet<String>,
     /// Pod UIDs not cached.
-    pub pods: BTreeSet<String>,
+    pub(crate) pods: BTreeSet<String>,
 }
 
 impl Wanted {
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.pvs.is_empty() && self.handles.is_empty() && self.pods.is_empty()
     }
 }
 
 /// What `cache` does not say about `ids` (records named from the paths only).
-pub fn wanted(ids: &[VolumeIdentity], cache: &ClusterNames) -> Wanted {
+pub(crate) fn wanted(ids: &[VolumeIdentity], cache: &ClusterNames) -> Wanted {
     let mut w = Wanted::default();
     for i in ids {
         match i.persistent_volume.as_ref().or_else(|| cache.volume_pv.get(&i.volume_id)) {
@@ -72,7 +87,7 @@ pub fn wanted(ids: &[VolumeIdentity], cache: &ClusterNames) -> Wanted {
 
 /// Forgets what no volume of `ids` refers to any more (the cache stays as
 /// small as the node's volumes).
-pub fn prune(cache: &mut ClusterNames, ids: &[VolumeIdentity]) {
+pub(crate) fn prune(cache: &mut ClusterNames, ids: &[VolumeIdentity]) {
     let handles: BTreeSet<&str> = ids.iter().map(|i| i.volume_id.as_str()).collect();
     cache.volume_pv.retain(|h, _| handles.contains(h.as_str()));
     let pvs: BTreeSet<&str> = ids
@@ -87,7 +102,7 @@ pub fn prune(cache: &mut ClusterNames, ids: &[VolumeIdentity]) {
 
 /// Looks up what `want` asks for; answers only what it found (a PV or pod
 /// the server does not have is simply not in the answer).
-pub async fn look_up(sink: &KubeSink, node: &str, want: &Wanted) -> Result<ClusterNames, Error> {
+pub(crate) async fn look_up(sink: &KubeSink, node: &str, want: &Wanted) -> Result<ClusterNames, Error> {
     let mut out = ClusterNames::default();
     for pv in want.pvs.iter().take(MAX_PV_GETS) {
         match sink.get_json(&format!("/api/v1/persistentvolumes/{}", query_escape(pv))).await {
@@ -114,6 +129,88 @@ pub async fn look_up(sink: &KubeSink, node: &str, want: &Wanted) -> Result<Clust
         }
     }
     Ok(out)
+}
+
+/// Looks up what the cache lacks whenever `wake` is notified (the node's
+/// volume records changed), and again (with a growing pause) while
+/// something stays unnamed; `records` gives the records named from their
+/// paths only. What is found goes into `names`, and `changed` is notified
+/// when that changed it. A change that wants nothing the last lookup did
+/// not already ask for (another volume's publish, say) waits out the
+/// pause: one volume no PV names would otherwise cost a cluster-wide PV
+/// LIST on every change of the records. Runs until its task is dropped.
+pub async fn follow(
+    sink: KubeSink,
+    node: String,
+    records: impl Fn() -> Vec<VolumeIdentity>,
+    names: Arc<ArcSwap<ClusterNames>>,
+    changed: Arc<Notify>,
+    wake: Arc<Notify>,
+) {
+    let mut retry = RETRY_FIRST;
+    // What the last lookup left unnamed, and when it may be asked again.
+    let mut unanswered: Option<(Wanted, tokio::time::Instant)> = None;
+    loop {
+        let from_paths = records();
+        let mut cache = ClusterNames::clone(&names.load());
+        prune(&mut cache, &from_paths);
+        let want = wanted(&from_paths, &cache);
+        if let Some((asked, at)) = &unanswered {
+            if !want.is_empty() && !adds_to(&want, asked) && tokio::time::Instant::now() < *at {
+                tokio::select! {
+                    _ = wake.notified() => {}
+                    _ = tokio::time::sleep_until(*at) => {}
+                }
+                continue;
+            }
+        }
+        let mut left = Wanted::default();
+        if !want.is_empty() {
+            left = want.clone();
+            match tokio::time::timeout(LOOKUP_WAIT, look_up(&sink, &node, &want)).await {
+                Ok(Ok(found)) => {
+                    cache.volume_pv.extend(found.volume_pv);
+                    cache.claims.extend(found.claims);
+                    cache.pods.extend(found.pods);
+                    left = wanted(&from_paths, &cache);
+                }
+                Ok(Err(e)) => tracing::warn!(target: LOG_TARGET, error = %e, "volume names not looked up; asking again later"),
+                Err(_) => tracing::warn!(target: LOG_TARGET, "volume names: no answer within {LOOKUP_WAIT:?}; asking again later"),
+            }
+        }
+        if cache != **names.load() {
+            names.store(Arc::new(cache));
+            changed.notify_one();
+        }
+        if left.is_empty() {
+            unanswered = None;
+            retry = RETRY_FIRST;
+            wake.notified().await;
+        } else {
+            retry = next_pause(unanswered.as_ref().map(|(asked, _)| asked), &left, retry);
+            let at = tokio::time::Instant::now() + retry;
+            unanswered = Some((left, at));
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep_until(at) => {}
+            }
+        }
+    }
+}
+
+/// Whether `want` names something `asked` did not.
+fn adds_to(want: &Wanted, asked: &Wanted) -> bool {
+    !(want.pvs.is_subset(&asked.pvs) && want.handles.is_subset(&asked.handles) && want.pods.is_subset(&asked.pods))
+}
+
+/// The pause before asking again for `left`: the first one when it names
+/// something new since the last unanswered lookup, else the last one
+/// doubled (up to the most).
+fn next_pause(asked: Option<&Wanted>, left: &Wanted, last: Duration) -> Duration {
+    match asked {
+        Some(a) if !adds_to(left, a) => (last * 2).min(RETRY_MOST),
+        _ => RETRY_FIRST,
+    }
 }
 
 /// Adds what a PV says: its claim, and (when `handles` has its volume
@@ -213,5 +310,23 @@ mod tests {
         add_pv(&mut out, &json!({"metadata": {"name": "pv1"}, "spec": {}}), None);
         add_pv(&mut out, &json!("garbage"), None);
         assert_eq!(out, ClusterNames::default());
+    }
+
+    fn want(handles: &[&str]) -> Wanted {
+        Wanted { handles: handles.iter().map(|h| h.to_string()).collect(), ..Default::default() }
+    }
+
+    /// A volume that stays unnamed is asked for less and less often; only
+    /// something newly wanted starts the pauses again.
+    #[test]
+    fn the_pause_grows_until_something_new_is_wanted() {
+        let first = next_pause(None, &want(&["v1"]), RETRY_FIRST);
+        assert_eq!(first, RETRY_FIRST);
+        let second = next_pause(Some(&want(&["v1"])), &want(&["v1"]), first);
+        assert_eq!(second, RETRY_FIRST * 2);
+        assert_eq!(next_pause(Some(&want(&["v1"])), &want(&["v1"]), RETRY_MOST), RETRY_MOST);
+        assert_eq!(next_pause(Some(&want(&["v1"])), &want(&["v1", "v2"]), second), RETRY_FIRST);
+        assert!(!adds_to(&want(&["v1"]), &want(&["v1", "v2"])));
+        assert!(adds_to(&want(&["v3"]), &want(&["v1", "v2"])));
     }
 }

@@ -76,19 +76,27 @@ impl NodeFeed {
     /// Follows the signals for good, submitting each changed object. When
     /// the task is dropped (the publisher's stop aborts it), submits the
     /// object as it is then, for the updater's last flush (what is already
-    /// stored is not written again).
-    pub async fn follow(mut self, to: Submitter) {
+    /// stored is not written again). The last look is armed before the
+    /// future is first polled, so a stop right after the start still
+    /// submits it; it is skipped while unwinding (the builder that
+    /// panicked would be called again inside the panic).
+    pub fn follow(mut self, to: Submitter) -> impl std::future::Future<Output = ()> + Send {
         /// The last look, taken as the follower is dropped.
         struct Last(Builder, Submitter);
         impl Drop for Last {
             fn drop(&mut self) {
-                self.1.submit((self.0)());
+                if !std::thread::panicking() {
+                    self.1.submit((self.0)());
+                }
             }
         }
-        let _last = Last(self.build.clone(), to.clone());
-        loop {
-            let o = self.changed().await;
-            to.submit(o);
+        let last = Last(self.build.clone(), to.clone());
+        async move {
+            let _last = last;
+            loop {
+                let o = self.changed().await;
+                to.submit(o);
+            }
         }
     }
 }
@@ -244,6 +252,28 @@ mod tests {
         // The Ready condition is untouched by it.
         let ready = storage_node("n1", &[], None, None, Some(&ids), &ClusterNames::default()).status["conditions"][0].clone();
         assert_eq!(ready["type"], "Ready");
+    }
+
+    /// A publisher stopped right after it started drops the follower
+    /// before its first poll: the last look is still submitted (it was
+    /// armed inside the async body, so such a stop lost it).
+    #[tokio::test]
+    async fn a_follower_dropped_before_its_first_poll_still_submits_its_last_look() {
+        let builds = Arc::new(AtomicUsize::new(0));
+        let b = builds.clone();
+        let mut feed = NodeFeed::new(
+            NodeSignal::default(),
+            Arc::new(move || {
+                b.fetch_add(1, Ordering::SeqCst);
+                storage_node("n1", &[], None, None, None, &ClusterNames::default())
+            }),
+        );
+        let sink = Arc::new(Memory::default());
+        let up = Updater::start(sink, UpdaterConfig::new("n1"), vec![feed.current()]);
+        let before = builds.load(Ordering::SeqCst);
+        drop(feed.follow(up.handle()));
+        assert_eq!(builds.load(Ordering::SeqCst), before + 1, "no last look was taken");
+        up.shutdown(Duration::from_secs(5)).await;
     }
 
     /// A record staged and a verdict changed each reach the StorageNode in

@@ -306,7 +306,7 @@ impl Kind {
     }
 
     /// The resource's plural, as in its URL.
-    pub fn plural(self) -> &'static str {
+    pub(crate) fn plural(self) -> &'static str {
         match self {
             Kind::BlockDevice => "blockdevices",
             Kind::StorageNode => "storagenodes",

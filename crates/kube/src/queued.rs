@@ -95,7 +95,7 @@ pub(crate) fn read(state_dir: &Path) -> Option<Queued> {
 }
 
 /// What `volring get` adds when the agent still holds objects.
-pub fn note(state_dir: &Path) -> Option<String> {
+pub(crate) fn note(state_dir: &Path) -> Option<String> {
     let q = read(state_dir).filter(|q| q.queued > 0)?;
     let s = if q.queued == 1 { "" } else { "s" };
     Some(format!("# the agent still has {} object{s} queued for {}: not shown yet", q.queued, q.target.as_str()))

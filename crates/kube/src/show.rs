@@ -1,13 +1,14 @@
 //! `volring get`: published objects printed the way kubectl prints them,
-//! read from the cluster or, with no cluster, from the node's store. The
-//! rendering is pure; the reading is the two functions at the end.
+//! read from the cluster or, with no cluster, from the node's store. One
+//! entry point, [`get`]; the rendering is pure, the reading is the two
+//! functions at the end.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::objects::{Kind, GROUP, VERSION};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
+pub(crate) enum Format {
     Table,
     Wide,
     Json,
@@ -20,6 +21,9 @@ pub enum Error {
     Resource(String),
     #[error("unknown output format {0:?} (json, yaml, wide)")]
     Format(String),
+    /// A mistyped `--state-dir` is not an empty node.
+    #[error("state directory {} does not exist", .0.display())]
+    NoStateDir(PathBuf),
     /// The node's store could not be read.
     #[error("the node's store: {0}")]
     Store(#[from] volring_volumes::store::Error),
@@ -31,9 +35,51 @@ pub enum Error {
     Cluster(#[from] kube::Error),
 }
 
+/// What `volring get` was asked.
+#[derive(Debug, Clone, Copy)]
+pub struct Query<'a> {
+    /// The resource as kubectl names it (`blockdevices`, `bd`, `sn`, ...).
+    pub resource: &'a str,
+    /// `-o`: `json`, `yaml` or `wide`; none prints the table.
+    pub output: Option<&'a str>,
+    /// `--kube`: read the cluster even when none is detected.
+    pub kube: bool,
+    /// `--local-store`: read the node's store even when a cluster is detected.
+    pub local_store: bool,
+    /// The agent's state directory (its store, and its record of what it
+    /// still holds).
+    pub state_dir: &'a Path,
+}
+
+/// `volring get`: the objects from the cluster when one is configured (or
+/// `q.kube`), else from the node's own store, as the text for stdout. The
+/// lines for stderr (where the objects come from, and what the agent
+/// still holds back) go to `note` as soon as they are known, so the first
+/// is seen before a slow cluster answers.
+pub async fn get(q: Query<'_>, mut note: impl FnMut(&str)) -> Result<String, Error> {
+    let (kind, fmt) = (resource(q.resource)?, format(q.output)?);
+    let source = if q.local_store { None } else { super::kube_sink::KubeSink::detect() };
+    let items = if q.kube || source.is_some() {
+        let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
+        note(&format!("# {} from the cluster ({from})", kind.plural()));
+        read_cluster(kind).await?
+    } else {
+        if !q.state_dir.is_dir() {
+            return Err(Error::NoStateDir(q.state_dir.to_path_buf()));
+        }
+        let store = q.state_dir.join(volring_volumes::store::FILE);
+        note(&format!("# {} from the node's store {} (no cluster configured)", kind.plural(), store.display()));
+        read_store(q.state_dir, kind)?
+    };
+    if let Some(held) = super::queued::note(q.state_dir) {
+        note(&held);
+    }
+    Ok(render(kind, &items, fmt))
+}
+
 /// kubectl's names for the resources, and `volumes` (the node objects
 /// carry them).
-pub fn resource(s: &str) -> Result<Kind, Error> {
+pub(crate) fn resource(s: &str) -> Result<Kind, Error> {
     match s {
         "blockdevices" | "blockdevice" | "bd" => Ok(Kind::BlockDevice),
         "storagenodes" | "storagenode" | "sn" | "volumes" => Ok(Kind::StorageNode),
@@ -41,7 +87,7 @@ pub fn resource(s: &str) -> Result<Kind, Error> {
     }
 }
 
-pub fn format(s: Option<&str>) -> Result<Format, Error> {
+pub(crate) fn format(s: Option<&str>) -> Result<Format, Error> {
     match s {
         None => Ok(Format::Table),
         Some("wide") => Ok(Format::Wide),
@@ -89,7 +135,7 @@ fn columns(kind: Kind, wide: bool) -> Vec<(&'static str, &'static str)> {
 }
 
 /// The objects (as the API returns them), in `format`.
-pub fn render(kind: Kind, items: &[serde_json::Value], format: Format) -> String {
+pub(crate) fn render(kind: Kind, items: &[serde_json::Value], format: Format) -> String {
     match format {
         Format::Json | Format::Yaml => {
             let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
@@ -120,14 +166,14 @@ pub fn render(kind: Kind, items: &[serde_json::Value], format: Format) -> String
 }
 
 /// Every object of `kind` in the node's store (read beside a running agent).
-pub fn read_store(state_dir: &Path, kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
+pub(crate) fn read_store(state_dir: &Path, kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
     let contents = volring_volumes::store::Store::read_only(&state_dir.join(volring_volumes::store::FILE), false)?;
     let prefix = format!("{}/", kind.as_str());
     Ok(contents.published.iter().filter(|(k, _)| k.starts_with(&prefix)).filter_map(|(_, b)| serde_json::from_slice(b).ok()).collect())
 }
 
 /// Every object of `kind` in the cluster (all nodes), page by page.
-pub async fn read_cluster(kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
+pub(crate) async fn read_cluster(kind: Kind) -> Result<Vec<serde_json::Value>, Error> {
     let mut config = kube::Config::infer().await?;
     volring_share::kube::identify(&mut config, &volring_devices::node_name());
     let client = kube::Client::try_from(config)?;

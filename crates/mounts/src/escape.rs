@@ -1,5 +1,5 @@
 //! The kernel's octal escapes in mount tables (`\040` space, `\011` tab,
-//! `\012` newline, `\134` backslash), and the reverse for output.
+//! `\012` newline, `\134` backslash).
 
 use std::borrow::Cow;
 
@@ -32,19 +32,6 @@ fn is_octal_triplet(t: &[u8]) -> bool {
     t.len() == 3 && t[0] <= b'3' && t.iter().all(|c| (b'0'..=b'7').contains(c))
 }
 
-/// Escapes what would break a space-separated line, as `findmnt --raw`
-/// does (`\x20` for a space), for the CLI's raw table.
-pub(crate) fn escape_raw(raw: &[u8], out: &mut String) {
-    use std::fmt::Write;
-    for &b in raw {
-        if b.is_ascii_graphic() && b != b'\\' {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "\\x{b:02x}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,12 +48,5 @@ mod tests {
         assert_eq!(&*unescape(br"a\"), br"a\");
         assert_eq!(&*unescape(br"\0400"), b" 0");
         assert_eq!(&*unescape(br"\777"), br"\777");
-    }
-
-    #[test]
-    fn raw_escape_is_findmnt_style() {
-        let mut s = String::new();
-        escape_raw(b"/a b\\c\n\xff", &mut s);
-        assert_eq!(s, r"/a\x20b\x5cc\x0a\xff");
     }
 }

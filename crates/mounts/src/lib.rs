@@ -14,7 +14,6 @@ mod event;
 mod fanotify;
 mod mount;
 mod parse;
-pub mod report;
 mod source;
 pub mod statmount;
 mod table;
@@ -26,8 +25,8 @@ pub use escape::unescape;
 pub use event::{BlockDevice, Changes, EventKind, MountEvent, ResyncReason, WatchEvent};
 pub use fanotify::fuzz_fanotify_events;
 pub use mount::{DevNum, Mount, Propagation};
-pub use parse::{mountinfo_lines, mountinfo_mounts, LineError, LineFault, RawMount};
-pub use source::{load, read_mountinfo, Statmounter};
+pub use parse::{mountinfo_lines, mountinfo_mounts, LineError, RawMount};
+pub use source::{load, read_mountinfo};
 pub use table::MountTable;
 pub use watcher::{MountWatcher, ResyncCounts, WatchConfig, WatchMode, WatcherStats};
 

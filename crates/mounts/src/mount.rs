@@ -46,23 +46,28 @@ pub struct Propagation {
     pub(crate) unbindable: bool,
 }
 
-impl Propagation {
-    /// The optional fields as mountinfo writes them (`shared:1 master:2`).
-    pub(crate) fn tags(&self) -> String {
-        let mut parts = Vec::new();
+/// The optional fields as mountinfo writes them (`shared:1 master:2`).
+impl fmt::Display for Propagation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut sep = "";
+        let mut tag = |f: &mut fmt::Formatter<'_>, t: fmt::Arguments<'_>| {
+            let r = write!(f, "{sep}{t}");
+            sep = " ";
+            r
+        };
         if let Some(n) = self.shared {
-            parts.push(format!("shared:{n}"));
+            tag(f, format_args!("shared:{n}"))?;
         }
         if let Some(n) = self.master {
-            parts.push(format!("master:{n}"));
+            tag(f, format_args!("master:{n}"))?;
         }
         if let Some(n) = self.propagate_from {
-            parts.push(format!("propagate_from:{n}"));
+            tag(f, format_args!("propagate_from:{n}"))?;
         }
         if self.unbindable {
-            parts.push("unbindable".to_string());
+            tag(f, format_args!("unbindable"))?;
         }
-        parts.join(" ")
+        Ok(())
     }
 }
 
@@ -156,19 +161,6 @@ impl Mount {
     /// Superblock options (`rw,size=1024k`).
     pub fn super_options(&self) -> &[u8] {
         self.field(Field::SuperOptions)
-    }
-
-    /// Options as findmnt shows them: per-mount, then the superblock's
-    /// (without its leading ro/rw, which the per-mount flag already says).
-    pub(crate) fn merged_options(&self) -> String {
-        let mut s = String::from_utf8_lossy(self.options()).into_owned();
-        let sup = self.super_options();
-        let rest = sup.splitn(2, |&b| b == b',').nth(1).unwrap_or(&[]);
-        if !rest.is_empty() {
-            s.push(',');
-            s.push_str(&String::from_utf8_lossy(rest));
-        }
-        s
     }
 }
 

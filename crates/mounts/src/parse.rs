@@ -26,7 +26,7 @@ pub struct RawMount<'a> {
 
 /// What is wrong with a line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum LineFault {
+pub(crate) enum LineFault {
     #[error("missing field `{0}`")]
     Missing(&'static str),
     #[error("field `{0}` is not a number")]
@@ -214,7 +214,7 @@ fn lines(buf: &[u8]) -> impl Iterator<Item = &[u8]> + '_ {
 
 impl RawMount<'_> {
     /// The owned form, unescaped, keyed by the mountinfo id.
-    pub fn to_mount(&self) -> Mount {
+    pub(crate) fn to_mount(self) -> Mount {
         let len = self.root.len()
             + self.mount_point.len()
             + self.options.len()
@@ -256,11 +256,10 @@ mod tests {
         assert_eq!(k.mount_point(), b"/var/lib/kubelet/pods/a b/vol");
         assert_eq!(k.options().split(|&b| b == b',').next(), Some(&b"ro"[..]), "mounted read-only");
         assert_eq!(k.propagation, Propagation { shared: Some(40), master: Some(12), propagate_from: Some(3), unbindable: true });
-        assert_eq!(k.propagation.tags(), "shared:40 master:12 propagate_from:3 unbindable");
+        assert_eq!(k.propagation.to_string(), "shared:40 master:12 propagate_from:3 unbindable");
         let f = all[3].to_mount();
         assert_eq!(f.fs_type(), b"fuse.sshfs");
         assert_eq!(f.source(), b"user@host:/a\\b");
-        assert_eq!(f.merged_options(), "rw,user_id=0");
     }
 
     #[test]

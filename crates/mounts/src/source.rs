@@ -11,7 +11,7 @@ use volring_sys::mount_api;
 
 /// Reads mounts with `statmount`, reusing its id list and reply buffer.
 #[derive(Default)]
-pub struct Statmounter {
+pub(crate) struct Statmounter {
     ids: Vec<u64>,
     buf: Vec<u8>,
 }
@@ -33,7 +33,7 @@ impl Statmounter {
 
     /// The whole table. Mounts that vanish between list and stat are skipped:
     /// they are gone, and the snapshot describes the moment after.
-    pub fn snapshot(&mut self) -> Result<MountTable, Error> {
+    pub(crate) fn snapshot(&mut self) -> Result<MountTable, Error> {
         let mut ids = std::mem::take(&mut self.ids);
         let r = mount_api::listmount_all(&mut ids).map_err(|e| Error::Io("listmount", e));
         let mut table = MountTable::with_capacity(ids.len());

@@ -256,10 +256,6 @@ pub struct Exports {
 }
 
 impl Exports {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// A catalog whose every export needs its secret (see the type's doc).
     pub fn guarded() -> Self {
         Self { secrets: Some(RwLock::default()), ..Self::default() }
@@ -278,25 +274,26 @@ impl Exports {
         self.admission.set(admission).map_err(|_| Error::Secret("the admission is already set"))
     }
 
-    /// Adds an export to a guarded catalog with the secret a client must
-    /// present; an unguarded catalog refuses (its exports need none).
-    pub fn add_guarded(&self, spec: &ExportSpec, secret: Secret) -> Result<Arc<Export>, Error> {
-        let Some(secrets) = &self.secrets else { return Err(Error::Secret("this catalog serves exports without secrets")) };
-        if !super::remote::valid_export(&spec.name) {
-            return Err(Error::Spec { spec: spec.name.clone(), why: "a guarded export's name is 1 to 128 of [A-Za-z0-9._-]".into() });
-        }
-        let e = self.insert(spec)?;
-        secrets.write().unwrap_or_else(|p| p.into_inner()).insert(spec.name.clone(), secret);
-        Ok(e)
-    }
-
     /// Opens and adds an export; the name must be free. A guarded catalog
-    /// refuses: every export it serves has a secret ([`Exports::add_guarded`]).
-    pub fn add(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
-        if self.secrets.is_some() {
-            return Err(Error::Secret("a guarded catalog serves only exports with a secret"));
+    /// takes only an export with the secret a client must present, and an
+    /// unguarded one only an export without (its exports need none).
+    pub fn add(&self, spec: &ExportSpec, secret: Option<Secret>) -> Result<Arc<Export>, Error> {
+        match (&self.secrets, secret) {
+            (None, None) => self.insert(spec),
+            (None, Some(_)) => Err(Error::Secret("this catalog serves exports without secrets")),
+            (Some(_), None) => Err(Error::Secret("a guarded catalog serves only exports with a secret")),
+            (Some(secrets), Some(secret)) => {
+                if !super::remote::valid_export(&spec.name) {
+                    return Err(Error::Spec {
+                        spec: spec.name.clone(),
+                        why: "a guarded export's name is 1 to 128 of [A-Za-z0-9._-]".into(),
+                    });
+                }
+                let e = self.insert(spec)?;
+                secrets.write().unwrap_or_else(|p| p.into_inner()).insert(spec.name.clone(), secret);
+                Ok(e)
+            }
         }
-        self.insert(spec)
     }
 
     fn insert(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
@@ -414,12 +411,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
         std::fs::write(&path, vec![0u8; 8192]).unwrap();
-        let exports = Exports::new();
+        let exports = Exports::default();
         let spec =
             ExportSpec { name: "a".into(), path, read_only: false, direct_io: false, max_connections: 2, description: String::new() };
-        let e = exports.add(&spec).unwrap();
+        let e = exports.add(&spec, None).unwrap();
         assert_eq!(e.size, 8192);
-        assert!(matches!(exports.add(&spec), Err(Error::Exists(_))));
+        assert!(matches!(exports.add(&spec, None), Err(Error::Exists(_))));
         assert!(e.admit() && e.admit());
         assert!(!e.admit());
         e.release();
@@ -445,10 +442,10 @@ mod tests {
         };
         let g = Exports::guarded();
         let secret = Secret::generate().unwrap();
-        assert!(matches!(g.add(&spec("v")), Err(Error::Secret(_))), "no export without a secret");
-        assert!(Exports::new().add_guarded(&spec("v"), secret.clone()).is_err(), "no secret in an open catalog");
-        assert!(g.add_guarded(&spec("a/b"), secret.clone()).is_err(), "a name holding the separator");
-        g.add_guarded(&spec("v"), secret.clone()).unwrap();
+        assert!(matches!(g.add(&spec("v"), None), Err(Error::Secret(_))), "no export without a secret");
+        assert!(Exports::default().add(&spec("v"), Some(secret.clone())).is_err(), "no secret in an open catalog");
+        assert!(g.add(&spec("a/b"), Some(secret.clone())).is_err(), "a name holding the separator");
+        g.add(&spec("v"), Some(secret.clone())).unwrap();
         let good = super::super::remote::wire_name("v", &secret, None);
         assert!(g.find(&good).is_some());
         assert_eq!(g.public_name(&good), "v");
@@ -466,7 +463,7 @@ mod tests {
         g.remove("v").unwrap();
         assert!(g.find(&good).is_none());
         // The same name again takes the new secret only.
-        g.add_guarded(&spec("v"), other.clone()).unwrap();
+        g.add(&spec("v"), Some(other.clone())).unwrap();
         assert!(g.find(&good).is_none() && g.find(&super::super::remote::wire_name("v", &other, None)).is_some());
     }
 
@@ -494,7 +491,7 @@ mod tests {
         let seen = Arc::new(Seen(Default::default()));
         g.set_admission(seen.clone()).unwrap();
         let secret = Secret::generate().unwrap();
-        let e = g.add_guarded(&spec, secret.clone()).unwrap();
+        let e = g.add(&spec, Some(secret.clone())).unwrap();
         let wire = |c| super::super::remote::wire_name("v", &secret, c);
         let (h, _) = g.find(&wire(Some("node-b"))).expect("found with a client name");
         assert!(g.admit(&h, &wire(Some("node-b"))).is_ok() && g.admit(&h, &wire(None)).is_ok());

@@ -1,10 +1,11 @@
 //! Serving volumes over NBD.
 //!
 //! - [`wire`] and [`handshake`]: the protocol as pure code over bytes (fuzzed);
-//! - [`export`]: what is served (image files and block devices), added and
+//! - `export`: what is served (image files and block devices), added and
 //!   removed at run time, with per-export metrics;
-//! - [`server`]: ring threads that own the sockets and the files and drive
-//!   both through io_uring, replying out of order as requests complete.
+//! - `server`: ring threads that own the sockets and the files and drive
+//!   both through io_uring, replying out of order as requests complete
+//!   ([`NbdServer`]).
 
 // Everything is crate-private unless another crate uses it: a `pub`
 // item no other crate can reach is an error (`-D warnings`).
@@ -15,12 +16,12 @@ pub mod client;
 mod export;
 pub mod handshake;
 pub mod remote;
-pub mod server;
+mod server;
 pub mod stats;
 pub mod wire;
 
 pub use export::{Admission, Export, ExportSpec, Exports};
-pub use server::{inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
+pub use server::{default_rings, inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.
 #[derive(Debug, thiserror::Error)]

@@ -46,8 +46,10 @@ pub struct LatencySnapshot {
     pub sum_us: u64,
 }
 
+#[cfg(test)]
 impl LatencySnapshot {
-    pub fn count(&self) -> u64 {
+    /// Requests timed in all buckets.
+    fn count(&self) -> u64 {
         self.counts.iter().sum()
     }
 }
@@ -100,7 +102,7 @@ pub enum Kind {
 /// shared counters and the histogram lock are touched once per loop turn,
 /// not once per request.
 #[derive(Default)]
-pub struct Pending {
+pub(crate) struct Pending {
     counts: [u64; 6],
     read_bytes: u64,
     write_bytes: u64,
@@ -112,7 +114,7 @@ pub struct Pending {
 }
 
 impl Pending {
-    pub fn record(&mut self, kind: Kind, bytes: u64, ok: bool, latency_us: u64) {
+    pub(crate) fn record(&mut self, kind: Kind, bytes: u64, ok: bool, latency_us: u64) {
         self.counts[kind as usize] += 1;
         match kind {
             Kind::Read => self.read_bytes += bytes,
@@ -140,7 +142,7 @@ impl Pending {
 }
 
 impl ExportStats {
-    pub fn fold(&self, p: &mut Pending) {
+    pub(crate) fn fold(&self, p: &mut Pending) {
         if p.is_empty() {
             return;
         }
@@ -178,7 +180,7 @@ impl ExportStats {
     }
 
     /// Latency buckets of one command.
-    pub fn latency(&self, kind: Kind) -> LatencySnapshot {
+    pub(crate) fn latency(&self, kind: Kind) -> LatencySnapshot {
         self.buckets[kind as usize].snapshot()
     }
 
@@ -207,6 +209,7 @@ impl ExportStats {
             latency_p50_us: p50,
             latency_p99_us: p99,
             latency_max_us: max,
+            latency: KINDS.map(|k| self.latency(k)),
         }
     }
 }
@@ -232,6 +235,10 @@ pub struct ExportSnapshot {
     pub latency_p50_us: u64,
     pub latency_p99_us: u64,
     pub latency_max_us: u64,
+    /// Per command, in [`KINDS`] order: the buckets `/metrics` exports as
+    /// histograms (not in the JSON, which keeps the quantiles above).
+    #[serde(skip)]
+    pub latency: [LatencySnapshot; 6],
 }
 
 #[cfg(test)]
@@ -259,5 +266,19 @@ mod tests {
         assert_eq!(reads.counts[..3], [16, 25, 50], "<=25, <=50, <=100 us");
         let writes = s.latency(Kind::Write);
         assert_eq!((writes.count(), writes.counts[5]), (1, 1), "1 ms lands in the <=1000 us bucket");
+    }
+
+    /// The latencies `/metrics`' histogram test starts from (80 us and
+    /// 3 ms READs) land in the <=100 us and <=5 ms buckets of the snapshot.
+    #[test]
+    fn the_snapshot_carries_each_commands_buckets() {
+        let s = ExportStats::default();
+        let mut p = Pending::default();
+        p.record(Kind::Read, 4096, true, 80);
+        p.record(Kind::Read, 4096, true, 3_000);
+        s.fold(&mut p);
+        let read = &s.snapshot("a").latency[Kind::Read as usize];
+        assert_eq!((read.counts[2], read.counts[7], read.count(), read.sum_us), (1, 1, 2, 3_080));
+        assert_eq!(s.snapshot("a").latency[Kind::Write as usize].count(), 0);
     }
 }

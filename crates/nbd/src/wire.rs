@@ -49,15 +49,14 @@ pub(crate) mod opt {
     pub(crate) const EXTENDED_HEADERS: u32 = 11;
 }
 
-/// Option reply types. `ERR_POLICY` is public because a caller acts on
-/// it: a remote owner refusing by policy still has the volume staged.
-pub mod rep {
+/// Option reply types.
+pub(crate) mod rep {
     pub(crate) const ACK: u32 = 1;
     pub(crate) const SERVER: u32 = 2;
     pub(crate) const INFO: u32 = 3;
     pub(crate) const META_CONTEXT: u32 = 4;
     pub(crate) const ERR_UNSUP: u32 = 0x8000_0001;
-    pub const ERR_POLICY: u32 = 0x8000_0002;
+    pub(crate) const ERR_POLICY: u32 = 0x8000_0002;
     pub(crate) const ERR_INVALID: u32 = 0x8000_0003;
     pub(crate) const ERR_UNKNOWN: u32 = 0x8000_0006;
     pub(crate) const ERR_TOO_BIG: u32 = 0x8000_0009;

@@ -105,9 +105,9 @@ const CQ_HEADROOM: usize = 256;
 
 impl<T: Copy> IoRing<T> {
     /// Makes the ring: disabled until the operations it needs have been
-    /// probed (a [`MissingOpcode`] error names the first one the kernel
+    /// probed (a `MissingOpcode` error names the first one the kernel
     /// lacks), its buffers and file table registered, and its restrictions
-    /// ([`IoRing::OPCODES`] only, and no other registration than the ring
+    /// (`IoRing::OPCODES` only, and no other registration than the ring
     /// itself makes) registered.
     pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
         // DEFER_TASKRUN (6.1) runs completions only when this thread asks:
@@ -206,7 +206,7 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Empties a fixed-file slot at once (for images: their operations have
-    /// ended; sockets go through [`IoRing::close_file`]).
+    /// ended; sockets go through `IoRing::close_file`).
     pub fn unregister_file(&mut self, slot: u32) -> io::Result<()> {
         self.core.submitter().register_files_update(slot, &[-1])?;
         self.free_files.push(slot);

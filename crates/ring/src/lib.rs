@@ -2,7 +2,7 @@
 //! one core.
 //!
 //! # What the core owns
-//! [`core::UringCore`] is one io_uring plus an [`ops::OpTable`]: a slab of
+//! `core::UringCore` is one io_uring plus an `ops::OpTable`: a slab of
 //! every operation handed to the kernel, each holding what the kernel may
 //! touch (buffer, timespec, iovecs, the fd's `Arc`) until the op's last
 //! completion. An op's `user_data` is its slab key plus a generation, so a
@@ -34,7 +34,7 @@
 //!   one std thread runs a [`Driver`] — the mount watcher, hot-plug, the
 //!   stat collector — that polls, reads and sets timeouts. io_uring
 //!   when the kernel allows it, else epoll and plain syscalls; drivers
-//!   cannot tell them apart except by [`Reactor::backend`]. Its io_uring is
+//!   cannot tell them apart except by `Reactor::backend`. Its io_uring is
 //!   made on that thread with `SINGLE_ISSUER | DEFER_TASKRUN` where the
 //!   kernel allows, and a driver may set a batch window
 //!   ([`Reactor::set_batch_window`]): the mount watcher handles a storm of
@@ -83,7 +83,7 @@ pub use io_op::{Cqe, IoRingStats, Op, OpId};
 pub use io_ring::IoRing;
 pub use mailbox::Mailbox;
 pub use pipes::PipeId;
-pub use reactor::Reactor;
+pub use reactor::{Reactor, ReactorOp};
 pub use setup::IoRingConfig;
 pub use thread::{Driver, RingStats, RingThread};
 
@@ -109,7 +109,9 @@ pub enum BackendChoice {
 
 bitflags::bitflags! {
     /// `poll(2)` event bits: what a driver waits for with
-    /// [`Reactor::poll`], and what a poll's completion says is ready.
+    /// [`ReactorOp::Poll`]. A poll's completion carries the ready bits as
+    /// the raw `u32` in [`Completion::result`] (`Events::from_bits_truncate`
+    /// reads it).
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Events: u32 {
         const IN = libc::POLLIN as u32;

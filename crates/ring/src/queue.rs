@@ -1,6 +1,6 @@
 //! Bounded, lock-free hand-off from a ring thread to its consumers.
 //!
-//! The producer never blocks: [`Sender::try_send`] gives the item back when
+//! The producer never blocks: [`Sender::push`] gives the item back when
 //! the queue is full, and the producer decides what to do with it (the mount
 //! watcher folds it into a coalesced diff; nothing is dropped silently).
 //! Consumers wait either asynchronously or on a thread, with no lock on the
@@ -38,17 +38,11 @@ pub fn bounded<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
 }
 
 impl<T> Sender<T> {
-    /// Enqueues without blocking; returns the item when the queue is full.
-    pub fn try_send(&self, item: T) -> Result<(), T> {
-        self.shared.queue.push(item)?;
-        self.shared.ready.notify_additional(1);
-        Ok(())
-    }
-
     /// Enqueues without blocking and without waking a consumer; returns
-    /// the item when the queue is full. A producer that hands over many
-    /// items per turn wakes the consumer once, with [`Sender::announce`],
-    /// instead of once per item (a futex wake each: 11% of a mount storm).
+    /// the item when the queue is full. Consumers wake at the next
+    /// [`Sender::announce`], so a producer that hands over many items per
+    /// turn wakes them once, not once per item (a futex wake each: 11% of
+    /// a mount storm); one that hands over one announces right after.
     pub fn push(&mut self, item: T) -> Result<(), T> {
         self.shared.queue.push(item)?;
         self.unannounced += 1;
@@ -80,16 +74,16 @@ impl<T> Drop for Sender<T> {
 }
 
 impl<T> Receiver<T> {
-    pub fn try_recv(&self) -> Option<T> {
+    fn try_recv(&self) -> Option<T> {
         self.shared.queue.pop()
     }
 
-    pub fn len(&self) -> usize {
-        self.shared.queue.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.shared.queue.is_empty()
+    /// What is queued now, without waiting: at most as many items as the
+    /// queue held when called, so a producer that keeps pushing cannot
+    /// keep the caller here.
+    pub fn drain(&self) -> impl Iterator<Item = T> + '_ {
+        let queued = self.shared.queue.len();
+        std::iter::from_fn(|| self.try_recv()).take(queued)
     }
 
     fn closed(&self) -> bool {
@@ -146,12 +140,13 @@ mod tests {
 
     #[test]
     fn full_queue_gives_the_item_back() {
-        let (tx, rx) = bounded(2);
-        assert!(tx.try_send(1).is_ok());
-        assert!(tx.try_send(2).is_ok());
-        assert_eq!(tx.try_send(3), Err(3));
+        let (mut tx, rx) = bounded(2);
+        assert!(tx.push(1).is_ok());
+        assert!(tx.push(2).is_ok());
+        assert_eq!(tx.push(3), Err(3));
         assert_eq!(rx.try_recv(), Some(1));
-        assert!(tx.try_send(3).is_ok());
+        assert!(tx.push(3).is_ok());
+        tx.announce();
         assert_eq!(rx.recv_timeout(Duration::from_millis(1)), Some(2));
         assert_eq!(rx.recv_timeout(Duration::from_millis(1)), Some(3));
         assert_eq!(rx.recv_timeout(Duration::from_millis(1)), None);
@@ -170,13 +165,27 @@ mod tests {
 
     #[test]
     fn wakes_a_blocked_consumer_and_reports_close() {
-        let (tx, rx) = bounded::<u32>(4);
+        let (mut tx, rx) = bounded::<u32>(4);
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
-            tx.try_send(7).unwrap();
+            tx.push(7).unwrap();
+            tx.announce();
         });
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Some(7));
         t.join().unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), None);
+    }
+
+    #[test]
+    fn drain_takes_what_is_queued_and_no_more() {
+        let (mut tx, rx) = bounded::<u32>(4);
+        tx.push(1).unwrap();
+        tx.push(2).unwrap();
+        let mut drained = rx.drain();
+        assert_eq!(drained.next(), Some(1));
+        tx.push(3).unwrap();
+        assert_eq!(drained.next(), Some(2));
+        assert_eq!(drained.next(), None, "what came after the call waits for the next drain");
+        assert_eq!(rx.drain().collect::<Vec<_>>(), [3]);
     }
 }

@@ -66,6 +66,18 @@ enum Engine {
     Epoll(epoll::EpollEngine),
 }
 
+/// What a driver asks of its reactor ([`Reactor::submit`]).
+pub enum ReactorOp {
+    /// Waits for `events` on `fd` until cancelled: one completion per
+    /// readiness, re-armed by the ring if the kernel ends the multishot.
+    Poll { fd: Arc<OwnedFd>, events: Events },
+    /// Reads into `buf` (its whole length) at `offset`, or at the file
+    /// position when `offset` is `None`; the completion brings `buf` back.
+    Read { fd: Arc<OwnedFd>, buf: Vec<u8>, offset: Option<u64> },
+    /// Completes once after the given time.
+    Timeout(Duration),
+}
+
 /// The operation interface a driver gets: submit, and the ring delivers.
 pub struct Reactor {
     engine: Engine,
@@ -126,28 +138,21 @@ impl Reactor {
         }
     }
 
-    fn submit(&mut self, op: Op) -> io::Result<()> {
+    fn start(&mut self, op: Op) -> io::Result<()> {
         match &mut self.engine {
             Engine::Uring(e) => e.submit(op),
             Engine::Epoll(e) => e.submit(op),
         }
     }
 
-    /// Waits for `events` on `fd` until cancelled: one completion per
-    /// readiness, re-armed by the ring if the kernel ends the multishot.
-    pub fn poll(&mut self, token: Token, fd: Arc<OwnedFd>, events: Events) -> io::Result<()> {
-        self.submit(Op { token, pending: Pending::Poll { fd, events: events.bits() } })
-    }
-
-    /// Reads into `buf` (its whole length) at `offset`, or at the file
-    /// position when `offset` is `None`.
-    pub fn read(&mut self, token: Token, fd: Arc<OwnedFd>, buf: Vec<u8>, offset: Option<u64>) -> io::Result<()> {
-        self.submit(Op { token, pending: Pending::Read { fd, buf, offset } })
-    }
-
-    /// Completes once after `after`.
-    pub fn timeout(&mut self, token: Token, after: Duration) -> io::Result<()> {
-        self.submit(Op { token, pending: Pending::Timeout { after, spec: None } })
+    /// Starts `op`; its completion comes back under `token`.
+    pub fn submit(&mut self, token: Token, op: ReactorOp) -> io::Result<()> {
+        let pending = match op {
+            ReactorOp::Poll { fd, events } => Pending::Poll { fd, events: events.bits() },
+            ReactorOp::Read { fd, buf, offset } => Pending::Read { fd, buf, offset },
+            ReactorOp::Timeout(after) => Pending::Timeout { after, spec: None },
+        };
+        self.start(Op { token, pending })
     }
 
     /// Blocks until at least one event (not at all when a batch of reads
@@ -193,7 +198,7 @@ impl Reactor {
                 let rearm = result.is_ok();
                 out.push(Completion { token, result, buf: None });
                 if rearm {
-                    self.submit(Op { token, pending: Pending::Poll { fd, events } })?;
+                    self.start(Op { token, pending: Pending::Poll { fd, events } })?;
                 }
             }
             Pending::Read { buf, .. } => out.push(Completion { token, result, buf: Some(buf) }),
@@ -255,7 +260,7 @@ mod tests {
         let pipes: Vec<_> = (0..8).map(|_| rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe")).collect();
         for (i, (rd, _)) in pipes.iter().enumerate() {
             let fd = Arc::new(rd.try_clone().expect("dup"));
-            r.read(i as Token, fd, vec![0; 8], None).unwrap();
+            r.submit(i as Token, ReactorOp::Read { fd, buf: vec![0; 8], offset: None }).unwrap();
         }
         let (mut out, mut woken) = (Vec::new(), false);
         std::thread::scope(|s| {
@@ -285,7 +290,7 @@ mod tests {
         // ends empty when the window does nor waits for a full batch.
         let pipes: Vec<_> = (0..2).map(|_| rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe")).collect();
         for (i, (rd, _)) in pipes.iter().enumerate() {
-            r.read(i as Token, Arc::new(rd.try_clone().expect("dup")), vec![0; 8], None).unwrap();
+            r.submit(i as Token, ReactorOp::Read { fd: Arc::new(rd.try_clone().expect("dup")), buf: vec![0; 8], offset: None }).unwrap();
         }
         let (mut out, mut woken) = (Vec::new(), false);
         std::thread::scope(|s| {
@@ -308,7 +313,7 @@ mod tests {
         // deadline.
         let (ready, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
         rustix::io::write(&ready_w, b"x").expect("write");
-        r.poll(7, Arc::new(ready), crate::Events::IN).unwrap();
+        r.submit(7, ReactorOp::Poll { fd: Arc::new(ready), events: crate::Events::IN }).unwrap();
         let (quiet, _quiet_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe");
         let mut reads = [BatchRead::new(std::os::fd::AsFd::as_fd(&quiet), 0, vec![0; 16])];
         r.read_batch(&mut reads, Duration::from_millis(10)).unwrap();

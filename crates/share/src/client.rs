@@ -92,9 +92,6 @@ pub fn options(r: &Remote, read_only: bool) -> MountOptions {
     o
 }
 
-/// `NFS_SUPER_MAGIC`: what statfs says of an NFS mount.
-pub const NFS_SUPER_MAGIC: i64 = 0x6969;
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -138,7 +138,7 @@ pub fn claimed(p: &Path) -> Result<bool, Error> {
 /// down or reused device never matches).
 pub fn nbd_existing(index: u32, backend: &str) -> Option<Attachment> {
     let sys = Path::new("/sys/block");
-    (volring_nbd::attach::control::read_backend(sys, index)?.as_str() == backend).then_some(())?;
+    (volring_nbd::attach::read_backend(sys, index)?.as_str() == backend).then_some(())?;
     let p = format!("/sys/block/nbd{index}/dev");
     let dev = parse_devnum(std::fs::read_to_string(p).ok()?.trim())?;
     Some(Attachment { number: index, dev, kind: AttachKind::Nbd })

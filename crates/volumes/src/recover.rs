@@ -184,7 +184,7 @@ fn nbd_backends() -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
         let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("nbd")).and_then(|s| s.parse::<u32>().ok()) else { continue };
-        if let Some(b) = volring_nbd::attach::control::read_backend(Path::new("/sys/block"), n) {
+        if let Some(b) = volring_nbd::attach::read_backend(Path::new("/sys/block"), n) {
             out.push((n, b));
         }
     }

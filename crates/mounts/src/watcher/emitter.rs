@@ -8,7 +8,7 @@ use super::backlog::Backlog;
 use super::Counters;
 use crate::devname::devices_of;
 use crate::event::{MountEvent, ResyncReason, WatchEvent};
-use volring_ring::{queue, Flow, Reactor, Token};
+use volring_ring::{queue, Flow, Reactor, ReactorOp, Token};
 
 /// How soon to retry handing a backlog to a consumer that was full.
 const RETRY: Duration = Duration::from_millis(5);
@@ -108,7 +108,7 @@ impl Emitter {
 
     fn arm_retry(&mut self, ring: &mut Reactor, retry: Token) {
         if !self.retry_armed {
-            self.retry_armed = ring.timeout(retry, RETRY).is_ok();
+            self.retry_armed = ring.submit(retry, ReactorOp::Timeout(RETRY)).is_ok();
         }
     }
 

@@ -195,7 +195,7 @@ impl FanotifyDriver {
 
     fn read(&mut self, ring: &mut Reactor) {
         if let Some(buf) = self.read_buf.take() {
-            if let Err(e) = ring.read(FAN_READ, self.fan.clone(), buf, None) {
+            if let Err(e) = ring.submit(FAN_READ, ring::ReactorOp::Read { fd: self.fan.clone(), buf, offset: None }) {
                 tracing::error!(error = %e, "cannot queue a fanotify read");
                 self.emitter.counters().errors.fetch_add(1, Ordering::Relaxed);
                 self.read_buf = Some(vec![0; READ_SIZE]);
@@ -281,7 +281,7 @@ impl FanotifyDriver {
             // completion brings the check back; the timer, if it is late.
             self.checks_deferred += 1;
             if !self.check_armed {
-                self.check_armed = ring.timeout(REMOUNT_CHECK, self.grace).is_ok();
+                self.check_armed = ring.submit(REMOUNT_CHECK, ring::ReactorOp::Timeout(self.grace)).is_ok();
             }
             return;
         }
@@ -494,10 +494,10 @@ impl Driver for FanotifyDriver {
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
         ring.set_batch_window(self.batch_window);
-        ring.poll(FAN_READY, self.fan.clone(), ring::Events::IN)?;
-        ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::Events::PRI)?;
+        ring.submit(FAN_READY, ring::ReactorOp::Poll { fd: self.fan.clone(), events: ring::Events::IN })?;
+        ring.submit(TABLE_CHANGED, ring::ReactorOp::Poll { fd: self.mountinfo.clone(), events: ring::Events::PRI })?;
         if let Some(every) = self.resync_interval {
-            ring.timeout(PERIODIC, every)?;
+            ring.submit(PERIODIC, ring::ReactorOp::Timeout(every))?;
         }
         // Anything queued between the mark and the first poll.
         self.read(ring);
@@ -527,7 +527,7 @@ impl Driver for FanotifyDriver {
             PERIODIC => {
                 self.resync(ResyncCause::Periodic, ring);
                 if let Some(every) = self.resync_interval {
-                    let _ = ring.timeout(PERIODIC, every);
+                    let _ = ring.submit(PERIODIC, ring::ReactorOp::Timeout(every));
                 }
             }
             RETRY => self.emitter.retry(ring, RETRY),
@@ -555,7 +555,7 @@ impl Driver for FanotifyDriver {
         self.drained = false;
         self.turn += 1;
         if self.remounts.end_of_turn() && !self.credit_turn_armed {
-            self.credit_turn_armed = ring.timeout(CREDIT_TURN, self.grace).is_ok();
+            self.credit_turn_armed = ring.submit(CREDIT_TURN, ring::ReactorOp::Timeout(self.grace)).is_ok();
         }
         self.emitter.announce();
         self.emitter.flow()

@@ -71,7 +71,7 @@ impl Driver for ReparseDriver {
     type Command = Command;
 
     fn start(&mut self, ring: &mut Reactor) -> std::io::Result<()> {
-        ring.poll(TABLE_CHANGED, self.mountinfo.clone(), ring::Events::PRI)
+        ring.submit(TABLE_CHANGED, ring::ReactorOp::Poll { fd: self.mountinfo.clone(), events: ring::Events::PRI })
     }
 
     fn on_command(&mut self, cmd: Command, ring: &mut Reactor) -> Flow {

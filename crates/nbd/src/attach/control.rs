@@ -93,6 +93,9 @@ impl ConnectSpec {
     }
 }
 
+/// Where the kernel shows block devices.
+const SYS_BLOCK: &str = "/sys/block";
+
 /// The backend a device serves, from sysfs (`None`: none set, or no device).
 pub fn read_backend(sys_block: &Path, index: u32) -> Option<String> {
     let text = std::fs::read_to_string(sys_block.join(format!("nbd{index}/backend"))).ok()?;
@@ -100,9 +103,15 @@ pub fn read_backend(sys_block: &Path, index: u32) -> Option<String> {
     (!id.is_empty()).then(|| id.to_string())
 }
 
-/// The check before a reconfigure: only the backend the device was
-/// connected with may be given sockets.
-pub fn check_backend(index: u32, expected: &str, found: Option<String>) -> Result<(), Error> {
+/// The check before a reconfigure or a disconnect: only the backend the
+/// device was connected with may be given sockets or let go. Reads the
+/// device's backend from `/sys/block`.
+pub fn check_backend(index: u32, expected: &str) -> Result<(), Error> {
+    check_found(index, expected, read_backend(Path::new(SYS_BLOCK), index))
+}
+
+/// [`check_backend`] on the backend `found`.
+pub(crate) fn check_found(index: u32, expected: &str, found: Option<String>) -> Result<(), Error> {
     if found.as_deref() == Some(expected) {
         Ok(())
     } else {
@@ -119,7 +128,7 @@ pub struct NbdControl {
 impl NbdControl {
     /// [`Error::FamilyNotFound`] when the nbd module is not loaded.
     pub fn open() -> Result<Self, Error> {
-        Ok(NbdControl { nl: NbdNetlink::open()?, sys_block: PathBuf::from("/sys/block") })
+        Ok(NbdControl { nl: NbdNetlink::open()?, sys_block: PathBuf::from(SYS_BLOCK) })
     }
 
     /// Connects a device to negotiated sockets; its index.
@@ -136,7 +145,7 @@ impl NbdControl {
     /// Gives a connected device fresh sockets (they replace its dead ones)
     /// after checking it serves `backend_id`; a size, when given, is set too.
     pub fn reconfigure(&mut self, index: u32, backend_id: &str, size_bytes: Option<u64>, sockets: &[BorrowedFd<'_>]) -> Result<(), Error> {
-        check_backend(index, backend_id, read_backend(&self.sys_block, index))?;
+        check_found(index, backend_id, read_backend(&self.sys_block, index))?;
         let config = NbdConfig {
             index: Some(index),
             size_bytes,
@@ -161,7 +170,8 @@ impl NbdControl {
         self.nl.status(index)
     }
 
-    pub fn backend(&self, index: u32) -> Option<String> {
+    /// The backend a device serves (see [`read_backend`]).
+    pub(crate) fn backend(&self, index: u32) -> Option<String> {
         read_backend(&self.sys_block, index)
     }
 }
@@ -175,9 +185,9 @@ mod tests {
 
     #[test]
     fn backend_must_match_exactly() {
-        assert!(check_backend(1, "vol-a", Some("vol-a".into())).is_ok());
-        assert!(matches!(check_backend(1, "vol-a", Some("vol-b".into())), Err(Error::BackendMismatch { index: 1, .. })));
-        assert!(matches!(check_backend(1, "vol-a", None), Err(Error::BackendMismatch { found: None, .. })));
+        assert!(check_found(1, "vol-a", Some("vol-a".into())).is_ok());
+        assert!(matches!(check_found(1, "vol-a", Some("vol-b".into())), Err(Error::BackendMismatch { index: 1, .. })));
+        assert!(matches!(check_found(1, "vol-a", None), Err(Error::BackendMismatch { found: None, .. })));
     }
 
     #[test]
@@ -215,7 +225,7 @@ mod tests {
         spec.index = Some(4);
         let msg = nlmsg::nbd_request(0x1a, NbdCmd::Connect, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
         let (cmd, back) = nlmsg::parse_nbd_request(&msg).unwrap();
-        assert_eq!(cmd, NbdCmd::Connect as u8);
+        assert_eq!(cmd, 1, "NBD_CMD_CONNECT (linux/nbd-netlink.h)");
         assert_eq!(
             back,
             NbdConfig {

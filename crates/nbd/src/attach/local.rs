@@ -88,7 +88,7 @@ impl LocalAttachment {
         connections: usize,
     ) -> Result<Self, Error> {
         let found = control.backend(index);
-        super::control::check_backend(index, backend_id, found)?;
+        super::control::check_found(index, backend_id, found)?;
         let (sockets, details) = connected_sockets(server, export, connections)?;
         let fds: Vec<_> = sockets.iter().map(|s| s.as_fd()).collect();
         control.reconfigure(index, backend_id, None, &fds)?;
@@ -111,7 +111,7 @@ impl LocalAttachment {
     /// Disconnects the device (its backend checked first: an index reused
     /// by another attachment is not torn down).
     pub fn detach(self, control: &mut NbdControl) -> Result<(), Error> {
-        super::control::check_backend(self.index, &self.backend_id, control.backend(self.index))?;
+        super::control::check_found(self.index, &self.backend_id, control.backend(self.index))?;
         control.disconnect(self.index)
     }
 }

@@ -7,21 +7,22 @@
 //! - `volring_sys::nlmsg`: the netlink framing and the nbd family's messages, pure;
 //! - `netlink`: the family's commands on a socket, and LINK_DEAD notices
 //!   ([`LinkDeadListener`], [`link_dead_index`]);
-//! - [`control`]: [`NbdControl`] with [`ConnectSpec`], the backend
-//!   identifier check before any reconfigure;
-//! - [`local`]: a device served by this process's own NBD server over
-//!   socketpairs;
-//! - [`remote`]: a device served by another node's export over TCP.
+//! - `control`: [`NbdControl`] with [`ConnectSpec`], the backend
+//!   identifier check before any reconfigure ([`check_backend`]);
+//! - `local`: a device served by this process's own NBD server over
+//!   socketpairs ([`LocalAttachment`], [`local_sockets`]);
+//! - `remote`: a device served by another node's export over TCP
+//!   ([`RemoteAttachment`], [`remote_sockets`]).
 
-pub mod control;
-pub mod local;
+mod control;
+mod local;
 mod netlink;
-pub mod remote;
+mod remote;
 
-pub use control::{ConnectSpec, NbdControl};
-pub use local::LocalAttachment;
+pub use control::{check_backend, read_backend, ConnectSpec, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
+pub use local::{connected_sockets as local_sockets, LocalAttachment};
 pub use netlink::{link_dead_index, LinkDeadListener};
-pub use remote::{RemoteAttachment, RemoteSource};
+pub use remote::{connected_sockets as remote_sockets, let_go, RemoteAttachment, RemoteSource};
 
 /// Everything that can go wrong attaching a device.
 #[derive(Debug, thiserror::Error)]

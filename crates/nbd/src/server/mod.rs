@@ -164,22 +164,6 @@ pub struct NbdServer {
 }
 
 impl NbdServer {
-    /// Binds every listener and starts the ring threads.
-    pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
-        if config.listen.is_empty() {
-            return Err(Error::Listen { addr: String::new(), why: "no address to listen on".into() });
-        }
-        Self::start_inner(config, exports)
-    }
-
-    /// Starts the ring threads without listening anywhere: connections
-    /// come only through [`NbdServer::serve_connected`] (a process serving
-    /// its own `/dev/nbdN` over socketpairs).
-    pub fn start_unlistened(mut config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
-        config.listen.clear();
-        Self::start_inner(config, exports)
-    }
-
     /// Serves a socket connected by other means (one end of a socketpair):
     /// the server greets it and negotiates as with an accepted client.
     /// Sockets are dealt to the rings round-robin; a ring whose mailbox
@@ -197,7 +181,11 @@ impl NbdServer {
         Err(Error::Protocol("no ring took the connection (every mailbox full)"))
     }
 
-    fn start_inner(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
+    /// Binds every listener of `config.listen` and starts the ring
+    /// threads. With no listener, connections come only through
+    /// [`NbdServer::serve_connected`] (a process serving its own
+    /// `/dev/nbdN` over socketpairs, `attach::local_sockets`).
+    pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
         for l in &config.listen {
@@ -261,7 +249,7 @@ impl NbdServer {
     }
 
     pub fn add_export(&self, spec: &ExportSpec) -> Result<Arc<Export>, Error> {
-        let e = self.exports.add(spec)?;
+        let e = self.exports.add(spec, None)?;
         tracing::info!(export = %e.name, path = %e.path.display(), size = e.size, read_only = e.read_only, direct = e.direct_io(), "export added");
         Ok(e)
     }

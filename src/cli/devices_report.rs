@@ -1,15 +1,16 @@
-//! Text renderings for `volring devices` and `volring stats` (pure).
+//! Text renderings for `volring devices` and `volring stats` (pure): the
+//! CLI's presentation of what the devices crate reports.
 
 use std::fmt::Write;
 
 use std::collections::BTreeSet;
 
-use super::inventory::Inventory;
-use super::stats::{IoRates, StatSnapshot};
+use volring_devices::probe::TableType;
+use volring_devices::{Device, Inventory, IoRates, StatSnapshot};
 use volring_mounts::DevNum;
 
 /// A size the way lsblk prints it: `0B`, `512B`, `1K`, `9.8G`.
-pub fn human_size(bytes: u64) -> String {
+pub(crate) fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 7] = ["B", "K", "M", "G", "T", "P", "E"];
     let mut v = bytes as f64;
     let mut u = 0;
@@ -27,7 +28,7 @@ pub fn human_size(bytes: u64) -> String {
 /// A column of `volring devices`, named as lsblk names it (`ID` is
 /// volring's stable id, which lsblk does not have).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Column {
+pub(crate) enum Column {
     Name,
     Kname,
     Path,
@@ -141,7 +142,7 @@ pub(crate) fn parse_columns(spec: &str) -> Result<Vec<Column>, String> {
 
 /// A column list as `-o` takes it (see [`parse_columns`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Columns(pub Vec<Column>);
+pub(crate) struct Columns(pub(crate) Vec<Column>);
 
 /// `DEFAULT_COLUMNS`: what `volring devices` shows without `-o`.
 impl Default for Columns {
@@ -161,7 +162,7 @@ impl std::str::FromStr for Columns {
 /// the same under `/dev/`, or any path that `resolve` (canonicalize, at
 /// the caller's edge) turns into `/dev/<kernel name>` such as
 /// `/dev/mapper/NAME`. `None` when no name was given: all devices.
-pub fn select_devices(
+pub(crate) fn select_devices(
     inv: &Inventory,
     names: &[String],
     resolve: impl Fn(&str) -> Option<std::path::PathBuf>,
@@ -186,7 +187,7 @@ pub fn select_devices(
 }
 
 /// The `-o` help text: every column and what it shows.
-pub fn columns_help() -> String {
+pub(crate) fn columns_help() -> String {
     let mut s = String::from("Columns (lsblk names):\n");
     for (_, name, what) in COLUMNS {
         let _ = writeln!(s, "  {name:<12} {what}");
@@ -196,7 +197,7 @@ pub fn columns_help() -> String {
 
 /// Is swap the device is used as right now (`/proc/swaps`), as opposed to
 /// a swap signature mkswap left there, which says nothing about use.
-pub fn swap_state(d: &super::Device, active_swap: &BTreeSet<DevNum>) -> Option<&'static str> {
+pub(crate) fn swap_state(d: &Device, active_swap: &BTreeSet<DevNum>) -> Option<&'static str> {
     if active_swap.contains(&d.dev) {
         Some("active")
     } else if d.fstype() == Some("swap") {
@@ -207,7 +208,7 @@ pub fn swap_state(d: &super::Device, active_swap: &BTreeSet<DevNum>) -> Option<&
 }
 
 /// One cell. `?` stands for a value that exists but could not be read.
-fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<DevNum>, bytes: bool) -> String {
+fn cell(col: Column, d: &Device, inv: &Inventory, active_swap: &BTreeSet<DevNum>, bytes: bool) -> String {
     let unread = d.probe_error.is_some();
     let probed = |v: Option<&str>| match v {
         Some(v) => v.to_string(),
@@ -239,8 +240,8 @@ fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<
         Column::Label => probed(fs.and_then(|f| f.label.as_deref())),
         Column::Uuid => probed(fs.and_then(|f| f.uuid.as_deref())),
         Column::Pttype => probed(table.map(|t| match t.table {
-            super::probe::TableType::Gpt => "gpt",
-            super::probe::TableType::Mbr => "dos",
+            TableType::Gpt => "gpt",
+            TableType::Mbr => "dos",
         })),
         Column::Ptuuid => probed(table.map(|t| t.id.as_str())),
         Column::Partuuid => match (&d.part_uuid, disk) {
@@ -269,7 +270,7 @@ fn cell(col: Column, d: &super::Device, inv: &Inventory, active_swap: &BTreeSet<
 
 /// The FS* columns, as lsblk computes them: statvfs(2) of the device's
 /// first mount point; empty when it is not mounted (or swap).
-fn fs_space(col: Column, d: &super::Device, bytes: bool) -> String {
+fn fs_space(col: Column, d: &Device, bytes: bool) -> String {
     let Some(s) = d.mountpoints.first().and_then(|m| rustix::fs::statvfs(m).ok()) else { return String::new() };
     let unit = s.f_frsize;
     let size = s.f_blocks.saturating_mul(unit);
@@ -287,11 +288,11 @@ fn fs_space(col: Column, d: &super::Device, bytes: bool) -> String {
 
 /// lsblk's switches for the table.
 #[derive(Clone, Copy, Debug)]
-pub struct TableStyle {
+pub(crate) struct TableStyle {
     /// The header line (lsblk -n leaves it out).
-    pub headings: bool,
+    pub(crate) headings: bool,
     /// SIZE in bytes, not in powers of 1024 (lsblk -b).
-    pub bytes: bool,
+    pub(crate) bytes: bool,
 }
 
 impl Default for TableStyle {
@@ -305,9 +306,9 @@ impl Default for TableStyle {
 /// `# ` line per device and cause, so a partial answer never passes for a
 /// whole one. `active_swap` holds the devices in `/proc/swaps`.
 /// `style`: lsblk's `-n` and `-b`.
-pub fn device_table_with(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>, style: TableStyle) -> String {
+pub(crate) fn device_table_with(inv: &Inventory, cols: &[Column], active_swap: &BTreeSet<DevNum>, style: TableStyle) -> String {
     let mut rows: Vec<Vec<String>> = Vec::new();
-    let row = |d: &super::Device, prefix: &str| -> Vec<String> {
+    let row = |d: &Device, prefix: &str| -> Vec<String> {
         cols.iter()
             .map(|&c| {
                 let v = cell(c, d, inv, active_swap, style.bytes);
@@ -371,8 +372,7 @@ pub(crate) fn unread_notes(inv: &Inventory) -> String {
             let _ = writeln!(out, "# {}: attribute {e}", d.name);
         }
         if d.id.is_empty() {
-            let disk = d.partition.as_ref().and_then(|(_, p)| inv.by_name(p));
-            let why = super::device::id_unread(d, disk).unwrap_or_else(|| "not computed".into());
+            let why = inv.id_unknown(d).unwrap_or_else(|| "not computed".into());
             let _ = writeln!(out, "# {}: ID unknown: {why}", d.name);
         }
     }
@@ -435,7 +435,7 @@ fn stat_values(r: &IoRates) -> [f64; 22] {
 /// iostat -x -t like: a timestamp line, then one row per device that has
 /// rates, in iostat's column order and names. Idle devices are left out
 /// when `only_active` (iostat -z).
-pub fn stats_table(s: &StatSnapshot, only_active: bool) -> String {
+pub(crate) fn stats_table(s: &StatSnapshot, only_active: bool) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,

@@ -1,16 +1,16 @@
 //! `volring mounts` as people read it: findmnt's columns (`-o`), its tree,
 //! its `--raw` list, `--target`/`--source` filters, and watch events as
-//! text lines. Pure rendering of a table already read.
+//! text lines. Pure rendering of a table already read: the CLI's
+//! presentation of what the mounts crate reports.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::escape::escape_raw;
-use super::{EventKind, Mount, MountEvent, MountTable, WatchEvent};
+use volring_mounts::{EventKind, Mount, MountEvent, MountTable, WatchEvent};
 
 /// A column, by findmnt's name for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Column {
+pub(crate) enum Column {
     Target,
     Source,
     FsType,
@@ -48,7 +48,7 @@ impl Column {
 
     /// The columns `-o` names (`TARGET,SOURCE`, any case); without `-o`,
     /// the default ones (`DEFAULT_COLUMNS`).
-    pub fn parse_list(spec: Option<&str>) -> Result<Vec<Column>, String> {
+    pub(crate) fn parse_list(spec: Option<&str>) -> Result<Vec<Column>, String> {
         let Some(s) = spec else { return Ok(DEFAULT_COLUMNS.to_vec()) };
         s.split(',')
             .filter(|c| !c.is_empty())
@@ -65,26 +65,26 @@ impl Column {
             Column::Target => escape_raw(m.mount_point(), out),
             Column::Source => escape_raw(m.source(), out),
             Column::FsType => escape_raw(m.fs_type(), out),
-            Column::Options => escape_raw(m.merged_options().as_bytes(), out),
+            Column::Options => escape_raw(merged_options(m).as_bytes(), out),
             Column::VfsOptions => escape_raw(m.options(), out),
             Column::FsOptions => escape_raw(m.super_options(), out),
             Column::Id => out.push_str(&m.id.to_string()),
             Column::Parent => out.push_str(&m.parent.to_string()),
             Column::MajMin => out.push_str(&format!("{}:{}", m.dev.major, m.dev.minor)),
             Column::FsRoot => escape_raw(m.root(), out),
-            Column::Propagation => out.push_str(&m.propagation.tags()),
+            Column::Propagation => out.push_str(&m.propagation.to_string()),
         }
     }
 }
 
 /// Which mounts to show.
 #[derive(Debug, Default, Clone)]
-pub struct Filter {
+pub(crate) struct Filter {
     /// The mount a path is on (the top mount at the deepest mount point that
     /// contains it), like `findmnt --target`.
-    pub target: Option<Vec<u8>>,
+    pub(crate) target: Option<Vec<u8>>,
     /// Mounts of this source.
-    pub source: Option<Vec<u8>>,
+    pub(crate) source: Option<Vec<u8>>,
 }
 
 impl Filter {
@@ -93,10 +93,9 @@ impl Filter {
     }
 
     /// The mounts of `table` this filter keeps, in mount-point order.
-    pub fn select<'a>(&self, table: &'a MountTable) -> Vec<&'a Arc<Mount>> {
+    pub(crate) fn select<'a>(&self, table: &'a MountTable) -> Vec<&'a Arc<Mount>> {
         let target = self.target.as_deref().and_then(|t| holding(table, t));
-        table
-            .sorted()
+        sorted(table)
             .into_iter()
             .filter(|m| self.target.is_none() || target == Some(m.id))
             .filter(|m| self.source.as_deref().is_none_or(|s| m.source() == s))
@@ -105,7 +104,7 @@ impl Filter {
 }
 
 /// The top mount at the deepest mount point that contains `path`.
-fn holding(table: &MountTable, path: &[u8]) -> Option<super::mount::MountId> {
+fn holding(table: &MountTable, path: &[u8]) -> Option<u64> {
     let mut p = path.strip_suffix(b"/").filter(|p| !p.is_empty()).unwrap_or(path);
     loop {
         if let Some(m) = table.top_at(p) {
@@ -118,7 +117,7 @@ fn holding(table: &MountTable, path: &[u8]) -> Option<super::mount::MountId> {
 
 /// How the rows are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Layout {
+pub(crate) enum Layout {
     /// One line per mount, fields separated by one space, escaped (like
     /// `findmnt --raw`), with a header line.
     Raw,
@@ -130,7 +129,7 @@ pub enum Layout {
 }
 
 /// Renders `rows` (from `table`) with `columns`.
-pub fn render(rows: &[&Arc<Mount>], columns: &[Column], layout: Layout, filter: &Filter) -> String {
+pub(crate) fn render(rows: &[&Arc<Mount>], columns: &[Column], layout: Layout, filter: &Filter) -> String {
     let cell = |m: &Mount, c: Column| {
         let mut s = String::new();
         c.value(m, &mut s);
@@ -211,7 +210,7 @@ pub fn render(rows: &[&Arc<Mount>], columns: &[Column], layout: Layout, filter: 
 /// A watch event as one or more text lines (a resync gives one per change
 /// after its own): `attached /mnt/a tmpfs tmpfs`, `changed /mnt/a
 /// options,propagation`, `moved /mnt/a -> /mnt/b`.
-pub fn event_lines(ev: &WatchEvent, stamp: &str, out: &mut String) {
+pub(crate) fn event_lines(ev: &WatchEvent, stamp: &str, out: &mut String) {
     match ev {
         WatchEvent::Mount(e) => event_line(e, stamp, out),
         WatchEvent::Resync { reason, changes, .. } => {
@@ -257,6 +256,39 @@ fn event_line(e: &MountEvent, stamp: &str, out: &mut String) {
     out.push('\n');
 }
 
+/// All mounts of `table` in id order (stable output for people and tests).
+pub(crate) fn sorted(table: &MountTable) -> Vec<&Arc<Mount>> {
+    let mut v: Vec<_> = table.iter().collect();
+    v.sort_unstable_by_key(|m| m.id);
+    v
+}
+
+/// Options as findmnt shows them: per-mount, then the superblock's
+/// (without its leading ro/rw, which the per-mount flag already says).
+fn merged_options(m: &Mount) -> String {
+    let mut s = String::from_utf8_lossy(m.options()).into_owned();
+    let sup = m.super_options();
+    let rest = sup.splitn(2, |&b| b == b',').nth(1).unwrap_or(&[]);
+    if !rest.is_empty() {
+        s.push(',');
+        s.push_str(&String::from_utf8_lossy(rest));
+    }
+    s
+}
+
+/// Escapes what would break a space-separated line, as `findmnt --raw`
+/// does (`\x20` for a space), for the raw table.
+fn escape_raw(raw: &[u8], out: &mut String) {
+    use std::fmt::Write;
+    for &b in raw {
+        if b.is_ascii_graphic() && b != b'\\' {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,7 +306,7 @@ mod tests {
     #[test]
     fn the_tree_nests_children_under_their_parents() {
         let t = table();
-        let rows = t.sorted();
+        let rows = sorted(&t);
         let out = render(&rows, &[Column::Target, Column::FsType], Layout::Tree, &Filter::default());
         let want = "TARGET               FSTYPE
 /                    rootfs
@@ -292,7 +324,7 @@ mod tests {
     fn raw_is_one_escaped_line_per_mount_and_columns_are_chosen() {
         let t = table();
         let cols = Column::parse_list(Some("target,maj:min,propagation")).unwrap();
-        let out = render(&t.sorted(), &cols, Layout::Raw, &Filter::default());
+        let out = render(&sorted(&t), &cols, Layout::Raw, &Filter::default());
         assert_eq!(out.lines().next(), Some("TARGET MAJ:MIN PROPAGATION"));
         assert!(out.contains("/data 7:0 shared:3\n"), "{out}");
         assert!(out.contains("/data/with\\x20space 0:30 \n"), "{out}");
@@ -313,10 +345,26 @@ mod tests {
 
     #[test]
     fn watch_events_read_as_text() {
-        let t = table();
-        let m = t.top_at(b"/srv").unwrap().clone();
+        // The /srv mount of `table()`, attached to an empty table.
+        let srv = MountTable::from_mountinfo(b"4 1 7:1 / /srv rw - xfs /dev/loop1 rw\n").0;
+        let [attached] = <[MountEvent; 1]>::try_from(volring_mounts::diff(&MountTable::default(), &srv)).unwrap();
         let mut out = String::new();
-        event_lines(&WatchEvent::Mount(MountEvent::attached(m.id, Some(m.clone()))), "12:00:00.000", &mut out);
+        event_lines(&WatchEvent::Mount(attached), "12:00:00.000", &mut out);
         assert_eq!(out, "12:00:00.000 attached /srv /dev/loop1 xfs\n");
+    }
+
+    #[test]
+    fn raw_escape_is_findmnt_style() {
+        let mut s = String::new();
+        escape_raw(b"/a b\\c\n\xff", &mut s);
+        assert_eq!(s, r"/a\x20b\x5cc\x0a\xff");
+    }
+
+    #[test]
+    fn options_merge_the_superblock_s_after_the_mount_s() {
+        let t = MountTable::from_mountinfo(b"102 36 0:55 / /tmp/x rw - fuse.sshfs user@host:/a\\134b rw,user_id=0\n").0;
+        let f = t.iter().next().unwrap();
+        assert_eq!(f.fs_type(), b"fuse.sshfs");
+        assert_eq!(merged_options(f), "rw,user_id=0");
     }
 }
