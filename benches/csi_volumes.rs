@@ -53,11 +53,7 @@ impl Drop for Agent {
                 let _ = rustix::mount::unmount(m.mount_point_path(), rustix::mount::UnmountFlags::DETACH);
             }
         }
-        for a in volring_volumes::attach::find_backed_by_prefix(self.dir.path()) {
-            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(a) {
-                let _ = d.detach();
-            }
-        }
+        detach_loops_under(self.dir.path());
     }
 }
 
@@ -292,4 +288,18 @@ fn mountinfo_scan_cost() -> (Duration, usize) {
     }
     times.sort();
     (times[times.len() / 2], n)
+}
+
+/// Detaches every loop device whose backing file lies below `dir` (read
+/// from sysfs here, not through volring's own scan).
+fn detach_loops_under(dir: &std::path::Path) {
+    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+        let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("loop")).and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+        if std::path::Path::new(b.trim_end_matches('\n')).starts_with(dir) {
+            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
+                let _ = d.detach();
+            }
+        }
+    }
 }

@@ -51,11 +51,7 @@ impl Drop for Dir {
                 let _ = rustix::mount::unmount(m.mount_point_path(), rustix::mount::UnmountFlags::DETACH);
             }
         }
-        for a in volring_volumes::attach::find_backed_by_prefix(self.0.path()) {
-            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(a) {
-                let _ = d.detach();
-            }
-        }
+        detach_loops_under(self.0.path());
     }
 }
 
@@ -313,5 +309,19 @@ where
     }
     while let Some(r) = set.join_next().await {
         r.expect("call");
+    }
+}
+
+/// Detaches every loop device whose backing file lies below `dir` (read
+/// from sysfs here, not through volring's own scan).
+fn detach_loops_under(dir: &std::path::Path) {
+    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+        let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("loop")).and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+        if std::path::Path::new(b.trim_end_matches('\n')).starts_with(dir) {
+            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
+                let _ = d.detach();
+            }
+        }
     }
 }

@@ -53,7 +53,7 @@ pub struct AgentConfig {
     /// The NBD server's settings; `None`: no NBD server.
     pub nbd: Option<NbdConfig>,
     /// How the CSI volumes' state is reconciled.
-    pub reconcile: volring_volumes::state::reconcile::ReconcileConfig,
+    pub reconcile: volring_volumes::ReconcileConfig,
     /// Publishing BlockDevice and StorageNode objects; `None`: not published.
     pub publish: Option<PublishConfig>,
     /// The re-read after creating a shared volume's Service or Endpoints

@@ -373,7 +373,7 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     let orphan_at = f.scratch.as_ref().ok_or("scratch")?.dir("orphan");
     rustix::mount::mount(orphan.path().as_path(), orphan_at.as_path(), "ext4", rustix::mount::MountFlags::empty(), None)?;
 
-    let config = volring_volumes::state::reconcile::ReconcileConfig { remove_orphans: true, ..Default::default() };
+    let config = volring_volumes::ReconcileConfig { remove_orphans: true, ..Default::default() };
     // The first pass runs before this returns.
     let r = f.driver.start_reconciler(config)?;
     let a = r.view().get("pvc-a");
@@ -406,7 +406,7 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
 
     // The watcher catches up: the verdicts follow the (now true) table.
     *f.table.write().map_err(|e| e.to_string())? = snapshot();
-    r.notifier().resync();
+    r.notifier().tell(volring_volumes::Changed::Resync);
     let mut seen = None;
     let caught_up = eventually(Duration::from_secs(20), || {
         seen = r.view().get("pvc-a");

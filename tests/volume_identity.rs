@@ -79,11 +79,7 @@ struct Site {
 impl Drop for Site {
     fn drop(&mut self) {
         // Mounts go with the scratch directory; the images' loop devices here.
-        for n in volring_volumes::attach::find_backed_by_prefix(self.scratch.path()) {
-            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
-                let _ = d.detach();
-            }
-        }
+        common::detach_loops_under(self.scratch.path());
     }
 }
 

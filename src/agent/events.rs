@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use volring_devices::{DeviceEvent, Inventory, ScanConfig, StatCollector};
 use volring_mounts::{MountTable, MountWatcher, WatchEvent, WatcherStats};
 use volring_ring::queue::Receiver;
-use volring_volumes::state::reconcile::Notifier;
+use volring_volumes::{Changed, Notifier};
 
 use super::component::Stopping;
 use super::publisher::Feeding;
@@ -117,13 +117,13 @@ impl Events {
     fn mounts(&mut self, ev: &WatchEvent) {
         self.dirty |= apply_mounts(&mut self.table.write().unwrap_or_else(|e| e.into_inner()), ev, self.log_events);
         if let Some(n) = &self.notify {
-            n.paths(changed_paths(ev));
+            n.tell(Changed::Paths(changed_paths(ev)));
         }
     }
 
     fn device(&mut self, ev: DeviceEvent) {
         if let (Some(n), Some(name)) = (&self.notify, device_name(&ev)) {
-            n.device(name);
+            n.tell(Changed::Device(name.to_string()));
         }
         apply_device(&mut self.inventory, ev, self.log_events);
         self.dirty = true;

@@ -39,7 +39,7 @@ pub(super) struct Inputs<'a> {
     pub state_dir: &'a Path,
     pub node: &'a str,
     pub driver: Option<Arc<volring_csi::Driver>>,
-    pub view: Option<Arc<volring_volumes::state::actual::HealthView>>,
+    pub view: Option<Arc<volring_volumes::HealthView>>,
     pub inventory: &'a Inventory,
     pub stats: Arc<volring_kube::Stats>,
     /// What the cluster told of the volumes' names (the StorageNode lists

@@ -18,7 +18,7 @@ use volring_devices::{DeviceEvent, DeviceWatcher, HotplugStats, Inventory, StatC
 use volring_mounts::{MountTable, MountWatcher, WatchEvent, WatcherStats};
 use volring_ring::queue::Receiver;
 use volring_ring::RingStats;
-use volring_volumes::state::reconcile::Notifier;
+use volring_volumes::Notifier;
 
 use super::component::{Components, OffRuntime};
 use super::events::{self, Events};
@@ -142,7 +142,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
 fn publish_inputs<'a>(
     config: &'a AgentConfig,
     driver: &Option<Arc<volring_csi::Driver>>,
-    view: &Option<Arc<volring_volumes::state::actual::HealthView>>,
+    view: &Option<Arc<volring_volumes::HealthView>>,
     inventory: &'a Inventory,
     stats: Option<Arc<volring_kube::Stats>>,
     identities: &Option<volumes::Identities>,

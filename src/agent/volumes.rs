@@ -1,4 +1,4 @@
-//! The staged volumes' identity records (`volring_volumes::identity`): who
+//! The staged volumes' identity records (`volring_volumes::VolumeIdentity`): who
 //! keeps them and what wakes them. The CSI driver's records are the
 //! source: each stage, publish, unpublish and unstage puts or removes one,
 //! and its change hook wakes the event loop, which rebuilds the records at
@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 
 use volring_kube::kube_sink::KubeSink;
 use volring_kube::names;
-use volring_volumes::identity::{self, ClusterNames, VolumeIdentity};
+use volring_volumes::{identities, ClusterNames, VolumeIdentity};
 
 use super::component::Components;
 use super::{AgentConfig, TARGET};
@@ -37,7 +37,7 @@ pub(super) struct Identities {
 impl Identities {
     /// The records of `staged`, named from the cache, made current.
     pub(crate) fn rebuild(&self, staged: &[volring_volumes::StagedVolume]) -> Arc<Vec<VolumeIdentity>> {
-        let ids = Arc::new(identity::identities(staged, &self.names.load()));
+        let ids = Arc::new(identities(staged, &self.names.load()));
         self.current.store(ids.clone());
         ids
     }
@@ -67,7 +67,7 @@ pub(super) async fn start(config: &AgentConfig, driver: &Arc<volring_csi::Driver
         }
     };
     let d = driver.clone();
-    let records = move || identity::identities(&d.staged(), &ClusterNames::default());
+    let records = move || identities(&d.staged(), &ClusterNames::default());
     let task = names::follow(sink, node, records, ids.names.clone(), ids.changed.clone(), lookup_wake);
     let cut = tokio_util::sync::CancellationToken::new();
     let c = cut.clone();

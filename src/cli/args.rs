@@ -236,8 +236,8 @@ impl CsiArgs {
         }
     }
 
-    pub(crate) fn reconcile(&self) -> volring_volumes::state::reconcile::ReconcileConfig {
-        volring_volumes::state::reconcile::ReconcileConfig {
+    pub(crate) fn reconcile(&self) -> volring_volumes::ReconcileConfig {
+        volring_volumes::ReconcileConfig {
             resync: std::time::Duration::from_secs_f64(self.resync_interval.max(0.1)),
             repair: !self.no_repair,
             remove_orphans: self.remove_orphans,

@@ -4,10 +4,10 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::PathBuf;
 
-use volring_volumes::state::actual::{Drift, VolumeHealth};
-use volring_volumes::state::history::RepairResult;
 use volring_volumes::status::{StagedStatus, StatusReport};
 use volring_volumes::store::utc_text;
+use volring_volumes::RepairResult;
+use volring_volumes::{Drift, VolumeHealth};
 
 /// How many of the kept repairs the text shows (`--json` has all).
 const REPAIRS_SHOWN: usize = 10;

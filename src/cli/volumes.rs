@@ -158,7 +158,7 @@ pub(crate) fn staged(state_dir: &Path, kubelet_root: &Path) -> anyhow::Result<Ve
 /// publish/PV/UID` for a block one.
 fn pod_uid(target: &Path, kubelet_root: &Path) -> Option<String> {
     target.strip_prefix(kubelet_root).ok()?;
-    volring_volumes::identity::pod_of_target(target).map(|(uid, _)| uid)
+    volring_volumes::pod_of_target(target).map(|(uid, _)| uid)
 }
 
 /// A device's counters from `/sys/block/NAME/stat`.

@@ -29,8 +29,8 @@ pub use classic::Format;
 use volring_devices::{HotplugStats, Inventory, StatsReader};
 use volring_mounts::WatcherStats;
 use volring_ring::RingStats;
-use volring_volumes::state::actual::HealthView;
-use volring_volumes::state::reconcile::{ReconcileStats, PASS_BUCKETS_US};
+use volring_volumes::HealthView;
+use volring_volumes::{ReconcileStats, PASS_BUCKETS_US};
 
 /// Everything `/metrics` reads from.
 #[derive(Clone)]
@@ -501,7 +501,7 @@ mod tests {
         assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
     }
 
-    use volring_volumes::state::actual::{Drift, VolumeHealth};
+    use volring_volumes::{Drift, VolumeHealth};
 
     struct Only(Reconcile);
 

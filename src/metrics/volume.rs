@@ -29,7 +29,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
 use volring_devices::{Inventory, IoCounters, StatSnapshot};
-use volring_volumes::identity::KubeletLabels;
+use volring_volumes::KubeletLabels;
 use volring_volumes::VolumeIdentity;
 
 /// A filesystem's figures, as kubelet's volume stats report them.

@@ -226,11 +226,7 @@ impl Drop for Site {
                 let _ = rustix::mount::unmount(p, rustix::mount::UnmountFlags::DETACH);
             }
         }
-        for n in volring_volumes::attach::find_backed_by_prefix(&dir) {
-            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
-                let _ = d.detach();
-            }
-        }
+        common::detach_loops_under(&dir);
     }
 }
 

@@ -174,3 +174,19 @@ pub fn without_colours(line: &str) -> String {
     }
     out
 }
+
+/// Detaches every loop device whose backing file lies below `dir` (the
+/// cleanup of a test that attached images there). Read from sysfs here,
+/// not through volring's own scan, so a fault in that scan cannot hide a
+/// leftover device.
+pub fn detach_loops_under(dir: &Path) {
+    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+        let Some(n) = e.file_name().to_str().and_then(|s| s.strip_prefix("loop")).and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+        if Path::new(b.trim_end_matches('\n')).starts_with(dir) {
+            if let Ok(d) = volring_sys::loopdev::LoopDevice::open(n) {
+                let _ = d.detach();
+            }
+        }
+    }
+}

@@ -55,14 +55,14 @@ impl Controller {
         if let Some(have) = self.base.pool.get(&id) {
             let fits = have.size_bytes >= min_required(req.capacity_range.as_ref())
                 && limit(req.capacity_range.as_ref()).is_none_or(|l| have.size_bytes <= l);
-            let same_fs = have.fs_type.as_deref() == fs_type.map(FsKind::as_str);
-            let kind = |p: &BTreeMap<String, String>| p.get(PARAM_ATTACH).and_then(|v| AttachKind::parse(v)).unwrap_or_default();
+            let same_fs = have.fs_type == fs_type.map(|k| k.to_string());
+            let kind = |p: &BTreeMap<String, String>| p.get(PARAM_ATTACH).and_then(|v| v.parse::<AttachKind>().ok()).unwrap_or_default();
             let wanted: BTreeMap<String, String> = req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             if kind(&have.parameters) != kind(&wanted) {
                 return Err(Error::AlreadyExists(format!(
                     "volume {id} exists with attach {}; the request asks for {}",
-                    kind(&have.parameters).as_str(),
-                    kind(&wanted).as_str()
+                    kind(&have.parameters),
+                    kind(&wanted)
                 )));
             }
             if volring_share::is_shared(&have.parameters) != shared {
@@ -81,7 +81,7 @@ impl Controller {
             self.exports.export_volume(&have)?;
             return Ok(CreateVolumeResponse { volume: Some(self.volume(&have)) });
         }
-        let nbd = req.parameters.get(PARAM_ATTACH).and_then(|v| AttachKind::parse(v)) == Some(AttachKind::Nbd);
+        let nbd = req.parameters.get(PARAM_ATTACH).and_then(|v| v.parse::<AttachKind>().ok()) == Some(AttachKind::Nbd);
         let nbd_secret = if nbd { self.exports.new_secret()? } else { None };
         let mut parameters = req.parameters.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<BTreeMap<_, _>>();
         if shared {
@@ -91,7 +91,7 @@ impl Controller {
             id: id.clone(),
             name: req.name.clone(),
             size_bytes: size,
-            fs_type: fs_type.map(|f| f.as_str().to_string()),
+            fs_type: fs_type.map(|f| f.to_string()),
             parameters,
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             nbd_secret,
@@ -212,7 +212,7 @@ impl Controller {
         let have = self.base.pool.get(&req.volume_id).ok_or_else(|| Error::NotFound(format!("volume {} does not exist", req.volume_id)))?;
         let checked = validate::capabilities(&req.volume_capabilities).and_then(|caps| {
             let wrong_fs = caps.iter().find_map(|c| match (&c.access, &have.fs_type) {
-                (validate::AccessType::Mount { fs, .. }, Some(want)) if fs.as_str() != want => Some(want.clone()),
+                (validate::AccessType::Mount { fs, .. }, Some(want)) if fs.to_string() != *want => Some(want.clone()),
                 _ => None,
             });
             if let Some(want) = wrong_fs {
@@ -264,9 +264,9 @@ fn parameters(p: &HashMap<String, String>) -> Result<Option<FsKind>> {
     let mut fs = None;
     for (k, v) in p {
         match k.as_str() {
-            PARAM_FS_TYPE => fs = Some(FsKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("fsType {v:?}: ext4 or xfs")))?),
+            PARAM_FS_TYPE => fs = Some(v.parse::<FsKind>().map_err(|()| Error::InvalidArgument(format!("fsType {v:?}: ext4 or xfs")))?),
             PARAM_ATTACH => {
-                AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
+                v.parse::<AttachKind>().map_err(|()| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
             }
             volring_share::PARAM_SQUASH => {
                 volring_share::Squash::parse(v).map_err(|e| Error::InvalidArgument(e.to_string()))?;

@@ -22,8 +22,8 @@ use super::share::{EndpointLookup, Shares};
 use super::share_client::NfsClient;
 use super::{Result, VolumeLocks};
 use volring_mounts::MountTable;
-use volring_volumes::state::reconcile::{ReconcileConfig, Reconciler};
 use volring_volumes::{ImagePool, StagedRecords};
+use volring_volumes::{ReconcileConfig, Reconciler};
 
 #[derive(Debug, Clone)]
 pub struct CsiConfig {
@@ -171,7 +171,7 @@ impl Driver {
         let fence = Arc::new(Fence::open(records.store().clone())?);
         let exported_staged: Vec<String> =
             records.ids().into_iter().filter(|id| pool.get(id).is_some_and(|m| m.nbd_secret.is_some())).collect();
-        fence.resume(|id| records.contains(id) || records.quarantined_record(id).is_some(), &exported_staged)?;
+        fence.resume(|id| records.knows(id), &exported_staged)?;
         let base = Arc::new(Base { config, root, pool, records, locks: VolumeLocks::new(), mounts });
         let exports = Arc::new(NbdExports::new(base.clone(), fence.clone()));
         let shares = Arc::new(Shares::new(base.clone(), side.clone()));
@@ -253,7 +253,7 @@ impl Driver {
         let store = self.base.records.store().clone();
         let r = Reconciler::start(config, Arc::new(Repairs::new(self.stager.clone())), self.base.mounts.clone(), store)?;
         let notify = r.notifier();
-        self.base.records.on_change(move |id| notify.volume(id));
+        self.base.records.on_change(move |id| notify.tell(volring_volumes::Changed::Volume(id.to_string())));
         let _ = self.stats.health.set(r.view().clone());
         self.shares.resume();
         Ok(r)

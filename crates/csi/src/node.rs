@@ -180,7 +180,7 @@ impl Stager {
             }
             return Err(e);
         }
-        tracing::info!(volume = %id, attach = rec.attach.as_str(), loop_device = ?rec.loop_number, nbd_device = ?rec.nbd_index, path = %rec.staging_path.display(), "staged");
+        tracing::info!(volume = %id, attach = %rec.attach, loop_device = ?rec.loop_number, nbd_device = ?rec.nbd_index, path = %rec.staging_path.display(), "staged");
         Ok(())
     }
 
@@ -196,7 +196,7 @@ impl Stager {
         let leftover = rec.phase != StagePhase::Staged
             && rec.loop_number.is_none()
             && rec.nbd_index.is_none()
-            && (self.base.records.contains(&rec.volume_id) || self.base.records.quarantined_record(&rec.volume_id).is_some());
+            && self.base.records.knows(&rec.volume_id);
         // An owed mkfs stays owed until it has run.
         if rec.phase != StagePhase::Formatting {
             rec.phase = StagePhase::Attaching;
@@ -227,7 +227,7 @@ impl Stager {
                     let options = if fs == "xfs" { options.clone().with_data("nouuid") } else { options.clone() };
                     volring_volumes::fault::pause("stage:premount");
                     self.still_unmounted(rec, &at, &dir)?;
-                    mounting::mount_filesystem(&att.path(), dir.as_fd(), fs, &options)
+                    mounting::mount_filesystem(&att.path(), dir.as_fd(), &fs, &options)
                         .map_err(|e| Error::Internal(format!("mount {} on {}: {e}", att.path().display(), at.display())))?;
                     undo.push(Undo::Unmount(at.clone(), Expect::Filesystem(att.dev)));
                     volring_volumes::fault::point("stage:mounted");
@@ -312,7 +312,7 @@ impl Stager {
     /// Finds the filesystem to mount, formatting a blank device. Never
     /// formats over anything that is not all zeros — except what the agent's
     /// own interrupted mkfs left, which the `Formatting` intent vouches for.
-    fn ensure_filesystem(&self, rec: &mut StagedVolume, att: &Attachment, requested: Option<&str>) -> Result<&'static str> {
+    fn ensure_filesystem(&self, rec: &mut StagedVolume, att: &Attachment, requested: Option<&str>) -> Result<String> {
         let content = filesystem::probe_device(&att.path())?;
         let owed = rec.phase == StagePhase::Formatting;
         match content {
@@ -320,13 +320,13 @@ impl Stager {
                 Some(want) if want != found => {
                     Err(Error::FailedPrecondition(format!("the volume holds {found}; {want} was requested and volring does not reformat")))
                 }
-                _ => Ok(found),
+                _ => Ok(found.to_string()),
             },
             Content::Other(what) if !owed => Err(Error::FailedPrecondition(format!("the volume holds {what}; refusing to format it"))),
             _ if rec.read_only => Err(Error::FailedPrecondition("the volume is blank and the stage is read-only".into())),
             _ => {
                 let kind =
-                    FsKind::parse(requested.unwrap_or("")).ok_or_else(|| Error::InvalidArgument(format!("fs_type {requested:?}")))?;
+                    requested.unwrap_or("").parse::<FsKind>().map_err(|()| Error::InvalidArgument(format!("fs_type {requested:?}")))?;
                 if owed {
                     tracing::warn!(volume = %rec.volume_id, "an earlier mkfs of this volume did not finish; formatting again");
                 }
@@ -335,8 +335,8 @@ impl Stager {
                 volring_volumes::fault::point("stage:mkfs");
                 filesystem::format(kind, &att.path())?;
                 volring_volumes::fault::point("stage:formatted");
-                tracing::info!(device = %att.path().display(), fs = kind.as_str(), "formatted");
-                Ok(kind.as_str())
+                tracing::info!(device = %att.path().display(), fs = %kind, "formatted");
+                Ok(kind.to_string())
             }
         }
     }
@@ -541,7 +541,7 @@ fn attach_kind(
 ) -> Result<AttachKind> {
     match context.get(super::controller::PARAM_ATTACH).or_else(|| params.get(super::controller::PARAM_ATTACH)) {
         None => Ok(AttachKind::Loop),
-        Some(v) => AttachKind::parse(v).ok_or_else(|| Error::InvalidArgument(format!("attach {v:?}: loop or nbd"))),
+        Some(v) => v.parse().map_err(|()| Error::InvalidArgument(format!("attach {v:?}: loop or nbd"))),
     }
 }
 

@@ -23,7 +23,7 @@ use volring_mounts::DevNum;
 use volring_volumes::attach::{self, Attachment};
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
-use volring_volumes::state::actual::HealthView;
+use volring_volumes::HealthView;
 use volring_volumes::{AccessKind, StagedVolume};
 
 /// Node service, the questions about a staged volume and its growth.
@@ -166,7 +166,7 @@ impl Stats {
         // the volume as a whole (its staging mount and device, a failed or
         // a past repair).
         let verdict = self.health.get().and_then(|v| v.get(id));
-        let proven = volring_volumes::state::actual::Proven {
+        let proven = volring_volumes::Proven {
             staging: problem.is_none() && *checked == rec.staged_at(),
             device: problem.is_none(),
             settled: rec.phase == volring_volumes::StagePhase::Staged,
@@ -223,7 +223,7 @@ impl Stats {
         let _guard = self.base.lock(id)?;
         let rec = self.base.located(id, &path)?;
         let att = attach::of_record(&rec)
-            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach.as_str())))?;
+            .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} has no {} device; stage it again", rec.attach)))?;
         if let (Expansion::Node, Some(range)) = (self.base.config.expansion, &req.capacity_range) {
             // This node holds the image: grow it here (the controller does
             // not offer expansion in this mode). Growing an image is

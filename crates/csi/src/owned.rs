@@ -163,15 +163,13 @@ impl Root {
     /// entry from its parent's descriptor and unmounts through the same one.
     pub(crate) fn unmount_ours(&self, id: &str, p: &Path, expect: Option<Expect>) -> Result<()> {
         for _ in 0..MAX_STACKED {
-            let Some((parent, name)) = self.beneath.parent(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
-            let node = beneath::stat_entry(parent.as_fd(), &name).map_err(|e| path_error(e, p))?;
+            let Some((parent, name, node)) = self.beneath.entry(p).map_err(|e| path_error(e, p))? else { return Ok(()) };
             match node {
-                None => return Ok(()),
-                Some(n) if !n.mount_root => return Ok(()),
-                Some(n) if expect.is_some_and(|x| x.holds(&n)) => {
+                n if !n.mount_root => return Ok(()),
+                n if expect.is_some_and(|x| x.holds(&n)) => {
                     mounting::unmount_entry(parent.as_fd(), &name).map_err(|e| Error::Internal(format!("unmount {}: {e}", p.display())))?
                 }
-                Some(n) => {
+                n => {
                     return Err(Error::FailedPrecondition(format!(
                         "{} holds a mount of device {} that is not volume {id}'s; volring leaves it alone",
                         p.display(),

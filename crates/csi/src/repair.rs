@@ -12,9 +12,10 @@ use super::owned::{Expect, Found};
 use super::proto::volume_capability::access_mode::Mode;
 use super::validate::{Access, AccessType};
 use volring_volumes::filesystem::FsKind;
-use volring_volumes::state::actual::{Action, AtPath, Proof, VolumeActual};
-use volring_volumes::state::reconcile::{Acted, Volumes};
-use volring_volumes::{attach, AccessKind, AttachKind, MountOptions, StagePhase, StagedVolume};
+use volring_volumes::mounting::MountOptions;
+use volring_volumes::{attach, AccessKind, AttachKind, StagePhase, StagedVolume};
+use volring_volumes::{Acted, Volumes};
+use volring_volumes::{Action, AtPath, Proof, VolumeActual};
 
 /// The driver, as the reconciler sees it: the stager's steps under the
 /// repair lock.
@@ -201,7 +202,7 @@ fn access_of(rec: &StagedVolume, fs: Option<&str>) -> super::Result<Access> {
     let access = match &rec.access {
         AccessKind::Block => AccessType::Block,
         AccessKind::Mount { flags, .. } => {
-            let fs = FsKind::parse(fs.unwrap_or("")).ok_or_else(|| super::Error::Internal(format!("recorded fs_type {fs:?}")))?;
+            let fs = fs.unwrap_or("").parse::<FsKind>().map_err(|()| super::Error::Internal(format!("recorded fs_type {fs:?}")))?;
             let options = MountOptions::parse(flags, rec.read_only).map_err(super::Error::Internal)?;
             AccessType::Mount { fs, flags: flags.clone(), options }
         }

@@ -11,7 +11,7 @@ use super::proto::volume_capability::{access_mode::Mode, AccessType as ProtoAcce
 use super::proto::{CapacityRange, VolumeCapability};
 use super::{Error, Result};
 use volring_volumes::filesystem::FsKind;
-use volring_volumes::MountOptions;
+use volring_volumes::mounting::MountOptions;
 
 pub(crate) const MAX_ID_LEN: usize = 128;
 pub(crate) const MAX_PATH_LEN: usize = 4096;
@@ -148,8 +148,10 @@ pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Access> {
         }
         Some(ProtoAccessType::Block(_)) => AccessType::Block,
         Some(ProtoAccessType::Mount(m)) => {
-            let fs = FsKind::parse(&m.fs_type)
-                .ok_or_else(|| Error::InvalidArgument(format!("fs_type {:?} is not supported (ext4 or xfs)", m.fs_type)))?;
+            let fs = m
+                .fs_type
+                .parse::<FsKind>()
+                .map_err(|()| Error::InvalidArgument(format!("fs_type {:?} is not supported (ext4 or xfs)", m.fs_type)))?;
             if !m.volume_mount_group.is_empty() {
                 return Err(Error::InvalidArgument("volume_mount_group is not supported".into()));
             }

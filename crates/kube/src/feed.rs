@@ -10,7 +10,7 @@ use std::path::Path;
 use super::objects::{self, Key, Object, Pool, VolumeEntry};
 use super::updater::Updater;
 use volring_devices::Inventory;
-use volring_volumes::state::actual::VolumeHealth;
+use volring_volumes::VolumeHealth;
 use volring_volumes::{AccessKind, StagePhase, StagedVolume, VolumeIdentity};
 
 /// What was last handed to the updater, per object.
@@ -188,7 +188,7 @@ pub(crate) fn pool(dir: &Path) -> Option<Pool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volring_volumes::state::actual::Drift;
+    use volring_volumes::Drift;
 
     #[test]
     fn a_volume_entry_says_what_drifts_and_why() {

@@ -22,7 +22,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use serde_json::Value;
 use tokio::sync::Notify;
-use volring_volumes::identity::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
+use volring_volumes::{ClaimRef, ClusterNames, PodRef, VolumeIdentity};
 
 use super::kube_sink::{query_escape, KubeSink, PAGE};
 use super::updater::SinkError;

@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use super::feed;
 use super::objects::{self, Object};
 use super::updater::Submitter;
-use volring_volumes::state::actual::HealthView;
+use volring_volumes::HealthView;
 use volring_volumes::{ClusterNames, StagedVolume, VolumeIdentity};
 
 /// "The StorageNode may have changed." Clones share one flag: any number
@@ -118,8 +118,7 @@ pub fn storage_node(
         .iter()
         .map(|r| {
             let mut e = feed::volume_entry(r, view.and_then(|v| v.get(&r.volume_id)).as_deref());
-            let mut id = VolumeIdentity::from_staged(r);
-            id.name_with(names);
+            let id = VolumeIdentity::named(r, names);
             feed::name_entry(&mut e, &id);
             e
         })
@@ -168,8 +167,8 @@ mod tests {
     use super::*;
     use crate::objects::{Key, Kind};
     use crate::{Part, Sink, SinkError, Updater, UpdaterConfig};
-    use volring_volumes::state::actual::{Drift, VolumeHealth};
     use volring_volumes::{AccessKind, StagePhase, StagedRecords};
+    use volring_volumes::{Drift, VolumeHealth};
 
     /// An in-memory sink: this test is about what feeds the updater, not
     /// about the API (tests/publisher/ covers that against the stand-in).

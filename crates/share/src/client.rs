@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 use super::{Error, CTX_EXPORT, CTX_SERVER, PARAM_SHARE, SHARE_NFS};
-use volring_volumes::MountOptions;
+use volring_volumes::mounting::MountOptions;
 
 /// Longest export path accepted from a context.
 const MAX_EXPORT_LEN: usize = 1024;

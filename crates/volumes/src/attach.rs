@@ -192,12 +192,6 @@ pub fn find_backed_by(image: &Path) -> Vec<Attachment> {
     loop_numbers().filter_map(|n| existing(n, image)).collect()
 }
 
-/// Numbers of loop devices whose backing file lies below `dir` (cleanup of
-/// test and bench runs).
-pub fn find_backed_by_prefix(dir: &Path) -> Vec<u32> {
-    loop_numbers().filter(|&n| backing_file(n).is_some_and(|b| b.starts_with(dir))).collect()
-}
-
 /// Every loop device serving an image file directly in `dir` (the pool),
 /// with that image.
 pub fn serving_images_in(dir: &Path) -> Vec<(Attachment, PathBuf)> {

@@ -162,13 +162,15 @@ impl Beneath {
         }
     }
 
-    /// `p`'s parent directory, opened beneath the root, and `p`'s last
-    /// component: for acting on the mount at `p` without holding a
+    /// `p`'s parent directory, opened beneath the root, `p`'s last
+    /// component, and what that entry is now (judged from the parent,
+    /// [`stat_entry`]): for acting on the mount at `p` without holding a
     /// descriptor inside it (one would keep it busy). `None` when the parent
-    /// does not exist.
-    pub fn parent(&self, p: &Path) -> io::Result<Option<(OwnedFd, std::ffi::OsString)>> {
+    /// or the entry does not exist.
+    pub fn entry(&self, p: &Path) -> io::Result<Option<(OwnedFd, std::ffi::OsString, Node)>> {
         let (parent, name) = self.parent_of(p)?;
-        Ok(self.open_path(&parent)?.map(|fd| (fd, name)))
+        let Some(fd) = self.open_path(&parent)? else { return Ok(None) };
+        Ok(stat_entry(fd.as_fd(), &name)?.map(|node| (fd, name, node)))
     }
 
     fn parent_of(&self, p: &Path) -> io::Result<(PathBuf, std::ffi::OsString)> {
@@ -192,7 +194,7 @@ pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Node> {
 /// `statx` of one entry of an open directory, not following a symlink (but
 /// crossing into what is mounted on it, as any lookup does). `None` when
 /// there is no such entry.
-pub fn stat_entry(dir: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<Option<Node>> {
+fn stat_entry(dir: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<Option<Node>> {
     match rustix::fs::statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::BASIC_STATS | StatxFlags::MNT_ID) {
         Ok(s) => Ok(Some(node(&s))),
         Err(rustix::io::Errno::NOENT) => Ok(None),

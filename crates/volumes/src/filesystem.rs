@@ -21,17 +21,28 @@ pub enum FsKind {
     Xfs,
 }
 
-impl FsKind {
-    /// `""` means the default, ext4.
-    pub fn parse(s: &str) -> Option<Self> {
+/// A CSI `fs_type` or StorageClass `fsType`; `""` means the default, ext4.
+/// Anything else is refused (the caller says why in its own terms).
+impl std::str::FromStr for FsKind {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
         match s {
-            "" | "ext4" => Some(FsKind::Ext4),
-            "xfs" => Some(FsKind::Xfs),
-            _ => None,
+            "" | "ext4" => Ok(FsKind::Ext4),
+            "xfs" => Ok(FsKind::Xfs),
+            _ => Err(()),
         }
     }
+}
 
-    pub fn as_str(self) -> &'static str {
+/// The filesystem's name as mkfs and mount(2) know it.
+impl std::fmt::Display for FsKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FsKind {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             FsKind::Ext4 => "ext4",
             FsKind::Xfs => "xfs",
@@ -303,9 +314,9 @@ mod tests {
 
     #[test]
     fn fs_kinds() {
-        assert_eq!(FsKind::parse(""), Some(FsKind::Ext4));
-        assert_eq!(FsKind::parse("xfs"), Some(FsKind::Xfs));
-        assert_eq!(FsKind::parse("vfat"), None);
+        assert_eq!("".parse::<FsKind>().ok(), Some(FsKind::Ext4));
+        assert_eq!("xfs".parse::<FsKind>().ok(), Some(FsKind::Xfs));
+        assert_eq!("vfat".parse::<FsKind>().ok(), None);
         let (p, a) = FsKind::Xfs.mkfs_command("/dev/loop3");
         assert_eq!(p, "mkfs.xfs");
         assert_eq!(a.last().map(String::as_str), Some("/dev/loop3"));

@@ -69,8 +69,16 @@ pub struct VolumeIdentity {
 }
 
 impl VolumeIdentity {
+    /// The volume `v` describes, with what the cluster said of it in
+    /// `names`.
+    pub fn named(v: &StagedVolume, names: &ClusterNames) -> Self {
+        let mut i = Self::from_staged(v);
+        i.name_with(names);
+        i
+    }
+
     /// The record as the CSI driver's record shows it (no cluster names).
-    pub fn from_staged(v: &StagedVolume) -> Self {
+    fn from_staged(v: &StagedVolume) -> Self {
         let targets: Vec<PathBuf> = v.published.keys().cloned().collect();
         let mut uids = BTreeSet::new();
         let mut pv = pv_of_staging(&v.staging_path);
@@ -99,7 +107,7 @@ impl VolumeIdentity {
     }
 
     /// Fills in what the cluster said (leaves what it did not say as it is).
-    pub fn name_with(&mut self, names: &ClusterNames) {
+    fn name_with(&mut self, names: &ClusterNames) {
         if self.persistent_volume.is_none() {
             self.persistent_volume = names.volume_pv.get(&self.volume_id).cloned();
         }
@@ -147,14 +155,7 @@ pub struct ClusterNames {
 
 /// The records of every staged volume, named with `names`.
 pub fn identities(staged: &[StagedVolume], names: &ClusterNames) -> Vec<VolumeIdentity> {
-    let mut v: Vec<VolumeIdentity> = staged
-        .iter()
-        .map(|s| {
-            let mut i = VolumeIdentity::from_staged(s);
-            i.name_with(names);
-            i
-        })
-        .collect();
+    let mut v: Vec<VolumeIdentity> = staged.iter().map(|s| VolumeIdentity::named(s, names)).collect();
     v.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
     v
 }

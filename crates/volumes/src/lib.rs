@@ -11,7 +11,7 @@
 //!
 //! Below the volumes sits [`store`], the node's embedded transactional store
 //! where every step that changes the machine writes its intent first; above
-//! them, [`state`] compares what was asked for with what the kernel shows and
+//! them, the [`Reconciler`] compares what was asked for with what the kernel shows and
 //! reconciles. [`fault`] names the crash points the recovery tests kill at.
 
 // Everything is crate-private unless another crate uses it: a `pub`
@@ -22,21 +22,25 @@ pub mod attach;
 pub mod beneath;
 pub mod fault;
 pub mod filesystem;
-pub mod identity;
+mod identity;
 pub mod mounting;
 mod persist;
 mod pool;
 pub mod recover;
 mod staged;
-pub mod state;
+mod state;
 pub mod status;
 pub mod store;
 
-pub use identity::{ClusterNames, VolumeIdentity};
-pub use mounting::MountOptions;
+pub use identity::{identities, pod_of_target, ClaimRef, ClusterNames, KubeletLabels, PodRef, VolumeIdentity};
 pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
 pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume, StoreLoss};
+pub use state::{
+    actual::{Action, AtPath, Drift, HealthView, Proof, Proven, Repair, VolumeActual, VolumeHealth},
+    history::{RepairEvent, RepairResult},
+    reconcile::{Acted, Changed, Notifier, ReconcileConfig, ReconcileStats, Reconciler, Volumes, PASS_BUCKETS_US},
+};
 
 use std::path::PathBuf;
 

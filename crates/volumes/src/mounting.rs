@@ -188,7 +188,7 @@ pub fn bind(source: BorrowedFd<'_>, target: BorrowedFd<'_>, flags: MountFlags) -
 /// Unmounts what is mounted on entry `name` of the open directory `parent`
 /// (the top mount there). The parent was resolved once, beneath the root;
 /// the kernel walks only `name` from it, without following a symlink. The
-/// caller judges the entry with `beneath::stat_entry(parent, name)` first
+/// caller judges the entry with `Beneath::entry` first
 /// and holds no descriptor inside the mount (that would keep it busy).
 pub fn unmount_entry(parent: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<()> {
     let mut path = std::path::PathBuf::from(format!("/proc/self/fd/{}", parent.as_raw_fd()));

@@ -46,17 +46,27 @@ pub enum AttachKind {
     Nbd,
 }
 
-impl AttachKind {
-    /// The StorageClass parameter's value (`attach: loop|nbd`).
-    pub fn parse(s: &str) -> Option<Self> {
+/// The StorageClass parameter's value (`attach: loop|nbd`).
+impl std::str::FromStr for AttachKind {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
         match s {
-            "loop" => Some(Self::Loop),
-            "nbd" => Some(Self::Nbd),
-            _ => None,
+            "loop" => Ok(Self::Loop),
+            "nbd" => Ok(Self::Nbd),
+            _ => Err(()),
         }
     }
+}
 
-    pub fn as_str(self) -> &'static str {
+/// The parameter's value, which is also the kernel's device name prefix.
+impl std::fmt::Display for AttachKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl AttachKind {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Loop => "loop",
             Self::Nbd => "nbd",
@@ -321,8 +331,16 @@ impl StagedRecords {
 
     /// The quarantined record of volume `id`, if there is one: the volume
     /// may still be attached and mounted with nothing tracking it.
-    pub fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
+    #[cfg(test)]
+    fn quarantined_record(&self, id: &str) -> Option<Quarantined> {
         self.quarantined.iter().find(|q| q.volume_id() == Some(id)).cloned()
+    }
+
+    /// Whether this node knows of volume `id` at all: a record, or one
+    /// quarantined because it could not be read (the volume may then still
+    /// be attached and mounted with nothing tracking it).
+    pub fn knows(&self, id: &str) -> bool {
+        self.contains(id) || self.quarantined.iter().any(|q| q.volume_id() == Some(id))
     }
 
     pub fn get(&self, id: &str) -> Option<StagedVolume> {
@@ -498,10 +516,10 @@ mod tests {
         assert_eq!(n.device_name().as_deref(), Some("nbd2"));
         // A loop record carries no nbd_index field at all.
         assert!(!String::from_utf8_lossy(&serde_json::to_vec(&r).unwrap()).contains("nbd_index"));
-        assert_eq!(AttachKind::parse("nbd"), Some(AttachKind::Nbd));
-        assert_eq!(AttachKind::parse("loop"), Some(AttachKind::Loop));
-        assert_eq!(AttachKind::parse("NBD"), None);
-        assert_eq!(AttachKind::parse(""), None);
+        assert_eq!("nbd".parse::<AttachKind>().ok(), Some(AttachKind::Nbd));
+        assert_eq!("loop".parse::<AttachKind>().ok(), Some(AttachKind::Loop));
+        assert_eq!("NBD".parse::<AttachKind>().ok(), None);
+        assert_eq!("".parse::<AttachKind>().ok(), None);
     }
 
     #[test]

@@ -344,7 +344,8 @@ impl Store {
     }
 
     /// Commit latency so far: (count, p50, p99) in microseconds.
-    pub fn commit_latency(&self) -> (u64, u64, u64) {
+    #[cfg(test)]
+    fn commit_latency(&self) -> (u64, u64, u64) {
         let h = self.commits.lock().unwrap_or_else(|e| e.into_inner());
         (h.len(), h.value_at_quantile(0.5), h.value_at_quantile(0.99))
     }

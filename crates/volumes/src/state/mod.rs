@@ -12,6 +12,6 @@
 //! - [`reconcile`]: the thread that runs that comparison on events and on a
 //!   periodic resync, and repairs what volring owns.
 
-pub mod actual;
-pub mod history;
-pub mod reconcile;
+pub(crate) mod actual;
+pub(crate) mod history;
+pub(crate) mod reconcile;

@@ -128,11 +128,20 @@ impl ReconcileStats {
     }
 }
 
-enum Msg {
+/// What changed, as the reconciler is told it ([`Notifier::tell`]).
+pub enum Changed {
+    /// Mounts at these paths appeared, went or changed.
     Paths(Vec<PathBuf>),
+    /// A block device (kernel name, `loop3`) changed or went.
     Device(String),
+    /// A volume's desired record changed.
     Volume(String),
+    /// Look at every volume now.
     Resync,
+}
+
+enum Msg {
+    Changed(Changed),
     Stop,
 }
 
@@ -198,26 +207,12 @@ impl Drop for Reconciler {
 pub struct Notifier(Sender<Msg>);
 
 impl Notifier {
-    /// Mounts at these paths appeared, went or changed.
-    pub fn paths(&self, paths: Vec<PathBuf>) {
-        if !paths.is_empty() {
-            let _ = self.0.send(Msg::Paths(paths));
+    /// Queues `what` for the reconciler's next pass (an empty path list is
+    /// nothing to look at and is dropped).
+    pub fn tell(&self, what: Changed) {
+        if !matches!(&what, Changed::Paths(p) if p.is_empty()) {
+            let _ = self.0.send(Msg::Changed(what));
         }
-    }
-
-    /// A block device (kernel name, `loop3`) changed or went.
-    pub fn device(&self, name: &str) {
-        let _ = self.0.send(Msg::Device(name.to_string()));
-    }
-
-    /// A volume's desired record changed.
-    pub fn volume(&self, id: &str) {
-        let _ = self.0.send(Msg::Volume(id.to_string()));
-    }
-
-    /// Look at every volume now.
-    pub fn resync(&self) {
-        let _ = self.0.send(Msg::Resync);
     }
 }
 
@@ -324,12 +319,12 @@ impl Core {
             // Everything queued meanwhile joins this pass.
             for m in first.into_iter().chain(rx.try_iter()) {
                 match m {
-                    Msg::Paths(ps) => dirty.extend(ps.iter().filter_map(|p| self.by_path.get(p).cloned())),
-                    Msg::Device(d) => dirty.extend(self.by_device.get(&d).cloned()),
-                    Msg::Volume(id) => {
+                    Msg::Changed(Changed::Paths(ps)) => dirty.extend(ps.iter().filter_map(|p| self.by_path.get(p).cloned())),
+                    Msg::Changed(Changed::Device(d)) => dirty.extend(self.by_device.get(&d).cloned()),
+                    Msg::Changed(Changed::Volume(id)) => {
                         dirty.insert(id);
                     }
-                    Msg::Resync => resync = true,
+                    Msg::Changed(Changed::Resync) => resync = true,
                     Msg::Stop => return,
                 }
             }
