@@ -18,7 +18,7 @@ pub(crate) fn lines_lost() -> u64 {
 }
 
 /// A `MakeWriter` for stderr that never fails: what stderr refuses is
-/// counted in [`lines_lost`] and dropped.
+/// counted in `lines_lost` and dropped.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Stderr;
 

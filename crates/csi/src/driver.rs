@@ -130,7 +130,7 @@ pub struct DriverStats {
 }
 
 /// The CSI driver: owned parts, each with its own file and state, over
-/// one shared [`Base`]. The gRPC services (`service.rs`) hand each call to
+/// one shared `Base`. The gRPC services (`service.rs`) hand each call to
 /// its part; the agent uses the methods below.
 pub struct Driver {
     pub(crate) base: Arc<Base>,
@@ -259,7 +259,7 @@ impl Driver {
         Ok(r)
     }
 
-    /// The nbd healer's start walk, once per process (see [`Healer::heal_nbd`]).
+    /// The nbd healer's start walk, once per process (see `Healer::heal_nbd`).
     pub fn heal_nbd(&self) -> Vec<(String, Healed)> {
         self.healer.heal_nbd()
     }

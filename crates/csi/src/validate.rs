@@ -340,7 +340,7 @@ pub fn fuzz_request(data: &[u8]) {
 /// The `list_token` fuzz target's entry: whatever string a CO sends as a
 /// ListVolumes `starting_token`, the parser answers without panicking,
 /// accepts only what volring issued (a token it accepts is exactly the one
-/// [`list_token`] makes for the id it yields), and every id's token parses
+/// `list_token` makes for the id it yields), and every id's token parses
 /// back to the id (a broken promise panics).
 pub fn fuzz_list_token(s: &str) {
     if let Ok(id) = parse_list_token(s) {

@@ -220,7 +220,7 @@ pub(crate) const DETACH_WAIT: Duration = Duration::from_secs(5);
 /// until the kernel has really let go of the image, and removes the device;
 /// a device already detached (or reused for something else) is left alone.
 /// Fails with [`Error::Precondition`] when another opener keeps the device
-/// past [`DETACH_WAIT`] (it detaches by itself when that opener closes; a
+/// past `DETACH_WAIT` (it detaches by itself when that opener closes; a
 /// retry waits again).
 pub fn detach(number: u32, image: &Path) -> Result<(), Error> {
     if existing(number, image).is_none() {
@@ -244,7 +244,7 @@ pub fn detach(number: u32, image: &Path) -> Result<(), Error> {
 }
 
 /// The devices still attached to `image`, after waiting (bounded by
-/// [`DETACH_WAIT`]) for those whose detach is under way: volring attaches
+/// `DETACH_WAIT`) for those whose detach is under way: volring attaches
 /// without autoclear, so a device of ours with autoclear set is one that
 /// was told to detach and waits for another opener to close it.
 pub fn still_attached(image: &Path) -> Vec<Attachment> {

@@ -164,7 +164,7 @@ impl Beneath {
 
     /// `p`'s parent directory, opened beneath the root, `p`'s last
     /// component, and what that entry is now (judged from the parent,
-    /// [`stat_entry`]): for acting on the mount at `p` without holding a
+    /// `stat_entry`): for acting on the mount at `p` without holding a
     /// descriptor inside it (one would keep it busy). `None` when the parent
     /// or the entry does not exist.
     pub fn entry(&self, p: &Path) -> io::Result<Option<(OwnedFd, std::ffi::OsString, Node)>> {

@@ -6,7 +6,7 @@
 //! node has staged (so an agent restart loses nothing), [`attach`] maps an
 //! image to a loop device, [`filesystem`] probes, formats and grows, and
 //! [`mounting`] turns CSI mount flags into mount(2) calls. Everything that
-//! writes state writes it crash-safe ([`persist`]); a record that cannot be
+//! writes state writes it crash-safe (`persist`); a record that cannot be
 //! read back is quarantined rather than fatal, and [`status`] reports it all.
 //!
 //! Below the volumes sits [`store`], the node's embedded transactional store

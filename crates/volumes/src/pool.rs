@@ -183,7 +183,7 @@ impl ImagePool {
     }
 
     /// The largest image the pool's filesystem can hold, in whole MiB (found
-    /// by probing at open; see [`probe_max_file_size`]).
+    /// by probing at open; see `probe_max_file_size`).
     pub fn max_image_bytes(&self) -> u64 {
         self.max_image_bytes
     }

@@ -38,7 +38,7 @@ pub struct StatusReport {
     /// Damaged stores set aside in the state directory (kept).
     pub set_aside: Vec<PathBuf>,
     /// The reconciler's last repairs, oldest first
-    /// ([`crate::state::history`]).
+    /// (`crate::state::history`).
     pub repairs: Vec<crate::state::history::RepairEvent>,
 }
 
