@@ -6,7 +6,8 @@
 //! table and its loop device's sysfs record, assessed, and — drifting —
 //! checked against a proof that agrees), the cost of
 //! one mount event (one volume's path) — which must not grow with the
-//! number of volumes —, store commit latency per intent (p50/p99), and the
+//! number of volumes —, the latency of one intent's put (the durable
+//! commit with its serialising and change hooks; p50/p99), and the
 //! resident memory the records and the reconciler add.
 //!
 //! The volumes are records only (their loop devices do not exist, so each
@@ -83,7 +84,7 @@ fn main() {
         .unwrap_or_else(|| vec![1_000, 10_000]);
     println!(
         "{:>7} {:>10} {:>12} {:>14} {:>14} {:>12} {:>12} {:>10}",
-        "volumes", "load ms", "1st pass ms", "event µs p50", "event µs p99", "commit p50", "commit p99", "RSS MiB"
+        "volumes", "load ms", "1st pass ms", "event µs p50", "event µs p99", "put p50", "put p99", "RSS MiB"
     );
     for n in sizes {
         let dir = tempfile::tempdir_in(std::env::var_os("CARGO_TARGET_TMPDIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir))

@@ -196,6 +196,9 @@ async fn take(config: &AgentConfig, parts: &mut Components) -> anyhow::Result<Ta
 /// ready line) and exports (for `/metrics`).
 async fn start_nbd(config: &AgentConfig, parts: &mut Components) -> anyhow::Result<Option<(String, Arc<volring_nbd::Exports>)>> {
     let Some(c) = &config.nbd else { return Ok(None) };
+    // A server with no address would serve only sockets handed to it
+    // (`volring nbd serve`'s inetd mode), never the agent's exports.
+    anyhow::ensure!(!c.server.listen.is_empty(), "the NBD server needs at least one address to listen on");
     // The NBD error's text already carries its cause.
     // Off the runtime: a bind may wait for a killed agent's port.
     let server_config = c.server.clone();

@@ -14,14 +14,15 @@ use volring_nbd::attach::{self as nbdattach, LinkDeadListener, LocalAttachment, 
 use volring_nbd::client::ExportDetails;
 use volring_nbd::remote::{ExportUri, Secret};
 
+use volring_nbd::{ExportSpec, NbdServer};
+use volring_volumes::attach;
+use volring_volumes::{RemoteExport, StagedVolume};
+
 /// `NBD_REP_ERR_POLICY`, the option reply of a server that will not serve
 /// the export to this client now (the NBD protocol's doc/proto.md): kept
 /// here, not borrowed from the server's code, so a wrong number there is
 /// seen rather than followed.
 const NBD_REP_ERR_POLICY: u32 = 0x8000_0002;
-use volring_nbd::{ExportSpec, NbdServer};
-use volring_volumes::attach;
-use volring_volumes::{RemoteExport, StagedVolume};
 
 pub(super) struct Inner {
     pub(super) server: NbdServer,

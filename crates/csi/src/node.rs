@@ -180,7 +180,7 @@ impl Stager {
             }
             return Err(e);
         }
-        tracing::info!(volume = %id, attach = %rec.attach, loop_device = ?rec.loop_number, nbd_device = ?rec.nbd_index, path = %rec.staging_path.display(), "staged");
+        tracing::info!(volume = %id, attach = rec.attach.to_string().as_str(), loop_device = ?rec.loop_number, nbd_device = ?rec.nbd_index, path = %rec.staging_path.display(), "staged");
         Ok(())
     }
 
@@ -335,7 +335,7 @@ impl Stager {
                 volring_volumes::fault::point("stage:mkfs");
                 filesystem::format(kind, &att.path())?;
                 volring_volumes::fault::point("stage:formatted");
-                tracing::info!(device = %att.path().display(), fs = %kind, "formatted");
+                tracing::info!(device = %att.path().display(), fs = kind.to_string().as_str(), "formatted");
                 Ok(kind.to_string())
             }
         }

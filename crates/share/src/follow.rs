@@ -371,7 +371,15 @@ pub async fn in_cluster<D: ShareHost>(
     if !driver.shares().enabled() {
         return Ok(Running { controller: None, exports: None, retry });
     }
-    let (exports, controller) = start(driver.clone(), client, config)?;
+    let (exports, controller) = match start(driver.clone(), client, config) {
+        Ok(started) => started,
+        Err(e) => {
+            if let Some(retry) = retry {
+                retry.abort();
+            }
+            return Err(e);
+        }
+    };
     tracing::info!("shared volumes: a Service and EndpointSlice per NFS export");
     Ok(Running { controller: Some(controller), exports: Some(exports), retry })
 }
