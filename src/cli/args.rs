@@ -23,6 +23,11 @@ pub(crate) struct NbdTuning {
     /// starved of CPU (auto), never (off) or always.
     #[arg(long, env = "VOLRING_NBD_OFFLOAD_READS", default_value = "auto")]
     pub(crate) nbd_offload_reads: volring_nbd::OffloadReads,
+    /// Microseconds a quiet ring that has just served a stream of requests
+    /// polls for the next one before it sleeps (0: never). Trades a little
+    /// CPU for the wake-up of a halted CPU at queue depth 1.
+    #[arg(long, env = "VOLRING_NBD_IDLE_POLL_US", default_value_t = 50)]
+    pub(crate) nbd_idle_poll_us: u64,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10.0)]
     pub(crate) handshake_timeout: f64,
@@ -53,6 +58,7 @@ impl NbdTuning {
             threads: self.nbd_threads,
             inline_writes: self.nbd_inline_writes,
             offload_reads: self.nbd_offload_reads,
+            idle_poll: std::time::Duration::from_micros(self.nbd_idle_poll_us.min(10_000)),
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
             stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),

@@ -52,6 +52,18 @@ pub(super) struct UringCore<T> {
     unsent: Vec<(u64, i32)>,
 }
 
+/// What a ring has waiting, short of waiting for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pending {
+    /// Completions to reap.
+    Completions,
+    /// Task work the kernel queued for this thread (`IORING_SQ_TASKRUN`,
+    /// kept by a ring made with `TASKRUN_FLAG`): an enter with GETEVENTS
+    /// runs it, which may post completions.
+    TaskWork,
+    Nothing,
+}
+
 impl<T> UringCore<T> {
     pub(super) fn new(ring: IoUring, cancel_wait: Duration) -> Self {
         let cap = ring.params().cq_entries() as usize;
@@ -221,6 +233,18 @@ impl<T> UringCore<T> {
             }
         };
         quiet(r)
+    }
+
+    /// What is waiting to be reaped, read from the rings' shared memory
+    /// without a system call.
+    pub(super) fn pending(&mut self) -> Pending {
+        if !self.unsent.is_empty() || !self.ring.completion().is_empty() {
+            Pending::Completions
+        } else if self.ring.submission().taskrun() {
+            Pending::TaskWork
+        } else {
+            Pending::Nothing
+        }
     }
 
     /// `submit_with_args` with caller-made arguments (min_wait).

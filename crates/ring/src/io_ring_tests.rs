@@ -238,3 +238,35 @@ fn a_read_in_a_worker_reads_the_file() {
         ring.buffers_mut().free(buf);
     }
 }
+
+/// A poll sees a request that arrives while it polls. With DEFER_TASKRUN
+/// the bytes become a completion only when the ring's own thread runs the
+/// task work the socket's wake-up queued; the poll sees that work through
+/// the ring's TASKRUN flag and runs it. (Without TASKRUN_FLAG in the ring's
+/// setup nothing tells the poll, which runs out empty: this test then fails
+/// after its ten-second window.)
+#[test]
+fn a_poll_finds_a_receive_that_arrives_while_it_polls() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let op = ring.recv_multi(1, socket).unwrap();
+    assert!(!ring.poll_for(Duration::from_millis(5)).unwrap(), "nothing was sent: the poll runs out");
+
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        peer.write_all(b"ping").unwrap();
+        peer
+    });
+    let found = ring.poll_for(Duration::from_secs(10)).unwrap();
+    let _peer = writer.join().unwrap();
+    assert!(found, "the bytes arrived while the ring polled");
+    let mut out = Vec::new();
+    ring.complete(&mut out);
+    let got = out.iter().find(|c| c.token == 1 && c.recv_buf.is_some()).expect("the receive's completion was ready to reap");
+    let bid = got.recv_buf.unwrap();
+    assert_eq!(ring.received(bid, got.result as usize).0, b"ping");
+    ring.recycle(bid);
+    ring.cancel(op).unwrap();
+    until_ended(&mut ring, 1);
+}

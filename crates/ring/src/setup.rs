@@ -5,8 +5,8 @@
 //! Each asks for `SINGLE_ISSUER | DEFER_TASKRUN` (6.1+: the kernel runs
 //! completion work only when the ring's thread waits, instead of
 //! interrupting it) and gets a plain ring where the kernel refuses; the
-//! NBD server's also asks for its completion queue's size, SUBMIT_ALL and
-//! COOP_TASKRUN, and for the ring to start disabled, so its restrictions
+//! NBD server's also asks for its completion queue's size, SUBMIT_ALL,
+//! COOP_TASKRUN and TASKRUN_FLAG (5.19+), and for the ring to start disabled, so its restrictions
 //! are in place before any operation can be submitted.
 
 use std::io;
@@ -54,7 +54,7 @@ pub(crate) struct RingSetup {
     pub entries: u32,
     /// Completion queue entries; the kernel's default (twice `entries`) if `None`.
     pub cq_entries: Option<u32>,
-    /// SUBMIT_ALL and COOP_TASKRUN: a server's ring.
+    /// SUBMIT_ALL, COOP_TASKRUN and TASKRUN_FLAG: a server's ring.
     pub server: bool,
     /// Made disabled (R_DISABLED): enabled once restrictions are registered.
     pub disabled: bool,
@@ -74,7 +74,9 @@ impl RingSetup {
                 b.setup_cqsize(cq);
             }
             if self.server {
-                b.setup_submit_all().setup_coop_taskrun();
+                // TASKRUN_FLAG: the ring says in shared memory when task work is
+                // queued for it, so a poll sees a request without a system call.
+                b.setup_submit_all().setup_coop_taskrun().setup_taskrun_flag();
             }
             if self.disabled {
                 b.setup_r_disabled();

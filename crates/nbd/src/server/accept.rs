@@ -22,6 +22,11 @@ impl Acceptor {
     }
 
     /// Arms a multishot accept on every listener.
+    /// Accepts armed now (each an operation that waits on clients).
+    pub(super) fn armed(&self) -> usize {
+        self.accepts.iter().filter(|a| a.is_some()).count()
+    }
+
     pub(super) fn arm_all(&mut self, ring: &mut IoRing<Token>) -> io::Result<()> {
         for i in 0..self.listeners.len() {
             self.arm(ring, i)?;

@@ -38,6 +38,9 @@ pub(super) struct TickStats {
     pub last_error: Option<(Token, i32)>,
     /// Completions that carried a provided buffer, by kind (see [`Token::KINDS`]).
     pub bufs_by_kind: [u32; Token::KINDS.len()],
+    /// Idle polls that found work, and that ran out and slept (see `idle`).
+    pub polls_found: u32,
+    pub polls_missed: u32,
 }
 
 impl TickStats {
@@ -138,6 +141,15 @@ impl Default for Diagnostics {
 
 impl Diagnostics {
     /// One loop turn and its completions.
+    /// An idle poll ended, having `found` work or not.
+    pub(super) fn polled(&mut self, found: bool) {
+        if found {
+            self.tick.polls_found += 1;
+        } else {
+            self.tick.polls_missed += 1;
+        }
+    }
+
     pub(super) fn turn(&mut self, cqes: &[Cqe<Token>]) {
         self.spin.turns += 1;
         // A turn whose only completions are receives that ended on an
@@ -214,7 +226,7 @@ impl Diagnostics {
         let line = format!(
             "ring={} turns={turns} empty_turns={empty_turns} recv_data={} recv_bytes={} recv_ended={} enobufs={} \
              recv_cancelled={} recv_eof={} recv_other={} recv_arms={} direct_ok={} direct_other={} sends={} send_errors={} \
-             file_ok={} file_errors={} last_error={:?} bufs_by_kind={:?} in_flight={} armed_recvs={} recv_taken={} stale={} \
+             file_ok={} file_errors={} last_error={:?} bufs_by_kind={:?} polls_found={} polls_missed={} in_flight={} armed_recvs={} recv_taken={} stale={} \
              recv_counts={:?} budget_used={} releases={} waiters={} dirty={} recovering={} direct_receive={} conns={conns:?}",
             id,
             s.recv_data,
@@ -233,6 +245,8 @@ impl Diagnostics {
             s.file_errors,
             s.last_error,
             s.bufs_by_kind,
+            s.polls_found,
+            s.polls_missed,
             sh.ring.stats().in_flight,
             sh.ring.stats().armed_recvs,
             sh.ring.stats().recv_taken,

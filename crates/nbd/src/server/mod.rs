@@ -13,6 +13,7 @@ mod conn;
 mod diag;
 mod direct;
 mod exports;
+mod idle;
 pub(crate) mod inline;
 mod listener;
 mod output;
@@ -92,6 +93,10 @@ pub struct ServerConfig {
     /// stream of single requests into bursts: 4 KiB random reads went from
     /// 150-186k to ~204k IOPS with 20 µs. A quiet ring never waits.
     pub batch_wait: Duration,
+    /// How long a quiet ring that has just served a stream of requests
+    /// polls for the next one before it sleeps (zero: never poll). See
+    /// `idle`: where idle CPUs halt, the wake-up is most of a QD1 read.
+    pub idle_poll: Duration,
     pub ring: IoRingConfig,
 }
 
@@ -109,6 +114,7 @@ impl Default for ServerConfig {
             max_requests: 512,
             max_server_bytes: 128 << 20,
             batch_wait: Duration::from_micros(20),
+            idle_poll: idle::DEFAULT_WINDOW,
             // Freed buffers kept per ring for reuse; emptied when idle.
             ring: IoRingConfig { heap_cache: 16 << 20, ..IoRingConfig::default() },
         }

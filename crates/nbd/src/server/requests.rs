@@ -97,6 +97,11 @@ impl Requests {
         self.reads.turn(now);
     }
 
+    /// Whether the ring thread waits for its CPU (see `starve`).
+    pub(super) fn contended(&self) -> bool {
+        self.reads.contended()
+    }
+
     /// Gives back the slots of a past burst when none is in use; returns
     /// the bytes freed.
     pub(super) fn trim(&mut self) -> usize {

@@ -188,6 +188,13 @@ impl ReadPath {
         );
     }
 
+    /// Whether the thread has been starved of CPU lately: a starved window
+    /// is being counted toward a streak, or reads are offloaded. (Only
+    /// `Auto` judges windows; with `Off` or `Always` this stays false.)
+    pub(super) fn contended(&self) -> bool {
+        self.streak > 0 || self.offload_until.is_some()
+    }
+
     /// Whether a page-cache read goes to io_uring's workers now, with
     /// `in_flight` requests on the ring (this one included).
     pub(super) fn offload(&self, in_flight: usize) -> bool {

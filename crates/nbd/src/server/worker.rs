@@ -18,6 +18,7 @@ use super::budget::{Limits, ServerBudget};
 use super::conn::{Conn, Phase, State, Tx};
 use super::diag::Diagnostics;
 use super::exports::Attachments;
+use super::idle::IdlePoll;
 use super::output::Output;
 use super::receive::Receive;
 use super::requests::Requests;
@@ -72,6 +73,7 @@ pub(super) struct Worker {
     tick: Duration,
     /// The server's starvation count when this ring last looked.
     starved_seen: u64,
+    idle: IdlePoll,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -91,6 +93,7 @@ pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
 impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
+        let idle_poll = ctx.config.idle_poll;
         ring.submit(Token::Wake, Op::PollMulti { fd: ctx.mailboxes[ctx.id].as_raw_fd(), events: libc::POLLIN as u32 })?;
         let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
         ring.submit(Token::Tick, Op::Timeout { after: tick })?;
@@ -113,6 +116,7 @@ impl Worker {
             stop_at: None,
             tick,
             starved_seen: 0,
+            idle: IdlePoll::new(idle_poll),
         })
     }
 
@@ -128,7 +132,7 @@ impl Worker {
             } else if busy && !self.config.batch_wait.is_zero() {
                 self.sh.ring.submit_and_wait_batch(BATCH, self.config.batch_wait)?;
             } else {
-                self.sh.ring.submit_and_wait(1, None)?;
+                self.idle()?;
             }
             self.sh.now = Instant::now();
             self.reqs.new_turn(self.sh.now);
@@ -146,6 +150,32 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Nothing to do: polls for a moment if the last idle gap was short
+    /// and the ring waits only on its clients (see `idle`), then sleeps
+    /// until a completion comes.
+    fn idle(&mut self) -> io::Result<()> {
+        let started = Instant::now();
+        // Beside the receives and accepts, only the mailbox's poll and the
+        // tick are always in flight: anything more is the ring's own work
+        // (a send the client drains, a file operation, a splice), which
+        // the ring need not poll for.
+        let ring = self.sh.ring.stats();
+        let own_work = ring.in_flight > ring.armed_recvs + self.accept.armed() + 2;
+        let polled = match self.idle.window(self.reqs.contended() || own_work) {
+            Some(window) => {
+                let found = self.sh.ring.poll_for(window)?;
+                self.diag.polled(found);
+                found
+            }
+            None => false,
+        };
+        if !polled {
+            self.sh.ring.submit_and_wait(1, None)?;
+        }
+        self.idle.ended(started.elapsed());
+        Ok(())
     }
 
     fn on_cqe(&mut self, c: Cqe<Token>) {
