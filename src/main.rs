@@ -8,6 +8,10 @@
 //! `volring-devices`, `volring-nbd`, `volring-volumes`, `volring-share`,
 //! `volring-csi`, `volring-kube`.
 
+// A `pub` item here is reachable by nothing: an error under `-D warnings`
+// (tests/surface.rs counts `pub` lines under src/ too).
+#![warn(unreachable_pub)]
+
 use std::io::Write;
 
 mod agent;
