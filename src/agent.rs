@@ -38,7 +38,7 @@ const TARGET: &str = "volring::agent";
 
 /// What `volring node` was asked to do.
 #[derive(Debug, Clone)]
-pub struct AgentConfig {
+pub(crate) struct AgentConfig {
     pub mounts: WatchConfig,
     pub devices: ScanConfig,
     pub stats: CollectorConfig,
@@ -67,7 +67,7 @@ pub struct AgentConfig {
 
 /// Where and how fast the node's objects are published.
 #[derive(Debug, Clone)]
-pub struct PublishConfig {
+pub(crate) struct PublishConfig {
     /// `Some(true)`: the cluster (fails when no client configuration is
     /// found); `Some(false)`: the node's store; `None`: the cluster when a
     /// kubeconfig or a pod's service account is found, else the store.
@@ -87,7 +87,7 @@ impl Default for PublishConfig {
 
 /// The node's NBD server: where it listens and what it exports at start.
 #[derive(Debug, Clone)]
-pub struct NbdConfig {
+pub(crate) struct NbdConfig {
     pub server: volring_nbd::ServerConfig,
     pub exports: Vec<volring_nbd::ExportSpec>,
 }
@@ -125,7 +125,7 @@ const LOCK_FILE: &str = "agent.lock";
 /// then the components stop, newest first: the publisher writes what is
 /// pending, the shared-volume loop empties this node's Endpoints, the CSI
 /// server lets running calls finish and removes its socket.
-pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
+pub(crate) async fn run(config: AgentConfig) -> anyhow::Result<()> {
     // The first line: how long the process took to reach its own code
     // (exec, loading) tells apart from what the start below costs.
     tracing::info!(pid = std::process::id(), "volring node starting");
@@ -178,7 +178,7 @@ fn say_ready(s: &start::Summary, events: &events::Events) {
 /// held until the process exits (its descriptor is never closed), also
 /// past `run` while the runtime waits for blocking work to end, so a
 /// restarted agent cannot start while the old one still touches the state.
-pub fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn lock_state_dir(dir: &Path) -> anyhow::Result<()> {
     use std::io::{Read, Seek, Write};
     use std::os::fd::IntoRawFd;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create the state directory {}", dir.display()))?;

@@ -1,8 +1,22 @@
-//! The `volring` command.
+//! The `volring` command: the top of the workspace (docs/architecture.md).
+//!
+//! The binary is the agent that starts and stops every component
+//! (`agent`), the metrics it serves (`metrics`) and the command line
+//! (`cli`). It has no library: nothing else links these modules, so none
+//! of their items is public. The engines live in the crates below it,
+//! lowest first: `volring-sys`, `volring-ring`, `volring-mounts`,
+//! `volring-devices`, `volring-nbd`, `volring-volumes`, `volring-share`,
+//! `volring-csi`, `volring-kube`.
+
+// A `pub` item here is reachable by nothing: an error under `-D warnings`
+// (tests/surface.rs counts `pub` lines under src/ too).
+#![warn(unreachable_pub)]
 
 use std::io::Write;
 
+mod agent;
 mod cli;
+mod metrics;
 
 use cli::args::{CsiArgs, ModeArg, NbdTuning, NodeNbdArgs, PublishArgs, ScanArgs, WatchArgs, DEFAULT_CSI_ENDPOINT};
 use cli::devices::{print_devices, watch_stats};
@@ -331,7 +345,7 @@ fn main() -> std::process::ExitCode {
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         // A closed stderr drops (and counts) log lines; it never stops the agent.
-        .with_writer(volring::metrics::logs::Stderr)
+        .with_writer(metrics::logs::Stderr)
         .log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => logs.json().with_current_span(false).init(),
@@ -366,7 +380,7 @@ fn node(args: NodeArgs) -> anyhow::Result<()> {
         "off" => None,
         a => Some(a.parse().with_context(|| format!("--metrics-addr {a:?}"))?),
     };
-    let config = volring::agent::AgentConfig {
+    let config = agent::AgentConfig {
         mounts: watch.config(),
         // One name for this node everywhere: the CSI node id it
         // reports is the name its BlockDevices and StorageNode carry.
@@ -398,7 +412,7 @@ fn node(args: NodeArgs) -> anyhow::Result<()> {
         nfs_client_address: csi.nfs_client_address,
         publish: publish.config(),
     };
-    runtime()?.block_on(volring::agent::run(config))
+    runtime()?.block_on(agent::run(config))
 }
 
 /// `volring get`: the node's objects from the cluster when one is

@@ -140,15 +140,21 @@ async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let stats = Arc::new(volring_kube::Stats::default());
-    let up = Updater::start_counting(sink, config("n1"), initial.clone(), stats.clone());
+    let mut c = config("n1");
+    c.stats = Some(stats.clone());
+    let up = Updater::start(sink, c, initial.clone());
     until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
-    let before = stats.snapshot().submitted;
+    let before = stats.submitted.load(std::sync::atomic::Ordering::Relaxed);
     let devs: Vec<_> = inv.devices.keys().copied().collect();
     inv.devices.remove(&devs[0]);
     inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
     feed.devices(&up, &inv, "n1");
     feed.devices(&up, &inv, "n1");
-    assert_eq!(stats.snapshot().submitted - before, 2, "one retire and one change; nothing for the third, or for the repeat");
+    assert_eq!(
+        stats.submitted.load(std::sync::atomic::Ordering::Relaxed) - before,
+        2,
+        "one retire and one change; nothing for the third, or for the repeat"
+    );
     let s = up.shutdown(Duration::from_secs(10)).await;
     let state = |k: &Key| server.api.object("blockdevices", &k.name).unwrap()["status"]["state"].clone();
     assert_eq!(state(&initial[0].key), "Inactive");

@@ -54,6 +54,7 @@ pub(super) struct Inputs<'a> {
 pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Components) -> anyhow::Result<Feeding> {
     let mut uc = UpdaterConfig::new(i.node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
+    uc.stats = Some(i.stats.clone());
     uc.unread_paths = volring_kube::feed::unread_paths(i.inventory);
     let node_signal = NodeSignal::default();
     // What the healer hook's cross-check found (cluster only).
@@ -62,7 +63,6 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
     let source = KubeSink::detect();
     let to_cluster = p.kube.unwrap_or(source.is_some());
-    let queued_stats = i.stats.clone();
     let up = if to_cluster {
         // The User-Agent names this node as the agent knows it (--node-id).
         let sink = Arc::new(KubeSink::infer_for(i.node).await.context("--kube")?);
@@ -72,18 +72,18 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
             let hook = volring_kube::attachments::healer_hook(sink.clone(), d, i.node.to_string(), unknown, node_signal.clone());
             cut_at_stop("healer hook", hook, parts);
         }
-        Updater::start_counting(sink, uc, initial, i.stats)
+        Updater::start(sink, uc, initial)
     } else {
         let store = match i.driver.as_ref().map(|d| d.store()) {
             Some(s) => s,
             None => Arc::new(volring_volumes::store::Store::open(&i.state_dir.join(volring_volumes::store::FILE))?),
         };
         tracing::info!(target: TARGET, objects = initial.len(), "no cluster: publishing to the node's store");
-        Updater::start_counting(Arc::new(EmbeddedSink::new(store)), uc, initial, i.stats)
+        Updater::start(Arc::new(EmbeddedSink::new(store)), uc, initial)
     };
     let up = Arc::new(up);
-    record_queued(queued_stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
-    let follower = parts.tasks().spawn(node_feed.follow(up.handle()));
+    record_queued(i.stats, i.state_dir, if to_cluster { Target::Cluster } else { Target::Store }, parts);
+    let follower = parts.tasks().spawn(node_feed.follow(&up));
     let last = up.clone();
     parts.started("publisher", STOP_WAIT, move || async move {
         // Dropped, the follower submits the StorageNode as it is now.

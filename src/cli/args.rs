@@ -109,14 +109,14 @@ impl NodeNbdArgs {
 }
 
 impl NodeNbdArgs {
-    pub(crate) fn config(&self) -> anyhow::Result<Option<volring::agent::NbdConfig>> {
+    pub(crate) fn config(&self) -> anyhow::Result<Option<crate::agent::NbdConfig>> {
         if self.nbd_listen.is_empty() {
             anyhow::ensure!(self.nbd_export.is_empty(), "--nbd-export needs --nbd-listen");
             return Ok(None);
         }
         let listen = self.nbd_listen.iter().map(|l| l.parse()).collect::<Result<Vec<_>, _>>()?;
         let exports = self.nbd_export.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
-        Ok(Some(volring::agent::NbdConfig { server: self.tuning.config(listen), exports }))
+        Ok(Some(crate::agent::NbdConfig { server: self.tuning.config(listen), exports }))
     }
 }
 
@@ -333,8 +333,8 @@ pub(crate) struct PublishArgs {
 }
 
 impl PublishArgs {
-    pub(crate) fn config(&self) -> Option<volring::agent::PublishConfig> {
-        (!self.no_publish).then(|| volring::agent::PublishConfig {
+    pub(crate) fn config(&self) -> Option<crate::agent::PublishConfig> {
+        (!self.no_publish).then(|| crate::agent::PublishConfig {
             kube: if self.kube {
                 Some(true)
             } else if self.local_store {

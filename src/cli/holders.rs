@@ -17,7 +17,7 @@ use volring_volumes::store::{Store, FILE};
 
 /// Lists the holders, or releases `release`'s remote holder.
 pub(crate) fn holders(state_dir: &Path, release: Option<&str>, json: bool) -> anyhow::Result<()> {
-    volring::agent::lock_state_dir(state_dir)?;
+    crate::agent::lock_state_dir(state_dir)?;
     let store = Store::open(&state_dir.join(FILE)).with_context(|| format!("open {}", state_dir.join(FILE).display()))?;
     let fence = Fence::open(Arc::new(store)).map_err(|e| anyhow::anyhow!("{e}"))?;
     if let Some(id) = release {

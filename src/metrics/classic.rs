@@ -11,7 +11,7 @@
 
 /// What the scraper asked for, from its `Accept` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
+pub(crate) enum Format {
     OpenMetrics,
     Classic,
 }

@@ -20,12 +20,12 @@ pub(crate) fn lines_lost() -> u64 {
 /// A `MakeWriter` for stderr that never fails: what stderr refuses is
 /// counted in `lines_lost` and dropped.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Stderr;
+pub(crate) struct Stderr;
 
 /// One event's writer (tracing-subscriber formats an event into a buffer
 /// and writes it with one `write_all`).
 #[derive(Debug)]
-pub struct LossyWriter;
+pub(crate) struct LossyWriter;
 
 impl Write for LossyWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

@@ -20,11 +20,11 @@ use prometheus_client::registry::Registry;
 mod classic;
 mod csi;
 mod device_info;
-pub mod logs;
+pub(crate) mod logs;
 mod publish;
 mod volume;
 
-pub use classic::Format;
+use classic::Format;
 
 use volring_devices::{HotplugStats, Inventory, StatsReader};
 use volring_mounts::WatcherStats;

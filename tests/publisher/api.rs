@@ -1,5 +1,5 @@
-//! Reading and the API's rules: paginated lists, the embedded store, this
-//! machine's devices read back, VolumeAttachments, the User-Agent, and what
+//! Reading and the API's rules: paginated lists, this machine's devices
+//! read back, VolumeAttachments, the User-Agent, and what
 //! the stand-in refuses as the API server does.
 
 use super::*;
@@ -22,37 +22,6 @@ async fn lists_are_paginated() {
     assert_eq!(listed.len(), 1203);
     let pages = server.api.log().iter().filter(|l| l.query.contains("limit=500")).count();
     assert_eq!(pages, 3);
-}
-
-#[tokio::test]
-async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(volring_volumes::store::FILE);
-    let objs: Vec<Object> = (0..20).map(|i| bd("n1", i, 3)).collect();
-    {
-        let store = Arc::new(volring_volumes::store::Store::open(&path).unwrap());
-        let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), vec![]);
-        for g in 0..4 {
-            for i in 0..20 {
-                up.submit(bd("n1", i, g));
-            }
-        }
-        let stats = up.shutdown(Duration::from_secs(10)).await;
-        assert_eq!((stats.writes_main, stats.writes_status), (20, 20));
-    }
-    let seen = volring_volumes::store::Store::read_only(&path, true).unwrap().published;
-    assert_eq!(seen.len(), 20);
-    for o in &objs {
-        // The store key is `Kind/name` (the test's own: `volring get` reads it).
-        let key = format!("BlockDevice/{}", o.key.name);
-        let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
-        let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
-        assert_eq!(&back, o);
-    }
-    let store = Arc::new(volring_volumes::store::Store::open(&path).unwrap());
-    let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), objs[..19].to_vec());
-    let stats = up.shutdown(Duration::from_secs(10)).await;
-    assert_eq!((stats.writes_main, stats.writes_status), (0, 1), "only the gone device is written: {stats:?}");
 }
 
 /// This machine's real devices, as the agent builds them, published to the
@@ -156,6 +125,18 @@ async fn raw(server: &Server, method: Method, uri: &str, body: serde_json::Value
     (status, warnings, serde_json::from_slice(&bytes).unwrap_or_default())
 }
 
+/// The two server-side apply bodies of `o`, labels and spec, and the status
+/// for the status subresource, made from the test's own API form
+/// (`kube_support::api_form`), not the publisher's: the test below is about
+/// what the stand-in refuses (the updater's tests send the publisher's).
+fn apply_bodies(o: &Object) -> (serde_json::Value, serde_json::Value) {
+    let mut main = crate::kube_support::api_form(o);
+    let status = main.as_object_mut().unwrap().remove("status").unwrap_or_default();
+    let status =
+        json!({"apiVersion": main["apiVersion"], "kind": main["kind"], "metadata": {"name": main["metadata"]["name"]}, "status": status});
+    (main, status)
+}
+
 /// Issue 29: the stand-in refuses what the API server refuses (and only
 /// that): an unknown field under `fieldValidation=Strict` (400; dropped
 /// with a Warning by default), an object its CRD's schema does not allow
@@ -168,7 +149,8 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
     let o = bd("n1", 1, 1);
     let url = format!("/apis/volring.io/v1alpha1/blockdevices/{}?fieldManager=t", o.key.name);
     let status_url = format!("/apis/volring.io/v1alpha1/blockdevices/{}/status?fieldManager=t", o.key.name);
-    let mut body = o.main_body();
+    let (main_body, status_body) = apply_bodies(&o);
+    let mut body = main_body.clone();
     body["spec"]["colour"] = json!("blue");
     let (code, _, reply) = raw(&server, Method::PATCH, &format!("{url}&fieldValidation=Strict"), body.clone()).await;
     assert_eq!(code, 400, "{reply}");
@@ -177,25 +159,25 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
     assert_eq!((code, warnings), (201, vec!["299 - \"unknown field \\\"spec.colour\\\"\"".to_string()]), "{reply}");
     assert!(server.api.object("blockdevices", &o.key.name).unwrap()["spec"].get("colour").is_none(), "dropped");
 
-    let mut bad = o.status_body();
+    let mut bad = status_body.clone();
     bad["status"]["state"] = json!("Bogus");
     let (code, _, reply) = raw(&server, Method::PATCH, &status_url, bad).await;
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("status.state: Unsupported value: \"Bogus\""), "{reply}");
-    let mut bad = o.main_body();
+    let mut bad = main_body.clone();
     bad["spec"]["capacity"]["storage"] = json!("a lot");
     let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("spec.capacity.storage in body must be of type integer"), "{reply}");
-    let mut bad = o.main_body();
+    let mut bad = main_body.clone();
     bad["metadata"]["labels"][NODE_LABEL] = json!("n".repeat(64));
     let (code, _, reply) = raw(&server, Method::PATCH, &url, bad).await;
     assert_eq!(code, 422, "{reply}");
     assert!(reply["message"].as_str().unwrap().contains("at most 63 characters"), "{reply}");
 
-    let (code, _, reply) = raw(&server, Method::PATCH, &status_url, o.status_body()).await;
+    let (code, _, reply) = raw(&server, Method::PATCH, &status_url, status_body.clone()).await;
     assert_eq!(code, 200, "{reply}");
-    let mut empty = o.status_body();
+    let mut empty = status_body.clone();
     empty.as_object_mut().unwrap().remove("status");
     let (code, _, reply) = raw(&server, Method::PATCH, &status_url, empty).await;
     assert_eq!(code, 200, "{reply}");
@@ -208,7 +190,9 @@ async fn the_stand_in_refuses_what_the_api_server_refuses() {
 async fn a_write_the_schema_refuses_is_dropped_and_counted() {
     let server = Server::start().await;
     let stats = Arc::new(volring_kube::Stats::default());
-    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
+    let mut c = config("n1");
+    c.stats = Some(stats.clone());
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
     let mut o = bd("n1", 1, 1);
     o.status["state"] = json!("Exploded");
     up.submit(o.clone());

@@ -22,7 +22,6 @@ use axum::http::Method;
 use kube_support::{Fault, Server};
 use publisher_support::*;
 use serde_json::json;
-use volring_kube::embedded_sink::EmbeddedSink;
 use volring_kube::kube_sink::KubeSink;
 use volring_kube::{GonePolicy, Updater, UpdaterConfig};
 use volring_kube::{Kind, Object};

@@ -123,7 +123,8 @@ async fn a_429_halves_the_requests_in_flight_and_only_its_object_waits() {
     server.api.set_hold(Duration::from_millis(100));
     server.api.inject(Fault { status: 429, retry_after: Some(2), method: Some(Method::PATCH), path_contains: String::new(), times: 1 });
     let stats = Arc::new(volring_kube::Stats::default());
-    let up = Updater::start_counting(sink, c, objs, stats.clone());
+    c.stats = Some(stats.clone());
+    let up = Updater::start(sink, c, objs);
     until("the initial lists", || server.api.log().len() >= 2).await;
     let now: Vec<Object> = (0..40).map(|i| bd("n1", i, 1)).collect();
     for o in &now {
@@ -162,7 +163,8 @@ async fn requests_in_flight_stay_within_the_concurrency() {
     server.api.set_hold(Duration::from_millis(50));
     let objs: Vec<Object> = (0..40).map(|i| bd("n1", i, 1)).collect();
     let stats = Arc::new(volring_kube::Stats::default());
-    let up = Updater::start_counting(sink, c, objs, stats.clone());
+    c.stats = Some(stats.clone());
+    let up = Updater::start(sink, c, objs);
     // The queue gauge (volring_publish_queued) counts what is being written.
     let queued = || stats.queued.load(std::sync::atomic::Ordering::Relaxed);
     until("the queue gauge to count the batch", || queued() >= 30).await;

@@ -50,7 +50,9 @@ async fn ten_thousand_changes_to_a_hundred_objects_coalesce_and_a_restart_writes
 async fn a_refused_write_is_dropped_and_counted() {
     let server = Server::start().await;
     let stats = Arc::new(volring_kube::Stats::default());
-    let up = Updater::start_counting(Arc::new(KubeSink::new(server.config()).unwrap()), config("n1"), vec![], stats.clone());
+    let mut c = config("n1");
+    c.stats = Some(stats.clone());
+    let up = Updater::start(Arc::new(KubeSink::new(server.config()).unwrap()), c, vec![]);
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 422, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     up.submit(o.clone());

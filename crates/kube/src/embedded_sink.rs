@@ -97,3 +97,80 @@ impl Sink for EmbeddedSink {
         blocking(move || store.apply(&[Change::RemovePublished(&k)])).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+    use sha2::Digest;
+
+    use super::*;
+    use crate::{Updater, UpdaterConfig};
+    use volring_volumes::store;
+
+    /// A BlockDevice of `node` numbered `i`, whose status carries `gen`;
+    /// its name and labels are the test's own (as tests/publisher_support
+    /// makes them), not the crate's.
+    fn bd(node: &str, i: usize, gen: usize) -> Object {
+        let stable = format!("serial-test-{node}-{i}");
+        let mut h = sha2::Sha256::new();
+        h.update(node.as_bytes());
+        h.update([0u8]);
+        h.update(stable.as_bytes());
+        let name = format!("bd-{}", h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>());
+        Object {
+            key: Key { kind: Kind::BlockDevice, name },
+            labels: [("volring.io/node".to_string(), node.to_string()), ("volring.io/kind".to_string(), "blockdevice".to_string())].into(),
+            spec: json!({"nodeName": node, "path": format!("/dev/sd{i}"), "stableId": stable,
+                "capacity": {"storage": 1u64 << 30, "logicalSectorSize": 512, "physicalSectorSize": 4096},
+                "details": {"deviceType": "disk", "driveType": "SSD", "removable": false, "readOnly": false},
+                "devlinks": [], "partitioned": false}),
+            status: json!({"state": "Active", "claimState": "Unclaimed", "mountPoints": [format!("/mnt/{gen}")], "holders": []}),
+        }
+    }
+
+    /// Fast enough for a test; the defaults are what the agent uses.
+    fn config(node: &str) -> UpdaterConfig {
+        let mut c = UpdaterConfig::new(node);
+        c.qps = 1000.0;
+        c.burst = 1000;
+        c.window = Duration::from_millis(300);
+        c.backoff_min = Duration::from_millis(50);
+        c
+    }
+
+    /// With no cluster the objects land in the node's store, in the API's
+    /// form, and a restart with one device gone writes only that one.
+    /// (Moved from tests/publisher/api.rs: it needs no API stand-in.)
+    #[tokio::test]
+    async fn with_no_cluster_the_objects_land_in_the_store_and_a_restart_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(store::FILE);
+        let objs: Vec<Object> = (0..20).map(|i| bd("n1", i, 3)).collect();
+        {
+            let store = Arc::new(Store::open(&path).unwrap());
+            let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), vec![]);
+            for g in 0..4 {
+                for i in 0..20 {
+                    up.submit(bd("n1", i, g));
+                }
+            }
+            let stats = up.shutdown(Duration::from_secs(10)).await;
+            assert_eq!((stats.writes_main, stats.writes_status), (20, 20));
+        }
+        let seen = Store::read_only(&path, true).unwrap().published;
+        assert_eq!(seen.len(), 20);
+        for o in &objs {
+            // The store key is `Kind/name` (the test's own: `volring get` reads it).
+            let key = format!("BlockDevice/{}", o.key.name);
+            let (_, bytes) = seen.iter().find(|(k, _)| *k == key).expect("stored");
+            let back = Object::from_api(Kind::BlockDevice, &serde_json::from_slice(bytes).unwrap()).unwrap();
+            assert_eq!(&back, o);
+        }
+        let store = Arc::new(Store::open(&path).unwrap());
+        let up = Updater::start(Arc::new(EmbeddedSink::new(store)), config("n1"), objs[..19].to_vec());
+        let stats = up.shutdown(Duration::from_secs(10)).await;
+        assert_eq!((stats.writes_main, stats.writes_status), (0, 1), "only the gone device is written: {stats:?}");
+    }
+}

@@ -39,4 +39,4 @@ pub use fuzz::fuzz_api_object;
 pub use objects::{crds_yaml, Key, Kind, Object};
 pub use sink::{Part, Seen, Sink, SinkError, Watched};
 pub use stats::{Stats, StatsSnapshot};
-pub use updater::{GonePolicy, Submitter, Updater, UpdaterConfig};
+pub use updater::{GonePolicy, Updater, UpdaterConfig};

@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 
 use super::feed;
 use super::objects::{self, Object};
-use super::updater::Submitter;
+use super::updater::{Submitter, Updater};
 use volring_volumes::HealthView;
 use volring_volumes::{ClusterNames, StagedVolume, VolumeIdentity};
 
@@ -73,14 +73,16 @@ impl NodeFeed {
         }
     }
 
-    /// Follows the signals for good, submitting each changed object. When
+    /// Follows the signals for good, submitting each changed object to
+    /// `up` (the future holds its own handle, not `up`). When
     /// the task is dropped (the publisher's stop aborts it), submits the
     /// object as it is then, for the updater's last flush (what is already
     /// stored is not written again). The last look is armed before the
     /// future is first polled, so a stop right after the start still
     /// submits it; it is skipped while unwinding (the builder that
     /// panicked would be called again inside the panic).
-    pub fn follow(mut self, to: Submitter) -> impl std::future::Future<Output = ()> + Send {
+    pub fn follow(mut self, up: &Updater) -> impl std::future::Future<Output = ()> + Send {
+        let to = up.handle();
         /// The last look, taken as the follower is dropped.
         struct Last(Builder, Submitter);
         impl Drop for Last {
@@ -271,7 +273,7 @@ mod tests {
         let sink = Arc::new(Memory::default());
         let up = Updater::start(sink, UpdaterConfig::new("n1"), vec![feed.current()]);
         let before = builds.load(Ordering::SeqCst);
-        drop(feed.follow(up.handle()));
+        drop(feed.follow(&up));
         assert_eq!(builds.load(Ordering::SeqCst), before + 1, "no last look was taken");
         up.shutdown(Duration::from_secs(5)).await;
     }
@@ -302,8 +304,9 @@ mod tests {
         let mut config = UpdaterConfig::new("n1");
         config.window = Duration::from_millis(300);
         let stats = Arc::new(crate::Stats::default());
-        let up = Updater::start_counting(sink.clone(), config, vec![feed.current()], stats.clone());
-        let follower = tokio::spawn(feed.follow(up.handle()));
+        config.stats = Some(stats.clone());
+        let up = Updater::start(sink.clone(), config, vec![feed.current()]);
+        let follower = tokio::spawn(feed.follow(&up));
         until("the initial StorageNode", || stats.writes_status.load(Ordering::SeqCst) == 1).await;
 
         // Quiet: longer than the 2 s timer this replaced, no rebuild at all.

@@ -341,7 +341,7 @@ pub struct Object {
 
 impl Object {
     /// The body of a server-side apply of labels and spec.
-    pub fn main_body(&self) -> serde_json::Value {
+    pub(crate) fn main_body(&self) -> serde_json::Value {
         serde_json::json!({
             "apiVersion": format!("{GROUP}/{VERSION}"),
             "kind": self.key.kind.as_str(),
@@ -351,7 +351,7 @@ impl Object {
     }
 
     /// The body of a server-side apply to the status subresource.
-    pub fn status_body(&self) -> serde_json::Value {
+    pub(crate) fn status_body(&self) -> serde_json::Value {
         serde_json::json!({
             "apiVersion": format!("{GROUP}/{VERSION}"),
             "kind": self.key.kind.as_str(),
@@ -362,7 +362,7 @@ impl Object {
 
     /// Reads back an object as the API (or the embedded store) returns it,
     /// keeping only what volring writes: its labels, spec and status.
-    pub fn from_api(kind: Kind, v: &serde_json::Value) -> Option<Object> {
+    pub(crate) fn from_api(kind: Kind, v: &serde_json::Value) -> Option<Object> {
         let name = v.pointer("/metadata/name")?.as_str()?.to_string();
         let labels = v
             .pointer("/metadata/labels")

@@ -59,7 +59,7 @@ pub struct StatsSnapshot {
 }
 
 impl Stats {
-    pub fn snapshot(&self) -> StatsSnapshot {
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         StatsSnapshot {
             submitted: g(&self.submitted),

@@ -97,6 +97,11 @@ pub struct UpdaterConfig {
     /// `/dev` paths of devices present whose stable id could not be read
     /// at start: their stored objects are not retired by the first diff.
     pub unread_paths: HashSet<String>,
+    /// Where the updater counts: counters made by whoever reads them
+    /// (`/metrics`, a test) before the start, so they hold them from then
+    /// on; `None`: a fresh set for this updater alone (a clone of the
+    /// config shares what is given here).
+    pub stats: Option<Arc<Stats>>,
 }
 
 impl UpdaterConfig {
@@ -116,6 +121,7 @@ impl UpdaterConfig {
             backoff_max: Duration::from_secs(30),
             gone: GonePolicy::MarkInactive,
             unread_paths: HashSet::new(),
+            stats: None,
         }
     }
 }
@@ -163,16 +169,11 @@ pub struct Updater {
 }
 
 impl Updater {
-    /// Starts the updater. `initial` is everything this node has now: the
-    /// first LIST is diffed against it, and this node's stored objects
-    /// missing from it are retired.
+    /// Starts the updater, counting into `config.stats`. `initial` is
+    /// everything this node has now: the first LIST is diffed against it,
+    /// and this node's stored objects missing from it are retired.
     pub fn start<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>) -> Updater {
-        Self::start_counting(sink, config, initial, Arc::default())
-    }
-
-    /// [`Updater::start`], counting into `stats` (made before the updater,
-    /// so `/metrics` can hold them from its start).
-    pub fn start_counting<S: Sink>(sink: Arc<S>, config: UpdaterConfig, initial: Vec<Object>, stats: Arc<Stats>) -> Updater {
+        let stats = config.stats.clone().unwrap_or_default();
         let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), wake: Notify::new(), stats, stopping: AtomicBool::new(false) });
         let worker = Worker::new(sink, shared.clone(), config);
         let task = tokio::spawn(worker.run(initial));
@@ -191,7 +192,7 @@ impl Updater {
 
     /// A handle that submits to this updater, for a task of its own (the
     /// StorageNode's follower).
-    pub fn handle(&self) -> Submitter {
+    pub(crate) fn handle(&self) -> Submitter {
         Submitter { shared: self.shared.clone() }
     }
 
@@ -216,7 +217,7 @@ impl Updater {
 /// Submits to a running updater; cheap to clone. Once the updater has
 /// stopped, what is submitted is dropped.
 #[derive(Clone)]
-pub struct Submitter {
+pub(crate) struct Submitter {
     shared: Arc<Shared>,
 }
 
