@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring_devices::probe::{FsType, TableType};
 use volring_devices::{describe, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector, StatMethod, StatSource, Use};
+use volring_devices::{FsType, TableType};
 use volring_mounts::MountTable;
 use volring_ring::BackendChoice;
 
@@ -141,7 +141,7 @@ fn holders_and_slaves() -> Result<(), Failed> {
     check(below.holders == vec![dm.name.clone()], format!("holders {:?}", below.holders))?;
     check(below.uses.iter().any(|u| matches!(u, Use::Held(h) if h == &vec![dm.name.clone()])), format!("uses {:?}", below.uses))?;
     check(dm.slaves == vec![lo.name().to_string()], format!("slaves {:?}", dm.slaves))?;
-    check(dm.kind.as_str() == "dm", format!("kind {:?}", dm.kind))?;
+    check(dm.kind.to_string() == "dm", format!("kind {:?}", dm.kind))?;
     Ok(())
 }
 

@@ -143,8 +143,7 @@ impl Events {
     fn relink(&mut self) -> Vec<(String, volring_mounts::DevNum)> {
         self.dirty = false;
         let before: Vec<_> = self.published.load().devices.keys().copied().collect();
-        self.inventory.link(&read(&self.table), &self.devices.node_name);
-        self.inventory.devices.retain(|_, d| self.devices.filter.admits(d));
+        self.inventory.link(&read(&self.table), &self.devices);
         let mut again = Vec::new();
         if let Some(driver) = &self.csi {
             let staged = driver.staged();
@@ -187,7 +186,8 @@ impl Events {
             if self.log_events {
                 tracing::info!(target: TARGET, device = %d.name, fstype = d.fstype(), "device probed again for its volume");
             }
-            self.inventory.insert(d);
+            // What a probe finds again is a change to the device.
+            self.inventory.apply(DeviceEvent::Changed { device: Box::new(d), seqnum: None });
         }
         self.reprobed.extend(asked);
         self.dirty = true;
@@ -268,22 +268,15 @@ fn device_name(ev: &DeviceEvent) -> Option<&str> {
 /// Applies a device event other than a rescan (the loop runs those);
 /// joining with the mount table and the filter happen on the next relink.
 fn apply_device(inv: &mut Inventory, ev: DeviceEvent, log: bool) {
-    match ev {
-        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
-            if log {
-                tracing::info!(target: TARGET, device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
-            }
-            inv.insert(*device);
+    match &ev {
+        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } if log => {
+            tracing::info!(target: TARGET, device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
         }
-        DeviceEvent::Removed { name, .. } => {
-            if log {
-                tracing::info!(target: TARGET, device = %name, "device removed");
-            }
-            inv.remove_named(&name);
-        }
+        DeviceEvent::Removed { name, .. } if log => tracing::info!(target: TARGET, device = %name, "device removed"),
         // The loop runs rescans itself, off the runtime; none comes here.
-        DeviceEvent::Rescan { .. } => {}
+        _ => {}
     }
+    inv.apply(ev);
 }
 
 /// Waits until the volumes' records changed; never, with no CSI driver.

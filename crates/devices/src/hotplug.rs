@@ -13,38 +13,12 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use serde::Serialize;
-
-use super::device::Device;
+use super::device::DeviceEvent;
 use super::inventory::{describe, ScanConfig};
 use super::uevent::{self, Action, MAX_UEVENT};
 use volring_mounts::DevNum;
 use volring_ring::queue::{self, Receiver, Sender};
 use volring_ring::{Completion, Driver, Events, Flow, Reactor, ReactorOp, RingStats, RingThread};
-
-/// A change to the set of devices.
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "event", rename_all = "lowercase")]
-pub enum DeviceEvent {
-    Added {
-        device: Box<Device>,
-        seqnum: Option<u64>,
-    },
-    Changed {
-        device: Box<Device>,
-        seqnum: Option<u64>,
-    },
-    Removed {
-        name: String,
-        dev: Option<DevNum>,
-        seqnum: Option<u64>,
-    },
-    /// Events were lost (the socket's buffer or the queue overflowed):
-    /// rescan. The next events after this one are complete again.
-    Rescan {
-        reason: &'static str,
-    },
-}
 
 /// Counters of the hot-plug thread.
 #[derive(Debug, Default)]
