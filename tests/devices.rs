@@ -221,9 +221,8 @@ fn counters_see_io() -> Result<(), Failed> {
         .iter()
         .map(|&m| src.read(m).map(|s| s[0].2.clone()))
         .collect::<Result<_, _>>()?;
-    let collector =
+    let (collector, reader) =
         StatCollector::start(volring_devices::CollectorConfig { interval: Duration::from_millis(50), ..Default::default() }, tracked)?;
-    let reader = collector.reader();
     let mut f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(lo.path())?;
     let buf = AlignedBlock::new();
     use std::io::Write;

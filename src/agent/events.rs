@@ -13,7 +13,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::task::JoinHandle;
 
-use volring_devices::{DeviceEvent, Inventory, ScanConfig, StatCollector};
+use volring_devices::{DeviceEvent, Inventory, ScanConfig, StatCollector, StatsReader};
 use volring_mounts::{MountTable, MountWatcher, WatchEvent, WatcherStats};
 use volring_ring::queue::Receiver;
 use volring_volumes::{Changed, Notifier};
@@ -43,6 +43,8 @@ pub(super) struct Events {
     /// Shared with its component, which stops it once the loop is over.
     pub watcher: Arc<MountWatcher>,
     pub collector: Arc<StatCollector>,
+    /// The collector's latest sample (for the status line).
+    pub device_stats: StatsReader,
     pub mount_events: Receiver<WatchEvent>,
     pub device_events: Receiver<DeviceEvent>,
     /// The reconciler, when the CSI driver runs.
@@ -195,7 +197,7 @@ impl Events {
 
     fn report(&self) {
         let s = self.watcher.stats();
-        let snap = self.collector.reader().latest();
+        let snap = self.device_stats.latest();
         tracing::info!(target: TARGET, mounts = read(&self.table).len(), events = s.mount_events, resyncs = s.resyncs,
             cpu_ms = s.cpu.as_millis() as u64, devices = self.inventory.devices.len(), stat_method = snap.method,
             stat_cost_us = snap.cost.as_micros() as u64, "status");
