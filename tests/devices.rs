@@ -187,7 +187,7 @@ fn garbage_superblock_and_vanished_device() -> Result<(), Failed> {
 }
 
 fn hotplug_add_and_remove(io: BackendChoice) -> Result<(), Failed> {
-    let (watcher, rx) = DeviceWatcher::start(ScanConfig { io, ..scan_config() }, 256)?;
+    let (watcher, rx) = DeviceWatcher::start(ScanConfig { io, ..scan_config() }, 256, Default::default())?;
     let lo = LoopDevice::new(16 << 20);
     lo.mkfs("ext4");
     let name = lo.name().to_string();

@@ -273,8 +273,10 @@ struct Devices {
 /// collector starts on the scanned devices.
 async fn watch_devices(config: &AgentConfig, table: &RwLock<MountTable>, parts: &mut Components) -> anyhow::Result<Devices> {
     let c = config.devices.clone();
-    let (hotplug, events) = tokio::task::spawn_blocking(move || DeviceWatcher::start(c, 4096)).await??;
-    let (hotplug_stats, hotplug_ring) = (hotplug.stats().clone(), hotplug.ring_stats().clone());
+    let hotplug_stats = Arc::new(HotplugStats::default());
+    let counting = hotplug_stats.clone();
+    let (hotplug, events) = tokio::task::spawn_blocking(move || DeviceWatcher::start(c, 4096, counting)).await??;
+    let hotplug_ring = hotplug.ring_stats().clone();
     parts.started_blocking("hot-plug listener", RING_WAIT, move || Ok(hotplug.stop()?));
     let inventory = events::scan(&config.devices, table).await??;
     tracing::info!(target: TARGET, devices = inventory.devices.len(), "block device inventory");

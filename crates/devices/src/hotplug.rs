@@ -20,7 +20,8 @@ use volring_mounts::DevNum;
 use volring_ring::queue::{self, Receiver, Sender};
 use volring_ring::{Completion, Driver, Events, Flow, Reactor, ReactorOp, RingStats, RingThread};
 
-/// Counters of the hot-plug thread.
+/// Counters of the hot-plug thread. Who reads them (`/metrics`) makes them
+/// and hands them to [`DeviceWatcher::start`].
 #[derive(Debug, Default)]
 pub struct HotplugStats {
     pub uevents: AtomicU64,
@@ -31,29 +32,22 @@ pub struct HotplugStats {
 
 pub struct DeviceWatcher {
     ring: RingThread<HotplugDriver>,
-    stats: Arc<HotplugStats>,
 }
 
 impl DeviceWatcher {
     /// Starts listening. Events are relative to the devices that have a size
     /// once the socket is open: start it before scanning, and nothing
-    /// plugged in between is missed.
-    pub fn start(cfg: ScanConfig, capacity: usize) -> io::Result<(Self, Receiver<DeviceEvent>)> {
+    /// plugged in between is missed. The thread counts into `stats`.
+    pub fn start(cfg: ScanConfig, capacity: usize, stats: Arc<HotplugStats>) -> io::Result<(Self, Receiver<DeviceEvent>)> {
         let (tx, rx) = queue::bounded(capacity);
-        let stats = Arc::new(HotplugStats::default());
-        let st = stats.clone();
         let io = cfg.io;
         let make = move || {
             let sock = Arc::new(volring_sys::netlink::uevent_socket(4 << 20)?);
             let present = sized_devices(&cfg.sys);
-            Ok(HotplugDriver { cfg, sock, tx, present, stats: st, buf: vec![0; MAX_UEVENT], lost: false })
+            Ok(HotplugDriver { cfg, sock, tx, present, stats, buf: vec![0; MAX_UEVENT], lost: false })
         };
         let ring = RingThread::spawn_with("volring-hotplug", make, io, 16)?;
-        Ok((Self { ring, stats }, rx))
-    }
-
-    pub fn stats(&self) -> &Arc<HotplugStats> {
-        &self.stats
+        Ok((Self { ring }, rx))
     }
 
     pub fn ring_stats(&self) -> &Arc<RingStats> {
