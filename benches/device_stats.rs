@@ -116,8 +116,21 @@ fn main() {
         for (m, t) in &results {
             println!("  {:<10} {:>8.3} ms  {:>5.2}x the fastest", m, t.as_secs_f64() * 1e3, t.as_secs_f64() / best.as_secs_f64());
         }
-        let chosen = src.calibrate(3);
-        println!("  auto picks {} here; {} io-wq workers served the ring's reads", chosen[0].0, iou_workers());
+        // What `auto` picks, timed as the collector times it: the median of
+        // three reads of each method it chooses among, the fastest wins.
+        let timed = |m: StatMethod, src: &mut StatSource| {
+            let times = (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    std::hint::black_box(src.read(m).expect("read"));
+                    t.elapsed()
+                })
+                .collect();
+            (m, median(times))
+        };
+        let auto = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread].map(|m| timed(m, &mut src));
+        let chosen = auto.iter().min_by_key(|&&(_, t)| t).expect("methods").0;
+        println!("  auto picks {chosen} here; {} io-wq workers served the ring's reads", iou_workers());
         let t = Instant::now();
         drop(src);
         drop(farm);

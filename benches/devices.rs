@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use volring_devices::probe::{probe, PROBE_LEN};
 use volring_devices::{parse_diskstats, IoCounters, IoRates};
+use volring_devices::{probe, PROBE_LEN};
 
 fn diskstats_text(n: usize) -> Vec<u8> {
     let mut s = String::new();

@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use volring_devices::probe::probe_reads;
+use volring_devices::probe_reads;
 use volring_sys::loopdev::{LoopDevice, LoopOptions};
 
 struct Dev {

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use volring_devices::probe::{FsType, TableType};
 use volring_devices::{describe, DeviceEvent, DeviceWatcher, Inventory, ScanConfig, StatCollector, StatMethod, StatSource, Use};
+use volring_devices::{FsType, TableType};
 use volring_mounts::MountTable;
 use volring_ring::BackendChoice;
 
@@ -141,7 +141,7 @@ fn holders_and_slaves() -> Result<(), Failed> {
     check(below.holders == vec![dm.name.clone()], format!("holders {:?}", below.holders))?;
     check(below.uses.iter().any(|u| matches!(u, Use::Held(h) if h == &vec![dm.name.clone()])), format!("uses {:?}", below.uses))?;
     check(dm.slaves == vec![lo.name().to_string()], format!("slaves {:?}", dm.slaves))?;
-    check(dm.kind.as_str() == "dm", format!("kind {:?}", dm.kind))?;
+    check(dm.kind.to_string() == "dm", format!("kind {:?}", dm.kind))?;
     Ok(())
 }
 
@@ -187,7 +187,7 @@ fn garbage_superblock_and_vanished_device() -> Result<(), Failed> {
 }
 
 fn hotplug_add_and_remove(io: BackendChoice) -> Result<(), Failed> {
-    let (watcher, rx) = DeviceWatcher::start(ScanConfig { io, ..scan_config() }, 256)?;
+    let (watcher, rx) = DeviceWatcher::start(ScanConfig { io, ..scan_config() }, 256, Default::default())?;
     let lo = LoopDevice::new(16 << 20);
     lo.mkfs("ext4");
     let name = lo.name().to_string();
@@ -221,9 +221,8 @@ fn counters_see_io() -> Result<(), Failed> {
         .iter()
         .map(|&m| src.read(m).map(|s| s[0].2.clone()))
         .collect::<Result<_, _>>()?;
-    let collector =
+    let (collector, reader) =
         StatCollector::start(volring_devices::CollectorConfig { interval: Duration::from_millis(50), ..Default::default() }, tracked)?;
-    let reader = collector.reader();
     let mut f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(lo.path())?;
     let buf = AlignedBlock::new();
     use std::io::Write;

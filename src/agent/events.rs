@@ -13,7 +13,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::task::JoinHandle;
 
-use volring_devices::{DeviceEvent, Inventory, ScanConfig, StatCollector};
+use volring_devices::{DeviceEvent, Inventory, ScanConfig, StatCollector, StatsReader};
 use volring_mounts::{MountTable, MountWatcher, WatchEvent, WatcherStats};
 use volring_ring::queue::Receiver;
 use volring_volumes::{Changed, Notifier};
@@ -43,6 +43,8 @@ pub(super) struct Events {
     /// Shared with its component, which stops it once the loop is over.
     pub watcher: Arc<MountWatcher>,
     pub collector: Arc<StatCollector>,
+    /// The collector's latest sample (for the status line).
+    pub device_stats: StatsReader,
     pub mount_events: Receiver<WatchEvent>,
     pub device_events: Receiver<DeviceEvent>,
     /// The reconciler, when the CSI driver runs.
@@ -143,8 +145,7 @@ impl Events {
     fn relink(&mut self) -> Vec<(String, volring_mounts::DevNum)> {
         self.dirty = false;
         let before: Vec<_> = self.published.load().devices.keys().copied().collect();
-        self.inventory.link(&read(&self.table), &self.devices.node_name);
-        self.inventory.devices.retain(|_, d| self.devices.filter.admits(d));
+        self.inventory.link(&read(&self.table), &self.devices);
         let mut again = Vec::new();
         if let Some(driver) = &self.csi {
             let staged = driver.staged();
@@ -187,7 +188,8 @@ impl Events {
             if self.log_events {
                 tracing::info!(target: TARGET, device = %d.name, fstype = d.fstype(), "device probed again for its volume");
             }
-            self.inventory.insert(d);
+            // What a probe finds again is a change to the device.
+            self.inventory.apply(DeviceEvent::Changed { device: Box::new(d), seqnum: None });
         }
         self.reprobed.extend(asked);
         self.dirty = true;
@@ -195,7 +197,7 @@ impl Events {
 
     fn report(&self) {
         let s = self.watcher.stats();
-        let snap = self.collector.reader().latest();
+        let snap = self.device_stats.latest();
         tracing::info!(target: TARGET, mounts = read(&self.table).len(), events = s.mount_events, resyncs = s.resyncs,
             cpu_ms = s.cpu.as_millis() as u64, devices = self.inventory.devices.len(), stat_method = snap.method,
             stat_cost_us = snap.cost.as_micros() as u64, "status");
@@ -268,22 +270,15 @@ fn device_name(ev: &DeviceEvent) -> Option<&str> {
 /// Applies a device event other than a rescan (the loop runs those);
 /// joining with the mount table and the filter happen on the next relink.
 fn apply_device(inv: &mut Inventory, ev: DeviceEvent, log: bool) {
-    match ev {
-        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
-            if log {
-                tracing::info!(target: TARGET, device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
-            }
-            inv.insert(*device);
+    match &ev {
+        DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } if log => {
+            tracing::info!(target: TARGET, device = %device.name, dev = %device.dev, fstype = device.fstype(), "device");
         }
-        DeviceEvent::Removed { name, .. } => {
-            if log {
-                tracing::info!(target: TARGET, device = %name, "device removed");
-            }
-            inv.remove_named(&name);
-        }
+        DeviceEvent::Removed { name, .. } if log => tracing::info!(target: TARGET, device = %name, "device removed"),
         // The loop runs rescans itself, off the runtime; none comes here.
-        DeviceEvent::Rescan { .. } => {}
+        _ => {}
     }
+    inv.apply(ev);
 }
 
 /// Waits until the volumes' records changed; never, with no CSI driver.

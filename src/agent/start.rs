@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use arc_swap::ArcSwap;
 
-use volring_devices::{DeviceEvent, DeviceWatcher, HotplugStats, Inventory, StatCollector};
+use volring_devices::{DeviceEvent, DeviceWatcher, HotplugStats, Inventory, StatCollector, StatsReader};
 use volring_mounts::{MountTable, MountWatcher, WatchEvent, WatcherStats};
 use volring_ring::queue::Receiver;
 use volring_ring::RingStats;
@@ -88,7 +88,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
     let published = Arc::new(ArcSwap::from_pointee(devices.inventory.clone()));
     let sources = crate::metrics::Sources {
         share,
-        stats: devices.collector.reader(),
+        stats: devices.stats.clone(),
         inventory: published.clone(),
         hotplug: devices.hotplug,
         rings: devices.rings,
@@ -124,6 +124,7 @@ pub(super) async fn start(config: &AgentConfig, parts: &mut Components) -> anyho
         mount_stats: mounts.stats,
         watcher: mounts.watcher,
         collector: devices.collector,
+        device_stats: devices.stats,
         mount_events: mounts.events,
         device_events: devices.events,
         notify: reconciler.map(|(n, _)| n),
@@ -262,6 +263,7 @@ struct Devices {
     events: Receiver<DeviceEvent>,
     inventory: Inventory,
     collector: Arc<StatCollector>,
+    stats: StatsReader,
     hotplug: Arc<HotplugStats>,
     rings: Vec<(&'static str, Arc<RingStats>)>,
 }
@@ -271,19 +273,22 @@ struct Devices {
 /// collector starts on the scanned devices.
 async fn watch_devices(config: &AgentConfig, table: &RwLock<MountTable>, parts: &mut Components) -> anyhow::Result<Devices> {
     let c = config.devices.clone();
-    let (hotplug, events) = tokio::task::spawn_blocking(move || DeviceWatcher::start(c, 4096)).await??;
-    let (hotplug_stats, hotplug_ring) = (hotplug.stats().clone(), hotplug.ring_stats().clone());
+    let hotplug_stats = Arc::new(HotplugStats::default());
+    let counting = hotplug_stats.clone();
+    let (hotplug, events) = tokio::task::spawn_blocking(move || DeviceWatcher::start(c, 4096, counting)).await??;
+    let hotplug_ring = hotplug.ring_stats().clone();
     parts.started_blocking("hot-plug listener", RING_WAIT, move || Ok(hotplug.stop()?));
     let inventory = events::scan(&config.devices, table).await??;
     tracing::info!(target: TARGET, devices = inventory.devices.len(), "block device inventory");
     let (c, devices) = (config.stats.clone(), events::tracked(&inventory));
-    let collector = Arc::new(tokio::task::spawn_blocking(move || StatCollector::start(c, devices)).await??);
+    let (collector, stats) = tokio::task::spawn_blocking(move || StatCollector::start(c, devices)).await??;
+    let collector = Arc::new(collector);
     let c = collector.clone();
     parts.started_blocking("stat collector", RING_WAIT, move || {
         Ok(Arc::into_inner(c).context("the stat collector is still in use at stop")?.stop()?)
     });
     let rings = vec![("stats", collector.ring_stats().clone()), ("hotplug", hotplug_ring)];
-    Ok(Devices { events, inventory, collector, hotplug: hotplug_stats, rings })
+    Ok(Devices { events, inventory, collector, stats, hotplug: hotplug_stats, rings })
 }
 
 /// Starts the reconciler (on the blocking pool: its first pass looks at

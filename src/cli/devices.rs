@@ -75,8 +75,7 @@ pub(crate) async fn watch_stats(
         .map(|d| (d.dev, std::sync::Arc::from(d.name.as_str())))
         .collect();
     let interval = cfg.interval;
-    let collector = StatCollector::start(cfg, devices)?;
-    let reader = collector.reader();
+    let (collector, reader) = StatCollector::start(cfg, devices)?;
     let tty = std::io::stdout().is_terminal();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut tick = tokio::time::interval(interval / 4);

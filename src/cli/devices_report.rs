@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use std::collections::BTreeSet;
 
-use volring_devices::probe::TableType;
+use volring_devices::TableType;
 use volring_devices::{Device, Inventory, IoRates, StatSnapshot};
 use volring_mounts::DevNum;
 
@@ -230,7 +230,7 @@ fn cell(col: Column, d: &Device, inv: &Inventory, active_swap: &BTreeSet<DevNum>
         Column::Size if bytes => d.size_bytes.to_string(),
         Column::Size => human_size(d.size_bytes),
         Column::Type => {
-            let mut kind = d.kind.as_str().to_string();
+            let mut kind = d.kind.to_string();
             if d.os_disk {
                 kind.push('*');
             }

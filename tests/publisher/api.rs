@@ -31,9 +31,8 @@ async fn lists_are_paginated() {
 async fn this_machines_devices_publish_and_read_back_equal() {
     let mountinfo = std::fs::read("/proc/self/mountinfo").unwrap();
     let (table, _) = volring_mounts::MountTable::from_mountinfo(&mountinfo);
-    let cfg = volring_devices::ScanConfig { probe: false, ..Default::default() };
-    let mut inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
-    inv.link(&table, "n1");
+    let cfg = volring_devices::ScanConfig { probe: false, node_name: "n1".into(), ..Default::default() };
+    let inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
     let (_, initial) = volring_kube::feed::Feed::initial(&inv, "n1", node);
     let devices = initial.len() - 1;

@@ -87,12 +87,6 @@ impl StatSource {
     pub fn read(&mut self, method: StatMethod) -> io::Result<Sample> {
         self.files.read(method, &mut self.reader)
     }
-
-    /// Times each method `Auto` chooses among `rounds` times, as the
-    /// collector does; the median of each, fastest first.
-    pub fn calibrate(&mut self, rounds: usize) -> Vec<(StatMethod, Duration)> {
-        self.files.calibrate(&StatMethod::MEASURED, rounds, &mut self.reader)
-    }
 }
 
 /// The tracked devices' open files and buffers; the batched reads go

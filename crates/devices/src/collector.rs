@@ -49,11 +49,13 @@ pub(crate) enum CollectorCommand {
 /// The running collector.
 pub struct StatCollector {
     ring: RingThread<CollectorDriver>,
-    reader: StatsReader,
 }
 
 impl StatCollector {
-    pub fn start(cfg: CollectorConfig, devices: Vec<(DevNum, Arc<str>)>) -> io::Result<Self> {
+    /// Starts sampling `devices`; returns once the first sample is
+    /// published, with the read side (clone it for each reader), as the
+    /// watchers hand out their queues at start.
+    pub fn start(cfg: CollectorConfig, devices: Vec<(DevNum, Arc<str>)>) -> io::Result<(Self, StatsReader)> {
         let reader = StatsReader::default();
         let out = reader.clone();
         let io = cfg.io;
@@ -73,11 +75,7 @@ impl StatCollector {
             })
         };
         let ring = RingThread::spawn_with("volring-stats", make, io, 64)?;
-        Ok(Self { ring, reader })
-    }
-
-    pub fn reader(&self) -> StatsReader {
-        self.reader.clone()
+        Ok((Self { ring }, reader))
     }
 
     pub fn ring_stats(&self) -> &Arc<RingStats> {

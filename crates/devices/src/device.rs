@@ -31,7 +31,7 @@ pub enum DeviceKind {
 
 impl DeviceKind {
     /// lsblk's TYPE column.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             DeviceKind::Disk | DeviceKind::Nvme | DeviceKind::Virtio | DeviceKind::Zram => "disk",
             DeviceKind::Partition => "part",
@@ -42,6 +42,13 @@ impl DeviceKind {
             DeviceKind::Rom => "rom",
             DeviceKind::Other => "other",
         }
+    }
+}
+
+/// lsblk's TYPE column (`disk`, `part`, `loop`, `dm`…).
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
     }
 }
 
@@ -136,6 +143,30 @@ pub struct Device {
     /// rest of the device is still reported.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub attr_errors: Vec<String>,
+}
+
+/// A change to the set of devices.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "lowercase")]
+pub enum DeviceEvent {
+    Added {
+        device: Box<Device>,
+        seqnum: Option<u64>,
+    },
+    Changed {
+        device: Box<Device>,
+        seqnum: Option<u64>,
+    },
+    Removed {
+        name: String,
+        dev: Option<DevNum>,
+        seqnum: Option<u64>,
+    },
+    /// Events were lost (the socket's buffer or the queue overflowed):
+    /// rescan. The next events after this one are complete again.
+    Rescan {
+        reason: &'static str,
+    },
 }
 
 impl Device {

@@ -23,7 +23,7 @@ pub struct DeviceFilter {
 }
 
 impl DeviceFilter {
-    pub fn admits(&self, d: &Device) -> bool {
+    pub(crate) fn admits(&self, d: &Device) -> bool {
         let path = d.path.to_string_lossy();
         let vendor = d.vendor.as_deref().unwrap_or("");
         let vendor_is = |v: &String| v.eq_ignore_ascii_case(vendor.trim());

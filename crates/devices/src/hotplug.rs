@@ -13,40 +13,15 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use serde::Serialize;
-
-use super::device::Device;
+use super::device::DeviceEvent;
 use super::inventory::{describe, ScanConfig};
 use super::uevent::{self, Action, MAX_UEVENT};
 use volring_mounts::DevNum;
 use volring_ring::queue::{self, Receiver, Sender};
 use volring_ring::{Completion, Driver, Events, Flow, Reactor, ReactorOp, RingStats, RingThread};
 
-/// A change to the set of devices.
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "event", rename_all = "lowercase")]
-pub enum DeviceEvent {
-    Added {
-        device: Box<Device>,
-        seqnum: Option<u64>,
-    },
-    Changed {
-        device: Box<Device>,
-        seqnum: Option<u64>,
-    },
-    Removed {
-        name: String,
-        dev: Option<DevNum>,
-        seqnum: Option<u64>,
-    },
-    /// Events were lost (the socket's buffer or the queue overflowed):
-    /// rescan. The next events after this one are complete again.
-    Rescan {
-        reason: &'static str,
-    },
-}
-
-/// Counters of the hot-plug thread.
+/// Counters of the hot-plug thread. Who reads them (`/metrics`) makes them
+/// and hands them to [`DeviceWatcher::start`].
 #[derive(Debug, Default)]
 pub struct HotplugStats {
     pub uevents: AtomicU64,
@@ -57,29 +32,22 @@ pub struct HotplugStats {
 
 pub struct DeviceWatcher {
     ring: RingThread<HotplugDriver>,
-    stats: Arc<HotplugStats>,
 }
 
 impl DeviceWatcher {
     /// Starts listening. Events are relative to the devices that have a size
     /// once the socket is open: start it before scanning, and nothing
-    /// plugged in between is missed.
-    pub fn start(cfg: ScanConfig, capacity: usize) -> io::Result<(Self, Receiver<DeviceEvent>)> {
+    /// plugged in between is missed. The thread counts into `stats`.
+    pub fn start(cfg: ScanConfig, capacity: usize, stats: Arc<HotplugStats>) -> io::Result<(Self, Receiver<DeviceEvent>)> {
         let (tx, rx) = queue::bounded(capacity);
-        let stats = Arc::new(HotplugStats::default());
-        let st = stats.clone();
         let io = cfg.io;
         let make = move || {
             let sock = Arc::new(volring_sys::netlink::uevent_socket(4 << 20)?);
             let present = sized_devices(&cfg.sys);
-            Ok(HotplugDriver { cfg, sock, tx, present, stats: st, buf: vec![0; MAX_UEVENT], lost: false })
+            Ok(HotplugDriver { cfg, sock, tx, present, stats, buf: vec![0; MAX_UEVENT], lost: false })
         };
         let ring = RingThread::spawn_with("volring-hotplug", make, io, 16)?;
-        Ok((Self { ring, stats }, rx))
-    }
-
-    pub fn stats(&self) -> &Arc<HotplugStats> {
-        &self.stats
+        Ok((Self { ring }, rx))
     }
 
     pub fn ring_stats(&self) -> &Arc<RingStats> {

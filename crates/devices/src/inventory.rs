@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::device::{id_unread, stable_id, Device, Use};
+use super::device::{id_unread, stable_id, Device, DeviceEvent, Use};
 use super::filter::DeviceFilter;
 use super::probe::{probe_sample, read_plan, Sample};
 use super::{sysfs, Error};
@@ -90,22 +90,24 @@ impl Inventory {
             }
             inv.devices.insert(d.dev, d);
         }
-        inv.link(mounts, &cfg.node_name);
-        inv.devices.retain(|_, d| cfg.filter.admits(d));
+        inv.link(mounts, cfg);
         Ok(inv)
     }
 
-    /// Puts a device (from [`describe`]) in, replacing one of the same
-    /// name. Mount points, uses, the id and the filter are applied by the
-    /// next [`Inventory::link`].
-    pub fn insert(&mut self, device: Device) {
-        self.devices.retain(|_, d| d.name != device.name);
-        self.devices.insert(device.dev, device);
-    }
-
-    pub fn remove_named(&mut self, name: &str) -> Option<Device> {
-        let dev = self.devices.values().find(|d| d.name == name)?.dev;
-        self.devices.remove(&dev)
+    /// Applies a change to the set of devices: an added or changed device
+    /// (as [`describe`] reads it) replaces one of the same name, a removed
+    /// one goes. Mount points, uses, the id and the filter are applied by
+    /// the next [`Inventory::link`]. A `Rescan` changes nothing here: it
+    /// asks the caller for a new [`Inventory::scan`].
+    pub fn apply(&mut self, event: DeviceEvent) {
+        match event {
+            DeviceEvent::Added { device, .. } | DeviceEvent::Changed { device, .. } => {
+                self.devices.retain(|_, d| d.name != device.name);
+                self.devices.insert(device.dev, *device);
+            }
+            DeviceEvent::Removed { name, .. } => self.devices.retain(|_, d| d.name != name),
+            DeviceEvent::Rescan { .. } => {}
+        }
     }
 
     pub fn by_name(&self, name: &str) -> Option<&Device> {
@@ -114,8 +116,14 @@ impl Inventory {
 
     /// Joins devices with the mount table and with each other: mount
     /// points, holders, the OS disk, partition GUIDs from the parent's
-    /// table, and the stable id. Pure.
-    pub fn link(&mut self, mounts: &MountTable, node: &str) {
+    /// table, and the stable id (unique on `cfg.node_name`); then keeps what
+    /// `cfg.filter` admits, which may rest on the join (the OS disk). Pure.
+    pub fn link(&mut self, mounts: &MountTable, cfg: &ScanConfig) {
+        self.join(mounts, &cfg.node_name);
+        self.devices.retain(|_, d| cfg.filter.admits(d));
+    }
+
+    fn join(&mut self, mounts: &MountTable, node: &str) {
         let mut points: BTreeMap<DevNum, BTreeSet<PathBuf>> = BTreeMap::new();
         for m in mounts.iter() {
             let point = m.mount_point_path().to_path_buf();

@@ -13,12 +13,11 @@ use serde::Serialize;
 
 mod fs;
 mod members;
-mod tables;
+pub(crate) mod tables;
 mod udf;
 mod windows;
 
-use tables::{gpt, mbr};
-pub use tables::{PartitionEntry, PartitionTable, TableType};
+use tables::{gpt, mbr, PartitionTable};
 
 /// How much of the start of a device the probe reads: the first two ZFS
 /// labels (each with its nvlist at 16 KiB and uberblock array at 128–256
@@ -28,18 +27,10 @@ pub use tables::{PartitionEntry, PartitionTable, TableType};
 /// sectors, GPT entries on 4 KiB sectors and swap on 64 KiB pages.
 pub const PROBE_LEN: usize = 512 << 10;
 
-/// How much of the end of a device the probe reads, at most: the last two
-/// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
-/// so up to 256 KiB more), which also covers the md 0.90 superblock (the
-/// last 64 KiB-aligned 64 KiB) and the md 1.0 one (8–12 KiB from the end).
-pub(crate) const TAIL_MAX: usize = (512 << 10) + (256 << 10);
-
-/// The read budget per device: two reads, at most this many bytes.
-pub const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
-
 /// The reads that [`probe_sample`] wants from a device of `size` bytes, as
 /// `(offset, length)`: the head, and the tail when the device is larger
-/// than the head. Never more than two reads and [`READ_BUDGET`] bytes.
+/// than the head. Never more than two reads: at most [`PROBE_LEN`] and
+/// 768 KiB of tail (the tests' `TAIL_MAX` and `READ_BUDGET`).
 pub(crate) fn read_plan(size: u64) -> Vec<(u64, usize)> {
     let head = size.min(PROBE_LEN as u64);
     let mut plan = vec![(0, head as usize)];
@@ -207,8 +198,9 @@ pub fn probe(buf: &[u8], logical_block: u32) -> Content {
 }
 
 /// Probes a device of `size` bytes whose logical block size is
-/// `logical_block` through the reads `read_plan` lays out (at most two,
-/// [`READ_BUDGET`] bytes in all): `read(offset, len)` returns the bytes at
+/// `logical_block` through the reads `read_plan` lays out (at most two:
+/// the first [`PROBE_LEN`] bytes, and at most the last 768 KiB, where the
+/// end-of-device signatures live): `read(offset, len)` returns the bytes at
 /// `offset`, fewer when the device ends sooner. Also says whether every
 /// byte read was zero, which is what tells a blank device from one that
 /// holds data of no known kind. The one entry for callers that read a
@@ -351,7 +343,17 @@ fn luks(buf: &[u8]) -> Option<Filesystem> {
 
 #[cfg(test)]
 mod tests {
+    use super::tables::TableType;
     use super::*;
+
+    /// How much of the end of a device the probe reads, at most: the last two
+    /// ZFS labels (256 KiB each, ending where the size rounds down to 256 KiB,
+    /// so up to 256 KiB more), which also covers the md 0.90 superblock (the
+    /// last 64 KiB-aligned 64 KiB) and the md 1.0 one (8–12 KiB from the end).
+    const TAIL_MAX: usize = (512 << 10) + (256 << 10);
+
+    /// The read budget per device: two reads, at most this many bytes.
+    const READ_BUDGET: usize = PROBE_LEN + TAIL_MAX;
 
     fn ext4_image() -> Vec<u8> {
         let mut b = vec![0u8; 4096];

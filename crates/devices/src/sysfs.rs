@@ -115,10 +115,9 @@ impl Attrs<'_> {
     }
 }
 
-/// Parses `maj:min`.
-pub fn parse_devnum(s: &str) -> Option<DevNum> {
-    let (a, b) = s.trim().split_once(':')?;
-    Some(DevNum { major: a.parse().ok()?, minor: b.parse().ok()? })
+/// Parses a sysfs `dev` file's `maj:min` (its newline trimmed).
+pub(crate) fn parse_devnum(s: &str) -> Option<DevNum> {
+    s.trim().parse().ok()
 }
 
 /// The names in `/sys/class/block`, sorted.

@@ -49,7 +49,7 @@ fn config(method: StatMethod, io: BackendChoice) -> CollectorConfig {
 fn the_collector_thread_holds_one_io_uring() {
     let devices = host_devices();
     let before = io_urings();
-    let collector = match StatCollector::start(config(StatMethod::Auto, BackendChoice::IoUring), devices.clone()) {
+    let (collector, reader) = match StatCollector::start(config(StatMethod::Auto, BackendChoice::IoUring), devices.clone()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("skipped: no io_uring here ({e})");
@@ -58,14 +58,14 @@ fn the_collector_thread_holds_one_io_uring() {
     };
     // `start` returns after the first sample: with `Auto` it timed every
     // method, the io_uring batch among them.
-    let first = collector.reader().latest();
+    let first = reader.latest();
     assert_eq!(first.generation, 1, "the first sample was taken during start");
     assert_eq!(io_urings() - before, 1, "the reactor's ring, and no second one for the batched reads");
     // A new device set is read through the same ring (the old collector
     // made a new batch reader for it).
     assert!(collector.track(devices.clone()));
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while collector.reader().latest().generation < 2 {
+    while reader.latest().generation < 2 {
         assert!(std::time::Instant::now() < deadline, "the new set was never sampled");
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -74,8 +74,8 @@ fn the_collector_thread_holds_one_io_uring() {
     assert_eq!(io_urings(), before, "the ring went with the thread");
 
     // Forced through the batch: every tracked device's counters come back.
-    let collector = StatCollector::start(config(StatMethod::Ring, BackendChoice::IoUring), devices.clone()).expect("start");
-    let snap = collector.reader().latest();
+    let (collector, reader) = StatCollector::start(config(StatMethod::Ring, BackendChoice::IoUring), devices.clone()).expect("start");
+    let snap = reader.latest();
     assert_eq!(io_urings() - before, 1);
     assert_eq!(snap.method, "ring");
     assert!(snap.errors.is_empty(), "{:?}", snap.errors);
@@ -83,8 +83,8 @@ fn the_collector_thread_holds_one_io_uring() {
     collector.stop().expect("stop");
 
     // On the epoll engine the batch is preads: no io_uring at all.
-    let collector = StatCollector::start(config(StatMethod::Ring, BackendChoice::Epoll), devices.clone()).expect("start");
-    let snap = collector.reader().latest();
+    let (collector, reader) = StatCollector::start(config(StatMethod::Ring, BackendChoice::Epoll), devices.clone()).expect("start");
+    let snap = reader.latest();
     assert_eq!(io_urings(), before);
     assert!(snap.errors.is_empty(), "{:?}", snap.errors);
     assert_eq!(snap.devices.len(), devices.len());

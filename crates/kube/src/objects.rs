@@ -482,7 +482,7 @@ pub(crate) fn block_device_of(d: &Device, node: &str, who: Option<&volring_volum
             physical_sector_size: d.physical_block_size,
         },
         details: Details {
-            device_type: d.kind.as_str().to_string(),
+            device_type: d.kind.to_string(),
             drive_type: if virt {
                 "Unknown"
             } else if d.rotational {

@@ -41,6 +41,9 @@ pub enum Error {
     Fanotify(&'static str),
     #[error("{0}: {1}")]
     Io(&'static str, #[source] std::io::Error),
+    /// Text that is not a `major:minor` device number.
+    #[error("{0:?} is not a major:minor device number")]
+    DevNum(String),
     /// The kernel lacks an interface the asked-for mode needs. Distinct from
     /// `Io` so a caller can tell "too old, use the reparse mode" from a
     /// failure of an interface that exists.

@@ -24,6 +24,19 @@ impl fmt::Display for DevNum {
     }
 }
 
+/// Parses `major:minor`, what [`Display`](fmt::Display) writes and a sysfs
+/// `dev` file holds (without its newline): one parser for every crate that
+/// reads device numbers from text.
+impl std::str::FromStr for DevNum {
+    type Err = super::Error;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || super::Error::DevNum(s.to_string());
+        let (major, minor) = s.split_once(':').ok_or_else(bad)?;
+        Ok(DevNum { major: major.parse().map_err(|_| bad())?, minor: minor.parse().map_err(|_| bad())? })
+    }
+}
+
 impl Serialize for DevNum {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)
@@ -206,7 +219,18 @@ impl Serialize for Mount {
 
 #[cfg(test)]
 mod tests {
+    use super::DevNum;
     use crate::MountTable;
+
+    /// A device number reads back what it displays; anything else is refused.
+    #[test]
+    fn a_devnum_parses_what_it_displays() {
+        let d = DevNum { major: 259, minor: 7 };
+        assert_eq!(d.to_string().parse::<DevNum>().unwrap(), d);
+        for bad in ["7", "a:b", "7:", ":3", "7:3\n", "-1:0", "7:3:1"] {
+            assert!(bad.parse::<DevNum>().is_err(), "{bad:?}");
+        }
+    }
 
     /// The JSON shape `volring mounts --json/--watch` prints; bytes that are
     /// not UTF-8 come out as U+FFFD.

@@ -20,7 +20,6 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use volring_devices::parse_devnum;
 use volring_mounts::DevNum;
 use volring_sys::loopdev::{self, LoopDevice, LoopOptions};
 
@@ -140,7 +139,7 @@ pub fn nbd_existing(index: u32, backend: &str) -> Option<Attachment> {
     let sys = Path::new("/sys/block");
     (volring_nbd::attach::read_backend(sys, index)?.as_str() == backend).then_some(())?;
     let p = format!("/sys/block/nbd{index}/dev");
-    let dev = parse_devnum(std::fs::read_to_string(p).ok()?.trim())?;
+    let dev = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
     Some(Attachment { number: index, dev, kind: AttachKind::Nbd })
 }
 
@@ -338,5 +337,5 @@ fn backing_file(number: u32) -> Option<PathBuf> {
 fn device_number(number: u32) -> Result<DevNum, Error> {
     let p = format!("/sys/block/loop{number}/dev");
     let s = std::fs::read_to_string(&p).map_err(Error::io("read", &p))?;
-    parse_devnum(s.trim()).ok_or_else(|| Error::Corrupt { path: p.into(), detail: format!("dev {s:?}") })
+    s.trim().parse().map_err(|_| Error::Corrupt { path: p.into(), detail: format!("dev {s:?}") })
 }

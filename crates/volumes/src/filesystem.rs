@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use volring_devices::probe::probe_reads;
+use volring_devices::probe_reads;
 
 use super::{run, Error};
 
@@ -93,7 +93,7 @@ pub enum Content {
     Other(String),
 }
 
-/// Classifies the first [`PROBE_LEN`](volring_devices::probe::PROBE_LEN) bytes of a device (pure), as if they
+/// Classifies the first [`PROBE_LEN`](volring_devices::PROBE_LEN) bytes of a device (pure), as if they
 /// were all of it.
 #[cfg(test)]
 fn classify(head: &[u8]) -> Content {
@@ -103,7 +103,7 @@ fn classify(head: &[u8]) -> Content {
 
 /// Classifies what [`probe_reads`] found on a device's head and tail
 /// (pure): blank only when no signature matched and every byte read is zero.
-pub(crate) fn classify_probed((found, all_zero): (volring_devices::probe::Content, bool)) -> Content {
+pub(crate) fn classify_probed((found, all_zero): (volring_devices::Content, bool)) -> Content {
     if let Some(fs) = found.filesystem {
         return match fs.fstype.as_str() {
             t @ ("ext2" | "ext3" | "ext4" | "xfs" | "btrfs") => Content::Filesystem(t),
@@ -232,7 +232,7 @@ pub(crate) fn can_resize_ext4() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volring_devices::probe::PROBE_LEN;
+    use volring_devices::PROBE_LEN;
 
     #[test]
     fn a_device_that_reads_as_nothing_is_never_blank() {
