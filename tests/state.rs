@@ -12,9 +12,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::check;
-use csi_support::{block_cap, loops_under, mount_cap, mounts_under, Agent, MIB};
+use csi_support::{block_cap, loops_backed_by, loops_under, mount_cap, mounts_under, Agent, MIB};
 use libtest_mimic::{Failed, Trial};
-use volring_volumes::attach;
 
 /// Polls `f` every 20 ms for at most `limit`.
 fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
@@ -59,17 +58,16 @@ fn behind_the_back_repairs() -> Result<(), Failed> {
     let staging = a.k("plugins/stage/det");
     a.stage("pvc-det", &staging, mount_cap("ext4"))?;
     std::fs::write(Path::new(&staging).join("kept"), b"kept")?;
-    let before = attach::find_backed_by(&a.image("pvc-det"));
+    let before = loops_backed_by(&a.image("pvc-det"));
     check(before.len() == 1, "one device")?;
     // Detach (the kernel defers it while mounted: autoclear) and unmount,
     // which really detaches it.
-    volring_sys::loopdev::LoopDevice::open(before[0].number)?.detach()?;
+    volring_sys::loopdev::LoopDevice::open(before[0])?.detach()?;
     rustix::mount::unmount(staging.as_str(), rustix::mount::UnmountFlags::empty())?;
     let repaired = eventually(Duration::from_secs(20), || {
-        attach::find_backed_by(&a.image("pvc-det")).len() == 1
-            && std::fs::read(Path::new(&staging).join("kept")).ok().as_deref() == Some(b"kept")
+        loops_backed_by(&a.image("pvc-det")).len() == 1 && std::fs::read(Path::new(&staging).join("kept")).ok().as_deref() == Some(b"kept")
     });
-    check(repaired, format!("re-attached and re-mounted: devices {:?}", attach::find_backed_by(&a.image("pvc-det"))))?;
+    check(repaired, format!("re-attached and re-mounted: devices {:?}", loops_backed_by(&a.image("pvc-det"))))?;
     // The verdict is published right after the repair's own mount.
     let mut c = Default::default();
     let shown = eventually(Duration::from_secs(20), || {
@@ -169,7 +167,7 @@ fn interrupted_operations_finish_before_ready() -> Result<(), Failed> {
     crash_at(&mut a, "unstage:intent", |a| a.unstage("pvc-u", &staging).is_ok())?;
     // `respawn` returned once Probe said ready: the unstage is done.
     check(mounts_under(Path::new(&staging)).is_empty(), "unmounted before ready")?;
-    check(attach::find_backed_by(&a.image("pvc-u")).is_empty(), "detached before ready")?;
+    check(loops_backed_by(&a.image("pvc-u")).is_empty(), "detached before ready")?;
     check(staged_entry(&status_json(&a)?, "pvc-u").is_none(), "no record left")?;
     a.unstage("pvc-u", &staging)?;
 
@@ -231,12 +229,12 @@ fn orphans_reported_and_removed_only_when_asked() -> Result<(), Failed> {
     let st = status_json(&a)?;
     check(st["problems"].to_string().contains("orphan"), format!("status reports the orphan: {}", st["problems"]))?;
     a.restart();
-    check(attach::find_backed_by(&a.image("pvc-o")).len() == 1, "reported, not removed, by default")?;
+    check(loops_backed_by(&a.image("pvc-o")).len() == 1, "reported, not removed, by default")?;
     a.kill_hard();
     std::env::set_var("VOLRING_REMOVE_ORPHANS", "true");
     a.respawn();
     std::env::remove_var("VOLRING_REMOVE_ORPHANS");
-    check(attach::find_backed_by(&a.image("pvc-o")).is_empty(), "removed at start when asked")?;
+    check(loops_backed_by(&a.image("pvc-o")).is_empty(), "removed at start when asked")?;
     a.delete("pvc-o")?;
     all_gone(&a)
 }
@@ -369,9 +367,12 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     std::fs::File::create(&image)?.set_len(32 * MIB as u64)?;
     let out = std::process::Command::new("mkfs.ext4").arg("-q").arg(&image).output()?;
     check(out.status.success(), format!("mkfs.ext4: {}", String::from_utf8_lossy(&out.stderr)))?;
-    let orphan = attach::attach(&image, false, false)?;
+    let out = std::process::Command::new("losetup").arg("-f").arg("--show").arg(&image).output()?;
+    check(out.status.success(), format!("losetup: {}", String::from_utf8_lossy(&out.stderr)))?;
+    let orphan = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let number: u32 = orphan.strip_prefix("/dev/loop").and_then(|n| n.parse().ok()).ok_or_else(|| format!("losetup printed {orphan:?}"))?;
     let orphan_at = f.scratch.as_ref().ok_or("scratch")?.dir("orphan");
-    rustix::mount::mount(orphan.path().as_path(), orphan_at.as_path(), "ext4", rustix::mount::MountFlags::empty(), None)?;
+    rustix::mount::mount(orphan.as_str(), orphan_at.as_path(), "ext4", rustix::mount::MountFlags::empty(), None)?;
 
     let config = volring_volumes::ReconcileConfig { remove_orphans: true, ..Default::default() };
     // The first pass runs before this returns.
@@ -380,8 +381,8 @@ fn a_stale_table_decides_nothing() -> Result<(), Failed> {
     let b = r.view().get("pvc-b");
     let repairs = r.stats().repairs_done.load(std::sync::atomic::Ordering::Relaxed);
     let under_cover = mounts_under(Path::new(&staging_b));
-    let autoclear = std::fs::read_to_string(format!("/sys/block/{orphan}/loop/autoclear")).unwrap_or_default();
-    let orphan_served = attach::find_backed_by(&image).iter().any(|d| d.number == orphan.number);
+    let autoclear = std::fs::read_to_string(format!("/sys/block/loop{number}/loop/autoclear")).unwrap_or_default();
+    let orphan_served = loops_backed_by(&image).contains(&number);
     // Every wrong decision is listed, not only the first.
     let orphans = r.stats().orphans.lock().map_err(|e| e.to_string())?.clone();
     let wrong: Vec<String> = [

@@ -20,8 +20,9 @@ pub(crate) fn holders(state_dir: &Path, release: Option<&str>, json: bool) -> an
     crate::agent::lock_state_dir(state_dir)?;
     let store = Store::open(&state_dir.join(FILE)).with_context(|| format!("open {}", state_dir.join(FILE).display()))?;
     let fence = Fence::open(Arc::new(store)).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let all = fence.all();
     if let Some(id) = release {
-        match fence.holder(id) {
+        match all.get(id) {
             Some(Holder::Remote { .. }) => {
                 fence.release_remote(id).map_err(|e| anyhow::anyhow!("{e}"))?;
                 println!("released: {id} (the node that held it must not write it again: its device was torn down, or the node is gone)");
@@ -31,7 +32,6 @@ pub(crate) fn holders(state_dir: &Path, release: Option<&str>, json: bool) -> an
             None => anyhow::bail!("nothing holds {id}"),
         }
     }
-    let all = fence.all();
     if json {
         println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());

@@ -136,12 +136,12 @@ pub(super) fn staged_record_quarantined() -> Result<(), Failed> {
         a.respawn();
         if restage {
             a.stage(id, &staging, mount_cap(""))?;
-            let devices = volring_volumes::attach::find_backed_by(&a.image(id));
+            let devices = csi_support::loops_backed_by(&a.image(id));
             check(devices.len() == 1, format!("{id}: {} devices on one image after the re-stage", devices.len()))?;
             check(std::fs::read(std::path::Path::new(&staging).join("kept"))? == b"kept", "data kept")?;
         }
         a.unstage(id, &staging)?;
-        check(volring_volumes::attach::find_backed_by(&a.image(id)).is_empty(), format!("{id}: still attached after unstage"))?;
+        check(csi_support::loops_backed_by(&a.image(id)).is_empty(), format!("{id}: still attached after unstage"))?;
         check(mounts_under(std::path::Path::new(&staging)).is_empty(), format!("{id}: still mounted after unstage"))?;
     }
     all_gone(&a)
@@ -180,7 +180,7 @@ pub(super) fn nbd_attach_kind() -> Result<(), Failed> {
         expect_code(r, Code::FailedPrecondition, "attach: nbd without the nbd driver")?;
         check(msg.contains("nbd"), format!("the refusal names nbd: {msg:?}"))?;
         check(a.alive(), "the agent survives the refusal")?;
-        check(volring_volumes::attach::find_backed_by(&a.image("pvc-nbd")).is_empty(), "no loop device instead")?;
+        check(csi_support::loops_backed_by(&a.image("pvc-nbd")).is_empty(), "no loop device instead")?;
         check(mounts_under(std::path::Path::new(&staging)).is_empty(), "nothing mounted")?;
         // No record left: the volume can be deleted (a staged one cannot).
         a.delete("pvc-nbd")?;
@@ -190,7 +190,7 @@ pub(super) fn nbd_attach_kind() -> Result<(), Failed> {
     check(l.volume_context.get("attach").map(String::as_str) == Some("loop"), "loop in the context")?;
     let ls = a.k("plugins/stage/loop");
     a.stage("pvc-loop", &ls, mount_cap("ext4"))?;
-    check(volring_volumes::attach::find_backed_by(&a.image("pvc-loop")).len() == 1, "the loop volume is on a loop device")?;
+    check(csi_support::loops_backed_by(&a.image("pvc-loop")).len() == 1, "the loop volume is on a loop device")?;
     a.unstage("pvc-loop", &ls)?;
     all_gone(&a)
 }

@@ -109,9 +109,9 @@ pub(super) fn ext4_errors_are_abnormal() -> Result<(), Failed> {
     a.stage("pvc-err", &staging, mount_cap("ext4"))?;
     let s = a.stats("pvc-err", &staging)?;
     check(s.volume_condition.as_ref().is_some_and(|c| !c.abnormal), format!("healthy at first: {:?}", s.volume_condition))?;
-    let loops = volring_volumes::attach::find_backed_by(&a.image("pvc-err"));
+    let loops = csi_support::loops_backed_by(&a.image("pvc-err"));
     check(loops.len() == 1, "one loop device")?;
-    let sys = format!("/sys/fs/ext4/loop{}", loops[0].number);
+    let sys = format!("/sys/fs/ext4/loop{}", loops[0]);
     // ext4's own knob: records an error exactly as a failed I/O would.
     std::fs::write(format!("{sys}/trigger_fs_error"), b"volring test")?;
     // The kernel saves the count from a work item: poll (bounded).

@@ -162,7 +162,7 @@ impl Driver {
         let pool = ImagePool::open(&config.pool_dir)?;
         let records = StagedRecords::open(&config.state_dir)?;
         if let Some(loss) = records.loss().cloned() {
-            rebuild_from_kernel(&pool, &records, &config.kubelet_root, &loss)?;
+            rebuild_from_kernel(&pool, &records, &config.kubelet_root, &config.state_dir, &loss)?;
         }
         let nbd = Arc::new(NbdSide::new(config.nbd.clone()).with_state_dir(&config.state_dir));
         tracing::info!(pool = %pool.dir().display(), volumes = pool.provisioned().0, staged = records.ids().len(), direct_io = pool.direct_io(),
@@ -309,15 +309,22 @@ impl volring_share::follow::ShareHost for Driver {
 /// proven is reported and left alone, and all of it is said loudly — an
 /// ERROR in the log and a line in `volring status` (kept in the new store).
 /// A new node (no store, nothing in the kernel) is only noted.
-fn rebuild_from_kernel(pool: &ImagePool, records: &StagedRecords, kubelet_root: &Path, loss: &volring_volumes::StoreLoss) -> Result<()> {
+fn rebuild_from_kernel(
+    pool: &ImagePool,
+    records: &StagedRecords,
+    kubelet_root: &Path,
+    state_dir: &Path,
+    loss: &volring_volumes::StoreLoss,
+) -> Result<()> {
     use volring_volumes::StoreLoss;
+    let store = state_dir.join(volring_volumes::store::FILE);
     let found = volring_volumes::recover::from_kernel(pool.dir(), kubelet_root, &|id| records.contains(id));
     if *loss == StoreLoss::Missing && found.adopted.is_empty() && found.refused.is_empty() {
-        tracing::info!(store = %records.store().path().display(), "no store yet: a new one made");
+        tracing::info!(store = %store.display(), "no store yet: a new one made");
         return Ok(());
     }
     let adopted = records.adopt(&found)?;
-    tracing::error!(store = %records.store().path().display(), cause = %loss, adopted = adopted.len(),
+    tracing::error!(store = %store.display(), cause = %loss, adopted = adopted.len(),
         refused = found.refused.len(), volumes = ?adopted,
         "THE NODE'S STORE WAS LOST: the staged volumes' records were rebuilt from the kernel (see `volring status`)");
     for r in &found.refused {

@@ -161,7 +161,7 @@ impl Fence {
     }
 
     /// Who holds `id` now.
-    pub fn holder(&self, id: &str) -> Option<Holder> {
+    pub(crate) fn holder(&self, id: &str) -> Option<Holder> {
         self.lock().holders.get(id).cloned()
     }
 

@@ -404,15 +404,15 @@ impl Stager {
             // A crash between attaching and recording the number leaves a
             // device only the image path can find.
             (AttachKind::Loop, None, _) => {
-                for a in attach::find_backed_by(&rec.image) {
+                for a in attach::serving(AttachKind::Loop, &rec.image, id) {
                     attach::detach(a.number, &rec.image)?;
                 }
             }
             (AttachKind::Nbd, _, Some(n)) => self.nbd.detach(n, id)?,
             // The same for nbd: such a device carries the volume id.
             (AttachKind::Nbd, _, None) => {
-                for n in attach::nbd_backed_by(id) {
-                    self.nbd.detach(n, id)?;
+                for a in attach::serving(AttachKind::Nbd, &rec.image, id) {
+                    self.nbd.detach(a.number, id)?;
                 }
             }
         }
@@ -440,7 +440,7 @@ impl Stager {
     /// mount or device is still there.
     fn unstage_without_record(&self, id: &str, staging: &Path) -> Result<()> {
         let image = self.base.pool.image_path(id);
-        let mut devices: Vec<Attachment> = attach::find_backed_by(&image)
+        let mut devices: Vec<Attachment> = attach::serving(AttachKind::Loop, &image, id)
             .into_iter()
             .filter_map(|a| match attach::prove_loop(a.number, &image) {
                 attach::DeviceProof::Ours(a) => Some(Ok(a)),
@@ -448,7 +448,7 @@ impl Stager {
                 attach::DeviceProof::Unsettled(why) => Some(Err(Error::Unavailable(format!("volume {id}'s device: {why}")))),
             })
             .collect::<Result<_>>()?;
-        devices.extend(attach::nbd_backed_by(id).into_iter().filter_map(|n| attach::nbd_existing(n, id)));
+        devices.extend(attach::serving(AttachKind::Nbd, &image, id));
         for a in &devices {
             self.base.root.unmount_ours(id, &staging.join(id), Some(Expect::Device(a.dev)))?;
             self.base.root.unmount_ours(id, staging, Some(Expect::Filesystem(a.dev)))?;
@@ -474,7 +474,7 @@ impl Stager {
     /// later failure).
     fn loop_device(&self, rec: &StagedVolume, leftover: bool, undo: &mut Rollback) -> Result<Attachment> {
         let known = attach::of_record(rec);
-        match known.or_else(|| leftover.then(|| attach::find_backed_by(&rec.image).first().copied()).flatten()) {
+        match known.or_else(|| leftover.then(|| attach::serving(AttachKind::Loop, &rec.image, &rec.volume_id).first().copied()).flatten()) {
             Some(a) => Ok(a),
             None => {
                 let a = attach::attach(&rec.image, rec.read_only, self.base.config.direct_io && self.base.pool.direct_io())?;
@@ -491,7 +491,7 @@ impl Stager {
     fn nbd_device(&self, rec: &StagedVolume, leftover: bool, undo: &mut Rollback) -> Result<Attachment> {
         let found = match rec.nbd_index {
             Some(n) => attach::nbd_existing(n, &rec.volume_id).map(|a| a.number),
-            None if leftover => attach::nbd_backed_by(&rec.volume_id).first().copied(),
+            None if leftover => attach::serving(AttachKind::Nbd, &rec.image, &rec.volume_id).first().map(|a| a.number),
             None => None,
         };
         if let Some(n) = found {

@@ -23,8 +23,8 @@ use volring_mounts::DevNum;
 use volring_volumes::attach::{self, Attachment};
 use volring_volumes::beneath::Node;
 use volring_volumes::filesystem;
-use volring_volumes::HealthView;
 use volring_volumes::{AccessKind, StagedVolume};
+use volring_volumes::{Drift, HealthView, VolumeHealth};
 
 /// Node service, the questions about a staged volume and its growth.
 pub(crate) struct Stats {
@@ -166,12 +166,12 @@ impl Stats {
         // the volume as a whole (its staging mount and device, a failed or
         // a past repair).
         let verdict = self.health.get().and_then(|v| v.get(id));
-        let proven = volring_volumes::Proven {
+        let proven = Proven {
             staging: problem.is_none() && *checked == rec.staged_at(),
             device: problem.is_none(),
             settled: rec.phase == volring_volumes::StagePhase::Staged,
         };
-        let problem = match (problem, verdict.as_deref().and_then(|h| h.volume_problem_beside(proven))) {
+        let problem = match (problem, verdict.as_deref().and_then(|h| volume_problem_beside(h, proven))) {
             (Some(p), Some(v)) => Some(format!("{p}; {v}")),
             (p, v) => p.or(v),
         };
@@ -295,5 +295,52 @@ fn shut_down(root: std::os::fd::BorrowedFd<'_>, path: &Path) -> Option<String> {
         // Anything else (EACCES under an LSM, EMFILE) says nothing about the
         // filesystem; statfs above already answered.
         Err(_) => None,
+    }
+}
+
+/// What a condition proved of a volume just now, through a descriptor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Proven {
+    /// The staging path holds a mount of the volume's own device.
+    staging: bool,
+    /// The volume's device is attached (a path holds a mount of it).
+    device: bool,
+    /// The volume's record says it is staged now, no operation in flight:
+    /// a verdict that saw a call mid-way ("interrupted") is older than it.
+    settled: bool,
+}
+
+/// What the reconciler's verdict `h` says is wrong with the volume as a
+/// whole — its device, its staging mount, an unfinished operation, a failed
+/// repair — leaving out its targets (a question about a target is answered
+/// for that target), less what the condition has just proven by
+/// descriptor: a verdict is as old as the last mount event the reconciler
+/// saw, and a stage that re-mounted the volume a moment ago must not be
+/// reported as "staging mount gone" until that event lands.
+fn volume_problem_beside(h: &VolumeHealth, proven: Proven) -> Option<String> {
+    let stale = |d: &Drift| match d {
+        Drift::StagingMissing | Drift::StagingForeign => proven.staging,
+        Drift::DeviceDetached => proven.device,
+        Drift::TargetMissing { .. } | Drift::TargetForeign { .. } => true,
+        Drift::Interrupted { .. } => proven.settled,
+    };
+    let whole = VolumeHealth {
+        drift: h.drift.iter().filter(|d| !stale(d)).cloned().collect(),
+        last_repair: None,
+        repair_error: h.repair_error.clone(),
+    };
+    whole.problem()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use volring_volumes::StagePhase;
+
+    #[test]
+    fn an_interrupted_verdict_is_older_than_a_staged_record() {
+        let h = VolumeHealth { drift: vec![Drift::Interrupted { phase: StagePhase::Mounting }], ..Default::default() };
+        assert!(volume_problem_beside(&h, Proven::default()).is_some_and(|p| p.contains("interrupted")));
+        assert_eq!(volume_problem_beside(&h, Proven { settled: true, ..Default::default() }), None);
     }
 }

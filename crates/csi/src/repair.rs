@@ -171,15 +171,15 @@ impl Repairs {
         // that the record does not name is not volring's to mount over.
         let named = attach::of_record(rec);
         if named.is_none() && rec.phase == StagePhase::Staged && rec.attach == AttachKind::Nbd {
-            if let Some(n) = attach::nbd_backed_by(&rec.volume_id).first() {
+            if let Some(a) = attach::serving(AttachKind::Nbd, &rec.image, &rec.volume_id).first() {
                 return Err(super::Error::FailedPrecondition(format!(
-                    "/dev/nbd{n} carries the volume id but the record names {:?}; not attaching a second device",
-                    rec.nbd_index
+                    "/dev/nbd{} carries the volume id but the record names {:?}; not attaching a second device",
+                    a.number, rec.nbd_index
                 )));
             }
         }
         if named.is_none() && rec.phase == StagePhase::Staged {
-            if let Some(other) = attach::find_backed_by(&rec.image).first() {
+            if let Some(other) = attach::serving(AttachKind::Loop, &rec.image, &rec.volume_id).first() {
                 return Err(super::Error::FailedPrecondition(format!(
                     "the image is served by {} which the record does not name; not attaching a second device",
                     other.path().display()

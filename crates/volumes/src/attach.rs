@@ -174,20 +174,30 @@ pub(crate) fn existing(number: u32, image: &Path) -> Option<Attachment> {
         .then(|| device_number(number).ok().map(|dev| Attachment { number, dev, kind: AttachKind::Loop }))?
 }
 
-/// The indexes of every nbd device carrying `backend` (normally none or
-/// one; more only after a crash between connecting and recording).
-pub fn nbd_backed_by(backend: &str) -> Vec<u32> {
+/// Every device of `kind` serving a volume, found by what the kernel says
+/// backs it rather than by a recorded number: the loop devices attached to
+/// `image`, the nbd devices carrying `volume_id` as their backend
+/// identifier. Normally none or one; more only after a crash between
+/// attaching and recording the number.
+pub fn serving(kind: AttachKind, image: &Path, volume_id: &str) -> Vec<Attachment> {
+    match kind {
+        AttachKind::Loop => find_backed_by(image),
+        AttachKind::Nbd => nbd_backed_by(volume_id),
+    }
+}
+
+/// Every nbd device carrying `backend`.
+fn nbd_backed_by(backend: &str) -> Vec<Attachment> {
     std::fs::read_dir("/sys/block")
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("nbd")?.parse::<u32>().ok())
-        .filter(|&n| nbd_existing(n, backend).is_some())
+        .filter_map(|n| nbd_existing(n, backend))
         .collect()
 }
 
-/// Every loop device attached to `image` (normally none or one; more only
-/// after a crash between attaching and recording the number).
-pub fn find_backed_by(image: &Path) -> Vec<Attachment> {
+/// Every loop device attached to `image`.
+pub(crate) fn find_backed_by(image: &Path) -> Vec<Attachment> {
     loop_numbers().filter_map(|n| existing(n, image)).collect()
 }
 

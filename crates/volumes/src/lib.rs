@@ -37,7 +37,7 @@ pub use persist::Quarantined;
 pub use pool::{ImagePool, VolumeMeta};
 pub use staged::{AccessKind, AttachKind, RemoteExport, StagePhase, StagedRecords, StagedVolume, StoreLoss};
 pub use state::{
-    actual::{Action, AtPath, Drift, HealthView, Proof, Proven, Repair, VolumeActual, VolumeHealth},
+    actual::{Action, AtPath, Drift, HealthView, Proof, Repair, VolumeActual, VolumeHealth},
     history::{RepairEvent, RepairResult},
     reconcile::{Acted, Changed, Notifier, ReconcileConfig, ReconcileStats, Reconciler, Volumes, PASS_BUCKETS_US},
 };

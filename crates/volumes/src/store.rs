@@ -233,7 +233,7 @@ impl Store {
         Ok(Self { db, path: path.to_path_buf(), commits: Mutex::new(commits) })
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 

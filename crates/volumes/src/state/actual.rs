@@ -218,18 +218,6 @@ fn difference(table: &VolumeActual, kernel: &VolumeActual) -> String {
     parts.join("; ")
 }
 
-/// What a caller proved of a volume just now, through a descriptor.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Proven {
-    /// The staging path holds a mount of the volume's own device.
-    pub staging: bool,
-    /// The volume's device is attached (a path holds a mount of it).
-    pub device: bool,
-    /// The volume's record says it is staged now, no operation in flight:
-    /// a verdict that saw a call mid-way ("interrupted") is older than it.
-    pub settled: bool,
-}
-
 /// The reconciler's verdict on one volume, as published and stored.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeHealth {
@@ -260,30 +248,6 @@ impl VolumeHealth {
             parts.push(format!("repair failed: {e}"));
         }
         Some(parts.join("; "))
-    }
-}
-
-impl VolumeHealth {
-    /// What is wrong with the volume as a whole — its device, its staging
-    /// mount, an unfinished operation, a failed repair — leaving out its
-    /// targets (a question about a target is answered for that target),
-    /// less what a caller has just proven by
-    /// descriptor: a verdict is as old as the last mount event the
-    /// reconciler saw, and a stage that re-mounted the volume a moment ago
-    /// must not be reported as "staging mount gone" until that event lands.
-    pub fn volume_problem_beside(&self, proven: Proven) -> Option<String> {
-        let stale = |d: &Drift| match d {
-            Drift::StagingMissing | Drift::StagingForeign => proven.staging,
-            Drift::DeviceDetached => proven.device,
-            Drift::TargetMissing { .. } | Drift::TargetForeign { .. } => true,
-            Drift::Interrupted { .. } => proven.settled,
-        };
-        let whole = VolumeHealth {
-            drift: self.drift.iter().filter(|d| !stale(d)).cloned().collect(),
-            last_repair: None,
-            repair_error: self.repair_error.clone(),
-        };
-        whole.problem()
     }
 }
 
@@ -490,13 +454,6 @@ mod tests {
             check(&r, &foreign, &seen(foreign.clone(), Some("/k"))),
             Checked::Confirmed { drift: vec![Drift::StagingForeign], action: Action::None, blocked: None }
         );
-    }
-
-    #[test]
-    fn an_interrupted_verdict_is_older_than_a_staged_record() {
-        let h = VolumeHealth { drift: vec![Drift::Interrupted { phase: StagePhase::Mounting }], ..Default::default() };
-        assert!(h.volume_problem_beside(Proven::default()).is_some_and(|p| p.contains("interrupted")));
-        assert_eq!(h.volume_problem_beside(Proven { settled: true, ..Default::default() }), None);
     }
 
     #[test]
