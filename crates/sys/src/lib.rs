@@ -9,15 +9,19 @@
 #![warn(unreachable_pub)]
 
 pub mod fanotify;
-pub mod genetlink;
+mod genetlink;
 #[cfg(feature = "libmount-peer")]
 pub mod libmount;
 pub mod loopdev;
 pub mod mount_api;
+mod nbd_netlink;
 pub mod netlink;
-pub mod nlmsg;
+mod nlmsg;
 pub mod ns;
 pub mod process;
+
+pub use nbd_netlink::{NbdNetlink, NbdNetlinkError};
+pub use nlmsg::{fuzz_nbd_netlink, DeviceStatus, NbdConfig};
 
 use std::time::Duration;
 
