@@ -173,7 +173,7 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
     let uri = v.volume_context.get(CONTEXT_URI).cloned().unwrap_or_default();
     check(uri == format!("nbd://{listen}/pvc-remote"), format!("context: {:?}", v.volume_context.get(CONTEXT_URI)))?;
     let secret = v.volume_context.get(CONTEXT_SECRET).cloned().unwrap_or_default();
-    check(Secret::from_hex(&secret).is_ok(), "a 64-hex-digit secret in the context")?;
+    check(secret.parse::<Secret>().is_ok(), "a 64-hex-digit secret in the context")?;
     check(v.accessible_topology.is_empty(), format!("an exported volume is reachable from every node: {:?}", v.accessible_topology))?;
     check(served(&a, &client_uri(&v)), format!("not served: {}", a.log_tail(20)))?;
     check(!served(&a, &format!("{uri}/{}", Secret::generate()?.to_hex())), "served with another secret")?;

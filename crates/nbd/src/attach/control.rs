@@ -102,14 +102,9 @@ pub fn read_backend(sys_block: &Path, index: u32) -> Option<String> {
     (!id.is_empty()).then(|| id.to_string())
 }
 
-/// The check before a reconfigure or a disconnect: only the backend the
-/// device was connected with may be given sockets or let go. Reads the
-/// device's backend from `/sys/block`.
-pub fn check_backend(index: u32, expected: &str) -> Result<(), Error> {
-    check_found(index, expected, read_backend(Path::new(SYS_BLOCK), index))
-}
-
-/// [`check_backend`] on the backend `found`.
+/// The check before a reconfigure or a disconnect, on the backend `found`:
+/// only the backend the device was connected with may be given sockets or
+/// let go.
 pub(crate) fn check_found(index: u32, expected: &str, found: Option<String>) -> Result<(), Error> {
     if found.as_deref() == Some(expected) {
         Ok(())
@@ -159,7 +154,12 @@ impl NbdControl {
         Ok(())
     }
 
-    pub fn disconnect(&mut self, index: u32) -> Result<(), Error> {
+    /// Disconnects a device; with `expected`, only after checking it serves
+    /// that backend (an index reused by another attachment is not torn down).
+    pub fn disconnect(&mut self, index: u32, expected: Option<&str>) -> Result<(), Error> {
+        if let Some(expected) = expected {
+            check_found(index, expected, read_backend(&self.sys_block, index))?;
+        }
         self.nl.disconnect(index)?;
         tracing::info!(index, "nbd device disconnected");
         Ok(())

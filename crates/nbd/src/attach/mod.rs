@@ -9,7 +9,7 @@
 //! - `netlink`: its errors in this module's terms, and the LINK_DEAD
 //!   listener ([`LinkDeadListener`]);
 //! - `control`: [`NbdControl`] with [`ConnectSpec`], the backend
-//!   identifier check before any reconfigure ([`check_backend`]);
+//!   identifier check before any reconfigure or disconnect;
 //! - `local`: a device served by this process's own NBD server over
 //!   socketpairs ([`LocalAttachment`], [`local_sockets`]);
 //! - `remote`: a device served by another node's export over TCP
@@ -20,7 +20,7 @@ mod local;
 mod netlink;
 mod remote;
 
-pub use control::{check_backend, read_backend, ConnectSpec, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
+pub use control::{read_backend, ConnectSpec, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
 pub use local::{connected_sockets as local_sockets, LocalAttachment};
 pub use netlink::LinkDeadListener;
 pub use remote::{connected_sockets as remote_sockets, let_go, RemoteAttachment, RemoteSource};
