@@ -86,7 +86,7 @@ pub struct Export {
     /// and for SEEK_DATA; `None` when `file` is buffered already.
     buffered: Option<OwnedFd>,
     removed: AtomicBool,
-    pub stats: ExportStats,
+    pub(crate) stats: ExportStats,
     /// Who else decides whether a client may have it (a guarded catalog's
     /// [`Admission`]); told of every admitted connection's end.
     admission: Option<Arc<dyn Admission>>,
@@ -160,6 +160,11 @@ impl Export {
 
     pub fn direct_io(&self) -> bool {
         self.buffered.is_some()
+    }
+
+    /// A copy of the export's counters and latencies, under its name.
+    pub fn snapshot(&self) -> ExportSnapshot {
+        self.stats.snapshot(&self.name)
     }
 
     /// A descriptor that supports lseek(SEEK_DATA) and fadvise.
@@ -349,7 +354,7 @@ impl Exports {
     }
 
     pub fn snapshots(&self) -> Vec<ExportSnapshot> {
-        self.all().iter().map(|e| e.stats.snapshot(&e.name)).collect()
+        self.all().iter().map(|e| e.snapshot()).collect()
     }
 }
 

@@ -74,25 +74,25 @@ impl LatencyBuckets {
     }
 }
 #[derive(Default)]
-pub struct ExportStats {
-    pub connections: AtomicU64,
-    pub connections_total: AtomicU64,
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
-    pub read_bytes: AtomicU64,
-    pub write_bytes: AtomicU64,
-    pub flushes: AtomicU64,
-    pub trims: AtomicU64,
-    pub zeroes: AtomicU64,
-    pub other: AtomicU64,
-    pub errors: AtomicU64,
+pub(crate) struct ExportStats {
+    pub(crate) connections: AtomicU64,
+    pub(crate) connections_total: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) writes: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) write_bytes: AtomicU64,
+    pub(crate) flushes: AtomicU64,
+    pub(crate) trims: AtomicU64,
+    pub(crate) zeroes: AtomicU64,
+    pub(crate) other: AtomicU64,
+    pub(crate) errors: AtomicU64,
     /// WRITEs done by a blocking call on a ring thread instead of through
     /// io_uring (see `server::inline`): tells an operator which path the
     /// pool's file system got.
-    pub inline_writes: AtomicU64,
+    pub(crate) inline_writes: AtomicU64,
     /// Page-cache READs handed to io_uring's workers because the ring was
     /// starved of CPU (see `server::starve`).
-    pub offloaded_reads: AtomicU64,
+    pub(crate) offloaded_reads: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.
     buckets: [LatencyBuckets; 6],
@@ -195,7 +195,7 @@ impl ExportStats {
         self.buckets[kind as usize].snapshot(kind)
     }
 
-    pub fn snapshot(&self, name: &str) -> ExportSnapshot {
+    pub(crate) fn snapshot(&self, name: &str) -> ExportSnapshot {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let (p50, p99, max, count) = match self.latency.lock().ok().as_deref().and_then(|h| h.as_ref()) {
             Some(h) => (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.max(), h.len()),
