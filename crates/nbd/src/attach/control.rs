@@ -1,6 +1,8 @@
 //! Connecting, reconfiguring and disconnecting `/dev/nbdN`, with the
 //! backend identifier check that keeps a restarted agent from handing a
-//! device sockets to the wrong image (the cookie check rbd-nbd needed).
+//! device sockets to the wrong image (the cookie check rbd-nbd needed);
+//! and the listener for the nbd family's LINK_DEAD notices. Both go
+//! through the one entry `volring_sys` gives for the family.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
@@ -9,7 +11,7 @@ use std::time::Duration;
 use super::Error;
 use crate::client::ExportDetails;
 use crate::wire::tx;
-use volring_sys::{DeviceStatus, NbdConfig, NbdNetlink};
+use volring_sys::{DeviceStatus, NbdConfig, NbdNetlink, NbdNetlinkError};
 
 /// Seconds the kernel waits for a request's reply before it requeues it
 /// on another connection, or waits for a reconnect: a few seconds, so
@@ -172,6 +174,37 @@ impl NbdControl {
     /// The backend a device serves (see [`read_backend`]).
     pub(crate) fn backend(&self, index: u32) -> Option<String> {
         read_backend(&self.sys_block, index)
+    }
+}
+
+impl From<NbdNetlinkError> for Error {
+    /// A missing module is the error a caller acts on; the rest keep the
+    /// step that failed.
+    fn from(e: NbdNetlinkError) -> Self {
+        match e {
+            NbdNetlinkError::NoFamily => Error::FamilyNotFound,
+            NbdNetlinkError::Kernel { op, source } => Error::Kernel { op, source },
+            NbdNetlinkError::Malformed(what) => Error::Malformed(what),
+        }
+    }
+}
+
+/// The nbd family's multicast group: the kernel announces there each
+/// device whose every connection died (NBD_CMD_LINK_DEAD), which is when
+/// the device waits for a RECONFIGURE with fresh sockets.
+pub struct LinkDeadListener {
+    sock: NbdNetlink,
+}
+
+impl LinkDeadListener {
+    /// [`Error::FamilyNotFound`] when the nbd module is not loaded.
+    pub fn open() -> Result<Self, Error> {
+        Ok(LinkDeadListener { sock: NbdNetlink::open(true)? })
+    }
+
+    /// The next dead device's index, waiting at most `timeout`.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<u32>, Error> {
+        Ok(self.sock.next_link_dead(timeout)?)
     }
 }
 

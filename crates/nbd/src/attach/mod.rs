@@ -6,10 +6,9 @@
 //!
 //! - `volring_sys::NbdNetlink`: the family's commands and notices on one
 //!   socket, with the netlink framing behind it;
-//! - `netlink`: its errors in this module's terms, and the LINK_DEAD
-//!   listener ([`LinkDeadListener`]);
 //! - `control`: [`NbdControl`] with [`ConnectSpec`], the backend
-//!   identifier check before any reconfigure or disconnect;
+//!   identifier check before any reconfigure or disconnect, and the
+//!   LINK_DEAD listener ([`LinkDeadListener`]);
 //! - `local`: a device served by this process's own NBD server over
 //!   socketpairs ([`LocalAttachment`], [`local_sockets`]);
 //! - `remote`: a device served by another node's export over TCP
@@ -17,12 +16,10 @@
 
 mod control;
 mod local;
-mod netlink;
 mod remote;
 
-pub use control::{read_backend, ConnectSpec, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
+pub use control::{read_backend, ConnectSpec, LinkDeadListener, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
 pub use local::{connected_sockets as local_sockets, LocalAttachment};
-pub use netlink::LinkDeadListener;
 pub use remote::{connected_sockets as remote_sockets, let_go, RemoteAttachment, RemoteSource};
 
 /// Everything that can go wrong attaching a device.
