@@ -34,9 +34,9 @@ use io_uring::{cqueue, opcode, squeue, types};
 use super::allowed::{missing_opcode, restrictions, MissingOpcode};
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::UringCore;
-use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId};
+use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId, PipeId};
 use super::ops::Reaped;
-use super::pipes::{PipeId, PipePool, PIPE_SIZE};
+use super::pipes::{PipePool, PIPE_SIZE};
 use super::setup::{pinned_memory, raise_nofile_limit, IoRingConfig, RingSetup};
 
 /// What an operation holds until its last completion.
