@@ -144,7 +144,7 @@ impl NbdExports {
     /// The secret for a new `attach: nbd` volume, when this node exports.
     pub(crate) fn new_secret(&self) -> Result<Option<String>> {
         match self.listener.get() {
-            Some(_) => Secret::generate().map(|s| Some(s.to_hex())).map_err(|e| Error::Internal(e.to_string())),
+            Some(_) => Secret::generate().map(|s| Some(format!("{s:x}"))).map_err(|e| Error::Internal(e.to_string())),
             None => Ok(None),
         }
     }

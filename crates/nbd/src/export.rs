@@ -455,13 +455,9 @@ mod tests {
         assert!(g.find(&good).is_some());
         assert_eq!(g.public_name(&good), "v");
         let other = Secret::generate().unwrap();
-        for bad in [
-            "v".to_string(),
-            "v/".into(),
-            super::super::remote::wire_name("v", &other, None),
-            format!("{good}0"),
-            format!("w/{}", secret.to_hex()),
-        ] {
+        for bad in
+            ["v".to_string(), "v/".into(), super::super::remote::wire_name("v", &other, None), format!("{good}0"), format!("w/{secret:x}")]
+        {
             assert!(g.find(&bad).is_none(), "{bad:?} found");
         }
         assert!(g.names().is_empty());

@@ -140,6 +140,15 @@ impl fmt::Display for ExportUri {
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret([u8; SECRET_BYTES]);
 
+/// The secret as 64 lower-case hex digits (`format!("{secret:x}")`), what
+/// a volume context and a client's export name carry; read back with
+/// `parse`.
+impl fmt::LowerHex for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Secret(..)")
@@ -171,10 +180,6 @@ impl Secret {
         let mut b = [0u8; SECRET_BYTES];
         getrandom::getrandom(&mut b).map_err(|e| Error::Io { what: "getrandom".into(), source: std::io::Error::other(e.to_string()) })?;
         Ok(Secret(b))
-    }
-
-    pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Whether `presented` (hex, from a client) is this secret. The time it
@@ -229,8 +234,8 @@ pub fn valid_client(name: &str) -> bool {
 /// `/<client>` when the client names itself.
 pub(crate) fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
     match client {
-        Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
-        None => format!("{export}/{}", secret.to_hex()),
+        Some(c) => format!("{export}/{secret:x}/{c}"),
+        None => format!("{export}/{secret:x}"),
     }
 }
 
@@ -271,8 +276,8 @@ pub fn fuzz_outside_string(text: &str) {
     let parsed = Secret::from_str(text);
     assert_eq!(fixed.matches(text), parsed.as_ref().is_ok_and(|s| *s == fixed));
     if let Ok(s) = parsed {
-        assert_eq!(Secret::from_str(&s.to_hex()).expect("hex round trip"), s);
-        assert!(s.matches(text) && s.matches(&s.to_hex()));
+        assert_eq!(Secret::from_str(&format!("{s:x}")).expect("hex round trip"), s);
+        assert!(s.matches(text) && s.matches(&format!("{s:x}")));
     }
     if let Some(w) = split_wire_name(text) {
         let mut whole = format!("{}/{}", w.export, w.secret);
@@ -284,7 +289,7 @@ pub fn fuzz_outside_string(text: &str) {
         if valid_export(w.export) {
             if let Ok(s) = Secret::from_str(w.secret) {
                 let again = wire_name(w.export, &s, w.client);
-                let hex = s.to_hex();
+                let hex = format!("{s:x}");
                 assert_eq!(split_wire_name(&again), Some(WireName { export: w.export, secret: &hex, client: w.client }));
             }
         }
@@ -346,12 +351,12 @@ mod tests {
         let s = Secret::generate().unwrap();
         let t = Secret::generate().unwrap();
         assert_ne!(s, t, "two fresh secrets differ");
-        let hex = s.to_hex();
+        let hex = format!("{s:x}");
         assert_eq!(hex.len(), 64);
         assert_eq!(Secret::from_str(&hex).unwrap(), s);
         assert_eq!(Secret::from_str(&hex.to_uppercase()).unwrap(), s);
         assert!(s.matches(&hex) && s.matches(&hex.to_uppercase()));
-        assert!(!s.matches(&t.to_hex()));
+        assert!(!s.matches(&format!("{t:x}")));
         // One digit off anywhere, a short or long one, non-hex of the right length.
         for i in [0, 31, 63] {
             let mut b = hex.clone().into_bytes();
