@@ -168,7 +168,7 @@ impl NbdSide {
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
         // connections.
-        let threads = self.config.connections.max(1).max(volring_nbd::default_rings());
+        let threads = self.config.connections.max(1).max(ServerConfig::default().threads);
         let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
