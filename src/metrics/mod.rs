@@ -378,7 +378,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::Export
 
 /// Every export's counters, taken once for one scrape.
 fn nbd_snapshots(exports: &volring_nbd::Exports) -> Vec<volring_nbd::stats::ExportSnapshot> {
-    exports.snapshots()
+    exports.all().iter().map(|x| x.snapshot()).collect()
 }
 
 /// Renders the exposition text.

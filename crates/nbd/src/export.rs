@@ -352,10 +352,6 @@ impl Exports {
     pub fn all(&self) -> Vec<Arc<Export>> {
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
     }
-
-    pub fn snapshots(&self) -> Vec<ExportSnapshot> {
-        self.all().iter().map(|e| e.snapshot()).collect()
-    }
 }
 
 impl Catalog for Exports {
