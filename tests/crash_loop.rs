@@ -580,7 +580,7 @@ fn crash_loop_inner(w: &mut World, cycles: usize) -> Res {
 
 #[test]
 fn crash_loop() {
-    volring_sys::ns::enter_private_mount_namespace_on_this_thread().expect("private mount namespace (run as root)");
+    volring_sys::ns::enter_private_mount_namespace().expect("private mount namespace (run as root)");
     let cycles = env_u64("VOLRING_CRASH_CYCLES").unwrap_or(100) as usize;
     let seed = env_u64("VOLRING_CRASH_SEED")
         .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64));

@@ -198,7 +198,7 @@ fn reconnect_userspace(scratch: &Scratch) -> Result<(Duration, Duration, Duratio
     let mut times = Vec::new();
     for _ in 0..RUNS {
         let t0 = Instant::now();
-        let threads = volring_nbd::default_rings().max(1);
+        let threads = ServerConfig::default().threads.max(1);
         let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))?;
         let spec = ExportSpec {
             name: "walk".into(),

@@ -287,17 +287,3 @@ fn missing_nbd_module_is_family_not_found() {
     assert!(matches!(NbdControl::open(), Err(AttachError::FamilyNotFound)), "NbdControl::open");
     assert!(matches!(LinkDeadListener::open(), Err(AttachError::FamilyNotFound)), "LinkDeadListener::open");
 }
-
-/// The controller itself answers through the same socket code: its own
-/// family resolves, with its multicast group.
-#[test]
-fn genetlink_resolves_the_controller_family() {
-    let mut s = volring_sys::genetlink::GenlSocket::open().expect("socket");
-    let f = s.resolve_family("nlctrl").expect("nlctrl");
-    // GENL_ID_CTRL (linux/genetlink.h), from the header, not the code under test.
-    const GENL_ID_CTRL: u16 = 0x10;
-    assert_eq!(f.id, GENL_ID_CTRL);
-    assert!(f.groups.iter().any(|(n, _)| n == "notify"), "groups {:?}", f.groups);
-    let e = s.resolve_family("volring-nofam").unwrap_err();
-    assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
-}

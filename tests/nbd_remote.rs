@@ -30,8 +30,8 @@ use volring_nbd::{ExportSpec, Exports, Listen, NbdServer, ServerConfig};
 /// (volring_nbd::remote's docs), not borrowed from the server that parses it.
 fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
     match client {
-        Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
-        None => format!("{export}/{}", secret.to_hex()),
+        Some(c) => format!("{export}/{secret:x}/{c}"),
+        None => format!("{export}/{secret:x}"),
     }
 }
 
@@ -78,20 +78,20 @@ fn real_clients_need_the_secret() -> Result<(), Failed> {
     check(v["exports"][0]["export-size"] == 16 * MIB, format!("size: {v}"))?;
 
     let other = Secret::generate()?;
-    let mut one_off = g.secret.to_hex().into_bytes();
+    let mut one_off = format!("{:x}", g.secret).into_bytes();
     one_off[63] = if one_off[63] == b'0' { b'1' } else { b'0' };
     let refused = [
         g.uri("vol"),
         g.uri(&wire_name("vol", &other, None)),
         g.uri(&format!("vol/{}", String::from_utf8(one_off)?)),
-        g.uri(&format!("vol/{}", &g.secret.to_hex()[..32])),
+        g.uri(&format!("vol/{}", &format!("{:x}", g.secret)[..32])),
         g.uri(&wire_name("nope", &g.secret, None)),
     ];
     let mut messages = Vec::new();
     for uri in &refused {
         let (ok, _, err) = run("nbdinfo", &[uri], T);
         check(!ok && !err.contains("killed after"), format!("{uri} was served: {err}"))?;
-        check(!err.contains(&g.secret.to_hex()) || uri.contains(&g.secret.to_hex()), "the secret is never told")?;
+        check(!err.contains(&format!("{:x}", g.secret)) || uri.contains(&format!("{:x}", g.secret)), "the secret is never told")?;
         messages.push(err.replace(uri, "URI"));
     }
     // A wrong secret and an unknown export look the same to the client.
@@ -173,10 +173,10 @@ fn agent_exports_only_what_it_created() -> Result<(), Failed> {
     let uri = v.volume_context.get(CONTEXT_URI).cloned().unwrap_or_default();
     check(uri == format!("nbd://{listen}/pvc-remote"), format!("context: {:?}", v.volume_context.get(CONTEXT_URI)))?;
     let secret = v.volume_context.get(CONTEXT_SECRET).cloned().unwrap_or_default();
-    check(Secret::from_hex(&secret).is_ok(), "a 64-hex-digit secret in the context")?;
+    check(secret.parse::<Secret>().is_ok(), "a 64-hex-digit secret in the context")?;
     check(v.accessible_topology.is_empty(), format!("an exported volume is reachable from every node: {:?}", v.accessible_topology))?;
     check(served(&a, &client_uri(&v)), format!("not served: {}", a.log_tail(20)))?;
-    check(!served(&a, &format!("{uri}/{}", Secret::generate()?.to_hex())), "served with another secret")?;
+    check(!served(&a, &format!("{uri}/{:x}", Secret::generate()?)), "served with another secret")?;
     check(!a.log_tail(400).contains(&secret), "the secret is in the agent's log")?;
 
     // A second nbd volume has its own secret; a loop volume is not exported.
@@ -238,7 +238,7 @@ fn stage_answers_the_specs_codes() -> Result<(), Failed> {
 
     let r = stage(ctx(&format!("nbd://127.0.0.1:{}/pvc-r", free_port()), &secret));
     check(code(r) == Some(Code::Unavailable), "an export nobody listens on is Unavailable")?;
-    let r = stage(ctx(&uri, &Secret::generate()?.to_hex()));
+    let r = stage(ctx(&uri, &format!("{:x}", Secret::generate()?)));
     let wrong = r.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();
     check(code(r) == Some(Code::NotFound), format!("a wrong secret is NotFound: {wrong}"))?;
     check(!wrong.contains(&secret), "the error does not tell the secret")?;

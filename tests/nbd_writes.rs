@@ -102,7 +102,7 @@ fn written_and_read_back_on(fs: &str) -> Result<(), Failed> {
     copy_in(&s, &large, "1048576", 8)?;
     read_back(&s, &at, &large, &format!("{fs}, 1 MiB writes at QD8"))?;
     qemu_io_mixed(&s)?;
-    let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    let st = s.server().exports().get("disk").expect("export").snapshot();
     eprintln!("{fs}: {} of {} writes inline", st.inline_writes, st.writes);
     check(st.write_bytes >= 2 * SIZE && st.errors == 0, format!("metrics: {st:?}"))
 }
@@ -125,7 +125,7 @@ fn ext4_small_writes_inline_unless_off() -> Result<(), Failed> {
         let s = serve(&at, inline, SIZE / 4);
         let data = random(3 + inline as u64, SIZE / 4);
         copy_in(&s, &data, "4096", 32)?;
-        let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+        let st = s.server().exports().get("disk").expect("export").snapshot();
         eprintln!("inline writes {inline:?}: {} of {} writes inline", st.inline_writes, st.writes);
         match inline {
             // All but those a slow write sent back to io_uring for a while.
@@ -198,7 +198,7 @@ fn reads_in_io_uring_workers_read_back_what_was_written() -> Result<(), Failed> 
     let workers = workers.max(ring_workers());
     check(workers > 0, "no io_uring worker served the ring's reads")?;
     // What an operator sees of it: the export's counter (volring_nbd_offloaded_reads).
-    let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    let st = s.server().exports().get("disk").expect("export").snapshot();
     check(st.offloaded_reads >= 2000, format!("the 2,000 raw reads were not counted as offloaded: {st:?}"))
 }
 

@@ -6,10 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use volring_nbd::attach::link_dead_index;
-use volring_sys::nlmsg;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = link_dead_index(data);
-    nlmsg::fuzz_parse(data);
+    volring_sys::fuzz_nbd_netlink(data);
 });

@@ -130,10 +130,7 @@ pub(crate) fn attach(a: AttachArgs, config: ServerConfig, rt: tokio::runtime::Ru
 /// Disconnects a device, after checking its backend when one is given.
 pub(crate) fn detach(index: u32, backend_id: Option<&str>) -> anyhow::Result<()> {
     let mut control = NbdControl::open()?;
-    if let Some(id) = backend_id {
-        volring_nbd::attach::check_backend(index, id)?;
-    }
-    control.disconnect(index)?;
+    control.disconnect(index, backend_id)?;
     line(serde_json::json!({"detached": index}));
     Ok(())
 }

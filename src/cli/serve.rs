@@ -120,6 +120,6 @@ pub(crate) fn reconcile_exports(server: &volring_nbd::NbdServer, fixed: &[volrin
 }
 
 pub(crate) fn print_nbd_stats(server: &volring_nbd::NbdServer) -> bool {
-    let snaps = server.exports().snapshots();
+    let snaps: Vec<_> = server.exports().all().iter().map(|e| e.snapshot()).collect();
     print_line(&serde_json::json!({ "exports": snaps }))
 }

@@ -320,7 +320,7 @@ fn encode_reconcile(e: &mut DescriptorEncoder<'_>, r: &Reconcile) -> Result<(), 
 /// One series per export for each NBD counter, and request latency as a
 /// histogram per export and command.
 fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::ExportSnapshot]) -> Result<(), FmtError> {
-    use volring_nbd::stats::{Kind, BUCKET_BOUNDS_US, KINDS};
+    use volring_nbd::stats::Kind;
     type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 12] = [
         ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
@@ -354,10 +354,10 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::Export
         None,
         MetricType::Histogram,
     )?;
-    let mut buckets: Vec<(f64, u64)> = Vec::with_capacity(BUCKET_BOUNDS_US.len() + 1);
+    let mut buckets: Vec<(f64, u64)> = Vec::new();
     for x in snaps {
-        for kind in KINDS {
-            let op = match kind {
+        for h in &x.latency {
+            let op = match h.kind {
                 Kind::Read => "read",
                 Kind::Write => "write",
                 Kind::Flush => "flush",
@@ -365,12 +365,11 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::Export
                 Kind::Zero => "write_zeroes",
                 Kind::Other => "other",
             };
-            let h = &x.latency[kind as usize];
             buckets.clear();
-            buckets.extend(BUCKET_BOUNDS_US.iter().map(|&b| b as f64 / 1e6).chain([f64::MAX]).zip(h.counts));
+            buckets.extend(h.buckets.iter().map(|&(le, n)| (le.map_or(f64::MAX, |b| b as f64 / 1e6), n)));
             let labels = [("export", x.name.as_str()), ("op", op)];
             let mut m = fam.encode_family(&labels)?;
-            let count = h.counts.iter().sum();
+            let count = h.buckets.iter().map(|(_, n)| n).sum();
             m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, count, &buckets, None)?;
         }
     }
@@ -379,7 +378,7 @@ fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::Export
 
 /// Every export's counters, taken once for one scrape.
 fn nbd_snapshots(exports: &volring_nbd::Exports) -> Vec<volring_nbd::stats::ExportSnapshot> {
-    exports.all().iter().map(|x| x.stats.snapshot(&x.name)).collect()
+    exports.all().iter().map(|x| x.snapshot()).collect()
 }
 
 /// Renders the exposition text.
@@ -480,9 +479,8 @@ mod tests {
         let mut snaps = nbd_snapshots(&exports);
         // Two READs, of 80 us and 3 ms (the buckets nbd's stats put them
         // in are its own unit test's).
-        let mut counts = [0; 19];
-        (counts[2], counts[7]) = (1, 1);
-        snaps[0].latency[volring_nbd::stats::Kind::Read as usize] = volring_nbd::stats::LatencySnapshot { counts, sum_us: 3_080 };
+        let read = &mut snaps[0].latency[volring_nbd::stats::Kind::Read as usize];
+        (read.buckets[2].1, read.buckets[7].1, read.sum_us) = (1, 1, 3_080);
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Nbd(snaps)));
         let mut out = String::new();

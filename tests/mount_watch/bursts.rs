@@ -25,7 +25,7 @@ pub(super) fn short_lived_mounts_racing_resyncs(backend: BackendChoice) -> Resul
 /// mounts): runs on a thread with a mount namespace of its own.
 fn short_lived_mounts_with(config: WatchConfig, racing_resyncs: bool) -> Result<(), Failed> {
     std::thread::spawn(move || {
-        volring_sys::ns::enter_private_mount_namespace_on_this_thread()?;
+        volring_sys::ns::enter_private_mount_namespace()?;
         short_lived_mounts_alone(config, racing_resyncs)
     })
     .join()

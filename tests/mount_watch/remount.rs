@@ -97,7 +97,7 @@ impl Drop for Peer {
 /// just gone.
 pub(super) fn remount_then_umount(mode: WatchMode, backend: BackendChoice, steps: Steps) -> Result<(), Failed> {
     std::thread::spawn(move || {
-        volring_sys::ns::enter_private_mount_namespace_on_this_thread()?;
+        volring_sys::ns::enter_private_mount_namespace()?;
         remount_then_umount_alone(mode, backend, steps)
     })
     .join()

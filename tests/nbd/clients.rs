@@ -168,7 +168,7 @@ pub(super) fn nbdcopy_both_ways_multi_conn() -> Result<(), Failed> {
     let (ok, _, err) = run("nbdcopy", &["--connections=4", "--threads=4", &s.uri("disk"), back.to_str().unwrap()], T);
     check(ok, format!("nbdcopy out: {err}"))?;
     check(std::fs::read(&back)? == data, "what was copied out is the same")?;
-    let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    let st = s.server().exports().get("disk").expect("export").snapshot();
     check(st.connections_total == 8 && st.writes > 0 && st.reads > 0, format!("metrics: {st:?}"))?;
     check(st.read_bytes > 0 && st.latency_count > 0 && st.connections == 0, format!("metrics: {st:?}"))
 }
@@ -245,7 +245,7 @@ pub(super) fn block_path_through_nbdfuse() -> Result<(), Failed> {
     rustix::mount::unmount(&mnt, rustix::mount::UnmountFlags::empty())?;
     let (ok, _, err) = run("e2fsck", &["-fn", &dev], T);
     check(ok, format!("e2fsck: {err}"))?;
-    let st = s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    let st = s.server().exports().get("disk").expect("export").snapshot();
     check(st.writes > 0 && st.flushes > 0, format!("ext4 wrote and flushed through NBD: {st:?}"))?;
     drop(bp);
     Ok(())

@@ -103,7 +103,7 @@ pub(super) fn spliced_reads_are_timed_until_sent() -> Result<(), Failed> {
     let export = s.server().exports().get("disk").expect("export");
     let start = Instant::now();
     let st = loop {
-        let st = export.stats.snapshot("disk");
+        let st = export.snapshot();
         if st.latency_count >= 1 || start.elapsed() > Duration::from_secs(10) {
             break st;
         }

@@ -149,7 +149,7 @@ pub(super) fn client_that_never_reads_is_bounded() -> Result<(), Failed> {
     // stuck on its full socket (the server shuts the socket down under the
     // splice rather than waiting for the reply to move, which a client that
     // never reads would make forever).
-    let snapshot = || s.server().exports().get("disk").expect("export").stats.snapshot("disk");
+    let snapshot = || s.server().exports().get("disk").expect("export").snapshot();
     let deadline = Instant::now() + STALL + Duration::from_secs(30);
     while snapshot().connections > 1 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));

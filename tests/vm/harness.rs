@@ -261,7 +261,7 @@ impl Vm {
         cmd.arg("-drive").arg(format!("file={},if=virtio,format=raw,cache=unsafe", disk.display()));
         cmd.args(&self.extra_args);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(fs::File::create(&qemu_err)?);
-        volring_sys::process::kill_with_parent(&mut cmd);
+        volring_sys::kill_with_parent(&mut cmd);
 
         Ok((work, cmd))
     }

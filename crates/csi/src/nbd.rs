@@ -168,7 +168,7 @@ impl NbdSide {
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
         // connections.
-        let threads = self.config.connections.max(1).max(volring_nbd::default_rings());
+        let threads = self.config.connections.max(1).max(ServerConfig::default().threads);
         let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
@@ -263,8 +263,7 @@ impl NbdSide {
         let inner = self.inner()?;
         {
             let mut control = inner.control.lock().unwrap_or_else(|e| e.into_inner());
-            nbdattach::check_backend(index, volume_id).map_err(attach_error)?;
-            control.disconnect(index).map_err(attach_error)?;
+            control.disconnect(index, Some(volume_id)).map_err(attach_error)?;
         }
         self.forget(index, volume_id);
         Ok(())
@@ -308,7 +307,9 @@ impl NbdSide {
             }
         }
         let seen = || match (&rec.remote, &self.records) {
-            (Some(r), Some(dir)) => ExportUri::parse(&r.uri)
+            (Some(r), Some(dir)) => r
+                .uri
+                .parse::<ExportUri>()
                 .ok()
                 .and_then(|u| alive::authority_port(&u.authority()))
                 .and_then(|port| alive::sockets_seen(dir, index, &rec.volume_id, port)),

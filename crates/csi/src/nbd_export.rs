@@ -68,7 +68,7 @@ impl ExportListener {
             None => bound.to_string(),
         };
         // The advertised address must make a URI this agent itself accepts.
-        ExportUri::parse(&format!("nbd://{advertise}/x"))?;
+        format!("nbd://{advertise}/x").parse::<ExportUri>()?;
         tracing::info!(listen = %bound, advertise = %advertise, "serving nbd volumes to other nodes");
         Ok(ExportListener { server, advertise })
     }
@@ -87,7 +87,7 @@ impl ExportListener {
         if self.server.exports().get(&meta.id).is_some() {
             return Ok(());
         }
-        let secret = Secret::from_hex(secret).map_err(|e| Error::Internal(format!("volume {}'s recorded secret: {e}", meta.id)))?;
+        let secret = secret.parse::<Secret>().map_err(|e| Error::Internal(format!("volume {}'s recorded secret: {e}", meta.id)))?;
         let spec = ExportSpec {
             name: meta.id.clone(),
             path: image.to_path_buf(),
@@ -144,7 +144,7 @@ impl NbdExports {
     /// The secret for a new `attach: nbd` volume, when this node exports.
     pub(crate) fn new_secret(&self) -> Result<Option<String>> {
         match self.listener.get() {
-            Some(_) => Secret::generate().map(|s| Some(s.to_hex())).map_err(|e| Error::Internal(e.to_string())),
+            Some(_) => Secret::generate().map(|s| Some(format!("{s:x}"))).map_err(|e| Error::Internal(e.to_string())),
             None => Ok(None),
         }
     }
@@ -210,11 +210,11 @@ pub(super) fn remote_from_context(
     match (context.get(CONTEXT_URI), context.get(CONTEXT_SECRET)) {
         (None, None) => Ok(None),
         (Some(uri), Some(secret)) => {
-            let parsed = ExportUri::parse(uri).map_err(|e| Error::InvalidArgument(format!("volume context {CONTEXT_URI}: {e}")))?;
+            let parsed = uri.parse::<ExportUri>().map_err(|e| Error::InvalidArgument(format!("volume context {CONTEXT_URI}: {e}")))?;
             if parsed.export != id {
                 return Err(Error::InvalidArgument(format!("volume context {CONTEXT_URI} names export {:?}, not {id:?}", parsed.export)));
             }
-            Secret::from_hex(secret).map_err(|e| Error::InvalidArgument(format!("volume context {CONTEXT_SECRET}: {e}")))?;
+            secret.parse::<Secret>().map_err(|e| Error::InvalidArgument(format!("volume context {CONTEXT_SECRET}: {e}")))?;
             Ok(Some(volring_volumes::RemoteExport { uri: uri.clone(), secret: secret.clone() }))
         }
         _ => Err(Error::InvalidArgument(format!("volume context: {CONTEXT_URI} and {CONTEXT_SECRET} go together"))),

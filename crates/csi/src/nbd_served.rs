@@ -309,8 +309,8 @@ pub(super) fn device_size(index: u32) -> u64 {
 
 /// A record's remote export as a connectable source.
 pub(super) fn remote_source(r: &RemoteExport, client: Option<&str>) -> Result<RemoteSource> {
-    let uri = ExportUri::parse(&r.uri).map_err(|e| Error::Internal(format!("recorded export: {e}")))?;
-    let secret = Secret::from_hex(&r.secret).map_err(|e| Error::Internal(format!("recorded export {}: {e}", r.uri)))?;
+    let uri = r.uri.parse::<ExportUri>().map_err(|e| Error::Internal(format!("recorded export: {e}")))?;
+    let secret = r.secret.parse::<Secret>().map_err(|e| Error::Internal(format!("recorded export {}: {e}", r.uri)))?;
     Ok(RemoteSource { uri, secret, client: client.map(str::to_string) })
 }
 

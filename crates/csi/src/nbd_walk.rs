@@ -453,8 +453,8 @@ mod tests {
             self.events.lock().unwrap().push(format!("remote {} connecting", rec.volume_id));
             let r = rec.remote.as_ref().unwrap();
             let source = volring_nbd::attach::RemoteSource {
-                uri: volring_nbd::remote::ExportUri::parse(&r.uri).unwrap(),
-                secret: volring_nbd::remote::Secret::from_hex(&r.secret).unwrap(),
+                uri: r.uri.parse::<volring_nbd::remote::ExportUri>().unwrap(),
+                secret: r.secret.parse::<volring_nbd::remote::Secret>().unwrap(),
                 client: None,
             };
             let h = match volring_nbd::attach::remote_sockets(&source, 1) {

@@ -6,7 +6,7 @@
 //! `FAN_EVENT_INFO_TYPE_MNT` record whose u64 mount id sits 8 bytes in.
 
 use super::Error;
-use volring_sys::fanotify::{FAN_MNT_ATTACH, FAN_MNT_DETACH};
+use volring_sys::fanotify::MountEvents;
 
 /// Event bit: the group's queue overflowed and events were lost.
 const FAN_Q_OVERFLOW: u64 = 0x0000_4000;
@@ -86,7 +86,8 @@ fn next_event(b: &[u8]) -> Result<(usize, Option<FanEvent>), Error> {
         }
         info = &info[len..];
     }
-    let (attach, detach) = (mask & FAN_MNT_ATTACH != 0, mask & FAN_MNT_DETACH != 0);
+    let kinds = MountEvents::from_bits_truncate(mask);
+    let (attach, detach) = (kinds.contains(MountEvents::ATTACH), kinds.contains(MountEvents::DETACH));
     Ok((event_len, id.filter(|_| attach || detach).map(|id| FanEvent::Mount { id, attach, detach })))
 }
 
@@ -111,13 +112,13 @@ mod tests {
 
     #[test]
     fn decodes_attach_detach_move_and_overflow() {
-        let mut buf = event(FAN_MNT_ATTACH, 10);
-        buf.extend(event(FAN_MNT_ATTACH | FAN_MNT_DETACH, 11));
+        let mut buf = event(MountEvents::ATTACH.bits(), 10);
+        buf.extend(event(MountEvents::all().bits(), 11));
         let mut of = event(FAN_Q_OVERFLOW, 0);
         of[0..4].copy_from_slice(&24u32.to_ne_bytes());
         of.truncate(24);
         buf.extend(of);
-        buf.extend(event(FAN_MNT_DETACH, 10));
+        buf.extend(event(MountEvents::DETACH.bits(), 10));
         let got: Vec<_> = events(&buf).collect::<Result<_, _>>().unwrap();
         assert_eq!(
             got,
@@ -132,7 +133,7 @@ mod tests {
 
     #[test]
     fn malformed_events_end_the_batch_with_an_error() {
-        let good = event(FAN_MNT_ATTACH, 1);
+        let good = event(MountEvents::ATTACH.bits(), 1);
         let mut bad = good.clone();
         bad[0..4].copy_from_slice(&1000u32.to_ne_bytes());
         let mut buf = good.clone();

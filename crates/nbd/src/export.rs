@@ -86,7 +86,7 @@ pub struct Export {
     /// and for SEEK_DATA; `None` when `file` is buffered already.
     buffered: Option<OwnedFd>,
     removed: AtomicBool,
-    pub stats: ExportStats,
+    pub(crate) stats: ExportStats,
     /// Who else decides whether a client may have it (a guarded catalog's
     /// [`Admission`]); told of every admitted connection's end.
     admission: Option<Arc<dyn Admission>>,
@@ -160,6 +160,11 @@ impl Export {
 
     pub fn direct_io(&self) -> bool {
         self.buffered.is_some()
+    }
+
+    /// A copy of the export's counters and latencies, under its name.
+    pub fn snapshot(&self) -> ExportSnapshot {
+        self.stats.snapshot(&self.name)
     }
 
     /// A descriptor that supports lseek(SEEK_DATA) and fadvise.
@@ -332,7 +337,7 @@ impl Exports {
         let e = self.get(wire.export);
         // Compared even when the export is unknown, so a miss costs what a
         // wrong secret costs.
-        let dummy = Secret::from_hex(&"0".repeat(64)).ok()?;
+        let dummy: Secret = "0".repeat(64).parse().ok()?;
         let ok = secret.as_ref().unwrap_or(&dummy).matches(wire.secret);
         match (ok, secret.is_some()) {
             (true, true) => e,
@@ -346,10 +351,6 @@ impl Exports {
 
     pub fn all(&self) -> Vec<Arc<Export>> {
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
-    }
-
-    pub fn snapshots(&self) -> Vec<ExportSnapshot> {
-        self.all().iter().map(|e| e.stats.snapshot(&e.name)).collect()
     }
 }
 
@@ -450,13 +451,9 @@ mod tests {
         assert!(g.find(&good).is_some());
         assert_eq!(g.public_name(&good), "v");
         let other = Secret::generate().unwrap();
-        for bad in [
-            "v".to_string(),
-            "v/".into(),
-            super::super::remote::wire_name("v", &other, None),
-            format!("{good}0"),
-            format!("w/{}", secret.to_hex()),
-        ] {
+        for bad in
+            ["v".to_string(), "v/".into(), super::super::remote::wire_name("v", &other, None), format!("{good}0"), format!("w/{secret:x}")]
+        {
             assert!(g.find(&bad).is_none(), "{bad:?} found");
         }
         assert!(g.names().is_empty());

@@ -21,7 +21,7 @@ pub mod stats;
 pub mod wire;
 
 pub use export::{Admission, Export, ExportSpec, Exports};
-pub use server::{default_rings, inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
+pub use server::{inline::InlineWrites, starve::OffloadReads, Listen, NbdServer, ServerConfig};
 
 /// Everything that can go wrong in this module.
 #[derive(Debug, thiserror::Error)]

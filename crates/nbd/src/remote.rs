@@ -18,6 +18,7 @@
 //! context, a name from a client) into typed values, fuzzed.
 
 use std::fmt;
+use std::str::FromStr;
 
 use subtle::ConstantTimeEq;
 
@@ -68,12 +69,14 @@ fn valid_hostname(h: &str) -> bool {
         })
 }
 
-impl ExportUri {
+impl FromStr for ExportUri {
+    type Err = Error;
+
     /// Parses a URI from a volume context. Only what the agent itself
     /// writes is accepted: the `nbd` scheme, a host, an optional port, one
     /// path segment naming the export; no user info, query or fragment
     /// (so a secret cannot hide in one and be logged with the URI).
-    pub fn parse(uri: &str) -> Result<Self, Error> {
+    fn from_str(uri: &str) -> Result<Self, Error> {
         if uri.len() > MAX_URI_LEN {
             return Err(uri_error(uri, "longer than 1024 bytes"));
         }
@@ -113,7 +116,9 @@ impl ExportUri {
         };
         Ok(ExportUri { host: host.to_string(), port, export: export.to_string() })
     }
+}
 
+impl ExportUri {
     /// The address to connect to, as `ToSocketAddrs` takes it.
     pub fn authority(&self) -> String {
         if self.host.contains(':') {
@@ -130,10 +135,19 @@ impl fmt::Display for ExportUri {
     }
 }
 
-/// A per-volume secret. Its `Debug` never shows it, so a record or a
+/// A per-volume secret, read from its hex with `parse`. Its `Debug` never shows it, so a record or a
 /// request that holds one can be logged.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret([u8; SECRET_BYTES]);
+
+/// The secret as 64 lower-case hex digits (`format!("{secret:x}")`), what
+/// a volume context and a client's export name carry; read back with
+/// `parse`.
+impl fmt::LowerHex for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -141,16 +155,11 @@ impl fmt::Debug for Secret {
     }
 }
 
-impl Secret {
-    /// A fresh secret from the kernel's random source.
-    pub fn generate() -> Result<Self, Error> {
-        let mut b = [0u8; SECRET_BYTES];
-        getrandom::getrandom(&mut b).map_err(|e| Error::Io { what: "getrandom".into(), source: std::io::Error::other(e.to_string()) })?;
-        Ok(Secret(b))
-    }
+impl FromStr for Secret {
+    type Err = Error;
 
     /// Exactly 64 lower- or upper-case hex digits.
-    pub fn from_hex(s: &str) -> Result<Self, Error> {
+    fn from_str(s: &str) -> Result<Self, Error> {
         let b = s.as_bytes();
         if b.len() != 2 * SECRET_BYTES {
             return Err(Error::Secret("a secret is 64 hex digits"));
@@ -163,9 +172,14 @@ impl Secret {
         }
         Ok(Secret(out))
     }
+}
 
-    pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+impl Secret {
+    /// A fresh secret from the kernel's random source.
+    pub fn generate() -> Result<Self, Error> {
+        let mut b = [0u8; SECRET_BYTES];
+        getrandom::getrandom(&mut b).map_err(|e| Error::Io { what: "getrandom".into(), source: std::io::Error::other(e.to_string()) })?;
+        Ok(Secret(b))
     }
 
     /// Whether `presented` (hex, from a client) is this secret. The time it
@@ -220,8 +234,8 @@ pub fn valid_client(name: &str) -> bool {
 /// `/<client>` when the client names itself.
 pub(crate) fn wire_name(export: &str, secret: &Secret, client: Option<&str>) -> String {
     match client {
-        Some(c) => format!("{export}/{}/{c}", secret.to_hex()),
-        None => format!("{export}/{}", secret.to_hex()),
+        Some(c) => format!("{export}/{secret:x}/{c}"),
+        None => format!("{export}/{secret:x}"),
     }
 }
 
@@ -253,17 +267,17 @@ pub(crate) fn split_wire_name(name: &str) -> Option<WireName<'_>> {
 /// the plain decode; and a name split at its separators gives back the
 /// whole (with a valid client part, if any).
 pub fn fuzz_outside_string(text: &str) {
-    if let Ok(u) = ExportUri::parse(text) {
+    if let Ok(u) = ExportUri::from_str(text) {
         assert!(valid_export(&u.export) && u.port > 0);
-        let again = ExportUri::parse(&u.to_string()).expect("a parsed URI prints as one");
+        let again = ExportUri::from_str(&u.to_string()).expect("a parsed URI prints as one");
         assert_eq!(again, u);
     }
-    let fixed = Secret::from_hex(&"5a".repeat(32)).expect("a fixed secret");
-    let parsed = Secret::from_hex(text);
+    let fixed = Secret::from_str(&"5a".repeat(32)).expect("a fixed secret");
+    let parsed = Secret::from_str(text);
     assert_eq!(fixed.matches(text), parsed.as_ref().is_ok_and(|s| *s == fixed));
     if let Ok(s) = parsed {
-        assert_eq!(Secret::from_hex(&s.to_hex()).expect("hex round trip"), s);
-        assert!(s.matches(text) && s.matches(&s.to_hex()));
+        assert_eq!(Secret::from_str(&format!("{s:x}")).expect("hex round trip"), s);
+        assert!(s.matches(text) && s.matches(&format!("{s:x}")));
     }
     if let Some(w) = split_wire_name(text) {
         let mut whole = format!("{}/{}", w.export, w.secret);
@@ -273,9 +287,9 @@ pub fn fuzz_outside_string(text: &str) {
         }
         assert_eq!(whole, text);
         if valid_export(w.export) {
-            if let Ok(s) = Secret::from_hex(w.secret) {
+            if let Ok(s) = Secret::from_str(w.secret) {
                 let again = wire_name(w.export, &s, w.client);
-                let hex = s.to_hex();
+                let hex = format!("{s:x}");
                 assert_eq!(split_wire_name(&again), Some(WireName { export: w.export, secret: &hex, client: w.client }));
             }
         }
@@ -288,14 +302,14 @@ mod tests {
 
     #[test]
     fn uris_parse_to_host_port_and_export() {
-        let u = ExportUri::parse("nbd://10.0.0.5:10900/pvc-1").unwrap();
+        let u = ExportUri::from_str("nbd://10.0.0.5:10900/pvc-1").unwrap();
         assert_eq!((u.host.as_str(), u.port, u.export.as_str()), ("10.0.0.5", 10900, "pvc-1"));
         assert_eq!(u.to_string(), "nbd://10.0.0.5:10900/pvc-1");
-        let u = ExportUri::parse("nbd://node-a.example/v.1_x").unwrap();
+        let u = ExportUri::from_str("nbd://node-a.example/v.1_x").unwrap();
         assert_eq!((u.port, u.authority()), (DEFAULT_PORT, "node-a.example:10809".to_string()));
-        let u = ExportUri::parse("nbd://[fd00::1]:99/v").unwrap();
+        let u = ExportUri::from_str("nbd://[fd00::1]:99/v").unwrap();
         assert_eq!((u.host.as_str(), u.authority()), ("fd00::1", "[fd00::1]:99".to_string()));
-        assert_eq!(ExportUri::parse(&u.to_string()).unwrap(), u);
+        assert_eq!(ExportUri::from_str(&u.to_string()).unwrap(), u);
     }
 
     #[test]
@@ -325,10 +339,10 @@ mod tests {
             "nbd://h_x/v",
             "nbd://:10809/v",
         ] {
-            assert!(ExportUri::parse(bad).is_err(), "{bad:?} parsed");
+            assert!(ExportUri::from_str(bad).is_err(), "{bad:?} parsed");
         }
         let long = format!("nbd://h/{}", "v".repeat(2000));
-        let e = ExportUri::parse(&long).unwrap_err().to_string();
+        let e = ExportUri::from_str(&long).unwrap_err().to_string();
         assert!(e.len() < 400, "the error quotes a bounded part: {e}");
     }
 
@@ -337,12 +351,12 @@ mod tests {
         let s = Secret::generate().unwrap();
         let t = Secret::generate().unwrap();
         assert_ne!(s, t, "two fresh secrets differ");
-        let hex = s.to_hex();
+        let hex = format!("{s:x}");
         assert_eq!(hex.len(), 64);
-        assert_eq!(Secret::from_hex(&hex).unwrap(), s);
-        assert_eq!(Secret::from_hex(&hex.to_uppercase()).unwrap(), s);
+        assert_eq!(Secret::from_str(&hex).unwrap(), s);
+        assert_eq!(Secret::from_str(&hex.to_uppercase()).unwrap(), s);
         assert!(s.matches(&hex) && s.matches(&hex.to_uppercase()));
-        assert!(!s.matches(&t.to_hex()));
+        assert!(!s.matches(&format!("{t:x}")));
         // One digit off anywhere, a short or long one, non-hex of the right length.
         for i in [0, 31, 63] {
             let mut b = hex.clone().into_bytes();
@@ -353,7 +367,7 @@ mod tests {
         let mut g = hex.clone().into_bytes();
         g[10] = b'g';
         assert!(!s.matches(std::str::from_utf8(&g).unwrap()));
-        assert!(Secret::from_hex(std::str::from_utf8(&g).unwrap()).is_err());
+        assert!(Secret::from_str(std::str::from_utf8(&g).unwrap()).is_err());
         assert_eq!(format!("{s:?}"), "Secret(..)");
     }
 
@@ -367,7 +381,7 @@ mod tests {
 
     #[test]
     fn wire_names_split_into_export_secret_and_client() {
-        let s = Secret::from_hex(&"ab".repeat(32)).unwrap();
+        let s = Secret::from_str(&"ab".repeat(32)).unwrap();
         let hex = "ab".repeat(32);
         let n = wire_name("pvc-1", &s, None);
         assert_eq!(split_wire_name(&n), Some(WireName { export: "pvc-1", secret: &hex, client: None }));

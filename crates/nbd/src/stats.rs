@@ -18,13 +18,13 @@ const LATENCY_MAX_US: u64 = 100_000_000;
 
 /// Upper bounds of the latency buckets, in microseconds (25 µs to 10 s);
 /// one more bucket counts everything slower.
-pub const BUCKET_BOUNDS_US: [u64; 18] = [
+const BUCKET_BOUNDS_US: [u64; 18] = [
     25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
     10_000_000,
 ];
 const BUCKETS: usize = BUCKET_BOUNDS_US.len() + 1;
 /// Commands timed apart, in [`Kind`] order.
-pub const KINDS: [Kind; 6] = [Kind::Read, Kind::Write, Kind::Flush, Kind::Trim, Kind::Zero, Kind::Other];
+const KINDS: [Kind; 6] = [Kind::Read, Kind::Write, Kind::Flush, Kind::Trim, Kind::Zero, Kind::Other];
 
 fn bucket_of(us: u64) -> usize {
     BUCKET_BOUNDS_US.partition_point(|&b| b < us)
@@ -38,11 +38,16 @@ pub(crate) struct LatencyBuckets {
     sum_us: AtomicU64,
 }
 
-/// A copy of one command's buckets.
+/// A copy of one command's buckets, each with its bound, so a reader
+/// (`/metrics`' histograms) needs nothing else to label them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LatencySnapshot {
-    /// Per bucket, in [`BUCKET_BOUNDS_US`] order, then the overflow bucket.
-    pub counts: [u64; BUCKETS],
+    /// The command timed.
+    pub kind: Kind,
+    /// Per bucket, fastest first: its upper bound in microseconds (`None`
+    /// for the last, which counts everything slower) and how many requests
+    /// it counted (not cumulative).
+    pub buckets: [(Option<u64>, u64); BUCKETS],
     pub sum_us: u64,
 }
 
@@ -50,38 +55,44 @@ pub struct LatencySnapshot {
 impl LatencySnapshot {
     /// Requests timed in all buckets.
     fn count(&self) -> u64 {
-        self.counts.iter().sum()
+        self.counts().iter().sum()
+    }
+
+    /// The buckets' counts alone.
+    fn counts(&self) -> [u64; BUCKETS] {
+        self.buckets.map(|(_, n)| n)
     }
 }
 
 impl LatencyBuckets {
-    pub(crate) fn snapshot(&self) -> LatencySnapshot {
+    pub(crate) fn snapshot(&self, kind: Kind) -> LatencySnapshot {
         LatencySnapshot {
-            counts: std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed)),
+            kind,
+            buckets: std::array::from_fn(|i| (BUCKET_BOUNDS_US.get(i).copied(), self.counts[i].load(Ordering::Relaxed))),
             sum_us: self.sum_us.load(Ordering::Relaxed),
         }
     }
 }
 #[derive(Default)]
-pub struct ExportStats {
-    pub connections: AtomicU64,
-    pub connections_total: AtomicU64,
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
-    pub read_bytes: AtomicU64,
-    pub write_bytes: AtomicU64,
-    pub flushes: AtomicU64,
-    pub trims: AtomicU64,
-    pub zeroes: AtomicU64,
-    pub other: AtomicU64,
-    pub errors: AtomicU64,
+pub(crate) struct ExportStats {
+    pub(crate) connections: AtomicU64,
+    pub(crate) connections_total: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) writes: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) write_bytes: AtomicU64,
+    pub(crate) flushes: AtomicU64,
+    pub(crate) trims: AtomicU64,
+    pub(crate) zeroes: AtomicU64,
+    pub(crate) other: AtomicU64,
+    pub(crate) errors: AtomicU64,
     /// WRITEs done by a blocking call on a ring thread instead of through
     /// io_uring (see `server::inline`): tells an operator which path the
     /// pool's file system got.
-    pub inline_writes: AtomicU64,
+    pub(crate) inline_writes: AtomicU64,
     /// Page-cache READs handed to io_uring's workers because the ring was
     /// starved of CPU (see `server::starve`).
-    pub offloaded_reads: AtomicU64,
+    pub(crate) offloaded_reads: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.
     buckets: [LatencyBuckets; 6],
@@ -181,10 +192,10 @@ impl ExportStats {
 
     /// Latency buckets of one command.
     pub(crate) fn latency(&self, kind: Kind) -> LatencySnapshot {
-        self.buckets[kind as usize].snapshot()
+        self.buckets[kind as usize].snapshot(kind)
     }
 
-    pub fn snapshot(&self, name: &str) -> ExportSnapshot {
+    pub(crate) fn snapshot(&self, name: &str) -> ExportSnapshot {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let (p50, p99, max, count) = match self.latency.lock().ok().as_deref().and_then(|h| h.as_ref()) {
             Some(h) => (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.max(), h.len()),
@@ -235,7 +246,7 @@ pub struct ExportSnapshot {
     pub latency_p50_us: u64,
     pub latency_p99_us: u64,
     pub latency_max_us: u64,
-    /// Per command, in [`KINDS`] order: the buckets `/metrics` exports as
+    /// Per command, in [`Kind`] order: the buckets `/metrics` exports as
     /// histograms (not in the JSON, which keeps the quantiles above).
     #[serde(skip)]
     pub latency: [LatencySnapshot; 6],
@@ -263,9 +274,9 @@ mod tests {
         let reads = s.latency(Kind::Read);
         assert_eq!(reads.count(), 100);
         assert_eq!(reads.sum_us, (10..110).sum::<u64>());
-        assert_eq!(reads.counts[..3], [16, 25, 50], "<=25, <=50, <=100 us");
+        assert_eq!(reads.counts()[..3], [16, 25, 50], "<=25, <=50, <=100 us");
         let writes = s.latency(Kind::Write);
-        assert_eq!((writes.count(), writes.counts[5]), (1, 1), "1 ms lands in the <=1000 us bucket");
+        assert_eq!((writes.count(), writes.counts()[5]), (1, 1), "1 ms lands in the <=1000 us bucket");
     }
 
     /// The latencies `/metrics`' histogram test starts from (80 us and
@@ -278,7 +289,7 @@ mod tests {
         p.record(Kind::Read, 4096, true, 3_000);
         s.fold(&mut p);
         let read = &s.snapshot("a").latency[Kind::Read as usize];
-        assert_eq!((read.counts[2], read.counts[7], read.count(), read.sum_us), (1, 1, 2, 3_080));
+        assert_eq!((read.counts()[2], read.counts()[7], read.count(), read.sum_us), (1, 1, 2, 3_080));
         assert_eq!(s.snapshot("a").latency[Kind::Write as usize].count(), 0);
     }
 }

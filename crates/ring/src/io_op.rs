@@ -1,5 +1,5 @@
 //! The vocabulary of [`IoRing`](crate::IoRing): the operations it is asked for ([`Op`]),
-//! what comes back ([`Cqe`], [`OpId`]) and its diagnostics
+//! the ids they name ([`PipeId`]), what comes back ([`Cqe`], [`OpId`]) and its diagnostics
 //! ([`IoRingStats`]). The submitters themselves stay in `io_ring.rs`, beside
 //! the op table that owns what they hand the kernel.
 
@@ -7,7 +7,6 @@ use std::os::fd::RawFd;
 use std::time::Duration;
 
 use super::buffers::BufId;
-use super::pipes::PipeId;
 
 /// A byte range of a buffer: id, start, end.
 pub(crate) type BufSlice = (BufId, usize, usize);
@@ -17,6 +16,11 @@ pub(crate) type BufSlice = (BufId, usize, usize);
 /// newer op in its slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpId(pub(crate) u64);
+
+/// A pipe for splicing file pages into a socket without copying them: one
+/// of the ring's (`IoRing::take_pipe`), named by the splice [`Op`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipeId(pub(crate) u32);
 
 /// One completion, with the driver's token: whatever `Copy` value the
 /// driver named the operation with (an enum of what it is for). The ring

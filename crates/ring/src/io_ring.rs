@@ -34,9 +34,9 @@ use io_uring::{cqueue, opcode, squeue, types};
 use super::allowed::{missing_opcode, restrictions, MissingOpcode};
 use super::buffers::{BufId, Buffers, RecvPool};
 use super::core::{Pending, UringCore};
-use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId};
+use super::io_op::{BufSlice, Cqe, IoRingStats, Op as Sqe, OpId, PipeId};
 use super::ops::Reaped;
-use super::pipes::{PipeId, PipePool, PIPE_SIZE};
+use super::pipes::{PipePool, PIPE_SIZE};
 use super::setup::{pinned_memory, raise_nofile_limit, IoRingConfig, RingSetup};
 
 /// What an operation holds until its last completion.
@@ -152,11 +152,8 @@ impl<T: Copy> IoRing<T> {
         })
     }
 
-    pub fn buffers(&self) -> &Buffers {
-        &self.bufs
-    }
-
-    pub fn buffers_mut(&mut self) -> &mut Buffers {
+    /// The ring's buffers, to fill, read and free between operations.
+    pub fn buffers(&mut self) -> &mut Buffers {
         &mut self.bufs
     }
 
@@ -428,12 +425,6 @@ impl<T: Copy> IoRing<T> {
         self.core.cancel(op.0)
     }
 
-    /// Submits what is queued and waits for at least `min` completions, or
-    /// until `timeout` passes.
-    pub fn submit_and_wait(&mut self, min: usize, timeout: Option<Duration>) -> io::Result<()> {
-        self.core.submit_and_wait(min, timeout)
-    }
-
     /// Submits what is queued, then polls for up to `window` for work
     /// instead of sleeping: true when a completion is ready to reap. Between
     /// looks it yields its CPU, so a task that shares the CPU (a client on
@@ -461,26 +452,35 @@ impl<T: Copy> IoRing<T> {
         }
     }
 
-    /// Submits, then waits for `want` completions for at most `min_wait`:
-    /// gathers a burst of requests into one loop turn when traffic is heavy
-    /// (Linux 6.12+; older kernels wait for the first completion only).
-    /// No timeout is passed, so the wait may also end empty when the window
-    /// passes (see `Reactor::set_batch_window`, which adds one because its
-    /// rings idle); the server calls this only after a busy turn, where an
-    /// empty turn costs one more loop.
-    pub fn submit_and_wait_batch(&mut self, want: usize, min_wait: Duration) -> io::Result<()> {
+    /// Submits what is queued and waits for `want` completions (0: none,
+    /// only submit). With `batch`, the wait for all `want` lasts at most
+    /// that long: it gathers a burst of requests into one loop turn when
+    /// traffic is heavy (Linux 6.12+; older kernels wait for the first
+    /// completion only). No timeout is passed, so a batch wait may also end
+    /// empty when the window passes (see `Reactor::set_batch_window`, which
+    /// adds one because its rings idle); the server asks for one only
+    /// after a busy turn, where an empty turn costs one more loop.
+    pub fn submit_and_wait(&mut self, want: usize, batch: Option<Duration>) -> io::Result<()> {
+        let Some(min_wait) = batch else { return self.core.submit_and_wait(want, None) };
         if self.no_min_wait {
-            return self.submit_and_wait(1, None);
+            return self.core.submit_and_wait(1, None);
         }
         let args = types::SubmitArgs::new().min_wait_usec(min_wait.as_micros().min(u128::from(u32::MAX)) as u32);
         match self.core.submit_with_args(want, &args) {
             Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 self.no_min_wait = true;
-                self.submit_and_wait(1, None)
+                self.core.submit_and_wait(1, None)
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Submits and waits for at least `min` completions, or until
+    /// `timeout` passes (the unit tests' bounded waits).
+    #[cfg(test)]
+    pub(crate) fn submit_and_wait_for(&mut self, min: usize, timeout: Option<Duration>) -> io::Result<()> {
+        self.core.submit_and_wait(min, timeout)
     }
 
     /// Gives back what a past burst left behind: the spare send vectors

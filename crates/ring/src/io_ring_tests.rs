@@ -25,7 +25,7 @@ fn small_ring() -> IoRing {
 fn until_ended(ring: &mut IoRing, token: u64) -> Vec<Cqe> {
     let mut seen = Vec::new();
     for _ in 0..50 {
-        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        ring.submit_and_wait_for(1, Some(Duration::from_millis(100))).expect("wait");
         let mut out = Vec::new();
         ring.complete(&mut out);
         let ended = out.iter().any(|c| c.token == token && !c.more);
@@ -103,7 +103,7 @@ fn a_pool_drained_by_the_driver_is_not_a_loss() {
 /// Waits (bounded) for the first completion of `token` that carries data.
 fn until_ended_or_data(ring: &mut IoRing, token: u64) -> Cqe {
     for _ in 0..50 {
-        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        ring.submit_and_wait_for(1, Some(Duration::from_millis(100))).expect("wait");
         let mut out = Vec::new();
         ring.complete(&mut out);
         if let Some(c) = out.into_iter().find(|c| c.token == token && (c.recv_buf.is_some() || !c.more)) {
@@ -133,7 +133,7 @@ fn completions_reaped_together_with_their_ops_last_one_are_delivered() {
     ring.recv_multi(30, socket).unwrap();
     // Submitted, then left alone: the kernel posts every completion
     // (receives with data waiting complete at submission) before the reap.
-    ring.submit_and_wait(0, None).unwrap();
+    ring.submit_and_wait_for(0, None).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let done = until_ended(&mut ring, 30);
     assert!(done.iter().all(|c| c.token == 30), "{done:?}");
@@ -196,7 +196,7 @@ fn more_ops_than_the_completion_queue_holds_wait_and_none_is_lost() {
     let (in_kernel, waiting) = ring.in_kernel();
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..200 {
-        ring.submit_and_wait(1, Some(Duration::from_millis(100))).expect("wait");
+        ring.submit_and_wait_for(1, Some(Duration::from_millis(100))).expect("wait");
         assert!(!ring.core.cq_overflowed(), "completions went past the queue");
         assert!(in_kernel <= 16, "{in_kernel} entries in the kernel for a queue of 16");
         assert!(waiting > 0, "the rest wait");
@@ -225,7 +225,7 @@ fn a_read_in_a_worker_reads_the_file() {
     file.write_all(&data).expect("write");
     let slot = ring.register_file(file.as_raw_fd()).expect("fixed file");
     for (token, offset, worker) in [(1u64, 4096u64, true), (2, 100, false), (3, 0, true)] {
-        let buf = ring.buffers_mut().alloc(4096);
+        let buf = ring.buffers().alloc(4096);
         if worker {
             ring.read_async(token, slot, (buf, 0, 4096), offset).expect("read in a worker");
         } else {
@@ -235,7 +235,7 @@ fn a_read_in_a_worker_reads_the_file() {
         assert_eq!(done.iter().find(|c| c.token == token).map(|c| c.result), Some(4096), "{done:?}");
         let got = ring.buffers().get(buf).expect("the buffer").to_vec();
         assert_eq!(&got[..4096], &data[offset as usize..offset as usize + 4096], "read {token}");
-        ring.buffers_mut().free(buf);
+        ring.buffers().free(buf);
     }
 }
 

@@ -79,10 +79,9 @@ use std::io;
 
 pub use batch::{BatchRead, BatchReader, ReadBatch};
 pub use buffers::{BufId, Buffers};
-pub use io_op::{Cqe, IoRingStats, Op, OpId};
+pub use io_op::{Cqe, IoRingStats, Op, OpId, PipeId};
 pub use io_ring::IoRing;
 pub use mailbox::Mailbox;
-pub use pipes::PipeId;
 pub use reactor::{Reactor, ReactorOp};
 pub use setup::IoRingConfig;
 pub use thread::{Driver, RingStats, RingThread};

@@ -7,12 +7,10 @@
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
+use super::io_op::PipeId;
+
 /// Capacity asked of each splice pipe (the unprivileged maximum).
 pub(crate) const PIPE_SIZE: usize = 1 << 20;
-
-/// A pipe for splicing file pages into a socket without copying them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PipeId(pub(crate) u32);
 
 struct Pipe {
     read: OwnedFd,

@@ -238,7 +238,7 @@ impl Shared {
         let mut cmd = Command::new(&self.files.binary);
         cmd.arg("-F").arg("-f").arg(self.config_path()).arg("-L").arg(dir.join("ganesha.log")).arg("-p").arg(dir.join("ganesha.pid"));
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-        volring_sys::process::kill_with_parent(&mut cmd);
+        volring_sys::kill_with_parent(&mut cmd);
         cmd.spawn()
     }
 }

@@ -3,8 +3,8 @@
 //! Constants come from include/uapi/linux/fanotify.h of 6.15; the installed
 //! headers are older. Decoding the events is a pure function in
 //! `mounts::fanotify`, which keeps the event record's own constants (the
-//! overflow bit, the mount info record's type); the two event bits are
-//! here because the mark asks for them too.
+//! overflow bit, the mount info record's type); the two event bits
+//! ([`MountEvents`]) are here because the mark asks for them too.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -16,10 +16,16 @@ const FAN_REPORT_MNT: libc::c_uint = 0x4000;
 const FAN_MARK_ADD: libc::c_uint = 0x1;
 const FAN_MARK_MNTNS: libc::c_uint = 0x110;
 
-/// Event bit: a mount was attached to the namespace (mount, bind, move target).
-pub const FAN_MNT_ATTACH: u64 = 0x0100_0000;
-/// Event bit: a mount was detached from the namespace (umount, move source).
-pub const FAN_MNT_DETACH: u64 = 0x0200_0000;
+bitflags::bitflags! {
+    /// The mount event bits of an event's mask, which the mark asks for.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct MountEvents: u64 {
+        /// A mount was attached to the namespace (mount, bind, move target).
+        const ATTACH = 0x0100_0000;
+        /// A mount was detached from the namespace (umount, move source).
+        const DETACH = 0x0200_0000;
+    }
+}
 
 /// Opens a non-blocking fanotify group that reports attach and detach of every
 /// mount in the caller's current mount namespace.
@@ -35,13 +41,7 @@ pub fn watch_mount_namespace() -> io::Result<OwnedFd> {
     // SAFETY: both fds are open for the duration of the call; the path is NULL,
     // which FAN_MARK_MNTNS requires (the namespace is named by the dirfd).
     let rc = unsafe {
-        libc::fanotify_mark(
-            group.as_raw_fd(),
-            FAN_MARK_ADD | FAN_MARK_MNTNS,
-            FAN_MNT_ATTACH | FAN_MNT_DETACH,
-            ns.as_raw_fd(),
-            std::ptr::null(),
-        )
+        libc::fanotify_mark(group.as_raw_fd(), FAN_MARK_ADD | FAN_MARK_MNTNS, MountEvents::all().bits(), ns.as_raw_fd(), std::ptr::null())
     };
     if rc < 0 {
         return Err(io::Error::last_os_error());

@@ -22,7 +22,7 @@ const RECV_BUFFER: usize = 64 * 1024;
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One genl socket bound to a kernel-assigned port.
-pub struct GenlSocket {
+pub(crate) struct GenlSocket {
     fd: OwnedFd,
     seq: u32,
     buf: Vec<u8>,
@@ -33,7 +33,7 @@ fn invalid(e: impl std::fmt::Display) -> io::Error {
 }
 
 impl GenlSocket {
-    pub fn open() -> io::Result<Self> {
+    pub(crate) fn open() -> io::Result<Self> {
         let fd = rustix::net::socket_with(AddressFamily::NETLINK, SocketType::DGRAM, SocketFlags::CLOEXEC, Some(netlink::GENERIC))?;
         rustix::net::bind(&fd, &SocketAddrNetlink::new(0, 0))?;
         // Start from the clock so two sockets of one process rarely share numbers.
@@ -47,7 +47,7 @@ impl GenlSocket {
     }
 
     /// Joins a multicast group: notices of that group arrive on this socket.
-    pub fn add_membership(&self, group: u32) -> io::Result<()> {
+    pub(crate) fn add_membership(&self, group: u32) -> io::Result<()> {
         // SAFETY: `group` outlives the call, its size is passed, and the
         // descriptor is an open netlink socket owned by `self`.
         let rc = unsafe {
@@ -75,7 +75,7 @@ impl GenlSocket {
 
     /// The next datagram from the kernel, waiting at most `timeout` (`None`:
     /// forever). `Ok(None)` when the time ran out.
-    pub fn recv(&mut self, timeout: Option<Duration>) -> io::Result<Option<&[u8]>> {
+    pub(crate) fn recv(&mut self, timeout: Option<Duration>) -> io::Result<Option<&[u8]>> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             // Polled at least once, so a zero timeout still takes what waits.
@@ -105,7 +105,7 @@ impl GenlSocket {
     /// Sends the request `build(seq)` makes (which must ask for an ack) and
     /// collects the genl payloads of the replies bearing its sequence number
     /// until the ack. A negative errno in the ack is the error.
-    pub fn transact(&mut self, build: impl FnOnce(u32) -> Vec<u8>) -> io::Result<Vec<Vec<u8>>> {
+    pub(crate) fn transact(&mut self, build: impl FnOnce(u32) -> Vec<u8>) -> io::Result<Vec<Vec<u8>>> {
         let seq = self.next_seq();
         self.send(&build(seq))?;
         let deadline = Instant::now() + REPLY_TIMEOUT;
@@ -137,7 +137,7 @@ impl GenlSocket {
 
     /// The id and multicast groups of a genl family; ENOENT when the kernel
     /// has no such family (its module is not loaded).
-    pub fn resolve_family(&mut self, name: &str) -> io::Result<Family> {
+    pub(crate) fn resolve_family(&mut self, name: &str) -> io::Result<Family> {
         let replies = self.transact(|seq| nlmsg::get_family_request(name, seq))?;
         let first = replies.first().ok_or_else(|| invalid("family lookup without a reply"))?;
         let (_, attrs) = nlmsg::genl(first).map_err(invalid)?;
@@ -160,5 +160,24 @@ fn poll_in(fd: &OwnedFd, wait: Option<Duration>) -> io::Result<bool> {
         Ok(n) => Ok(n > 0),
         Err(rustix::io::Errno::INTR) => Ok(false),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The controller itself answers through the same socket code: its own
+    /// family resolves, with its multicast group.
+    #[test]
+    fn genetlink_resolves_the_controller_family() {
+        let mut s = GenlSocket::open().expect("socket");
+        let f = s.resolve_family("nlctrl").expect("nlctrl");
+        // GENL_ID_CTRL (linux/genetlink.h), from the header, not the code under test.
+        const GENL_ID_CTRL: u16 = 0x10;
+        assert_eq!(f.id, GENL_ID_CTRL);
+        assert!(f.groups.iter().any(|(n, _)| n == "notify"), "groups {:?}", f.groups);
+        let e = s.resolve_family("volring-nofam").unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
     }
 }

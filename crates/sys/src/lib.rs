@@ -9,15 +9,18 @@
 #![warn(unreachable_pub)]
 
 pub mod fanotify;
-pub mod genetlink;
+mod genetlink;
 #[cfg(feature = "libmount-peer")]
 pub mod libmount;
 pub mod loopdev;
 pub mod mount_api;
+mod nbd_netlink;
 pub mod netlink;
-pub mod nlmsg;
+mod nlmsg;
 pub mod ns;
-pub mod process;
+
+pub use nbd_netlink::{NbdNetlink, NbdNetlinkError};
+pub use nlmsg::{fuzz_nbd_netlink, DeviceStatus, NbdConfig};
 
 use std::time::Duration;
 
@@ -41,4 +44,21 @@ pub fn thread_voluntary_switches() -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(usage.ru_nvcsw as u64)
+}
+
+/// Makes the child get SIGKILL when the thread that spawned it dies, so a
+/// test process killed by its runner (or crashing) leaves no qemu or server
+/// behind. The kernel ties the signal to the spawning *thread*: spawn from a
+/// thread that outlives the child (the one that waits for it).
+pub fn kill_with_parent(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec and only makes one
+    // async-signal-safe system call (prctl); it allocates nothing and touches
+    // no lock.
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            Ok(())
+        })
+    }
 }

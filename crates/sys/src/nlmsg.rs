@@ -10,7 +10,7 @@
 /// this pure layer (the nbd attach code wraps it in its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("malformed netlink message: {0}")]
-pub struct Malformed(pub &'static str);
+pub(crate) struct Malformed(pub(crate) &'static str);
 
 /// `struct nlmsghdr` and `struct genlmsghdr`.
 pub(crate) const NLMSG_HDRLEN: usize = 16;
@@ -34,15 +34,15 @@ pub(crate) const CTRL_ATTR_MCAST_GRP_NAME: u16 = 1;
 pub(crate) const CTRL_ATTR_MCAST_GRP_ID: u16 = 2;
 
 /// The nbd family's name, to resolve its id with.
-pub const NBD_FAMILY: &str = "nbd";
+pub(crate) const NBD_FAMILY: &str = "nbd";
 /// The nbd family's multicast group (LINK_DEAD notices).
-pub const NBD_MCAST_GROUP: &str = "nbd_mc_group";
+pub(crate) const NBD_MCAST_GROUP: &str = "nbd_mc_group";
 
 /// The nbd family's commands (linux/nbd-netlink.h `enum nbd_commands`):
 /// one type, so a request cannot carry a number that is no command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum NbdCmd {
+pub(crate) enum NbdCmd {
     Connect = 1,
     Disconnect = 2,
     Reconfigure = 3,
@@ -266,11 +266,11 @@ pub(crate) fn attrs(mut buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>, Mal
 
 /// What CTRL_CMD_GETFAMILY answers.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Family {
-    pub id: u16,
-    pub name: String,
+pub(crate) struct Family {
+    pub(crate) id: u16,
+    pub(crate) name: String,
     /// Multicast groups by name.
-    pub groups: Vec<(String, u32)>,
+    pub(crate) groups: Vec<(String, u32)>,
 }
 
 pub(crate) fn get_family_request(name: &str, seq: u32) -> Vec<u8> {
@@ -337,7 +337,7 @@ pub struct NbdConfig {
 /// One request of the nbd family: CONNECT and RECONFIGURE send the whole
 /// config; DISCONNECT and STATUS only its `index` (STATUS without one asks
 /// for every device).
-pub fn nbd_request(family: u16, cmd: NbdCmd, c: &NbdConfig, seq: u32) -> Vec<u8> {
+pub(crate) fn nbd_request(family: u16, cmd: NbdCmd, c: &NbdConfig, seq: u32) -> Vec<u8> {
     let mut b = Builder::new(family, NLM_F_REQUEST | NLM_F_ACK, cmd as u8, nbd::VERSION);
     if let Some(v) = c.index {
         b.u32(nbd::ATTR_INDEX, v);
@@ -451,7 +451,7 @@ fn parse_status(attributes: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
 /// The kernel's view of a request [`nbd_request`] built: the command and
 /// config of the first message in `msg`. The encoder's oracle (the round
 /// trip tests and the fuzzer decode what it wrote).
-pub fn parse_nbd_request(msg: &[u8]) -> Result<(u8, NbdConfig), Malformed> {
+pub(crate) fn parse_nbd_request(msg: &[u8]) -> Result<(u8, NbdConfig), Malformed> {
     let m = messages(msg).next().ok_or(Malformed("no netlink message"))??;
     let (cmd, attributes) = genl(m.payload)?;
     Ok((cmd, parse_nbd_config(attributes)?))
@@ -459,18 +459,18 @@ pub fn parse_nbd_request(msg: &[u8]) -> Result<(u8, NbdConfig), Malformed> {
 
 /// The device index of a CONNECT reply (a reply payload, as
 /// [`GenlSocket::transact`](crate::genetlink::GenlSocket::transact) returns it).
-pub fn parse_connect_reply(payload: &[u8]) -> Result<u32, Malformed> {
+pub(crate) fn parse_connect_reply(payload: &[u8]) -> Result<u32, Malformed> {
     parse_index(genl(payload)?.1)
 }
 
 /// The devices of one STATUS reply payload.
-pub fn parse_status_reply(payload: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
+pub(crate) fn parse_status_reply(payload: &[u8]) -> Result<Vec<DeviceStatus>, Malformed> {
     parse_status(genl(payload)?.1)
 }
 
 /// The device a LINK_DEAD notice names, if the datagram holds one (acks,
 /// errors and other commands: `None`).
-pub fn parse_link_dead(dgram: &[u8]) -> Result<Option<u32>, Malformed> {
+pub(crate) fn parse_link_dead(dgram: &[u8]) -> Result<Option<u32>, Malformed> {
     for m in messages(dgram) {
         let m = m?;
         if m.kind == NLMSG_ERROR || m.kind == NLMSG_DONE {
@@ -488,7 +488,8 @@ pub fn parse_link_dead(dgram: &[u8]) -> Result<Option<u32>, Malformed> {
 /// arbitrary bytes, each of which answers or refuses. It panics only when a
 /// config that decodes does not re-encode to one that decodes the same,
 /// which is what the fuzzer looks for.
-pub fn fuzz_parse(data: &[u8]) {
+pub fn fuzz_nbd_netlink(data: &[u8]) {
+    let _ = parse_link_dead(data);
     for m in messages(data).take(64) {
         let Ok(m) = m else { break };
         assert!(m.payload.len() <= data.len());
@@ -531,69 +532,5 @@ fn status_reply(family: u16, devices: &[DeviceStatus], seq: u32) -> Vec<u8> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn config_round_trips_through_the_kernel_view() {
-        let c = NbdConfig {
-            index: Some(3),
-            size_bytes: Some(1 << 30),
-            block_size: Some(4096),
-            timeout: Some(5),
-            server_flags: Some(0x10d),
-            client_flags: Some(nbd::CFLAG_DISCONNECT_ON_CLOSE),
-            dead_conn_timeout: Some(120),
-            backend_id: Some("vol-1".into()),
-            sockets: vec![7, 9],
-        };
-        let msg = nbd_request(0x20, NbdCmd::Connect, &c, 42);
-        let m: Vec<_> = messages(&msg).collect::<Result<_, _>>().unwrap();
-        assert_eq!(m.len(), 1);
-        assert_eq!((m[0].kind, m[0].seq, m[0].flags), (0x20, 42, NLM_F_REQUEST | NLM_F_ACK));
-        let (cmd, body) = genl(m[0].payload).unwrap();
-        assert_eq!(cmd, NbdCmd::Connect as u8);
-        assert_eq!(parse_nbd_config(body).unwrap(), c);
-    }
-
-    #[test]
-    fn status_and_family_replies_parse() {
-        let devs = [DeviceStatus { index: 0, connected: true }, DeviceStatus { index: 5, connected: false }];
-        let msg = status_reply(0x21, &devs, 1);
-        let m = messages(&msg).next().unwrap().unwrap();
-        assert_eq!(parse_status(genl(m.payload).unwrap().1).unwrap(), devs);
-
-        let mut b = Builder::new(GENL_ID_CTRL, 0, 1, 2);
-        b.u16(CTRL_ATTR_FAMILY_ID, 0x1c).string(CTRL_ATTR_FAMILY_NAME, "nbd");
-        b.begin_nest(CTRL_ATTR_MCAST_GROUPS).begin_nest(1).u32(CTRL_ATTR_MCAST_GRP_ID, 9).string(CTRL_ATTR_MCAST_GRP_NAME, "nbd_mc_group");
-        b.end_nest().end_nest();
-        let msg = b.finish(3);
-        let m = messages(&msg).next().unwrap().unwrap();
-        let f = parse_family(genl(m.payload).unwrap().1).unwrap();
-        assert_eq!(f, Family { id: 0x1c, name: "nbd".into(), groups: vec![("nbd_mc_group".into(), 9)] });
-    }
-
-    #[test]
-    fn a_link_dead_notice_names_its_device_and_other_messages_none() {
-        let mut b = Builder::new(0x1a, 0, NbdCmd::LinkDead as u8, nbd::VERSION);
-        b.u32(nbd::ATTR_INDEX, 4);
-        assert_eq!(parse_link_dead(&b.finish(0)), Ok(Some(4)));
-        let status = status_reply(0x1a, &[DeviceStatus { index: 4, connected: false }], 1);
-        assert_eq!(parse_link_dead(&status), Ok(None));
-        let (cmd, c) =
-            parse_nbd_request(&nbd_request(0x1a, NbdCmd::Disconnect, &NbdConfig { index: Some(2), ..Default::default() }, 1)).unwrap();
-        assert_eq!((cmd, c.index, c.sockets.len()), (NbdCmd::Disconnect as u8, Some(2), 0));
-    }
-
-    #[test]
-    fn truncated_input_is_refused_not_read_past() {
-        let msg = nbd_request(0x20, NbdCmd::Connect, &NbdConfig { index: Some(1), sockets: vec![3], ..Default::default() }, 1);
-        for cut in 0..msg.len() {
-            let _ = messages(&msg[..cut]).collect::<Vec<_>>();
-            let _ = parse_nbd_config(&msg[NLMSG_HDRLEN + GENL_HDRLEN..cut.max(NLMSG_HDRLEN + GENL_HDRLEN)]);
-        }
-        assert!(messages(&msg[..10]).next().unwrap().is_err());
-        // An attribute claiming more than there is.
-        assert!(attrs(&[0xff, 0x00, 1, 0, 0, 0]).next().unwrap().is_err());
-    }
-}
+#[path = "nlmsg_tests.rs"]
+mod tests;

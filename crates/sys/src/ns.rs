@@ -2,23 +2,18 @@
 
 use std::io;
 
-/// Moves the calling process into a new mount namespace whose mounts are all
-/// private, so nothing mounted afterwards reaches the host's table.
+/// Gives the calling thread a new mount namespace whose mounts are all
+/// private, so nothing mounted afterwards reaches the host's table; threads
+/// it starts afterwards inherit it. Called before a process starts threads,
+/// it is the whole process's; called on one thread of a busy process, that
+/// thread mounts and watches without its siblings' mounts showing up (a
+/// thread started earlier keeps the old namespace: it is per task,
+/// inherited at clone).
 ///
-/// Call it before the process starts threads: a thread started earlier keeps
-/// the old namespace (the namespace is per task, inherited at clone).
+/// One call for both: the kernel unshares a thread's fs struct (cwd, root,
+/// umask) whenever it unshares its mount namespace, so asking for CLONE_FS
+/// as well (as this does, to say so) changes nothing.
 pub fn enter_private_mount_namespace() -> io::Result<()> {
-    // SAFETY: CLONE_NEWNS touches no memory of ours; unsharing the mount
-    // namespace (and with it the fs struct) cannot invalidate Rust invariants.
-    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }?;
-    rustix::mount::mount_change("/", rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC)?;
-    Ok(())
-}
-
-/// Gives the calling thread (only) a new private mount namespace; threads it
-/// starts afterwards inherit it. Lets one thread of a busy process mount and
-/// watch without its siblings' mounts showing up.
-pub fn enter_private_mount_namespace_on_this_thread() -> io::Result<()> {
     // SAFETY: CLONE_FS gives this thread its own cwd/root/umask and CLONE_NEWNS
     // its own mount namespace; no memory of ours depends on either.
     unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS | rustix::thread::UnshareFlags::NEWNS) }?;

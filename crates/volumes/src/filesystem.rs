@@ -271,7 +271,7 @@ mod tests {
         use std::os::fd::AsFd;
         use volring_sys::loopdev::{LoopDevice, LoopOptions};
         let test = std::thread::spawn(|| {
-            volring_sys::ns::enter_private_mount_namespace_on_this_thread().unwrap();
+            volring_sys::ns::enter_private_mount_namespace().unwrap();
             let d = tempfile::tempdir().unwrap();
             // Two 300 MiB filesystems, on devices of 400 and 500 MiB.
             let device = |name: &str, size: u64| {

@@ -1,16 +1,17 @@
 //! Connecting, reconfiguring and disconnecting `/dev/nbdN`, with the
 //! backend identifier check that keeps a restarted agent from handing a
-//! device sockets to the wrong image (the cookie check rbd-nbd needed).
+//! device sockets to the wrong image (the cookie check rbd-nbd needed);
+//! and the listener for the nbd family's LINK_DEAD notices. Both go
+//! through the one entry `volring_sys` gives for the family.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::netlink::NbdNetlink;
 use super::Error;
 use crate::client::ExportDetails;
 use crate::wire::tx;
-use volring_sys::nlmsg::{DeviceStatus, NbdConfig};
+use volring_sys::{DeviceStatus, NbdConfig, NbdNetlink, NbdNetlinkError};
 
 /// Seconds the kernel waits for a request's reply before it requeues it
 /// on another connection, or waits for a reconnect: a few seconds, so
@@ -103,14 +104,9 @@ pub fn read_backend(sys_block: &Path, index: u32) -> Option<String> {
     (!id.is_empty()).then(|| id.to_string())
 }
 
-/// The check before a reconfigure or a disconnect: only the backend the
-/// device was connected with may be given sockets or let go. Reads the
-/// device's backend from `/sys/block`.
-pub fn check_backend(index: u32, expected: &str) -> Result<(), Error> {
-    check_found(index, expected, read_backend(Path::new(SYS_BLOCK), index))
-}
-
-/// [`check_backend`] on the backend `found`.
+/// The check before a reconfigure or a disconnect, on the backend `found`:
+/// only the backend the device was connected with may be given sockets or
+/// let go.
 pub(crate) fn check_found(index: u32, expected: &str, found: Option<String>) -> Result<(), Error> {
     if found.as_deref() == Some(expected) {
         Ok(())
@@ -128,7 +124,7 @@ pub struct NbdControl {
 impl NbdControl {
     /// [`Error::FamilyNotFound`] when the nbd module is not loaded.
     pub fn open() -> Result<Self, Error> {
-        Ok(NbdControl { nl: NbdNetlink::open()?, sys_block: PathBuf::from(SYS_BLOCK) })
+        Ok(NbdControl { nl: NbdNetlink::open(false)?, sys_block: PathBuf::from(SYS_BLOCK) })
     }
 
     /// Connects a device to negotiated sockets; its index.
@@ -160,14 +156,19 @@ impl NbdControl {
         Ok(())
     }
 
-    pub fn disconnect(&mut self, index: u32) -> Result<(), Error> {
+    /// Disconnects a device; with `expected`, only after checking it serves
+    /// that backend (an index reused by another attachment is not torn down).
+    pub fn disconnect(&mut self, index: u32, expected: Option<&str>) -> Result<(), Error> {
+        if let Some(expected) = expected {
+            check_found(index, expected, read_backend(&self.sys_block, index))?;
+        }
         self.nl.disconnect(index)?;
         tracing::info!(index, "nbd device disconnected");
         Ok(())
     }
 
     pub fn status(&mut self, index: Option<u32>) -> Result<Vec<DeviceStatus>, Error> {
-        self.nl.status(index)
+        Ok(self.nl.status(index)?)
     }
 
     /// The backend a device serves (see [`read_backend`]).
@@ -176,12 +177,42 @@ impl NbdControl {
     }
 }
 
+impl From<NbdNetlinkError> for Error {
+    /// A missing module is the error a caller acts on; the rest keep the
+    /// step that failed.
+    fn from(e: NbdNetlinkError) -> Self {
+        match e {
+            NbdNetlinkError::NoFamily => Error::FamilyNotFound,
+            NbdNetlinkError::Kernel { op, source } => Error::Kernel { op, source },
+            NbdNetlinkError::Malformed(what) => Error::Malformed(what),
+        }
+    }
+}
+
+/// The nbd family's multicast group: the kernel announces there each
+/// device whose every connection died (NBD_CMD_LINK_DEAD), which is when
+/// the device waits for a RECONFIGURE with fresh sockets.
+pub struct LinkDeadListener {
+    sock: NbdNetlink,
+}
+
+impl LinkDeadListener {
+    /// [`Error::FamilyNotFound`] when the nbd module is not loaded.
+    pub fn open() -> Result<Self, Error> {
+        Ok(LinkDeadListener { sock: NbdNetlink::open(true)? })
+    }
+
+    /// The next dead device's index, waiting at most `timeout`.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<u32>, Error> {
+        Ok(self.sock.next_link_dead(timeout)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
-    use volring_sys::nlmsg::{self, NbdCmd};
 
     #[test]
     fn backend_must_match_exactly() {
@@ -213,19 +244,18 @@ mod tests {
         assert!(ConnectSpec { server_flags: 0, ..s }.validate().is_err());
     }
 
-    /// The CONNECT message built from a spec decodes to the attributes the
-    /// kernel is given, and a LINK_DEAD notice yields its device index.
+    /// A spec gives the kernel the CONNECT attributes it names (the
+    /// attributes' encoding, the command's number and LINK_DEAD notices
+    /// are volring_sys's unit tests, where the framing lives).
     #[test]
-    fn connect_and_reconfigure_messages_round_trip() {
+    fn a_spec_gives_the_kernel_its_connect_attributes() {
         let (a, b) = UnixStream::pair().unwrap();
         let (fa, fb) = (OwnedFd::from(a), OwnedFd::from(b));
         use std::os::fd::{AsFd, AsRawFd};
         let d = ExportDetails { size: 256 << 20, tx_flags: tx::HAS_FLAGS | tx::SEND_FLUSH | tx::CAN_MULTI_CONN, block_sizes: None };
         let mut spec = ConnectSpec::for_export(&d, "pvc-1234");
         spec.index = Some(4);
-        let msg = nlmsg::nbd_request(0x1a, NbdCmd::Connect, &spec.config(&[fa.as_fd(), fb.as_fd()]), 9);
-        let (cmd, back) = nlmsg::parse_nbd_request(&msg).unwrap();
-        assert_eq!(cmd, 1, "NBD_CMD_CONNECT (linux/nbd-netlink.h)");
+        let back = spec.config(&[fa.as_fd(), fb.as_fd()]);
         assert_eq!(
             back,
             NbdConfig {
@@ -240,24 +270,5 @@ mod tests {
                 sockets: vec![fa.as_raw_fd(), fb.as_raw_fd()],
             }
         );
-        // A LINK_DEAD notice written from the UAPI headers (linux/netlink.h,
-        // linux/genetlink.h, linux/nbd-netlink.h), not by the code under test:
-        // nlmsghdr {len 28, type = the family, flags 0, seq 0, port 0},
-        // genlmsghdr {cmd NBD_CMD_LINK_DEAD = 4, version 1}, and one attribute
-        // {len 8, NBD_ATTR_INDEX = 1} holding device 4.
-        let notice = {
-            let mut m = Vec::new();
-            m.extend_from_slice(&28u32.to_ne_bytes());
-            m.extend_from_slice(&0x1au16.to_ne_bytes());
-            m.extend_from_slice(&0u16.to_ne_bytes());
-            m.extend_from_slice(&0u32.to_ne_bytes());
-            m.extend_from_slice(&0u32.to_ne_bytes());
-            m.extend_from_slice(&[4, 1, 0, 0]);
-            m.extend_from_slice(&8u16.to_ne_bytes());
-            m.extend_from_slice(&1u16.to_ne_bytes());
-            m.extend_from_slice(&4u32.to_ne_bytes());
-            m
-        };
-        assert_eq!(crate::attach::link_dead_index(&notice).unwrap(), Some(4));
     }
 }

@@ -111,7 +111,6 @@ impl LocalAttachment {
     /// Disconnects the device (its backend checked first: an index reused
     /// by another attachment is not torn down).
     pub fn detach(self, control: &mut NbdControl) -> Result<(), Error> {
-        super::control::check_found(self.index, &self.backend_id, control.backend(self.index))?;
-        control.disconnect(self.index)
+        control.disconnect(self.index, Some(&self.backend_id))
     }
 }

@@ -4,11 +4,11 @@
 //! which is what lets the serving process restart under a mounted
 //! filesystem).
 //!
-//! - `volring_sys::nlmsg`: the netlink framing and the nbd family's messages, pure;
-//! - `netlink`: the family's commands on a socket, and LINK_DEAD notices
-//!   ([`LinkDeadListener`], [`link_dead_index`]);
+//! - `volring_sys::NbdNetlink`: the family's commands and notices on one
+//!   socket, with the netlink framing behind it;
 //! - `control`: [`NbdControl`] with [`ConnectSpec`], the backend
-//!   identifier check before any reconfigure ([`check_backend`]);
+//!   identifier check before any reconfigure or disconnect, and the
+//!   LINK_DEAD listener ([`LinkDeadListener`]);
 //! - `local`: a device served by this process's own NBD server over
 //!   socketpairs ([`LocalAttachment`], [`local_sockets`]);
 //! - `remote`: a device served by another node's export over TCP
@@ -16,12 +16,10 @@
 
 mod control;
 mod local;
-mod netlink;
 mod remote;
 
-pub use control::{check_backend, read_backend, ConnectSpec, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
+pub use control::{read_backend, ConnectSpec, LinkDeadListener, NbdControl, DEFAULT_DEAD_CONN_TIMEOUT, DEFAULT_TIMEOUT};
 pub use local::{connected_sockets as local_sockets, LocalAttachment};
-pub use netlink::{link_dead_index, LinkDeadListener};
 pub use remote::{connected_sockets as remote_sockets, let_go, RemoteAttachment, RemoteSource};
 
 /// Everything that can go wrong attaching a device.
@@ -36,8 +34,6 @@ pub enum Error {
     BackendMismatch { index: u32, expected: String, found: Option<String> },
     #[error("malformed netlink message: {0}")]
     Malformed(&'static str),
-    #[error(transparent)]
-    Netlink(#[from] volring_sys::nlmsg::Malformed),
     #[error("{op}: {source}")]
     Kernel { op: &'static str, source: std::io::Error },
     #[error("{what}: {source}")]

@@ -61,7 +61,8 @@ impl std::str::FromStr for Listen {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: Vec<Listen>,
-    /// Ring threads; 0 means one per core, at most `DEFAULT_MAX_RINGS`.
+    /// Ring threads; 0 means one per core, at most `DEFAULT_MAX_RINGS` (the
+    /// count the default config carries).
     pub threads: usize,
     /// Whether small buffered writes may be done on the ring thread when
     /// the file system would hand them to io_uring's workers (ext4).
@@ -104,7 +105,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             listen: Vec::new(),
-            threads: 0,
+            threads: default_rings(),
             inline_writes: InlineWrites::Auto,
             offload_reads: OffloadReads::Auto,
             handshake_timeout: Duration::from_secs(10),
@@ -297,8 +298,8 @@ impl Drop for NbdServer {
     }
 }
 
-/// The rings a server starts with `threads: 0`: one per core, at most
-/// `DEFAULT_MAX_RINGS`.
-pub fn default_rings() -> usize {
+/// The rings a server starts with `threads: 0`, and the default config's
+/// count: one per core, at most `DEFAULT_MAX_RINGS`.
+pub(crate) fn default_rings() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(DEFAULT_MAX_RINGS)
 }

@@ -32,7 +32,7 @@ impl Output {
         if n == 0 {
             return;
         }
-        let bufs = sh.ring.buffers_mut();
+        let bufs = sh.ring.buffers();
         if let (Some(tail), Some(Part::Buf(b, _, end))) = (c.tail, c.out.last_mut()) {
             if *b == tail && *end + n <= bufs.len(tail) {
                 if let Some(dst) = bufs.get_mut(tail) {
@@ -62,9 +62,9 @@ impl Output {
             Some(c) => {
                 let cost = Buffers::cost_of(sh.ring.buffers().len(buf));
                 c.account.release(&sh.budget, cost, cost);
-                sh.ring.buffers_mut().free(buf);
+                sh.ring.buffers().free(buf);
             }
-            None => sh.ring.buffers_mut().free(buf),
+            None => sh.ring.buffers().free(buf),
         }
         sh.mark(ci);
     }
@@ -189,7 +189,7 @@ impl Output {
         if sent > 0 {
             conn.last_send_progress = sh.now;
         }
-        let bufs = sh.ring.buffers_mut();
+        let bufs = sh.ring.buffers();
         let mut keep: Vec<Part> = Vec::new();
         // Released once for the whole send: the server's budget is shared
         // by every ring, and a send of 32 replies would otherwise update it

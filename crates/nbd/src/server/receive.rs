@@ -125,7 +125,7 @@ impl Receive {
             let Some(conn) = sh.conns[ci as usize].as_mut().filter(|c| c.state == State::Reading) else { return };
             let (data, bufs) = match src {
                 Source::Recv(bid, n) => sh.ring.received(*bid, *n),
-                Source::Owned(v) => (&v[..], sh.ring.buffers_mut()),
+                Source::Owned(v) => (&v[..], sh.ring.buffers()),
             };
             if pos >= data.len() {
                 return;

@@ -155,7 +155,7 @@ impl Requests {
                 if spliced {
                     return reply_spliced(sh, out, ci, &req, read_file, style, at);
                 }
-                let buf = sh.ring.buffers_mut().alloc(read_off + req.length as usize);
+                let buf = sh.ring.buffers().alloc(read_off + req.length as usize);
                 let ri = self.new_req(sh, Req::new(ci, req, read_file, Some(buf), read_off, at));
                 self.submit_io(sh, out, ri);
             }
@@ -326,8 +326,8 @@ impl Requests {
                 // buffer every zero fill of this ring shares (it is only read).
                 r.step = Step::ZeroFill;
                 if self.zeroes.is_none() {
-                    let b = sh.ring.buffers_mut().alloc_heap(ZERO_CHUNK);
-                    if let Some(bytes) = sh.ring.buffers_mut().get_mut(b) {
+                    let b = sh.ring.buffers().alloc_heap(ZERO_CHUNK);
+                    if let Some(bytes) = sh.ring.buffers().get_mut(b) {
                         bytes.fill(0);
                     }
                     self.zeroes = Some(b);
@@ -363,7 +363,7 @@ impl Requests {
         let style = sh.conn(r.conn).map_or(HeaderStyle::Simple, |c| c.style());
         let b = r.buf.expect("reads own a buffer");
         let len = r.req.length as usize;
-        let Some(bytes) = sh.ring.buffers_mut().get_mut(b) else { return };
+        let Some(bytes) = sh.ring.buffers().get_mut(b) else { return };
         let start = if style == HeaderStyle::Simple {
             let h = ReplyHeader { style, cookie: r.req.cookie, offset: 0, chunk_type: 0, flags: 0, error: 0, payload: 0 };
             r.data_off - h.write_before(&mut bytes[..r.data_off])
@@ -398,7 +398,7 @@ impl Requests {
         self.free.push(ri);
         let freed = r.buf.map(|b| {
             let n = Buffers::cost_of(sh.ring.buffers().len(b));
-            sh.ring.buffers_mut().free(b);
+            sh.ring.buffers().free(b);
             n
         });
         out.reply_small(sh, r.conn, &r.req, body, r.started);

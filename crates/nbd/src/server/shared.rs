@@ -108,7 +108,7 @@ impl Shared {
     pub(crate) fn break_conn(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
         c.break_off();
-        drop_parts(c, self.ring.buffers_mut(), &self.budget);
+        drop_parts(c, self.ring.buffers(), &self.budget);
         self.mark(ci);
     }
 

@@ -130,7 +130,7 @@ impl Worker {
                 // Connections are still to be looked at: do not sleep.
                 self.sh.ring.submit_and_wait(0, None)?;
             } else if busy && !self.config.batch_wait.is_zero() {
-                self.sh.ring.submit_and_wait_batch(BATCH, self.config.batch_wait)?;
+                self.sh.ring.submit_and_wait(BATCH, Some(self.config.batch_wait))?;
             } else {
                 self.idle()?;
             }
@@ -335,7 +335,7 @@ impl Worker {
                 }
                 State::Broken => {
                     if !c.out.is_empty() {
-                        drop_parts(c, sh.ring.buffers_mut(), &sh.budget);
+                        drop_parts(c, sh.ring.buffers(), &sh.budget);
                     }
                     sh.stop_receiving(ci);
                     sh.shut_down_if_drained(ci);
@@ -354,9 +354,9 @@ impl Worker {
     fn on_closed(&mut self, ci: u32) {
         let Some(mut c) = self.sh.remove(ci) else { return };
         if let Some(p) = c.payload.take() {
-            self.sh.ring.buffers_mut().free(p.buf);
+            self.sh.ring.buffers().free(p.buf);
         }
-        drop_parts(&mut c, self.sh.ring.buffers_mut(), &self.sh.budget);
+        drop_parts(&mut c, self.sh.ring.buffers(), &self.sh.budget);
         // Whatever is left (the payload buffer, unread bytes) goes back.
         c.account.close(&self.sh.budget);
         if let Phase::Serving { attached, .. } = &c.phase {
