@@ -269,7 +269,7 @@ fn parameters(p: &HashMap<String, String>) -> Result<Option<FsKind>> {
                 v.parse::<AttachKind>().map_err(|()| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
             }
             volring_share::PARAM_SQUASH => {
-                volring_share::Squash::parse(v).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                v.parse::<volring_share::Squash>().map_err(|e| Error::InvalidArgument(e.to_string()))?;
             }
             k if k.starts_with(PROVISIONER_PREFIX) => {}
             k => {

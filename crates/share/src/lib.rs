@@ -36,7 +36,7 @@ mod server;
 mod side;
 
 pub use ganesha::{valid_client, Squash};
-pub use records::{put_pvc, remove_pvc, MountRecord};
+pub use records::{record_pvc, MountRecord};
 pub use side::{ShareConfig, ShareSide};
 
 /// Why sharing a volume failed.
@@ -77,7 +77,7 @@ pub fn squash_of(recorded: Option<&BTreeMap<String, String>>, context: Option<&H
         (None, Some(context)) => context.get(PARAM_SQUASH),
         (None, None) => None,
     };
-    value.map_or(Ok(Squash::Root), |v| Squash::parse(v))
+    value.map_or(Ok(Squash::Root), |v| v.parse())
 }
 
 /// Whether a volume's recorded parameters mark it shared.

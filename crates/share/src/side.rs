@@ -166,26 +166,32 @@ impl ShareSide {
         records::get_mount(&self.store, id)
     }
 
-    /// Records a stage of a volume another node serves; its first record
+    /// Records the stage of volume `id` from another node's export as `r`
+    /// says, or (`None`, its unstage) forgets it. A stage's first record
     /// (the intent, before the mount) also makes this node's NFSv4 client
-    /// identity unique first (`super::identity`).
-    pub fn put_mount_record(&self, r: &super::MountRecord) -> Result<(), Error> {
-        if r.dev.is_none() {
-            super::identity::ensure_on_this_node();
+    /// identity unique first (`super::identity`); a forgotten one is
+    /// told to whoever follows the unmounts ([`ShareSide::on_unmounted`]).
+    pub fn set_mount_record(&self, id: &str, r: Option<&super::MountRecord>) -> Result<(), Error> {
+        match r {
+            Some(r) => {
+                if r.dev.is_none() {
+                    super::identity::ensure_on_this_node();
+                }
+                records::put_mount(&self.store, r)
+            }
+            None => {
+                records::remove_mount(&self.store, id)?;
+                if let Some(f) = self.unmounted.get() {
+                    f(id);
+                }
+                Ok(())
+            }
         }
-        records::put_mount(&self.store, r)
     }
 
-    pub fn remove_mount_record(&self, id: &str) -> Result<(), Error> {
-        records::remove_mount(&self.store, id)?;
-        if let Some(f) = self.unmounted.get() {
-            f(id);
-        }
-        Ok(())
-    }
-
-    /// Calls `f` with the volume id after each [`ShareSide::remove_mount_record`]
-    /// (set once; later calls are ignored).
+    /// Calls `f` with the volume id after each mount record forgotten
+    /// ([`ShareSide::set_mount_record`] with `None`; set once; later calls
+    /// are ignored).
     pub(crate) fn on_unmounted(&self, f: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.unmounted.set(Box::new(f));
     }
