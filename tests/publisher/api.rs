@@ -88,7 +88,7 @@ async fn every_request_names_volring_and_its_node() {
     let server = Server::start().await;
     // The form crates/share's unit test checks `user_agent` makes.
     let want = format!("volring/{} (n1)", env!("CARGO_PKG_VERSION"));
-    let sink = Arc::new(KubeSink::for_node(server.config(), "n1").unwrap());
+    let sink = Arc::new(KubeSink::connect("n1", Some(server.config())).await.unwrap());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     Updater::start(sink.clone(), config("n1"), vec![o, bd("n1", 2, 1)]).shutdown(Duration::from_secs(10)).await;
