@@ -55,12 +55,11 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     let mut uc = UpdaterConfig::new(i.node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
     uc.stats = Some(i.stats.clone());
-    uc.unread_paths = volring_kube::feed::unread_paths(i.inventory);
     let node_signal = NodeSignal::default();
     // What the healer hook's cross-check found (cluster only).
     let unknown: Arc<std::sync::Mutex<Option<Vec<String>>>> = Default::default();
     let (node_feed, node_now) = node_feed(&i, &node_signal, unknown.clone());
-    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, i.node, node_now);
+    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, node_now, &mut uc);
     let source = KubeSink::detect();
     let to_cluster = p.kube.unwrap_or(source.is_some());
     let up = if to_cluster {

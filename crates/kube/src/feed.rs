@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::objects::{self, Key, Object, Pool, VolumeEntry};
-use super::updater::Updater;
+use super::updater::{Updater, UpdaterConfig};
 use volring_devices::Inventory;
 use volring_volumes::VolumeHealth;
 use volring_volumes::{AccessKind, StagePhase, StagedVolume, VolumeIdentity};
@@ -57,7 +57,7 @@ pub(crate) fn block_devices_of(inventory: &Inventory, node: &str, volumes: &Hash
 /// The paths of devices present whose id could not be read now (a
 /// transient sysfs or probe error): their objects are neither rewritten
 /// nor retired until the id reads again.
-pub fn unread_paths(inventory: &Inventory) -> HashSet<String> {
+pub(crate) fn unread_paths(inventory: &Inventory) -> HashSet<String> {
     inventory.devices.values().filter(|d| d.id.is_empty()).map(|d| d.path.display().to_string()).collect()
 }
 
@@ -67,10 +67,14 @@ pub(crate) fn path_of(o: &Object) -> Option<&str> {
 }
 
 impl Feed {
-    /// Every object of `node` now, its devices and the StorageNode (the
-    /// updater's start), and the feed that remembers them.
-    pub fn initial(inventory: &Inventory, node: &str, storage_node: Object) -> (Feed, Vec<Object>) {
-        let mut v = block_devices(inventory, node);
+    /// The updater's start: every object of `config`'s node now, its
+    /// devices and the StorageNode, and the feed that remembers them; and
+    /// in `config`, the devices whose id could not be read now
+    /// ([`UpdaterConfig::unread_paths`]: the first diff leaves their
+    /// objects alone).
+    pub fn initial(inventory: &Inventory, storage_node: Object, config: &mut UpdaterConfig) -> (Feed, Vec<Object>) {
+        config.unread_paths = unread_paths(inventory);
+        let mut v = block_devices(inventory, &config.node);
         v.push(storage_node);
         let mut feed = Feed::default();
         feed.seed(&v);
