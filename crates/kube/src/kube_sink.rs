@@ -87,16 +87,17 @@ impl KubeSink {
     }
 
     /// Which cluster configuration [`KubeSink::connect`] would read, in its
-    /// order (a kubeconfig first, then the pod's service account); `None`
-    /// when there is neither, and the node's store stands in.
-    pub fn detect() -> Option<ClusterSource> {
+    /// order (a kubeconfig first, then the pod's service account), as the
+    /// log names it (`kubeconfig <path>`, `in-cluster service account`);
+    /// `None` when there is neither, and the node's store stands in.
+    pub fn detect() -> Option<impl std::fmt::Display> {
         cluster_source(std::env::var_os("KUBECONFIG").as_deref(), std::env::var_os("HOME").as_deref(), Self::in_cluster())
     }
 }
 
 /// Where a cluster's client configuration comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClusterSource {
+pub(crate) enum ClusterSource {
     /// A kubeconfig file (from `KUBECONFIG`, or `~/.kube/config`).
     Kubeconfig(std::path::PathBuf),
     /// The pod's service account.
