@@ -116,7 +116,7 @@ async fn an_unread_id_is_not_a_removal() {
     until("both devices", || bd_names_of(&server, "n1").len() == 2).await;
     let first = *inv.devices.keys().next().unwrap();
     inv.devices.get_mut(&first).unwrap().id.clear();
-    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1", None);
     let s = up.shutdown(Duration::from_secs(10)).await;
     for o in server.api.objects("blockdevices") {
         assert_eq!(o["status"]["state"], "Active", "{o}");
@@ -152,8 +152,8 @@ async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     let devs: Vec<_> = inv.devices.keys().copied().collect();
     inv.devices.remove(&devs[0]);
     inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
-    feed.devices(&up, &inv, "n1");
-    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1", None);
+    feed.devices(&up, &inv, "n1", None);
     assert_eq!(
         stats.submitted.load(std::sync::atomic::Ordering::Relaxed) - before,
         2,

@@ -81,12 +81,6 @@ impl Feed {
         (feed, v)
     }
 
-    /// The staged volumes' identity records from now on (the next
-    /// [`Feed::devices`] writes the devices whose PV or PVC changed).
-    pub fn volumes(&mut self, ids: &[VolumeIdentity]) {
-        self.volumes = ids.iter().map(|i| (i.volume_id.clone(), i.clone())).collect();
-    }
-
     /// Remembers the objects the updater started with.
     pub(crate) fn seed(&mut self, objs: &[Object]) {
         self.last.extend(objs.iter().map(|o| (o.key.clone(), o.clone())));
@@ -94,8 +88,14 @@ impl Feed {
 
     /// Submits the devices that changed and retires those that are gone.
     /// A device still present whose id cannot be read now keeps its
-    /// object as it was: an unreadable input is not a removal.
-    pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str) {
+    /// object as it was: an unreadable input is not a removal. `volumes`:
+    /// the staged volumes' identity records, when they were read again
+    /// (they are kept from then on, and a device a volume is on names its
+    /// PV and PVC); `None`: the ones last given.
+    pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str, volumes: Option<&[VolumeIdentity]>) {
+        if let Some(ids) = volumes {
+            self.volumes = ids.iter().map(|i| (i.volume_id.clone(), i.clone())).collect();
+        }
         let now: HashMap<Key, Object> = block_devices_of(inventory, node, &self.volumes).into_iter().map(|o| (o.key.clone(), o)).collect();
         let unread = unread_paths(inventory);
         let gone: Vec<Key> = self
