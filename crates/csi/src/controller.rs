@@ -249,7 +249,7 @@ impl Controller {
             volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
         }
         self.exports.context(m, &mut volume_context);
-        volring_share::context(&m.id, &m.parameters, self.side.advertised().as_deref(), &mut volume_context);
+        self.side.context(&m.id, &m.parameters, &mut volume_context);
         // A volume other nodes reach (an nbd export, an NFS share) has no
         // topology: "equally accessible from all nodes"; others only here.
         let reachable =

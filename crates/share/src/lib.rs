@@ -139,7 +139,7 @@ pub(crate) fn pseudo_path(id: &str) -> String {
 /// The volume-context entries of a shared volume: the marker, so every
 /// node knows the volume is served over NFS, and where, when the node that
 /// holds it serves NFS (`server`, its advertised address).
-pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
+pub(crate) fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
         // So a node the export moves to squashes as the StorageClass says.

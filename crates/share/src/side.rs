@@ -109,8 +109,21 @@ impl ShareSide {
 
     /// The address clients are told to mount (`None`: this node serves no
     /// NFS).
-    pub fn advertised(&self) -> Option<String> {
+    pub(crate) fn advertised(&self) -> Option<String> {
         self.config.advertised()
+    }
+
+    /// Adds the volume-context entries of volume `id`, created with
+    /// `parameters`, to `context`: for a shared volume, its marker (so every
+    /// node knows it is served over NFS), its squash and PVC, and where
+    /// this node serves it (its advertised address) when it serves NFS.
+    pub fn context(
+        &self,
+        id: &str,
+        parameters: &std::collections::BTreeMap<String, String>,
+        context: &mut std::collections::HashMap<String, String>,
+    ) {
+        super::context(id, parameters, self.advertised().as_deref(), context);
     }
 
     /// Calls `f` after every export, unexport and resume from now on.
@@ -170,7 +183,7 @@ impl ShareSide {
     /// says, or (`None`, its unstage) forgets it. A stage's first record
     /// (the intent, before the mount) also makes this node's NFSv4 client
     /// identity unique first (`super::identity`); a forgotten one is
-    /// told to whoever follows the unmounts ([`ShareSide::on_unmounted`]).
+    /// told to whoever follows the unmounts (the cluster side, `admit`).
     pub fn set_mount_record(&self, id: &str, r: Option<&super::MountRecord>) -> Result<(), Error> {
         match r {
             Some(r) => {
