@@ -26,8 +26,9 @@ async fn cloned_nodes_sharing_a_partuuid_keep_an_object_each() {
     use volring_kube::feed::Feed;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let initial =
-        |node: &str| Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
+    let initial = |node: &str| {
+        Feed::initial(&cloned_inventory(node, 3), storage_node(node, &[], None, None, None, &Default::default()), &mut config(node)).1
+    };
     for node in ["n1", "n2"] {
         let s = Updater::start(sink.clone(), config(node), initial(node)).shutdown(Duration::from_secs(10)).await;
         assert_eq!((s.writes_main, s.refused, s.abandoned), (4, 0, 0), "{node}: {s:?}");
@@ -65,13 +66,14 @@ async fn an_object_under_the_old_name_is_replaced() {
     use volring_kube::feed::Feed;
     let server = Server::start().await;
     let inv = cloned_inventory("n1", 1);
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
+    let mut c = config("n1");
+    let initial = Feed::initial(&inv, storage_node("n1", &[], None, None, None, &Default::default()), &mut c).1;
     let mut old = kube_support::api_form(&initial[0]);
     let legacy = legacy_block_device_name(initial[0].spec["stableId"].as_str().unwrap());
     old["metadata"]["name"] = json!(legacy);
     server.api.seed("blockdevices", old);
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let s = Updater::start(sink, config("n1"), initial.clone()).shutdown(Duration::from_secs(10)).await;
+    let s = Updater::start(sink, c, initial.clone()).shutdown(Duration::from_secs(10)).await;
     assert_eq!(s.deletes, 1, "{s:?}");
     assert!(server.api.object("blockdevices", &legacy).is_none());
     assert_eq!(bd_names_of(&server, "n1"), vec![initial[0].key.name.clone()]);
@@ -87,12 +89,13 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
     for d in inv.devices.values_mut() {
         d.id = id.clone();
     }
-    let initial = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
+    let mut c = config("n1");
+    let initial = Feed::initial(&inv, storage_node("n1", &[], None, None, None, &Default::default()), &mut c).1;
     assert_eq!(initial.len(), 3);
     assert_ne!(initial[0].key, initial[1].key, "one id on two devices of one node");
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
+    Updater::start(sink, c, initial).shutdown(Duration::from_secs(10)).await;
     let mut paths: Vec<String> =
         server.api.objects("blockdevices").iter().map(|o| o["spec"]["path"].as_str().unwrap().to_string()).collect();
     paths.sort();
@@ -105,14 +108,15 @@ async fn two_devices_with_one_id_on_one_node_are_two_objects() {
 async fn an_unread_id_is_not_a_removal() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 2);
-    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let mut c = config("n1");
+    let (mut feed, initial) = Feed::initial(&inv, storage_node("n1", &[], None, None, None, &Default::default()), &mut c);
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let up = Updater::start(sink.clone(), config("n1"), initial.clone());
+    let up = Updater::start(sink.clone(), c, initial.clone());
     until("both devices", || bd_names_of(&server, "n1").len() == 2).await;
     let first = *inv.devices.keys().next().unwrap();
     inv.devices.get_mut(&first).unwrap().id.clear();
-    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1", None);
     let s = up.shutdown(Duration::from_secs(10)).await;
     for o in server.api.objects("blockdevices") {
         assert_eq!(o["status"]["state"], "Active", "{o}");
@@ -120,8 +124,8 @@ async fn an_unread_id_is_not_a_removal() {
     assert_eq!((s.writes_main, s.writes_status), (3, 3), "nothing after the first writes: {s:?}");
     // A restart while it cannot be read does not retire it either.
     let mut c = config("n1");
-    c.unread_paths = volring_kube::feed::unread_paths(&inv);
-    let now = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default())).1;
+    let now = Feed::initial(&inv, storage_node("n1", &[], None, None, None, &Default::default()), &mut c).1;
+    assert_eq!(c.unread_paths.len(), 1, "{:?}", c.unread_paths);
     assert_eq!(now.len(), 2);
     let s = Updater::start(sink, c, now).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
@@ -136,11 +140,11 @@ async fn an_unread_id_is_not_a_removal() {
 async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     use volring_kube::feed::Feed;
     let mut inv = cloned_inventory("n1", 3);
-    let (mut feed, initial) = Feed::initial(&inv, "n1", storage_node("n1", &[], None, None, None, &Default::default()));
+    let mut c = config("n1");
+    let (mut feed, initial) = Feed::initial(&inv, storage_node("n1", &[], None, None, None, &Default::default()), &mut c);
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     let stats = Arc::new(volring_kube::Stats::default());
-    let mut c = config("n1");
     c.stats = Some(stats.clone());
     let up = Updater::start(sink, c, initial.clone());
     until("the devices", || bd_names_of(&server, "n1").len() == 3).await;
@@ -148,8 +152,8 @@ async fn the_feed_retires_a_removed_device_and_submits_only_changes() {
     let devs: Vec<_> = inv.devices.keys().copied().collect();
     inv.devices.remove(&devs[0]);
     inv.devices.get_mut(&devs[1]).unwrap().size_bytes += 1 << 20;
-    feed.devices(&up, &inv, "n1");
-    feed.devices(&up, &inv, "n1");
+    feed.devices(&up, &inv, "n1", None);
+    feed.devices(&up, &inv, "n1", None);
     assert_eq!(
         stats.submitted.load(std::sync::atomic::Ordering::Relaxed) - before,
         2,
@@ -177,8 +181,9 @@ async fn a_nodes_objects_are_found_by_hostname_label_and_by_node_field() {
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
     for node in ["n1", "n2"] {
-        let initial = Feed::initial(&cloned_inventory(node, 3), node, storage_node(node, &[], None, None, None, &Default::default())).1;
-        Updater::start(sink.clone(), config(node), initial).shutdown(Duration::from_secs(10)).await;
+        let mut c = config(node);
+        let initial = Feed::initial(&cloned_inventory(node, 3), storage_node(node, &[], None, None, None, &Default::default()), &mut c).1;
+        Updater::start(sink.clone(), c, initial).shutdown(Duration::from_secs(10)).await;
     }
     let client = kube::Client::try_from(server.config()).unwrap();
     let list = |plural: &'static str, query: String| {

@@ -30,9 +30,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(Some(r)) = client::remote(&ctx) {
         assert!(r.server.port() != 0);
         assert!(r.export.starts_with('/') && !r.export.split('/').any(|c| c == ".."));
-        let src = client::source(&r);
+        let src = r.to_string();
         assert!(!src.contains(','), "{src:?}");
-        let opts = client::options(&r, false);
+        let opts = r.options(false);
         assert_eq!(opts.data.split(',').count(), 9, "{:?}", opts.data);
     }
 });

@@ -111,7 +111,7 @@ impl Events {
             }
         };
         if let Some(p) = &mut self.publisher {
-            p.feed.devices(&p.up, &self.inventory, &self.devices.node_name);
+            p.feed.devices(&p.up, &self.inventory, &self.devices.node_name, None);
         }
         result
     }
@@ -147,6 +147,7 @@ impl Events {
         let before: Vec<_> = self.published.load().devices.keys().copied().collect();
         self.inventory.link(&read(&self.table), &self.devices);
         let mut again = Vec::new();
+        let mut volumes = None;
         if let Some(driver) = &self.csi {
             let staged = driver.staged();
             mark_staged(&mut self.inventory, &staged);
@@ -154,9 +155,7 @@ impl Events {
                 let ids = v.rebuild(&staged);
                 self.reprobed.retain(|(id, _)| ids.iter().any(|i| &i.volume_id == id));
                 again = unprobed(&self.inventory, &ids, &self.reprobed);
-                if let Some(p) = &mut self.publisher {
-                    p.feed.volumes(&ids);
-                }
+                volumes = Some(ids);
             }
         }
         if !self.inventory.devices.keys().copied().eq(before) && !self.collector.track(tracked(&self.inventory)) {
@@ -165,7 +164,7 @@ impl Events {
         self.published.store(Arc::new(self.inventory.clone()));
         self.mount_stats.store(Arc::new(self.watcher.stats()));
         if let Some(p) = &mut self.publisher {
-            p.feed.devices(&p.up, &self.inventory, &self.devices.node_name);
+            p.feed.devices(&p.up, &self.inventory, &self.devices.node_name, volumes.as_deref().map(Vec::as_slice));
             // The pool's figures ride along with device changes.
             p.node_signal.signal();
         }

@@ -55,17 +55,16 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     let mut uc = UpdaterConfig::new(i.node);
     (uc.qps, uc.burst, uc.window, uc.gone) = (p.qps, p.burst, p.window, p.gone);
     uc.stats = Some(i.stats.clone());
-    uc.unread_paths = volring_kube::feed::unread_paths(i.inventory);
     let node_signal = NodeSignal::default();
     // What the healer hook's cross-check found (cluster only).
     let unknown: Arc<std::sync::Mutex<Option<Vec<String>>>> = Default::default();
-    let mut node_feed = node_feed(&i, &node_signal, unknown.clone());
-    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, i.node, node_feed.current());
+    let (node_feed, node_now) = node_feed(&i, &node_signal, unknown.clone());
+    let (feed, initial) = volring_kube::feed::Feed::initial(i.inventory, node_now, &mut uc);
     let source = KubeSink::detect();
     let to_cluster = p.kube.unwrap_or(source.is_some());
     let up = if to_cluster {
         // The User-Agent names this node as the agent knows it (--node-id).
-        let sink = Arc::new(KubeSink::infer_for(i.node).await.context("--kube")?);
+        let sink = Arc::new(KubeSink::connect(i.node, None).await.context("--kube")?);
         let from = source.map_or_else(|| "--kube".to_string(), |s| s.to_string());
         tracing::info!(target: TARGET, objects = initial.len(), from, "publishing to the cluster");
         if let Some(d) = i.driver.clone() {
@@ -100,9 +99,10 @@ pub(super) async fn start(p: &PublishConfig, i: Inputs<'_>, parts: &mut Componen
     Ok(Feeding { up, feed, node_signal })
 }
 
-/// The StorageNode's feed: listening (before its first build, so no
-/// change falls between) to the CSI records and the reconciler's verdicts.
-fn node_feed(i: &Inputs<'_>, signal: &NodeSignal, unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>) -> NodeFeed {
+/// The StorageNode's feed and the object now: listening (before its first
+/// build, so no change falls between) to the CSI records and the
+/// reconciler's verdicts.
+fn node_feed(i: &Inputs<'_>, signal: &NodeSignal, unknown: Arc<std::sync::Mutex<Option<Vec<String>>>>) -> (NodeFeed, volring_kube::Object) {
     if let Some(d) = &i.driver {
         let s = signal.clone();
         d.on_volume_change(move |_| s.signal());

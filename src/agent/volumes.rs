@@ -59,7 +59,7 @@ pub(super) async fn start(config: &AgentConfig, driver: &Arc<volring_csi::Driver
         return ids;
     }
     let node = config.devices.node_name.clone();
-    let sink = match KubeSink::infer_for(&node).await {
+    let sink = match KubeSink::connect(&node, None).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(target: TARGET, error = %e, "volumes' PVC and pod names are not looked up");

@@ -34,14 +34,15 @@ async fn this_machines_devices_publish_and_read_back_equal() {
     let cfg = volring_devices::ScanConfig { probe: false, node_name: "n1".into(), ..Default::default() };
     let inv = volring_devices::Inventory::scan(&cfg, &table).unwrap();
     let node = volring_kube::node_feed::storage_node("n1", &[], None, None, None, &Default::default());
-    let (_, initial) = volring_kube::feed::Feed::initial(&inv, "n1", node);
+    let mut c = config("n1");
+    let (_, initial) = volring_kube::feed::Feed::initial(&inv, node, &mut c);
     let devices = initial.len() - 1;
     let server = Server::start().await;
     let sink = Arc::new(KubeSink::new(server.config()).unwrap());
-    let s = Updater::start(sink.clone(), config("n1"), initial.clone()).shutdown(Duration::from_secs(10)).await;
+    let s = Updater::start(sink.clone(), c.clone(), initial.clone()).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status, s.refused), (initial.len() as u64, initial.len() as u64, 0));
     assert_eq!(server.api.objects("blockdevices").len(), devices);
-    let s = Updater::start(sink, config("n1"), initial).shutdown(Duration::from_secs(10)).await;
+    let s = Updater::start(sink, c, initial).shutdown(Duration::from_secs(10)).await;
     assert_eq!((s.writes_main, s.writes_status), (0, 0), "{s:?}");
 }
 
@@ -88,7 +89,7 @@ async fn every_request_names_volring_and_its_node() {
     let server = Server::start().await;
     // The form crates/share's unit test checks `user_agent` makes.
     let want = format!("volring/{} (n1)", env!("CARGO_PKG_VERSION"));
-    let sink = Arc::new(KubeSink::for_node(server.config(), "n1").unwrap());
+    let sink = Arc::new(KubeSink::connect("n1", Some(server.config())).await.unwrap());
     let o = bd("n1", 1, 1);
     server.api.inject(Fault { status: 409, retry_after: None, method: Some(Method::PATCH), path_contains: o.key.name.clone(), times: 1 });
     Updater::start(sink.clone(), config("n1"), vec![o, bd("n1", 2, 1)]).shutdown(Duration::from_secs(10)).await;

@@ -249,7 +249,7 @@ impl Controller {
             volume_context.insert(PARAM_ATTACH.to_string(), a.clone());
         }
         self.exports.context(m, &mut volume_context);
-        volring_share::context(&m.id, &m.parameters, self.side.advertised().as_deref(), &mut volume_context);
+        self.side.context(&m.id, &m.parameters, &mut volume_context);
         // A volume other nodes reach (an nbd export, an NFS share) has no
         // topology: "equally accessible from all nodes"; others only here.
         let reachable =
@@ -269,7 +269,7 @@ fn parameters(p: &HashMap<String, String>) -> Result<Option<FsKind>> {
                 v.parse::<AttachKind>().map_err(|()| Error::InvalidArgument(format!("attach {v:?}: loop or nbd")))?;
             }
             volring_share::PARAM_SQUASH => {
-                volring_share::Squash::parse(v).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                v.parse::<volring_share::Squash>().map_err(|e| Error::InvalidArgument(e.to_string()))?;
             }
             k if k.starts_with(PROVISIONER_PREFIX) => {}
             k => {

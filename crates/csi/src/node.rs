@@ -109,7 +109,7 @@ impl Stager {
         // this node's Service loop needs the PVC the context names.
         if meta.is_none() && access.shared() && access.is_mount() && self.shares.side().enabled() {
             if let Some(pvc) = volring_share::pvc_in_context(&req.volume_context) {
-                volring_share::put_pvc(self.base.records.store(), id, &pvc)
+                volring_share::record_pvc(self.base.records.store(), id, Some(&pvc))
                     .map_err(|e| Error::Internal(format!("record the PVC of volume {id}: {e}")))?;
             }
         }
@@ -423,7 +423,7 @@ impl Stager {
         // drops a local holder without a record).
         self.fence.drop_local(id)?;
         if rec.remote.is_some() && self.shares.side().enabled() {
-            volring_share::remove_pvc(self.base.records.store(), id)
+            volring_share::record_pvc(self.base.records.store(), id, None)
                 .map_err(|e| Error::Internal(format!("volume {id}'s PVC record: {e}")))?;
         }
         tracing::info!(volume = id, "unstaged");

@@ -93,7 +93,7 @@ impl NfsClient {
                 return Err(Error::FailedPrecondition(format!("volume {id} is already staged at {}", r.staging_path.display())));
             }
             if r.remote != remote || r.read_only != access.read_only() {
-                return Err(Error::AlreadyExists(format!("volume {id} is staged from {} with other options", client::source(&r.remote))));
+                return Err(Error::AlreadyExists(format!("volume {id} is staged from {} with other options", r.remote)));
             }
             if matches!(self.base.root.look(staging, dev(&r))?, Found::Ours(_)) {
                 return Ok(Some(NodeStageVolumeResponse {}));
@@ -108,14 +108,14 @@ impl NfsClient {
             dev: None,
             published: Default::default(),
         };
-        self.side.put_mount_record(&rec).map_err(share_err)?;
+        self.side.set_mount_record(id, Some(&rec)).map_err(share_err)?;
         let dir = self.base.root.beneath.create_dirs(staging).map_err(|e| path_error(e, staging))?;
         let node = volring_volumes::beneath::stat(dir.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", staging.display())))?;
         if node.mount_root {
             return Err(Error::FailedPrecondition(format!("{} already holds a mount; volring does not stage over it", staging.display())));
         }
-        let source = client::source(&remote);
-        mounting::mount_filesystem(Path::new(&source), dir.as_fd(), "nfs4", &client::options(&remote, access.read_only()))
+        let source = remote.to_string();
+        mounting::mount_filesystem(Path::new(&source), dir.as_fd(), "nfs4", &remote.options(access.read_only()))
             .map_err(|e| Error::Internal(format!("mount {source} (NFSv4) on {}: {e}", staging.display())))?;
         drop(dir);
         let mounted = self
@@ -128,7 +128,7 @@ impl NfsClient {
         let node =
             volring_volumes::beneath::stat(mounted.as_fd()).map_err(|e| Error::Internal(format!("statx {}: {e}", staging.display())))?;
         rec.dev = Some((node.dev.major, node.dev.minor));
-        self.side.put_mount_record(&rec).map_err(share_err)?;
+        self.side.set_mount_record(id, Some(&rec)).map_err(share_err)?;
         tracing::info!(volume = id, source, path = %staging.display(), "staged over NFS");
         Ok(Some(NodeStageVolumeResponse {}))
     }
@@ -151,7 +151,7 @@ impl NfsClient {
             // mount at the staging path is this stage's own.
             self.unmount_if_nfs(id, staging)?;
         }
-        self.side.remove_mount_record(id).map_err(share_err)?;
+        self.side.set_mount_record(id, None).map_err(share_err)?;
         tracing::info!(volume = id, "unstaged (NFS)");
         Ok(Some(NodeUnstageVolumeResponse {}))
     }
@@ -190,7 +190,7 @@ impl NfsClient {
             };
         }
         r.published.insert(target.to_path_buf(), read_only);
-        self.side.put_mount_record(&r).map_err(share_err)?;
+        self.side.set_mount_record(id, Some(&r)).map_err(share_err)?;
         let flags = if read_only { MountFlags::RDONLY } else { MountFlags::empty() };
         mounting::bind(source.as_fd(), fd.as_fd(), flags).map_err(|e| Error::Internal(format!("bind on {}: {e}", target.display())))?;
         tracing::info!(volume = id, target = %target.display(), read_only, "published (NFS)");
@@ -209,7 +209,7 @@ impl NfsClient {
         self.base.root.unmount_ours(id, target, dev(&r))?;
         self.base.root.beneath.remove(target).map_err(|e| Error::Internal(format!("remove {}: {e}", target.display())))?;
         r.published.remove(target);
-        self.side.put_mount_record(&r).map_err(share_err)?;
+        self.side.set_mount_record(id, Some(&r)).map_err(share_err)?;
         Ok(Some(NodeUnpublishVolumeResponse {}))
     }
 
@@ -245,8 +245,8 @@ impl NfsClient {
             }
         };
         let message = match &problem {
-            Some(p) => format!("{p} (NFS from {})", client::source(&r.remote)),
-            None => format!("mounted over NFS from {}", client::source(&r.remote)),
+            Some(p) => format!("{p} (NFS from {})", r.remote),
+            None => format!("mounted over NFS from {}", r.remote),
         };
         Ok(Some(NodeGetVolumeStatsResponse { usage, volume_condition: Some(VolumeCondition { abnormal: problem.is_some(), message }) }))
     }

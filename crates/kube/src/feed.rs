@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::objects::{self, Key, Object, Pool, VolumeEntry};
-use super::updater::Updater;
+use super::updater::{Updater, UpdaterConfig};
 use volring_devices::Inventory;
 use volring_volumes::VolumeHealth;
 use volring_volumes::{AccessKind, StagePhase, StagedVolume, VolumeIdentity};
@@ -57,7 +57,7 @@ pub(crate) fn block_devices_of(inventory: &Inventory, node: &str, volumes: &Hash
 /// The paths of devices present whose id could not be read now (a
 /// transient sysfs or probe error): their objects are neither rewritten
 /// nor retired until the id reads again.
-pub fn unread_paths(inventory: &Inventory) -> HashSet<String> {
+pub(crate) fn unread_paths(inventory: &Inventory) -> HashSet<String> {
     inventory.devices.values().filter(|d| d.id.is_empty()).map(|d| d.path.display().to_string()).collect()
 }
 
@@ -67,20 +67,18 @@ pub(crate) fn path_of(o: &Object) -> Option<&str> {
 }
 
 impl Feed {
-    /// Every object of `node` now, its devices and the StorageNode (the
-    /// updater's start), and the feed that remembers them.
-    pub fn initial(inventory: &Inventory, node: &str, storage_node: Object) -> (Feed, Vec<Object>) {
-        let mut v = block_devices(inventory, node);
+    /// The updater's start: every object of `config`'s node now, its
+    /// devices and the StorageNode, and the feed that remembers them; and
+    /// in `config`, the devices whose id could not be read now
+    /// ([`UpdaterConfig::unread_paths`]: the first diff leaves their
+    /// objects alone).
+    pub fn initial(inventory: &Inventory, storage_node: Object, config: &mut UpdaterConfig) -> (Feed, Vec<Object>) {
+        config.unread_paths = unread_paths(inventory);
+        let mut v = block_devices(inventory, &config.node);
         v.push(storage_node);
         let mut feed = Feed::default();
         feed.seed(&v);
         (feed, v)
-    }
-
-    /// The staged volumes' identity records from now on (the next
-    /// [`Feed::devices`] writes the devices whose PV or PVC changed).
-    pub fn volumes(&mut self, ids: &[VolumeIdentity]) {
-        self.volumes = ids.iter().map(|i| (i.volume_id.clone(), i.clone())).collect();
     }
 
     /// Remembers the objects the updater started with.
@@ -90,8 +88,14 @@ impl Feed {
 
     /// Submits the devices that changed and retires those that are gone.
     /// A device still present whose id cannot be read now keeps its
-    /// object as it was: an unreadable input is not a removal.
-    pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str) {
+    /// object as it was: an unreadable input is not a removal. `volumes`:
+    /// the staged volumes' identity records, when they were read again
+    /// (they are kept from then on, and a device a volume is on names its
+    /// PV and PVC); `None`: the ones last given.
+    pub fn devices(&mut self, up: &Updater, inventory: &Inventory, node: &str, volumes: Option<&[VolumeIdentity]>) {
+        if let Some(ids) = volumes {
+            self.volumes = ids.iter().map(|i| (i.volume_id.clone(), i.clone())).collect();
+        }
         let now: HashMap<Key, Object> = block_devices_of(inventory, node, &self.volumes).into_iter().map(|o| (o.key.clone(), o)).collect();
         let unread = unread_paths(inventory);
         let gone: Vec<Key> = self

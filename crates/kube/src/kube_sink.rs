@@ -54,28 +54,31 @@ pub struct KubeSink {
 impl KubeSink {
     /// A sink on `config`'s cluster, its requests naming this process's
     /// node ([`volring_devices::node_name`]) in their User-Agent; see
-    /// [`KubeSink::for_node`].
+    /// [`KubeSink::connect`].
     pub fn new(config: kube::Config) -> Result<Self, Error> {
-        Self::for_node(config, &volring_devices::node_name())
+        Self::with_config(config, &volring_devices::node_name())
     }
 
-    /// A sink on `config`'s cluster for `node`: every request carries the
-    /// User-Agent `volring/<version> (<node>)`. The client's own retry
-    /// layer is turned off: it would retry a 429 inside one request,
-    /// holding a slot while the updater's limit knows nothing of it. The
-    /// updater does the retrying.
-    pub fn for_node(mut config: kube::Config, node: &str) -> Result<Self, Error> {
+    /// A sink for `node` (the agent's `--node-id`) on `config`'s cluster,
+    /// or (`None`) on the one the process finds: a kubeconfig, else the
+    /// pod's service account ([`KubeSink::detect`]). Every request carries
+    /// the User-Agent `volring/<version> (<node>)`.
+    pub async fn connect(node: &str, config: Option<kube::Config>) -> Result<Self, Error> {
+        let config = match config {
+            Some(c) => c,
+            None => kube::Config::infer().await?,
+        };
+        Self::with_config(config, node)
+    }
+
+    /// The client's own retry layer is turned off: it would retry a 429
+    /// inside one request, holding a slot while the updater's limit knows
+    /// nothing of it. The updater does the retrying.
+    fn with_config(mut config: kube::Config, node: &str) -> Result<Self, Error> {
         config.default_retry = false;
         volring_share::kube::identify(&mut config, node);
         let client = kube::Client::try_from(config)?;
         Ok(Self { client, warned: Default::default() })
-    }
-
-    /// A client from the in-cluster service account or the kubeconfig, for
-    /// `node` (the agent's `--node-id`).
-    pub async fn infer_for(node: &str) -> Result<Self, Error> {
-        let config = kube::Config::infer().await?;
-        Self::for_node(config, node)
     }
 
     /// True when the process runs in a pod (the service account's env).
@@ -83,17 +86,18 @@ impl KubeSink {
         std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() && std::env::var_os("KUBERNETES_SERVICE_PORT").is_some()
     }
 
-    /// Which cluster configuration [`KubeSink::infer_for`] would read, in its
-    /// order (a kubeconfig first, then the pod's service account); `None`
-    /// when there is neither, and the node's store stands in.
-    pub fn detect() -> Option<ClusterSource> {
+    /// Which cluster configuration [`KubeSink::connect`] would read, in its
+    /// order (a kubeconfig first, then the pod's service account), as the
+    /// log names it (`kubeconfig <path>`, `in-cluster service account`);
+    /// `None` when there is neither, and the node's store stands in.
+    pub fn detect() -> Option<impl std::fmt::Display> {
         cluster_source(std::env::var_os("KUBECONFIG").as_deref(), std::env::var_os("HOME").as_deref(), Self::in_cluster())
     }
 }
 
 /// Where a cluster's client configuration comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClusterSource {
+pub(crate) enum ClusterSource {
     /// A kubeconfig file (from `KUBECONFIG`, or `~/.kube/config`).
     Kubeconfig(std::path::PathBuf),
     /// The pod's service account.

@@ -48,15 +48,11 @@ pub struct NodeFeed {
 }
 
 impl NodeFeed {
-    pub fn new(signal: NodeSignal, build: Builder) -> Self {
-        Self { signal, build, last: None }
-    }
-
-    /// The object now (for the updater's start), remembered as handed out.
-    pub fn current(&mut self) -> Object {
-        let o = (self.build)();
-        self.last = Some(o.clone());
-        o
+    /// The follower of what `build` makes, woken by `signal`, and the
+    /// object now (for the updater's start), remembered as handed out.
+    pub fn new(signal: NodeSignal, build: Builder) -> (Self, Object) {
+        let now = build();
+        (Self { signal, build, last: Some(now.clone()) }, now)
     }
 
     /// Waits for a signal and returns the object once it differs from the
@@ -263,7 +259,7 @@ mod tests {
     async fn a_follower_dropped_before_its_first_poll_still_submits_its_last_look() {
         let builds = Arc::new(AtomicUsize::new(0));
         let b = builds.clone();
-        let mut feed = NodeFeed::new(
+        let (feed, now) = NodeFeed::new(
             NodeSignal::default(),
             Arc::new(move || {
                 b.fetch_add(1, Ordering::SeqCst);
@@ -271,7 +267,7 @@ mod tests {
             }),
         );
         let sink = Arc::new(Memory::default());
-        let up = Updater::start(sink, UpdaterConfig::new("n1"), vec![feed.current()]);
+        let up = Updater::start(sink, UpdaterConfig::new("n1"), vec![now]);
         let before = builds.load(Ordering::SeqCst);
         drop(feed.follow(&up));
         assert_eq!(builds.load(Ordering::SeqCst), before + 1, "no last look was taken");
@@ -293,7 +289,7 @@ mod tests {
         view.on_change(move || s.signal());
         let builds = Arc::new(AtomicUsize::new(0));
         let (r, v, b) = (records.clone(), view.clone(), builds.clone());
-        let mut feed = NodeFeed::new(
+        let (feed, now) = NodeFeed::new(
             signal,
             Arc::new(move || {
                 b.fetch_add(1, Ordering::SeqCst);
@@ -305,7 +301,7 @@ mod tests {
         config.window = Duration::from_millis(300);
         let stats = Arc::new(crate::Stats::default());
         config.stats = Some(stats.clone());
-        let up = Updater::start(sink.clone(), config, vec![feed.current()]);
+        let up = Updater::start(sink.clone(), config, vec![now]);
         let follower = tokio::spawn(feed.follow(&up));
         until("the initial StorageNode", || stats.writes_status.load(Ordering::SeqCst) == 1).await;
 

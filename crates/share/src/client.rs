@@ -62,34 +62,39 @@ fn truncate(s: &str) -> &str {
     }
 }
 
-/// The mount source: `addr:/export`, an IPv6 address in brackets.
-pub fn source(r: &Remote) -> String {
-    match r.server.ip() {
-        IpAddr::V4(a) => format!("{a}:{}", r.export),
-        IpAddr::V6(a) => format!("[{a}]:{}", r.export),
+/// The mount source, `addr:/export` (an IPv6 address in brackets): what
+/// the kernel is given and what messages name the export by.
+impl std::fmt::Display for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.server.ip() {
+            IpAddr::V4(a) => write!(f, "{a}:{}", self.export),
+            IpAddr::V6(a) => write!(f, "[{a}]:{}", self.export),
+        }
     }
 }
 
-/// The kernel NFS client's options for `r`.
-pub fn options(r: &Remote, read_only: bool) -> MountOptions {
-    let mut o = MountOptions { flags: rustix::mount::MountFlags::empty(), data: String::new() };
-    if read_only {
-        o.flags |= rustix::mount::MountFlags::RDONLY;
+impl Remote {
+    /// The kernel NFS client's options for this export.
+    pub fn options(&self, read_only: bool) -> MountOptions {
+        let mut o = MountOptions { flags: rustix::mount::MountFlags::empty(), data: String::new() };
+        if read_only {
+            o.flags |= rustix::mount::MountFlags::RDONLY;
+        }
+        for opt in [
+            "vers=4.1".to_string(),
+            format!("addr={}", self.server.ip()),
+            format!("port={}", self.server.port()),
+            "proto=tcp".into(),
+            "hard".into(),
+            "timeo=100".into(),
+            "retrans=3".into(),
+            "actimeo=1".into(),
+            "lookupcache=positive".into(),
+        ] {
+            o = o.with_data(&opt);
+        }
+        o
     }
-    for opt in [
-        "vers=4.1".to_string(),
-        format!("addr={}", r.server.ip()),
-        format!("port={}", r.server.port()),
-        "proto=tcp".into(),
-        "hard".into(),
-        "timeo=100".into(),
-        "retrans=3".into(),
-        "actimeo=1".into(),
-        "lookupcache=positive".into(),
-    ] {
-        o = o.with_data(&opt);
-    }
-    o
 }
 
 #[cfg(test)]
@@ -105,14 +110,14 @@ mod tests {
         assert_eq!(remote(&ctx(&[])).unwrap(), None);
         assert_eq!(remote(&ctx(&[("share", "other"), ("nfsServer", "1.2.3.4:2049")])).unwrap(), None);
         let r = remote(&ctx(&[("share", "nfs"), ("nfsServer", "10.0.2.100:2049"), ("nfsExport", "/pvc-1")])).unwrap().unwrap();
-        assert_eq!(source(&r), "10.0.2.100:/pvc-1");
-        let o = options(&r, false);
+        assert_eq!(r.to_string(), "10.0.2.100:/pvc-1");
+        let o = r.options(false);
         for want in ["vers=4.1", "addr=10.0.2.100", "port=2049", "hard", "proto=tcp"] {
             assert!(o.data.split(',').any(|x| x == want), "{want} in {}", o.data);
         }
-        assert!(options(&r, true).flags.contains(rustix::mount::MountFlags::RDONLY));
+        assert!(r.options(true).flags.contains(rustix::mount::MountFlags::RDONLY));
         let v6 = remote(&ctx(&[("share", "nfs"), ("nfsServer", "[fd00::1]:2049"), ("nfsExport", "/v")])).unwrap().unwrap();
-        assert_eq!(source(&v6), "[fd00::1]:/v");
+        assert_eq!(v6.to_string(), "[fd00::1]:/v");
         for (server, export) in [
             ("", "/v"),
             ("host:2049", "/v"),

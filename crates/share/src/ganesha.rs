@@ -96,9 +96,11 @@ pub enum Squash {
     All,
 }
 
-impl Squash {
-    /// The parameter value: `root`, `none` or `all`.
-    pub fn parse(s: &str) -> Result<Self, Error> {
+/// The parameter value: `root`, `none` or `all`.
+impl std::str::FromStr for Squash {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
         match s {
             "root" => Ok(Squash::Root),
             "none" => Ok(Squash::None),
@@ -106,7 +108,9 @@ impl Squash {
             other => Err(Error::Config(format!("nfsSquash {other:?}: root, none or all"))),
         }
     }
+}
 
+impl Squash {
     fn ganesha(self) -> &'static str {
         match self {
             Squash::Root => "Root_Squash",
@@ -305,9 +309,9 @@ mod access {
             assert!(!valid_client(bad), "{bad}");
             assert!(matches!(render(&settings(), &[export(&[bad], Squash::Root)]), Err(Error::Config(_))), "{bad}");
         }
-        assert_eq!(Squash::parse("root").unwrap(), Squash::Root);
-        assert_eq!(Squash::parse("none").unwrap(), Squash::None);
-        assert!(Squash::parse("no_root_squash").is_err());
+        assert_eq!("root".parse::<Squash>().unwrap(), Squash::Root);
+        assert_eq!("none".parse::<Squash>().unwrap(), Squash::None);
+        assert!("no_root_squash".parse::<Squash>().is_err());
         assert_eq!(Squash::default(), Squash::Root);
     }
 }

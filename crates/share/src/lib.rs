@@ -36,7 +36,7 @@ mod server;
 mod side;
 
 pub use ganesha::{valid_client, Squash};
-pub use records::{put_pvc, remove_pvc, MountRecord};
+pub use records::{record_pvc, MountRecord};
 pub use side::{ShareConfig, ShareSide};
 
 /// Why sharing a volume failed.
@@ -77,7 +77,7 @@ pub fn squash_of(recorded: Option<&BTreeMap<String, String>>, context: Option<&H
         (None, Some(context)) => context.get(PARAM_SQUASH),
         (None, None) => None,
     };
-    value.map_or(Ok(Squash::Root), |v| Squash::parse(v))
+    value.map_or(Ok(Squash::Root), |v| v.parse())
 }
 
 /// Whether a volume's recorded parameters mark it shared.
@@ -139,7 +139,7 @@ pub(crate) fn pseudo_path(id: &str) -> String {
 /// The volume-context entries of a shared volume: the marker, so every
 /// node knows the volume is served over NFS, and where, when the node that
 /// holds it serves NFS (`server`, its advertised address).
-pub fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
+pub(crate) fn context(id: &str, parameters: &BTreeMap<String, String>, server: Option<&str>, context: &mut HashMap<String, String>) {
     if is_shared(parameters) {
         context.insert(PARAM_SHARE.to_string(), SHARE_NFS.to_string());
         // So a node the export moves to squashes as the StorageClass says.

@@ -188,22 +188,24 @@ const PVC_PREFIX: &str = "NfsPvc/";
 /// Records the PVC (namespace, name) of shared volume `volume_id`, staged
 /// here from another node's nbd export and exported here: the pool record
 /// that names it elsewhere lives on the owning node, and this node's
-/// Service loop needs it to point the PVC's Endpoints here.
-pub fn put_pvc(store: &Store, volume_id: &str, pvc: &(String, String)) -> Result<(), Error> {
-    let bytes = serde_json::to_vec(pvc).map_err(|e| Error::Store(e.to_string()))?;
-    store.apply(&[Change::PutPublished(&format!("{PVC_PREFIX}{volume_id}"), &bytes)]).map_err(|e| Error::Store(e.to_string()))
+/// Service loop needs it to point the PVC's Endpoints here. `None` (the
+/// volume's unstage) removes the record.
+pub fn record_pvc(store: &Store, volume_id: &str, pvc: Option<&(String, String)>) -> Result<(), Error> {
+    let key = format!("{PVC_PREFIX}{volume_id}");
+    let bytes = pvc.map(serde_json::to_vec).transpose().map_err(|e| Error::Store(e.to_string()))?;
+    let change = match &bytes {
+        Some(b) => Change::PutPublished(&key, b),
+        None => Change::RemovePublished(&key),
+    };
+    store.apply(&[change]).map_err(|e| Error::Store(e.to_string()))
 }
 
-/// The PVC recorded by [`put_pvc`], if any (one that does not decode, or
+/// The PVC recorded by [`record_pvc`], if any (one that does not decode, or
 /// names what Kubernetes does not allow, is none).
 pub(crate) fn get_pvc(store: &Store, volume_id: &str) -> Option<(String, String)> {
     let bytes = store.published(&format!("{PVC_PREFIX}{volume_id}")).ok()??;
     let (ns, name): (String, String) = serde_json::from_slice(&bytes).ok()?;
     super::pvc(&ns, &name)
-}
-
-pub fn remove_pvc(store: &Store, volume_id: &str) -> Result<(), Error> {
-    store.apply(&[Change::RemovePublished(&format!("{PVC_PREFIX}{volume_id}"))]).map_err(|e| Error::Store(e.to_string()))
 }
 
 /// The export id for `volume_id`: the one it has, else the one its id
@@ -293,11 +295,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("s.redb")).unwrap();
         assert_eq!(get_pvc(&store, "v"), None);
-        put_pvc(&store, "v", &("apps".into(), "data".into())).unwrap();
+        record_pvc(&store, "v", Some(&("apps".into(), "data".into()))).unwrap();
         assert_eq!(get_pvc(&store, "v"), Some(("apps".into(), "data".into())));
-        put_pvc(&store, "w", &("apps".into(), "../x".into())).unwrap();
+        record_pvc(&store, "w", Some(&("apps".into(), "../x".into()))).unwrap();
         assert_eq!(get_pvc(&store, "w"), None, "not a Kubernetes name");
-        remove_pvc(&store, "v").unwrap();
+        record_pvc(&store, "v", None).unwrap();
         assert_eq!(get_pvc(&store, "v"), None);
     }
 

@@ -109,8 +109,21 @@ impl ShareSide {
 
     /// The address clients are told to mount (`None`: this node serves no
     /// NFS).
-    pub fn advertised(&self) -> Option<String> {
+    pub(crate) fn advertised(&self) -> Option<String> {
         self.config.advertised()
+    }
+
+    /// Adds the volume-context entries of volume `id`, created with
+    /// `parameters`, to `context`: for a shared volume, its marker (so every
+    /// node knows it is served over NFS), its squash and PVC, and where
+    /// this node serves it (its advertised address) when it serves NFS.
+    pub fn context(
+        &self,
+        id: &str,
+        parameters: &std::collections::BTreeMap<String, String>,
+        context: &mut std::collections::HashMap<String, String>,
+    ) {
+        super::context(id, parameters, self.advertised().as_deref(), context);
     }
 
     /// Calls `f` after every export, unexport and resume from now on.
@@ -166,26 +179,32 @@ impl ShareSide {
         records::get_mount(&self.store, id)
     }
 
-    /// Records a stage of a volume another node serves; its first record
+    /// Records the stage of volume `id` from another node's export as `r`
+    /// says, or (`None`, its unstage) forgets it. A stage's first record
     /// (the intent, before the mount) also makes this node's NFSv4 client
-    /// identity unique first (`super::identity`).
-    pub fn put_mount_record(&self, r: &super::MountRecord) -> Result<(), Error> {
-        if r.dev.is_none() {
-            super::identity::ensure_on_this_node();
+    /// identity unique first (`super::identity`); a forgotten one is
+    /// told to whoever follows the unmounts (the cluster side, `admit`).
+    pub fn set_mount_record(&self, id: &str, r: Option<&super::MountRecord>) -> Result<(), Error> {
+        match r {
+            Some(r) => {
+                if r.dev.is_none() {
+                    super::identity::ensure_on_this_node();
+                }
+                records::put_mount(&self.store, r)
+            }
+            None => {
+                records::remove_mount(&self.store, id)?;
+                if let Some(f) = self.unmounted.get() {
+                    f(id);
+                }
+                Ok(())
+            }
         }
-        records::put_mount(&self.store, r)
     }
 
-    pub fn remove_mount_record(&self, id: &str) -> Result<(), Error> {
-        records::remove_mount(&self.store, id)?;
-        if let Some(f) = self.unmounted.get() {
-            f(id);
-        }
-        Ok(())
-    }
-
-    /// Calls `f` with the volume id after each [`ShareSide::remove_mount_record`]
-    /// (set once; later calls are ignored).
+    /// Calls `f` with the volume id after each mount record forgotten
+    /// ([`ShareSide::set_mount_record`] with `None`; set once; later calls
+    /// are ignored).
     pub(crate) fn on_unmounted(&self, f: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.unmounted.set(Box::new(f));
     }
