@@ -13,17 +13,23 @@ use std::path::{Path, PathBuf};
 /// count it reached when its items were narrowed (issue 26), plus a margin
 /// of three; lower a budget whenever a crate shrinks.
 const BUDGETS: &[(&str, usize)] = &[
-    ("crates/sys", 61),
-    ("crates/ring", 87),
+    ("crates/sys", 50),
+    ("crates/ring", 85),
     ("crates/mounts", 66),
-    ("crates/devices", 87),
-    ("crates/nbd", 102),
-    ("crates/volumes", 158),
-    ("crates/share", 58),
-    ("crates/csi", 67),
-    ("crates/kube", 71),
-    ("src", 15),
+    ("crates/devices", 78),
+    ("crates/nbd", 91),
+    ("crates/volumes", 154),
+    ("crates/share", 53),
+    ("crates/csi", 66),
+    ("crates/kube", 59),
+    ("src", 3),
 ];
+
+/// The whole surface (`crates` and `src` together) may not pass half of
+/// what the one-crate build had (1,356 `pub` items at ac8946f): issue 26's
+/// proof that the crates' APIs stayed small, not only each within its own
+/// margin.
+const TOTAL: usize = 1_356 / 2;
 
 /// What counts as a `pub` item: a line that, less its indentation, starts
 /// with `pub ` and one of these (the measure's regular expression,
@@ -81,6 +87,11 @@ fn every_crate_stays_within_its_public_budget() {
         if n > *budget {
             over.push(format!("{dir} has {n} pub items, over its budget of {budget}"));
         }
+    }
+    let total: usize = BUDGETS.iter().map(|(dir, _)| count(&root.join(dir))).sum();
+    report.push_str(&format!("total: {total} (at most {TOTAL})\n"));
+    if total > TOTAL {
+        over.push(format!("{total} pub items in all, over half the one-crate build's ({TOTAL})"));
     }
     let mut crates = Vec::new();
     rust_files(&root.join("crates"), &mut crates);
