@@ -23,9 +23,10 @@ pub(crate) struct NbdTuning {
     /// starved of CPU (auto), never (off) or always.
     #[arg(long, env = "VOLRING_NBD_OFFLOAD_READS", default_value = "auto")]
     pub(crate) nbd_offload_reads: volring_nbd::OffloadReads,
-    /// Microseconds a quiet ring that has just served a stream of requests
-    /// polls for the next one before it sleeps (0: never). Trades a little
-    /// CPU for the wake-up of a halted CPU at queue depth 1.
+    /// Microseconds a quiet ring that has just served a stream of small
+    /// requests polls for the next one before it sleeps (0: never; at most
+    /// 10000). Trades a little CPU for the wake-up of a halted CPU at queue
+    /// depth 1. Applies to the node's attach server too.
     #[arg(long, env = "VOLRING_NBD_IDLE_POLL_US", default_value_t = 50)]
     pub(crate) nbd_idle_poll_us: u64,
     /// Seconds a client has to finish the handshake.
@@ -276,6 +277,7 @@ impl CsiArgs {
             connections: self.nbd_attach_connections,
             heal: !self.nbd_no_heal,
             client: volring_nbd::remote::valid_client(&c.node_id).then(|| c.node_id.clone()),
+            ..Default::default()
         };
         if c.nbd.client.is_none() {
             tracing::warn!(node = %c.node_id, "the node id is not a valid NBD client name ([A-Za-z0-9._-], at most 253): \

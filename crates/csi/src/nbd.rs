@@ -77,6 +77,10 @@ pub struct NbdAttachConfig {
     /// that is a valid client name): the owning node hands a volume to one
     /// named node at a time.
     pub client: Option<String>,
+    /// How long the node's NBD server's quiet rings poll before they sleep
+    /// (the nbd crate's `ServerConfig::idle_poll`; the node's
+    /// `--nbd-idle-poll-us`).
+    pub idle_poll: Duration,
 }
 
 impl Default for NbdAttachConfig {
@@ -87,6 +91,7 @@ impl Default for NbdAttachConfig {
             connections: 1,
             heal: true,
             client: None,
+            idle_poll: ServerConfig::default().idle_poll,
         }
     }
 }
@@ -169,8 +174,11 @@ impl NbdSide {
         // (one per core, at most 4), and never fewer than one device's
         // connections.
         let threads = self.config.connections.max(1).max(ServerConfig::default().threads);
-        let server = NbdServer::start(ServerConfig { threads, ..ServerConfig::default() }, Arc::new(Exports::default()))
-            .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
+        let server = NbdServer::start(
+            ServerConfig { threads, idle_poll: self.config.idle_poll, ..ServerConfig::default() },
+            Arc::new(Exports::default()),
+        )
+        .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
             server,
             control: Mutex::new(control),

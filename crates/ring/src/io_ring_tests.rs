@@ -251,7 +251,14 @@ fn a_poll_finds_a_receive_that_arrives_while_it_polls() {
     let (mut peer, ours) = UnixStream::pair().unwrap();
     let socket = ring.register_file(ours.as_raw_fd()).unwrap();
     let op = ring.recv_multi(1, socket).unwrap();
+    let started = std::time::Instant::now();
     assert!(!ring.poll_for(Duration::from_millis(5)).unwrap(), "nothing was sent: the poll runs out");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(5), "the poll ran its whole window: {took:?}");
+    assert!(took < Duration::from_secs(5), "and then stopped: {took:?}");
+    let started = std::time::Instant::now();
+    assert!(!ring.poll_for(Duration::from_secs(3600)).unwrap(), "a window past a second is cut to one");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
 
     let writer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(20));

@@ -21,12 +21,12 @@ impl Acceptor {
         Acceptor { accepts: vec![None; listeners.len()], listeners, next_ring: 0 }
     }
 
-    /// Arms a multishot accept on every listener.
     /// Accepts armed now (each an operation that waits on clients).
     pub(super) fn armed(&self) -> usize {
         self.accepts.iter().filter(|a| a.is_some()).count()
     }
 
+    /// Arms a multishot accept on every listener.
     pub(super) fn arm_all(&mut self, ring: &mut IoRing<Token>) -> io::Result<()> {
         for i in 0..self.listeners.len() {
             self.arm(ring, i)?;

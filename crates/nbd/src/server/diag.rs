@@ -140,7 +140,6 @@ impl Default for Diagnostics {
 }
 
 impl Diagnostics {
-    /// One loop turn and its completions.
     /// An idle poll ended, having `found` work or not.
     pub(super) fn polled(&mut self, found: bool) {
         if found {
@@ -150,6 +149,7 @@ impl Diagnostics {
         }
     }
 
+    /// One loop turn and its completions.
     pub(super) fn turn(&mut self, cqes: &[Cqe<Token>]) {
         self.spin.turns += 1;
         // A turn whose only completions are receives that ended on an

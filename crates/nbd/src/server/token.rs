@@ -56,4 +56,13 @@ impl Token {
             Token::Req(_) => 10,
         }
     }
+
+    /// Bytes a completion of this kind moved through a client's socket:
+    /// what a ring's requests and replies weigh (see `idle`).
+    pub(super) fn socket_bytes(self, result: i32) -> u64 {
+        match self {
+            Token::Recv(_) | Token::RecvInto(_) | Token::Send(_) | Token::SpliceOut(_) => result.max(0) as u64,
+            _ => 0,
+        }
+    }
 }

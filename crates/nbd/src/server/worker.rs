@@ -18,7 +18,7 @@ use super::budget::{Limits, ServerBudget};
 use super::conn::{Conn, Phase, State, Tx};
 use super::diag::Diagnostics;
 use super::exports::Attachments;
-use super::idle::IdlePoll;
+use super::idle::{self, IdlePoll};
 use super::output::Output;
 use super::receive::Receive;
 use super::requests::Requests;
@@ -141,6 +141,7 @@ impl Worker {
             self.diag.turn(&cqes);
             busy = cqes.len() >= BUSY_TURN;
             for c in cqes.drain(..) {
+                self.idle.moved(c.token.socket_bytes(c.result));
                 self.on_cqe(c);
             }
             self.after_batch();
@@ -157,12 +158,8 @@ impl Worker {
     /// until a completion comes.
     fn idle(&mut self) -> io::Result<()> {
         let started = Instant::now();
-        // Beside the receives and accepts, only the mailbox's poll and the
-        // tick are always in flight: anything more is the ring's own work
-        // (a send the client drains, a file operation, a splice), which
-        // the ring need not poll for.
         let ring = self.sh.ring.stats();
-        let own_work = ring.in_flight > ring.armed_recvs + self.accept.armed() + 2;
+        let own_work = !idle::waits_on_clients(ring.in_flight, ring.armed_recvs, self.accept.armed());
         let polled = match self.idle.window(self.reqs.contended() || own_work) {
             Some(window) => {
                 let found = self.sh.ring.poll_for(window)?;
