@@ -35,6 +35,15 @@ pub(super) fn encode(e: &mut DescriptorEncoder<'_>, d: &Driver) -> Result<(), Fm
             None,
         )?;
     }
+    let commits = &stats.store_commits;
+    let count = commits.buckets.iter().map(|(_, n)| n).sum();
+    e.encode_descriptor(
+        "volring_store_commit_duration_seconds",
+        "Time one commit of the node's store took (an fsync; every change to the machine waits for its intent to commit)",
+        None,
+        MetricType::Histogram,
+    )?
+    .encode_histogram::<prometheus_client::encoding::NoLabelSet>(commits.sum_seconds, count, &commits.buckets, None)?;
     how_many(e, "volring_csi_volumes_staged", "Volumes staged on this node", stats.staged)?;
     how_many(e, "volring_csi_volumes_published", "Staged volumes published to at least one target", stats.published)?;
     how_many(e, "volring_csi_pool_volumes", "Volumes in the pool", stats.pool_volumes)?;

@@ -98,6 +98,11 @@ pub(super) fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), 
     check(probes.is_some_and(|n| n >= 1), format!("Probe calls {probes:?}"))?;
     check(reply.contains("volring_csi_requests_total{rpc=\"NodeStageVolume\",code=\"OK\"} 0"), "NodeStageVolume series")?;
     check(reply.contains("volring_csi_request_duration_seconds_bucket{le=\"0.0001\",rpc=\"Probe\"}"), "CSI latency histogram")?;
+    // The node store's commits, which every change to the machine waits on.
+    let commits =
+        reply.lines().find_map(|l| l.strip_prefix("volring_store_commit_duration_seconds_count ")).and_then(|n| n.parse::<u64>().ok());
+    check(commits.is_some(), format!("store commit histogram: {reply:.4000}"))?;
+    check(reply.contains("volring_store_commit_duration_seconds_bucket{le=\"0.001\"}"), "store commit buckets")?;
     for g in [
         "volring_csi_volumes_staged 0",
         "volring_csi_volumes_published 0",

@@ -127,6 +127,9 @@ pub struct DriverStats {
     pub pool_volumes: usize,
     pub provisioned: u64,
     pub available: Option<u64>,
+    /// How long the node store's commits took (each step that changes the
+    /// machine waits for its intent to commit).
+    pub store_commits: volring_volumes::store::CommitStats,
 }
 
 /// The CSI driver: owned parts, each with its own file and state, over
@@ -210,6 +213,7 @@ impl Driver {
             pool_volumes,
             provisioned,
             available: self.base.pool.free_bytes().ok(),
+            store_commits: self.base.records.store().commit_stats(),
         }
     }
 

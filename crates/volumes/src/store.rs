@@ -15,10 +15,9 @@
 //! take the agent's lock, i.e. when no agent is running.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use hdrhistogram::Histogram;
 use redb::{Builder, ConcurrencyMode, Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 /// Desired state: volume id → the volume's record (JSON, so an operator's
@@ -196,12 +195,29 @@ pub enum Change<'a> {
     PutRecovery(&'a Recovery),
 }
 
+/// Upper bounds of the commit-duration buckets, microseconds: a commit is
+/// an fsync of the store's file, so a slow or saturated disk under the
+/// state directory shows here first (every step that changes the machine
+/// waits for its intent to commit).
+const COMMIT_BUCKETS_US: [u64; 10] = [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 50_000, 250_000, 1_000_000];
+
+/// Commit durations since the store was opened, for `/metrics`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommitStats {
+    /// Per bucket: upper bound in seconds (the last one `f64::MAX`), and
+    /// the commits in that bucket alone (not cumulative).
+    pub buckets: Vec<(f64, u64)>,
+    /// All commits' durations together, seconds.
+    pub sum_seconds: f64,
+}
+
 /// The node's store, open for writing (the agent).
 pub struct Store {
     db: Database,
     path: PathBuf,
-    /// Commit latency in microseconds.
-    commits: Mutex<Histogram<u64>>,
+    /// Commits per duration bucket (the last past every bound).
+    commit_buckets: [AtomicU64; COMMIT_BUCKETS_US.len() + 1],
+    commit_sum_us: AtomicU64,
 }
 
 impl Store {
@@ -229,8 +245,7 @@ impl Store {
             tx.open_table(REPAIRS).map_err(|e| err(e.to_string()))?;
         }
         tx.commit().map_err(|e| err(e.to_string()))?;
-        let commits = Histogram::new_with_bounds(1, 60_000_000, 2).expect("static histogram bounds");
-        Ok(Self { db, path: path.to_path_buf(), commits: Mutex::new(commits) })
+        Ok(Self { db, path: path.to_path_buf(), commit_buckets: Default::default(), commit_sum_us: AtomicU64::new(0) })
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -274,9 +289,24 @@ impl Store {
             }
         }
         tx.commit().map_err(|e| err(e.to_string()))?;
-        let us = start.elapsed().as_micros().clamp(1, 60_000_000) as u64;
-        self.commits.lock().unwrap_or_else(|e| e.into_inner()).saturating_record(us);
+        let us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let bucket = COMMIT_BUCKETS_US.iter().position(|&b| us <= b).unwrap_or(COMMIT_BUCKETS_US.len());
+        self.commit_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.commit_sum_us.fetch_add(us, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// How long this store's commits took so far (see [`CommitStats`]).
+    pub fn commit_stats(&self) -> CommitStats {
+        CommitStats {
+            buckets: COMMIT_BUCKETS_US
+                .iter()
+                .map(|&b| b as f64 / 1e6)
+                .chain([f64::MAX])
+                .zip(self.commit_buckets.iter().map(|n| n.load(Ordering::Relaxed)))
+                .collect(),
+            sum_seconds: self.commit_sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+        }
     }
 
     /// Reads everything in one transaction.
@@ -341,13 +371,6 @@ impl Store {
         let tx = self.db.begin_read().map_err(|e| err(e.to_string()))?;
         let t = tx.open_table(IMPORTED).map_err(|e| err(e.to_string()))?;
         Ok(t.get(name).map_err(|e| err(e.to_string()))?.map(|v| v.value()))
-    }
-
-    /// Commit latency so far: (count, p50, p99) in microseconds.
-    #[cfg(test)]
-    fn commit_latency(&self) -> (u64, u64, u64) {
-        let h = self.commits.lock().unwrap_or_else(|e| e.into_inner());
-        (h.len(), h.value_at_quantile(0.5), h.value_at_quantile(0.99))
     }
 
     /// Reads the store at `path` without writing it — beside a running agent,
@@ -445,7 +468,11 @@ mod tests {
         s.apply(&[Change::RemoveVolume("a"), Change::RemoveHealth("a")]).unwrap();
         let c = s.contents().unwrap();
         assert!(c.volumes.is_empty() && c.health.is_empty() && c.quarantined == vec![q]);
-        assert_eq!(s.commit_latency().0, 1, "commits since this open");
+        let commits = s.commit_stats();
+        assert_eq!(commits.buckets.iter().map(|(_, n)| n).sum::<u64>(), 1, "commits since this open: {commits:?}");
+        assert_eq!(commits.buckets.len(), COMMIT_BUCKETS_US.len() + 1);
+        assert_eq!(commits.buckets.last().map(|(b, _)| *b), Some(f64::MAX));
+        assert!(commits.sum_seconds > 0.0 && commits.sum_seconds < 60.0, "{commits:?}");
     }
 
     #[test]
