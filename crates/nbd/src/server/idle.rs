@@ -67,9 +67,7 @@ impl IdlePoll {
     /// How long to poll before the sleep that comes now, if at all.
     /// `held_back`: the ring waits for its CPU (its polling would take CPU
     /// time from whoever shares it), or for its own operations rather than
-    /// its clients (a send the client drains at its pace: a 1 MiB read
-    /// stream at queue depth 8 polled its way to 1.85x the CPU per read
-    /// for the same throughput).
+    /// its clients (a send the client drains at its own pace).
     pub(super) fn window(&self, held_back: bool) -> Option<Duration> {
         (self.armed && !held_back && self.spell <= SMALL_SPELL && !self.window.is_zero()).then_some(self.window)
     }
