@@ -383,20 +383,11 @@ pub(crate) fn unread_notes(inv: &Inventory) -> String {
 /// is stamped (`iostat -t` prints local time; UTC sorts and compares).
 pub(crate) fn utc_timestamp(unix_secs: f64) -> String {
     let ms = (unix_secs.max(0.0) * 1000.0).round() as u64;
-    let (days, day_ms) = (ms / 86_400_000, ms % 86_400_000);
-    // Days since 1970-01-01 to a civil date (proleptic Gregorian), by
-    // 400-year eras counted from 0000-03-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let (h, m, s, milli) = (day_ms / 3_600_000, day_ms / 60_000 % 60, day_ms / 1000 % 60, day_ms % 1000);
-    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z")
+    // The store's date (one days-to-civil in the tree), "YYYY-MM-DD HH:MM:SSZ",
+    // with the milliseconds put in and ISO 8601's `T`.
+    let text = volring_volumes::store::utc_text(ms / 1000);
+    let (date, time) = text.split_once(' ').unwrap_or((&text, "00:00:00Z"));
+    format!("{date}T{}.{:03}Z", time.trim_end_matches('Z'), ms % 1000)
 }
 
 /// The iostat -x columns `volring stats` prints, in iostat's order.
