@@ -116,8 +116,9 @@ fn main() {
         for (m, t) in &results {
             println!("  {:<10} {:>8.3} ms  {:>5.2}x the fastest", m, t.as_secs_f64() * 1e3, t.as_secs_f64() / best.as_secs_f64());
         }
-        // What `auto` picks, timed as the collector times it: the median of
-        // three reads of each method it chooses among, the fastest wins.
+        // The methods `auto` chooses among, timed the way the collector's
+        // calibration times them (the median of three reads each). This is
+        // the bench's own measurement, not the collector's pick read back.
         let timed = |m: StatMethod, src: &mut StatSource| {
             let times = (0..3)
                 .map(|_| {
@@ -130,7 +131,7 @@ fn main() {
         };
         let auto = [StatMethod::Diskstats, StatMethod::Ring, StatMethod::Pread].map(|m| timed(m, &mut src));
         let chosen = auto.iter().min_by_key(|&&(_, t)| t).expect("methods").0;
-        println!("  auto picks {chosen} here; {} io-wq workers served the ring's reads", iou_workers());
+        println!("  timed as auto times them, {chosen} is the fastest here; {} io-wq workers served the ring's reads", iou_workers());
         let t = Instant::now();
         drop(src);
         drop(farm);
