@@ -402,7 +402,7 @@ fn node(args: NodeArgs) -> anyhow::Result<()> {
             .map(|mut c| {
                 nbd.export().map(|e| {
                     c.nbd_export = e;
-                    c.nbd.idle_poll = nbd.tuning.config(Vec::new()).idle_poll;
+                    c.nbd.server = nbd.tuning.config(Vec::new());
                     c
                 })
             })

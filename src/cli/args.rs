@@ -29,6 +29,12 @@ pub(crate) struct NbdTuning {
     /// depth 1. Applies to the node's attach server too.
     #[arg(long, env = "VOLRING_NBD_IDLE_POLL_US", default_value_t = 50)]
     pub(crate) nbd_idle_poll_us: u64,
+    /// Keep ring threads at their nice instead of giving each the
+    /// scheduler weight of as many threads as it has busy connections
+    /// (what a thread-per-connection server gets on a contended CPU; needs
+    /// CAP_SYS_NICE, without which rings keep their nice anyway).
+    #[arg(long, env = "VOLRING_NBD_NO_RING_WEIGHT")]
+    pub(crate) nbd_no_ring_weight: bool,
     /// Seconds a client has to finish the handshake.
     #[arg(long, default_value_t = 10.0)]
     pub(crate) handshake_timeout: f64,
@@ -60,6 +66,7 @@ impl NbdTuning {
             inline_writes: self.nbd_inline_writes,
             offload_reads: self.nbd_offload_reads,
             idle_poll: std::time::Duration::from_micros(self.nbd_idle_poll_us.min(10_000)),
+            ring_weight: !self.nbd_no_ring_weight,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout.max(0.05)),
             idle_timeout: (self.idle_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.idle_timeout)),
             stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout.max(0.05)),

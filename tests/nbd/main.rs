@@ -12,6 +12,7 @@ mod clients;
 mod exports;
 mod hostile;
 mod memory;
+mod weight;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
@@ -38,6 +39,7 @@ use memory::{
     hostile_connections_stay_under_the_server_budget, list_flood_in_the_handshake_is_bounded,
     many_hostile_connections_do_not_starve_others, one_burst_of_reads_is_admitted_request_by_request,
 };
+use weight::{a_ring_takes_the_weight_of_its_busy_connections, no_ring_weight_keeps_rings_at_their_nice};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -66,6 +68,8 @@ fn main() {
         Trial::test("nbd::list_flood_in_the_handshake_is_bounded", list_flood_in_the_handshake_is_bounded),
         Trial::test("nbd::hostile_connections_stay_under_the_server_budget", hostile_connections_stay_under_the_server_budget),
         Trial::test("nbd::many_hostile_connections_do_not_starve_others", many_hostile_connections_do_not_starve_others),
+        Trial::test("nbd::a_ring_takes_the_weight_of_its_busy_connections", a_ring_takes_the_weight_of_its_busy_connections),
+        Trial::test("nbd::no_ring_weight_keeps_rings_at_their_nice", no_ring_weight_keeps_rings_at_their_nice),
     ];
     common::run_in_private_namespace(trials)
 }

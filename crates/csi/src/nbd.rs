@@ -77,10 +77,10 @@ pub struct NbdAttachConfig {
     /// that is a valid client name): the owning node hands a volume to one
     /// named node at a time.
     pub client: Option<String>,
-    /// How long the node's NBD server's quiet rings poll before they sleep
-    /// (the nbd crate's `ServerConfig::idle_poll`; the node's
-    /// `--nbd-idle-poll-us`).
-    pub idle_poll: Duration,
+    /// The node's NBD server's settings (the node's `--nbd-*` flags: ring
+    /// count, idle poll, ring weight, limits); its listeners are ignored and
+    /// its ring count is raised to `connections`.
+    pub server: ServerConfig,
 }
 
 impl Default for NbdAttachConfig {
@@ -91,7 +91,7 @@ impl Default for NbdAttachConfig {
             connections: 1,
             heal: true,
             client: None,
-            idle_poll: ServerConfig::default().idle_poll,
+            server: ServerConfig::default(),
         }
     }
 }
@@ -173,12 +173,11 @@ impl NbdSide {
         // all their connections: as many rings as the server's default
         // (one per core, at most 4), and never fewer than one device's
         // connections.
-        let threads = self.config.connections.max(1).max(ServerConfig::default().threads);
-        let server = NbdServer::start(
-            ServerConfig { threads, idle_poll: self.config.idle_poll, ..ServerConfig::default() },
-            Arc::new(Exports::default()),
-        )
-        .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
+        let tuned = &self.config.server;
+        let rings = if tuned.threads == 0 { ServerConfig::default().threads } else { tuned.threads };
+        let threads = self.config.connections.max(1).max(rings);
+        let server = NbdServer::start(ServerConfig { threads, listen: Vec::new(), ..tuned.clone() }, Arc::new(Exports::default()))
+            .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
             server,
             control: Mutex::new(control),

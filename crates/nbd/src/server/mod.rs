@@ -22,6 +22,7 @@ mod requests;
 mod shared;
 pub(crate) mod starve;
 mod token;
+mod weight;
 mod worker;
 
 use std::net::SocketAddr;
@@ -98,6 +99,10 @@ pub struct ServerConfig {
     /// polls for the next one before it sleeps (zero: never poll). See
     /// `idle`: where idle CPUs halt, the wake-up is most of a QD1 read.
     pub idle_poll: Duration,
+    /// Whether each ring thread asks the scheduler for the weight of as
+    /// many threads as it has busy connections (see `weight`): on a
+    /// contended CPU a ring then gets what a thread per connection would.
+    pub ring_weight: bool,
     pub ring: IoRingConfig,
 }
 
@@ -116,6 +121,7 @@ impl Default for ServerConfig {
             max_server_bytes: 128 << 20,
             batch_wait: Duration::from_micros(20),
             idle_poll: idle::DEFAULT_WINDOW,
+            ring_weight: true,
             // Freed buffers kept per ring for reuse; emptied when idle.
             ring: IoRingConfig { heap_cache: 16 << 20, ..IoRingConfig::default() },
         }

@@ -24,6 +24,7 @@ use super::receive::Receive;
 use super::requests::Requests;
 use super::shared::{drop_parts, Shared};
 use super::token::Token;
+use super::weight::{self, Weight};
 use super::{Command, Control, ServerConfig};
 use crate::export::Exports;
 use crate::handshake;
@@ -74,6 +75,8 @@ pub(super) struct Worker {
     /// The server's starvation count when this ring last looked.
     starved_seen: u64,
     idle: IdlePoll,
+    /// The ring thread's scheduler weight, following its busy connections.
+    weight: Weight,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -93,7 +96,7 @@ pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
 impl Worker {
     fn new(ctx: Context) -> io::Result<Self> {
         let mut ring = IoRing::new(&ctx.config.ring)?;
-        let idle_poll = ctx.config.idle_poll;
+        let (idle_poll, ring_weight) = (ctx.config.idle_poll, ctx.config.ring_weight);
         ring.submit(Token::Wake, Op::PollMulti { fd: ctx.mailboxes[ctx.id].as_raw_fd(), events: libc::POLLIN as u32 })?;
         let tick = (ctx.config.handshake_timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
         ring.submit(Token::Tick, Op::Timeout { after: tick })?;
@@ -117,6 +120,7 @@ impl Worker {
             tick,
             starved_seen: 0,
             idle: IdlePoll::new(idle_poll),
+            weight: Weight::new(ring_weight),
         })
     }
 
@@ -427,9 +431,11 @@ impl Worker {
         let now = self.sh.now;
         let (hs, idle, stall) = (self.config.handshake_timeout, self.config.idle_timeout, self.config.stall_timeout);
         let grace_over = self.stop_at.is_some_and(|at| now > at + STOP_GRACE);
+        let mut busy = 0;
         for i in 0..self.sh.conns.len() {
             let Some(c) = self.sh.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
+            busy += usize::from(!handshaking && now.saturating_duration_since(c.last_activity) <= self.tick);
             let stalled = (!matches!(c.tx, Tx::Idle) || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
@@ -439,5 +445,6 @@ impl Worker {
                 self.sh.begin_close(i as u32);
             }
         }
+        self.weight.follow(busy, weight::set_own_nice);
     }
 }

@@ -1,0 +1,121 @@
+//! A ring thread's scheduler weight follows its busy connections: the
+//! server as a child process, its ring threads' nice read from /proc while
+//! raw clients keep reading, and again once they are quiet.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::common::check;
+use super::nbd_support::wire::{cmd, HeaderStyle};
+use super::nbd_support::{RawClient, ServeProcess, MIB};
+use libtest_mimic::Failed;
+
+/// Clients kept busy at once: with the server's two rings, at least one
+/// ring carries four of them.
+const CLIENTS: usize = 8;
+
+/// The nice of each of `pid`'s NBD ring threads (field 19 of a task's
+/// stat, counted after the command name's closing parenthesis).
+fn ring_nices(pid: u32) -> Vec<i64> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    let mut nices = Vec::new();
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("nbd-ring") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        // After ")": state is field 3, so nice (19) is the 17th.
+        if let Some(n) = after.split_whitespace().nth(16).and_then(|n| n.parse().ok()) {
+            nices.push(n);
+        }
+    }
+    nices
+}
+
+/// Reading clients on `sock` until `stop` is set.
+fn busy_clients(sock: &Path, stop: &Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<std::io::Result<u64>>> {
+    (0..CLIENTS)
+        .map(|i| {
+            let (sock, stop) = (sock.to_path_buf(), stop.clone());
+            std::thread::spawn(move || {
+                let mut c = RawClient::connect(&sock, "disk", HeaderStyle::Structured, false)?;
+                let mut reads = 0u64;
+                // Bounded even if the stop never comes.
+                let until = Instant::now() + Duration::from_secs(60);
+                while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+                    let r = c.call(cmd::READ, 0, (i as u64 + reads) * 4096 % MIB, 4096, &[])?;
+                    if r.error != 0 {
+                        return Err(std::io::Error::other(format!("READ answered errno {}", r.error)));
+                    }
+                    reads += 1;
+                }
+                Ok(reads)
+            })
+        })
+        .collect()
+}
+
+/// Polls `pid`'s ring nices until `done` holds for them (at most `limit`).
+fn nices_until(pid: u32, limit: Duration, done: impl Fn(&[i64]) -> bool) -> Vec<i64> {
+    let start = Instant::now();
+    loop {
+        let nices = ring_nices(pid);
+        if done(&nices) || start.elapsed() > limit {
+            return nices;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn serve(dir: &Path, extra: &[&str]) -> Result<ServeProcess, Failed> {
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img)?.set_len(MIB)?;
+    let mut args = vec!["--export".to_string(), format!("disk={}", img.display())];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Ok(ServeProcess::start_with(&dir.join("nbd.sock"), &args))
+}
+
+/// With eight clients reading, a ring carrying several of them runs at
+/// the weight of that many threads (nice below 0); once they stop, every
+/// ring is back at nice 0.
+pub(super) fn a_ring_takes_the_weight_of_its_busy_connections() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
+    let server = serve(dir.path(), &[])?;
+    let pid = server.child.id();
+    check(ring_nices(pid) == [0, 0], format!("rings start at nice 0: {:?}", ring_nices(pid)))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = busy_clients(&server.socket, &stop);
+    let busy = nices_until(pid, Duration::from_secs(20), |n| n.iter().any(|&x| x <= -3));
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        let reads = c.join().map_err(|_| "client panicked")??;
+        check(reads > 0, "every client read")?;
+    }
+    // The lowest a ring may go is the weight of about nine threads.
+    check(busy.iter().any(|&x| x <= -3) && busy.iter().all(|&x| x >= -10), format!("nices while busy: {busy:?}"))?;
+    let quiet = nices_until(pid, Duration::from_secs(20), |n| !n.is_empty() && n.iter().all(|&x| x == 0));
+    check(quiet.len() == 2 && quiet.iter().all(|&x| x == 0), format!("nices once quiet: {quiet:?}"))?;
+    Ok(())
+}
+
+/// `--nbd-no-ring-weight` keeps every ring at nice 0 through the same load.
+pub(super) fn no_ring_weight_keeps_rings_at_their_nice() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
+    let server = serve(dir.path(), &["--nbd-no-ring-weight"])?;
+    let pid = server.child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = busy_clients(&server.socket, &stop);
+    // A ring with the rule on lowers its nice within a tick (250 ms);
+    // two seconds of load is eight ticks.
+    let seen = nices_until(pid, Duration::from_secs(2), |n| n.iter().any(|&x| x != 0));
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.join().map_err(|_| "client panicked")??;
+    }
+    check(seen.len() == 2 && seen.iter().all(|&x| x == 0), format!("nices with the rule off: {seen:?}"))?;
+    Ok(())
+}
