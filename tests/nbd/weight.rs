@@ -16,24 +16,47 @@ use libtest_mimic::Failed;
 /// ring carries four of them.
 const CLIENTS: usize = 8;
 
-/// The nice of each of `pid`'s NBD ring threads (field 19 of a task's
+/// Each thread of `pid`: its id, command name and nice (field 19 of its
 /// stat, counted after the command name's closing parenthesis).
-fn ring_nices(pid: u32) -> Vec<i64> {
+fn threads(pid: u32) -> Vec<(String, String, i64)> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
-    let mut nices = Vec::new();
+    let mut all = Vec::new();
     for t in tasks.flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("nbd-ring") {
-            continue;
-        }
         let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
         let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
         // After ")": state is field 3, so nice (19) is the 17th.
         if let Some(n) = after.split_whitespace().nth(16).and_then(|n| n.parse().ok()) {
-            nices.push(n);
+            all.push((t.file_name().to_string_lossy().into_owned(), comm.trim().to_string(), n));
         }
     }
-    nices
+    all
+}
+
+/// The nice of each of `pid`'s NBD ring threads.
+fn ring_nices(pid: u32) -> Vec<i64> {
+    threads(pid).into_iter().filter(|(_, comm, _)| comm.starts_with("nbd-ring")).map(|(_, _, n)| n).collect()
+}
+
+/// Each io_uring worker of `pid`'s rings (`iou-wrk-<ring's tid>`) whose
+/// nice differs from its ring's: (worker's nice, ring's nice).
+fn workers_off_their_ring(pid: u32) -> Vec<(i64, i64)> {
+    let all = threads(pid);
+    let rings: Vec<(&str, i64)> = all.iter().filter(|(_, c, _)| c.starts_with("nbd-ring")).map(|(t, _, n)| (t.as_str(), *n)).collect();
+    all.iter()
+        .filter_map(|(_, comm, n)| {
+            let ring = rings.iter().find(|(tid, _)| comm.strip_prefix("iou-wrk-") == Some(tid))?;
+            (ring.1 != *n).then_some((*n, ring.1))
+        })
+        .collect()
+}
+
+/// Whether `pid` has an io_uring worker of one of its rings.
+fn has_ring_workers(pid: u32) -> bool {
+    let all = threads(pid);
+    all.iter().any(|(_, comm, _)| {
+        comm.strip_prefix("iou-wrk-").is_some_and(|t| all.iter().any(|(tid, c, _)| tid == t && c.starts_with("nbd-ring")))
+    })
 }
 
 /// Reading clients on `sock` until `stop` is set.
@@ -100,6 +123,27 @@ pub(super) fn a_ring_takes_the_weight_of_its_busy_connections() -> Result<(), Fa
     let quiet = nices_until(pid, Duration::from_secs(20), |n| !n.is_empty() && n.iter().all(|&x| x == 0));
     check(quiet.len() == 2 && quiet.iter().all(|&x| x == 0), format!("nices once quiet: {quiet:?}"))?;
     Ok(())
+}
+
+/// A ring's io_uring workers run at its weight: with every read handed to
+/// the workers, the workers started before the ring's first tick (at nice
+/// 0) are reniced with it, and those started after inherit it.
+pub(super) fn a_rings_workers_take_its_weight() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
+    let server = serve(dir.path(), &["--nbd-offload-reads", "always"])?;
+    let pid = server.child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = busy_clients(&server.socket, &stop);
+    let settled = |n: &[i64]| n.iter().any(|&x| x <= -3) && has_ring_workers(pid) && workers_off_their_ring(pid).is_empty();
+    let nices = nices_until(pid, Duration::from_secs(20), settled);
+    let (workers, off) = (has_ring_workers(pid), workers_off_their_ring(pid));
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.join().map_err(|_| "client panicked")??;
+    }
+    check(nices.iter().any(|&x| x <= -3), format!("ring nices while busy: {nices:?}"))?;
+    check(workers, "no io_uring worker served the offloaded reads")?;
+    check(off.is_empty(), format!("workers not at their ring's nice (worker, ring): {off:?}"))
 }
 
 /// `--nbd-no-ring-weight` keeps every ring at nice 0 through the same load.
