@@ -9,6 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +28,7 @@ use super::token::Token;
 use super::{Command, Control, ServerConfig};
 use crate::export::Exports;
 use crate::handshake;
+use crate::stats::RingCounters;
 use volring_ring::Mailbox;
 use volring_ring::{Cqe, IoRing, Op};
 
@@ -53,6 +55,8 @@ pub(super) struct Context {
     /// Listeners this ring accepts on (ring 0 only).
     pub listeners: Vec<i32>,
     pub budget: Arc<ServerBudget>,
+    /// This ring's counters for `/metrics` (see `Worker::publish`).
+    pub counters: Arc<RingCounters>,
 }
 
 pub(super) struct Worker {
@@ -74,6 +78,7 @@ pub(super) struct Worker {
     /// The server's starvation count when this ring last looked.
     starved_seen: u64,
     idle: IdlePoll,
+    counters: Arc<RingCounters>,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -117,6 +122,7 @@ impl Worker {
             tick,
             starved_seen: 0,
             idle: IdlePoll::new(idle_poll),
+            counters: ctx.counters,
         })
     }
 
@@ -190,7 +196,11 @@ impl Worker {
                     }
                 }
             }
-            Token::Tick => self.on_tick(),
+            Token::Tick => {
+                // Before the tick's diagnostic line takes the tick's counts.
+                self.publish();
+                self.on_tick();
+            }
             Token::Recv(ci) => self.rx.on_recv(sh, out, reqs, exports, ci, c),
             Token::RecvInto(ci) => self.rx.on_recv_into(sh, out, reqs, exports, ci, c.result),
             Token::Send(ci) => out.on_send(sh, ci, c.result),
@@ -406,6 +416,17 @@ impl Worker {
             tracing::warn!(held = mem, "NBD server out of memory budget: dropping its heaviest stalled connection");
             self.sh.break_conn(i as u32);
         }
+    }
+
+    /// Publishes what the ring counts about itself for `/metrics`: once
+    /// per tick, so the ring's path touches no shared cache line per
+    /// completion or per idle poll.
+    fn publish(&self) {
+        let (c, t) = (&self.counters, &self.diag.tick);
+        c.idle_polls_found.fetch_add(u64::from(t.polls_found), Ordering::Relaxed);
+        c.idle_polls_missed.fetch_add(u64::from(t.polls_missed), Ordering::Relaxed);
+        c.starved_windows.store(self.reqs.starved_windows(), Ordering::Relaxed);
+        c.offloading_reads.store(self.reqs.offloading(), Ordering::Relaxed);
     }
 
     fn on_tick(&mut self) {
