@@ -4,7 +4,8 @@
 //! xfs) and 1 MiB writes (their payloads received straight into the write
 //! buffer) read back identical; and on ext4 small writes are done on the
 //! ring thread unless inline writes are turned off. Last, READs handed to
-//! io_uring's workers (a ring starved of CPU) read back what was written.
+//! io_uring's workers (a ring starved of CPU) read back what was written,
+//! and the ring says it hands them over.
 
 mod common;
 mod nbd_support;
@@ -16,6 +17,7 @@ use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
 use nbd_support::wire::{cmd, HeaderStyle};
 use nbd_support::{run, RawClient, Rng, Served, MIB};
+use volring_nbd::stats::RingSnapshot;
 use volring_nbd::{InlineWrites, OffloadReads};
 
 const T: Duration = Duration::from_secs(120);
@@ -199,7 +201,22 @@ fn reads_in_io_uring_workers_read_back_what_was_written() -> Result<(), Failed> 
     check(workers > 0, "no io_uring worker served the ring's reads")?;
     // What an operator sees of it: the export's counter (volring_nbd_offloaded_reads).
     let st = s.server().exports().get("disk").expect("export").snapshot();
-    check(st.offloaded_reads >= 2000, format!("the 2,000 raw reads were not counted as offloaded: {st:?}"))
+    check(st.offloaded_reads >= 2000, format!("the 2,000 raw reads were not counted as offloaded: {st:?}"))?;
+    // And the ring's own gauge (volring_nbd_ring_offloading_reads), which
+    // the ring publishes at its next tick (at most 250 ms away).
+    let mut rings = Vec::new();
+    for _ in 0..200 {
+        rings = Vec::<RingSnapshot>::from(&**s.server().exports());
+        if rings.first().is_some_and(|r| r.offloading_reads) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    check(rings.len() == 1 && rings[0].offloading_reads, format!("the one ring does not say it offloads: {rings:?}"))?;
+    // A stopped server's rings leave the catalog (and /metrics).
+    let exports = s.server().exports().clone();
+    drop(s);
+    check(Vec::<RingSnapshot>::from(&*exports).is_empty(), "a stopped server's rings are still published")
 }
 
 fn main() {

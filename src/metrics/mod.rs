@@ -21,6 +21,7 @@ mod classic;
 mod csi;
 mod device_info;
 pub(crate) mod logs;
+mod nbd;
 mod publish;
 mod volume;
 
@@ -149,7 +150,7 @@ impl Collector for Sources {
 
         self.encode_watchers(&mut e)?;
         if let Some(exports) = &self.nbd {
-            encode_nbd(&mut e, &nbd_snapshots(exports))?;
+            nbd::encode(&mut e, exports)?;
         }
         if let Some(r) = &self.reconcile {
             encode_reconcile(&mut e, r)?;
@@ -317,70 +318,6 @@ fn encode_reconcile(e: &mut DescriptorEncoder<'_>, r: &Reconcile) -> Result<(), 
     how_many(e, "volring_volumes_repair_failing", "Volumes whose last repair attempt failed", failing)
 }
 
-/// One series per export for each NBD counter, and request latency as a
-/// histogram per export and command.
-fn encode_nbd(e: &mut DescriptorEncoder<'_>, snaps: &[volring_nbd::stats::ExportSnapshot]) -> Result<(), FmtError> {
-    use volring_nbd::stats::Kind;
-    type Pick = fn(&volring_nbd::stats::ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 12] = [
-        ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
-        ("volring_nbd_reads", "READ requests answered", |s| s.reads),
-        ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
-        ("volring_nbd_read_bytes", "Bytes read by clients", |s| s.read_bytes),
-        ("volring_nbd_written_bytes", "Bytes written by clients", |s| s.write_bytes),
-        ("volring_nbd_flushes", "FLUSH requests answered", |s| s.flushes),
-        ("volring_nbd_trims", "TRIM requests answered", |s| s.trims),
-        ("volring_nbd_write_zeroes", "WRITE_ZEROES requests answered", |s| s.zeroes),
-        ("volring_nbd_other_requests", "CACHE and BLOCK_STATUS requests answered", |s| s.other),
-        ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
-        ("volring_nbd_inline_writes", "WRITEs done on a ring thread instead of an io_uring worker", |s| s.inline_writes),
-        ("volring_nbd_offloaded_reads", "READs handed to io_uring's workers while the ring was starved of CPU", |s| s.offloaded_reads),
-    ];
-    for (name, help, pick) in counters {
-        let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for s in snaps {
-            ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
-        }
-    }
-    let mut fam = e.encode_descriptor("volring_nbd_connections", "Connections open now", None, MetricType::Gauge)?;
-    for s in snaps {
-        ConstGauge::new(s.connections as f64).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
-    }
-    // A READ is timed until its data is in the socket (spliced ones too);
-    // other commands until their reply is queued.
-    let mut fam = e.encode_descriptor(
-        "volring_nbd_request_duration_seconds",
-        "Time from a request's arrival to its answer, by command",
-        None,
-        MetricType::Histogram,
-    )?;
-    let mut buckets: Vec<(f64, u64)> = Vec::new();
-    for x in snaps {
-        for h in &x.latency {
-            let op = match h.kind {
-                Kind::Read => "read",
-                Kind::Write => "write",
-                Kind::Flush => "flush",
-                Kind::Trim => "trim",
-                Kind::Zero => "write_zeroes",
-                Kind::Other => "other",
-            };
-            buckets.clear();
-            buckets.extend(h.buckets.iter().map(|&(le, n)| (le.map_or(f64::MAX, |b| b as f64 / 1e6), n)));
-            let labels = [("export", x.name.as_str()), ("op", op)];
-            let mut m = fam.encode_family(&labels)?;
-            let count = h.buckets.iter().map(|(_, n)| n).sum();
-            m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, count, &buckets, None)?;
-        }
-    }
-    Ok(())
-}
-
-/// Every export's counters, taken once for one scrape.
-fn nbd_snapshots(exports: &volring_nbd::Exports) -> Vec<volring_nbd::stats::ExportSnapshot> {
-    exports.all().iter().map(|x| x.snapshot()).collect()
-}
-
 /// Renders the exposition text.
 pub(crate) fn render(sources: &Sources) -> Result<String, FmtError> {
     let mut registry = Registry::default();
@@ -453,51 +390,6 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, sources: Sources) -
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Just the NBD part of the exposition.
-    struct Nbd(Vec<volring_nbd::stats::ExportSnapshot>);
-
-    impl std::fmt::Debug for Nbd {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("Nbd")
-        }
-    }
-
-    impl Collector for Nbd {
-        fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
-            encode_nbd(&mut e, &self.0)
-        }
-    }
-
-    #[test]
-    fn nbd_latency_is_a_histogram_per_command() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("img");
-        std::fs::write(&path, [0u8; 4096]).unwrap();
-        let exports = volring_nbd::Exports::default();
-        exports.add(&format!("a={}", path.display()).parse().unwrap(), None).unwrap();
-        let mut snaps = nbd_snapshots(&exports);
-        // Two READs, of 80 us and 3 ms (the buckets nbd's stats put them
-        // in are its own unit test's).
-        let read = &mut snaps[0].latency[volring_nbd::stats::Kind::Read as usize];
-        (read.buckets[2].1, read.buckets[7].1, read.sum_us) = (1, 1, 3_080);
-        let mut registry = Registry::default();
-        registry.register_collector(Box::new(Nbd(snaps)));
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
-        assert!(out.contains("# TYPE volring_nbd_request_duration_seconds histogram"), "{out}");
-        for line in [
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.00005",export="a",op="read"} 0"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.0001",export="a",op="read"} 1"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.005",export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="+Inf",export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_count{export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_count{export="a",op="write"} 0"#,
-        ] {
-            assert!(out.contains(line), "{line} in\n{out}");
-        }
-        assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
-    }
 
     use volring_volumes::{Drift, VolumeHealth};
 

@@ -1,6 +1,7 @@
 //! What `volring node` must have to start: its own state directory and
 //! socket, and listeners it can bind; a refusal is fatal and says why. The
-//! metrics served, and the ready line.
+//! metrics served (the NBD rings' own counters among them), and the ready
+//! line.
 
 use super::*;
 
@@ -54,15 +55,7 @@ pub(super) fn metrics_address_in_use_is_fatal() -> Result<(), Failed> {
 pub(super) fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), Failed> {
     let site = Site::new();
     let (mut p, _c) = site.start("state", "csi.sock", &["--metrics-addr", "127.0.0.1:0"])?;
-    let deadline = Instant::now() + patience();
-    let addr = loop {
-        let said = p.stderr.find(&["serving /metrics"]).map(|i| without_colours(&p.stderr.all()[i]));
-        if let Some(addr) = said.as_deref().and_then(|l| l.split("addr=").nth(1)).and_then(|a| a.split_whitespace().next()) {
-            break addr.parse::<std::net::SocketAddr>().map_err(|e| format!("{addr:?}: {e}"))?;
-        }
-        check(Instant::now() < deadline, format!("no word of the metrics address in:\n{}", p.stderr.text()))?;
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let addr = metrics_addr(&p)?;
     check(addr.ip().is_loopback() && addr.port() != 0, format!("metrics served on {addr}"))?;
     let mut conn = std::net::TcpStream::connect(addr)?;
     conn.set_read_timeout(Some(patience()))?;
@@ -125,6 +118,20 @@ pub(super) fn metrics_are_served_on_the_listener_bound_at_start() -> Result<(), 
         check(reply.starts_with("HTTP/1.1 200") && reply.ends_with(&format!("{want}\n")), format!("{path}: {reply:.300}"))?;
     }
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
+}
+
+/// The address the agent says it serves `/metrics` on (waiting at most
+/// `patience()` for the line).
+fn metrics_addr(p: &Proc) -> Result<std::net::SocketAddr, Failed> {
+    let deadline = Instant::now() + patience();
+    loop {
+        let said = p.stderr.find(&["serving /metrics"]).map(|i| without_colours(&p.stderr.all()[i]));
+        if let Some(addr) = said.as_deref().and_then(|l| l.split("addr=").nth(1)).and_then(|a| a.split_whitespace().next()) {
+            return Ok(addr.parse::<std::net::SocketAddr>().map_err(|e| format!("{addr:?}: {e}"))?);
+        }
+        check(Instant::now() < deadline, format!("no word of the metrics address in:\n{}", p.stderr.text()))?;
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// `promtool check metrics` on an exposition: it must exit 0 with nothing
@@ -216,4 +223,77 @@ pub(super) fn nbd_listener_in_use_is_fatal() -> Result<(), Failed> {
     let mut p = Proc::spawn(&mut site.node("state", "csi.sock", &["--nbd-listen", &addr]));
     refused(&mut p, &["cannot start the NBD server", &addr])?;
     check(!site.path("csi.sock").exists(), "the failed agent left its CSI socket behind")
+}
+
+/// The NBD rings' own counters reach `/metrics`: after reads at queue
+/// depth 1 from a real client (qemu-io, one command at a time), the one
+/// ring that served them shows idle polls. (Before, no
+/// `volring_nbd_ring_*` family existed; the counts were only in the ring's
+/// debug log line.) The ring polls after any gap up to 10 ms and is never
+/// judged contended (offload off), so a loaded machine cannot keep it from
+/// polling; rounds of reads are repeated, a bounded number of times, until
+/// a tick has published a poll.
+pub(super) fn nbd_ring_counters_reach_metrics() -> Result<(), Failed> {
+    let site = Site::new();
+    let image = site.path("demo.img");
+    std::fs::File::create(&image)?.set_len(1 << 20)?;
+    let socket = site.path("nbd.sock");
+    let (listen, export) = (format!("unix:{}", socket.display()), format!("demo={}", image.display()));
+    let flags = ["--metrics-addr", "127.0.0.1:0", "--nbd-listen", &listen, "--nbd-export", &export, "--nbd-threads", "1"];
+    let tuning = ["--nbd-idle-poll-us", "10000", "--nbd-offload-reads", "off"];
+    let (mut p, _c) = site.start("state", "csi.sock", &[&flags[..], &tuning[..]].concat())?;
+    let addr = metrics_addr(&p)?;
+    let uri = format!("nbd+unix:///demo?socket={}", socket.display());
+    let polls = |body: &str| -> u64 {
+        let series = body.lines().filter_map(|l| l.strip_prefix("volring_nbd_ring_idle_polls_total{ring=\"0\","));
+        series.filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum()
+    };
+    let mut body = String::new();
+    for _round in 0..20 {
+        qemu_io_reads(&uri, 64)?;
+        // Published at the ring's next tick (at most 250 ms away).
+        for _ in 0..40 {
+            body = http_get(addr, "/metrics")?;
+            if polls(&body) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        if polls(&body) > 0 {
+            break;
+        }
+    }
+    check(polls(&body) > 0, format!("no idle poll of ring 0 after reads at queue depth 1: {body:.6000}"))?;
+    for line in ["volring_nbd_ring_starved_windows_total{ring=\"0\"} 0", "volring_nbd_ring_offloading_reads{ring=\"0\"} 0"] {
+        check(body.lines().any(|l| l == line), format!("no {line:?} in: {body:.6000}"))?;
+    }
+    check(body.lines().any(|l| l == "volring_nbd_ring_nice{ring=\"0\"} 0"), "no nice gauge of ring 0")?;
+    check(!body.contains("ring=\"1\""), "one ring asked for, one ring shown")?;
+    check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
+}
+
+/// `count` 4 KiB reads through qemu-io, one after another (queue depth 1);
+/// qemu-io is killed if it runs past `patience()`.
+fn qemu_io_reads(uri: &str, count: u64) -> Result<(), Failed> {
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "raw", "-r"]);
+    for i in 0..count {
+        cmd.arg("-c").arg(format!("read {} 4k", (i % 256) * 4096));
+    }
+    let mut child = cmd.arg(uri).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
+    let deadline = Instant::now() + patience();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("qemu-io did not finish its reads".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    child.stderr.take().ok_or("qemu-io stderr")?.read_to_string(&mut err)?;
+    check(status.success(), format!("qemu-io: {status}: {err}"))
 }

@@ -29,8 +29,9 @@ use volring_csi::proto::*;
 use authority::any_authority_a_grpc_client_sends_is_served;
 use listeners::{
     a_file_at_the_socket_path_is_refused_and_kept, logs_ready_line_and_version, metrics_address_in_use_is_fatal,
-    metrics_are_served_on_the_listener_bound_at_start, nbd_listener_in_use_is_fatal, non_root_is_told_it_needs_root,
-    second_agent_on_the_same_socket_is_refused_and_leaves_it, second_agent_on_the_same_state_dir_is_refused,
+    metrics_are_served_on_the_listener_bound_at_start, nbd_listener_in_use_is_fatal, nbd_ring_counters_reach_metrics,
+    non_root_is_told_it_needs_root, second_agent_on_the_same_socket_is_refused_and_leaves_it,
+    second_agent_on_the_same_state_dir_is_refused,
 };
 use pipes::{
     a_closed_stderr_does_not_stop_the_agent, mounts_watch_into_a_closed_pipe_exits_quietly, nbd_serve_checks_exports_before_listening,
@@ -275,6 +276,7 @@ fn main() {
         Trial::test("logs_ready_line_and_version", logs_ready_line_and_version),
         Trial::test("non_root_is_told_it_needs_root", non_root_is_told_it_needs_root),
         Trial::test("nbd_listener_in_use_is_fatal", nbd_listener_in_use_is_fatal),
+        Trial::test("nbd_ring_counters_reach_metrics", nbd_ring_counters_reach_metrics),
         Trial::test("sighup_is_logged_and_ignored", sighup_is_logged_and_ignored),
         Trial::test("mounts_watch_into_a_closed_pipe_exits_quietly", mounts_watch_into_a_closed_pipe_exits_quietly),
         Trial::test("nbd_serve_with_a_closed_stdout", nbd_serve_with_a_closed_stdout),

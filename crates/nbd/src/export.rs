@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLock};
 
 use super::handshake::{Catalog, ExportInfo};
 use super::remote::Secret;
-use super::stats::{ExportSnapshot, ExportStats};
+use super::stats::{ExportSnapshot, ExportStats, RingCounters, RingSnapshot};
 use super::Error;
 
 /// Largest request payload: what qemu and the kernel client use.
@@ -258,6 +258,10 @@ pub struct Exports {
     /// Asked before a guarded export is handed out; set once, before the
     /// first export is added (exports copy it when added).
     admission: std::sync::OnceLock<Arc<dyn Admission>>,
+    /// The counters of the rings of the server serving this catalog, in
+    /// ring order (empty while none runs): each ring writes only its own,
+    /// and `/metrics` reads them through the catalog it already holds.
+    rings: RwLock<Vec<Arc<RingCounters>>>,
 }
 
 impl Exports {
@@ -351,6 +355,34 @@ impl Exports {
 
     pub fn all(&self) -> Vec<Arc<Export>> {
         self.map.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
+    /// A server starting on this catalog publishes its rings' counters
+    /// here (a catalog is served by one server at a time; a later one's
+    /// rings replace an earlier one's).
+    pub(crate) fn set_rings(&self, rings: Vec<Arc<RingCounters>>) {
+        *self.rings.write().unwrap_or_else(|p| p.into_inner()) = rings;
+    }
+
+    /// A stopping server takes its rings back out, unless another server
+    /// has published its own since.
+    pub(crate) fn unset_rings(&self, rings: &[Arc<RingCounters>]) {
+        let mut current = self.rings.write().unwrap_or_else(|p| p.into_inner());
+        if current.len() == rings.len() && current.iter().zip(rings).all(|(a, b)| Arc::ptr_eq(a, b)) {
+            current.clear();
+        }
+    }
+}
+
+/// Each ring's counters of the server serving the catalog, in ring order:
+/// what `/metrics` encodes as the `volring_nbd_ring_*` families. (A
+/// conversion rather than a method, so that the one new public name is
+/// the snapshot type: the workspace's public surface is capped,
+/// tests/surface.rs.)
+impl From<&Exports> for Vec<RingSnapshot> {
+    fn from(exports: &Exports) -> Self {
+        let rings = exports.rings.read().unwrap_or_else(|p| p.into_inner());
+        rings.iter().enumerate().map(|(i, r)| r.snapshot(i)).collect()
     }
 }
 

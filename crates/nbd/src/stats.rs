@@ -5,8 +5,14 @@
 //! counters (`LatencyBuckets`, exported as Prometheus histograms, so a
 //! scrape can compute any window's quantiles), and in one HDR histogram
 //! for the quantiles `volring nbd serve` prints.
+//!
+//! Beside them, each ring thread's own counters (`RingCounters`): what
+//! its idle polls found, the windows in which it was starved of CPU, and
+//! whether its reads go to io_uring's workers now. They belong to the
+//! server's threads rather than to an export, and reach `/metrics`
+//! through the catalog the server serves ([`RingSnapshot`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use hdrhistogram::Histogram;
@@ -250,6 +256,57 @@ pub struct ExportSnapshot {
     /// histograms (not in the JSON, which keeps the quantiles above).
     #[serde(skip)]
     pub latency: [LatencySnapshot; 6],
+}
+
+/// One ring thread's counters as the ring publishes them: written by that
+/// ring at most once per tick (50-250 ms), never per completion, and read
+/// by `/metrics` at scrape time without a lock on the ring's path.
+#[derive(Default)]
+pub(crate) struct RingCounters {
+    /// Idle polls (see `server::idle`) that found work before the window
+    /// ran out, and those that ran out and slept.
+    pub(crate) idle_polls_found: AtomicU64,
+    pub(crate) idle_polls_missed: AtomicU64,
+    /// Windows in which the ring was judged starved of CPU (see
+    /// `server::starve`), since it started.
+    pub(crate) starved_windows: AtomicU64,
+    /// Whether the ring hands its page-cache reads to io_uring's workers now.
+    pub(crate) offloading_reads: AtomicBool,
+    /// The ring thread's scheduler nice value, as the weight rule
+    /// (`server::weight`) last set it.
+    pub(crate) nice: AtomicI32,
+}
+
+impl RingCounters {
+    /// A copy for ring `ring` (its thread is `nbd-ring-<ring>`).
+    pub(crate) fn snapshot(&self, ring: usize) -> RingSnapshot {
+        RingSnapshot {
+            ring,
+            idle_polls_found: self.idle_polls_found.load(Ordering::Relaxed),
+            idle_polls_missed: self.idle_polls_missed.load(Ordering::Relaxed),
+            starved_windows: self.starved_windows.load(Ordering::Relaxed),
+            offloading_reads: self.offloading_reads.load(Ordering::Relaxed),
+            nice: self.nice.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A copy of one ring thread's counters (see `RingCounters`), taken from
+/// the catalog its server serves: `Vec::<RingSnapshot>::from(&*exports)`
+/// gives one per ring of that server, in ring order (none while no
+/// server runs).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct RingSnapshot {
+    /// The ring's number: its thread is `nbd-ring-<ring>`.
+    pub ring: usize,
+    pub idle_polls_found: u64,
+    pub idle_polls_missed: u64,
+    pub starved_windows: u64,
+    /// Page-cache reads go to io_uring's workers now (the ring was starved
+    /// of CPU lately, or the server's setting is `always`).
+    pub offloading_reads: bool,
+    /// The ring thread's nice value (0 until something renices it).
+    pub nice: i32,
 }
 
 #[cfg(test)]

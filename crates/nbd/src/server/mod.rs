@@ -34,6 +34,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::export::{Export, ExportSpec, Exports};
+use super::stats::RingCounters;
 use super::Error;
 use inline::InlineWrites;
 use listener::Listener;
@@ -172,6 +173,8 @@ pub struct NbdServer {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<Listener>,
     addrs: Vec<String>,
+    /// Each ring's own counters, published in `exports` while the server runs.
+    rings: Vec<Arc<RingCounters>>,
     /// The ring the next [`NbdServer::serve_connected`] socket goes to.
     next_connected: std::sync::atomic::AtomicUsize,
 }
@@ -215,6 +218,7 @@ impl NbdServer {
         let control = Arc::new(Control::default());
         let budget = Arc::new(budget::ServerBudget::new(config.max_server_bytes));
         let accept: Vec<i32> = listeners.iter().map(|l| l.fd.as_raw_fd()).collect();
+        let rings: Vec<Arc<RingCounters>> = (0..threads).map(|_| Arc::default()).collect();
         let mut handles = Vec::with_capacity(threads);
         for id in 0..threads {
             let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -226,6 +230,7 @@ impl NbdServer {
                 control: control.clone(),
                 listeners: if id == 0 { accept.clone() } else { Vec::new() },
                 budget: budget.clone(),
+                counters: rings[id].clone(),
             };
             let h = std::thread::Builder::new()
                 .name(format!("nbd-ring-{id}"))
@@ -235,8 +240,16 @@ impl NbdServer {
                 Ok(Ok(())) => handles.push(h),
                 Ok(Err(e)) => {
                     let _ = h.join();
-                    let server =
-                        NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, next_connected: Default::default() };
+                    let server = NbdServer {
+                        exports,
+                        mailboxes,
+                        control,
+                        threads: handles,
+                        listeners,
+                        addrs,
+                        rings,
+                        next_connected: Default::default(),
+                    };
                     drop(server);
                     // Out of memory is not an old kernel: the ring says what ran out.
                     let what = match e.kind() {
@@ -249,7 +262,8 @@ impl NbdServer {
             }
         }
         tracing::info!(addrs = ?addrs, threads, "NBD server listening");
-        Ok(NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, next_connected: Default::default() })
+        exports.set_rings(rings.clone());
+        Ok(NbdServer { exports, mailboxes, control, threads: handles, listeners, addrs, rings, next_connected: Default::default() })
     }
 
     /// What the listeners are bound to (TCP with the real port).
@@ -295,6 +309,8 @@ impl NbdServer {
         }
         // Each removes its socket file only if it is still the one it bound.
         self.listeners.clear();
+        // Rings that no longer run have no series on `/metrics`.
+        self.exports.unset_rings(&self.rings);
     }
 }
 

@@ -102,6 +102,16 @@ impl Requests {
         self.reads.contended()
     }
 
+    /// Windows in which the ring was judged starved of CPU, since it started.
+    pub(super) fn starved_windows(&self) -> u64 {
+        self.reads.starved_windows
+    }
+
+    /// Whether the ring's page-cache reads go to io_uring's workers now.
+    pub(super) fn offloading(&self) -> bool {
+        self.reads.offloading()
+    }
+
     /// Gives back the slots of a past burst when none is in use; returns
     /// the bytes freed.
     pub(super) fn trim(&mut self) -> usize {

@@ -197,6 +197,18 @@ impl ReadPath {
         self.streak > 0 || self.offload_until.is_some()
     }
 
+    /// Whether the ring is in a spell of handing page-cache reads to
+    /// io_uring's workers (`Auto`: starved lately; `Always`: always), as
+    /// `/metrics` shows it. In a starved spell a lone read still stays
+    /// inline (see [`MIN_IN_FLIGHT`]).
+    pub(super) fn offloading(&self) -> bool {
+        match self.setting {
+            OffloadReads::Always => true,
+            OffloadReads::Off => false,
+            OffloadReads::Auto => self.offload_until.is_some(),
+        }
+    }
+
     /// Whether a page-cache read goes to io_uring's workers now, with
     /// `in_flight` requests on the ring (this one included).
     pub(super) fn offload(&self, in_flight: usize) -> bool {
@@ -272,6 +284,7 @@ mod tests {
             at += 20 * MS;
         }
         assert!(p.offload(MIN_IN_FLIGHT));
+        assert!(p.offloading(), "what /metrics shows of it");
         assert_eq!(p.starved_windows, u64::from(STREAK));
         // But not a lone read: the ring wakes for its reply either way.
         assert!(!p.offload(MIN_IN_FLIGHT - 1));
@@ -284,6 +297,7 @@ mod tests {
         assert!(p.stat.is_some(), "this kernel has no /proc/thread-self/schedstat");
         p.turn(at + OFFLOAD_FOR);
         assert!(!p.offload(MIN_IN_FLIGHT));
+        assert!(!p.offloading());
         assert!(p.window.is_some(), "a window starts once the offload ends");
     }
 
@@ -334,6 +348,7 @@ mod tests {
         }
         assert!(!off.offload(MIN_IN_FLIGHT));
         assert!(always.offload(1));
+        assert!(!off.offloading() && always.offloading());
         assert_eq!("auto".parse::<OffloadReads>().ok(), Some(OffloadReads::Auto));
         assert_eq!("always".parse::<OffloadReads>().ok(), Some(OffloadReads::Always));
         assert!("on".parse::<OffloadReads>().is_err());

@@ -61,6 +61,15 @@ impl Weight {
         }
     }
 
+    /// The nice the ring thread runs at, as far as this rule knows (what
+    /// `/metrics` shows as `volring_nbd_ring_nice`).
+    pub(super) fn nice(self) -> i32 {
+        match self {
+            Weight::Off => 0,
+            Weight::Following(n) | Weight::Refused(n) => n,
+        }
+    }
+
     /// Follows `busy` connections on the calling thread (the ring's own);
     /// `set` is the system call, a parameter so the rule is testable.
     pub(super) fn follow(&mut self, busy: usize, set: impl FnOnce(i32) -> io::Result<()>) {
@@ -145,6 +154,10 @@ mod tests {
         assert_eq!(w, Weight::Refused(0));
         w.follow(8, |_| panic!("asked again after a refusal"));
         assert_eq!(w, Weight::Refused(0));
+        assert_eq!(w.nice(), 0);
+        let mut w = Weight::new(true);
+        w.follow(3, |_| Ok(()));
+        assert_eq!(w.nice(), -4);
 
         let mut off = Weight::new(false);
         off.follow(8, |_| panic!("the rule is off"));

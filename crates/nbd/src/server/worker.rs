@@ -9,6 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +29,7 @@ use super::weight::{self, Weight};
 use super::{Command, Control, ServerConfig};
 use crate::export::Exports;
 use crate::handshake;
+use crate::stats::RingCounters;
 use volring_ring::Mailbox;
 use volring_ring::{Cqe, IoRing, Op};
 
@@ -54,6 +56,8 @@ pub(super) struct Context {
     /// Listeners this ring accepts on (ring 0 only).
     pub listeners: Vec<i32>,
     pub budget: Arc<ServerBudget>,
+    /// This ring's counters for `/metrics` (see `Worker::publish`).
+    pub counters: Arc<RingCounters>,
 }
 
 pub(super) struct Worker {
@@ -77,6 +81,7 @@ pub(super) struct Worker {
     idle: IdlePoll,
     /// The ring thread's scheduler weight, following its busy connections.
     weight: Weight,
+    counters: Arc<RingCounters>,
 }
 
 pub(super) fn run(ctx: Context, ready: SyncSender<io::Result<()>>) {
@@ -121,6 +126,7 @@ impl Worker {
             starved_seen: 0,
             idle: IdlePoll::new(idle_poll),
             weight: Weight::new(ring_weight),
+            counters: ctx.counters,
         })
     }
 
@@ -194,7 +200,11 @@ impl Worker {
                     }
                 }
             }
-            Token::Tick => self.on_tick(),
+            Token::Tick => {
+                // Before the tick's diagnostic line takes the tick's counts.
+                self.publish();
+                self.on_tick();
+            }
             Token::Recv(ci) => self.rx.on_recv(sh, out, reqs, exports, ci, c),
             Token::RecvInto(ci) => self.rx.on_recv_into(sh, out, reqs, exports, ci, c.result),
             Token::Send(ci) => out.on_send(sh, ci, c.result),
@@ -412,6 +422,17 @@ impl Worker {
         }
     }
 
+    /// Publishes what the ring counts about itself for `/metrics`: once
+    /// per tick, so the ring's path touches no shared cache line per
+    /// completion or per idle poll.
+    fn publish(&self) {
+        let (c, t) = (&self.counters, &self.diag.tick);
+        c.idle_polls_found.fetch_add(u64::from(t.polls_found), Ordering::Relaxed);
+        c.idle_polls_missed.fetch_add(u64::from(t.polls_missed), Ordering::Relaxed);
+        c.starved_windows.store(self.reqs.starved_windows(), Ordering::Relaxed);
+        c.offloading_reads.store(self.reqs.offloading(), Ordering::Relaxed);
+    }
+
     fn on_tick(&mut self) {
         if let Err(e) = self.sh.ring.submit(Token::Tick, Op::Timeout { after: self.tick }) {
             tracing::error!(error = %e, "NBD ring lost its timer");
@@ -446,5 +467,6 @@ impl Worker {
             }
         }
         self.weight.follow(busy, weight::set_own_nice);
+        self.counters.nice.store(self.weight.nice(), Ordering::Relaxed);
     }
 }
