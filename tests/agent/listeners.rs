@@ -229,10 +229,12 @@ pub(super) fn nbd_listener_in_use_is_fatal() -> Result<(), Failed> {
 /// depth 1 from a real client (qemu-io, one command at a time), the one
 /// ring that served them shows idle polls. (Before, no
 /// `volring_nbd_ring_*` family existed; the counts were only in the ring's
-/// debug log line.) The ring polls after any gap up to 10 ms and is never
-/// judged contended (offload off), so a loaded machine cannot keep it from
-/// polling; rounds of reads are repeated, a bounded number of times, until
-/// a tick has published a poll.
+/// debug log line.) The ring polls after any gap up to 10 ms unless it is
+/// judged contended for its CPU (a loaded machine can do that for a second
+/// at a time), so rounds of reads are repeated, a bounded number of times,
+/// until a tick has published a poll. With offload off its reads are never
+/// offloaded; whether it was ever starved depends on the machine, so only
+/// the series is looked for.
 pub(super) fn nbd_ring_counters_reach_metrics() -> Result<(), Failed> {
     let site = Site::new();
     let image = site.path("demo.img");
@@ -249,7 +251,7 @@ pub(super) fn nbd_ring_counters_reach_metrics() -> Result<(), Failed> {
         series.filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum()
     };
     let mut body = String::new();
-    for _round in 0..20 {
+    for _round in 0..60 {
         qemu_io_reads(&uri, 64)?;
         // Published at the ring's next tick (at most 250 ms away).
         for _ in 0..40 {
@@ -264,9 +266,10 @@ pub(super) fn nbd_ring_counters_reach_metrics() -> Result<(), Failed> {
         }
     }
     check(polls(&body) > 0, format!("no idle poll of ring 0 after reads at queue depth 1: {body:.6000}"))?;
-    for line in ["volring_nbd_ring_starved_windows_total{ring=\"0\"} 0", "volring_nbd_ring_offloading_reads{ring=\"0\"} 0"] {
-        check(body.lines().any(|l| l == line), format!("no {line:?} in: {body:.6000}"))?;
-    }
+    let starved = body.lines().any(|l| l.starts_with("volring_nbd_ring_starved_windows_total{ring=\"0\"} "));
+    check(starved, format!("no starved windows series of ring 0 in: {body:.6000}"))?;
+    let line = "volring_nbd_ring_offloading_reads{ring=\"0\"} 0";
+    check(body.lines().any(|l| l == line), format!("no {line:?} in: {body:.6000}"))?;
     check(body.lines().any(|l| l == "volring_nbd_ring_nice{ring=\"0\"} 0"), "no nice gauge of ring 0")?;
     check(!body.contains("ring=\"1\""), "one ring asked for, one ring shown")?;
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")

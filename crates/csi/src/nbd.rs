@@ -96,6 +96,28 @@ impl Default for NbdAttachConfig {
     }
 }
 
+/// The node's one NBD server for every nbd volume, so its rings serve all
+/// their connections: the node's `--nbd-*` tuning (rings, idle poll, ring
+/// weight, inline writes, read offload, memory limits), as many rings as
+/// `--nbd-threads` says (0: one per core, at most 4) and never fewer than
+/// one device's connections, no listener of its own, and the timeouts of
+/// a server whose clients are the kernel's: an idle mounted volume's
+/// connection is never closed for idling (`--idle-timeout` is for
+/// `--nbd-listen`'s clients), and the handshake and stall limits stay the
+/// server's defaults.
+pub(crate) fn attach_server_config(config: &NbdAttachConfig) -> ServerConfig {
+    let (tuned, defaults) = (&config.server, ServerConfig::default());
+    let rings = if tuned.threads == 0 { defaults.threads } else { tuned.threads };
+    ServerConfig {
+        threads: config.connections.max(1).max(rings),
+        listen: Vec::new(),
+        idle_timeout: None,
+        handshake_timeout: defaults.handshake_timeout,
+        stall_timeout: defaults.stall_timeout,
+        ..tuned.clone()
+    }
+}
+
 /// The agent's nbd side: started on first use (a node with no nbd volume
 /// needs neither the module nor the server).
 #[derive(Default)]
@@ -169,14 +191,7 @@ impl NbdSide {
         let control = NbdControl::open().map_err(unavailable)?;
         // Joined before any device is attached, so no notice is missed.
         let listener = if self.config.heal { Some(LinkDeadListener::open().map_err(unavailable)?) } else { None };
-        // One server for every nbd volume of the node, so its rings serve
-        // all their connections: as many rings as the server's default
-        // (one per core, at most 4), and never fewer than one device's
-        // connections.
-        let tuned = &self.config.server;
-        let rings = if tuned.threads == 0 { ServerConfig::default().threads } else { tuned.threads };
-        let threads = self.config.connections.max(1).max(rings);
-        let server = NbdServer::start(ServerConfig { threads, listen: Vec::new(), ..tuned.clone() }, Arc::new(Exports::default()))
+        let server = NbdServer::start(attach_server_config(&self.config), Arc::new(Exports::default()))
             .map_err(|e| Error::Internal(format!("start the nbd server: {e}")))?;
         let inner = Arc::new(Inner {
             server,
@@ -446,5 +461,35 @@ impl NbdSide {
             }
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The node's flags reach its attach server, except what would hurt a
+    /// kernel client: an idle timeout (a mounted volume idles for hours)
+    /// and the listener's handshake and stall limits.
+    #[test]
+    fn the_attach_server_takes_the_nodes_tuning_but_not_its_client_timeouts() {
+        let server = ServerConfig {
+            threads: 2,
+            idle_poll: Duration::from_micros(7),
+            ring_weight: false,
+            idle_timeout: Some(Duration::from_secs(30)),
+            handshake_timeout: Duration::from_millis(100),
+            stall_timeout: Duration::from_millis(200),
+            listen: vec![volring_nbd::Listen::Tcp("127.0.0.1:10809".parse().expect("address"))],
+            ..ServerConfig::default()
+        };
+        let c = attach_server_config(&NbdAttachConfig { connections: 4, server, ..NbdAttachConfig::default() });
+        assert_eq!((c.threads, c.idle_poll, c.ring_weight), (4, Duration::from_micros(7), false));
+        assert_eq!(c.idle_timeout, None);
+        let defaults = ServerConfig::default();
+        assert_eq!((c.handshake_timeout, c.stall_timeout), (defaults.handshake_timeout, defaults.stall_timeout));
+        assert!(c.listen.is_empty());
+        let one = attach_server_config(&NbdAttachConfig { connections: 1, ..NbdAttachConfig::default() });
+        assert_eq!(one.threads, defaults.threads.max(1));
     }
 }

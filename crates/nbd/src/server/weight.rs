@@ -11,16 +11,18 @@
 //! a lower CPU cost per request than at nice 0 (the ring batched again).
 //!
 //! So each tick a ring counts its busy connections (those that sent
-//! anything in the last tick) and asks for the weight of that many
-//! threads: the nice level whose weight is the largest not above
-//! `busy × 1024`, never below [`LOWEST_NICE`]. That is no more CPU than a
+//! anything since the last tick) and asks for the weight of that many
+//! threads: it lowers its nice, from the one it started with, by the level
+//! whose weight is the largest not above `busy × 1024` ([`nice_for`], at
+//! most 10 levels). That is no more CPU than a
 //! thread-per-connection server takes for the same clients, and inside a
 //! cgroup (a pod) nice only divides the cgroup's own share among its
 //! threads, so tenants in other cgroups lose nothing to it. On an idle CPU
 //! the weight changes nothing.
 //!
 //! Lowering a thread's nice needs CAP_SYS_NICE (or an RLIMIT_NICE that
-//! allows it): a ring refused once keeps the nice it has and stops asking.
+//! allows it): a refused level is tried one higher, and the ring remembers
+//! the lowest it was allowed.
 
 use std::io;
 
@@ -29,8 +31,9 @@ use std::io;
 /// each level is about 1.25× the one above it.
 const WEIGHTS: [u32; 11] = [1024, 1277, 1586, 1991, 2501, 3121, 3906, 4904, 6100, 7620, 9548];
 
-/// The lowest nice a ring asks for: the weight of about nine threads. A
-/// ring busier than that is better split into more rings (`threads`).
+/// The most a ring lowers its nice by (from nice 0: the weight of about
+/// nine threads). A ring busier than that is better split into more rings
+/// (`threads`).
 pub(super) const LOWEST_NICE: i32 = -10;
 
 /// The nice whose weight is the largest not above `busy` threads' worth
@@ -41,23 +44,29 @@ pub(super) fn nice_for(busy: usize) -> i32 {
     (-(level as i32)).max(LOWEST_NICE)
 }
 
+/// The lowest nice Linux has.
+const MIN_NICE: i32 = -20;
+
 /// Where a ring's weight stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Weight {
-    /// The rule is off: the thread keeps the nice it was started with.
-    Off,
-    /// The nice this ring set last (0 until it first raised it).
-    Following(i32),
-    /// The system refused a lower nice; the ring stays where it was.
-    Refused(i32),
+    /// The rule is off: the thread keeps `base`, the nice it started with.
+    Off { base: i32 },
+    /// The ring follows its busy connections down from `base`, the nice it
+    /// started with (an agent run under `nice` keeps its place): `now` is
+    /// the nice it set last, `floor` the lowest the system has allowed so
+    /// far. A refusal raises the floor, so an RLIMIT_NICE that allows a few
+    /// levels is used within its range, and going back up (which needs no
+    /// privilege) always works.
+    Following { base: i32, now: i32, floor: i32 },
 }
 
 impl Weight {
-    pub(super) fn new(on: bool) -> Self {
+    pub(super) fn new(on: bool, base: i32) -> Self {
         if on {
-            Weight::Following(0)
+            Weight::Following { base, now: base, floor: MIN_NICE }
         } else {
-            Weight::Off
+            Weight::Off { base }
         }
     }
 
@@ -65,31 +74,43 @@ impl Weight {
     /// `/metrics` shows as `volring_nbd_ring_nice`).
     pub(super) fn nice(self) -> i32 {
         match self {
-            Weight::Off => 0,
-            Weight::Following(n) | Weight::Refused(n) => n,
+            Weight::Off { base } => base,
+            Weight::Following { now, .. } => now,
         }
     }
 
     /// Follows `busy` connections on the calling thread (the ring's own);
-    /// `set` is the system call, a parameter so the rule is testable.
-    pub(super) fn follow(&mut self, busy: usize, set: impl FnOnce(i32) -> io::Result<()>) {
-        let Weight::Following(now) = *self else { return };
-        let want = nice_for(busy);
-        if want == now {
-            return;
-        }
-        match set(want) {
-            Ok(()) => *self = Weight::Following(want),
-            Err(e) => {
-                tracing::info!(
-                    error = %e,
-                    nice = want,
-                    "NBD ring cannot take the weight of its busy connections (needs CAP_SYS_NICE); it keeps its nice"
-                );
-                *self = Weight::Refused(now);
+    /// `set` is the system call, a parameter so the rule is testable. A
+    /// refused level is tried one higher, up to where the ring is now.
+    pub(super) fn follow(&mut self, busy: usize, mut set: impl FnMut(i32) -> io::Result<()>) {
+        let Weight::Following { base, now, floor } = self else { return };
+        let mut want = (*base + nice_for(busy)).max(*floor).max(MIN_NICE);
+        while want != *now {
+            match set(want) {
+                Ok(()) => *now = want,
+                Err(e) if want < *now => {
+                    if *floor == MIN_NICE {
+                        tracing::info!(
+                            error = %e,
+                            nice = want,
+                            "NBD ring cannot take the full weight of its busy connections (needs CAP_SYS_NICE); it goes as low as allowed"
+                        );
+                    }
+                    *floor = want + 1;
+                    want += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, nice = want, "NBD ring cannot raise its nice back");
+                    return;
+                }
             }
         }
     }
+}
+
+/// The calling thread's own nice (where its ring's weight starts from).
+pub(super) fn own_nice() -> i32 {
+    rustix::process::getpriority_process(Some(rustix::thread::gettid())).unwrap_or(0)
 }
 
 /// Sets the calling ring thread's nice, and its io_uring workers' (Linux's
@@ -106,7 +127,15 @@ pub(super) fn set_own_nice(nice: i32) -> io::Result<()> {
     let me = rustix::thread::gettid();
     rustix::process::setpriority_process(Some(me), nice)?;
     let worker = format!("iou-wrk-{}\n", me.as_raw_nonzero());
-    for task in std::fs::read_dir("/proc/self/task")?.flatten() {
+    // The ring's own nice is set: a scan that fails changes nothing of it.
+    let tasks = match std::fs::read_dir("/proc/self/task") {
+        Ok(tasks) => tasks,
+        Err(e) => {
+            tracing::debug!(error = %e, "NBD ring cannot list its io_uring workers to renice them");
+            return Ok(());
+        }
+    };
+    for task in tasks.flatten() {
         let is_worker = std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c == worker);
         let tid = task.file_name().to_str().and_then(|t| t.parse().ok()).and_then(rustix::process::Pid::from_raw);
         if let (true, Some(tid)) = (is_worker, tid) {
@@ -138,9 +167,9 @@ mod tests {
     }
 
     #[test]
-    fn a_ring_sets_its_nice_only_when_it_changes_and_stops_after_a_refusal() {
+    fn a_ring_sets_its_nice_only_when_it_changes() {
         let mut calls = Vec::new();
-        let mut w = Weight::new(true);
+        let mut w = Weight::new(true, 0);
         for busy in [1, 4, 4, 2, 0] {
             w.follow(busy, |n| {
                 calls.push(n);
@@ -148,19 +177,55 @@ mod tests {
             });
         }
         assert_eq!(calls, [-6, -3, 0]);
-        assert_eq!(w, Weight::Following(0));
-
-        w.follow(4, |_| Err(io::Error::from_raw_os_error(libc::EACCES)));
-        assert_eq!(w, Weight::Refused(0));
-        w.follow(8, |_| panic!("asked again after a refusal"));
-        assert_eq!(w, Weight::Refused(0));
         assert_eq!(w.nice(), 0);
-        let mut w = Weight::new(true);
         w.follow(3, |_| Ok(()));
         assert_eq!(w.nice(), -4);
 
-        let mut off = Weight::new(false);
+        let mut off = Weight::new(false, 5);
         off.follow(8, |_| panic!("the rule is off"));
-        assert_eq!(off, Weight::Off);
+        assert_eq!(off.nice(), 5);
+    }
+
+    /// An agent started under `nice 10` keeps its place: the weight is
+    /// counted from there, and a quiet ring goes back there.
+    #[test]
+    fn the_weight_counts_from_the_nice_the_ring_started_with() {
+        let mut w = Weight::new(true, 10);
+        w.follow(4, |n| if n == 4 { Ok(()) } else { panic!("set {n}") });
+        assert_eq!(w.nice(), 4);
+        w.follow(0, |n| if n == 10 { Ok(()) } else { panic!("set {n}") });
+        assert_eq!(w.nice(), 10);
+        // Never below Linux's lowest.
+        let mut low = Weight::new(true, -15);
+        low.follow(8, |_| Ok(()));
+        assert_eq!(low.nice(), MIN_NICE);
+    }
+
+    /// An RLIMIT_NICE that allows down to -4: the ring goes as low as
+    /// that, comes back to 0 when quiet, and goes to -4 again at once.
+    #[test]
+    fn a_refused_level_is_tried_higher_and_the_ring_still_comes_back() {
+        let allowed = |n: i32| if n >= -4 { Ok(()) } else { Err(io::Error::from_raw_os_error(libc::EACCES)) };
+        let mut tried = Vec::new();
+        let mut w = Weight::new(true, 0);
+        w.follow(8, |n| {
+            tried.push(n);
+            allowed(n)
+        });
+        assert_eq!(tried, [-9, -8, -7, -6, -5, -4]);
+        assert_eq!(w, Weight::Following { base: 0, now: -4, floor: -4 });
+        w.follow(0, allowed);
+        assert_eq!(w.nice(), 0);
+        let mut tried = Vec::new();
+        w.follow(4, |n| {
+            tried.push(n);
+            allowed(n)
+        });
+        assert_eq!((tried, w.nice()), (vec![-4], -4));
+        // No privilege at all: the ring stays where it started.
+        let mut none = Weight::new(true, 0);
+        none.follow(8, |n| if n < 0 { Err(io::Error::from_raw_os_error(libc::EPERM)) } else { Ok(()) });
+        assert_eq!(none, Weight::Following { base: 0, now: 0, floor: 0 });
+        none.follow(8, |_| panic!("asked below its floor"));
     }
 }

@@ -81,6 +81,9 @@ pub(super) struct Worker {
     idle: IdlePoll,
     /// The ring thread's scheduler weight, following its busy connections.
     weight: Weight,
+    /// When the last tick ran: a connection active since then is busy (a
+    /// late tick, as on a starved ring, still counts its whole interval).
+    last_tick: Instant,
     counters: Arc<RingCounters>,
 }
 
@@ -125,7 +128,8 @@ impl Worker {
             tick,
             starved_seen: 0,
             idle: IdlePoll::new(idle_poll),
-            weight: Weight::new(ring_weight),
+            weight: Weight::new(ring_weight, weight::own_nice()),
+            last_tick: Instant::now(),
             counters: ctx.counters,
         })
     }
@@ -453,10 +457,11 @@ impl Worker {
         let (hs, idle, stall) = (self.config.handshake_timeout, self.config.idle_timeout, self.config.stall_timeout);
         let grace_over = self.stop_at.is_some_and(|at| now > at + STOP_GRACE);
         let mut busy = 0;
+        let since = std::mem::replace(&mut self.last_tick, now);
         for i in 0..self.sh.conns.len() {
             let Some(c) = self.sh.conns[i].as_ref() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
-            busy += usize::from(!handshaking && now.saturating_duration_since(c.last_activity) <= self.tick);
+            busy += usize::from(!handshaking && c.last_activity >= since);
             let stalled = (!matches!(c.tx, Tx::Idle) || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
