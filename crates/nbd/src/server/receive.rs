@@ -316,7 +316,10 @@ impl Receive {
                     }
                 }
             }
-            Rx::Multishot(op) if wants_direct || self.recovering => {
+            // After a large WRITE whose payload the multishot receive took
+            // (too little was left to receive directly) it is ended too,
+            // or it would take the next WRITE's head as well.
+            Rx::Multishot(op) if wants_direct || self.recovering || header.is_some() => {
                 c.rx = Rx::Cancelling;
                 let _ = sh.ring.cancel(op);
             }
