@@ -3,9 +3,10 @@
 //! queue depth 32 (done on the ring thread on ext4, through io_uring on
 //! xfs) and 1 MiB writes (their payloads received straight into the write
 //! buffer) read back identical; and on ext4 small writes are done on the
-//! ring thread unless inline writes are turned off. Last, READs handed to
-//! io_uring's workers (a ring starved of CPU) read back what was written,
-//! and the ring says it hands them over.
+//! ring thread unless inline writes are turned off; 1 MiB writes are not
+//! copied out of the receive buffers. Last, READs handed to io_uring's
+//! workers (a ring starved of CPU) read back what was written, and the ring
+//! says it hands them over.
 
 mod common;
 mod nbd_support;
@@ -15,8 +16,8 @@ use std::time::Duration;
 
 use common::{check, LoopDevice, Scratch};
 use libtest_mimic::{Failed, Trial};
-use nbd_support::wire::{cmd, HeaderStyle};
-use nbd_support::{run, RawClient, Rng, Served, MIB};
+use nbd_support::wire::{cmd, encode_request, HeaderStyle, Request};
+use nbd_support::{pattern, run, RawClient, Rng, Served, MIB};
 use volring_nbd::stats::RingSnapshot;
 use volring_nbd::{InlineWrites, OffloadReads};
 
@@ -141,6 +142,71 @@ fn ext4_small_writes_inline_unless_off() -> Result<(), Failed> {
     Ok(())
 }
 
+/// Sends WRITEs of `(offset, length)` over one connection, every one
+/// before any reply is read (a thread of its own writes them), and checks
+/// every reply; `image` is updated with what each wrote.
+fn pipelined_writes(s: &Served, writes: &[(u64, u64)], image: &mut [u8]) -> Result<(), Failed> {
+    let mut c = RawClient::connect(&s.socket, "disk", HeaderStyle::Extended, false)?;
+    let mut stream = c.s.try_clone()?;
+    let list = writes.to_vec();
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        use std::io::Write;
+        for (i, &(offset, length)) in list.iter().enumerate() {
+            let mut b = Vec::new();
+            let req = Request { flags: 0, kind: cmd::WRITE, cookie: i as u64 + 1, offset, length };
+            encode_request(&req, HeaderStyle::Extended, &mut b);
+            b.extend_from_slice(&pattern(i as u64, offset, length as usize));
+            stream.write_all(&b)?;
+        }
+        Ok(())
+    });
+    for _ in writes {
+        let r = c.reply(None)?;
+        check(r.error == 0, format!("WRITE {} failed: error {}", r.cookie, r.error))?;
+    }
+    writer.join().map_err(|_| "the writer panicked")??;
+    for (i, &(offset, length)) in writes.iter().enumerate() {
+        image[offset as usize..(offset + length) as usize].copy_from_slice(&pattern(i as u64, offset, length as usize));
+    }
+    Ok(())
+}
+
+/// 1 MiB WRITEs are received without a second pass over their payloads:
+/// once a large WRITE has come, each next request's header is received
+/// alone and a large payload straight into its WRITE's buffer, so no
+/// payload byte lands in the ring's receive buffers to be copied out. Only
+/// the first large WRITE after the handshake or after small requests (its
+/// head arrives while the multishot receive is armed) may be copied, in
+/// part. Small WRITEs between large ones (received by the multishot
+/// receive again, and copied as always) and large ones after them read
+/// back as written. The count is the export's `copied_write_bytes`
+/// (`volring_nbd_copied_write_bytes`).
+fn large_writes_are_not_copied_out_of_receive_buffers() -> Result<(), Failed> {
+    let s = Served::with_config(&[], |c| c.threads = 1);
+    let img = s.dir.path().join("disk.img");
+    std::fs::File::create(&img).and_then(|f| f.set_len(SIZE))?;
+    s.add("disk", &img, false, 0);
+    let copied = || s.server().exports().get("disk").expect("export").snapshot().copied_write_bytes;
+    let mut image = random(6, SIZE);
+    copy_in(&s, &image, "1048576", 8)?;
+    let by_nbdcopy = copied();
+    check(
+        by_nbdcopy <= MIB,
+        format!("32 WRITEs of 1 MiB from nbdcopy at QD8: {by_nbdcopy} payload bytes copied out of the receive buffers (at most the first WRITE's may be)"),
+    )?;
+    let large = |from: u64| (0..8).map(move |i| ((from + i) * MIB, MIB));
+    let small = (0..64).map(|i| (16 * MIB + i * 4096 + 512, 4096));
+    let writes: Vec<(u64, u64)> = large(0).chain(small).chain(large(20)).collect();
+    pipelined_writes(&s, &writes, &mut image)?;
+    let by_raw = copied() - by_nbdcopy;
+    eprintln!("payload bytes copied out of the receive buffers: {by_nbdcopy} (nbdcopy), {by_raw} (raw client)");
+    check(
+        by_raw <= 2 * MIB + 64 * 4096,
+        format!("16 WRITEs of 1 MiB and 64 of 4 KiB: {by_raw} payload bytes copied (at most 2 large WRITEs' and the small ones' may be)"),
+    )?;
+    check(std::fs::read(&img)? == image, "the image differs from what was written")
+}
+
 /// Threads of io_uring's workers serving a ring of this process's NBD
 /// server (named `iou-wrk-<tid of the ring thread>`).
 fn ring_workers() -> usize {
@@ -224,6 +290,7 @@ fn main() {
         Trial::test("nbd_writes::ext4_writes_read_back_identical", ext4_writes_read_back_identical),
         Trial::test("nbd_writes::xfs_writes_read_back_identical", xfs_writes_read_back_identical),
         Trial::test("nbd_writes::ext4_small_writes_inline_unless_off", ext4_small_writes_inline_unless_off),
+        Trial::test("nbd_writes::large_writes_are_not_copied_out_of_receive_buffers", large_writes_are_not_copied_out_of_receive_buffers),
         Trial::test(
             "nbd_writes::reads_in_io_uring_workers_read_back_what_was_written",
             reads_in_io_uring_workers_read_back_what_was_written,

@@ -23,7 +23,7 @@ pub(super) fn encode(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Expor
 fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Result<(), FmtError> {
     use volring_nbd::stats::Kind;
     type Pick = fn(&ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 12] = [
+    let counters: [(&str, &str, Pick); 13] = [
         ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
@@ -36,6 +36,11 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Re
         ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
         ("volring_nbd_inline_writes", "WRITEs done on a ring thread instead of an io_uring worker", |s| s.inline_writes),
         ("volring_nbd_offloaded_reads", "READs handed to io_uring's workers while the ring was starved of CPU", |s| s.offloaded_reads),
+        (
+            "volring_nbd_copied_write_bytes",
+            "WRITE payload bytes copied out of the receive buffers instead of received into the write's own",
+            |s| s.copied_write_bytes,
+        ),
     ];
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;

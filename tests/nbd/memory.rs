@@ -24,9 +24,12 @@ fn child(dir: &std::path::Path, conn_bytes: u64, server_bytes: u64, exports: &[(
     })
 }
 
-/// Serves a well-behaved client on every ring (writes of 1 MiB fill every
-/// receive buffer, reads of 4 KiB), then waits for the rings to trim: the
-/// RSS after that is the server's idle memory.
+/// Serves a well-behaved client on every ring (writes of 1 MiB, received
+/// straight into their buffers; 16 MiB of writes just under 64 KiB, each
+/// with its header filling one receive buffer, so every receive buffer is
+/// filled twice over, as a stream of small requests fills them; reads of
+/// 4 KiB), then waits for the rings to trim: the RSS after that is the
+/// server's idle memory.
 fn warm_up(srv: &ChildServer, export: &str) -> Result<u64, Failed> {
     let mut conns: Vec<RawClient> =
         (0..2).map(|_| RawClient::connect(&srv.spec.socket, export, HeaderStyle::Structured, false)).collect::<Result<_, _>>()?;
@@ -34,6 +37,12 @@ fn warm_up(srv: &ChildServer, export: &str) -> Result<u64, Failed> {
         for j in 0..24u64 {
             let off = (i as u64 * 24 + j) % 48 * MIB;
             check(c.call(cmd::WRITE, 0, off, MIB, &pattern(j, off, MIB as usize))?.error == 0, "warm-up write")?;
+        }
+        // 64 KiB on the wire each, header and payload: one receive buffer.
+        let len = 65_536 - 28;
+        for j in 0..256u64 {
+            let off = j * 65_536;
+            check(c.call(cmd::WRITE, 0, off, len, &pattern(j, off, len as usize))?.error == 0, "warm-up small write")?;
         }
         for j in 0..256u64 {
             check(c.call(cmd::READ, 0, j * 4096, 4096, &[])?.error == 0, "warm-up read")?;

@@ -99,6 +99,11 @@ pub(crate) struct ExportStats {
     /// Page-cache READs handed to io_uring's workers because the ring was
     /// starved of CPU (see `server::starve`).
     pub(crate) offloaded_reads: AtomicU64,
+    /// WRITE payload bytes copied into the write's buffer from where they
+    /// were received (the ring's provided buffers, or bytes a paused
+    /// connection held) instead of received straight into it: a second
+    /// pass over them (see `server::direct`).
+    pub(crate) copied_write_bytes: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.
     buckets: [LatencyBuckets; 6],
@@ -125,6 +130,7 @@ pub(crate) struct Pending {
     write_bytes: u64,
     errors: u64,
     offloaded_reads: u64,
+    copied_write_bytes: u64,
     latencies_us: Vec<u32>,
     buckets: [[u64; BUCKETS]; 6],
     sums_us: [u64; 6],
@@ -153,8 +159,13 @@ impl Pending {
         self.offloaded_reads += 1;
     }
 
+    /// WRITE payload bytes copied out of where they were received.
+    pub(crate) fn copied_write(&mut self, bytes: u64) {
+        self.copied_write_bytes += bytes;
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
-        self.counts.iter().all(|&c| c == 0) && self.offloaded_reads == 0
+        self.counts.iter().all(|&c| c == 0) && self.offloaded_reads == 0 && self.copied_write_bytes == 0
     }
 }
 
@@ -173,6 +184,7 @@ impl ExportStats {
         self.write_bytes.fetch_add(p.write_bytes, Ordering::Relaxed);
         self.errors.fetch_add(p.errors, Ordering::Relaxed);
         self.offloaded_reads.fetch_add(p.offloaded_reads, Ordering::Relaxed);
+        self.copied_write_bytes.fetch_add(p.copied_write_bytes, Ordering::Relaxed);
         for (k, target) in self.buckets.iter().enumerate() {
             if p.sums_us[k] == 0 && p.buckets[k].iter().all(|&c| c == 0) {
                 continue;
@@ -222,6 +234,7 @@ impl ExportStats {
             errors: load(&self.errors),
             inline_writes: load(&self.inline_writes),
             offloaded_reads: load(&self.offloaded_reads),
+            copied_write_bytes: load(&self.copied_write_bytes),
             latency_count: count,
             latency_p50_us: p50,
             latency_p99_us: p99,
@@ -248,6 +261,9 @@ pub struct ExportSnapshot {
     pub errors: u64,
     pub inline_writes: u64,
     pub offloaded_reads: u64,
+    /// WRITE payload bytes copied out of the buffers they were received
+    /// into rather than received straight into the write's own.
+    pub copied_write_bytes: u64,
     pub latency_count: u64,
     pub latency_p50_us: u64,
     pub latency_p99_us: u64,

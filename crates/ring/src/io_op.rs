@@ -63,6 +63,11 @@ pub enum Op<'a> {
     /// Receives on a socket into provided buffers until cancelled, the peer
     /// closes, or the pool runs dry (ENOBUFS: arm again after recycling).
     RecvMulti { socket: u32 },
+    /// Receives once, at most `len` bytes, into a provided buffer: exactly
+    /// what the caller knows is coming before something it wants elsewhere
+    /// (a request header before a payload that goes straight into its own
+    /// buffer), so nothing after it lands in the pool.
+    RecvOnce { socket: u32, len: u32 },
     /// Receives straight into `into`, waiting for all of it (MSG_WAITALL;
     /// short only on end of stream, an error or a cancel): a large payload
     /// lands where it is written from, without passing through the provided
@@ -106,7 +111,8 @@ pub enum Op<'a> {
 pub struct IoRingStats {
     /// Operations submitted and not yet finished.
     pub in_flight: usize,
-    /// Multishot receives armed and not yet ended.
+    /// Receives into the provided buffers (multishot or once) armed and
+    /// not yet ended.
     pub armed_recvs: usize,
     /// Provided buffers the driver holds (handed out, not recycled).
     pub recv_taken: u16,

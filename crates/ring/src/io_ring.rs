@@ -55,7 +55,7 @@ enum Held {
     ),
     /// A close of this fixed slot: the slot is free once it completes.
     Close(u32),
-    /// A multishot receive from the provided buffers, armed when the
+    /// A receive from the provided buffers (multishot or once), armed when the
     /// ring had handed out `epoch` buffers and the driver held none
     /// (`idle`).
     Recv {
@@ -87,7 +87,8 @@ pub struct IoRing<T: Copy = u64> {
     pipes: PipePool,
     /// The kernel refused `min_wait_usec` once (before 6.12): not asked again.
     no_min_wait: bool,
-    /// Multishot receives armed and not ended.
+    /// Receives from the provided buffers (multishot or once) armed and
+    /// not ended.
     armed_recvs: usize,
     /// Completions that carried a provided buffer, since the ring was made.
     recv_epoch: u64,
@@ -232,6 +233,7 @@ impl<T: Copy> IoRing<T> {
             Sqe::AcceptMulti { listener } => self.accept_multi(token, listener),
             Sqe::PollMulti { fd, events } => self.poll_multi(token, fd, events),
             Sqe::RecvMulti { socket } => self.recv_multi(token, socket),
+            Sqe::RecvOnce { socket, len } => self.recv_once(token, socket, len),
             Sqe::RecvInto { socket, into } => self.recv_into(token, socket, into),
             Sqe::Send { socket, parts } => self.send(token, socket, parts),
             Sqe::Read { file, into, offset, in_worker: false } => self.read(token, file, into, offset),
@@ -262,21 +264,35 @@ impl<T: Copy> IoRing<T> {
     /// Receives on a fixed socket into provided buffers until cancelled, the
     /// peer closes, or the pool runs dry (ENOBUFS: arm again after recycling).
     fn recv_multi(&mut self, token: T, socket: u32) -> io::Result<OpId> {
+        self.recv_from_pool(token, |group| opcode::RecvMulti::new(types::Fixed(socket), group).build())
+    }
+
+    /// Receives once, at most `len` bytes, into a provided buffer (counted
+    /// and watched for a lost pool with the multishot receives).
+    fn recv_once(&mut self, token: T, socket: u32, len: u32) -> io::Result<OpId> {
+        self.recv_from_pool(token, |group| {
+            opcode::Recv::new(types::Fixed(socket), std::ptr::null_mut(), len).buf_group(group).build().flags(squeue::Flags::BUFFER_SELECT)
+        })
+    }
+
+    /// Starts a receive that picks its buffers from the pool (`build` gets
+    /// the pool's group).
+    fn recv_from_pool(&mut self, token: T, build: impl FnOnce(u16) -> squeue::Entry) -> io::Result<OpId> {
         let group = self.recv.group;
         let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
-        let op = self.start(token, held, |ud| opcode::RecvMulti::new(types::Fixed(socket), group).build().user_data(ud))?;
+        let op = self.start(token, held, |ud| build(group).user_data(ud))?;
         self.armed_recvs += 1;
         Ok(op)
     }
 
     /// Hands the kernel a fresh ring of every provided buffer the driver
-    /// does not hold. Only when no multishot receive is armed: a receive
+    /// does not hold. Only when no receive from the pool is armed: a receive
     /// holds no buffer once it has ended (its last completion returns
     /// any), so a buffer the kernel lost is referenced by nothing and can
     /// be given again; an armed one might still pick from the old ring.
     pub fn reset_recv_pool(&mut self) -> io::Result<()> {
         if self.armed_recvs != 0 {
-            return Err(io::Error::new(io::ErrorKind::WouldBlock, "multishot receives still armed"));
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "receives from the pool still armed"));
         }
         self.core.submitter().unregister_buf_ring(self.recv.group)?;
         self.recv.refill();
@@ -288,10 +304,8 @@ impl<T: Copy> IoRing<T> {
         Ok(())
     }
 
-    /// Receives from a fixed socket straight into `buf[start..end]`, waiting
-    /// for all of it (MSG_WAITALL; short only on end of stream, an error or
-    /// a cancel): a large payload lands where it is written from, without
-    /// passing through the provided buffers.
+    /// Receives from a fixed socket straight into `buf[start..end]` with
+    /// MSG_WAITALL (see [`Op::RecvInto`](crate::Op::RecvInto)).
     fn recv_into(&mut self, token: T, socket: u32, (buf, start, end): BufSlice) -> io::Result<OpId> {
         let (ptr, len, _) = self.bufs.lend(buf, start, end).ok_or_else(stale)?;
         self.start(token, Held::Buf(buf), |ud| {
@@ -331,9 +345,7 @@ impl<T: Copy> IoRing<T> {
     }
 
     /// Reads like [`read`](Self::read), but in one of io_uring's worker
-    /// threads (IOSQE_ASYNC) rather than inline in the submitting call,
-    /// even when the data is in the page cache: a caller starved of CPU
-    /// hands the copies to threads the scheduler gives shares of their own.
+    /// threads (IOSQE_ASYNC; see [`Op::Read`](crate::Op::Read)'s `in_worker`).
     fn read_async(&mut self, token: T, file: u32, slice: BufSlice, offset: u64) -> io::Result<OpId> {
         self.read_with(token, file, slice, offset, squeue::Flags::ASYNC)
     }

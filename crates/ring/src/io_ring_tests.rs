@@ -277,3 +277,30 @@ fn a_poll_finds_a_receive_that_arrives_while_it_polls() {
     ring.cancel(op).unwrap();
     until_ended(&mut ring, 1);
 }
+
+/// A receive once takes at most the length asked for into a provided
+/// buffer and leaves the rest in the socket (what a receive straight into
+/// a buffer of the caller's then gets); while armed it counts as a receive
+/// from the pool, so the pool is not handed over under it.
+#[test]
+fn a_receive_once_takes_no_byte_past_its_length() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    ring.submit(1, Sqe::RecvOnce { socket, len: 5 }).unwrap();
+    assert_eq!(ring.stats().armed_recvs, 1);
+    assert!(ring.reset_recv_pool().is_err(), "a receive from the pool is armed");
+    peer.write_all(b"head-and-the-rest").unwrap();
+    let done = until_ended(&mut ring, 1);
+    let c = done.iter().find(|c| c.token == 1).expect("its completion");
+    assert!(!c.more, "once: {done:?}");
+    let bid = c.recv_buf.expect("a provided buffer");
+    assert_eq!(ring.received(bid, c.result as usize).0, b"head-");
+    ring.recycle(bid);
+    assert_eq!(ring.stats().armed_recvs, 0);
+    let buf = ring.buffers().alloc(64);
+    ring.submit(2, Sqe::RecvInto { socket, into: (buf, 0, 12) }).unwrap();
+    let done = until_ended(&mut ring, 2);
+    assert_eq!(done.iter().find(|c| c.token == 2).map(|c| c.result), Some(12), "{done:?}");
+    assert_eq!(&ring.buffers().get_mut(buf).expect("given back")[..12], b"and-the-rest");
+}

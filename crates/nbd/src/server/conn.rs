@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::budget::{Account, Gate, Refusal};
+use super::direct::DIRECT_MIN;
 use crate::export::{Export, DIRECT_ALIGN, MAX_BLOCK};
 use crate::handshake::Handshake;
 use crate::wire::{self, cmd, errno, HeaderStyle, Request};
@@ -180,6 +181,9 @@ pub(super) enum Rx {
     Multishot(OpId),
     /// A receive of a WRITE payload straight into its buffer.
     Direct(OpId),
+    /// A receive of the rest of one request header alone, into a
+    /// provided buffer (see `direct`: after a large WRITE).
+    Header(OpId),
     /// A cancel is on its way; the receive's last completion makes it idle.
     Cancelling,
 }
@@ -216,6 +220,12 @@ pub(super) struct Conn {
     pub payload: Option<Payload>,
     /// Payload bytes of a refused WRITE still to read past.
     pub discard: u64,
+    /// Payload bytes `feed` copied into WRITE buffers, not counted in the
+    /// export's stats yet.
+    pub copied: u64,
+    /// The last request admitted was a WRITE large enough to be received
+    /// directly: the next header is received alone (see `direct`).
+    pub bulk: bool,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
     /// Parts of the send in flight (kept for its capacity when idle).
@@ -251,6 +261,8 @@ impl Conn {
             inbuf_charged: 0,
             payload: None,
             discard: 0,
+            copied: 0,
+            bulk: false,
             out: Vec::new(),
             sending: Vec::new(),
             socket_ops: 0,
@@ -366,6 +378,7 @@ impl Conn {
                 let dst = bufs.get_mut(p.buf).ok_or(Error::Protocol("write buffer busy"))?;
                 let at = p.data_off + p.filled;
                 dst[at..at + take].copy_from_slice(&rest[..take]);
+                self.copied += take as u64;
                 p.filled += take;
                 used += take;
                 if p.filled == p.req.length as usize {
@@ -404,11 +417,13 @@ impl Conn {
             }
             self.inbuf.clear();
             used += took;
+            self.bulk = false;
             if req.kind != cmd::WRITE {
                 return Ok((used, Fed::Parsed(Parsed::Request(req, now))));
             }
             match check_write(attached, &req) {
                 Ok(()) => {
+                    self.bulk = req.length >= DIRECT_MIN;
                     let (file, data_off) = attached.route(req.offset, req.length);
                     let buf = bufs.alloc(data_off + req.length as usize);
                     self.account.charge(gate.server, mem, mem);

@@ -11,11 +11,21 @@
 //! already taken are copied as before, in order), the rest of the payload
 //! is received with MSG_WAITALL directly into the write buffer, a chunk of
 //! at most [`DIRECT_CHUNK`] at a time so progress shows (a client sending
-//! slowly is not taken for a stalled one), and the multishot receive is
-//! armed again after the payload. The buffer was charged to the connection
-//! and the server before it was allocated, as for any WRITE.
+//! slowly is not taken for a stalled one). The buffer was charged to the
+//! connection and the server before it was allocated, as for any WRITE.
+//!
+//! After such a WRITE the multishot receive is not armed again at once:
+//! it would take the next request's header and whatever of its payload had
+//! arrived, and a stream of large WRITEs (a client copying an image) would
+//! have the head of every payload copied. Instead the next header alone is
+//! received, once, into a provided buffer (at most the header's length, so
+//! no payload byte comes with it); a large WRITE's payload then goes
+//! straight into its buffer, and any other request turns the multishot
+//! receive back on (small requests would pay a receive each otherwise).
+//! So in a stream of large WRITEs no payload byte passes through the pool,
+//! and there is no cancel either.
 
-use super::conn::Conn;
+use super::conn::{Conn, Phase};
 use super::token::Token;
 use volring_ring::{IoRing, Op, OpId};
 
@@ -37,4 +47,20 @@ pub(super) fn arm(ring: &mut IoRing<Token>, ci: u32, c: &Conn) -> std::io::Resul
     let at = p.data_off + p.filled;
     let take = (p.req.length as usize - p.filled).min(DIRECT_CHUNK);
     ring.submit(Token::RecvInto(ci), Op::RecvInto { socket: c.socket, into: (p.buf, at, at + take) })
+}
+
+/// How much of the next request header to receive alone: after a large
+/// WRITE, when nothing else (a payload, bytes to read past) comes first.
+pub(super) fn header_rest(c: &Conn) -> Option<u32> {
+    if !c.bulk || c.payload.is_some() || c.discard > 0 || !matches!(c.phase, Phase::Serving { .. }) {
+        return None;
+    }
+    let need = c.style().request_len();
+    (c.inbuf.len() < need).then(|| (need - c.inbuf.len()) as u32)
+}
+
+/// Arms a receive of at most `len` bytes (the rest of a header) into a
+/// provided buffer.
+pub(super) fn arm_header(ring: &mut IoRing<Token>, ci: u32, c: &Conn, len: u32) -> std::io::Result<OpId> {
+    ring.submit(Token::Recv(ci), Op::RecvOnce { socket: c.socket, len })
 }

@@ -34,8 +34,9 @@ pub(super) struct Receive {
     /// so the pool can be handed over afresh; none is armed meanwhile.
     recovering: bool,
     /// Large payloads are received directly (cancelling the multishot
-    /// receive first); off for good on a ring whose kernel lost buffers,
-    /// since those cancels are what lose them.
+    /// receive first), and after one the next header alone; off for good
+    /// on a ring whose kernel lost buffers, since those cancels are what
+    /// lose them.
     direct: bool,
     /// Connections the server's budget stopped, woken when memory is released.
     waiters: Vec<u32>,
@@ -118,8 +119,17 @@ impl Receive {
 
     /// Splits bytes into requests for connection `ci` and acts on each one
     /// before the next is admitted, so every buffer is charged before the
-    /// next request is looked at. What is not taken stays in `inbuf`.
+    /// next request is looked at. What is not taken stays in `inbuf`. The
+    /// payload bytes it copied into WRITE buffers are counted.
     fn pump(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32, src: &Source) {
+        self.split(sh, out, reqs, exports, ci, src);
+        let copied = sh.conn_mut(ci).map_or(0, |c| std::mem::take(&mut c.copied));
+        if copied > 0 {
+            sh.record_copied_write(ci, copied);
+        }
+    }
+
+    fn split(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32, src: &Source) {
         let mut pos = 0;
         loop {
             let Some(conn) = sh.conns[ci as usize].as_mut().filter(|c| c.state == State::Reading) else { return };
@@ -275,24 +285,28 @@ impl Receive {
     }
 
     /// Keeps a receive armed on a connection being read: a multishot one,
-    /// or (for the rest of a large payload) a direct one, which ends the
-    /// multishot one first. While the pool is being handed over no
-    /// multishot receive is armed; a direct receive may start or run on
-    /// (it uses no pool buffer, and cancelling one would cut a payload in
-    /// two). True when it armed one.
+    /// (for the rest of a large payload) a direct one, which ends the
+    /// multishot one first, or (after a large WRITE) one of the next
+    /// header alone. While the pool is being handed over no receive from
+    /// it is armed; a direct receive may start or run on (it uses no pool
+    /// buffer, and cancelling one would cut a payload in two). True when
+    /// it armed one.
     pub(super) fn keep_receiving(&mut self, sh: &mut Shared, ci: u32) -> bool {
         let Some(c) = sh.conns[ci as usize].as_mut() else { return false };
         let wants_direct = self.direct && direct::wants_direct(c);
+        let header = if self.direct { direct::header_rest(c) } else { None };
         match c.rx {
             Rx::Idle if wants_direct || !self.recovering => {
                 let armed = if wants_direct {
-                    direct::arm(&mut sh.ring, ci, c)
+                    direct::arm(&mut sh.ring, ci, c).map(Rx::Direct)
+                } else if let Some(len) = header {
+                    direct::arm_header(&mut sh.ring, ci, c, len).map(Rx::Header)
                 } else {
-                    sh.ring.submit(Token::Recv(ci), Op::RecvMulti { socket: c.socket })
+                    sh.ring.submit(Token::Recv(ci), Op::RecvMulti { socket: c.socket }).map(Rx::Multishot)
                 };
                 match armed {
-                    Ok(op) => {
-                        c.rx = if wants_direct { Rx::Direct(op) } else { Rx::Multishot(op) };
+                    Ok(rx) => {
+                        c.rx = rx;
                         c.socket_ops += 1;
                         return true;
                     }
@@ -302,7 +316,14 @@ impl Receive {
                     }
                 }
             }
-            Rx::Multishot(op) if wants_direct || self.recovering => {
+            // After a large WRITE whose payload the multishot receive took
+            // (too little was left to receive directly) it is ended too,
+            // or it would take the next WRITE's head as well.
+            Rx::Multishot(op) if wants_direct || self.recovering || header.is_some() => {
+                c.rx = Rx::Cancelling;
+                let _ = sh.ring.cancel(op);
+            }
+            Rx::Header(op) if self.recovering => {
                 c.rx = Rx::Cancelling;
                 let _ = sh.ring.cancel(op);
             }
@@ -336,8 +357,8 @@ impl Receive {
     }
 
     /// The kernel lost provided buffers (see `IoRingStats::recv_pool_lost`):
-    /// every multishot receive of the ring is ended, and none is armed
-    /// until the pool has been handed over afresh.
+    /// every receive from the pool is ended, and none is armed until the
+    /// pool has been handed over afresh.
     fn begin_recovery(&mut self, sh: &mut Shared) {
         self.recovering = true;
         if self.direct {
@@ -348,14 +369,14 @@ impl Receive {
             );
         }
         for c in sh.conns.iter_mut().flatten() {
-            if let Rx::Multishot(op) = c.rx {
+            if let Rx::Multishot(op) | Rx::Header(op) = c.rx {
                 c.rx = Rx::Cancelling;
                 let _ = sh.ring.cancel(op);
             }
         }
     }
 
-    /// Once no multishot receive is armed any more, the pool goes back to
+    /// Once no receive from the pool is armed any more, the pool goes back to
     /// the kernel whole and every connection is read again.
     pub(super) fn finish_recovery(&mut self, sh: &mut Shared) {
         if !self.recovering || sh.ring.stats().armed_recvs != 0 {

@@ -115,7 +115,7 @@ impl Shared {
     /// Ends the receive armed on connection `ci`, if any.
     pub(crate) fn stop_receiving(&mut self, ci: u32) {
         let Some(c) = self.conns[ci as usize].as_mut() else { return };
-        if let Rx::Multishot(op) | Rx::Direct(op) = c.rx {
+        if let Rx::Multishot(op) | Rx::Direct(op) | Rx::Header(op) = c.rx {
             c.rx = Rx::Cancelling;
             let _ = self.ring.cancel(op);
         }
@@ -161,6 +161,14 @@ impl Shared {
     pub(crate) fn record_offloaded_read(&mut self, ci: u32) {
         if let Some(pending) = self.pending_of(ci) {
             pending.offloaded_read();
+        }
+    }
+
+    /// Counts WRITE payload bytes of connection `ci`'s export copied out of
+    /// where they were received.
+    pub(crate) fn record_copied_write(&mut self, ci: u32, bytes: u64) {
+        if let Some(pending) = self.pending_of(ci) {
+            pending.copied_write(bytes);
         }
     }
 
