@@ -321,7 +321,8 @@ pub struct RingSnapshot {
     /// Page-cache reads go to io_uring's workers now (the ring was starved
     /// of CPU lately, or the server's setting is `always`).
     pub offloading_reads: bool,
-    /// The ring thread's nice value (0 until something renices it).
+    /// The ring thread's nice value: the one it started with, lowered by
+    /// the weight of its busy connections (`server::weight`).
     pub nice: i32,
 }
 
