@@ -178,8 +178,8 @@ fn pipelined_writes(s: &Served, writes: &[(u64, u64)], image: &mut [u8]) -> Resu
 /// the first large WRITE after the handshake or after small requests (its
 /// head arrives while the multishot receive is armed) may be copied, in
 /// part. Small WRITEs between large ones (received by the multishot
-/// receive again, and copied as always) and large ones after them read
-/// back as written. The count is the export's `copied_write_bytes`
+/// receive again: copied when a receive cut one in two) and large ones
+/// after them read back as written. The count is the export's `copied_write_bytes`
 /// (`volring_nbd_copied_write_bytes`).
 fn large_writes_are_not_copied_out_of_receive_buffers() -> Result<(), Failed> {
     let s = Served::with_config(&[], |c| c.threads = 1);
@@ -205,6 +205,43 @@ fn large_writes_are_not_copied_out_of_receive_buffers() -> Result<(), Failed> {
         format!("16 WRITEs of 1 MiB and 64 of 4 KiB: {by_raw} payload bytes copied (at most 2 large WRITEs' and the small ones' may be)"),
     )?;
     check(std::fs::read(&img)? == image, "the image differs from what was written")
+}
+
+/// Small WRITEs that arrive whole in one receive are written from the
+/// ring's receive buffer they landed in (through io_uring on xfs, on the
+/// ring thread on ext4), not copied into a buffer of their own first: at
+/// most those whose payload a receive cut in two (or that came while the
+/// connection holds its share of receive buffers) are copied. Checked for
+/// nbdcopy's client (header and payload sent apart) and for a raw client
+/// that sends each WRITE whole and pipelines all of them; both read back
+/// as written. The count is the export's `copied_write_bytes`.
+fn small_writes_are_written_from_receive_buffers_on(fs: &str) -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let (_dev, at) = pool(&scratch, fs);
+    let size = SIZE / 4;
+    let s = serve(&at, InlineWrites::Auto, size);
+    let copied = || s.server().exports().get("disk").expect("export").snapshot().copied_write_bytes;
+    let mut image = random(7, size);
+    copy_in(&s, &image, "4096", 32)?;
+    let by_nbdcopy = copied();
+    let writes: Vec<(u64, u64)> = (0..512).map(|i| (i * 8192 + 512, 4096)).collect();
+    pipelined_writes(&s, &writes, &mut image)?;
+    let by_raw = copied() - by_nbdcopy;
+    eprintln!(
+        "{fs}: payload bytes copied out of the receive buffers: {by_nbdcopy} of {size} (nbdcopy), {by_raw} of {} (raw client)",
+        512 * 4096
+    );
+    check(by_nbdcopy <= size / 4, format!("{fs}: nbdcopy's 4 KiB WRITEs at QD32: {by_nbdcopy} of {size} payload bytes copied"))?;
+    check(by_raw <= 512 * 4096 / 4, format!("{fs}: 512 pipelined 4 KiB WRITEs: {by_raw} of {} payload bytes copied", 512 * 4096))?;
+    read_back(&s, &at, &image, &format!("{fs}, 4 KiB writes from the receive buffers"))
+}
+
+fn xfs_small_writes_are_written_from_receive_buffers() -> Result<(), Failed> {
+    small_writes_are_written_from_receive_buffers_on("xfs")
+}
+
+fn ext4_small_writes_are_written_from_receive_buffers() -> Result<(), Failed> {
+    small_writes_are_written_from_receive_buffers_on("ext4")
 }
 
 /// Threads of io_uring's workers serving a ring of this process's NBD
@@ -291,6 +328,8 @@ fn main() {
         Trial::test("nbd_writes::xfs_writes_read_back_identical", xfs_writes_read_back_identical),
         Trial::test("nbd_writes::ext4_small_writes_inline_unless_off", ext4_small_writes_inline_unless_off),
         Trial::test("nbd_writes::large_writes_are_not_copied_out_of_receive_buffers", large_writes_are_not_copied_out_of_receive_buffers),
+        Trial::test("nbd_writes::xfs_small_writes_are_written_from_receive_buffers", xfs_small_writes_are_written_from_receive_buffers),
+        Trial::test("nbd_writes::ext4_small_writes_are_written_from_receive_buffers", ext4_small_writes_are_written_from_receive_buffers),
         Trial::test(
             "nbd_writes::reads_in_io_uring_workers_read_back_what_was_written",
             reads_in_io_uring_workers_read_back_what_was_written,

@@ -421,6 +421,13 @@ pub(super) struct RecvPool {
     /// Buffers a completion handed to the driver and not recycled yet.
     taken: Vec<bool>,
     taken_count: u16,
+    /// Writes in flight from each buffer: a buffer recycled while any
+    /// is goes back to the kernel when the last one ends (`recycle_due`),
+    /// so no receive overwrites bytes a write is still reading.
+    lent: Vec<u16>,
+    recycle_due: Vec<bool>,
+    /// Buffers with at least one write in flight.
+    lent_count: u16,
     /// Diagnostic counters: hand-outs, hand-outs of a buffer already out,
     /// recycles, and recycles of a buffer that was not out.
     pub(super) counts: [u64; 4],
@@ -433,8 +440,21 @@ impl RecvPool {
         }
         let ring = Mapping::new((usize::from(entries) * std::mem::size_of::<BufRingEntry>()).next_multiple_of(PAGE))?;
         let data = Mapping::new(usize::from(entries) * size)?;
-        let mut pool =
-            Self { ring, data, entries, size, tail: 0, group, taken: vec![false; usize::from(entries)], taken_count: 0, counts: [0; 4] };
+        let n = usize::from(entries);
+        let mut pool = Self {
+            ring,
+            data,
+            entries,
+            size,
+            tail: 0,
+            group,
+            taken: vec![false; n],
+            taken_count: 0,
+            lent: vec![0; n],
+            recycle_due: vec![false; n],
+            lent_count: 0,
+            counts: [0; 4],
+        };
         pool.refill();
         Ok(pool)
     }
@@ -512,8 +532,52 @@ impl RecvPool {
         unsafe { std::slice::from_raw_parts(self.data.as_ptr().add(usize::from(bid) * self.size), len.min(self.size)) }
     }
 
+    /// Lends bytes `start..end` of buffer `bid` to a write: their address
+    /// and length, or None when the buffer is not the driver's (not handed
+    /// out, or already recycled) or the range is outside it. The buffer
+    /// stays out of the kernel's hands until [`RecvPool::give_back`].
+    pub(super) fn lend(&mut self, bid: u16, start: usize, end: usize) -> Option<(*const u8, u32)> {
+        let i = usize::from(bid);
+        if bid >= self.entries || !self.taken[i] || self.recycle_due[i] || start >= end || end > self.size {
+            return None;
+        }
+        self.lent[i] += 1;
+        if self.lent[i] == 1 {
+            self.lent_count += 1;
+        }
+        // SAFETY: pointer arithmetic only; bid < entries and end <= size, so
+        // the range is inside the data mapping.
+        Some((unsafe { self.data.as_ptr().add(i * self.size + start) }.cast_const(), (end - start) as u32))
+    }
+
+    /// A write lent bytes of buffer `bid` ended; a buffer recycled meanwhile
+    /// goes back to the kernel with the last one.
+    pub(super) fn give_back(&mut self, bid: u16) {
+        let i = usize::from(bid % self.entries);
+        if self.lent[i] == 0 {
+            return;
+        }
+        self.lent[i] -= 1;
+        if self.lent[i] == 0 {
+            self.lent_count -= 1;
+            if std::mem::take(&mut self.recycle_due[i]) {
+                self.recycle(bid);
+            }
+        }
+    }
+
+    /// Buffers with a write in flight.
+    pub(super) fn lent(&self) -> u16 {
+        self.lent_count
+    }
+
     pub(super) fn recycle(&mut self, bid: u16) {
         let bid = bid % self.entries;
+        if self.lent[usize::from(bid)] > 0 {
+            // A write still reads it: back with the last one.
+            self.recycle_due[usize::from(bid)] = true;
+            return;
+        }
         let slot = &mut self.taken[usize::from(bid)];
         if !*slot {
             // Not handed out (or already back): pushing it again would put

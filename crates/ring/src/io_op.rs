@@ -84,6 +84,13 @@ pub enum Op<'a> {
     /// Writes `from` to `file` at `offset`; `dsync` makes it durable before
     /// it completes (RWF_DSYNC: the FUA of a file).
     Write { file: u32, from: (BufId, usize, usize), offset: u64, dsync: bool },
+    /// Writes bytes `start..end` of provided receive buffer `buf` (one a
+    /// receive completion handed over and the driver has not recycled) to
+    /// `file` at `offset`: a small WRITE payload that arrived whole in one
+    /// receive is written from where it landed, not copied out first. The
+    /// buffer goes back to the kernel only once the write has ended, even
+    /// if it is recycled before.
+    WriteReceived { file: u32, from: (u16, usize, usize), offset: u64, dsync: bool },
     /// fdatasync (`data_only`) or fsync of `file`.
     Fsync { file: u32, data_only: bool },
     /// fallocate(2) of `file` with `mode` (punch hole, zero range).
@@ -116,6 +123,9 @@ pub struct IoRingStats {
     pub armed_recvs: usize,
     /// Provided buffers the driver holds (handed out, not recycled).
     pub recv_taken: u16,
+    /// Provided buffers a write in flight reads from ([`Op::WriteReceived`]):
+    /// out of the kernel's hands until it ends.
+    pub recv_lent: u16,
     /// Whether the kernel lost provided buffers: a receive armed while the
     /// driver held none ended with ENOBUFS before any buffer came back, so
     /// the kernel's ring was empty although every buffer had been given to

@@ -44,6 +44,8 @@ enum Held {
     Nothing,
     Pipe(u32),
     Buf(BufId),
+    /// Bytes of this provided receive buffer, lent to a write.
+    Lent(u16),
     Send {
         bufs: Vec<BufId>,
         iov: Vec<libc::iovec>,
@@ -164,6 +166,7 @@ impl<T: Copy> IoRing<T> {
             in_flight: self.core.ops().len(),
             armed_recvs: self.armed_recvs,
             recv_taken: self.recv.taken(),
+            recv_lent: self.recv.lent(),
             recv_pool_lost: self.recv_lost,
             stale_completions: self.core.ops().stale(),
             recv_counts: self.recv.counts,
@@ -213,7 +216,8 @@ impl<T: Copy> IoRing<T> {
 
     fn start(&mut self, token: T, held: Held, build: impl FnOnce(u64) -> squeue::Entry) -> io::Result<OpId> {
         // SAFETY: every pointer in the sqe refers to memory the op holds
-        // until its last completion (buffers lent and marked busy, boxed
+        // until its last completion (buffers lent and marked busy, provided
+        // buffers lent and kept from the kernel until then, boxed
         // iovecs/msghdr/timespec), to the arena or receive pool (which
         // outlive the core, or are leaked with its ops), or to nothing.
         match unsafe { self.core.try_start(Op { token, held }, |_, ud| build(ud)) } {
@@ -239,6 +243,7 @@ impl<T: Copy> IoRing<T> {
             Sqe::Read { file, into, offset, in_worker: false } => self.read(token, file, into, offset),
             Sqe::Read { file, into, offset, in_worker: true } => self.read_async(token, file, into, offset),
             Sqe::Write { file, from, offset, dsync } => self.write(token, file, from, offset, dsync),
+            Sqe::WriteReceived { file, from, offset, dsync } => self.write_received(token, file, from, offset, dsync),
             Sqe::Fsync { file, data_only } => self.fsync(token, file, data_only),
             Sqe::Fallocate { file, mode, offset, len } => self.fallocate(token, file, mode, offset, len),
             Sqe::Fadvise { file, offset, len, advice } => self.fadvise(token, file, offset, len, advice),
@@ -366,6 +371,23 @@ impl<T: Copy> IoRing<T> {
         self.start(token, Held::Buf(buf), |ud| match index {
             Some(i) => opcode::WriteFixed::new(types::Fixed(file), ptr, len, i).offset(offset).rw_flags(flags).build().user_data(ud),
             None => opcode::Write::new(types::Fixed(file), ptr, len).offset(offset).rw_flags(flags).build().user_data(ud),
+        })
+    }
+
+    /// Writes bytes `start..end` of provided buffer `bid` to `file` at
+    /// `offset` (see [`Op::WriteReceived`](crate::Op::WriteReceived)).
+    fn write_received(
+        &mut self,
+        token: T,
+        file: u32,
+        (bid, start, end): (u16, usize, usize),
+        offset: u64,
+        dsync: bool,
+    ) -> io::Result<OpId> {
+        let (ptr, len) = self.recv.lend(bid, start, end).ok_or_else(stale)?;
+        let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+        self.start(token, Held::Lent(bid), |ud| {
+            opcode::Write::new(types::Fixed(file), ptr, len).offset(offset).rw_flags(flags).build().user_data(ud)
         })
     }
 
@@ -567,6 +589,7 @@ impl<T: Copy> IoRing<T> {
             Held::Nothing | Held::Timeout(_) => {}
             Held::Recv { .. } => self.armed_recvs -= 1,
             Held::Buf(id) => self.bufs.give_back(id),
+            Held::Lent(bid) => self.recv.give_back(bid),
             Held::Send { mut bufs, iov, msg } => {
                 for id in bufs.drain(..) {
                     self.bufs.give_back(id);

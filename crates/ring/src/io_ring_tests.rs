@@ -304,3 +304,37 @@ fn a_receive_once_takes_no_byte_past_its_length() {
     assert_eq!(done.iter().find(|c| c.token == 2).map(|c| c.result), Some(12), "{done:?}");
     assert_eq!(&ring.buffers().get_mut(buf).expect("given back")[..12], b"and-the-rest");
 }
+
+/// A write from a provided receive buffer keeps the buffer out of the
+/// kernel's hands until it ends, even when the driver recycles it first
+/// (as the NBD server does right after splitting a receive into requests):
+/// a receive landing in it meanwhile would change the bytes being written.
+/// A buffer the driver does not hold cannot be lent.
+#[test]
+fn a_provided_buffer_lent_to_a_write_is_recycled_when_the_write_ends() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let file = tempfile::tempfile().expect("temporary file");
+    let slot = ring.register_file(file.as_raw_fd()).expect("fixed file");
+    peer.write_all(b"headerPAYLOAD").unwrap();
+    ring.recv_once(1, socket, 13).unwrap();
+    let got = until_ended_or_data(&mut ring, 1);
+    let bid = got.recv_buf.expect("a provided buffer");
+    assert!(ring.submit(9, Sqe::WriteReceived { file: slot, from: ((bid + 1) % 4, 0, 4), offset: 0, dsync: false }).is_err());
+    ring.submit(2, Sqe::WriteReceived { file: slot, from: (bid, 6, 13), offset: 100, dsync: false }).expect("lent");
+    ring.recycle(bid);
+    let stats = ring.stats();
+    assert_eq!((stats.recv_taken, stats.recv_lent), (1, 1), "recycled while a write reads it: still out of the kernel's hands");
+    assert!(
+        ring.submit(3, Sqe::WriteReceived { file: slot, from: (bid, 0, 6), offset: 0, dsync: false }).is_err(),
+        "recycled: not the driver's to lend"
+    );
+    let done = until_ended(&mut ring, 2);
+    assert_eq!(done.iter().find(|c| c.token == 2).map(|c| c.result), Some(7), "{done:?}");
+    let stats = ring.stats();
+    assert_eq!((stats.recv_taken, stats.recv_lent), (0, 0), "back to the kernel with the write's end");
+    let mut written = [0u8; 7];
+    rustix::io::pread(&file, &mut written, 100).expect("read back");
+    assert_eq!(&written, b"PAYLOAD");
+}

@@ -26,6 +26,14 @@ pub(super) const SPLICE_MIN: u64 = 64 * 1024;
 /// What a reply without bulk data is charged at admission (a header, an
 /// error message or a short extent list).
 const SMALL_REPLY: usize = 128;
+/// WRITE payloads at most this long take no buffer of their own until
+/// their bytes arrive: one that arrives whole in a provided receive buffer
+/// is written from there (see [`Lend`]).
+pub(super) const LEND_MAX: u64 = 64 * 1024;
+/// Provided receive buffers one connection's writes may hold at once; past
+/// it payloads are copied out. Bounds what a client whose writes hang (a
+/// stuck device) keeps from the ring's other connections.
+pub(super) const LENT_PER_CONN: usize = 4;
 
 /// The export as one ring sees it: its fixed-file slots.
 pub(super) struct Attached {
@@ -92,7 +100,10 @@ pub(super) enum Blocked {
 /// A WRITE whose payload is still arriving.
 pub(super) struct Payload {
     pub req: Request,
-    pub buf: BufId,
+    /// Where the payload is put together: none yet for a small payload
+    /// none of whose bytes has come (it may still come whole in one
+    /// provided buffer and be written from there).
+    pub buf: Option<BufId>,
     pub data_off: usize,
     pub file: u32,
     pub filled: usize,
@@ -122,11 +133,24 @@ pub(super) struct Splicing {
     pub started: Instant,
 }
 
+/// Bytes being split that a WRITE may be written from in place: they are
+/// in provided receive buffer `bid`, the first of them at `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Lend {
+    pub bid: u16,
+    pub base: usize,
+}
+
 /// What the byte splitter found, for the worker to act on.
 pub(super) enum Parsed {
     /// A request with no payload (or a WRITE whose payload is complete).
     Request(Request, Instant),
+    /// A WRITE whose payload is complete in its own buffer.
     Write(Payload),
+    /// A WRITE whose payload is whole in provided buffer `bid` from
+    /// `start`: written from there, no copy (the connection counts the
+    /// buffer among those it holds until the write ends).
+    WriteLent { req: Request, bid: u16, start: usize, file: u32, started: Instant },
     /// A request refused before any I/O, with its wire errno.
     Refuse(Request, u32, &'static str, Instant),
 }
@@ -226,6 +250,9 @@ pub(super) struct Conn {
     /// The last request admitted was a WRITE large enough to be received
     /// directly: the next header is received alone (see `direct`).
     pub bulk: bool,
+    /// Provided receive buffers its writes in flight are written from, and
+    /// how many writes each (at most [`LENT_PER_CONN`] buffers).
+    pub lent: Vec<(u16, u16)>,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
     /// Parts of the send in flight (kept for its capacity when idle).
@@ -263,6 +290,7 @@ impl Conn {
             discard: 0,
             copied: 0,
             bulk: false,
+            lent: Vec::new(),
             out: Vec::new(),
             sending: Vec::new(),
             socket_ops: 0,
@@ -341,6 +369,16 @@ impl Conn {
         }
     }
 
+    /// A write from provided buffer `bid` ended.
+    pub(crate) fn unlend(&mut self, bid: u16) {
+        if let Some(i) = self.lent.iter().position(|e| e.0 == bid) {
+            self.lent[i].1 -= 1;
+            if self.lent[i].1 == 0 {
+                self.lent.swap_remove(i);
+            }
+        }
+    }
+
     /// Charges `inbuf`'s memory to the server after it changed size.
     pub(crate) fn sync_inbuf(&mut self, server: &super::budget::ServerBudget) {
         if self.inbuf.is_empty() && self.inbuf.capacity() > 4096 {
@@ -357,10 +395,19 @@ impl Conn {
 
     /// Splits transmission-phase bytes into requests and payloads, up to
     /// the first request to act on, and returns how many bytes it took.
-    /// Header fragments wait in `inbuf`; payload bytes go straight into the
-    /// WRITE's own buffer. Each request is admitted through `gate` before
-    /// anything is allocated for it: one that does not fit is left untaken.
-    pub(crate) fn feed(&mut self, data: &[u8], bufs: &mut Buffers, gate: Gate<'_>, now: Instant) -> Result<(usize, Fed), Error> {
+    /// Header fragments wait in `inbuf`; a small payload that is whole in
+    /// `data` is written from there when `lend` says where `data` lies
+    /// (see [`Lend`]); other payload bytes go straight into the WRITE's own
+    /// buffer. Each request is admitted through `gate` before anything is
+    /// allocated for it: one that does not fit is left untaken.
+    pub(crate) fn feed(
+        &mut self,
+        data: &[u8],
+        bufs: &mut Buffers,
+        gate: Gate<'_>,
+        now: Instant,
+        lend: Option<Lend>,
+    ) -> Result<(usize, Fed), Error> {
         let Phase::Serving { attached, style, .. } = &self.phase else {
             return Err(Error::Protocol("request before the handshake ended"));
         };
@@ -372,10 +419,20 @@ impl Conn {
                 return Ok((used, Fed::Closing));
             }
             let rest = &data[used..];
-            if let Some(p) = &mut self.payload {
-                let want = p.req.length as usize - p.filled;
+            if let Some((want, pending)) = self.payload.as_ref().map(|p| (p.req.length as usize - p.filled, p.buf.is_none())) {
+                if let Some(l) = lend.filter(|_| pending && rest.len() >= want) {
+                    if lend_from(&mut self.lent, l.bid) {
+                        let p = self.payload.take().expect("checked above");
+                        let (req, file, started) = (p.req, p.file, p.started);
+                        let start = l.base + used;
+                        return Ok((used + want, Fed::Parsed(Parsed::WriteLent { req, bid: l.bid, start, file, started })));
+                    }
+                }
+                let p = self.payload.as_mut().expect("checked above");
+                let size = p.data_off + p.req.length as usize;
+                let buf = *p.buf.get_or_insert_with(|| bufs.alloc(size));
                 let take = want.min(rest.len());
-                let dst = bufs.get_mut(p.buf).ok_or(Error::Protocol("write buffer busy"))?;
+                let dst = bufs.get_mut(buf).ok_or(Error::Protocol("write buffer busy"))?;
                 let at = p.data_off + p.filled;
                 dst[at..at + take].copy_from_slice(&rest[..take]);
                 self.copied += take as u64;
@@ -425,7 +482,10 @@ impl Conn {
                 Ok(()) => {
                     self.bulk = req.length >= DIRECT_MIN;
                     let (file, data_off) = attached.route(req.offset, req.length);
-                    let buf = bufs.alloc(data_off + req.length as usize);
+                    // Written in place only from page-cache files: O_DIRECT
+                    // needs the payload aligned, which it is in no receive.
+                    let lazy = data_off == DATA_OFFSET && req.length <= LEND_MAX;
+                    let buf = (!lazy).then(|| bufs.alloc(data_off + req.length as usize));
                     self.account.charge(gate.server, mem, mem);
                     self.payload = Some(Payload { req, buf, data_off, file, filled: 0, started: now });
                 }
@@ -440,6 +500,21 @@ impl Conn {
         }
         Ok((used, Fed::More))
     }
+}
+
+/// Counts one more write from provided buffer `bid` in a connection's
+/// `lent`, if the buffer is one it holds already or it holds fewer than
+/// [`LENT_PER_CONN`].
+fn lend_from(lent: &mut Vec<(u16, u16)>, bid: u16) -> bool {
+    if let Some(e) = lent.iter_mut().find(|e| e.0 == bid) {
+        e.1 += 1;
+        return true;
+    }
+    if lent.len() >= LENT_PER_CONN {
+        return false;
+    }
+    lent.push((bid, 1));
+    true
 }
 
 /// Whether a WRITE can be taken before its payload is read.
@@ -462,3 +537,7 @@ fn check_write(a: &Attached, req: &Request) -> Result<(), (u32, &'static str)> {
         _ => Err((errno::ENOSPC, "WRITE beyond the end of the export")),
     }
 }
+
+#[cfg(test)]
+#[path = "conn_tests.rs"]
+mod tests;

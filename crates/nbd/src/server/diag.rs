@@ -208,6 +208,7 @@ impl Diagnostics {
             in_flight = sh.ring.stats().in_flight,
             armed_recvs = sh.ring.stats().armed_recvs,
             recv_taken = sh.ring.stats().recv_taken,
+            recv_lent = sh.ring.stats().recv_lent,
             recovering = rx.recovering(),
             conns = ?conns,
             "NBD ring is spinning: many loop turns without a completion"
@@ -226,7 +227,7 @@ impl Diagnostics {
         let line = format!(
             "ring={} turns={turns} empty_turns={empty_turns} recv_data={} recv_bytes={} recv_ended={} enobufs={} \
              recv_cancelled={} recv_eof={} recv_other={} recv_arms={} direct_ok={} direct_other={} sends={} send_errors={} \
-             file_ok={} file_errors={} last_error={:?} bufs_by_kind={:?} polls_found={} polls_missed={} in_flight={} armed_recvs={} recv_taken={} stale={} \
+             file_ok={} file_errors={} last_error={:?} bufs_by_kind={:?} polls_found={} polls_missed={} in_flight={} armed_recvs={} recv_taken={} recv_lent={} stale={} \
              recv_counts={:?} budget_used={} releases={} waiters={} dirty={} recovering={} direct_receive={} conns={conns:?}",
             id,
             s.recv_data,
@@ -250,6 +251,7 @@ impl Diagnostics {
             sh.ring.stats().in_flight,
             sh.ring.stats().armed_recvs,
             sh.ring.stats().recv_taken,
+            sh.ring.stats().recv_lent,
             sh.ring.stats().stale_completions,
             sh.ring.stats().recv_counts,
             sh.budget.used(),

@@ -44,9 +44,10 @@ pub(super) fn wants_direct(c: &Conn) -> bool {
 /// Arms a receive of the next chunk of `c`'s payload into its buffer.
 pub(super) fn arm(ring: &mut IoRing<Token>, ci: u32, c: &Conn) -> std::io::Result<OpId> {
     let p = c.payload.as_ref().ok_or_else(|| std::io::Error::other("no payload to receive"))?;
+    let buf = p.buf.ok_or_else(|| std::io::Error::other("a large payload without its buffer"))?;
     let at = p.data_off + p.filled;
     let take = (p.req.length as usize - p.filled).min(DIRECT_CHUNK);
-    ring.submit(Token::RecvInto(ci), Op::RecvInto { socket: c.socket, into: (p.buf, at, at + take) })
+    ring.submit(Token::RecvInto(ci), Op::RecvInto { socket: c.socket, into: (buf, at, at + take) })
 }
 
 /// How much of the next request header to receive alone: after a large

@@ -6,7 +6,7 @@
 use std::io;
 
 use super::budget::{Gate, Refusal};
-use super::conn::{Blocked, Fed, Parsed, Phase, Rx, State};
+use super::conn::{Blocked, Fed, Lend, Parsed, Phase, Rx, State};
 use super::direct;
 use super::exports::Attachments;
 use super::output::Output;
@@ -42,15 +42,18 @@ pub(super) struct Receive {
     waiters: Vec<u32>,
     /// The budget's release count when the waiters were last woken.
     waiters_seen: u64,
-}
-
-impl Default for Receive {
-    fn default() -> Self {
-        Receive { recovering: false, direct: true, waiters: Vec::new(), waiters_seen: 0 }
-    }
+    /// Provided receive buffers writes in flight may be written from: a
+    /// quarter of the pool. Past it payloads are copied out, so connections
+    /// whose writes hang never keep the pool from receiving.
+    lend_cap: u16,
 }
 
 impl Receive {
+    /// The receiving state of a ring whose receive pool has `pool` buffers.
+    pub(super) fn new(pool: u16) -> Self {
+        Receive { recovering: false, direct: true, waiters: Vec::new(), waiters_seen: 0, lend_cap: pool / 4 }
+    }
+
     pub(super) fn recovering(&self) -> bool {
         self.recovering
     }
@@ -132,6 +135,12 @@ impl Receive {
     fn split(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32, src: &Source) {
         let mut pos = 0;
         loop {
+            // A WRITE may be written from the receive buffer itself while
+            // the ring's pool keeps most buffers for receiving.
+            let lend = match src {
+                Source::Recv(bid, _) if sh.ring.stats().recv_lent < self.lend_cap => Some(Lend { bid: *bid, base: pos }),
+                _ => None,
+            };
             let Some(conn) = sh.conns[ci as usize].as_mut().filter(|c| c.state == State::Reading) else { return };
             let (data, bufs) = match src {
                 Source::Recv(bid, n) => sh.ring.received(*bid, *n),
@@ -141,7 +150,7 @@ impl Receive {
                 return;
             }
             let gate = Gate { limits: &sh.limits, server: &sh.budget };
-            match conn.feed(&data[pos..], bufs, gate, sh.now) {
+            match conn.feed(&data[pos..], bufs, gate, sh.now, lend) {
                 Err(e) => {
                     tracing::debug!(error = %e, "NBD client broke the protocol; closing");
                     return sh.break_conn(ci);

@@ -4,7 +4,7 @@ use std::os::fd::AsFd;
 use std::time::Instant;
 
 use super::conn::DATA_OFFSET;
-use super::conn::{Parsed, Payload, Phase};
+use super::conn::{Parsed, Phase};
 use super::exports::Attachments;
 use super::inline::{InlineWrite, RingInline};
 use super::output::Output;
@@ -45,6 +45,9 @@ pub(super) struct Req {
     pub req: Request,
     pub file: u32,
     pub buf: Option<BufId>,
+    /// A WRITE written from a provided receive buffer: its id and where
+    /// the payload starts in it (`buf` is then None).
+    pub lent: Option<(u16, usize)>,
     pub data_off: usize,
     /// Bytes done so far (reads and writes can complete short).
     pub done: u64,
@@ -55,7 +58,7 @@ pub(super) struct Req {
 /// The range check shared by every command with an offset and a length.
 impl Req {
     fn new(conn: u32, req: Request, file: u32, buf: Option<BufId>, data_off: usize, started: Instant) -> Self {
-        Req { conn, req, file, buf, data_off, done: 0, step: Step::Io, started }
+        Req { conn, req, file, buf, lent: None, data_off, done: 0, step: Step::Io, started }
     }
 }
 
@@ -129,7 +132,14 @@ impl Requests {
         match parsed {
             Parsed::Request(req, at) => self.start_request(sh, out, ci, req, at),
             Parsed::Refuse(req, code, why, at) => out.reply_small(sh, ci, &req, ReplyBody::Error { errno: code, message: why }, at),
-            Parsed::Write(p) => self.start_write(sh, out, exports, ci, p),
+            Parsed::Write(p) => {
+                let buf = p.buf.expect("a complete payload is in its buffer");
+                self.start_write(sh, out, exports, Req::new(ci, p.req, p.file, Some(buf), p.data_off, p.started));
+            }
+            Parsed::WriteLent { req, bid, start, file, started } => {
+                let r = Req { lent: Some((bid, start)), ..Req::new(ci, req, file, None, DATA_OFFSET, started) };
+                self.start_write(sh, out, exports, r);
+            }
         }
     }
 
@@ -196,8 +206,9 @@ impl Requests {
         }
     }
 
-    fn start_write(&mut self, sh: &mut Shared, out: &mut Output, exports: &mut Attachments, ci: u32, p: Payload) {
-        let ri = self.new_req(sh, Req::new(ci, p.req, p.file, Some(p.buf), p.data_off, p.started));
+    fn start_write(&mut self, sh: &mut Shared, out: &mut Output, exports: &mut Attachments, r: Req) {
+        let ci = r.conn;
+        let ri = self.new_req(sh, r);
         if !self.try_inline(sh, out, exports, ci, ri) {
             self.submit_io(sh, out, ri);
         }
@@ -215,12 +226,19 @@ impl Requests {
         let export = attached.export.clone();
         let buffered = attached.buffered == Some(r.file);
         let Some(path) = exports.write_path(export.id) else { return false };
-        let Some(bytes) = r.buf.and_then(|b| sh.ring.buffers().get(b)) else { return false };
+        let len = r.req.length as usize;
+        let data = match (r.lent, r.buf) {
+            (Some((bid, start)), _) => &sh.ring.received(bid, start + len).0[start..],
+            (None, Some(b)) => match sh.ring.buffers().get(b) {
+                Some(bytes) => &bytes[r.data_off..r.data_off + len],
+                None => return false,
+            },
+            (None, None) => return false,
+        };
         let fd = match export.buffered() {
             Some(fd) if buffered => fd.as_fd(),
             _ => export.file().as_fd(),
         };
-        let data = &bytes[r.data_off..r.data_off + r.req.length as usize];
         let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA) };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);
@@ -276,8 +294,17 @@ impl Requests {
                 }
             }
             (cmd::WRITE, _) => {
-                let (b, start, fua) = (r.buf.expect("writes own a buffer"), r.data_off + done as usize, r.req.has(cf::FUA));
-                sh.ring.submit(t, Op::Write { file: r.file, from: (b, start, r.data_off + len as usize), offset: off + done, dsync: fua })
+                let (dsync, offset) = (r.req.has(cf::FUA), off + done);
+                match (r.lent, r.buf) {
+                    (Some((bid, at)), _) => {
+                        let from = (bid, at + done as usize, at + len as usize);
+                        sh.ring.submit(t, Op::WriteReceived { file: r.file, from, offset, dsync })
+                    }
+                    (None, b) => {
+                        let (b, start) = (b.expect("writes own a buffer or a lent one"), r.data_off + done as usize);
+                        sh.ring.submit(t, Op::Write { file: r.file, from: (b, start, r.data_off + len as usize), offset, dsync })
+                    }
+                }
             }
             (cmd::WRITE_ZEROES, Step::ZeroFill) => {
                 let b = self.zeroes.expect("made before the first zero fill");
@@ -410,6 +437,12 @@ impl Requests {
             let n = Buffers::cost_of(sh.ring.buffers().len(b));
             sh.ring.buffers().free(b);
             n
+        });
+        // A lent payload was charged as if it had a buffer of its own.
+        let freed = freed.or_else(|| {
+            let (bid, _) = r.lent?;
+            sh.conn_mut(r.conn)?.unlend(bid);
+            Some(Buffers::cost_of(r.data_off + r.req.length as usize))
         });
         out.reply_small(sh, r.conn, &r.req, body, r.started);
         self.request_ended(sh, r.conn, Some(freed.unwrap_or(0)));

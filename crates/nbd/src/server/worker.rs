@@ -114,7 +114,7 @@ impl Worker {
         Ok(Worker {
             id: ctx.id,
             sh: Shared::new(ring, limits, ctx.budget),
-            rx: Receive::default(),
+            rx: Receive::new(ctx.config.ring.recv_bufs),
             out: Output { scratch: Vec::with_capacity(4096) },
             reqs: Requests::new(ctx.config.offload_reads),
             exports: Attachments::new(ctx.exports, ctx.config.inline_writes),
@@ -368,8 +368,8 @@ impl Worker {
     /// held goes back and its slot is free.
     fn on_closed(&mut self, ci: u32) {
         let Some(mut c) = self.sh.remove(ci) else { return };
-        if let Some(p) = c.payload.take() {
-            self.sh.ring.buffers().free(p.buf);
+        if let Some(buf) = c.payload.take().and_then(|p| p.buf) {
+            self.sh.ring.buffers().free(buf);
         }
         drop_parts(&mut c, self.sh.ring.buffers(), &self.sh.budget);
         // Whatever is left (the payload buffer, unread bytes) goes back.
