@@ -101,8 +101,9 @@ pub(crate) struct ExportStats {
     pub(crate) offloaded_reads: AtomicU64,
     /// WRITE payload bytes copied into the write's buffer from where they
     /// were received (the ring's provided buffers, or bytes a paused
-    /// connection held) instead of received straight into it: a second
-    /// pass over them (see `server::direct`).
+    /// connection held) instead of received straight into it or written
+    /// from where they landed: a second pass over them (see
+    /// `server::direct`, and `server::conn`'s `Lend`).
     pub(crate) copied_write_bytes: AtomicU64,
     latency: Mutex<Option<Histogram<u64>>>,
     /// Per command, in [`KINDS`] order.

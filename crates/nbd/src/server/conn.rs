@@ -141,6 +141,20 @@ pub(super) struct Lend {
     pub base: usize,
 }
 
+/// A provided receive buffer a connection's writes are made from. The
+/// connection keeps it from being recycled until the last of them has
+/// ended, so a write that completes short is tried again from the same
+/// bytes. (The ring keeps a lent buffer from the kernel in any case, for
+/// as long as a write reads it.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LentBuf {
+    pub bid: u16,
+    /// Writes from it not ended yet.
+    pub writes: u16,
+    /// All its received bytes were split: recycled with the last write.
+    pub split: bool,
+}
+
 /// What the byte splitter found, for the worker to act on.
 pub(super) enum Parsed {
     /// A request with no payload (or a WRITE whose payload is complete).
@@ -250,9 +264,9 @@ pub(super) struct Conn {
     /// The last request admitted was a WRITE large enough to be received
     /// directly: the next header is received alone (see `direct`).
     pub bulk: bool,
-    /// Provided receive buffers its writes in flight are written from, and
-    /// how many writes each (at most [`LENT_PER_CONN`] buffers).
-    pub lent: Vec<(u16, u16)>,
+    /// Provided receive buffers its writes in flight are written from (at
+    /// most [`LENT_PER_CONN`]).
+    pub lent: Vec<LentBuf>,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
     /// Parts of the send in flight (kept for its capacity when idle).
@@ -369,14 +383,29 @@ impl Conn {
         }
     }
 
-    /// A write from provided buffer `bid` ended.
-    pub(crate) fn unlend(&mut self, bid: u16) {
-        if let Some(i) = self.lent.iter().position(|e| e.0 == bid) {
-            self.lent[i].1 -= 1;
-            if self.lent[i].1 == 0 {
-                self.lent.swap_remove(i);
+    /// The bytes received into provided buffer `bid` have all been split:
+    /// true when writes from it are still in flight, which then recycle it
+    /// when the last one ends (see [`Conn::unlend`]).
+    pub(crate) fn keep_lent(&mut self, bid: u16) -> bool {
+        match self.lent.iter_mut().find(|e| e.bid == bid) {
+            Some(e) => {
+                e.split = true;
+                true
             }
+            None => false,
         }
+    }
+
+    /// A write (all its tries, short ones included) from provided buffer
+    /// `bid` ended: true when the buffer is now to be recycled (it was the
+    /// last one, and the buffer's bytes had all been split).
+    pub(crate) fn unlend(&mut self, bid: u16) -> bool {
+        let Some(i) = self.lent.iter().position(|e| e.bid == bid) else { return false };
+        self.lent[i].writes -= 1;
+        if self.lent[i].writes > 0 {
+            return false;
+        }
+        self.lent.swap_remove(i).split
     }
 
     /// Charges `inbuf`'s memory to the server after it changed size.
@@ -408,7 +437,7 @@ impl Conn {
         now: Instant,
         lend: Option<Lend>,
     ) -> Result<(usize, Fed), Error> {
-        let Phase::Serving { attached, style, .. } = &self.phase else {
+        let Phase::Serving { style, .. } = &self.phase else {
             return Err(Error::Protocol("request before the handshake ended"));
         };
         let style = *style;
@@ -419,30 +448,13 @@ impl Conn {
                 return Ok((used, Fed::Closing));
             }
             let rest = &data[used..];
-            if let Some((want, pending)) = self.payload.as_ref().map(|p| (p.req.length as usize - p.filled, p.buf.is_none())) {
-                if let Some(l) = lend.filter(|_| pending && rest.len() >= want) {
-                    if lend_from(&mut self.lent, l.bid) {
-                        let p = self.payload.take().expect("checked above");
-                        let (req, file, started) = (p.req, p.file, p.started);
-                        let start = l.base + used;
-                        return Ok((used + want, Fed::Parsed(Parsed::WriteLent { req, bid: l.bid, start, file, started })));
-                    }
+            if self.payload.is_some() {
+                let (took, write) = self.take_payload(rest, bufs, lend.map(|l| Lend { base: l.base + used, ..l }))?;
+                used += took;
+                match write {
+                    Some(w) => return Ok((used, Fed::Parsed(w))),
+                    None => continue,
                 }
-                let p = self.payload.as_mut().expect("checked above");
-                let size = p.data_off + p.req.length as usize;
-                let buf = *p.buf.get_or_insert_with(|| bufs.alloc(size));
-                let take = want.min(rest.len());
-                let dst = bufs.get_mut(buf).ok_or(Error::Protocol("write buffer busy"))?;
-                let at = p.data_off + p.filled;
-                dst[at..at + take].copy_from_slice(&rest[..take]);
-                self.copied += take as u64;
-                p.filled += take;
-                used += take;
-                if p.filled == p.req.length as usize {
-                    let p = self.payload.take().expect("checked above");
-                    return Ok((used, Fed::Parsed(Parsed::Write(p))));
-                }
-                continue;
             }
             if self.discard > 0 {
                 let take = (self.discard.min(rest.len() as u64)) as usize;
@@ -467,6 +479,7 @@ impl Conn {
                 self.disconnected = true;
                 return Ok((used + took, Fed::Closing));
             }
+            let Phase::Serving { attached, .. } = &self.phase else { return Err(Error::Protocol("request before the handshake ended")) };
             let (held, mem) = attached.cost(&req);
             if let Err(why) = self.account.admit(gate, held, mem) {
                 // A header put together in `inbuf` stays there, whole.
@@ -478,42 +491,90 @@ impl Conn {
             if req.kind != cmd::WRITE {
                 return Ok((used, Fed::Parsed(Parsed::Request(req, now))));
             }
-            match check_write(attached, &req) {
-                Ok(()) => {
-                    self.bulk = req.length >= DIRECT_MIN;
-                    let (file, data_off) = attached.route(req.offset, req.length);
-                    // Written in place only from page-cache files: O_DIRECT
-                    // needs the payload aligned, which it is in no receive.
-                    let lazy = data_off == DATA_OFFSET && req.length <= LEND_MAX;
-                    let buf = (!lazy).then(|| bufs.alloc(data_off + req.length as usize));
-                    self.account.charge(gate.server, mem, mem);
-                    self.payload = Some(Payload { req, buf, data_off, file, filled: 0, started: now });
-                }
-                Err((code, why)) => {
-                    if req.length > MAX_DISCARD {
-                        return Err(Error::Protocol("oversized WRITE payload"));
-                    }
-                    self.discard = req.length;
-                    return Ok((used, Fed::Parsed(Parsed::Refuse(req, code, why, now))));
-                }
+            let checked = check_write(attached, &req).map(|()| attached.route(req.offset, req.length));
+            if let Some(fed) = self.begin_write(req, checked, mem, bufs, gate.server, now)? {
+                return Ok((used, fed));
             }
         }
         Ok((used, Fed::More))
+    }
+
+    /// A WRITE was admitted: with `checked` its (file, data offset), its
+    /// payload is taken next (into a buffer charged `mem` now: allocated now
+    /// unless it may still be written from where it arrives); refused, its
+    /// payload is read past. Returns the refusal to answer, if any.
+    fn begin_write(
+        &mut self,
+        req: Request,
+        checked: Result<(u32, usize), (u32, &'static str)>,
+        mem: usize,
+        bufs: &mut Buffers,
+        server: &super::budget::ServerBudget,
+        now: Instant,
+    ) -> Result<Option<Fed>, Error> {
+        match checked {
+            Ok((file, data_off)) => {
+                self.bulk = req.length >= DIRECT_MIN;
+                // Written in place only from page-cache files: O_DIRECT
+                // needs the payload aligned, which it is in no receive.
+                let lazy = data_off == DATA_OFFSET && req.length <= LEND_MAX;
+                let buf = (!lazy).then(|| bufs.alloc(data_off + req.length as usize));
+                self.account.charge(server, mem, mem);
+                self.payload = Some(Payload { req, buf, data_off, file, filled: 0, started: now });
+                Ok(None)
+            }
+            Err((code, why)) => {
+                if req.length > MAX_DISCARD {
+                    return Err(Error::Protocol("oversized WRITE payload"));
+                }
+                self.discard = req.length;
+                Ok(Some(Fed::Parsed(Parsed::Refuse(req, code, why, now))))
+            }
+        }
+    }
+
+    /// Takes bytes of the payload in progress from `rest`: all of it, written
+    /// from where it lies, when it is whole there and `lend` says where that
+    /// is (and the connection may hold one more receive buffer); otherwise
+    /// what `rest` has of it, copied into the WRITE's own buffer. Returns
+    /// the bytes taken, and the WRITE once its payload is complete.
+    fn take_payload(&mut self, rest: &[u8], bufs: &mut Buffers, lend: Option<Lend>) -> Result<(usize, Option<Parsed>), Error> {
+        let Some(p) = self.payload.as_mut() else { return Ok((0, None)) };
+        let want = p.req.length as usize - p.filled;
+        if let Some(l) = lend.filter(|_| p.buf.is_none() && rest.len() >= want) {
+            if lend_from(&mut self.lent, l.bid) {
+                let p = self.payload.take().expect("checked above");
+                let (req, file, started) = (p.req, p.file, p.started);
+                return Ok((want, Some(Parsed::WriteLent { req, bid: l.bid, start: l.base, file, started })));
+            }
+        }
+        let size = p.data_off + p.req.length as usize;
+        let buf = *p.buf.get_or_insert_with(|| bufs.alloc(size));
+        let take = want.min(rest.len());
+        let dst = bufs.get_mut(buf).ok_or(Error::Protocol("write buffer busy"))?;
+        let at = p.data_off + p.filled;
+        dst[at..at + take].copy_from_slice(&rest[..take]);
+        self.copied += take as u64;
+        p.filled += take;
+        if p.filled < p.req.length as usize {
+            return Ok((take, None));
+        }
+        Ok((take, self.payload.take().map(Parsed::Write)))
     }
 }
 
 /// Counts one more write from provided buffer `bid` in a connection's
 /// `lent`, if the buffer is one it holds already or it holds fewer than
 /// [`LENT_PER_CONN`].
-fn lend_from(lent: &mut Vec<(u16, u16)>, bid: u16) -> bool {
-    if let Some(e) = lent.iter_mut().find(|e| e.0 == bid) {
-        e.1 += 1;
+fn lend_from(lent: &mut Vec<LentBuf>, bid: u16) -> bool {
+    if let Some(e) = lent.iter_mut().find(|e| e.bid == bid) {
+        e.writes += 1;
         return true;
     }
     if lent.len() >= LENT_PER_CONN {
         return false;
     }
-    lent.push((bid, 1));
+    lent.push(LentBuf { bid, writes: 1, split: false });
     true
 }
 

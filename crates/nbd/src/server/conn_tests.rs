@@ -104,10 +104,30 @@ fn one_connection_holds_at_most_its_share_of_receive_buffers() {
     assert!(matches!(fed, Fed::Parsed(Parsed::Write(_))), "past the share: copied");
     // A buffer is given up when its last write ends, not before.
     let header = write(0).0.len();
-    f.conn.unlend(0);
+    assert!(!f.conn.unlend(0), "buffer 0 still has a write in flight");
     let (_, fed) = f.feed(&write(11).1, Some(Lend { bid: 21, base: 0 }));
     assert!(lent(&fed).is_none(), "buffer 0 still has a write in flight: no room");
-    f.conn.unlend(1);
+    assert!(!f.conn.unlend(1), "buffer 1 is still being split: whoever split it recycles it");
     let (_, fed) = f.feed(&write(12).1, Some(Lend { bid: 22, base: 0 }));
     assert_eq!(lent(&fed), Some((22, header)), "buffer 1's only write ended: room for another");
+}
+
+/// A buffer whose bytes were all split while writes from it are in flight
+/// is recycled by the last of them, not before: a write that completes
+/// short is tried again from the same bytes.
+#[test]
+fn a_split_buffer_is_recycled_by_its_last_write() {
+    let mut f = Fixture::new();
+    let (_, whole) = write(1);
+    let mut two = whole.clone();
+    two.extend_from_slice(&write(2).1);
+    let (used, fed) = f.feed(&two, Some(Lend { bid: 2, base: 0 }));
+    assert!(lent(&fed).is_some());
+    let (_, fed) = f.feed(&two[used..], Some(Lend { bid: 2, base: used }));
+    assert!(lent(&fed).is_some());
+    assert!(!f.conn.keep_lent(3), "no write from buffer 3: recycled at once");
+    assert!(f.conn.keep_lent(2), "two writes from buffer 2 in flight: kept");
+    assert!(!f.conn.unlend(2), "one write from it still in flight");
+    assert!(f.conn.unlend(2), "the last write recycles it");
+    assert!(f.conn.lent.is_empty());
 }

@@ -102,7 +102,13 @@ impl Receive {
         conn.last_activity = sh.now;
         let serving = matches!(conn.phase, Phase::Serving { .. });
         match conn.state {
-            State::Reading if serving => self.pump(sh, out, reqs, exports, ci, &Source::Recv(bid, n)),
+            State::Reading if serving => {
+                self.pump(sh, out, reqs, exports, ci, &Source::Recv(bid, n));
+                // Writes made from it recycle it when the last one ends.
+                if sh.conn_mut(ci).is_some_and(|c| c.keep_lent(bid)) {
+                    return;
+                }
+            }
             // A handshake, or bytes that arrived before a pause took
             // effect: kept (and charged) until they can be taken.
             State::Reading | State::Paused(_) => {

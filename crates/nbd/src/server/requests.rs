@@ -441,7 +441,9 @@ impl Requests {
         // A lent payload was charged as if it had a buffer of its own.
         let freed = freed.or_else(|| {
             let (bid, _) = r.lent?;
-            sh.conn_mut(r.conn)?.unlend(bid);
+            if sh.conn_mut(r.conn).is_some_and(|c| c.unlend(bid)) {
+                sh.ring.recycle(bid);
+            }
             Some(Buffers::cost_of(r.data_off + r.req.length as usize))
         });
         out.reply_small(sh, r.conn, &r.req, body, r.started);
