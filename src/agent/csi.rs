@@ -58,7 +58,8 @@ pub(super) async fn serve(
         let d = driver.clone();
         tokio::task::spawn_blocking(move || d.serve_exports(l.into_inner())).await??;
     }
-    let url = format!("unix://{}", socket.path().display());
+    // The socket was bound at the driver's endpoint (`start.rs`).
+    let url = format!("unix://{}", driver.config().endpoint.display());
     let d = driver.clone();
     let server = parts.serve("CSI", move |stop| volring_csi::server::serve(d, listener, stop));
     let d = driver.clone();

@@ -43,7 +43,8 @@ pub(crate) struct Sources {
     pub rings: Vec<(&'static str, Arc<RingStats>)>,
     /// The mount watcher's counters, refreshed by the agent.
     pub mounts: Arc<ArcSwap<WatcherStats>>,
-    /// The NBD server's exports, when it runs.
+    /// The `--nbd-listen` server's exports, when it runs (the attach
+    /// server's are read from `csi`).
     pub nbd: Option<Arc<volring_nbd::Exports>>,
     /// The reconciler's counters and verdicts, when the CSI driver runs.
     pub reconcile: Option<Reconcile>,
@@ -149,9 +150,7 @@ impl Collector for Sources {
         }
 
         self.encode_watchers(&mut e)?;
-        if let Some(exports) = &self.nbd {
-            nbd::encode(&mut e, exports)?;
-        }
+        nbd::encode(&mut e, self.nbd.as_deref(), self.csi.as_deref())?;
         if let Some(r) = &self.reconcile {
             encode_reconcile(&mut e, r)?;
         }

@@ -1,8 +1,19 @@
-//! The NBD server on `/metrics`: each export's requests, bytes and request
+//! The NBD servers on `/metrics`: each export's requests, bytes and request
 //! latency, and each ring thread's own counters (its idle polls, the
 //! windows it was starved of CPU, whether its reads are offloaded, its
-//! nice value), all read at scrape time from the catalog the server
+//! nice value), all read at scrape time from the catalog each server
 //! serves.
+//!
+//! Two servers run in an agent: the one `--nbd-listen` serves to outside
+//! clients, and the attach server, which serves the node's own `attach:
+//! nbd` volumes to the kernel's nbd client (crates/csi, started by the
+//! first such volume). Their series share the families and are told apart
+//! by a `server` label (`listen`, `attach`): a sum over a family is the
+//! node's NBD work, the listener's series keep their names and labels
+//! (`server` comes on top, so a selector on `export`, `ring` or `op` still
+//! finds them, beside the attach server's unless it names `server`). The
+//! attach server's exports are named by volume id, and their series carry
+//! it as `volume` too, the label the `volring_volume_*` series join on.
 
 use std::fmt::Error as FmtError;
 
@@ -12,15 +23,65 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use volring_nbd::stats::{ExportSnapshot, RingSnapshot};
 
-/// The NBD families of one scrape, from the server's catalog.
-pub(super) fn encode(e: &mut DescriptorEncoder<'_>, exports: &volring_nbd::Exports) -> Result<(), FmtError> {
-    encode_exports(e, &export_snapshots(exports))?;
-    encode_rings(e, &Vec::<RingSnapshot>::from(exports))
+/// The `server` label of the `--nbd-listen` server's series.
+const LISTEN: &str = "listen";
+/// The `server` label of the attach server's series.
+const ATTACH: &str = "attach";
+
+/// One server's part of a scrape, taken once.
+struct Server {
+    /// Its `server` label.
+    name: &'static str,
+    exports: Vec<ExportSnapshot>,
+    rings: Vec<RingSnapshot>,
 }
 
-/// One series per export for each NBD counter, and request latency as a
-/// histogram per export and command.
-fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Result<(), FmtError> {
+impl Server {
+    fn read(name: &'static str, catalog: &volring_nbd::Exports) -> Self {
+        Self { name, exports: export_snapshots(catalog), rings: Vec::<RingSnapshot>::from(catalog) }
+    }
+
+    /// An export's labels: its name and the server's, and for the attach
+    /// server the volume id (its export's name).
+    fn labels<'a>(&self, x: &'a ExportSnapshot) -> Vec<(&'static str, &'a str)> {
+        let mut l = vec![("export", x.name.as_str()), ("server", self.name)];
+        if self.name == ATTACH {
+            l.push(("volume", x.name.as_str()));
+        }
+        l
+    }
+}
+
+/// The NBD families of one scrape: the `--nbd-listen` server's (`listen`,
+/// when it runs) and the attach server's (from the CSI driver, once a
+/// volume started it). Declared, empty, while neither serves anything, so
+/// a query finds the families on any node that may run one.
+pub(super) fn encode(
+    e: &mut DescriptorEncoder<'_>,
+    listen: Option<&volring_nbd::Exports>,
+    csi: Option<&volring_csi::Driver>,
+) -> Result<(), FmtError> {
+    if listen.is_none() && csi.is_none() {
+        return Ok(());
+    }
+    let mut servers = Vec::new();
+    if let Some(x) = listen {
+        servers.push(Server::read(LISTEN, x));
+    }
+    if let Some(x) = csi.and_then(|d| d.nbd_attach_exports()) {
+        servers.push(Server::read(ATTACH, &x));
+    }
+    encode_servers(e, &servers)
+}
+
+fn encode_servers(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(), FmtError> {
+    encode_exports(e, servers)?;
+    encode_rings(e, servers)
+}
+
+/// One series per server and export for each NBD counter, and request
+/// latency as a histogram per server, export and command.
+fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(), FmtError> {
     use volring_nbd::stats::Kind;
     type Pick = fn(&ExportSnapshot) -> u64;
     let counters: [(&str, &str, Pick); 13] = [
@@ -42,15 +103,16 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Re
             |s| s.copied_write_bytes,
         ),
     ];
+    let exports = || servers.iter().flat_map(|s| s.exports.iter().map(move |x| (s.labels(x), x)));
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for s in snaps {
-            ConstCounter::new(pick(s)).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+        for (labels, x) in exports() {
+            ConstCounter::new(pick(x)).encode(fam.encode_family(&labels)?)?;
         }
     }
     let mut fam = e.encode_descriptor("volring_nbd_connections", "Connections open now", None, MetricType::Gauge)?;
-    for s in snaps {
-        ConstGauge::new(s.connections as f64).encode(fam.encode_family(&[("export", s.name.as_str())])?)?;
+    for (labels, x) in exports() {
+        ConstGauge::new(x.connections as f64).encode(fam.encode_family(&labels)?)?;
     }
     // A READ is timed until its data is in the socket (spliced ones too);
     // other commands until their reply is queued.
@@ -61,7 +123,7 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Re
         MetricType::Histogram,
     )?;
     let mut buckets: Vec<(f64, u64)> = Vec::new();
-    for x in snaps {
+    for (labels, x) in exports() {
         for h in &x.latency {
             let op = match h.kind {
                 Kind::Read => "read",
@@ -73,8 +135,9 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, snaps: &[ExportSnapshot]) -> Re
             };
             buckets.clear();
             buckets.extend(h.buckets.iter().map(|&(le, n)| (le.map_or(f64::MAX, |b| b as f64 / 1e6), n)));
-            let labels = [("export", x.name.as_str()), ("op", op)];
-            let mut m = fam.encode_family(&labels)?;
+            let mut with_op = labels.clone();
+            with_op.insert(1, ("op", op));
+            let mut m = fam.encode_family(&with_op)?;
             let count = h.buckets.iter().map(|(_, n)| n).sum();
             m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(h.sum_us as f64 / 1e6, count, &buckets, None)?;
         }
@@ -87,21 +150,22 @@ fn export_snapshots(exports: &volring_nbd::Exports) -> Vec<ExportSnapshot> {
     exports.all().iter().map(|x| x.snapshot()).collect()
 }
 
-/// One series per ring thread (label `ring`: its number, the thread is
-/// `nbd-ring-<ring>`): what only the ring knows about how it is served by
-/// the CPU, which no export's counter shows. The rings publish these once
-/// per tick, so a scrape may trail them by up to a tick (250 ms).
-fn encode_rings(e: &mut DescriptorEncoder<'_>, rings: &[RingSnapshot]) -> Result<(), FmtError> {
-    let names: Vec<String> = rings.iter().map(|r| r.ring.to_string()).collect();
+/// One series per server and ring thread (label `ring`: its number, the
+/// thread is `nbd-ring-<ring>`): what only the ring knows about how it is
+/// served by the CPU, which no export's counter shows. The rings publish
+/// these once per tick, so a scrape may trail them by up to a tick (250 ms).
+fn encode_rings(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(), FmtError> {
+    let rings: Vec<(String, &'static str, &RingSnapshot)> =
+        servers.iter().flat_map(|s| s.rings.iter().map(move |r| (r.ring.to_string(), s.name, r))).collect();
     let mut fam = e.encode_descriptor(
         "volring_nbd_ring_idle_polls",
         "Polls of a quiet NBD ring before it sleeps, by whether work came within the window",
         None,
         MetricType::Counter,
     )?;
-    for (r, ring) in rings.iter().zip(&names) {
+    for (ring, server, r) in &rings {
         for (result, n) in [("found", r.idle_polls_found), ("missed", r.idle_polls_missed)] {
-            ConstCounter::new(n).encode(fam.encode_family(&[("ring", ring.as_str()), ("result", result)])?)?;
+            ConstCounter::new(n).encode(fam.encode_family(&[("ring", ring.as_str()), ("result", result), ("server", server)])?)?;
         }
     }
     let mut fam = e.encode_descriptor(
@@ -110,8 +174,8 @@ fn encode_rings(e: &mut DescriptorEncoder<'_>, rings: &[RingSnapshot]) -> Result
         None,
         MetricType::Counter,
     )?;
-    for (r, ring) in rings.iter().zip(&names) {
-        ConstCounter::new(r.starved_windows).encode(fam.encode_family(&[("ring", ring.as_str())])?)?;
+    for (ring, server, r) in &rings {
+        ConstCounter::new(r.starved_windows).encode(fam.encode_family(&[("ring", ring.as_str()), ("server", server)])?)?;
     }
     type Pick = fn(&RingSnapshot) -> i64;
     let gauges: [(&str, &str, Pick); 2] = [
@@ -122,8 +186,8 @@ fn encode_rings(e: &mut DescriptorEncoder<'_>, rings: &[RingSnapshot]) -> Result
     ];
     for (name, help, pick) in gauges {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
-        for (r, ring) in rings.iter().zip(&names) {
-            ConstGauge::new(pick(r)).encode(fam.encode_family(&[("ring", ring.as_str())])?)?;
+        for (ring, server, r) in &rings {
+            ConstGauge::new(pick(r)).encode(fam.encode_family(&[("ring", ring.as_str()), ("server", server)])?)?;
         }
     }
     Ok(())
@@ -136,7 +200,7 @@ mod tests {
     use prometheus_client::registry::Registry;
 
     /// Just the NBD part of the exposition.
-    struct Nbd(Vec<ExportSnapshot>, Vec<RingSnapshot>);
+    struct Nbd(Vec<Server>);
 
     impl std::fmt::Debug for Nbd {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,8 +210,7 @@ mod tests {
 
     impl Collector for Nbd {
         fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
-            encode_exports(&mut e, &self.0)?;
-            encode_rings(&mut e, &self.1)
+            encode_servers(&mut e, &self.0)
         }
     }
 
@@ -164,26 +227,26 @@ mod tests {
         let read = &mut snaps[0].latency[volring_nbd::stats::Kind::Read as usize];
         (read.buckets[2].1, read.buckets[7].1, read.sum_us) = (1, 1, 3_080);
         let mut registry = Registry::default();
-        registry.register_collector(Box::new(Nbd(snaps, Vec::new())));
+        registry.register_collector(Box::new(Nbd(vec![Server { name: LISTEN, exports: snaps, rings: Vec::new() }])));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
         assert!(out.contains("# TYPE volring_nbd_request_duration_seconds histogram"), "{out}");
         for line in [
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.00005",export="a",op="read"} 0"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.0001",export="a",op="read"} 1"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="0.005",export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_bucket{le="+Inf",export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_count{export="a",op="read"} 2"#,
-            r#"volring_nbd_request_duration_seconds_count{export="a",op="write"} 0"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.00005",export="a",op="read",server="listen"} 0"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.0001",export="a",op="read",server="listen"} 1"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="0.005",export="a",op="read",server="listen"} 2"#,
+            r#"volring_nbd_request_duration_seconds_bucket{le="+Inf",export="a",op="read",server="listen"} 2"#,
+            r#"volring_nbd_request_duration_seconds_count{export="a",op="read",server="listen"} 2"#,
+            r#"volring_nbd_request_duration_seconds_count{export="a",op="write",server="listen"} 0"#,
         ] {
             assert!(out.contains(line), "{line} in\n{out}");
         }
         assert!(!out.contains("latency_p50"), "no since-start quantile gauges");
     }
 
-    fn text(exports: Vec<ExportSnapshot>, rings: Vec<RingSnapshot>) -> String {
+    fn text(servers: Vec<Server>) -> String {
         let mut registry = Registry::default();
-        registry.register_collector(Box::new(Nbd(exports, rings)));
+        registry.register_collector(Box::new(Nbd(servers)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
         out
@@ -193,32 +256,107 @@ mod tests {
     /// the families are declared and empty.
     #[test]
     fn nbd_rings_have_a_series_each() {
-        let ring = |ring, found, missed, starved, offloading| RingSnapshot {
+        let out = text(vec![Server { name: LISTEN, exports: Vec::new(), rings: vec![ring(0, 41, 3, 0, false), ring(1, 0, 0, 7, true)] }]);
+        for line in [
+            "# TYPE volring_nbd_ring_idle_polls counter",
+            r#"volring_nbd_ring_idle_polls_total{ring="0",result="found",server="listen"} 41"#,
+            r#"volring_nbd_ring_idle_polls_total{ring="0",result="missed",server="listen"} 3"#,
+            r#"volring_nbd_ring_idle_polls_total{ring="1",result="found",server="listen"} 0"#,
+            r#"volring_nbd_ring_starved_windows_total{ring="0",server="listen"} 0"#,
+            r#"volring_nbd_ring_starved_windows_total{ring="1",server="listen"} 7"#,
+            "# TYPE volring_nbd_ring_offloading_reads gauge",
+            r#"volring_nbd_ring_offloading_reads{ring="0",server="listen"} 0"#,
+            r#"volring_nbd_ring_offloading_reads{ring="1",server="listen"} 1"#,
+            r#"volring_nbd_ring_nice{ring="0",server="listen"} 0"#,
+            r#"volring_nbd_ring_nice{ring="1",server="listen"} 0"#,
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
+        let idle = text(vec![Server::read(LISTEN, &volring_nbd::Exports::default())]);
+        assert!(idle.contains("# TYPE volring_nbd_ring_starved_windows counter"), "{idle}");
+        assert!(!idle.contains("ring=\""), "no server, no ring series:\n{idle}");
+    }
+
+    fn ring(ring: usize, found: u64, missed: u64, starved: u64, offloading: bool) -> RingSnapshot {
+        RingSnapshot {
             ring,
             idle_polls_found: found,
             idle_polls_missed: missed,
             starved_windows: starved,
             offloading_reads: offloading,
             nice: 0,
-        };
-        let out = text(Vec::new(), vec![ring(0, 41, 3, 0, false), ring(1, 0, 0, 7, true)]);
+        }
+    }
+
+    /// The attach server (the node's nbd volumes) and the `--nbd-listen`
+    /// server share the families, told apart by `server`; the attach
+    /// server's export series carry the volume id as `volume` too. Each
+    /// server's ring 0 is its own series. (Before, the attach server had no
+    /// series at all: only the listener's catalog reached the encoder.)
+    #[test]
+    fn the_attach_servers_series_are_labelled_apart_from_the_listeners() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let (listen, attach) = (volring_nbd::Exports::default(), volring_nbd::Exports::default());
+        listen.add(&format!("demo={}", image.display()).parse().unwrap(), None).unwrap();
+        attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
+        let mut volume = Server::read(ATTACH, &attach);
+        (volume.exports[0].writes, volume.exports[0].write_bytes) = (3, 12_288);
+        volume.exports[0].latency[volring_nbd::stats::Kind::Write as usize].buckets[2].1 = 3;
+        volume.rings = vec![ring(0, 0, 0, 5, false)];
+        let mut listener = Server::read(LISTEN, &listen);
+        listener.exports[0].reads = 7;
+        listener.rings = vec![ring(0, 2, 0, 0, false)];
+        let out = text(vec![listener, volume]);
         for line in [
-            "# TYPE volring_nbd_ring_idle_polls counter",
-            r#"volring_nbd_ring_idle_polls_total{ring="0",result="found"} 41"#,
-            r#"volring_nbd_ring_idle_polls_total{ring="0",result="missed"} 3"#,
-            r#"volring_nbd_ring_idle_polls_total{ring="1",result="found"} 0"#,
-            r#"volring_nbd_ring_starved_windows_total{ring="0"} 0"#,
-            r#"volring_nbd_ring_starved_windows_total{ring="1"} 7"#,
-            "# TYPE volring_nbd_ring_offloading_reads gauge",
-            r#"volring_nbd_ring_offloading_reads{ring="0"} 0"#,
-            r#"volring_nbd_ring_offloading_reads{ring="1"} 1"#,
-            r#"volring_nbd_ring_nice{ring="0"} 0"#,
-            r#"volring_nbd_ring_nice{ring="1"} 0"#,
+            r#"volring_nbd_reads_total{export="demo",server="listen"} 7"#,
+            r#"volring_nbd_writes_total{export="demo",server="listen"} 0"#,
+            r#"volring_nbd_writes_total{export="pvc-1",server="attach",volume="pvc-1"} 3"#,
+            r#"volring_nbd_written_bytes_total{export="pvc-1",server="attach",volume="pvc-1"} 12288"#,
+            r#"volring_nbd_copied_write_bytes_total{export="pvc-1",server="attach",volume="pvc-1"} 0"#,
+            r#"volring_nbd_connections{export="pvc-1",server="attach",volume="pvc-1"} 0.0"#,
+            r#"volring_nbd_request_duration_seconds_count{export="pvc-1",op="write",server="attach",volume="pvc-1"} 3"#,
+            r#"volring_nbd_request_duration_seconds_count{export="demo",op="write",server="listen"} 0"#,
+            r#"volring_nbd_ring_idle_polls_total{ring="0",result="found",server="listen"} 2"#,
+            r#"volring_nbd_ring_idle_polls_total{ring="0",result="found",server="attach"} 0"#,
+            r#"volring_nbd_ring_starved_windows_total{ring="0",server="attach"} 5"#,
+            r#"volring_nbd_ring_starved_windows_total{ring="0",server="listen"} 0"#,
+            r#"volring_nbd_ring_nice{ring="0",server="attach"} 0"#,
         ] {
             assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
         }
-        let idle = text(Vec::new(), Vec::<RingSnapshot>::from(&volring_nbd::Exports::default()));
-        assert!(idle.contains("# TYPE volring_nbd_ring_starved_windows counter"), "{idle}");
-        assert!(!idle.contains("ring=\""), "no server, no ring series:\n{idle}");
+        // One family each, whichever servers run.
+        assert_eq!(out.lines().filter(|l| *l == "# TYPE volring_nbd_writes counter").count(), 1, "{out}");
+        assert_eq!(out.lines().filter(|l| *l == "# TYPE volring_nbd_ring_nice gauge").count(), 1, "{out}");
+    }
+
+    /// With neither server possible (no `--nbd-listen`, no CSI driver) the
+    /// families are not declared; with only a listener they are, with its
+    /// series alone.
+    #[test]
+    fn nbd_families_are_declared_where_a_server_may_run() {
+        struct Encode(Option<volring_nbd::Exports>);
+        impl std::fmt::Debug for Encode {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("Encode")
+            }
+        }
+        impl Collector for Encode {
+            fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), FmtError> {
+                encode(&mut e, self.0.as_ref(), None)
+            }
+        }
+        let render = |c: Encode| {
+            let mut registry = Registry::default();
+            registry.register_collector(Box::new(c));
+            let mut out = String::new();
+            prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+            out
+        };
+        assert!(!render(Encode(None)).contains("volring_nbd"), "no server, no family");
+        let out = render(Encode(Some(volring_nbd::Exports::default())));
+        assert!(out.contains("# TYPE volring_nbd_reads counter"), "{out}");
+        assert!(!out.contains("server=\"attach\""), "{out}");
     }
 }

@@ -2,7 +2,9 @@
 //! tests/vm/harness.rs and tests/vm/volumes.sh): ext4, xfs and block, each
 //! staged, written with checksums, unstaged (image checked by e2fsck -fn or
 //! xfs_repair -n), re-staged and verified, then grown online and verified
-//! again; a shut-down xfs is reported abnormal and still unstages. Skips
+//! again; a shut-down xfs is reported abnormal and still unstages; the
+//! agent's `/metrics` carries the attach server's series of the volume
+//! (its writes, then after the re-stage its reads). Skips
 //! (saying why) without the VM image; fails in CI.
 
 use std::fs;
@@ -27,9 +29,10 @@ fn volume(test: &str, env: &[(&str, &str)]) {
     vm.cpus = 2;
     let run = vm.run(&script, Duration::from_secs(600)).expect("vm run");
     eprintln!(
-        "note: {test}: {}{}{}(guest {:.1} s)",
+        "note: {test}: {}{}{}{}(guest {:.1} s)",
         run.read("verdict"),
         run.read("grow"),
+        run.read("metrics.seen"),
         run.read("timeline"),
         run.elapsed.as_secs_f64()
     );

@@ -7,7 +7,10 @@
 # online (EXPANSION=node: NodeExpandVolume grows image, device and
 # filesystem; controller: ControllerExpandVolume grows image and device,
 # NodeExpandVolume the filesystem) and written past its old end. For xfs, last: shut the filesystem down under the mount and
-# check NodeGetVolumeStats says abnormal and unstage still works.
+# check NodeGetVolumeStats says abnormal and unstage still works. After the
+# first writes, and again after the re-stage's reads, the agent's /metrics
+# must carry the attach server's series for the volume (server="attach",
+# volume="vol") with those requests counted, and its rings' series.
 #
 # (Grown before the first unstage, so one write pass and one read pass
 # cover both: the VM runs under TCG.)
@@ -48,7 +51,8 @@ T=$K/pods/p/volumes/vol
 E=unix:///tmp/volring-csi.sock
 mkdir -p "$K" /tmp/vr
 csi() { timeout 120 "$VOLRING" csi --endpoint "$E" "$@"; }
-"$VOLRING" node --metrics-addr off --node-id vm --stats-interval 5 --csi-endpoint "$E" \
+M=127.0.0.1:9477
+"$VOLRING" node --metrics-addr "$M" --node-id vm --stats-interval 5 --csi-endpoint "$E" \
   --kubelet-root "$K" --state-dir /tmp/vr --expansion "$EXPANSION" $AGENT_FLAGS >"$R/agent.out" 2>"$R/agent.err" &
 agent=$!
 wait_ready $agent "$R/agent.err" "$E"
@@ -131,6 +135,18 @@ verify() {
   [ $bad -eq 0 ] || fail "$1: $bad of $(wc -l <"$R/sums") pieces differ"
 }
 
+# attach_metrics FAMILY: one scrape of /metrics (bounded: 60 s) must show
+# the attach server's FAMILY (reads or writes) of export vol, labelled
+# with the server and the volume id, above 0, and its ring 0's series.
+attach_metrics() {
+  curl -sS --max-time 60 "http://$M/metrics" >"$R/metrics" 2>"$R/metrics.err" || fail "scrape /metrics: $(cat "$R/metrics.err")"
+  n=$(awk -v s="volring_nbd_$1_total{export=\"vol\",server=\"attach\",volume=\"vol\"}" '$1 == s { print $2 }' "$R/metrics")
+  [ "${n:-0}" -gt 0 ] || fail "no $1 of vol by the attach server on /metrics: $(grep "_$1_total{" "$R/metrics" | head -5)"
+  grep -q '^volring_nbd_ring_starved_windows_total{ring="0",server="attach"} ' "$R/metrics" ||
+    fail "no ring series of the attach server on /metrics: $(grep '^volring_nbd_ring_starved' "$R/metrics" | head -5)"
+  echo "/metrics: $n $1 of vol by the attach server" >>"$R/metrics.seen"
+}
+
 size_of() { echo $(($(cat "/sys/block/${dev#/dev/}/size") * 512)); }
 
 head -c 1048576 /dev/urandom >/tmp/rand
@@ -141,6 +157,7 @@ lap staged
 echo "staged on $dev" >"$R/device"
 write_pieces 0 "$DATA_MIB"
 lap written
+attach_metrics writes
 
 # Grow online, under the data just written.
 before=$(size_of)
@@ -183,6 +200,7 @@ lap "unstaged, checked"
 stage
 verify "after re-stage"
 lap "re-staged, verified"
+attach_metrics reads
 
 if [ "$KIND" = xfs ]; then
   csi stats --id vol --path "$S" >"$R/stats-before.out" 2>&1 || fail "stats: $(cat "$R/stats-before.out")"

@@ -280,6 +280,15 @@ impl Driver {
         self.exports.serve(listener)
     }
 
+    /// The node's attach server, once the first `attach: nbd` volume
+    /// started it: the NBD server inside the agent that serves this node's
+    /// nbd volumes to the kernel's nbd client, as its catalog (an export per
+    /// volume, named by the volume id, and its rings' counters). `/metrics`
+    /// reads it at each scrape, as it reads the `--nbd-listen` server's.
+    pub fn nbd_attach_exports(&self) -> Option<Arc<volring_nbd::Exports>> {
+        self.healer.nbd.exports()
+    }
+
     /// The address the export listener is bound to, if it runs.
     pub fn export_address(&self) -> Option<String> {
         self.exports.address()

@@ -179,6 +179,14 @@ impl NbdSide {
         &self.config
     }
 
+    /// The attach server's catalog once it has started: an export per
+    /// local volume it serves, named by the volume id, and its rings'
+    /// counters. `None` before the first nbd volume started it (nothing
+    /// is started to answer).
+    pub(crate) fn exports(&self) -> Option<Arc<Exports>> {
+        self.inner.get().map(|i| i.server.exports().clone())
+    }
+
     /// The server, control socket and LINK_DEAD listener, started once.
     fn inner(&self) -> Result<Arc<Inner>> {
         if let Some(i) = self.inner.get() {

@@ -39,10 +39,6 @@ pub struct BoundSocket {
 }
 
 impl BoundSocket {
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// True while `path` is still the socket this process bound.
     pub(crate) fn is_ours(&self) -> bool {
         let Ok(ours) = rustix::fs::fstat(&self.inode) else { return false };
