@@ -99,7 +99,7 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(
         ("volring_nbd_offloaded_reads", "READs handed to io_uring's workers while the ring was starved of CPU", |s| s.offloaded_reads),
         (
             "volring_nbd_copied_write_bytes",
-            "WRITE payload bytes copied out of the receive buffers instead of received into the write's own",
+            "WRITE payload bytes copied out of the receive buffers instead of received into the write's own or written from where they landed",
             |s| s.copied_write_bytes,
         ),
     ];
