@@ -4,7 +4,8 @@
 //! xfs) and 1 MiB writes (their payloads received straight into the write
 //! buffer) read back identical; and on ext4 small writes are done on the
 //! ring thread unless inline writes are turned off; 1 MiB writes are not
-//! copied out of the receive buffers. Last, READs handed to io_uring's
+//! copied out of the receive buffers, and small ones that arrive whole in
+//! one are written from it (xfs and ext4). Last, READs handed to io_uring's
 //! workers (a ring starved of CPU) read back what was written, and the ring
 //! says it hands them over.
 
@@ -208,8 +209,9 @@ fn large_writes_are_not_copied_out_of_receive_buffers() -> Result<(), Failed> {
 }
 
 /// Small WRITEs that arrive whole in one receive are written from the
-/// ring's receive buffer they landed in (through io_uring on xfs, on the
-/// ring thread on ext4), not copied into a buffer of their own first: at
+/// ring's receive buffer they landed in (xfs takes them through io_uring,
+/// ext4 inline, see `ext4_small_writes_inline_unless_off`), not copied
+/// into a buffer of their own first: at
 /// most those whose payload a receive cut in two (or that came while the
 /// connection holds its share of receive buffers) are copied. Checked for
 /// nbdcopy's client (header and payload sent apart) and for a raw client

@@ -613,6 +613,27 @@ mod tests {
         assert_eq!(again, id);
     }
 
+    /// Two writes from one receive buffer: recycled while both read it, it
+    /// goes back with the second's end, not the first's; a buffer the
+    /// driver does not hold, or a range outside it, is not lent.
+    #[test]
+    fn a_lent_receive_buffer_goes_back_with_its_last_write() {
+        let mut pool = RecvPool::new(4, 4096, 0).unwrap();
+        assert!(pool.lend(1, 0, 10).is_none(), "not handed out");
+        pool.mark_taken(1);
+        assert!(pool.lend(1, 4000, 5000).is_none(), "outside the buffer");
+        assert!(pool.lend(1, 0, 100).is_some() && pool.lend(1, 100, 200).is_some());
+        pool.recycle(1);
+        assert_eq!((pool.taken(), pool.lent()), (1, 1));
+        assert!(pool.lend(1, 0, 10).is_none(), "recycled: no longer the driver's");
+        pool.give_back(1);
+        assert_eq!((pool.taken(), pool.lent()), (1, 1), "one write still reads it");
+        pool.give_back(1);
+        assert_eq!((pool.taken(), pool.lent()), (0, 0), "back to the kernel with the last one");
+        pool.give_back(1);
+        assert_eq!(pool.lent(), 0, "a stray give-back changes nothing");
+    }
+
     #[test]
     fn large_buffers_come_from_the_heap_cache() {
         let mut b = Buffers::new(1, 4096, 4 << 20).unwrap();

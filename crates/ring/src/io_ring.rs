@@ -284,7 +284,9 @@ impl<T: Copy> IoRing<T> {
     /// the pool's group).
     fn recv_from_pool(&mut self, token: T, build: impl FnOnce(u16) -> squeue::Entry) -> io::Result<OpId> {
         let group = self.recv.group;
-        let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == 0 };
+        // Buffers held only by writes (lent) cannot explain an ENOBUFS: the
+        // driver caps them below the pool, so they count as none held.
+        let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == self.recv.lent() };
         let op = self.start(token, held, |ud| build(group).user_data(ud))?;
         self.armed_recvs += 1;
         Ok(op)

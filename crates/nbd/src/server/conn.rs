@@ -26,10 +26,13 @@ pub(super) const SPLICE_MIN: u64 = 64 * 1024;
 /// What a reply without bulk data is charged at admission (a header, an
 /// error message or a short extent list).
 const SMALL_REPLY: usize = 128;
-/// WRITE payloads at most this long take no buffer of their own until
-/// their bytes arrive: one that arrives whole in a provided receive buffer
-/// is written from there (see [`Lend`]).
+/// WRITE payloads at most this long to a page-cache route take no buffer
+/// of their own until their bytes arrive: one that arrives whole in a
+/// provided receive buffer is written from there (see [`Lend`]). O_DIRECT
+/// routes always get an aligned buffer of their own.
 pub(super) const LEND_MAX: u64 = 64 * 1024;
+// A payload received directly (`direct`) needs its buffer from the start.
+const _: () = assert!(LEND_MAX < DIRECT_MIN);
 /// Provided receive buffers one connection's writes may hold at once; past
 /// it payloads are copied out. Bounds what a client whose writes hang (a
 /// stuck device) keeps from the ring's other connections.

@@ -228,6 +228,8 @@ impl Requests {
         let Some(path) = exports.write_path(export.id) else { return false };
         let len = r.req.length as usize;
         let data = match (r.lent, r.buf) {
+            // Still the connection's: an inline write runs while the
+            // receive it came in is being split (`done` is 0 here).
             (Some((bid, start)), _) => &sh.ring.received(bid, start + len).0[start..],
             (None, Some(b)) => match sh.ring.buffers().get(b) {
                 Some(bytes) => &bytes[r.data_off..r.data_off + len],

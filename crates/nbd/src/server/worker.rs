@@ -371,10 +371,8 @@ impl Worker {
         if let Some(buf) = c.payload.take().and_then(|p| p.buf) {
             self.sh.ring.buffers().free(buf);
         }
-        // Its writes have ended; a receive buffer one kept goes back.
-        for lent in c.lent.drain(..) {
-            self.sh.ring.recycle(lent.bid);
-        }
+        // Its writes have ended, and each recycled the receive buffer it kept.
+        debug_assert!(c.lent.is_empty(), "a closed connection still keeps receive buffers: {:?}", c.lent);
         drop_parts(&mut c, self.sh.ring.buffers(), &self.sh.budget);
         // Whatever is left (the payload buffer, unread bytes) goes back.
         c.account.close(&self.sh.budget);
