@@ -235,7 +235,23 @@ fn small_writes_are_written_from_receive_buffers_on(fs: &str) -> Result<(), Fail
     );
     check(by_nbdcopy <= size / 4, format!("{fs}: nbdcopy's 4 KiB WRITEs at QD32: {by_nbdcopy} of {size} payload bytes copied"))?;
     check(by_raw <= 512 * 4096 / 4, format!("{fs}: 512 pipelined 4 KiB WRITEs: {by_raw} of {} payload bytes copied", 512 * 4096))?;
-    read_back(&s, &at, &image, &format!("{fs}, 4 KiB writes from the receive buffers"))
+    read_back(&s, &at, &image, &format!("{fs}, 4 KiB writes from the receive buffers"))?;
+    every_receive_buffer_given_back(&s)
+}
+
+/// With every client gone, each ring holds no receive buffer (a lent one
+/// that was never recycled would shrink its pool for good), as its next
+/// tick publishes it (bounded wait).
+fn every_receive_buffer_given_back(s: &Served) -> Result<(), Failed> {
+    let mut rings = Vec::new();
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(50));
+        rings = Vec::<RingSnapshot>::from(&**s.server().exports());
+        if !rings.is_empty() && rings.iter().all(|r| r.recv_buffers_held == 0 && r.recv_buffers_lent == 0) {
+            return Ok(());
+        }
+    }
+    check(false, format!("receive buffers still held with no client: {rings:?}"))
 }
 
 fn xfs_small_writes_are_written_from_receive_buffers() -> Result<(), Failed> {

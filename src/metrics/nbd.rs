@@ -178,11 +178,17 @@ fn encode_rings(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(),
         ConstCounter::new(r.starved_windows).encode(fam.encode_family(&[("ring", ring.as_str()), ("server", server)])?)?;
     }
     type Pick = fn(&RingSnapshot) -> i64;
-    let gauges: [(&str, &str, Pick); 2] = [
+    let gauges: [(&str, &str, Pick); 4] = [
         ("volring_nbd_ring_offloading_reads", "1 while an NBD ring hands its page-cache reads to io_uring's workers", |r| {
             i64::from(r.offloading_reads)
         }),
         ("volring_nbd_ring_nice", "The scheduler nice value of an NBD ring thread", |r| i64::from(r.nice)),
+        ("volring_nbd_ring_recv_buffers_held", "Provided receive buffers an NBD ring holds (0 when quiet)", |r| {
+            i64::from(r.recv_buffers_held)
+        }),
+        ("volring_nbd_ring_recv_buffers_lent", "Provided receive buffers NBD writes in flight are made from", |r| {
+            i64::from(r.recv_buffers_lent)
+        }),
     ];
     for (name, help, pick) in gauges {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
@@ -269,6 +275,10 @@ mod tests {
             r#"volring_nbd_ring_offloading_reads{ring="1",server="listen"} 1"#,
             r#"volring_nbd_ring_nice{ring="0",server="listen"} 0"#,
             r#"volring_nbd_ring_nice{ring="1",server="listen"} 0"#,
+            "# TYPE volring_nbd_ring_recv_buffers_held gauge",
+            r#"volring_nbd_ring_recv_buffers_held{ring="1",server="listen"} 1"#,
+            r#"volring_nbd_ring_recv_buffers_lent{ring="1",server="listen"} 1"#,
+            r#"volring_nbd_ring_recv_buffers_lent{ring="0",server="listen"} 0"#,
         ] {
             assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
         }
@@ -285,6 +295,8 @@ mod tests {
             starved_windows: starved,
             offloading_reads: offloading,
             nice: 0,
+            recv_buffers_held: ring as u32,
+            recv_buffers_lent: ring as u32,
         }
     }
 

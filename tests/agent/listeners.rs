@@ -273,6 +273,10 @@ pub(super) fn nbd_ring_counters_reach_metrics() -> Result<(), Failed> {
     let line = "volring_nbd_ring_offloading_reads{ring=\"0\",server=\"listen\"} 0";
     check(body.lines().any(|l| l == line), format!("no {line:?} in: {body:.6000}"))?;
     check(body.lines().any(|l| l == "volring_nbd_ring_nice{ring=\"0\",server=\"listen\"} 0"), "no nice gauge of ring 0")?;
+    for pool in ["held", "lent"] {
+        let series = format!("volring_nbd_ring_recv_buffers_{pool}{{ring=\"0\",server=\"listen\"}} ");
+        check(body.lines().any(|l| l.starts_with(&series)), format!("no {series:?} in: {body:.6000}"))?;
+    }
     check(!body.contains("ring=\"1\""), "one ring asked for, one ring shown")?;
     check(p.stop().is_some_and(|s| s.success()), "the agent stops cleanly")
 }

@@ -12,7 +12,7 @@
 //! server's threads rather than to an export, and reach `/metrics`
 //! through the catalog the server serves ([`RingSnapshot`]).
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use hdrhistogram::Histogram;
@@ -292,6 +292,10 @@ pub(crate) struct RingCounters {
     /// The ring thread's scheduler nice value, as the weight rule
     /// (`server::weight`) last set it.
     pub(crate) nice: AtomicI32,
+    /// Provided receive buffers the ring's driver holds at the tick, and
+    /// those of them writes in flight are made from.
+    pub(crate) recv_buffers_held: AtomicU32,
+    pub(crate) recv_buffers_lent: AtomicU32,
 }
 
 impl RingCounters {
@@ -304,6 +308,8 @@ impl RingCounters {
             starved_windows: self.starved_windows.load(Ordering::Relaxed),
             offloading_reads: self.offloading_reads.load(Ordering::Relaxed),
             nice: self.nice.load(Ordering::Relaxed),
+            recv_buffers_held: self.recv_buffers_held.load(Ordering::Relaxed),
+            recv_buffers_lent: self.recv_buffers_lent.load(Ordering::Relaxed),
         }
     }
 }
@@ -325,6 +331,13 @@ pub struct RingSnapshot {
     /// The ring thread's nice value: the one it started with, lowered by
     /// the weight of its busy connections (`server::weight`).
     pub nice: i32,
+    /// Provided receive buffers (of 128) the ring held at its last tick:
+    /// handed out by receives and not yet given back. A quiet ring holds
+    /// none; one that keeps holding some has lost track of them.
+    pub recv_buffers_held: u32,
+    /// Of those, the ones writes in flight are made from (small WRITE
+    /// payloads written from where they arrived, `server::conn`'s `Lend`).
+    pub recv_buffers_lent: u32,
 }
 
 #[cfg(test)]

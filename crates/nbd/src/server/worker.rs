@@ -437,6 +437,9 @@ impl Worker {
         c.idle_polls_missed.fetch_add(u64::from(t.polls_missed), Ordering::Relaxed);
         c.starved_windows.store(self.reqs.starved_windows(), Ordering::Relaxed);
         c.offloading_reads.store(self.reqs.offloading(), Ordering::Relaxed);
+        let pool = self.sh.ring.stats();
+        c.recv_buffers_held.store(u32::from(pool.recv_taken), Ordering::Relaxed);
+        c.recv_buffers_lent.store(u32::from(pool.recv_lent), Ordering::Relaxed);
     }
 
     fn on_tick(&mut self) {
