@@ -39,7 +39,10 @@ use memory::{
     hostile_connections_stay_under_the_server_budget, list_flood_in_the_handshake_is_bounded,
     many_hostile_connections_do_not_starve_others, one_burst_of_reads_is_admitted_request_by_request,
 };
-use weight::{a_ring_takes_the_weight_of_its_busy_connections, a_rings_workers_take_its_weight, no_ring_weight_keeps_rings_at_their_nice};
+use weight::{
+    a_deep_connection_takes_two_threads_weight, a_ring_takes_the_weight_of_its_busy_connections, a_rings_workers_take_its_weight,
+    no_ring_weight_keeps_rings_at_their_nice,
+};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -69,6 +72,7 @@ fn main() {
         Trial::test("nbd::hostile_connections_stay_under_the_server_budget", hostile_connections_stay_under_the_server_budget),
         Trial::test("nbd::many_hostile_connections_do_not_starve_others", many_hostile_connections_do_not_starve_others),
         Trial::test("nbd::a_ring_takes_the_weight_of_its_busy_connections", a_ring_takes_the_weight_of_its_busy_connections),
+        Trial::test("nbd::a_deep_connection_takes_two_threads_weight", a_deep_connection_takes_two_threads_weight),
         Trial::test("nbd::no_ring_weight_keeps_rings_at_their_nice", no_ring_weight_keeps_rings_at_their_nice),
         Trial::test("nbd::a_rings_workers_take_its_weight", a_rings_workers_take_its_weight),
     ];

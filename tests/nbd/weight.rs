@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::common::check;
-use super::nbd_support::wire::{cmd, HeaderStyle};
+use super::nbd_support::wire::{cmd, encode_request, HeaderStyle, Request};
 use super::nbd_support::{RawClient, ServeProcess, MIB};
 use libtest_mimic::Failed;
 
@@ -125,6 +125,49 @@ pub(super) fn a_ring_takes_the_weight_of_its_busy_connections() -> Result<(), Fa
     let quiet = nices_until(pid, Duration::from_secs(20), |n| !n.is_empty() && n.iter().all(|&x| x == 0));
     check(quiet.len() == 2 && quiet.iter().all(|&x| x == 0), format!("nices once quiet: {quiet:?}"))?;
     Ok(())
+}
+
+/// One client that keeps eight READs in flight (sent in one write, so one
+/// receive carries them) gives its ring the weight of two threads (nice
+/// -3), where a server with a pool of threads per connection would run
+/// several for it; the other ring stays at 0, and once the client stops
+/// both are back at 0.
+pub(super) fn a_deep_connection_takes_two_threads_weight() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
+    let server = serve(dir.path(), &[])?;
+    let pid = server.child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sock, until_stop) = (server.socket.clone(), stop.clone());
+    let client = std::thread::spawn(move || -> std::io::Result<u64> {
+        use std::io::Write;
+        let mut c = RawClient::connect(&sock, "disk", HeaderStyle::Structured, false)?;
+        let mut batches = 0u64;
+        // Bounded even if the stop never comes.
+        let until = Instant::now() + Duration::from_secs(60);
+        while !until_stop.load(Ordering::Relaxed) && Instant::now() < until {
+            let mut b = Vec::new();
+            for i in 0..8u64 {
+                let req = Request { flags: 0, kind: cmd::READ, cookie: i + 1, offset: i * 4096, length: 4096 };
+                encode_request(&req, HeaderStyle::Structured, &mut b);
+            }
+            c.s.write_all(&b)?;
+            for _ in 0..8 {
+                let r = c.reply(Some(4096))?;
+                if r.error != 0 {
+                    return Err(std::io::Error::other(format!("READ answered errno {}", r.error)));
+                }
+            }
+            batches += 1;
+        }
+        Ok(batches)
+    });
+    let busy = nices_until(pid, Duration::from_secs(20), |n| n.contains(&-3));
+    stop.store(true, Ordering::Relaxed);
+    let batches = client.join().map_err(|_| "client panicked")??;
+    check(batches > 0, "the client read")?;
+    check(busy.len() == 2 && busy.contains(&-3) && busy.contains(&0), format!("nices with one deep client: {busy:?}"))?;
+    let quiet = nices_until(pid, Duration::from_secs(20), |n| !n.is_empty() && n.iter().all(|&x| x == 0));
+    check(quiet.len() == 2 && quiet.iter().all(|&x| x == 0), format!("nices once quiet: {quiet:?}"))
 }
 
 /// A ring's io_uring workers run at its weight: with every read handed to

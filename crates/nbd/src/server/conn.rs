@@ -270,6 +270,11 @@ pub(super) struct Conn {
     /// Provided receive buffers its writes in flight are written from (at
     /// most [`LENT_PER_CONN`]).
     pub lent: Vec<LentBuf>,
+    /// Requests taken from the bytes being split now, and the most taken
+    /// from one receive since the ring's last tick: how many its client had
+    /// in flight at once (see `weight::threads_for`).
+    pub split_requests: u16,
+    pub depth: u16,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
     /// Parts of the send in flight (kept for its capacity when idle).
@@ -308,6 +313,8 @@ impl Conn {
             copied: 0,
             bulk: false,
             lent: Vec::new(),
+            split_requests: 0,
+            depth: 0,
             out: Vec::new(),
             sending: Vec::new(),
             socket_ops: 0,

@@ -132,6 +132,9 @@ impl Receive {
     /// payload bytes it copied into WRITE buffers are counted.
     fn pump(&mut self, sh: &mut Shared, out: &mut Output, reqs: &mut Requests, exports: &mut Attachments, ci: u32, src: &Source) {
         self.split(sh, out, reqs, exports, ci, src);
+        if let Some(c) = sh.conn_mut(ci) {
+            c.depth = c.depth.max(std::mem::take(&mut c.split_requests));
+        }
         let copied = sh.conn_mut(ci).map_or(0, |c| std::mem::take(&mut c.copied));
         if copied > 0 {
             sh.record_copied_write(ci, copied);
@@ -165,6 +168,7 @@ impl Receive {
                     pos += used;
                     match fed {
                         Fed::Parsed(p) => {
+                            conn.split_requests = conn.split_requests.saturating_add(1);
                             sh.active = true;
                             reqs.take_parsed(sh, out, exports, ci, p);
                         }

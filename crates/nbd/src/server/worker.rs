@@ -464,9 +464,9 @@ impl Worker {
         let mut busy = 0;
         let since = std::mem::replace(&mut self.last_tick, now);
         for i in 0..self.sh.conns.len() {
-            let Some(c) = self.sh.conns[i].as_ref() else { continue };
+            let Some(c) = self.sh.conns[i].as_mut() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
-            busy += usize::from(!handshaking && c.last_activity >= since);
+            busy += weight::threads_for(!handshaking && c.last_activity >= since, std::mem::take(&mut c.depth));
             let stalled = (!matches!(c.tx, Tx::Idle) || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
