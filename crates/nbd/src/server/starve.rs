@@ -200,6 +200,13 @@ impl ReadPath {
         self.streak > 0 || self.offload_until.is_some()
     }
 
+    /// Whether the ring is in a spell of being starved of CPU (a streak
+    /// ended less than [`OFFLOAD_FOR`] ago), whatever the read setting:
+    /// inline writes go to io_uring's workers meanwhile (`inline`).
+    pub(super) fn starved(&self) -> bool {
+        self.offload_until.is_some()
+    }
+
     /// Whether the ring is in a spell of handing page-cache reads to
     /// io_uring's workers (`Auto`: starved lately; `Always`: always), as
     /// `/metrics` shows it. In a starved spell a lone read still stays

@@ -1,0 +1,308 @@
+//! The inline write path's decisions: probing, refusals, back-offs and
+//! the starved ring's hand-off.
+
+use super::*;
+
+/// A write the path would do blocking here goes to the ring instead
+/// while the ring is starved of CPU, and is done here again after.
+#[test]
+fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("img");
+    std::fs::write(&path, vec![0u8; 8192]).unwrap();
+    let spec = crate::export::ExportSpec {
+        name: "a".into(),
+        path,
+        read_only: false,
+        direct_io: false,
+        max_connections: 0,
+        description: String::new(),
+    };
+    let export = crate::export::Exports::default().add(&spec, None).unwrap();
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    let mut ring = RingInline::default();
+    let data = [7u8; 4096];
+    let write =
+        |starved| InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved };
+    assert_eq!(ring.write(&mut p, write(true), now), None, "starved: through the ring");
+    assert_eq!(ring.write(&mut p, write(false), now), Some(4096), "served: done here");
+    assert_eq!(std::fs::read(dir.path().join("img")).unwrap()[..4096], data);
+}
+
+#[test]
+fn a_file_system_that_takes_nowait_writes_keeps_the_ring() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    assert_eq!(p.route(4096, false, now), Route::Nowait);
+    p.nowait_done(Ok(4096));
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    // Later answers of a nowait write change nothing once decided.
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+}
+
+#[test]
+fn eopnotsupp_makes_small_writes_inline_and_large_or_fua_ones_ring() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    // FUA writes never probe.
+    assert_eq!(p.route(4096, true, now), Route::Ring);
+    assert_eq!(p.route(1 << 20, false, now), Route::Nowait);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert!(p.inline_now());
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert_eq!(p.route(INLINE_MAX, false, now), Route::Blocking);
+    assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+    assert_eq!(p.route(4096, true, now), Route::Ring);
+}
+
+#[test]
+fn eagain_every_time_gives_up_after_the_probes() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    for _ in 0..PROBES - 1 {
+        assert_eq!(p.route(4096, false, now), Route::Nowait);
+        p.nowait_done(Err(Errno::AGAIN));
+    }
+    // An error that says nothing about blocking does not count.
+    p.nowait_done(Err(Errno::NOSPC));
+    assert_eq!(p.route(4096, false, now), Route::Nowait);
+    p.nowait_done(Err(Errno::AGAIN));
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+}
+
+#[test]
+fn a_streak_as_long_as_a_client_queue_keeps_the_ring() {
+    // A loaded xfs refuses every write in flight while one of them
+    // waits (4 connections x QD8: 32): none is done blocking here, and
+    // the first write it takes keeps the ring for good.
+    let mut p = WritePath::new(InlineWrites::Auto);
+    let (tries, blocking, ring, _) = drive(&mut p, 32, |_| Err(Errno::AGAIN));
+    assert_eq!((tries, blocking, ring), (32, 0, 32));
+    assert!(!p.inline_now());
+    let (_, blocking, _, _) = drive(&mut p, 1000, |i| if i % 10 == 0 { Err(Errno::AGAIN) } else { Ok(4096) });
+    assert_eq!(blocking, 0);
+    assert_eq!(p.route(4096, false, Instant::now()), Route::Ring);
+}
+
+#[test]
+fn a_success_after_eagains_keeps_the_ring() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::AGAIN));
+    p.nowait_done(Err(Errno::AGAIN));
+    p.nowait_done(Ok(512));
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+}
+
+#[test]
+fn a_slow_write_that_slept_backs_off_for_a_while() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    // Slow without sleeping and on the CPU (a long copy): stays inline.
+    p.blocking_done(SLOW * 5, false, false, now);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    // Slept but fast: stays inline.
+    p.blocking_done(SLOW / 2, true, false, now);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    // Slow and slept: the ring until the backoff ends, then inline again.
+    p.blocking_done(SLOW * 2, true, false, now);
+    assert!(!p.inline_now());
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+    assert!(p.inline_now());
+}
+
+/// A ring thread preempted in the middle of its inline writes (a
+/// contended CPU) hands them to io_uring's workers for a while: more
+/// threads get more of a contended CPU than one does.
+#[test]
+fn a_slow_write_that_was_preempted_backs_off_for_a_while() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    // Preempted but fast: stays inline.
+    p.blocking_done(SLOW / 2, false, true, now);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    p.blocking_done(SLOW * 2, false, true, now);
+    assert!(!p.inline_now());
+    assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+}
+
+/// Off the CPU without a voluntary switch is preemption; with one, it
+/// is a sleep; on the CPU the whole time, neither.
+#[test]
+fn the_snapshot_tells_preemption_from_sleep() {
+    let now = Instant::now();
+    let s = Snapshot { turn: now, switches: Some(10), wall: now - SLOW * 3, cpu: Duration::from_millis(5) };
+    // 3 ms or more of wall time, 0.5 ms of it on the CPU, no switch: preempted.
+    assert_eq!(s.since(Some(10), Duration::from_micros(5_500)), (false, true));
+    // The same with a voluntary switch: slept.
+    assert_eq!(s.since(Some(11), Duration::from_micros(5_500)), (true, false));
+    // On the CPU the whole time (a long copy): neither.
+    assert_eq!(s.since(Some(10), Duration::from_secs(3600)), (false, false));
+    // Switches unreadable: counted as a sleep, as before.
+    assert_eq!(s.since(None, Duration::from_secs(3600)), (true, false));
+}
+
+#[test]
+fn off_never_probes_nor_inlines() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Off);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    assert_eq!("auto".parse::<InlineWrites>().ok(), Some(InlineWrites::Auto));
+    assert_eq!("off".parse::<InlineWrites>().ok(), Some(InlineWrites::Off));
+    assert!("on".parse::<InlineWrites>().is_err());
+}
+
+/// Routes `writes` 4 KiB writes through `p` with the file system
+/// answering `answer` to each RWF_NOWAIT try; counts (tries, blocking,
+/// ring) and says after which write the path first went to the ring.
+fn drive(p: &mut WritePath, writes: u32, answer: impl Fn(u32) -> Result<usize, Errno>) -> (u32, u32, u32, Option<u32>) {
+    let now = Instant::now();
+    let (mut tries, mut blocking, mut ring, mut to_ring) = (0, 0, 0, None);
+    for i in 0..writes {
+        let route = match p.route(4096, false, now) {
+            Route::Nowait => {
+                tries += 1;
+                let res = answer(i);
+                p.nowait_done(res);
+                if res.is_ok() {
+                    continue;
+                }
+                p.refused(4096)
+            }
+            route => route,
+        };
+        match route {
+            Route::Blocking => blocking += 1,
+            Route::Ring => {
+                ring += 1;
+                to_ring.get_or_insert(i);
+            }
+            Route::Nowait => unreachable!("refused() never asks again"),
+        }
+    }
+    (tries, blocking, ring, to_ring)
+}
+
+#[test]
+fn a_passing_eagain_streak_is_undone_at_the_next_try() {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    // Loaded: the probe gives up, every refused write done here.
+    let (tries, blocking, ring, _) = drive(&mut p, PROBES as u32, |_| Err(Errno::AGAIN));
+    assert_eq!((tries, blocking, ring), (PROBES as u32, 1, PROBES as u32 - 1));
+    assert!(p.inline_now());
+    // The load is gone: after the first gap they go through the ring
+    // again, and stay.
+    let (tries, blocking, _, to_ring) = drive(&mut p, 100, |_| Ok(4096));
+    assert_eq!((tries, blocking, to_ring), (1, FIRST_GAP, Some(FIRST_GAP + 1)));
+    assert!(!p.inline_now());
+    assert_eq!(p.route(4096, false, Instant::now()), Route::Ring);
+}
+
+#[test]
+fn a_late_success_is_found_within_reprobe_max_writes() {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    // Long refused (ext4's answer), so the tries are as far apart as they get.
+    drive(&mut p, 50 * REPROBE_MAX, |_| Err(Errno::OPNOTSUPP));
+    assert_eq!(p.gap, REPROBE_MAX);
+    // Then the file system takes them (the export's file moved, a kernel
+    // that takes them): the ring again after at most REPROBE_MAX writes.
+    let (tries, blocking, _, to_ring) = drive(&mut p, 3 * REPROBE_MAX, |_| Ok(4096));
+    assert_eq!(tries, 1);
+    assert!(blocking <= REPROBE_MAX, "{blocking} writes blocking before the next try");
+    assert_eq!(to_ring, Some(blocking + 1));
+}
+
+#[test]
+fn a_file_system_that_never_takes_them_is_tried_rarely_but_for_ever() {
+    let writes = 1_000_000;
+    for refusal in [Errno::OPNOTSUPP, Errno::AGAIN] {
+        let mut p = WritePath::new(InlineWrites::Auto);
+        let (tries, blocking, ring, _) = drive(&mut p, writes, |_| Err(refusal));
+        // Every write but the first few EAGAINs is done here, the
+        // refused tries included: none is handed to a worker.
+        assert_eq!(ring, if refusal == Errno::AGAIN { PROBES as u32 - 1 } else { 0 }, "{refusal:?}");
+        assert_eq!(blocking + ring, writes);
+        // Past the probe, at most 0.1% of writes pay a refused syscall...
+        let probe = if refusal == Errno::AGAIN { PROBES as u32 } else { 1 };
+        assert!((tries - probe) * 1000 <= writes, "{refusal:?}: {tries} tries in {writes} writes");
+        // ...and the question is still asked once per REPROBE_MAX writes.
+        assert!(tries >= writes / (REPROBE_MAX + 1), "{refusal:?}: {tries} tries in {writes} writes");
+    }
+}
+
+#[test]
+fn the_gap_between_tries_doubles_up_to_the_cap() {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    let now = Instant::now();
+    assert_eq!(p.route(4096, false, now), Route::Nowait);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    let mut gaps = Vec::new();
+    let mut since = 0;
+    for _ in 0..5 * REPROBE_MAX {
+        match p.route(4096, false, now) {
+            Route::Blocking => since += 1,
+            Route::Nowait => {
+                gaps.push(since);
+                since = 0;
+                p.nowait_done(Err(Errno::OPNOTSUPP));
+            }
+            Route::Ring => panic!("a small write refused is done here"),
+        }
+    }
+    assert_eq!(&gaps[..10], &[8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]);
+}
+
+#[test]
+fn an_unanswered_try_is_asked_again_and_fua_writes_do_not_count() {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    let now = Instant::now();
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    // FUA writes go through the ring and leave the count alone.
+    for _ in 0..10 {
+        assert_eq!(p.route(4096, true, now), Route::Ring);
+    }
+    for _ in 1..FIRST_GAP {
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+    }
+    assert_eq!(p.route(4096, false, now), Route::Nowait);
+    // The try never ran (no buffer, say): the next write tries.
+    assert_eq!(p.route(1 << 20, false, now), Route::Nowait);
+    // An error that says nothing about blocking waits longer too (no
+    // file system failing every write is asked on every write)...
+    p.nowait_done(Err(Errno::IO));
+    assert!(p.inline_now());
+    assert_eq!(p.gap, 2 * FIRST_GAP);
+    // ...and a large write refused still goes through the ring.
+    assert_eq!(p.refused(1 << 20), Route::Ring);
+    assert_eq!(p.refused(4096), Route::Blocking);
+}
+
+#[test]
+fn no_tries_during_a_backoff() {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    let now = Instant::now();
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    p.blocking_done(SLOW * 2, true, false, now);
+    for _ in 0..10 {
+        assert_eq!(p.route(4096, false, now), Route::Ring);
+    }
+    // After it, the count goes on where it was.
+    for _ in 1..FIRST_GAP {
+        assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+    }
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Nowait);
+    p.nowait_done(Ok(4096));
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Ring);
+}
