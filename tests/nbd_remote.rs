@@ -10,6 +10,8 @@
 
 mod common;
 mod csi_support;
+#[path = "nbd_remote/metrics.rs"]
+mod metrics;
 mod nbd_support;
 
 use std::collections::HashMap;
@@ -579,6 +581,7 @@ fn main() {
         Trial::test("nbd_remote::one_consuming_node_at_a_time", one_consuming_node_at_a_time),
         Trial::test("nbd_remote::operator_releases_a_dead_holder", operator_releases_a_dead_holder),
         Trial::test("nbd_remote::owner_stages_a_moved_share_over_nfs", owner_stages_a_moved_share_over_nfs),
+        Trial::test("nbd_remote::export_server_reaches_metrics", metrics::export_server_reaches_metrics),
     ];
     common::run_in_private_namespace(trials)
 }

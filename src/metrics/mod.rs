@@ -43,8 +43,8 @@ pub(crate) struct Sources {
     pub rings: Vec<(&'static str, Arc<RingStats>)>,
     /// The mount watcher's counters, refreshed by the agent.
     pub mounts: Arc<ArcSwap<WatcherStats>>,
-    /// The `--nbd-listen` server's exports, when it runs (the attach
-    /// server's are read from `csi`).
+    /// The `--nbd-listen` server's exports, when it runs (the CSI
+    /// driver's servers', attach and export, are read from `csi`).
     pub nbd: Option<Arc<volring_nbd::Exports>>,
     /// The reconciler's counters and verdicts, when the CSI driver runs.
     pub reconcile: Option<Reconcile>,

@@ -4,16 +4,18 @@
 //! nice value), all read at scrape time from the catalog each server
 //! serves.
 //!
-//! Two servers run in an agent: the one `--nbd-listen` serves to outside
-//! clients, and the attach server, which serves the node's own `attach:
-//! nbd` volumes to the kernel's nbd client (crates/csi, started by the
-//! first such volume). Their series share the families and are told apart
-//! by a `server` label (`listen`, `attach`): a sum over a family is the
-//! node's NBD work, the listener's series keep their names and labels
-//! (`server` comes on top, so a selector on `export`, `ring` or `op` still
-//! finds them, beside the attach server's unless it names `server`). The
-//! attach server's exports are named by volume id, and their series carry
-//! it as `volume` too, the label the `volring_volume_*` series join on.
+//! Up to three servers run in an agent: the one `--nbd-listen` serves to
+//! outside clients, and two the CSI driver runs (crates/csi): the attach
+//! server, which serves the node's own `attach: nbd` volumes to the
+//! kernel's nbd client (started by the first such volume), and the export
+//! server, which `--nbd-export-listen` runs to serve those volumes to other
+//! nodes. Their series share the families and are told apart by a `server`
+//! label (`listen`, `attach`, `export`): a sum over a family is the node's
+//! NBD work, the listener's series keep their names and labels (`server`
+//! comes on top, so a selector on `export`, `ring` or `op` still finds
+//! them, beside the others' unless it names `server`). The driver's
+//! servers name their exports by volume id, and their series carry it as
+//! `volume` too, the label the `volring_volume_*` series join on.
 
 use std::fmt::Error as FmtError;
 
@@ -23,10 +25,9 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use volring_nbd::stats::{ExportSnapshot, RingSnapshot};
 
-/// The `server` label of the `--nbd-listen` server's series.
+/// The `server` label of the `--nbd-listen` server's series (the CSI
+/// driver names its own servers: `Driver::nbd_servers`).
 const LISTEN: &str = "listen";
-/// The `server` label of the attach server's series.
-const ATTACH: &str = "attach";
 
 /// One server's part of a scrape, taken once.
 struct Server {
@@ -41,11 +42,12 @@ impl Server {
         Self { name, exports: export_snapshots(catalog), rings: Vec::<RingSnapshot>::from(catalog) }
     }
 
-    /// An export's labels: its name and the server's, and for the attach
-    /// server the volume id (its export's name).
+    /// An export's labels: its name and the server's, and for the CSI
+    /// driver's servers (every one but the listener) the volume id (its
+    /// export's name).
     fn labels<'a>(&self, x: &'a ExportSnapshot) -> Vec<(&'static str, &'a str)> {
         let mut l = vec![("export", x.name.as_str()), ("server", self.name)];
-        if self.name == ATTACH {
+        if self.name != LISTEN {
             l.push(("volume", x.name.as_str()));
         }
         l
@@ -53,9 +55,10 @@ impl Server {
 }
 
 /// The NBD families of one scrape: the `--nbd-listen` server's (`listen`,
-/// when it runs) and the attach server's (from the CSI driver, once a
-/// volume started it). Declared, empty, while neither serves anything, so
-/// a query finds the families on any node that may run one.
+/// when it runs), and the CSI driver's: the attach server's (once a volume
+/// started it) and the export server's (with `--nbd-export-listen`).
+/// Declared, empty, while none serves anything, so a query finds the
+/// families on any node that may run one.
 pub(super) fn encode(
     e: &mut DescriptorEncoder<'_>,
     listen: Option<&volring_nbd::Exports>,
@@ -68,8 +71,8 @@ pub(super) fn encode(
     if let Some(x) = listen {
         servers.push(Server::read(LISTEN, x));
     }
-    if let Some(x) = csi.and_then(|d| d.nbd_attach_exports()) {
-        servers.push(Server::read(ATTACH, &x));
+    for (name, x) in csi.map(|d| d.nbd_servers()).unwrap_or_default() {
+        servers.push(Server::read(name, &x));
     }
     encode_servers(e, &servers)
 }
@@ -204,6 +207,10 @@ mod tests {
     use super::*;
     use prometheus_client::collector::Collector;
     use prometheus_client::registry::Registry;
+
+    /// The names `Driver::nbd_servers` gives the CSI driver's servers.
+    const ATTACH: &str = "attach";
+    const EXPORT: &str = "export";
 
     /// Just the NBD part of the exposition.
     struct Nbd(Vec<Server>);
@@ -341,6 +348,40 @@ mod tests {
         // One family each, whichever servers run.
         assert_eq!(out.lines().filter(|l| *l == "# TYPE volring_nbd_writes counter").count(), 1, "{out}");
         assert_eq!(out.lines().filter(|l| *l == "# TYPE volring_nbd_ring_nice gauge").count(), 1, "{out}");
+    }
+
+    /// The export server (`--nbd-export-listen`: the node's nbd volumes
+    /// served to other nodes) names its exports by volume id too, so its
+    /// series carry `volume`; a volume staged here has an export in both
+    /// the attach and the export server (the fence hands it to one holder
+    /// at a time), and each server's series of it stay apart.
+    #[test]
+    fn the_export_servers_series_carry_the_volume_beside_the_attach_servers() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let (attach, export) = (volring_nbd::Exports::default(), volring_nbd::Exports::default());
+        attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
+        export.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
+        let mut local = Server::read(ATTACH, &attach);
+        local.exports[0].writes = 2;
+        let mut remote = Server::read(EXPORT, &export);
+        (remote.exports[0].reads, remote.exports[0].read_bytes) = (5, 20_480);
+        remote.exports[0].latency[volring_nbd::stats::Kind::Read as usize].buckets[2].1 = 5;
+        remote.rings = vec![ring(0, 4, 1, 0, false)];
+        let out = text(vec![local, remote]);
+        for line in [
+            r#"volring_nbd_reads_total{export="pvc-1",server="export",volume="pvc-1"} 5"#,
+            r#"volring_nbd_read_bytes_total{export="pvc-1",server="export",volume="pvc-1"} 20480"#,
+            r#"volring_nbd_writes_total{export="pvc-1",server="export",volume="pvc-1"} 0"#,
+            r#"volring_nbd_writes_total{export="pvc-1",server="attach",volume="pvc-1"} 2"#,
+            r#"volring_nbd_reads_total{export="pvc-1",server="attach",volume="pvc-1"} 0"#,
+            r#"volring_nbd_request_duration_seconds_count{export="pvc-1",op="read",server="export",volume="pvc-1"} 5"#,
+            r#"volring_nbd_ring_idle_polls_total{ring="0",result="found",server="export"} 4"#,
+            r#"volring_nbd_ring_nice{ring="0",server="export"} 0"#,
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
     }
 
     /// With neither server possible (no `--nbd-listen`, no CSI driver) the

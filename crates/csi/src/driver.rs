@@ -280,13 +280,18 @@ impl Driver {
         self.exports.serve(listener)
     }
 
-    /// The node's attach server, once the first `attach: nbd` volume
-    /// started it: the NBD server inside the agent that serves this node's
-    /// nbd volumes to the kernel's nbd client, as its catalog (an export per
-    /// volume, named by the volume id, and its rings' counters). `/metrics`
-    /// reads it at each scrape, as it reads the `--nbd-listen` server's.
-    pub fn nbd_attach_exports(&self) -> Option<Arc<volring_nbd::Exports>> {
-        self.healer.nbd.exports()
+    /// The NBD servers the driver runs, each by its name and as its catalog
+    /// (an export per volume, named by the volume id, and its rings'
+    /// counters), for `/metrics` to read at each scrape as it reads the
+    /// `--nbd-listen` server's: `attach`, the server of this node's nbd
+    /// volumes to the kernel's nbd client, once the first `attach: nbd`
+    /// volume started it; `export`, the `--nbd-export-listen` server of
+    /// them to other nodes, once the agent handed it over. One call for
+    /// both keeps the crate's public surface where it was.
+    pub fn nbd_servers(&self) -> Vec<(&'static str, Arc<volring_nbd::Exports>)> {
+        let attach = self.healer.nbd.exports().map(|x| ("attach", x));
+        let export = self.exports.catalog().map(|x| ("export", x));
+        attach.into_iter().chain(export).collect()
     }
 
     /// The address the export listener is bound to, if it runs.

@@ -199,6 +199,13 @@ impl NbdExports {
     pub(crate) fn address(&self) -> Option<String> {
         self.listener.get().map(ExportListener::address)
     }
+
+    /// The export listener's catalog, once it serves: an export per volume
+    /// it hands to other nodes, named by the volume id, and its rings'
+    /// counters (what `/metrics` shows of the I/O other nodes do here).
+    pub(crate) fn catalog(&self) -> Option<Arc<Exports>> {
+        self.listener.get().map(|l| l.server.exports().clone())
+    }
 }
 
 /// The remote export a stage's volume context names, checked: both keys
