@@ -19,7 +19,7 @@
 //! ([`threads_for`]): a server with a pool of threads per connection
 //! (nbdkit's default is 16) runs several at once for such a client. One
 //! connection × QD32 4 KiB writes under two CPU spinners ran at 0.96-0.99×
-//! nbdkit with the ring at one thread's weight, and at 1.24-1.37× with it
+//! nbdkit with the ring at one thread's weight, and at 1.29-1.37× with it
 //! reniced by hand to two threads' (nice -3; docs/benchmarks.md).
 //!
 //! That is no more CPU than a thread-per-connection server takes for the
