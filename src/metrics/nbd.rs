@@ -28,6 +28,9 @@ use volring_nbd::stats::{ExportSnapshot, RingSnapshot};
 /// The `server` label of the `--nbd-listen` server's series (the CSI
 /// driver names its own servers: `Driver::nbd_servers`).
 const LISTEN: &str = "listen";
+/// The `server` label `Driver::nbd_servers` gives the server of this node's
+/// nbd volumes to other nodes.
+const EXPORT: &str = "export";
 
 /// One server's part of a scrape, taken once.
 struct Server {
@@ -106,7 +109,12 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(
             |s| s.copied_write_bytes,
         ),
     ];
-    let exports = || servers.iter().flat_map(|s| s.exports.iter().map(move |x| (s.labels(x), x)));
+    // The export server exports every nbd volume of the node's pool from
+    // the start: only those another node has connected to are shown, or a
+    // node with thousands of volumes would carry twenty series of zeroes
+    // for each.
+    let shown = |s: &Server, x: &ExportSnapshot| s.name != EXPORT || x.connections_total > 0;
+    let exports = || servers.iter().flat_map(move |s| s.exports.iter().filter(move |x| shown(s, x)).map(move |x| (s.labels(x), x)));
     for (name, help, pick) in counters {
         let mut fam = e.encode_descriptor(name, help, None, MetricType::Counter)?;
         for (labels, x) in exports() {
@@ -186,7 +194,7 @@ fn encode_rings(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(),
             i64::from(r.offloading_reads)
         }),
         ("volring_nbd_ring_nice", "The scheduler nice value of an NBD ring thread", |r| i64::from(r.nice)),
-        ("volring_nbd_ring_recv_buffers_held", "Provided receive buffers an NBD ring holds (0 when quiet)", |r| {
+        ("volring_nbd_ring_recv_buffers_held", "Provided receive buffers an NBD ring holds, lent ones included (0 when quiet)", |r| {
             i64::from(r.recv_buffers_held)
         }),
         ("volring_nbd_ring_recv_buffers_lent", "Provided receive buffers NBD writes in flight are made from", |r| {
@@ -208,9 +216,8 @@ mod tests {
     use prometheus_client::collector::Collector;
     use prometheus_client::registry::Registry;
 
-    /// The names `Driver::nbd_servers` gives the CSI driver's servers.
+    /// The name `Driver::nbd_servers` gives the attach server.
     const ATTACH: &str = "attach";
-    const EXPORT: &str = "export";
 
     /// Just the NBD part of the exposition.
     struct Nbd(Vec<Server>);
@@ -363,11 +370,13 @@ mod tests {
         let (attach, export) = (volring_nbd::Exports::default(), volring_nbd::Exports::default());
         attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
         export.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
+        export.add(&format!("pvc-idle={}", image.display()).parse().unwrap(), None).unwrap();
         let mut local = Server::read(ATTACH, &attach);
         local.exports[0].writes = 2;
         let mut remote = Server::read(EXPORT, &export);
-        (remote.exports[0].reads, remote.exports[0].read_bytes) = (5, 20_480);
-        remote.exports[0].latency[volring_nbd::stats::Kind::Read as usize].buckets[2].1 = 5;
+        let used = remote.exports.iter_mut().find(|x| x.name == "pvc-1").expect("pvc-1");
+        (used.reads, used.read_bytes, used.connections_total) = (5, 20_480, 1);
+        used.latency[volring_nbd::stats::Kind::Read as usize].buckets[2].1 = 5;
         remote.rings = vec![ring(0, 4, 1, 0, false)];
         let out = text(vec![local, remote]);
         for line in [
@@ -382,6 +391,7 @@ mod tests {
         ] {
             assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
         }
+        assert!(!out.contains("pvc-idle"), "an export no node connected to has no series:\n{out}");
     }
 
     /// With neither server possible (no `--nbd-listen`, no CSI driver) the

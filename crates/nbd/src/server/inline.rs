@@ -46,7 +46,7 @@
 //!   their own. A 4 KiB write on ext4 costs 25-70 µs of CPU, against a
 //!   read's few: where a lone read is better kept inline (one hand-off
 //!   more on its path), a lone write is not. One connection × QD1 writes
-//!   under two CPU spinners ran at 0.90-0.96× nbdkit done inline, and level
+//!   under two CPU spinners ran at 0.85-0.96× nbdkit done inline, and level
 //!   with it through the workers (6.4-7.3k against 6.5-7.2k IOPS, by hand);
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a

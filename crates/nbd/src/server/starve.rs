@@ -201,8 +201,9 @@ impl ReadPath {
     }
 
     /// Whether the ring is in a spell of being starved of CPU (a streak
-    /// ended less than [`OFFLOAD_FOR`] ago), whatever the read setting:
-    /// inline writes go to io_uring's workers meanwhile (`inline`).
+    /// ended less than [`OFFLOAD_FOR`] ago), with `auto` or `off`: inline
+    /// writes go to io_uring's workers meanwhile (`inline`). With `always`
+    /// (or no schedstat) no window is judged, so never.
     pub(super) fn starved(&self) -> bool {
         self.offload_until.is_some()
     }

@@ -18,9 +18,11 @@
 //! requests in one receive since the last tick counts as two threads
 //! ([`threads_for`]): a server with a pool of threads per connection
 //! (nbdkit's default is 16) runs several at once for such a client. One
-//! connection × QD32 4 KiB writes under two CPU spinners ran at 0.96-0.99×
-//! nbdkit with the ring at one thread's weight, and at 1.29-1.37× with it
-//! reniced by hand to two threads' (nice -3; docs/benchmarks.md).
+//! connection × QD32 4 KiB writes under two CPU spinners ran level with
+//! nbdkit (0.91-1.08× by round) with the ring at one thread's weight, and
+//! at 1.29-1.37× with it reniced by hand to two threads' (nice -3;
+//! docs/benchmarks.md). (Large WRITEs received directly are not counted:
+//! a deep client of those counts as one thread.)
 //!
 //! That is no more CPU than a thread-per-connection server takes for the
 //! same clients (two per deep one, where nbdkit's pool may run sixteen),
