@@ -111,6 +111,7 @@ fn main() {
         with_host_agents("vm_move::owner_to_guest_and_back", vm_move::owner_to_guest_and_back),
         panicking("vm_nbd::one_ring_two_connections_on_6_1", vm_nbd::one_ring_two_connections_on_6_1),
         Trial::test("harness::hung_guest_is_killed", suites::hung_guest_is_killed),
+        Trial::test("harness::hung_boot_is_booted_again", suites::hung_boot_is_booted_again),
         Trial::test("harness::qemu_dies_with_its_spawner", suites::qemu_dies_with_the_thread_that_spawned_it),
     ];
     for &name in suites::SUITES {

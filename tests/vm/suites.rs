@@ -75,6 +75,24 @@ pub fn hung_guest_is_killed() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A boot judged hung before the init is killed and booted afresh, and the
+/// second boot runs the script: a boot limit of 1 s, which no TCG boot
+/// meets (the BIOS alone takes longer), makes the first boot count as hung.
+pub fn hung_boot_is_booted_again() -> Result<(), Failed> {
+    let Some(image) = image_or_skip("harness::hung_boot_is_booted_again") else { return Ok(()) };
+    let mut vm = Vm::new(&image)?;
+    vm.cpus = 1;
+    vm.boot_limit = Duration::from_secs(1);
+    let guest = vm.start("echo second boot ran the script\n")?;
+    let boots = guest.boots;
+    let run = guest.wait(Duration::from_secs(600))?;
+    run.ok()?;
+    if boots != 2 || !run.stdout.contains("second boot ran the script") {
+        return Err(format!("boots {boots}; the run:\n{}", run.describe()).into());
+    }
+    Ok(())
+}
+
 /// qemu spawned by a thread that then ends gets SIGKILL (PR_SET_PDEATHSIG):
 /// a test process that dies leaves no guest running.
 pub fn qemu_dies_with_the_thread_that_spawned_it() -> Result<(), Failed> {
