@@ -90,7 +90,7 @@ fn encode_servers(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(
 fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(), FmtError> {
     use volring_nbd::stats::Kind;
     type Pick = fn(&ExportSnapshot) -> u64;
-    let counters: [(&str, &str, Pick); 13] = [
+    let counters: [(&str, &str, Pick); 14] = [
         ("volring_nbd_connections_accepted", "Connections accepted into transmission", |s| s.connections_total),
         ("volring_nbd_reads", "READ requests answered", |s| s.reads),
         ("volring_nbd_writes", "WRITE requests answered", |s| s.writes),
@@ -103,6 +103,11 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(
         ("volring_nbd_errors", "Requests answered with an error", |s| s.errors),
         ("volring_nbd_inline_writes", "WRITEs done on a ring thread instead of an io_uring worker", |s| s.inline_writes),
         ("volring_nbd_offloaded_reads", "READs handed to io_uring's workers while the ring was starved of CPU", |s| s.offloaded_reads),
+        (
+            "volring_nbd_offloaded_writes",
+            "WRITEs the ring thread would have done blocking, handed to io_uring's workers while it was starved of CPU",
+            |s| s.offloaded_writes,
+        ),
         (
             "volring_nbd_copied_write_bytes",
             "WRITE payload bytes copied out of the receive buffers instead of received into the write's own or written from where they landed",

@@ -99,6 +99,10 @@ pub(crate) struct ExportStats {
     /// Page-cache READs handed to io_uring's workers because the ring was
     /// starved of CPU (see `server::starve`).
     pub(crate) offloaded_reads: AtomicU64,
+    /// WRITEs the inline path would have done with a blocking call on the
+    /// ring thread, handed to io_uring's workers instead because the ring
+    /// was starved of CPU (see `server::inline`).
+    pub(crate) offloaded_writes: AtomicU64,
     /// WRITE payload bytes copied into the write's buffer from where they
     /// were received (the ring's provided buffers, or bytes a paused
     /// connection held) instead of received straight into it or written
@@ -235,6 +239,7 @@ impl ExportStats {
             errors: load(&self.errors),
             inline_writes: load(&self.inline_writes),
             offloaded_reads: load(&self.offloaded_reads),
+            offloaded_writes: load(&self.offloaded_writes),
             copied_write_bytes: load(&self.copied_write_bytes),
             latency_count: count,
             latency_p50_us: p50,
@@ -262,6 +267,7 @@ pub struct ExportSnapshot {
     pub errors: u64,
     pub inline_writes: u64,
     pub offloaded_reads: u64,
+    pub offloaded_writes: u64,
     /// WRITE payload bytes copied out of the buffers they were received
     /// into rather than received straight into the write's own.
     pub copied_write_bytes: u64,

@@ -307,6 +307,7 @@ impl RingInline {
             }
         }
         if w.starved {
+            w.export.stats.offloaded_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return None;
         }
         let snapshot = match self.snapshot {

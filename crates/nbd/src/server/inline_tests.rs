@@ -28,6 +28,9 @@ fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
         |starved| InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved };
     assert_eq!(ring.write(&mut p, write(true), now), None, "starved: through the ring");
     assert_eq!(ring.write(&mut p, write(false), now), Some(4096), "served: done here");
+    // What an operator sees of it (volring_nbd_offloaded_writes).
+    let st = export.stats.snapshot("a");
+    assert_eq!((st.offloaded_writes, st.inline_writes), (1, 1), "{st:?}");
     assert_eq!(std::fs::read(dir.path().join("img")).unwrap()[..4096], data);
 }
 
