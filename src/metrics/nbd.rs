@@ -116,7 +116,7 @@ fn encode_exports(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(
     ];
     // The export server exports every nbd volume of the node's pool from
     // the start: only those another node has connected to are shown, or a
-    // node with thousands of volumes would carry twenty series of zeroes
+    // node with thousands of volumes would carry some twenty series of zeroes
     // for each.
     let shown = |s: &Server, x: &ExportSnapshot| s.name != EXPORT || x.connections_total > 0;
     let exports = || servers.iter().flat_map(move |s| s.exports.iter().filter(move |x| shown(s, x)).map(move |x| (s.labels(x), x)));
@@ -333,7 +333,7 @@ mod tests {
         listen.add(&format!("demo={}", image.display()).parse().unwrap(), None).unwrap();
         attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
         let mut volume = Server::read(ATTACH, &attach);
-        (volume.exports[0].writes, volume.exports[0].write_bytes) = (3, 12_288);
+        (volume.exports[0].writes, volume.exports[0].write_bytes, volume.exports[0].offloaded_writes) = (3, 12_288, 2);
         volume.exports[0].latency[volring_nbd::stats::Kind::Write as usize].buckets[2].1 = 3;
         volume.rings = vec![ring(0, 0, 0, 5, false)];
         let mut listener = Server::read(LISTEN, &listen);
@@ -346,6 +346,7 @@ mod tests {
             r#"volring_nbd_writes_total{export="pvc-1",server="attach",volume="pvc-1"} 3"#,
             r#"volring_nbd_written_bytes_total{export="pvc-1",server="attach",volume="pvc-1"} 12288"#,
             r#"volring_nbd_copied_write_bytes_total{export="pvc-1",server="attach",volume="pvc-1"} 0"#,
+            r#"volring_nbd_offloaded_writes_total{export="pvc-1",server="attach",volume="pvc-1"} 2"#,
             r#"volring_nbd_connections{export="pvc-1",server="attach",volume="pvc-1"} 0.0"#,
             r#"volring_nbd_request_duration_seconds_count{export="pvc-1",op="write",server="attach",volume="pvc-1"} 3"#,
             r#"volring_nbd_request_duration_seconds_count{export="demo",op="write",server="listen"} 0"#,

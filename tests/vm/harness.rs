@@ -141,6 +141,8 @@ pub struct GuestRun {
     pub qemu_pid: u32,
     /// Wall time from qemu's start to its exit (or its kill).
     pub elapsed: Duration,
+    /// 2 when the first boot hung before the init (see [`Vm::start`]).
+    pub boots: u32,
     work: tempfile::TempDir,
 }
 
@@ -148,10 +150,11 @@ impl GuestRun {
     /// Everything a failure message needs.
     pub fn describe(&self) -> String {
         format!(
-            "status {:?}, timed out {}, {:.1} s\n--- stdout\n{}\n--- console\n{}\n--- qemu\n{}",
+            "status {:?}, timed out {}, {:.1} s, boots {}\n--- stdout\n{}\n--- console\n{}\n--- qemu\n{}",
             self.status,
             self.timed_out,
             self.elapsed.as_secs_f64(),
+            self.boots,
             self.stdout,
             self.console,
             self.qemu_stderr
@@ -258,8 +261,9 @@ impl Vm {
         // timer doesn't work!", seen with the host at load 20).
         // cryptomgr.notests: the crypto self-tests Debian's kernel runs at
         // boot; in CI one boot of `-cpu max` spun in `cryptomgr_test` for
-        // the trial's whole 600 s (soft lockups from 2 s on, never reaching
-        // the init), and no trial tests the kernel's crypto.
+        // the trial's whole 600 s (stuck from 2 s into the boot, a soft
+        // lockup reported every 28 s, never reaching the init), and no
+        // trial tests the kernel's crypto.
         cmd.args(["-append", "console=ttyS0 panic=-1 loglevel=4 no_timer_check cryptomgr.notests=1"]);
         cmd.arg("-serial").arg(format!("file:{}", console.display()));
         cmd.args(["-virtfs", &share(Path::new("/"), "hostroot", true)]);
@@ -280,15 +284,18 @@ impl Vm {
     }
 
     /// Boots the guest on `script` and returns once its kernel started the
-    /// init, so the caller can play the other side of what the script does
-    /// (a server on the host, files exchanged through [`Guest::xfer`])
-    /// while it runs.
+    /// init (or qemu ended), so the caller can play the other side of what
+    /// the script does (a server on the host, files exchanged through
+    /// [`Guest::xfer`]) while it runs.
     ///
     /// A kernel that hangs before the init (a soft lockup on the console
     /// before the init's first line, or no init after `boot_limit`) is
-    /// killed and booted once more, saying so: no code of this project ran
-    /// yet, and a hung boot under TCG is the emulator's or the guest
-    /// kernel's, not the trial's.
+    /// killed and booted once more, saying so, and `start` returns as soon
+    /// as that second qemu runs (a second hang is the trial's timeout to
+    /// report): no code of this project ran yet, and a hung boot under
+    /// TCG is the emulator's or the guest kernel's, not the trial's. A
+    /// false soft lockup (a vCPU starved on a loaded host) costs one boot.
+    /// [`Guest::elapsed`] counts from the boot that runs the script.
     pub fn start(&self, script: &str) -> io::Result<Guest> {
         let mut guest = self.boot(script)?;
         if let Some(why) = guest.hung_before_init(self.boot_limit) {
@@ -323,8 +330,10 @@ const INIT_STARTED: &str = "vm-init: stage 1";
 /// A guest booted by [`Vm::start`]; qemu is killed (by PID) if this is
 /// dropped before [`Guest::wait`].
 pub struct Guest {
-    work: tempfile::TempDir,
+    // Before `work`: a guest dropped unwaited has its qemu killed before
+    // its work directory is removed (fields drop in this order).
     qemu: Running,
+    work: tempfile::TempDir,
     start: Instant,
     /// 2 when the first boot hung before the init (see [`Vm::start`]).
     pub boots: u32,
@@ -385,7 +394,7 @@ impl Guest {
     /// Waits for the guest to power off; kills qemu once `timeout` (counted
     /// from its start) passed.
     pub fn wait(self, timeout: Duration) -> io::Result<GuestRun> {
-        let Guest { work, mut qemu, start, .. } = self;
+        let Guest { work, mut qemu, start, boots } = self;
         let xfer = work.path().join("xfer");
         let qemu_pid = qemu.0.id();
         let deadline = start + timeout;
@@ -424,6 +433,7 @@ impl Guest {
             results: xfer.join("results"),
             qemu_pid,
             elapsed,
+            boots,
             work,
         })
     }

@@ -65,17 +65,28 @@ fn alive(pid: i32) -> bool {
 }
 
 /// What a failed wait on the host's NFS server needs: the pid file, how
-/// the killed server's process stands (a process stuck exiting holds its
-/// pid), the host agent's lines about its server, and ganesha's log end.
+/// each thread of the killed server stands (a leader already a zombie
+/// while another thread is stuck in D keeps the supervisor's wait from
+/// returning), the host agent's lines about its server, and ganesha's log
+/// end.
 fn server_state(a: &Agent, killed: i32) -> String {
     let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    let status = read(Path::new(&format!("/proc/{killed}/status")));
-    let state = status.lines().find(|l| l.starts_with("State:")).unwrap_or("gone");
-    let wchan = read(Path::new(&format!("/proc/{killed}/wchan")));
-    let agent: Vec<String> = a.log_tail(400).lines().filter(|l| l.contains("NFS")).map(str::to_string).collect();
+    let mut threads = String::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{killed}/task")) {
+        for t in tasks.flatten().take(64) {
+            let stat = read(&t.path().join("stat"));
+            // The state is the field after the command's closing parenthesis.
+            let state = stat.rsplit_once(") ").map_or("?", |(_, rest)| rest.split(' ').next().unwrap_or("?"));
+            let wchan = read(&t.path().join("wchan"));
+            threads.push_str(&format!(" {}:{state}:{wchan}", t.file_name().to_string_lossy()));
+        }
+    }
+    let log = read(&a.log);
+    let agent: Vec<&str> = log.lines().filter(|l| l.contains("NFS")).collect();
     format!(
-        "--- host: pid file {:?}; killed server {killed}: {state} {wchan}\n--- host agent (NFS lines)\n{}\n--- ganesha.log\n{}\n",
+        "--- host: pid file {:?}; threads of the killed server {killed} (tid:state:wchan):{}\n--- host agent (NFS lines)\n{}\n--- ganesha.log\n{}\n",
         read(&a.state.join("nfs/ganesha.pid")).trim(),
+        if threads.is_empty() { " none".to_string() } else { threads },
         harness::tail(&agent.join("\n"), 20),
         harness::tail(&read(&a.state.join("nfs/ganesha.log")), 20)
     )
@@ -165,11 +176,12 @@ pub fn two_clients() -> Result<(), Failed> {
         rustix::process::kill_process(rustix::process::Pid::from_raw(pid).ok_or("pid")?, rustix::process::Signal::KILL)?;
         eprintln!("note: killed the NFS server (pid {pid})");
         let killed = Instant::now();
-        // 180 s: the supervisor restarts it within 5 s, but this runs beside
-        // two other guests on a 2-core host (CI once saw no new pid in 60 s,
-        // with a neighbouring guest's kernel spinning both cores).
+        // 180 s: the supervisor restarts it within 5 s, but this trial's two
+        // guests run beside another trial's on a 2-core host (CI once saw
+        // no new pid in 60 s, with that other guest's kernel spinning both
+        // of its vCPUs).
         wait(180, "the NFS server restarted", || ganesha_pid(&a).is_some_and(|p| p != pid && alive(p)))
-            .map_err(|e| format!("{e:?}\n{}", server_state(&a, pid)))?;
+            .map_err(|e| format!("{}\n{}", e.message().unwrap_or("wait failed"), server_state(&a, pid)))?;
         eprintln!("note: a new NFS server after {:.1} s", killed.elapsed().as_secs_f64());
         std::fs::write(Path::new(&staging).join("restarted-1"), b"")?;
         std::thread::sleep(Duration::from_secs(15));
