@@ -242,11 +242,7 @@ mod tests {
     #[test]
     fn nbd_latency_is_a_histogram_per_command() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("img");
-        std::fs::write(&path, [0u8; 4096]).unwrap();
-        let exports = volring_nbd::Exports::default();
-        exports.add(&format!("a={}", path.display()).parse().unwrap(), None).unwrap();
-        let mut snaps = export_snapshots(&exports);
+        let mut snaps = export_snapshots(&catalog(dir.path(), &["a"]));
         // Two READs, of 80 us and 3 ms (the buckets nbd's stats put them
         // in are its own unit test's).
         let read = &mut snaps[0].latency[volring_nbd::stats::Kind::Read as usize];
@@ -306,6 +302,17 @@ mod tests {
         assert!(!idle.contains("ring=\""), "no server, no ring series:\n{idle}");
     }
 
+    /// A catalog exporting `names`, each on the one 4 KiB image in `dir`.
+    fn catalog(dir: &std::path::Path, names: &[&str]) -> volring_nbd::Exports {
+        let image = dir.join("img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let exports = volring_nbd::Exports::default();
+        for name in names {
+            exports.add(&format!("{name}={}", image.display()).parse().unwrap(), None).unwrap();
+        }
+        exports
+    }
+
     fn ring(ring: usize, found: u64, missed: u64, starved: u64, offloading: bool) -> RingSnapshot {
         RingSnapshot {
             ring,
@@ -327,11 +334,7 @@ mod tests {
     #[test]
     fn the_attach_servers_series_are_labelled_apart_from_the_listeners() {
         let dir = tempfile::tempdir().unwrap();
-        let image = dir.path().join("img");
-        std::fs::write(&image, [0u8; 4096]).unwrap();
-        let (listen, attach) = (volring_nbd::Exports::default(), volring_nbd::Exports::default());
-        listen.add(&format!("demo={}", image.display()).parse().unwrap(), None).unwrap();
-        attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
+        let (listen, attach) = (catalog(dir.path(), &["demo"]), catalog(dir.path(), &["pvc-1"]));
         let mut volume = Server::read(ATTACH, &attach);
         (volume.exports[0].writes, volume.exports[0].write_bytes, volume.exports[0].offloaded_writes) = (3, 12_288, 2);
         volume.exports[0].latency[volring_nbd::stats::Kind::Write as usize].buckets[2].1 = 3;
@@ -371,12 +374,7 @@ mod tests {
     #[test]
     fn the_export_servers_series_carry_the_volume_beside_the_attach_servers() {
         let dir = tempfile::tempdir().unwrap();
-        let image = dir.path().join("img");
-        std::fs::write(&image, [0u8; 4096]).unwrap();
-        let (attach, export) = (volring_nbd::Exports::default(), volring_nbd::Exports::default());
-        attach.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
-        export.add(&format!("pvc-1={}", image.display()).parse().unwrap(), None).unwrap();
-        export.add(&format!("pvc-idle={}", image.display()).parse().unwrap(), None).unwrap();
+        let (attach, export) = (catalog(dir.path(), &["pvc-1"]), catalog(dir.path(), &["pvc-1", "pvc-idle"]));
         let mut local = Server::read(ATTACH, &attach);
         local.exports[0].writes = 2;
         let mut remote = Server::read(EXPORT, &export);
