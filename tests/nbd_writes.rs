@@ -1,7 +1,7 @@
 //! WRITEs through the NBD server onto images on real ext4 and xfs pools
 //! (loop devices, mounted in a private mount namespace): small writes at
 //! queue depth 32 (done on the ring thread on ext4, through io_uring on
-//! xfs) and 1 MiB writes (their payloads received straight into the write
+//! xfs but for those that move the file's times) and 1 MiB writes (their payloads received straight into the write
 //! buffer) read back identical; and on ext4 small writes are done on the
 //! ring thread unless inline writes are turned off; 1 MiB writes are not
 //! copied out of the receive buffers, and small ones that arrive whole in
@@ -122,6 +122,24 @@ fn xfs_writes_read_back_identical() -> Result<(), Failed> {
 /// On ext4 (no RWF_NOWAIT for buffered writes) small writes are done on the
 /// ring thread (counted per export); with inline writes off none is, every
 /// one goes through io_uring. The data is the same either way.
+/// On xfs, which takes RWF_NOWAIT writes, small writes go through the
+/// ring, and the first of each tick of the coarse clock (and those near
+/// one) is done on the ring thread, so that its time stamp does not send it
+/// and the rest of its turn to io_uring's workers. Before, none was done
+/// there (`inline_writes` stayed 0 on xfs).
+fn xfs_time_stamps_are_written_on_the_ring_thread() -> Result<(), Failed> {
+    let scratch = Scratch::new();
+    let (_dev, at) = pool(&scratch, "xfs");
+    let s = serve(&at, InlineWrites::Auto, SIZE);
+    let data = random(3, SIZE);
+    copy_in(&s, &data, "4096", 32)?;
+    read_back(&s, &at, &data, "xfs, 4 KiB writes at QD32")?;
+    let st = s.server().exports().get("disk").expect("export").snapshot();
+    eprintln!("xfs: {} of {} writes on the ring thread", st.inline_writes, st.writes);
+    check(st.inline_writes >= 1, format!("no time stamp was written on the ring thread: {st:?}"))?;
+    check(st.inline_writes * 2 <= st.writes, format!("xfs writes no longer go mostly through the ring: {st:?}"))
+}
+
 fn ext4_small_writes_inline_unless_off() -> Result<(), Failed> {
     let scratch = Scratch::new();
     let (_dev, at) = pool(&scratch, "ext4");
@@ -382,6 +400,7 @@ fn main() {
         Trial::test("nbd_writes::ext4_writes_read_back_identical", ext4_writes_read_back_identical),
         Trial::test("nbd_writes::xfs_writes_read_back_identical", xfs_writes_read_back_identical),
         Trial::test("nbd_writes::ext4_small_writes_inline_unless_off", ext4_small_writes_inline_unless_off),
+        Trial::test("nbd_writes::xfs_time_stamps_are_written_on_the_ring_thread", xfs_time_stamps_are_written_on_the_ring_thread),
         Trial::test("nbd_writes::large_writes_are_not_copied_out_of_receive_buffers", large_writes_are_not_copied_out_of_receive_buffers),
         Trial::test("nbd_writes::xfs_small_writes_are_written_from_receive_buffers", xfs_small_writes_are_written_from_receive_buffers),
         Trial::test("nbd_writes::ext4_small_writes_are_written_from_receive_buffers", ext4_small_writes_are_written_from_receive_buffers),

@@ -54,7 +54,11 @@
 //!
 //! Once writes go through the ring nothing is probed again: a file system
 //! that takes RWF_NOWAIT writes has said it can, and io_uring itself hands
-//! the odd write that would block to a worker.
+//! the odd write that would block to a worker. One kind of write would
+//! block there all the time: the one that has to move the file's times,
+//! once per tick of the kernel's coarse clock. Such a write is done
+//! blocking here (see the `stamp` module), and backs off after a slow one
+//! like the writes above.
 
 use std::io::IoSlice;
 use std::os::fd::BorrowedFd;
@@ -62,6 +66,7 @@ use std::time::{Duration, Instant};
 
 use rustix::io::{Errno, ReadWriteFlags};
 
+use super::stamp::{Reading, Ticks};
 use crate::export::Export;
 use crate::Error;
 
@@ -111,8 +116,11 @@ impl std::str::FromStr for InlineWrites {
 enum Mode {
     /// Not known yet: the next write is tried with RWF_NOWAIT.
     Probe { eagain: u16 },
-    /// The file system takes writes without blocking: io_uring does them.
+    /// The file system takes writes without blocking: io_uring does them,
+    /// but for those that move the file's times.
     Ring,
+    /// Inline writes are turned off: io_uring does every one.
+    Off,
     /// Small writes are done blocking on the ring thread.
     Inline,
     /// Inline, and a write was handed out to be tried with RWF_NOWAIT again;
@@ -143,15 +151,29 @@ pub(super) struct WritePath {
     /// the probe's tries when it gives up, doubled by every refusal after,
     /// up to [`REPROBE_MAX`].
     gap: u32,
+    /// The coarse clock as last told by [`WritePath::clock`].
+    clock: Reading,
+    /// The coarse clock when a write through the ring's path was last done
+    /// blocking here to move the file's times (see `WritePath::stamp`).
+    stamped: u64,
+    /// Writes through the ring are not done blocking for a time stamp
+    /// until then: one such write was slow.
+    stamp_backoff: Option<Instant>,
 }
 
 impl WritePath {
     pub(super) fn new(setting: InlineWrites) -> Self {
         let mode = match setting {
             InlineWrites::Auto => Mode::Probe { eagain: 0 },
-            InlineWrites::Off => Mode::Ring,
+            InlineWrites::Off => Mode::Off,
         };
-        WritePath { mode, since_refusal: 0, gap: FIRST_GAP }
+        let clock = Reading { coarse: 0, near_tick: false };
+        WritePath { mode, since_refusal: 0, gap: FIRST_GAP, clock, stamped: 0, stamp_backoff: None }
+    }
+
+    /// Tells the path the coarse clock now (see the `stamp` module).
+    pub(super) fn clock(&mut self, clock: Reading) {
+        self.clock = clock;
     }
 
     pub(super) fn route(&mut self, len: u64, fua: bool, now: Instant) -> Route {
@@ -172,8 +194,35 @@ impl WritePath {
                 self.since_refusal += 1;
                 self.refused(len)
             }
-            Mode::Ring | Mode::Backoff(_) => Route::Ring,
+            Mode::Ring => self.stamp(len, now),
+            Mode::Backoff(_) | Mode::Off => Route::Ring,
         }
+    }
+
+    /// A write to a file whose writes io_uring takes without blocking is
+    /// done blocking here when it may have to move the file's times: the
+    /// first one after the coarse clock moved, and every one while the
+    /// clock is about to move (see the `stamp` module). Through the ring,
+    /// io_uring would hand it to a worker that holds the inode's lock
+    /// meanwhile, and every write of the turn after it would follow it.
+    fn stamp(&mut self, len: u64, now: Instant) -> Route {
+        if len > INLINE_MAX {
+            return Route::Ring;
+        }
+        if let Some(until) = self.stamp_backoff {
+            if now < until {
+                return Route::Ring;
+            }
+            self.stamp_backoff = None;
+        }
+        if self.clock.near_tick {
+            return Route::Blocking;
+        }
+        if self.clock.coarse == self.stamped {
+            return Route::Ring;
+        }
+        self.stamped = self.clock.coarse;
+        Route::Blocking
     }
 
     /// Where a write of `len` goes once its RWF_NOWAIT try was refused and
@@ -213,14 +262,22 @@ impl WritePath {
 
     /// A blocking write took `took`; `slept` if the thread waited
     /// meanwhile, `preempted` if it was off the CPU over [`SLOW`] without
-    /// sleeping (the CPU is contended).
-    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, now: Instant) {
-        if took > SLOW && (slept || preempted) {
-            self.mode = Mode::Backoff(now + BACKOFF);
+    /// sleeping (the CPU is contended). True when that sent writes back to
+    /// the ring for [`BACKOFF`].
+    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, now: Instant) -> bool {
+        if took <= SLOW || !(slept || preempted) {
+            return false;
         }
+        match self.mode {
+            Mode::Ring => self.stamp_backoff = Some(now + BACKOFF),
+            Mode::Off => return false, // does no blocking write
+            _ => self.mode = Mode::Backoff(now + BACKOFF),
+        }
+        true
     }
 
     /// Whether small writes are being done on the ring thread now.
+    #[cfg(test)]
     pub(super) fn inline_now(&self) -> bool {
         self.mode == Mode::Inline
     }
@@ -234,6 +291,10 @@ pub(super) struct RingInline {
     snapshot: Option<Snapshot>,
     /// Inline writes since the replies were last flushed.
     unflushed: u32,
+    /// When the coarse clock moves, learnt from its readings.
+    ticks: Ticks,
+    /// The coarse clock read at the first write of a loop turn.
+    clock: Option<(Instant, Reading)>,
 }
 
 /// The thread's state when a turn's inline writes began.
@@ -284,6 +345,11 @@ impl RingInline {
     /// to the ring.
     pub(super) fn write(&mut self, path: &mut WritePath, w: InlineWrite<'_>, now: Instant) -> Option<i32> {
         let len = w.data.len() as u64;
+        let clock = match self.clock {
+            Some((turn, clock)) if turn == now => clock,
+            _ => self.clock.insert((now, self.ticks.read())).1,
+        };
+        path.clock(clock);
         let route = path.route(len, w.fua, now);
         if route == Route::Ring {
             return None;
@@ -320,8 +386,7 @@ impl RingInline {
         if took > SLOW {
             let (slept, preempted) = snapshot.since(volring_sys::thread_voluntary_switches().ok(), volring_sys::thread_cpu_time());
             self.snapshot = Some(Snapshot::take(now));
-            path.blocking_done(took, slept, preempted, now);
-            if !path.inline_now() {
+            if path.blocking_done(took, slept, preempted, now) {
                 tracing::debug!(export = %w.export.name, took_us = took.as_micros() as u64, slept, preempted, "NBD writes: a blocking write slept or was preempted; through the ring for a while");
             }
         }

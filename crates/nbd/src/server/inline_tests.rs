@@ -3,12 +3,9 @@
 
 use super::*;
 
-/// A write the path would do blocking here goes to the ring instead
-/// while the ring is starved of CPU, and is done here again after.
-#[test]
-fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("img");
+/// An export "a" of an 8 KiB image of zeroes in `dir`.
+fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
+    let path = dir.join("img");
     std::fs::write(&path, vec![0u8; 8192]).unwrap();
     let spec = crate::export::ExportSpec {
         name: "a".into(),
@@ -18,7 +15,15 @@ fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
         max_connections: 0,
         description: String::new(),
     };
-    let export = crate::export::Exports::default().add(&spec, None).unwrap();
+    crate::export::Exports::default().add(&spec, None).unwrap()
+}
+
+/// A write the path would do blocking here goes to the ring instead
+/// while the ring is starved of CPU, and is done here again after.
+#[test]
+fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
     let now = Instant::now();
     let mut p = WritePath::new(InlineWrites::Auto);
     p.nowait_done(Err(Errno::OPNOTSUPP));
@@ -159,6 +164,10 @@ fn off_never_probes_nor_inlines() {
     let mut p = WritePath::new(InlineWrites::Off);
     assert_eq!(p.route(4096, false, now), Route::Ring);
     p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    // Nor does it stamp the file's times here.
+    p.nowait_done(Ok(4096));
+    p.clock(Reading { coarse: 4_000_000, near_tick: true });
     assert_eq!(p.route(4096, false, now), Route::Ring);
     assert_eq!("auto".parse::<InlineWrites>().ok(), Some(InlineWrites::Auto));
     assert_eq!("off".parse::<InlineWrites>().ok(), Some(InlineWrites::Off));
@@ -308,4 +317,87 @@ fn no_tries_during_a_backoff() {
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Nowait);
     p.nowait_done(Ok(4096));
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Ring);
+}
+
+/// A path whose file system takes RWF_NOWAIT writes, told the clock.
+fn ring_path(coarse: u64, near_tick: bool) -> WritePath {
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Ok(4096));
+    p.clock(Reading { coarse, near_tick });
+    p
+}
+
+/// Through the ring, the first small write after the coarse clock moved is
+/// done here (it moves the file's times, which a RWF_NOWAIT write may not),
+/// and the rest of the tick's go through the ring. Before the rule every
+/// write went through the ring, and the first of each tick took the rest
+/// of the turn's to io_uring's workers behind it.
+#[test]
+fn the_first_write_of_a_tick_is_done_here() {
+    let now = Instant::now();
+    let mut p = ring_path(4_000_000, false);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    assert_eq!(p.route(INLINE_MAX, false, now), Route::Ring);
+    // The next tick: a large or FUA write does not take the stamp...
+    p.clock(Reading { coarse: 8_000_000, near_tick: false });
+    assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+    assert_eq!(p.route(4096, true, now), Route::Ring);
+    // ...the next small one does, once.
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    assert!(!p.inline_now(), "still a ring path");
+}
+
+/// While the tick is near (the vDSO's clock may not show it yet), every
+/// small write is done here: whichever comes first after the kernel's
+/// clock moved carries the stamp.
+#[test]
+fn every_write_near_the_tick_is_done_here() {
+    let now = Instant::now();
+    let mut p = ring_path(4_000_000, false);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    p.clock(Reading { coarse: 4_000_000, near_tick: true });
+    for _ in 0..5 {
+        assert_eq!(p.route(4096, false, now), Route::Blocking);
+    }
+    assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+    p.clock(Reading { coarse: 8_000_000, near_tick: false });
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+}
+
+/// A slow stamp write that slept sends the stamps to the ring's workers
+/// for a while; the path stays a ring path (it does not turn inline).
+#[test]
+fn a_slow_stamp_backs_off_and_the_path_stays_on_the_ring() {
+    let now = Instant::now();
+    let mut p = ring_path(4_000_000, false);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert!(!p.blocking_done(SLOW / 2, true, false, now), "fast: no backoff");
+    assert!(p.blocking_done(SLOW * 2, true, false, now));
+    p.clock(Reading { coarse: 8_000_000, near_tick: true });
+    assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+    p.clock(Reading { coarse: 12_000_000, near_tick: false });
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+    assert_eq!(p.route(4096, false, now + BACKOFF), Route::Ring);
+    assert!(!p.inline_now());
+}
+
+/// A ring path writes the stamp here on a real file.
+#[test]
+fn a_stamp_write_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Ok(4096));
+    let mut ring = RingInline::default();
+    let data = [9u8; 4096];
+    let write =
+        InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 4096, fua: false, starved: false };
+    // The ring's first reading is a new coarse value for this path.
+    assert_eq!(ring.write(&mut p, write, Instant::now()), Some(4096));
+    assert_eq!(export.stats.snapshot("a").inline_writes, 1);
+    assert_eq!(std::fs::read(dir.path().join("img")).unwrap()[4096..], data);
 }

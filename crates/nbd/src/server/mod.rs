@@ -20,6 +20,7 @@ mod output;
 mod receive;
 mod requests;
 mod shared;
+mod stamp;
 pub(crate) mod starve;
 mod token;
 mod weight;
