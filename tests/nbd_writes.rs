@@ -1,13 +1,14 @@
 //! WRITEs through the NBD server onto images on real ext4 and xfs pools
 //! (loop devices, mounted in a private mount namespace): small writes at
-//! queue depth 32 (done on the ring thread on ext4, through io_uring on
-//! xfs but for those that move the file's times) and 1 MiB writes (their payloads received straight into the write
-//! buffer) read back identical; and on ext4 small writes are done on the
-//! ring thread unless inline writes are turned off; 1 MiB writes are not
-//! copied out of the receive buffers, and small ones that arrive whole in
-//! one are written from it (xfs and ext4). Last, READs handed to io_uring's
-//! workers (a ring starved of CPU) read back what was written, and the ring
-//! says it hands them over.
+//! queue depth 32 (done on the ring thread on ext4; through io_uring on
+//! xfs, but for those that move the file's times) and 1 MiB writes (their
+//! payloads received straight into the write buffer) read back identical;
+//! and on ext4 small writes are done on the ring thread unless inline
+//! writes are turned off; 1 MiB writes are not copied out of the receive
+//! buffers, and small ones that arrive whole in one are written from it
+//! (xfs and ext4). Last, READs handed to io_uring's workers (a ring starved
+//! of CPU) read back what was written, and the ring says it hands them
+//! over.
 
 mod common;
 mod nbd_support;
@@ -119,9 +120,6 @@ fn xfs_writes_read_back_identical() -> Result<(), Failed> {
     written_and_read_back_on("xfs")
 }
 
-/// On ext4 (no RWF_NOWAIT for buffered writes) small writes are done on the
-/// ring thread (counted per export); with inline writes off none is, every
-/// one goes through io_uring. The data is the same either way.
 /// On xfs, which takes RWF_NOWAIT writes, small writes go through the
 /// ring, and the first of each tick of the coarse clock (and those near
 /// one) is done on the ring thread, so that its time stamp does not send it
@@ -136,10 +134,15 @@ fn xfs_time_stamps_are_written_on_the_ring_thread() -> Result<(), Failed> {
     read_back(&s, &at, &data, "xfs, 4 KiB writes at QD32")?;
     let st = s.server().exports().get("disk").expect("export").snapshot();
     eprintln!("xfs: {} of {} writes on the ring thread", st.inline_writes, st.writes);
-    check(st.inline_writes >= 1, format!("no time stamp was written on the ring thread: {st:?}"))?;
-    check(st.inline_writes * 2 <= st.writes, format!("xfs writes no longer go mostly through the ring: {st:?}"))
+    // The first write after the probe stamps; more than one: later ticks
+    // were stamped too (8,192 writes span many).
+    check(st.inline_writes >= 2, format!("no later time stamp was written on the ring thread: {st:?}"))?;
+    check(st.inline_writes < st.writes, format!("xfs writes no longer go through the ring: {st:?}"))
 }
 
+/// On ext4 (no RWF_NOWAIT for buffered writes) small writes are done on the
+/// ring thread (counted per export); with inline writes off none is, every
+/// one goes through io_uring. The data is the same either way.
 fn ext4_small_writes_inline_unless_off() -> Result<(), Failed> {
     let scratch = Scratch::new();
     let (_dev, at) = pool(&scratch, "ext4");

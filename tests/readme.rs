@@ -63,8 +63,9 @@ enum How {
     /// Like [`How::UntilCtrlC`], but left running (the README's "second
     /// terminal") for the commands after it, and stopped at the block's end.
     Server(&'static str),
-    /// `mounts --watch`: a tmpfs is mounted and unmounted under the scratch
-    /// directory until an `attached` line comes out, then SIGINT.
+    /// `mounts --watch`: a tmpfs is mounted under the scratch directory and
+    /// left there for up to 1 s until an `attached` line with the mount read
+    /// comes out, then unmounted (again, until one does), then SIGINT.
     Watch,
     /// Ends in `&`: started in the background; the shell snippet must
     /// succeed (it is retried for 10 s) before the next command, and the job
@@ -419,7 +420,7 @@ fn script(b: &Block) -> Result<String, Failed> {
             )),
             How::Server(text) => s.push_str(&format!("{cmd} > $out 2>&1 & p=$!; servers+=($p)\nwait_for $out {} $p\n", quote(text))),
             How::Watch => s.push_str(&format!(
-                "{cmd} > $out 2>&1 & p=$!\nmkdir -p watched\nfor _ in $(seq 100); do mount -t tmpfs readme-watch watched; umount watched; grep -q '\"event\":\"attached\"' $out && break; kill -0 $p || break; sleep 0.1; done\nwait_for $out '\"event\":\"attached\"' $p\ncp $out watch.jsonl\nstop $p || fail {what} ': exit status' $?\n"
+                "{cmd} > $out 2>&1 & p=$!\nmkdir -p watched\nseen='\"event\":\"attached\",\"id\":[0-9]*,\"mount\":[{{]'\nfor _ in $(seq 100); do mount -t tmpfs readme-watch watched; for _ in $(seq 10); do grep -q \"$seen\" $out && break; sleep 0.1; done; umount watched; grep -q \"$seen\" $out && break; kill -0 $p || break; done\nwait_for $out '\"event\":\"attached\"' $p\ncp $out watch.jsonl\nstop $p || fail {what} ': exit status' $?\n"
             )),
             How::Background(ready) => s.push_str(&format!(
                 "{cmd} servers+=(\"$! TERM\")\nfor _ in $(seq 100); do {ready} 2>/dev/null && break; sleep 0.1; done\n{ready} || fail {what} ': not ready: ' {}\n",
@@ -489,7 +490,8 @@ fn event_example_matches(watch: &str) -> Result<(), Failed> {
     let real: serde_json::Value = watch
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["event"] == "attached")
+        // Read while it was mounted (one gone first has `"mount": null`).
+        .find(|v| v["event"] == "attached" && v["mount"].is_object())
         .ok_or_else(|| format!("no attached event from mounts --watch: {watch}"))?;
     let keys = |v: &serde_json::Value| -> Vec<String> {
         let mut k: Vec<String> = v.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();

@@ -153,8 +153,11 @@ pub(super) struct WritePath {
     gap: u32,
     /// The coarse clock as last told by [`WritePath::clock`].
     clock: Reading,
+    /// As last told by [`WritePath::clock`]: the ring has a write in
+    /// flight that io_uring's workers do (large, FUA, zeroes, trims).
+    workers_write: bool,
     /// The coarse clock when a write through the ring's path was last done
-    /// blocking here to move the file's times (see `WritePath::stamp`).
+    /// blocking here to move the file's times (see `WritePath::route_ring`).
     stamped: u64,
     /// Writes through the ring are not done blocking for a time stamp
     /// until then: one such write was slow.
@@ -168,12 +171,20 @@ impl WritePath {
             InlineWrites::Off => Mode::Off,
         };
         let clock = Reading { coarse: 0, near_tick: false };
-        WritePath { mode, since_refusal: 0, gap: FIRST_GAP, clock, stamped: 0, stamp_backoff: None }
+        WritePath { mode, since_refusal: 0, gap: FIRST_GAP, clock, workers_write: false, stamped: 0, stamp_backoff: None }
     }
 
-    /// Tells the path the coarse clock now (see the `stamp` module).
-    pub(super) fn clock(&mut self, clock: Reading) {
+    /// Whether writes go through the ring (but for the time stamps, which
+    /// [`WritePath::route`] decides from the clock).
+    pub(super) fn through_ring(&self) -> bool {
+        self.mode == Mode::Ring
+    }
+
+    /// Tells the path the coarse clock now (see the `stamp` module), and
+    /// whether the ring has a write in flight in io_uring's workers.
+    pub(super) fn clock(&mut self, clock: Reading, workers_write: bool) {
         self.clock = clock;
+        self.workers_write = workers_write;
     }
 
     pub(super) fn route(&mut self, len: u64, fua: bool, now: Instant) -> Route {
@@ -194,7 +205,7 @@ impl WritePath {
                 self.since_refusal += 1;
                 self.refused(len)
             }
-            Mode::Ring => self.stamp(len, now),
+            Mode::Ring => self.route_ring(len, now),
             Mode::Backoff(_) | Mode::Off => Route::Ring,
         }
     }
@@ -205,8 +216,11 @@ impl WritePath {
     /// clock is about to move (see the `stamp` module). Through the ring,
     /// io_uring would hand it to a worker that holds the inode's lock
     /// meanwhile, and every write of the turn after it would follow it.
-    fn stamp(&mut self, len: u64, now: Instant) -> Route {
-        if len > INLINE_MAX {
+    /// Not while one of the ring's writes is in a worker: that one may
+    /// hold the inode's lock (and sleep in dirty-page throttling with it),
+    /// and the ring thread would wait for it.
+    fn route_ring(&mut self, len: u64, now: Instant) -> Route {
+        if len > INLINE_MAX || self.workers_write {
             return Route::Ring;
         }
         if let Some(until) = self.stamp_backoff {
@@ -263,15 +277,22 @@ impl WritePath {
     /// A blocking write took `took`; `slept` if the thread waited
     /// meanwhile, `preempted` if it was off the CPU over [`SLOW`] without
     /// sleeping (the CPU is contended). True when that sent writes back to
-    /// the ring for [`BACKOFF`].
+    /// the ring for [`BACKOFF`]: a write over [`SLOW`] that slept or was
+    /// preempted. On a ring path only one that slept (it waited for dirty-
+    /// page throttling, the journal, or the inode's lock held by a write in
+    /// a worker): a stamp per tick is little of a contended CPU's share.
+    /// Waiting behind the few writes that went to a worker (a burst of 30
+    /// is about 300 µs) is not enough: backing off for it would send the
+    /// stamps back to the workers, and the bursts with them.
     pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, now: Instant) -> bool {
-        if took <= SLOW || !(slept || preempted) {
+        if took <= SLOW {
             return false;
         }
         match self.mode {
-            Mode::Ring => self.stamp_backoff = Some(now + BACKOFF),
-            Mode::Off => return false, // does no blocking write
-            _ => self.mode = Mode::Backoff(now + BACKOFF),
+            Mode::Ring if slept => self.stamp_backoff = Some(now + BACKOFF),
+            Mode::Ring | Mode::Off => return false,
+            _ if slept || preempted => self.mode = Mode::Backoff(now + BACKOFF),
+            _ => return false,
         }
         true
     }
@@ -293,8 +314,18 @@ pub(super) struct RingInline {
     unflushed: u32,
     /// When the coarse clock moves, learnt from its readings.
     ticks: Ticks,
-    /// The coarse clock read at the first write of a loop turn.
+    /// The coarse clock read at the first write through a ring path in a
+    /// loop turn.
     clock: Option<(Instant, Reading)>,
+    /// Loop turns so far.
+    turn: u64,
+    /// Writes that io_uring's workers do (large or FUA ones, zeroings,
+    /// trims) queued for the ring in this turn, and in earlier turns, whose
+    /// completions have not come yet. Those of earlier turns have been
+    /// submitted: a worker may hold the file's inode lock for them (see
+    /// `WritePath::route_ring`); those of this turn not yet.
+    this_turn: u32,
+    earlier: u32,
 }
 
 /// The thread's state when a turn's inline writes began.
@@ -340,16 +371,38 @@ pub(super) struct InlineWrite<'a> {
 }
 
 impl RingInline {
+    /// A new loop turn: what was submitted in the last one has been
+    /// submitted to the kernel now.
+    pub(super) fn new_turn(&mut self) {
+        self.earlier += std::mem::take(&mut self.this_turn);
+        self.turn += 1;
+    }
+
+    /// A write that the workers do was queued for the ring: the turn to
+    /// hand back to [`RingInline::landed`] when its completion comes.
+    pub(super) fn submitted(&mut self) -> u64 {
+        self.this_turn += 1;
+        self.turn
+    }
+
+    /// The completion of what was submitted in `turn` came.
+    pub(super) fn landed(&mut self, turn: u64) {
+        let count = if turn == self.turn { &mut self.this_turn } else { &mut self.earlier };
+        *count = count.saturating_sub(1);
+    }
+
     /// Does write `w` here if its export's write path says so: its result
     /// (bytes written or a negative errno); `None`: the caller submits it
     /// to the ring.
     pub(super) fn write(&mut self, path: &mut WritePath, w: InlineWrite<'_>, now: Instant) -> Option<i32> {
         let len = w.data.len() as u64;
-        let clock = match self.clock {
-            Some((turn, clock)) if turn == now => clock,
-            _ => self.clock.insert((now, self.ticks.read())).1,
-        };
-        path.clock(clock);
+        if path.through_ring() {
+            let clock = match self.clock {
+                Some((turn, clock)) if turn == now => clock,
+                _ => self.clock.insert((now, self.ticks.read())).1,
+            };
+            path.clock(clock, self.earlier > 0);
+        }
         let route = path.route(len, w.fua, now);
         if route == Route::Ring {
             return None;
@@ -372,7 +425,11 @@ impl RingInline {
                 tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
             }
         }
-        if w.starved {
+        // A ring path's time stamp is written here even then: through the
+        // ring it would take the turn's writes to the workers with it, and
+        // here it costs the ring what an RWF_NOWAIT write through the ring
+        // does (that one is written in the ring's own system call too).
+        if w.starved && !path.through_ring() {
             w.export.stats.offloaded_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return None;
         }

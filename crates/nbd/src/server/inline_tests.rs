@@ -167,7 +167,7 @@ fn off_never_probes_nor_inlines() {
     assert_eq!(p.route(4096, false, now), Route::Ring);
     // Nor does it stamp the file's times here.
     p.nowait_done(Ok(4096));
-    p.clock(Reading { coarse: 4_000_000, near_tick: true });
+    p.clock(Reading { coarse: 4_000_000, near_tick: true }, false);
     assert_eq!(p.route(4096, false, now), Route::Ring);
     assert_eq!("auto".parse::<InlineWrites>().ok(), Some(InlineWrites::Auto));
     assert_eq!("off".parse::<InlineWrites>().ok(), Some(InlineWrites::Off));
@@ -323,8 +323,23 @@ fn no_tries_during_a_backoff() {
 fn ring_path(coarse: u64, near_tick: bool) -> WritePath {
     let mut p = WritePath::new(InlineWrites::Auto);
     p.nowait_done(Ok(4096));
-    p.clock(Reading { coarse, near_tick });
+    p.clock(Reading { coarse, near_tick }, false);
     p
+}
+
+/// No time stamp is written on the ring thread while one of the ring's
+/// writes is in io_uring's workers: it may hold the inode's lock.
+#[test]
+fn no_stamp_here_while_a_write_is_in_the_workers() {
+    let now = Instant::now();
+    let mut p = ring_path(4_000_000, false);
+    p.clock(Reading { coarse: 4_000_000, near_tick: false }, true);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    p.clock(Reading { coarse: 4_000_000, near_tick: true }, true);
+    assert_eq!(p.route(4096, false, now), Route::Ring);
+    // Once it is done, the stamp it did not take is taken.
+    p.clock(Reading { coarse: 4_000_000, near_tick: false }, false);
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
 }
 
 /// Through the ring, the first small write after the coarse clock moved is
@@ -340,7 +355,7 @@ fn the_first_write_of_a_tick_is_done_here() {
     assert_eq!(p.route(4096, false, now), Route::Ring);
     assert_eq!(p.route(INLINE_MAX, false, now), Route::Ring);
     // The next tick: a large or FUA write does not take the stamp...
-    p.clock(Reading { coarse: 8_000_000, near_tick: false });
+    p.clock(Reading { coarse: 8_000_000, near_tick: false }, false);
     assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
     assert_eq!(p.route(4096, true, now), Route::Ring);
     // ...the next small one does, once.
@@ -357,12 +372,12 @@ fn every_write_near_the_tick_is_done_here() {
     let now = Instant::now();
     let mut p = ring_path(4_000_000, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
-    p.clock(Reading { coarse: 4_000_000, near_tick: true });
+    p.clock(Reading { coarse: 4_000_000, near_tick: true }, false);
     for _ in 0..5 {
         assert_eq!(p.route(4096, false, now), Route::Blocking);
     }
     assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
-    p.clock(Reading { coarse: 8_000_000, near_tick: false });
+    p.clock(Reading { coarse: 8_000_000, near_tick: false }, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     assert_eq!(p.route(4096, false, now), Route::Ring);
 }
@@ -375,11 +390,12 @@ fn a_slow_stamp_backs_off_and_the_path_stays_on_the_ring() {
     let mut p = ring_path(4_000_000, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     assert!(!p.blocking_done(SLOW / 2, true, false, now), "fast: no backoff");
+    assert!(!p.blocking_done(SLOW * 2, false, true, now), "preempted, not slept: no backoff");
     assert!(p.blocking_done(SLOW * 2, true, false, now));
-    p.clock(Reading { coarse: 8_000_000, near_tick: true });
+    p.clock(Reading { coarse: 8_000_000, near_tick: true }, false);
     assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
-    p.clock(Reading { coarse: 12_000_000, near_tick: false });
+    p.clock(Reading { coarse: 12_000_000, near_tick: false }, false);
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Ring);
     assert!(!p.inline_now());
@@ -400,4 +416,46 @@ fn a_stamp_write_is_written() {
     assert_eq!(ring.write(&mut p, write, Instant::now()), Some(4096));
     assert_eq!(export.stats.snapshot("a").inline_writes, 1);
     assert_eq!(std::fs::read(dir.path().join("img")).unwrap()[4096..], data);
+}
+
+/// What a ring submitted in an earlier turn and has not seen complete is
+/// in io_uring's workers: no stamp is written here meanwhile.
+#[test]
+fn writes_of_earlier_turns_still_in_flight_hold_the_stamps_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Ok(4096));
+    let mut ring = RingInline::default();
+    let data = [3u8; 4096];
+    let write =
+        || InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved: false };
+    let now = Instant::now();
+    // Queued this turn: not submitted yet, so it holds nothing.
+    let queued = ring.submitted();
+    assert_eq!(ring.write(&mut p, write(), now), Some(4096), "the first stamp");
+    ring.new_turn();
+    // Submitted now, and not complete: the next stamps wait for it.
+    p.stamped = 0;
+    assert_eq!(ring.write(&mut p, write(), now + Duration::from_millis(5)), None);
+    ring.landed(queued);
+    assert_eq!(ring.write(&mut p, write(), now + Duration::from_millis(10)), Some(4096));
+    assert_eq!(export.stats.snapshot("a").inline_writes, 2);
+}
+
+/// A starved ring still writes a ring path's time stamp itself: left to a
+/// worker it would take the turn's writes along, and here it costs what
+/// an RWF_NOWAIT write through the ring costs the ring.
+#[test]
+fn a_starved_ring_still_writes_the_stamp() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Ok(4096));
+    let mut ring = RingInline::default();
+    let data = [5u8; 4096];
+    let w = InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved: true };
+    assert_eq!(ring.write(&mut p, w, Instant::now()), Some(4096));
+    let st = export.stats.snapshot("a");
+    assert_eq!((st.inline_writes, st.offloaded_writes), (1, 0), "{st:?}");
 }

@@ -4,13 +4,14 @@
 //! A buffered write moves the file's modification and change times to the
 //! kernel's coarse clock (`CLOCK_REALTIME_COARSE`), which moves once per
 //! scheduler tick. A write that would have to move them is refused
-//! RWF_NOWAIT (on xfs the stamp is a logged change), so io_uring hands it
-//! to a worker, which then holds the inode's lock while it writes; every
-//! write the ring sends meanwhile is refused too. On xfs 4 connections ×
-//! QD8 sent one write in 15 to the workers, in bursts of about 30 at every
-//! tick. The ring therefore does a write blocking itself when the clock
-//! has moved since the file's last stamp (`inline::WritePath`), and for
-//! that it has to know when the clock moves:
+//! RWF_NOWAIT, on every file system (the kernel does not update times
+//! without blocking), so io_uring hands it to a worker, which then holds
+//! the inode's lock while it writes; every write the ring sends meanwhile
+//! is refused too. On xfs 4 connections × QD8 sent one write in 14 to the
+//! workers, in bursts of about 30 at every tick. The ring therefore does a
+//! write blocking itself when the clock has moved since the file's last
+//! stamp (`inline::WritePath`), and for that it has to know when the clock
+//! moves:
 //!
 //! - the vDSO's copy of the coarse clock moves a little after the kernel's
 //!   own: a loop that read it before every RWF_NOWAIT write was refused in
@@ -25,17 +26,26 @@
 //! smallest lead of the fine clock over the coarse one at the first reading
 //! of a new coarse value is how far the coarse clock trails just after a
 //! tick; the next tick is due a period after that. Both are learnt again
-//! every [`RELEARN`] ticks, so a clock that was set or drifted is followed.
-//! A wrong guess costs only CPU: a write done blocking that needed no stamp,
-//! or one handed to a worker as without this.
+//! after [`RELEARN`] of coarse time, so a clock that was set or drifted is
+//! followed.
+//!
+//! Since Linux 6.13 xfs, ext4 and btrfs stamp a file with a finer time when
+//! its times were read (`stat`) since it was last stamped, so such a file
+//! may need one more stamp within a tick; that write goes to a worker, as
+//! every one did before. A wrong guess the other way costs a write done
+//! blocking on the ring thread that needed no stamp.
 
 /// How long before the tick is due a reading counts as near it: longer
-/// than a loop turn of the ring (the time between deciding how a write
-/// goes and submitting it). One write in 20 at a 4 ms tick; a quarter of
-/// the period at most, for a fast tick.
+/// than a busy loop turn of the ring (the time between deciding how a
+/// write goes and submitting it: tens of µs at 4 connections × QD8; a
+/// longer turn only lets the odd tick through to a worker). One write in
+/// 20 at a 4 ms tick; a quarter of the period at most, for a fast tick.
 pub(super) const WINDOW: u64 = 200_000;
-/// Ticks after which the period and the trail are learnt afresh.
-pub(super) const RELEARN: u32 = 1024;
+/// Coarse time (ns) after which the period and the trail are learnt afresh.
+pub(super) const RELEARN: u64 = 4_000_000_000;
+/// The shortest step taken for a period: no kernel ticks faster than
+/// 1000 Hz; a shorter step is a clock set forward.
+pub(super) const MIN_PERIOD: u64 = 900_000;
 
 /// The coarse clock now, and whether it may be about to move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,12 +67,12 @@ pub(super) struct Ticks {
     period: Option<u64>,
     /// The smallest lead of the fine clock over a new coarse value.
     trail: Option<u64>,
-    /// New coarse values seen since the last relearning.
-    seen: u32,
+    /// The coarse value at which learning last began afresh.
+    since: u64,
 }
 
 impl Ticks {
-    /// Reads both clocks (from the vDSO: no system call).
+    /// Reads both clocks (from the vDSO where the clock source allows).
     pub(super) fn read(&mut self) -> Reading {
         let coarse = nanos(rustix::time::ClockId::RealtimeCoarse);
         let fine = nanos(rustix::time::ClockId::Realtime);
@@ -73,22 +83,24 @@ impl Ticks {
     pub(super) fn observe(&mut self, coarse: u64, fine: u64) -> Reading {
         let lead = fine.saturating_sub(coarse);
         if coarse != self.last {
-            self.seen += 1;
-            if self.seen >= RELEARN {
-                self.seen = 0;
+            // A clock set backwards, or read across a step, teaches nothing.
+            let forward = coarse > self.last && lead > 0;
+            if !forward || coarse.saturating_sub(self.since) >= RELEARN {
+                self.since = coarse;
                 self.period = None;
                 self.trail = None;
             }
-            // A clock set backwards teaches nothing about the period.
-            if self.last != 0 && coarse > self.last {
+            if forward {
                 let step = coarse - self.last;
-                self.period = Some(self.period.map_or(step, |p| p.min(step)));
+                if self.last != 0 && step >= MIN_PERIOD {
+                    self.period = Some(self.period.map_or(step, |p| p.min(step)));
+                }
+                self.trail = Some(self.trail.map_or(lead, |t| t.min(lead)));
             }
-            self.trail = Some(self.trail.map_or(lead, |t| t.min(lead)));
             self.last = coarse;
         }
         let near_tick = match (self.period, self.trail) {
-            (Some(period), Some(trail)) => lead + WINDOW.min(period / 4) >= period + trail,
+            (Some(period), Some(trail)) => lead.saturating_add(WINDOW.min(period / 4)) >= period.saturating_add(trail),
             _ => false,
         };
         Reading { coarse, near_tick }
@@ -149,38 +161,65 @@ mod tests {
     }
 
     #[test]
-    fn a_clock_set_backwards_is_learnt_again() {
+    fn a_clock_set_backwards_is_learnt_afresh() {
         let mut t = Ticks::default();
         run(&mut t, 1000 * MS, 1020 * MS);
-        // Set back by a second: no step is learnt from it, and the
-        // readings go on.
+        assert_eq!(t.period, Some(4 * MS));
+        // Set back by a second: what was learnt is dropped, and learnt
+        // again from the ticks after.
         let r = t.observe(15 * MS, 16 * MS + 100_000);
-        assert_eq!(r.coarse, 15 * MS);
+        assert_eq!((r.coarse, r.near_tick), (15 * MS, false));
+        assert_eq!(t.period, None);
+        let mut coarse = 19 * MS;
+        for _ in 0..3 {
+            t.observe(coarse, coarse + MS);
+            coarse += 4 * MS;
+        }
+        assert_eq!((t.period, t.trail), (Some(4 * MS), Some(MS)));
+        assert!(t.observe(coarse - 4 * MS, coarse + 900_000).near_tick);
+    }
+
+    #[test]
+    fn a_small_step_forward_is_not_taken_for_the_period() {
+        let mut t = Ticks::default();
+        run(&mut t, 1000 * MS, 1020 * MS);
+        // Set forward by 0.1 ms between two ticks.
+        t.observe(1016 * MS + 100_000, 1017 * MS + 200_000);
         assert_eq!(t.period, Some(4 * MS));
     }
 
     #[test]
-    fn period_and_trail_are_learnt_afresh_every_relearn_ticks() {
+    fn period_and_trail_are_learnt_afresh_after_relearn() {
         let mut t = Ticks::default();
-        // A small step once (a clock set forward by 1 ms)...
-        t.observe(4 * MS, 4 * MS + 500_000);
-        t.observe(5 * MS, 5 * MS + 500_000);
-        assert_eq!(t.period, Some(MS));
-        // ...is forgotten after RELEARN ticks of 4 ms.
-        let mut coarse = 8 * MS;
-        for _ in 0..RELEARN {
-            t.observe(coarse, coarse + MS);
+        // A late first reading after each tick (1.5 ms behind)...
+        let mut coarse = 4 * MS;
+        while coarse < RELEARN {
+            t.observe(coarse, coarse + 3 * MS / 2);
             coarse += 4 * MS;
         }
-        assert_eq!(t.period, Some(4 * MS));
+        assert_eq!(t.trail, Some(3 * MS / 2));
+        // ...and then a prompt one: taken at once (the smallest)...
+        t.observe(coarse, coarse + MS);
         assert_eq!(t.trail, Some(MS));
+        // ...while a trail that grew is followed once RELEARN has passed.
+        let end = coarse + RELEARN + 8 * MS;
+        while coarse < end {
+            coarse += 4 * MS;
+            t.observe(coarse, coarse + 2 * MS);
+        }
+        assert_eq!((t.period, t.trail), (Some(4 * MS), Some(2 * MS)));
     }
 
     #[test]
     fn read_gives_the_coarse_clock() {
         let mut t = Ticks::default();
+        let before = nanos(rustix::time::ClockId::RealtimeCoarse);
         let r = t.read();
-        let coarse = nanos(rustix::time::ClockId::RealtimeCoarse);
-        assert!(r.coarse <= coarse && coarse - r.coarse < 1_000 * MS);
+        let after = nanos(rustix::time::ClockId::RealtimeCoarse);
+        assert!(r.coarse > 0);
+        // Unless the clock was set between the reads.
+        if before <= after {
+            assert!(before <= r.coarse && r.coarse <= after, "{before} {} {after}", r.coarse);
+        }
     }
 }
