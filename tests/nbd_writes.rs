@@ -137,7 +137,8 @@ fn xfs_time_stamps_are_written_on_the_ring_thread() -> Result<(), Failed> {
     // The first write after the probe stamps; more than one: later ticks
     // were stamped too (8,192 writes span many).
     check(st.inline_writes >= 2, format!("no later time stamp was written on the ring thread: {st:?}"))?;
-    check(st.inline_writes < st.writes, format!("xfs writes no longer go through the ring: {st:?}"))
+    // About 3-5 % at HZ=250; at HZ=1000 a fifth of each tick is near one.
+    check(st.inline_writes * 2 <= st.writes, format!("xfs writes no longer go mostly through the ring: {st:?}"))
 }
 
 /// On ext4 (no RWF_NOWAIT for buffered writes) small writes are done on the

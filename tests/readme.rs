@@ -420,7 +420,7 @@ fn script(b: &Block) -> Result<String, Failed> {
             )),
             How::Server(text) => s.push_str(&format!("{cmd} > $out 2>&1 & p=$!; servers+=($p)\nwait_for $out {} $p\n", quote(text))),
             How::Watch => s.push_str(&format!(
-                "{cmd} > $out 2>&1 & p=$!\nmkdir -p watched\nseen='\"event\":\"attached\",\"id\":[0-9]*,\"mount\":[{{]'\nfor _ in $(seq 100); do mount -t tmpfs readme-watch watched; for _ in $(seq 10); do grep -q \"$seen\" $out && break; sleep 0.1; done; umount watched; grep -q \"$seen\" $out && break; kill -0 $p || break; done\nwait_for $out '\"event\":\"attached\"' $p\ncp $out watch.jsonl\nstop $p || fail {what} ': exit status' $?\n"
+                "{cmd} > $out 2>&1 & p=$!\nmkdir -p watched\nseen='^[{{]\"event\":\"attached\",\"id\":[0-9]*,\"mount\":[{{]'\nfor _ in $(seq 20); do mount -t tmpfs readme-watch watched || fail {what} ': mount tmpfs'; for _ in $(seq 10); do grep -q \"$seen\" $out && break; sleep 0.1; done; umount watched; grep -q \"$seen\" $out && break; kill -0 $p || break; done\nwait_for $out '\"event\":\"attached\"' $p\ncp $out watch.jsonl\nstop $p || fail {what} ': exit status' $?\n"
             )),
             How::Background(ready) => s.push_str(&format!(
                 "{cmd} servers+=(\"$! TERM\")\nfor _ in $(seq 100); do {ready} 2>/dev/null && break; sleep 0.1; done\n{ready} || fail {what} ': not ready: ' {}\n",

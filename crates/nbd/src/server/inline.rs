@@ -60,6 +60,7 @@
 //! blocking here (see the `stamp` module), and backs off after a slow one
 //! like the writes above.
 
+use std::collections::HashMap;
 use std::io::IoSlice;
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
@@ -68,6 +69,7 @@ use rustix::io::{Errno, ReadWriteFlags};
 
 use super::stamp::{Reading, Ticks};
 use crate::export::Export;
+use crate::wire::{cmd, cmd_flags as cf, Request};
 use crate::Error;
 
 /// Largest write done blocking on the ring thread.
@@ -317,15 +319,14 @@ pub(super) struct RingInline {
     /// The coarse clock read at the first write through a ring path in a
     /// loop turn.
     clock: Option<(Instant, Reading)>,
-    /// Loop turns so far.
+    /// Submissions to the kernel so far (loop turns, and flushes within one).
     turn: u64,
-    /// Writes that io_uring's workers do (large or FUA ones, zeroings,
-    /// trims) queued for the ring in this turn, and in earlier turns, whose
-    /// completions have not come yet. Those of earlier turns have been
-    /// submitted: a worker may hold the file's inode lock for them (see
-    /// `WritePath::route_ring`); those of this turn not yet.
-    this_turn: u32,
-    earlier: u32,
+    /// Per export: writes that io_uring's workers may do (large or FUA
+    /// ones, zeroings, trims) queued since the last submission, and
+    /// submitted before it, whose completions have not come yet. For the
+    /// submitted ones a worker may hold the file's inode lock (see
+    /// `WritePath::route_ring`); the queued ones hold nothing yet.
+    in_workers: HashMap<u64, (u32, u32)>,
 }
 
 /// The thread's state when a turn's inline writes began.
@@ -371,24 +372,37 @@ pub(super) struct InlineWrite<'a> {
 }
 
 impl RingInline {
-    /// A new loop turn: what was submitted in the last one has been
-    /// submitted to the kernel now.
-    pub(super) fn new_turn(&mut self) {
-        self.earlier += std::mem::take(&mut self.this_turn);
+    /// Everything queued for the ring has been submitted to the kernel (a
+    /// new loop turn, or a flush within one).
+    pub(super) fn submitted_all(&mut self) {
+        for (queued, submitted) in self.in_workers.values_mut() {
+            *submitted += std::mem::take(queued);
+        }
+        self.in_workers.retain(|_, &mut counts| counts != (0, 0));
         self.turn += 1;
     }
 
-    /// A write that the workers do was queued for the ring: the turn to
-    /// hand back to [`RingInline::landed`] when its completion comes.
-    pub(super) fn submitted(&mut self) -> u64 {
-        self.this_turn += 1;
-        self.turn
+    /// A write of export `export` that the workers may do was queued for
+    /// the ring: the mark to hand back to [`RingInline::landed`] when its
+    /// completion comes.
+    pub(super) fn queued(&mut self, export: u64) -> (u64, u64) {
+        self.in_workers.entry(export).or_default().0 += 1;
+        (export, self.turn)
     }
 
-    /// The completion of what was submitted in `turn` came.
-    pub(super) fn landed(&mut self, turn: u64) {
-        let count = if turn == self.turn { &mut self.this_turn } else { &mut self.earlier };
-        *count = count.saturating_sub(1);
+    /// The completion of what [`RingInline::queued`] marked came.
+    pub(super) fn landed(&mut self, (export, turn): (u64, u64)) {
+        if let Some((queued, submitted)) = self.in_workers.get_mut(&export) {
+            let count = if turn == self.turn { queued } else { submitted };
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// The ring has no request in flight: nothing it queued can be in a
+    /// worker. A count left over would keep that export's stamps off.
+    pub(super) fn all_landed(&mut self) {
+        debug_assert!(self.in_workers.values().all(|&c| c == (0, 0)), "{:?}", self.in_workers);
+        self.in_workers.clear();
     }
 
     /// Does write `w` here if its export's write path says so: its result
@@ -401,7 +415,8 @@ impl RingInline {
                 Some((turn, clock)) if turn == now => clock,
                 _ => self.clock.insert((now, self.ticks.read())).1,
             };
-            path.clock(clock, self.earlier > 0);
+            let in_workers = self.in_workers.get(&w.export.id).is_some_and(|&(_, submitted)| submitted > 0);
+            path.clock(clock, in_workers);
         }
         let route = path.route(len, w.fua, now);
         if route == Route::Ring {
@@ -460,6 +475,21 @@ impl RingInline {
         }
         self.unflushed = 0;
         true
+    }
+}
+
+/// Whether io_uring's workers may do request `r`'s writing, holding the
+/// file's inode lock for as long as it takes: writes too large for the
+/// ring thread or durable ones (io_uring tries a large buffered one
+/// RWF_NOWAIT first), and the zeroing and trimming `fallocate`s. Counted
+/// whatever the file's mode, which only keeps more stamps off. (A small
+/// write refused RWF_NOWAIT goes to a worker too, but it is short, and
+/// counting those would keep the stamps that prevent them off.)
+pub(super) fn in_workers(r: &Request) -> bool {
+    match r.kind {
+        cmd::WRITE => r.length > INLINE_MAX || r.has(cf::FUA),
+        cmd::WRITE_ZEROES | cmd::TRIM => true,
+        _ => false,
     }
 }
 

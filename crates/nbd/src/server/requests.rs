@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::conn::DATA_OFFSET;
 use super::conn::{Parsed, Phase};
 use super::exports::Attachments;
-use super::inline::{InlineWrite, RingInline, INLINE_MAX};
+use super::inline::{in_workers, InlineWrite, RingInline};
 use super::output::Output;
 use super::shared::Shared;
 use super::starve::{OffloadReads, ReadPath};
@@ -53,29 +53,16 @@ pub(super) struct Req {
     pub done: u64,
     pub step: Step,
     pub started: Instant,
-    /// The loop turn in which a write of it that io_uring's workers do was
-    /// submitted to the ring (see [`in_workers`]), until its completion
-    /// comes (see `RingInline::landed`).
-    pub ring_turn: Option<u64>,
+    /// Its export and the submission a write of it that io_uring's
+    /// workers may do was queued in (see [`in_workers`]), until its
+    /// completion comes (see `RingInline::landed`).
+    pub ring_turn: Option<(u64, u64)>,
 }
 
 /// The range check shared by every command with an offset and a length.
 impl Req {
     fn new(conn: u32, req: Request, file: u32, buf: Option<BufId>, data_off: usize, started: Instant) -> Self {
         Req { conn, req, file, buf, lent: None, data_off, done: 0, step: Step::Io, started, ring_turn: None }
-    }
-}
-
-/// Whether io_uring's workers do request `r`'s writing, holding the
-/// file's inode lock for as long as it takes: writes too large for the
-/// ring thread or durable ones, and the zeroing and trimming `fallocate`s.
-/// (A small write refused RWF_NOWAIT goes to a worker too, but it is short,
-/// and counting those would keep the stamps that prevent them off.)
-fn in_workers(r: &Request) -> bool {
-    match r.kind {
-        cmd::WRITE => r.length > INLINE_MAX || r.has(cf::FUA),
-        cmd::WRITE_ZEROES | cmd::TRIM => true,
-        _ => false,
     }
 }
 
@@ -115,7 +102,7 @@ impl Requests {
     pub(super) fn new_turn(&mut self, now: Instant) {
         self.seeks_left = SEEKS_PER_TURN;
         self.reads.turn(now);
-        self.inline.new_turn();
+        self.inline.submitted_all();
     }
 
     /// Whether the ring thread waits for its CPU (see `starve`).
@@ -136,6 +123,9 @@ impl Requests {
     /// Gives back the slots of a past burst when none is in use; returns
     /// the bytes freed.
     pub(super) fn trim(&mut self) -> usize {
+        if self.free.len() == self.table.len() {
+            self.inline.all_landed();
+        }
         if self.free.len() == self.table.len() && self.table.capacity() > 1024 {
             let freed = self.table.capacity() * std::mem::size_of::<Option<Req>>() + self.free.capacity() * 4;
             self.table = Vec::new();
@@ -269,6 +259,7 @@ impl Requests {
             if let Err(e) = sh.ring.submit_and_wait(0, None) {
                 tracing::warn!(error = %e, "NBD ring submit failed");
             }
+            self.inline.submitted_all();
         }
         true
     }
@@ -351,15 +342,17 @@ impl Requests {
         }
         let Some(r) = self.table[ri as usize].as_mut() else { return };
         if in_workers(&r.req) && r.step != Step::Sync {
-            r.ring_turn = Some(self.inline.submitted());
+            if let Some(export) = sh.conn(r.conn).and_then(|c| c.attached()).map(|a| a.export.id) {
+                r.ring_turn = Some(self.inline.queued(export));
+            }
         }
     }
 
     /// A file operation of request `ri` completed with `res`.
     pub(super) fn on_done(&mut self, sh: &mut Shared, out: &mut Output, ri: u32, res: i32) {
         let Some(r) = self.table[ri as usize].as_mut() else { return };
-        if let Some(turn) = r.ring_turn.take() {
-            self.inline.landed(turn);
+        if let Some(mark) = r.ring_turn.take() {
+            self.inline.landed(mark);
         }
         let (kind, step) = (r.req.kind, r.step);
         match (kind, step) {
@@ -461,8 +454,8 @@ impl Requests {
     fn end_with(&mut self, sh: &mut Shared, out: &mut Output, ri: u32, body: ReplyBody<'_>) {
         let Some(r) = self.table[ri as usize].take() else { return };
         self.free.push(ri);
-        if let Some(turn) = r.ring_turn {
-            self.inline.landed(turn); // failed before its completion came
+        if let Some(mark) = r.ring_turn {
+            self.inline.landed(mark); // failed before its completion came
         }
         let freed = r.buf.map(|b| {
             let n = Buffers::cost_of(sh.ring.buffers().len(b));

@@ -29,11 +29,13 @@
 //! after [`RELEARN`] of coarse time, so a clock that was set or drifted is
 //! followed.
 //!
-//! Since Linux 6.13 xfs, ext4 and btrfs stamp a file with a finer time when
-//! its times were read (`stat`) since it was last stamped, so such a file
-//! may need one more stamp within a tick; that write goes to a worker, as
-//! every one did before. A wrong guess the other way costs a write done
-//! blocking on the ring thread that needed no stamp.
+//! Since Linux 6.13 (multigrain time stamps on xfs, ext4, btrfs) the time
+//! the kernel stamps with can also move within a tick: a file whose times
+//! were read (`stat`) is stamped with a finer time when it next changes,
+//! and that raises the coarse time every file is stamped with. A write
+//! that then needs a stamp goes to a worker, as every one did before. A
+//! wrong guess the other way costs a write done blocking on the ring
+//! thread that needed no stamp.
 
 /// How long before the tick is due a reading counts as near it: longer
 /// than a busy loop turn of the ring (the time between deciding how a
@@ -90,9 +92,11 @@ impl Ticks {
                 self.period = None;
                 self.trail = None;
             }
-            if forward {
-                let step = coarse - self.last;
-                if self.last != 0 && step >= MIN_PERIOD {
+            let step = coarse.saturating_sub(self.last);
+            // A small step forward is a clock set, not a tick: its lead
+            // says nothing about the trail either.
+            if forward && (self.last == 0 || step >= MIN_PERIOD) {
+                if self.last != 0 {
                     self.period = Some(self.period.map_or(step, |p| p.min(step)));
                 }
                 self.trail = Some(self.trail.map_or(lead, |t| t.min(lead)));
@@ -184,8 +188,8 @@ mod tests {
         let mut t = Ticks::default();
         run(&mut t, 1000 * MS, 1020 * MS);
         // Set forward by 0.1 ms between two ticks.
-        t.observe(1016 * MS + 100_000, 1017 * MS + 200_000);
-        assert_eq!(t.period, Some(4 * MS));
+        t.observe(1016 * MS + 100_000, 1016 * MS + 150_000);
+        assert_eq!((t.period, t.trail), (Some(4 * MS), Some(MS)));
     }
 
     #[test]
