@@ -155,8 +155,9 @@ pub(super) struct WritePath {
     gap: u32,
     /// The coarse clock as last told by [`WritePath::clock`].
     clock: Reading,
-    /// As last told by [`WritePath::clock`]: the ring has a write in
-    /// flight that io_uring's workers do (large, FUA, zeroes, trims).
+    /// As last told by [`WritePath::clock`]: the ring has a write of this
+    /// export in flight that io_uring's workers may do (large, FUA,
+    /// zeroes, trims).
     workers_write: bool,
     /// The coarse clock when a write through the ring's path was last done
     /// blocking here to move the file's times (see `WritePath::route_ring`).
@@ -218,9 +219,10 @@ impl WritePath {
     /// clock is about to move (see the `stamp` module). Through the ring,
     /// io_uring would hand it to a worker that holds the inode's lock
     /// meanwhile, and every write of the turn after it would follow it.
-    /// Not while one of the ring's writes is in a worker: that one may
-    /// hold the inode's lock (and sleep in dirty-page throttling with it),
-    /// and the ring thread would wait for it.
+    /// Not while a write of this export that a worker may do (see
+    /// [`in_workers`]) is submitted and not complete: the worker may hold
+    /// the inode's lock (and sleep in dirty-page throttling with it), and
+    /// the ring thread would wait for it.
     fn route_ring(&mut self, len: u64, now: Instant) -> Route {
         if len > INLINE_MAX || self.workers_write {
             return Route::Ring;
