@@ -18,6 +18,11 @@ fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
     crate::export::Exports::default().add(&spec, None).unwrap()
 }
 
+/// A plain (not FUA) write of `data` at `offset` to `export`'s file.
+fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, starved: bool) -> InlineWrite<'a> {
+    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, starved }
+}
+
 /// A write the path would do blocking here goes to the ring instead
 /// while the ring is starved of CPU, and is done here again after.
 #[test]
@@ -29,8 +34,7 @@ fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
     p.nowait_done(Err(Errno::OPNOTSUPP));
     let mut ring = RingInline::default();
     let data = [7u8; 4096];
-    let write =
-        |starved| InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved };
+    let write = |starved| write_of(&export, &data, 0, starved);
     assert_eq!(ring.write(&mut p, write(true), now), None, "starved: through the ring");
     assert_eq!(ring.write(&mut p, write(false), now), Some(4096), "served: done here");
     // What an operator sees of it (volring_nbd_offloaded_writes).
@@ -406,12 +410,10 @@ fn a_slow_stamp_backs_off_and_the_path_stays_on_the_ring() {
 fn a_stamp_write_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let export = export_in(dir.path());
-    let mut p = WritePath::new(InlineWrites::Auto);
-    p.nowait_done(Ok(4096));
+    let mut p = ring_path(0, false);
     let mut ring = RingInline::default();
     let data = [9u8; 4096];
-    let write =
-        InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 4096, fua: false, starved: false };
+    let write = write_of(&export, &data, 4096, false);
     // The ring's first reading is a new coarse value for this path.
     assert_eq!(ring.write(&mut p, write, Instant::now()), Some(4096));
     assert_eq!(export.stats.snapshot("a").inline_writes, 1);
@@ -425,12 +427,10 @@ fn a_stamp_write_is_written() {
 fn writes_of_earlier_submissions_still_in_flight_hold_the_stamps_back() {
     let dir = tempfile::tempdir().unwrap();
     let export = export_in(dir.path());
-    let mut p = WritePath::new(InlineWrites::Auto);
-    p.nowait_done(Ok(4096));
+    let mut p = ring_path(0, false);
     let mut ring = RingInline::default();
     let data = [3u8; 4096];
-    let write =
-        || InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved: false };
+    let write = || write_of(&export, &data, 0, false);
     let now = Instant::now();
     // Queued, not submitted yet: it holds nothing.
     let queued = ring.queued(export.id);
@@ -458,11 +458,10 @@ fn writes_of_earlier_submissions_still_in_flight_hold_the_stamps_back() {
 fn a_starved_ring_still_writes_the_stamp() {
     let dir = tempfile::tempdir().unwrap();
     let export = export_in(dir.path());
-    let mut p = WritePath::new(InlineWrites::Auto);
-    p.nowait_done(Ok(4096));
+    let mut p = ring_path(0, false);
     let mut ring = RingInline::default();
     let data = [5u8; 4096];
-    let w = InlineWrite { export: &export, fd: std::os::fd::AsFd::as_fd(export.file()), data: &data, offset: 0, fua: false, starved: true };
+    let w = write_of(&export, &data, 0, true);
     assert_eq!(ring.write(&mut p, w, Instant::now()), Some(4096));
     let st = export.stats.snapshot("a");
     assert_eq!((st.inline_writes, st.offloaded_writes), (1, 0), "{st:?}");
