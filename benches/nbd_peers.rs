@@ -28,6 +28,11 @@
 //! nbd_floor.rs, std only, a thread per connection: recv, pwrite/pread,
 //! one write of a batch's replies), served by this binary itself; every
 //! row prints each server's CPU per op and throughput against it.
+//! Unpinned, "floor-1cpu" is the same floor held to CPU 1: one CPU at a
+//! time, as a server that serves every connection from one thread is. The
+//! floor's threads otherwise each run beside their own client, and skip
+//! the cross-CPU wakeups and copies a single thread pays for the clients
+//! on the other CPU (docs/benchmarks.md, issue 30's ninth pass).
 //! `--background-load N` (or VOLRING_BENCH_BACKGROUND_LOAD=N) runs N plain
 //! CPU spinners at default priority during every round; each row prints
 //! the load average beside it. QD1 rows print p99/p99.9 completion latency.
@@ -84,13 +89,14 @@ fn start(name: &'static str, dir: &Path, img: &Path, cpus: &str) -> Peer {
         "volring" => vec![volring, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
         "baseline" => vec![&baseline, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
         "baseline2" => vec![&baseline2, "nbd", "serve", "--nbd-threads", "1", "--unix", sock, "--export", &spec],
-        "floor" => vec![&own, "--nbd-floor", sock, img],
+        "floor" | "floor-1cpu" => vec![&own, "--nbd-floor", sock, img],
         "nbdkit" => vec!["nbdkit", "-f", "-U", sock, "-t", "16", "file", img],
         "qemu-nbd-uring" => {
             vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", "--aio=io_uring", img]
         }
         _ => vec!["qemu-nbd", "-t", "-f", "raw", "-x", "disk", "-k", sock, "-e", "8", "--cache=writeback", img],
     };
+    let cpus = if name == "floor-1cpu" { "1" } else { cpus };
     let mut child = Command::new("taskset")
         .arg("-c")
         .arg(cpus)
@@ -373,7 +379,7 @@ fn main() {
     if needs_image {
         make_image(&img);
     }
-    let names = ["volring", "baseline", "baseline2", "floor", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    let names = ["volring", "baseline", "baseline2", "floor", "floor-1cpu", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
     if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
         idle_connections(dir.path(), &img, 10_000);
         return;
@@ -400,6 +406,8 @@ fn main() {
         .filter(|n| match *n {
             "baseline" => with_baseline,
             "baseline2" => with_baseline2,
+            // Pinned, the floor is on one CPU already.
+            "floor-1cpu" => placement().0 != "1" && (wanted.is_empty() || wanted.split(',').any(|w| w == *n)),
             _ => wanted.is_empty() || wanted.split(',').any(|w| w == *n),
         })
         .collect();
