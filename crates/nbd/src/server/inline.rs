@@ -41,16 +41,13 @@
 //!   same CPU per write, benchmarks.md); io_uring's workers are threads of
 //!   their own (1.35–1.7× the inline throughput there);
 //! - a ring in a spell of being starved of CPU (`starve`: several 20 ms
-//!   windows in a row in which it waited for its CPU) with several
-//!   requests in flight does no blocking write itself either: io_uring
-//!   hands them to its workers, threads of their own, so the connections'
-//!   writes get more than the ring's one share of the CPU. A lone write
-//!   stays here, as a lone read does: a worker adds a hand-off each way
-//!   and no share worth having. One connection × QD1 4 KiB writes to ext4
-//!   under two CPU spinners ran at 11.1k IOPS through the workers and 24k
-//!   here, nbdkit 12.8k (medians of 8 interleaved runs; an earlier hand
-//!   measurement, 6.4-7.3k either way, was on an image whose writes cost
-//!   25-70 µs each);
+//!   windows in a row in which it waited for its CPU) does no blocking
+//!   write itself either: io_uring hands them to its workers, threads of
+//!   their own. A 4 KiB write on ext4 costs 25-70 µs of CPU, against a
+//!   read's few: where a lone read is better kept inline (one hand-off
+//!   more on its path), a lone write is not. One connection × QD1 writes
+//!   under two CPU spinners ran at 0.85-0.96× nbdkit done inline, and level
+//!   with it through the workers (6.4-7.3k against 6.5-7.2k IOPS, by hand);
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
 //!   burst does not hold its first replies back.
@@ -372,9 +369,7 @@ pub(super) struct InlineWrite<'a> {
     pub data: &'a [u8],
     pub offset: u64,
     pub fua: bool,
-    /// The ring is in a spell of being starved of CPU with several
-    /// requests in flight: a blocking write goes to io_uring's workers
-    /// (see `starve::ReadPath::offload_writes`).
+    /// The ring is in a spell of being starved of CPU (see `starve`).
     pub starved: bool,
 }
 

@@ -249,7 +249,7 @@ impl Requests {
             Some(fd) if buffered => fd.as_fd(),
             _ => export.file().as_fd(),
         };
-        let starved = self.reads.offload_writes(self.table.len() - self.free.len());
+        let starved = self.reads.starved();
         let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), starved };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);

@@ -61,8 +61,6 @@ const MIN_DELAY: Duration = Duration::from_millis(2);
 /// lone read anyway, so a worker only adds a hand-off to its latency (QD1
 /// reads at load 3: 1.33x the CPU per read and p99 545 against 208 µs).
 /// With more in flight, the workers copy while the ring parses and replies.
-/// The same bound keeps a lone blocking write on the ring
-/// ([`ReadPath::offload_writes`]).
 pub(super) const MIN_IN_FLIGHT: usize = 4;
 
 /// Whether page-cache reads may be handed to io_uring's workers.
@@ -202,20 +200,12 @@ impl ReadPath {
         self.streak > 0 || self.offload_until.is_some()
     }
 
-    /// Whether a write the ring would do blocking itself goes to io_uring's
-    /// workers now, with `in_flight` requests on the ring (this one
-    /// included): in a spell of being starved of CPU (a streak ended less
-    /// than [`OFFLOAD_FOR`] ago), with `auto` or `off`, and with at least
-    /// [`MIN_IN_FLIGHT`] in flight (see `inline`). A lone write stays on
-    /// the ring for the reason a lone read does: the ring wakes for its
-    /// reply either way, and the worker adds a hand-off each way, where a
-    /// worker's share of the CPU buys nothing for one request. One
-    /// connection × QD1 4 KiB writes to ext4 under two CPU spinners:
-    /// 11.1k IOPS through the workers against 24k kept here, nbdkit 12.8k
-    /// (medians of 8 interleaved runs, benchmarks.md). With `always` (or
-    /// no schedstat) no window is judged, so never.
-    pub(super) fn offload_writes(&self, in_flight: usize) -> bool {
-        self.offload_until.is_some() && in_flight >= MIN_IN_FLIGHT
+    /// Whether the ring is in a spell of being starved of CPU (a streak
+    /// ended less than [`OFFLOAD_FOR`] ago), with `auto` or `off`: inline
+    /// writes go to io_uring's workers meanwhile (`inline`). With `always`
+    /// (or no schedstat) no window is judged, so never.
+    pub(super) fn starved(&self) -> bool {
+        self.offload_until.is_some()
     }
 
     /// Whether the ring is in a spell of handing page-cache reads to
@@ -310,12 +300,6 @@ mod tests {
         // But not a lone read: the ring wakes for its reply either way.
         assert!(!p.offload(MIN_IN_FLIGHT - 1));
         assert!(!p.offload(1));
-        // Blocking writes go to the workers with as many in flight, and a
-        // lone one stays here too (it went to a worker before: QD1 writes
-        // under two spinners ran at half the IOPS kept here).
-        assert!(p.offload_writes(MIN_IN_FLIGHT));
-        assert!(!p.offload_writes(MIN_IN_FLIGHT - 1));
-        assert!(!p.offload_writes(1));
         // Without a schedstat to read, turns change nothing...
         p.turn(at + OFFLOAD_FOR / 2);
         assert!(p.offload(MIN_IN_FLIGHT));
