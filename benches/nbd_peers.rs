@@ -250,11 +250,15 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
 /// on this kind of machine: the two placements give different ratios
 /// against nbdkit (issue 12's first figures were unpinned).
 fn placement() -> (&'static str, &'static str) {
-    if std::env::var_os("VOLRING_BENCH_UNPINNED").is_some_and(|v| v == "1") {
+    if unpinned() {
         ("0-1", "0-1")
     } else {
         ("1", "0")
     }
+}
+
+fn unpinned() -> bool {
+    std::env::var_os("VOLRING_BENCH_UNPINNED").is_some_and(|v| v == "1")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -407,7 +411,7 @@ fn main() {
             "baseline" => with_baseline,
             "baseline2" => with_baseline2,
             // Pinned, the floor is on one CPU already.
-            "floor-1cpu" => placement().0 != "1" && (wanted.is_empty() || wanted.split(',').any(|w| w == *n)),
+            "floor-1cpu" => unpinned() && (wanted.is_empty() || wanted.split(',').any(|w| w == *n)),
             _ => wanted.is_empty() || wanted.split(',').any(|w| w == *n),
         })
         .collect();
