@@ -37,6 +37,8 @@
 //! CPU spinners at default priority during every round; each row prints
 //! the load average beside it. QD1 rows print p99/p99.9 completion latency.
 
+#[path = "support/hostile.rs"]
+mod hostile;
 #[path = "support/load.rs"]
 mod load;
 #[path = "support/nbd_floor.rs"]
@@ -383,13 +385,12 @@ fn main() {
     if needs_image {
         make_image(&img);
     }
-    let names = ["volring", "baseline", "baseline2", "floor", "floor-1cpu", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
     if std::env::var_os("VOLRING_BENCH_IDLE_ONLY").is_some() {
         idle_connections(dir.path(), &img, 10_000);
         return;
     }
     if std::env::var_os("VOLRING_BENCH_HOSTILE_ONLY").is_some() {
-        hostile_clients(dir.path(), &img);
+        hostile::hostile_clients(dir.path(), &img);
         return;
     }
     let only = std::env::var("VOLRING_BENCH_ONLY").unwrap_or_default();
@@ -401,21 +402,7 @@ fn main() {
             _ => true,
         })
         .collect();
-    let wanted = std::env::var("VOLRING_BENCH_PEERS").unwrap_or_default();
-    let baseline = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
-    let with_baseline = !baseline.is_empty();
-    let with_baseline2 = baseline.contains(',');
-    let names: Vec<&'static str> = names
-        .into_iter()
-        .filter(|n| match *n {
-            "baseline" => with_baseline,
-            "baseline2" => with_baseline2,
-            // Pinned, the floor is on one CPU already.
-            "floor-1cpu" => unpinned() && (wanted.is_empty() || wanted.split(',').any(|w| w == *n)),
-            _ => wanted.is_empty() || wanted.split(',').any(|w| w == *n),
-        })
-        .collect();
-    assert!(names.first() == Some(&"volring") && names.len() >= 2, "VOLRING_BENCH_PEERS must name volring and a peer");
+    let names = peers();
     // Stopped by PID when this goes out of scope, a panic included.
     let background = load::Background::start(load::requested());
     if background.len() > 0 {
@@ -440,7 +427,31 @@ fn main() {
         make_image(&img);
     }
     idle_connections(dir.path(), &img, 10_000);
-    hostile_clients(dir.path(), &img);
+    hostile::hostile_clients(dir.path(), &img);
+}
+
+/// The servers to compare, volring first: VOLRING_BENCH_PEERS (default:
+/// all), a baseline for each path in VOLRING_BENCH_BASELINE, and
+/// floor-1cpu only unpinned (pinned, the floor is on one CPU already).
+fn peers() -> Vec<&'static str> {
+    let all = ["volring", "baseline", "baseline2", "floor", "floor-1cpu", "nbdkit", "qemu-nbd-uring", "qemu-nbd"];
+    let wanted = std::env::var("VOLRING_BENCH_PEERS").unwrap_or_default();
+    let baseline = std::env::var("VOLRING_BENCH_BASELINE").unwrap_or_default();
+    let named = |n: &str| wanted.is_empty() || wanted.split(',').any(|w| w == n);
+    let names: Vec<&'static str> = all
+        .into_iter()
+        .filter(|n| match *n {
+            "baseline" => !baseline.is_empty(),
+            "baseline2" => baseline.contains(','),
+            "floor-1cpu" => unpinned() && named(n),
+            _ => named(n),
+        })
+        .collect();
+    assert!(
+        names.first() == Some(&"volring") && names.len() >= 2,
+        "VOLRING_BENCH_PEERS must name volring and a peer (floor-1cpu runs only with VOLRING_BENCH_UNPINNED=1)"
+    );
+    names
 }
 
 /// Every workload against every server on one image, rounds interleaved.
@@ -498,124 +509,4 @@ fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loa
             .collect();
         println!("  against the floor: {}", vs.join("   "));
     }
-}
-
-fn hwm_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
-        .unwrap_or(0)
-}
-
-/// Writes `bytes` until done or until the server stops reading for 2 s.
-fn push(s: &mut UnixStream, bytes: &[u8]) {
-    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-    let _ = s.write_all(bytes);
-}
-
-/// A compact request header.
-fn request(kind: u16, cookie: u64, offset: u64, length: u32) -> [u8; 28] {
-    let mut b = [0u8; 28];
-    b[..4].copy_from_slice(&0x2560_9513u32.to_be_bytes());
-    b[6..8].copy_from_slice(&kind.to_be_bytes());
-    b[8..16].copy_from_slice(&cookie.to_be_bytes());
-    b[16..24].copy_from_slice(&offset.to_be_bytes());
-    b[24..28].copy_from_slice(&length.to_be_bytes());
-    b
-}
-
-/// volring with its default limits against 64 connections pipelining
-/// 20,000 4 KiB READs each, 16 announcing 32 MiB WRITEs whose payload never
-/// comes, and 16 flooding the handshake with NBD_OPT_LIST, none reading a
-/// reply: peak RSS (VmHWM) while they sit, and RSS once they left.
-fn hostile_clients(dir: &Path, img: &Path) {
-    // A directory of its own: the socket of an earlier volring may linger.
-    let dir = dir.join("hostile");
-    std::fs::create_dir_all(&dir).expect("bench dir");
-    let peer = start("volring", &dir, img, "0-1");
-    let pid = peer.child.id();
-    {
-        // Warm: a well-behaved client moves 64 MiB through the server.
-        let mut c = idle_connection(&peer.socket).expect("warm-up client");
-        let payload = vec![0x5au8; 1 << 20];
-        for i in 0..64u64 {
-            let mut b = request(1, i, i << 20, 1 << 20).to_vec();
-            b.extend_from_slice(&payload);
-            c.write_all(&b).expect("warm-up write");
-            let mut reply = [0u8; 16];
-            c.read_exact(&mut reply).expect("warm-up reply");
-        }
-    }
-    std::thread::sleep(Duration::from_millis(1500));
-    let idle = rss_kib(pid);
-    let socket = peer.socket.clone();
-    let mut threads = Vec::new();
-    for h in 0..64u64 {
-        let socket = socket.clone();
-        threads.push(std::thread::spawn(move || -> Option<UnixStream> {
-            let mut s = idle_connection(&socket).ok()?;
-            let mut burst = Vec::with_capacity(20_000 * 28);
-            for i in 0..20_000u64 {
-                burst.extend_from_slice(&request(0, i, ((h * 7919 + i) << 12) % IMAGE, 4096));
-            }
-            push(&mut s, &burst);
-            Some(s)
-        }));
-    }
-    for _ in 0..16 {
-        let socket = socket.clone();
-        threads.push(std::thread::spawn(move || -> Option<UnixStream> {
-            let mut s = idle_connection(&socket).ok()?;
-            let mut b = request(1, 1, 0, 32 << 20).to_vec();
-            b.extend_from_slice(&[0u8; 1 << 20]);
-            push(&mut s, &b);
-            Some(s)
-        }));
-    }
-    for _ in 0..16 {
-        let socket = socket.clone();
-        threads.push(std::thread::spawn(move || -> Option<UnixStream> {
-            let mut s = UnixStream::connect(&socket).ok()?;
-            let mut greeting = [0u8; 18];
-            s.read_exact(&mut greeting).ok()?;
-            let mut b = 3u32.to_be_bytes().to_vec();
-            for _ in 0..4096 {
-                b.extend_from_slice(&0x4948_4156_454f_5054u64.to_be_bytes());
-                b.extend_from_slice(&3u32.to_be_bytes());
-                b.extend_from_slice(&0u32.to_be_bytes());
-            }
-            push(&mut s, &b);
-            Some(s)
-        }));
-    }
-    let sitting: Vec<UnixStream> = threads.into_iter().filter_map(|t| t.join().ok().flatten()).collect();
-    std::thread::sleep(Duration::from_millis(1000));
-    let served = idle_connection(&peer.socket).and_then(|mut c| {
-        c.write_all(&request(0, 9, 0, 4096))?;
-        let mut reply = vec![0u8; 16 + 4096];
-        c.read_exact(&mut reply)?;
-        Ok(reply[4..8] == [0, 0, 0, 0])
-    });
-    let peak = hwm_kib(pid);
-    drop(sitting);
-    let start = Instant::now();
-    while rss_kib(pid) * 10 > idle * 12 && start.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let after = rss_kib(pid);
-    println!(
-        "hostile clients (64 x 20,000 pipelined 4 KiB READs, 16 x 32 MiB WRITEs without payload, 16 LIST floods), default limits: \
-         volring idle {:.1} MiB, peak {:.1} MiB, {:.1} MiB {:.1} s after they left; a new client served meanwhile: {}",
-        idle as f64 / 1024.0,
-        peak as f64 / 1024.0,
-        after as f64 / 1024.0,
-        start.elapsed().as_secs_f64(),
-        served.unwrap_or(false)
-    );
-    println!("target: peak <= 256 MiB -> {}", if peak <= 256 * 1024 { "met" } else { "NOT met" });
-    println!(
-        "target: back within 20% of idle once they left -> {} ({:+.1}%)",
-        if after * 10 <= idle * 12 { "met" } else { "NOT met" },
-        (after as f64 / idle.max(1) as f64 - 1.0) * 100.0
-    );
 }
