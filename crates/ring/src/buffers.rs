@@ -75,6 +75,17 @@ impl Mapping {
     pub(super) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Gives the mapping's pages back to the kernel; they read as zeroes
+    /// when next touched. Only for memory nothing (the kernel included) is
+    /// reading or writing now: bytes written while a page is dropped are lost.
+    fn discard(&self) -> io::Result<()> {
+        // SAFETY: the range is exactly this private anonymous mapping, which
+        // stays mapped; MADV_DONTNEED only drops its pages (zero-filled on
+        // the next touch) and the caller has made sure nothing uses them.
+        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast(), self.len, rustix::mm::Advice::LinuxDontNeed) }?;
+        Ok(())
+    }
 }
 
 impl Drop for Mapping {
@@ -481,6 +492,19 @@ impl RecvPool {
         } else {
             self.counts[1] += 1;
         }
+    }
+
+    /// Gives every buffer's pages back to the kernel, for a ring with no
+    /// receive from the pool armed (the caller's to know: then the kernel
+    /// picks no buffer). True when done; false, with nothing done, while the
+    /// driver holds a buffer or lends one to a write. A receive armed later
+    /// writes into fresh zeroed pages.
+    pub(super) fn discard_pages(&mut self) -> io::Result<bool> {
+        if self.taken_count > 0 || self.lent_count > 0 {
+            return Ok(false);
+        }
+        self.data.discard()?;
+        Ok(true)
     }
 
     /// Buffers the driver holds (taken and not recycled).
