@@ -78,11 +78,15 @@ impl Mapping {
 
     /// Gives the mapping's pages back to the kernel; they read as zeroes
     /// when next touched. Only for memory nothing (the kernel included) is
-    /// reading or writing now: bytes written while a page is dropped are lost.
-    fn discard(&self) -> io::Result<()> {
+    /// reading or writing now: bytes written while a page is dropped are
+    /// lost. Never for memory registered with the kernel (the arena): its
+    /// pinned pages would stop being the ones the process sees.
+    fn discard(&mut self) -> io::Result<()> {
         // SAFETY: the range is exactly this private anonymous mapping, which
-        // stays mapped; MADV_DONTNEED only drops its pages (zero-filled on
-        // the next touch) and the caller has made sure nothing uses them.
+        // stays mapped and is not registered (pinned) with the kernel;
+        // MADV_DONTNEED only drops its pages (zero-filled on the next touch),
+        // `&mut self` keeps every slice of it out of scope, and the caller
+        // has made sure the kernel uses none of it.
         unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast(), self.len, rustix::mm::Advice::LinuxDontNeed) }?;
         Ok(())
     }

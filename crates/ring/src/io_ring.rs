@@ -291,10 +291,14 @@ impl<T: Copy> IoRing<T> {
         // Buffers held only by writes (lent) cannot explain an ENOBUFS: the
         // driver caps them below the pool, so they count as none held.
         let held = Held::Recv { epoch: self.recv_epoch, idle: self.recv.taken() == self.recv.lent() };
-        let op = self.start(token, held, |ud| build(group).user_data(ud))?;
+        // Counted before it starts: a start that fails releases what the op
+        // held, and that release takes the count down again. Counted after,
+        // a failed start took one off that was never added: the count read
+        // 0 with a receive still armed, which `trim` relies on not to drop
+        // the pool's pages under it.
         self.armed_recvs += 1;
         self.recv_discarded = false;
-        Ok(op)
+        self.start(token, held, |ud| build(group).user_data(ud))
     }
 
     /// Hands the kernel a fresh ring of every provided buffer the driver

@@ -340,10 +340,10 @@ fn a_provided_buffer_lent_to_a_write_is_recycled_when_the_write_ends() {
 }
 
 /// A trim gives the receive pool's pages back once no receive from it is
-/// armed (a stream of receives leaves every buffer resident: the NBD
-/// server kept its 8 MiB pool after the bench's hostile clients had left), and not
-/// while one is: the kernel could write a buffer as its page is dropped.
-/// Receives armed after land in fresh pages.
+/// armed and the driver holds no buffer (a stream of receives leaves every
+/// buffer resident: the NBD server kept its 8 MiB pool after the bench's
+/// hostile clients had left), and not before: the kernel could write a
+/// buffer as its page is dropped. Receives armed after land in fresh pages.
 #[test]
 fn an_idle_trim_gives_the_receive_pools_pages_back_only_with_no_receive_armed() {
     let mut ring = small_ring();
@@ -354,7 +354,8 @@ fn an_idle_trim_gives_the_receive_pools_pages_back_only_with_no_receive_armed() 
     let got = until_ended_or_data(&mut ring, 1);
     let bid = got.recv_buf.expect("a provided buffer");
     ring.recycle(bid);
-    // Armed: the pages stay, bytes and all.
+    // Armed: the pages stay, bytes and all (read here only because the peer
+    // sends nothing more: the buffer is the kernel's again).
     ring.trim(0);
     assert_eq!(ring.received(bid, 8).0, b"resident", "a trim with a receive armed dropped the pool's pages");
     ring.cancel(op).unwrap();
@@ -368,7 +369,13 @@ fn an_idle_trim_gives_the_receive_pools_pages_back_only_with_no_receive_armed() 
     let got = until_ended_or_data(&mut ring, 2);
     let bid = got.recv_buf.expect("a provided buffer");
     assert_eq!(ring.received(bid, got.result as usize).0, b"again");
-    ring.recycle(bid);
     ring.cancel(op).unwrap();
     until_ended(&mut ring, 2);
+    // No receive armed, but the driver still holds the buffer: its bytes stay.
+    ring.trim(0);
+    assert_eq!(ring.received(bid, 5).0, b"again", "a trim dropped a buffer the driver holds");
+    // Given back: the next trim drops the pages again.
+    ring.recycle(bid);
+    ring.trim(0);
+    assert_eq!(ring.received(bid, 5).0, [0u8; 5], "re-armed and ended: the pool's pages go back again");
 }
