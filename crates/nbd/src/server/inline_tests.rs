@@ -405,13 +405,18 @@ fn a_slow_stamp_backs_off_and_the_path_stays_on_the_ring() {
     assert!(!p.inline_now());
 }
 
+/// An export on a real file, a ring path whose first reading is a new
+/// coarse value, and a ring: what the stamp tests write through.
+fn stamp_site() -> (tempfile::TempDir, std::sync::Arc<crate::export::Export>, WritePath, RingInline) {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    (dir, export, ring_path(0, false), RingInline::default())
+}
+
 /// A ring path writes the stamp here on a real file.
 #[test]
 fn a_stamp_write_is_written() {
-    let dir = tempfile::tempdir().unwrap();
-    let export = export_in(dir.path());
-    let mut p = ring_path(0, false);
-    let mut ring = RingInline::default();
+    let (dir, export, mut p, mut ring) = stamp_site();
     let data = [9u8; 4096];
     let write = write_of(&export, &data, 4096, false);
     // The ring's first reading is a new coarse value for this path.
@@ -425,10 +430,7 @@ fn a_stamp_write_is_written() {
 /// another export's are.
 #[test]
 fn writes_of_earlier_submissions_still_in_flight_hold_the_stamps_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let export = export_in(dir.path());
-    let mut p = ring_path(0, false);
-    let mut ring = RingInline::default();
+    let (_dir, export, mut p, mut ring) = stamp_site();
     let data = [3u8; 4096];
     let write = || write_of(&export, &data, 0, false);
     let now = Instant::now();
@@ -456,10 +458,7 @@ fn writes_of_earlier_submissions_still_in_flight_hold_the_stamps_back() {
 /// an RWF_NOWAIT write through the ring costs the ring.
 #[test]
 fn a_starved_ring_still_writes_the_stamp() {
-    let dir = tempfile::tempdir().unwrap();
-    let export = export_in(dir.path());
-    let mut p = ring_path(0, false);
-    let mut ring = RingInline::default();
+    let (_dir, export, mut p, mut ring) = stamp_site();
     let data = [5u8; 4096];
     let w = write_of(&export, &data, 0, true);
     assert_eq!(ring.write(&mut p, w, Instant::now()), Some(4096));
