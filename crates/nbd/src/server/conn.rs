@@ -275,6 +275,10 @@ pub(super) struct Conn {
     /// in flight at once (see `weight::threads_for`).
     pub split_requests: u16,
     pub depth: u16,
+    /// `depth` as it stood at the ring's last tick: a deep client stays
+    /// known as one across the tick that resets `depth` (see
+    /// `starve::at_once`).
+    pub last_depth: u16,
     /// Reply parts waiting for the next send.
     pub out: Vec<Part>,
     /// Parts of the send in flight (kept for its capacity when idle).
@@ -315,6 +319,7 @@ impl Conn {
             lent: Vec::new(),
             split_requests: 0,
             depth: 0,
+            last_depth: 0,
             out: Vec::new(),
             sending: Vec::new(),
             socket_ops: 0,

@@ -41,13 +41,20 @@
 //!   same CPU per write, benchmarks.md); io_uring's workers are threads of
 //!   their own (1.35–1.7× the inline throughput there);
 //! - a ring in a spell of being starved of CPU (`starve`: several 20 ms
-//!   windows in a row in which it waited for its CPU) does no blocking
-//!   write itself either: io_uring hands them to its workers, threads of
-//!   their own. A 4 KiB write on ext4 costs 25-70 µs of CPU, against a
-//!   read's few: where a lone read is better kept inline (one hand-off
-//!   more on its path), a lone write is not. One connection × QD1 writes
-//!   under two CPU spinners ran at 0.85-0.96× nbdkit done inline, and level
-//!   with it through the workers (6.4-7.3k against 6.5-7.2k IOPS, by hand);
+//!   windows in a row in which it waited for its CPU) that serves several
+//!   requests at once (`starve::MIN_IN_FLIGHT`, counted over its last two
+//!   loop turns: an inline write leaves the table at once) does no
+//!   blocking write itself either: io_uring hands them to its workers,
+//!   threads of their own, which write while the ring parses and replies
+//!   for the rest. A lone write stays here, as a lone read does: through a
+//!   worker it costs a hand-off each way, two context switches that cost
+//!   more than a small write on this kind of machine, and there is nothing
+//!   to overlap it with. One connection × QD1 4 KiB writes to ext4, the
+//!   server held to a CPU with a spinner on it: 3.1-3.3 context switches
+//!   and 3.2-3.4 `io_uring_enter`s per write through the workers, 1.9-2.2
+//!   and 2.2-2.5 kept here, and 14-15 % less server CPU per write
+//!   (benchmarks.md, tenth pass; the throughput of such runs spreads too
+//!   widely to show a difference either way);
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
 //!   burst does not hold its first replies back.
@@ -369,8 +376,10 @@ pub(super) struct InlineWrite<'a> {
     pub data: &'a [u8],
     pub offset: u64,
     pub fua: bool,
-    /// The ring is in a spell of being starved of CPU (see `starve`).
-    pub starved: bool,
+    /// A write that would block goes to io_uring's workers: the ring is
+    /// starved of CPU and serving several requests at once (see
+    /// `starve::ReadPath::offload_writes`).
+    pub offload: bool,
 }
 
 impl RingInline {
@@ -446,7 +455,7 @@ impl RingInline {
         // ring it would take the turn's writes to the workers with it, and
         // here it costs the ring what an RWF_NOWAIT write through the ring
         // does (that one is written in the ring's own system call too).
-        if w.starved && !path.through_ring() {
+        if w.offload && !path.through_ring() {
             w.export.stats.offloaded_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return None;
         }

@@ -19,12 +19,13 @@ fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
 }
 
 /// A plain (not FUA) write of `data` at `offset` to `export`'s file.
-fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, starved: bool) -> InlineWrite<'a> {
-    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, starved }
+fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, offload: bool) -> InlineWrite<'a> {
+    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload }
 }
 
 /// A write the path would do blocking here goes to the ring instead
-/// while the ring is starved of CPU, and is done here again after.
+/// while the ring is starved of CPU and serving several requests at once
+/// (`starve::ReadPath::offload_writes`), and is done here again after.
 #[test]
 fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
     let dir = tempfile::tempdir().unwrap();
@@ -34,8 +35,8 @@ fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
     p.nowait_done(Err(Errno::OPNOTSUPP));
     let mut ring = RingInline::default();
     let data = [7u8; 4096];
-    let write = |starved| write_of(&export, &data, 0, starved);
-    assert_eq!(ring.write(&mut p, write(true), now), None, "starved: through the ring");
+    let write = |offload| write_of(&export, &data, 0, offload);
+    assert_eq!(ring.write(&mut p, write(true), now), None, "offloaded: through the ring");
     assert_eq!(ring.write(&mut p, write(false), now), Some(4096), "served: done here");
     // What an operator sees of it (volring_nbd_offloaded_writes).
     let st = export.stats.snapshot("a");

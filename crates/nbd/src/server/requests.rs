@@ -9,7 +9,7 @@ use super::exports::Attachments;
 use super::inline::{in_workers, InlineWrite, RingInline};
 use super::output::Output;
 use super::shared::Shared;
-use super::starve::{OffloadReads, ReadPath};
+use super::starve::{at_once, Admitted, OffloadReads, ReadPath};
 use super::token::Token;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
@@ -88,19 +88,23 @@ pub(super) struct Requests {
     inline: RingInline,
     /// Whether page-cache reads go to io_uring's workers.
     reads: ReadPath,
+    /// Requests admitted in this loop turn and in the one before it.
+    admitted: Admitted,
 }
 
 impl Requests {
     /// The requests of the calling ring thread.
     pub(super) fn new(offload_reads: OffloadReads) -> Self {
         let reads = ReadPath::new(offload_reads);
-        Requests { table: Vec::new(), free: Vec::new(), seeks_left: SEEKS_PER_TURN, zeroes: None, inline: RingInline::default(), reads }
+        let (inline, admitted) = (RingInline::default(), Admitted::default());
+        Requests { table: Vec::new(), free: Vec::new(), seeks_left: SEEKS_PER_TURN, zeroes: None, inline, reads, admitted }
     }
 
-    /// A new loop turn at `now`: its share of lseek calls, and whether the
-    /// ring is starved of CPU.
+    /// A new loop turn at `now`: its share of lseek calls, whether the ring
+    /// is starved of CPU, and a fresh count of the requests it admits.
     pub(super) fn new_turn(&mut self, now: Instant) {
         self.seeks_left = SEEKS_PER_TURN;
+        self.admitted.turn();
         self.reads.turn(now);
         self.inline.submitted_all();
     }
@@ -230,7 +234,9 @@ impl Requests {
         if r.req.kind != cmd::WRITE || r.data_off != DATA_OFFSET || r.done != 0 {
             return false; // O_DIRECT writes: io_uring does them asynchronously
         }
-        let Some(attached) = sh.conn(ci).and_then(|c| c.attached()) else { return false };
+        let Some(conn) = sh.conn(ci) else { return false };
+        let Some(attached) = conn.attached() else { return false };
+        let depth = conn.depth.max(conn.split_requests).max(conn.last_depth);
         let export = attached.export.clone();
         let buffered = attached.buffered == Some(r.file);
         let Some(path) = exports.write_path(export.id) else { return false };
@@ -249,8 +255,8 @@ impl Requests {
             Some(fd) if buffered => fd.as_fd(),
             _ => export.file().as_fd(),
         };
-        let starved = self.reads.starved();
-        let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), starved };
+        let offload = self.reads.offload_writes(at_once(self.table.len() - self.free.len(), self.admitted, depth));
+        let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), offload };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);
         if self.inline.flush_due() {
@@ -274,6 +280,7 @@ impl Requests {
                 c.account.charge(&sh.budget, cost, cost);
             }
         }
+        self.admitted.admit();
         match self.free.pop() {
             Some(i) => {
                 self.table[i as usize] = Some(r);

@@ -1,5 +1,6 @@
 //! Whether a ring thread is starved of CPU, and so whether its page-cache
-//! READs are handed to io_uring's workers.
+//! READs, and the WRITEs it would do blocking itself (`inline`), are
+//! handed to io_uring's workers.
 //!
 //! A READ of a cached page completes inline in the ring thread's own
 //! `io_uring_enter`: the copy is the ring's work, and the ring is one
@@ -61,7 +62,47 @@ const MIN_DELAY: Duration = Duration::from_millis(2);
 /// lone read anyway, so a worker only adds a hand-off to its latency (QD1
 /// reads at load 3: 1.33x the CPU per read and p99 545 against 208 µs).
 /// With more in flight, the workers copy while the ring parses and replies.
+/// The same bound keeps a lone blocking write on the ring
+/// ([`ReadPath::offload_writes`]).
 pub(super) const MIN_IN_FLIGHT: usize = 4;
+
+/// How many requests a ring serves at once, as far as a write it is about
+/// to start can tell ([`ReadPath::offload_writes`]): the most of those in
+/// its table (`in_table`, the write included), those it admitted in this
+/// loop turn or the one before (`admitted`), and the most its client sent
+/// in one receive since the tick before the ring's last (`depth`, the
+/// connection's: see `weight::threads_for`). An inline write leaves the table before the
+/// next request is admitted, so the table alone never shows a deep client
+/// of inline writes; its receives do, and the turns show several clients
+/// of one request each. A QD1 client shows as one every way.
+pub(super) fn at_once(in_table: usize, admitted: Admitted, depth: u16) -> usize {
+    in_table.max(admitted.recent()).max(usize::from(depth))
+}
+
+/// Requests (those that take a slot in the ring's table) a ring admitted
+/// in its current loop turn and in the one before: see [`at_once`].
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Admitted {
+    now: usize,
+    before: usize,
+}
+
+impl Admitted {
+    /// A request was admitted in this turn.
+    pub(super) fn admit(&mut self) {
+        self.now += 1;
+    }
+
+    /// A new loop turn begins.
+    pub(super) fn turn(&mut self) {
+        self.before = std::mem::take(&mut self.now);
+    }
+
+    /// The most admitted in this turn or the one before.
+    pub(super) fn recent(self) -> usize {
+        self.now.max(self.before)
+    }
+}
 
 /// Whether page-cache reads may be handed to io_uring's workers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -200,12 +241,17 @@ impl ReadPath {
         self.streak > 0 || self.offload_until.is_some()
     }
 
-    /// Whether the ring is in a spell of being starved of CPU (a streak
-    /// ended less than [`OFFLOAD_FOR`] ago), with `auto` or `off`: inline
-    /// writes go to io_uring's workers meanwhile (`inline`). With `always`
-    /// (or no schedstat) no window is judged, so never.
-    pub(super) fn starved(&self) -> bool {
-        self.offload_until.is_some()
+    /// Whether a write the ring would do blocking itself goes to io_uring's
+    /// workers now (`inline`): in a spell of being starved of CPU (a streak
+    /// ended less than [`OFFLOAD_FOR`] ago), with `auto` or `off`, and with
+    /// the ring serving at least [`MIN_IN_FLIGHT`] requests at once
+    /// (`concurrent`: see `Requests::concurrent`). A worker is a thread of
+    /// its own, with its own share of the contended CPU, so it writes while
+    /// the ring parses and replies for the others; a lone write gains no
+    /// such overlap, and the worker adds a hand-off each way, as for a lone
+    /// read. With `always` (or no schedstat) no window is judged, so never.
+    pub(super) fn offload_writes(&self, concurrent: usize) -> bool {
+        self.offload_until.is_some() && concurrent >= MIN_IN_FLIGHT
     }
 
     /// Whether the ring is in a spell of handing page-cache reads to
@@ -360,6 +406,83 @@ mod tests {
         assert_eq!("auto".parse::<OffloadReads>().ok(), Some(OffloadReads::Auto));
         assert_eq!("always".parse::<OffloadReads>().ok(), Some(OffloadReads::Always));
         assert!("on".parse::<OffloadReads>().is_err());
+    }
+
+    /// A starved ring hands a blocking write to io_uring's workers only
+    /// when it serves several requests at once: a lone write stays on the
+    /// ring (it went to a worker before: one connection × QD1 4 KiB writes
+    /// to ext4 beside a spinner took 3.1-3.3 context switches per write
+    /// that way, 1.9-2.2 kept on the ring; docs/benchmarks.md).
+    #[test]
+    fn a_starved_ring_keeps_a_lone_write_and_hands_several_to_the_workers() {
+        let t0 = Instant::now();
+        let mut p = path_at(OffloadReads::Auto);
+        assert!(!p.offload_writes(MIN_IN_FLIGHT), "not starved: every write stays");
+        let mut at = t0;
+        for i in 0..u64::from(STREAK) {
+            p.judge(sample(at, 4 * i, 10 * i), sample(at + 20 * MS, 4 + 4 * i, 10 + 10 * i));
+            at += 20 * MS;
+        }
+        assert!(p.offload_writes(MIN_IN_FLIGHT));
+        assert!(!p.offload_writes(MIN_IN_FLIGHT - 1), "a client of a few stays on the ring");
+        assert!(!p.offload_writes(1), "a lone write stays on the ring");
+        // `off` only keeps reads inline: a starved ring still offloads writes.
+        let mut off = path_at(OffloadReads::Off);
+        for i in 0..u64::from(STREAK) {
+            off.judge(sample(at, 4 * i, 10 * i), sample(at + 20 * MS, 4 + 4 * i, 10 + 10 * i));
+            at += 20 * MS;
+        }
+        assert!(off.offload_writes(MIN_IN_FLIGHT) && !off.offload_writes(1));
+    }
+
+    /// Inline writes leave the table at once: the turns still show a deep
+    /// client, for the turn after the one it came in too, and a client of
+    /// one request a turn shows as one.
+    #[test]
+    fn admitted_requests_count_this_turn_and_the_one_before() {
+        let mut a = Admitted::default();
+        assert_eq!(a.recent(), 0);
+        for _ in 0..8 {
+            a.admit();
+        }
+        assert_eq!(a.recent(), 8);
+        a.turn();
+        a.admit();
+        assert_eq!(a.recent(), 8, "the turn before still counts");
+        a.turn();
+        assert_eq!(a.recent(), 1);
+        for _ in 0..5 {
+            a.turn();
+            a.admit();
+            assert_eq!(a.recent(), 1, "QD1: one a turn");
+        }
+        a.turn();
+        a.turn();
+        assert_eq!(a.recent(), 0);
+    }
+
+    /// What a write on a starved ring is judged by: a QD1 client is lone
+    /// every way; a deep one shows in its receives even when the turns
+    /// between its batches admitted nothing and its writes left the table;
+    /// several clients of one request each show in the turns.
+    #[test]
+    fn a_deep_client_or_several_clients_count_as_several_at_once() {
+        let mut quiet = Admitted::default();
+        quiet.turn();
+        quiet.admit();
+        assert_eq!(at_once(1, quiet, 1), 1, "QD1");
+        assert!(at_once(1, quiet, 1) < MIN_IN_FLIGHT);
+        let (mut empty, deep_receive) = (Admitted::default(), 8);
+        empty.turn();
+        empty.turn();
+        empty.admit();
+        assert_eq!(at_once(1, empty, deep_receive), 8, "a deep client's receive");
+        let mut several = Admitted::default();
+        for _ in 0..4 {
+            several.admit();
+        }
+        assert_eq!(at_once(1, several, 1), 4, "four QD1 clients in one turn");
+        assert_eq!(at_once(5, quiet, 1), 5, "reads or worker writes in flight");
     }
 
     /// The thread's own schedstat reads back, again and again from the

@@ -466,7 +466,8 @@ impl Worker {
         for i in 0..self.sh.conns.len() {
             let Some(c) = self.sh.conns[i].as_mut() else { continue };
             let handshaking = matches!(c.phase, Phase::Handshake(_));
-            busy += weight::threads_for(!handshaking && c.last_activity >= since, std::mem::take(&mut c.depth));
+            c.last_depth = std::mem::take(&mut c.depth);
+            busy += weight::threads_for(!handshaking && c.last_activity >= since, c.last_depth);
             let stalled = (!matches!(c.tx, Tx::Idle) || !c.out.is_empty()) && now.duration_since(c.last_send_progress) > stall;
             let idle_out = idle.is_some_and(|t| c.account.requests == 0 && c.out.is_empty() && now.duration_since(c.last_activity) > t);
             if (handshaking && now.duration_since(c.since) > hs) || stalled || grace_over {
