@@ -42,19 +42,19 @@
 //!   their own (1.35–1.7× the inline throughput there);
 //! - a ring in a spell of being starved of CPU (`starve`: several 20 ms
 //!   windows in a row in which it waited for its CPU) that serves several
-//!   requests at once (`starve::MIN_IN_FLIGHT`, counted over its last two
-//!   loop turns: an inline write leaves the table at once) does no
-//!   blocking write itself either: io_uring hands them to its workers,
-//!   threads of their own, which write while the ring parses and replies
-//!   for the rest. A lone write stays here, as a lone read does: through a
-//!   worker it costs a hand-off each way, two context switches that cost
-//!   more than a small write on this kind of machine, and there is nothing
-//!   to overlap it with. One connection × QD1 4 KiB writes to ext4, the
-//!   server held to a CPU with a spinner on it: 3.1-3.3 context switches
-//!   and 3.2-3.4 `io_uring_enter`s per write through the workers, 1.9-2.2
-//!   and 2.2-2.5 kept here, and 14-15 % less server CPU per write
-//!   (benchmarks.md, tenth pass; the throughput of such runs spreads too
-//!   widely to show a difference either way);
+//!   requests at once (`starve::at_once`: an inline write leaves the
+//!   ring's table at once, so its turns and the client's receives count
+//!   too) does no blocking write itself either: io_uring hands them to its
+//!   workers, threads of their own, which write while the ring parses and
+//!   replies for the rest. A lone write stays here, as a lone read does:
+//!   through a worker it costs a hand-off each way and there is nothing to
+//!   overlap it with. One connection × QD1 4 KiB writes to ext4, the
+//!   server held to a CPU with a spinner on it: 2.8-3.5 context switches
+//!   and 2.9-3.6 `io_uring_enter`s per write through the workers, 1.0-2.2
+//!   and 2.1-2.5 kept here, and 14-15 % less server CPU per write in
+//!   medians of 8 rounds (benchmarks.md, tenth pass; unpinned, the
+//!   throughput of such runs spreads too widely to show a difference
+//!   either way);
 //! - FUA writes always go through the ring (a durable write waits on the
 //!   device); replies are flushed every [`FLUSH_EVERY`] inline writes, so a
 //!   burst does not hold its first replies back.

@@ -71,10 +71,11 @@ pub(super) const MIN_IN_FLIGHT: usize = 4;
 /// its table (`in_table`, the write included), those it admitted in this
 /// loop turn or the one before (`admitted`), and the most its client sent
 /// in one receive since the tick before the ring's last (`depth`, the
-/// connection's: see `weight::threads_for`). An inline write leaves the table before the
-/// next request is admitted, so the table alone never shows a deep client
-/// of inline writes; its receives do, and the turns show several clients
-/// of one request each. A QD1 client shows as one every way.
+/// connection's: see `weight::threads_for`). An inline write leaves the
+/// table before the next request is admitted, so the table alone never
+/// shows a deep client of inline writes; its receives do, and the turns
+/// show several clients of one request each. A QD1 client shows as one
+/// every way.
 pub(super) fn at_once(in_table: usize, admitted: Admitted, depth: u16) -> usize {
     in_table.max(admitted.recent()).max(usize::from(depth))
 }
@@ -245,7 +246,7 @@ impl ReadPath {
     /// workers now (`inline`): in a spell of being starved of CPU (a streak
     /// ended less than [`OFFLOAD_FOR`] ago), with `auto` or `off`, and with
     /// the ring serving at least [`MIN_IN_FLIGHT`] requests at once
-    /// (`concurrent`: see `Requests::concurrent`). A worker is a thread of
+    /// (`concurrent`, from [`at_once`]). A worker is a thread of
     /// its own, with its own share of the contended CPU, so it writes while
     /// the ring parses and replies for the others; a lone write gains no
     /// such overlap, and the worker adds a hand-off each way, as for a lone
@@ -411,8 +412,8 @@ mod tests {
     /// A starved ring hands a blocking write to io_uring's workers only
     /// when it serves several requests at once: a lone write stays on the
     /// ring (it went to a worker before: one connection × QD1 4 KiB writes
-    /// to ext4 beside a spinner took 3.1-3.3 context switches per write
-    /// that way, 1.9-2.2 kept on the ring; docs/benchmarks.md).
+    /// to ext4 beside a spinner took 2.8-3.5 context switches per write
+    /// that way, 1.0-2.2 kept on the ring; docs/benchmarks.md).
     #[test]
     fn a_starved_ring_keeps_a_lone_write_and_hands_several_to_the_workers() {
         let t0 = Instant::now();
