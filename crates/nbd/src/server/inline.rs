@@ -287,22 +287,28 @@ impl WritePath {
 
     /// A blocking write took `took`; `slept` if the thread waited
     /// meanwhile, `preempted` if it was off the CPU over [`SLOW`] without
-    /// sleeping (the CPU is contended). True when that sent writes back to
-    /// the ring for [`BACKOFF`]: a write over [`SLOW`] that slept or was
-    /// preempted. On a ring path only one that slept (it waited for dirty-
+    /// sleeping (the CPU is contended), `lone` if the ring served fewer than
+    /// `starve::MIN_IN_FLIGHT` requests at once (`starve::at_once`). True
+    /// when that sent writes back to the ring for [`BACKOFF`]: a write over
+    /// [`SLOW`] that slept, or that was preempted while the ring served
+    /// several. A lone write gains nothing from a worker: the worker is
+    /// preempted as the ring was, and adds a hand-off each way (one
+    /// connection × QD1 writes beside a spinner backed off four times in
+    /// 5 s, so most of its writes went to a worker; benchmarks.md, tenth
+    /// pass). On a ring path only one that slept (it waited for dirty-
     /// page throttling, the journal, or the inode's lock held by a write in
     /// a worker): a stamp per tick is little of a contended CPU's share.
     /// Waiting behind the few writes that went to a worker (a burst of 30
     /// is about 300 µs) is not enough: backing off for it would send the
     /// stamps back to the workers, and the bursts with them.
-    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, now: Instant) -> bool {
+    pub(super) fn blocking_done(&mut self, took: Duration, slept: bool, preempted: bool, lone: bool, now: Instant) -> bool {
         if took <= SLOW {
             return false;
         }
         match self.mode {
             Mode::Ring if slept => self.stamp_backoff = Some(now + BACKOFF),
             Mode::Ring | Mode::Off => return false,
-            _ if slept || preempted => self.mode = Mode::Backoff(now + BACKOFF),
+            _ if slept || (preempted && !lone) => self.mode = Mode::Backoff(now + BACKOFF),
             _ => return false,
         }
         true
@@ -380,6 +386,10 @@ pub(super) struct InlineWrite<'a> {
     /// starved of CPU and serving several requests at once (see
     /// `starve::ReadPath::offload_writes`).
     pub offload: bool,
+    /// The ring serves fewer than `starve::MIN_IN_FLIGHT` requests at
+    /// once: a preempted write of it does not back off
+    /// ([`WritePath::blocking_done`]).
+    pub lone: bool,
 }
 
 impl RingInline {
@@ -469,7 +479,7 @@ impl RingInline {
         if took > SLOW {
             let (slept, preempted) = snapshot.since(volring_sys::thread_voluntary_switches().ok(), volring_sys::thread_cpu_time());
             self.snapshot = Some(Snapshot::take(now));
-            if path.blocking_done(took, slept, preempted, now) {
+            if path.blocking_done(took, slept, preempted, w.lone, now) {
                 tracing::debug!(export = %w.export.name, took_us = took.as_micros() as u64, slept, preempted, "NBD writes: a blocking write slept or was preempted; through the ring for a while");
             }
         }

@@ -20,7 +20,7 @@ fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
 
 /// A plain (not FUA) write of `data` at `offset` to `export`'s file.
 fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, offload: bool) -> InlineWrite<'a> {
-    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload }
+    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false }
 }
 
 /// A write the path would do blocking here goes to the ring instead
@@ -116,13 +116,13 @@ fn a_slow_write_that_slept_backs_off_for_a_while() {
     let mut p = WritePath::new(InlineWrites::Auto);
     p.nowait_done(Err(Errno::OPNOTSUPP));
     // Slow without sleeping and on the CPU (a long copy): stays inline.
-    p.blocking_done(SLOW * 5, false, false, now);
+    p.blocking_done(SLOW * 5, false, false, false, now);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     // Slept but fast: stays inline.
-    p.blocking_done(SLOW / 2, true, false, now);
+    p.blocking_done(SLOW / 2, true, false, false, now);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     // Slow and slept: the ring until the backoff ends, then inline again.
-    p.blocking_done(SLOW * 2, true, false, now);
+    p.blocking_done(SLOW * 2, true, false, false, now);
     assert!(!p.inline_now());
     assert_eq!(p.route(4096, false, now), Route::Ring);
     assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
@@ -139,12 +139,27 @@ fn a_slow_write_that_was_preempted_backs_off_for_a_while() {
     let mut p = WritePath::new(InlineWrites::Auto);
     p.nowait_done(Err(Errno::OPNOTSUPP));
     // Preempted but fast: stays inline.
-    p.blocking_done(SLOW / 2, false, true, now);
+    p.blocking_done(SLOW / 2, false, true, false, now);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
-    p.blocking_done(SLOW * 2, false, true, now);
+    p.blocking_done(SLOW * 2, false, true, false, now);
     assert!(!p.inline_now());
     assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
+}
+
+/// A lone write (a QD1 client) that was preempted stays on the ring: a
+/// worker would be preempted as well and adds a hand-off each way. One
+/// that slept still backs off: the ring must not wait on a slow device.
+#[test]
+fn a_lone_write_that_was_preempted_stays_inline() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert!(!p.blocking_done(SLOW * 2, false, true, true, now), "lone and preempted: no backoff");
+    assert!(p.inline_now());
+    assert_eq!(p.route(4096, false, now), Route::Blocking);
+    assert!(p.blocking_done(SLOW * 2, true, false, true, now), "lone but slept: backs off");
+    assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
 }
 
 /// Off the CPU without a voluntary switch is preemption; with one, it
@@ -311,7 +326,7 @@ fn no_tries_during_a_backoff() {
     let now = Instant::now();
     p.nowait_done(Err(Errno::OPNOTSUPP));
     assert_eq!(p.route(4096, false, now), Route::Blocking);
-    p.blocking_done(SLOW * 2, true, false, now);
+    p.blocking_done(SLOW * 2, true, false, false, now);
     for _ in 0..10 {
         assert_eq!(p.route(4096, false, now), Route::Ring);
     }
@@ -394,9 +409,9 @@ fn a_slow_stamp_backs_off_and_the_path_stays_on_the_ring() {
     let now = Instant::now();
     let mut p = ring_path(4_000_000, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
-    assert!(!p.blocking_done(SLOW / 2, true, false, now), "fast: no backoff");
-    assert!(!p.blocking_done(SLOW * 2, false, true, now), "preempted, not slept: no backoff");
-    assert!(p.blocking_done(SLOW * 2, true, false, now));
+    assert!(!p.blocking_done(SLOW / 2, true, false, false, now), "fast: no backoff");
+    assert!(!p.blocking_done(SLOW * 2, false, true, false, now), "preempted, not slept: no backoff");
+    assert!(p.blocking_done(SLOW * 2, true, false, false, now));
     p.clock(Reading { coarse: 8_000_000, near_tick: true }, false);
     assert_eq!(p.route(4096, false, now + BACKOFF / 2), Route::Ring);
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);

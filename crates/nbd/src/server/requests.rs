@@ -9,7 +9,7 @@ use super::exports::Attachments;
 use super::inline::{in_workers, InlineWrite, RingInline};
 use super::output::Output;
 use super::shared::Shared;
-use super::starve::{at_once, Admitted, OffloadReads, ReadPath};
+use super::starve::{at_once, Admitted, OffloadReads, ReadPath, MIN_IN_FLIGHT};
 use super::token::Token;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
@@ -255,8 +255,9 @@ impl Requests {
             Some(fd) if buffered => fd.as_fd(),
             _ => export.file().as_fd(),
         };
-        let offload = self.reads.offload_writes(at_once(self.table.len() - self.free.len(), self.admitted, depth));
-        let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), offload };
+        let at_once = at_once(self.table.len() - self.free.len(), self.admitted, depth);
+        let (offload, lone) = (self.reads.offload_writes(at_once), at_once < MIN_IN_FLIGHT);
+        let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), offload, lone };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);
         if self.inline.flush_due() {
