@@ -34,12 +34,17 @@
 //!   device does not stall every connection of the ring;
 //! - so does one that took over [`SLOW`] because the ring thread was
 //!   preempted (it was off the CPU that long without sleeping: other work
-//!   wants the CPU). The scheduler shares a contended CPU per thread: a ring
-//!   doing every connection's writes itself gets one share, where a server
-//!   with a thread per connection gets one per connection (4 connections ×
-//!   QD8 writes under two CPU spinners: 0.24× nbdkit's throughput at the
-//!   same CPU per write, benchmarks.md); io_uring's workers are threads of
-//!   their own (1.35–1.7× the inline throughput there);
+//!   wants the CPU) while the ring served several requests at once
+//!   (`starve::at_once`). The scheduler shares a contended CPU per thread:
+//!   a ring doing every connection's writes itself gets one share, where a
+//!   server with a thread per connection gets one per connection (4
+//!   connections × QD8 writes under two CPU spinners: 0.24× nbdkit's
+//!   throughput at the same CPU per write, benchmarks.md); io_uring's
+//!   workers are threads of their own (1.35–1.7× the inline throughput
+//!   there). A lone write's worker would be preempted the same, so a lone
+//!   preempted write does not back off (a QD1 client beside a spinner
+//!   backed off four times in 5 s, a second each time, so its writes went
+//!   to a worker for most of the run);
 //! - a ring in a spell of being starved of CPU (`starve`: several 20 ms
 //!   windows in a row in which it waited for its CPU) that serves several
 //!   requests at once (`starve::at_once`: an inline write leaves the
@@ -65,7 +70,8 @@
 //! block there all the time: the one that has to move the file's times,
 //! once per tick of the kernel's coarse clock. Such a write is done
 //! blocking here (see the `stamp` module), and backs off after a slow one
-//! like the writes above.
+//! that slept (not after a preempted one: see
+//! [`WritePath::blocking_done`]).
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -294,10 +300,10 @@ impl WritePath {
     /// several. A lone write gains nothing from a worker: the worker is
     /// preempted as the ring was, and adds a hand-off each way (one
     /// connection × QD1 writes beside a spinner backed off four times in
-    /// 5 s, so most of its writes went to a worker; benchmarks.md, tenth
-    /// pass). On a ring path only one that slept (it waited for dirty-
-    /// page throttling, the journal, or the inode's lock held by a write in
-    /// a worker): a stamp per tick is little of a contended CPU's share.
+    /// 5 s, a second each time; benchmarks.md, tenth pass). On a ring path
+    /// only one that slept (it waited for dirty-page throttling, the
+    /// journal, or the inode's lock held by a write in a worker): a stamp
+    /// per tick is little of a contended CPU's share.
     /// Waiting behind the few writes that went to a worker (a burst of 30
     /// is about 300 µs) is not enough: backing off for it would send the
     /// stamps back to the workers, and the bursts with them.

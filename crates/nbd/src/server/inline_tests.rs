@@ -147,7 +147,7 @@ fn a_slow_write_that_was_preempted_backs_off_for_a_while() {
     assert_eq!(p.route(4096, false, now + BACKOFF), Route::Blocking);
 }
 
-/// A lone write (a QD1 client) that was preempted stays on the ring: a
+/// A lone write (a QD1 client) that was preempted keeps writes inline: a
 /// worker would be preempted as well and adds a hand-off each way. One
 /// that slept still backs off: the ring must not wait on a slow device.
 #[test]
