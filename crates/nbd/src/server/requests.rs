@@ -255,8 +255,8 @@ impl Requests {
             Some(fd) if buffered => fd.as_fd(),
             _ => export.file().as_fd(),
         };
-        let at_once = at_once(self.table.len() - self.free.len(), self.admitted, depth);
-        let (offload, lone) = (self.reads.offload_writes(at_once), at_once < MIN_IN_FLIGHT);
+        let serving = at_once(self.table.len() - self.free.len(), self.admitted, depth);
+        let (offload, lone) = (self.reads.offload_writes(serving), serving < MIN_IN_FLIGHT);
         let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), offload, lone };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);
