@@ -151,6 +151,7 @@ impl Buffers {
     /// registration; heap buffers beyond that, with up to `cache_limit` bytes
     /// of freed ones kept for reuse.
     pub(super) fn new(arena_slots: u32, arena_slot: usize, cache_limit: usize) -> io::Result<Self> {
+        crate::allocator::pin_thresholds();
         let arena_slot = arena_slot.max(PAGE).next_multiple_of(PAGE);
         let arena = Mapping::new(arena_slot * arena_slots.max(1) as usize)?;
         Ok(Self {
@@ -231,13 +232,7 @@ impl Buffers {
         self.cached_bytes = 0;
         if self.freed_since_trim > 0 {
             self.freed_since_trim = 0;
-            // The rest of the ring's memory (request records, vectors of a
-            // past burst) is the allocator's: ask it to return free pages.
-            #[cfg(target_env = "gnu")]
-            // SAFETY: malloc_trim only releases free memory; no pointer we hold changes.
-            unsafe {
-                libc::malloc_trim(0);
-            }
+            crate::allocator::release_free_pages();
         }
         released
     }

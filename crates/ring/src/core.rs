@@ -18,6 +18,9 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use super::ops::{is_reserved, OpTable, Reaped, CANCEL_ALL, IGNORED};
 
+/// Completions one reap's buffer keeps room for when its ring is idle.
+const KEPT_CQES: usize = 256;
+
 static LEAKED_OPS: AtomicU64 = AtomicU64::new(0);
 
 #[cfg(test)]
@@ -70,7 +73,7 @@ impl<T> UringCore<T> {
         Self {
             ring,
             ops: OpTable::with_capacity(64),
-            cqes: Vec::with_capacity(256),
+            cqes: Vec::with_capacity(KEPT_CQES),
             cancel_wait,
             in_kernel: 0,
             cap,
@@ -250,6 +253,22 @@ impl<T> UringCore<T> {
     /// `submit_with_args` with caller-made arguments (min_wait).
     pub(super) fn submit_with_args(&mut self, want: usize, args: &types::SubmitArgs<'_, '_>) -> io::Result<()> {
         quiet(self.ring.submitter().submit_with_args(want, args))
+    }
+
+    /// For an idle ring: gives back the op table's and the completion
+    /// buffer's room past what steady work needs (see [`OpTable::shrink`]).
+    /// Returns the bytes freed.
+    pub(super) fn trim(&mut self) -> usize {
+        let mut freed = self.ops.shrink();
+        if self.cqes.capacity() > KEPT_CQES {
+            freed += (self.cqes.capacity() - KEPT_CQES) * std::mem::size_of::<cqueue::Entry>();
+            self.cqes = Vec::with_capacity(KEPT_CQES);
+        }
+        if self.backlog.is_empty() && self.backlog.capacity() > 0 {
+            freed += self.backlog.capacity() * std::mem::size_of::<squeue::Entry>();
+            self.backlog = VecDeque::new();
+        }
+        freed
     }
 
     /// Matches every available completion to its op. Completions of

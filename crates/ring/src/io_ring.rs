@@ -532,8 +532,9 @@ impl<T: Copy> IoRing<T> {
 
     /// Gives back what a past burst left behind: the spare send vectors
     /// (one per send that was in flight at once, each as long as its
-    /// longest send), an oversized completion scratch, cached buffers, and
-    /// then the allocator's free pages. For a ring with nothing to do.
+    /// longest send), an oversized completion scratch, the op table's slots
+    /// past its highest live op, cached buffers, and then the allocator's
+    /// free pages. For a ring with nothing to do.
     /// `freed_elsewhere`: bytes its owner freed outside the ring (request
     /// tables, vectors of a past burst), so the allocator is asked for its
     /// free pages even when the ring itself freed nothing.
@@ -554,7 +555,7 @@ impl<T: Copy> IoRing<T> {
         }
         let iov: usize = self.spare_iov.iter().map(|v| v.capacity() * std::mem::size_of::<libc::iovec>()).sum();
         let ids: usize = self.spare_bufs.iter().map(|v| v.capacity() * std::mem::size_of::<BufId>()).sum();
-        let mut freed = freed_elsewhere + iov + ids;
+        let mut freed = freed_elsewhere + iov + ids + self.core.trim();
         self.spare_iov = Vec::new();
         self.spare_bufs = Vec::new();
         if self.reaped.capacity() > 1024 {

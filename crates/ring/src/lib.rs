@@ -59,6 +59,7 @@
 
 #![warn(unreachable_pub)]
 
+mod allocator;
 mod allowed;
 mod batch;
 mod buffers;

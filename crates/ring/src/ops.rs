@@ -25,6 +25,10 @@ pub(super) const CANCEL_ALL: u64 = u64::MAX - 2;
 
 const RESERVED_GEN: u32 = u32::MAX;
 
+/// Slots an idle table keeps however few ops it holds: room for a ring's
+/// steady work without growing again.
+const KEPT_SLOTS: usize = 64;
+
 struct Entry<T> {
     generation: u32,
     op: T,
@@ -140,6 +144,31 @@ impl<T> OpTable<T> {
         self.stale
     }
 
+    /// Slots the table has room for (live or free).
+    #[cfg(test)]
+    pub(super) fn capacity(&self) -> usize {
+        self.slab.capacity()
+    }
+
+    /// Gives back the slots of a past burst, for an idle ring: a burst of
+    /// thousands of ops (40 clients each with hundreds of requests) left
+    /// the table that large for good, pinning its pages and the
+    /// allocator's around them. An op the kernel holds keeps its key, so
+    /// the table shrinks only down to its highest live key; the free
+    /// slots below are then handed out lowest first. Returns the bytes
+    /// freed.
+    pub(super) fn shrink(&mut self) -> usize {
+        let before = self.slab.capacity();
+        if before <= KEPT_SLOTS {
+            return 0;
+        }
+        self.slab.shrink_to_fit();
+        if self.slab.capacity() < KEPT_SLOTS {
+            self.slab.reserve(KEPT_SLOTS - self.slab.len());
+        }
+        before.saturating_sub(self.slab.capacity()) * std::mem::size_of::<Entry<T>>()
+    }
+
     pub(super) fn user_datas(&self) -> Vec<u64> {
         self.slab.iter().map(|(key, e)| join(key, e.generation)).collect()
     }
@@ -179,6 +208,27 @@ mod tests {
         assert_eq!(t.len(), 1);
         assert_eq!(t.complete(ud, 1, 0, false).unwrap().last, Some(7));
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_table_shrinks_after_a_burst_down_to_its_highest_live_key() {
+        let mut t = OpTable::default();
+        let burst: Vec<u64> = (0..5000u32).map(|i| t.insert(i)).collect();
+        // Two ops outlive the burst: one low, one at key 99.
+        for (i, &ud) in burst.iter().enumerate() {
+            if i != 3 && i != 99 {
+                assert!(t.complete(ud, 0, 0, false).is_some());
+            }
+        }
+        assert!(t.capacity() >= 5000);
+        let freed = t.shrink();
+        assert!(t.capacity() < 200, "the table kept {} slots for 2 ops", t.capacity());
+        assert!(freed >= 4800 * std::mem::size_of::<Entry<u32>>());
+        assert_eq!((t.get(burst[3]), t.get(burst[99])), (Some(&3), Some(&99)), "live ops keep their keys");
+        let next = t.insert(7);
+        assert_eq!(split(next).0, 0, "the lowest free key is handed out first");
+        assert_eq!(t.shrink(), 0, "nothing is past the highest live key now");
+        assert!(t.capacity() >= KEPT_SLOTS);
     }
 
     #[test]
