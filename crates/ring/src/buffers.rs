@@ -151,7 +151,6 @@ impl Buffers {
     /// registration; heap buffers beyond that, with up to `cache_limit` bytes
     /// of freed ones kept for reuse.
     pub(super) fn new(arena_slots: u32, arena_slot: usize, cache_limit: usize) -> io::Result<Self> {
-        crate::allocator::pin_thresholds();
         let arena_slot = arena_slot.max(PAGE).next_multiple_of(PAGE);
         let arena = Mapping::new(arena_slot * arena_slots.max(1) as usize)?;
         Ok(Self {

@@ -115,7 +115,13 @@ impl<T: Copy> IoRing<T> {
     /// lacks), its buffers and file table registered, and its restrictions
     /// (`IoRing::OPCODES` only, and no other registration than the ring
     /// itself makes) registered.
+    ///
+    /// The first ring also pins the process allocator's mmap and trim
+    /// thresholds, for every thread of the process (see
+    /// `allocator::pin_thresholds`): without that, [`IoRing::trim`] could
+    /// not give a burst's memory back.
     pub fn new(cfg: &IoRingConfig) -> io::Result<Self> {
+        crate::allocator::pin_thresholds();
         // DEFER_TASKRUN (6.1) runs completions only when this thread asks:
         // fewer interruptions of the ring thread. Older kernels get the rest.
         let setup = RingSetup { entries: cfg.sq_entries, cq_entries: Some(cfg.cq_entries), server: true, disabled: true };

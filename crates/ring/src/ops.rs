@@ -164,7 +164,9 @@ impl<T> OpTable<T> {
         }
         self.slab.shrink_to_fit();
         if self.slab.capacity() < KEPT_SLOTS {
-            self.slab.reserve(KEPT_SLOTS - self.slab.len());
+            // Exactly: `reserve` would double past the kept slots, and the
+            // next idle tick would shrink them again.
+            self.slab.reserve_exact(KEPT_SLOTS - self.slab.len());
         }
         before.saturating_sub(self.slab.capacity()) * std::mem::size_of::<Entry<T>>()
     }
@@ -229,6 +231,22 @@ mod tests {
         assert_eq!(split(next).0, 0, "the lowest free key is handed out first");
         assert_eq!(t.shrink(), 0, "nothing is past the highest live key now");
         assert!(t.capacity() >= KEPT_SLOTS);
+    }
+
+    #[test]
+    fn a_table_shrunk_below_the_kept_slots_keeps_exactly_those() {
+        let mut t = OpTable::default();
+        let burst: Vec<u64> = (0..5000u32).map(|i| t.insert(i)).collect();
+        for (i, &ud) in burst.iter().enumerate() {
+            if i != 40 {
+                t.complete(ud, 0, 0, false);
+            }
+        }
+        assert!(t.shrink() > 0);
+        assert_eq!(t.capacity(), KEPT_SLOTS);
+        assert_eq!(t.shrink(), 0, "the next idle tick finds nothing to give back");
+        assert_eq!(t.capacity(), KEPT_SLOTS);
+        assert_eq!(t.get(burst[40]), Some(&40));
     }
 
     #[test]

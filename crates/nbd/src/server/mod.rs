@@ -202,6 +202,10 @@ impl NbdServer {
     /// threads. With no listener, connections come only through
     /// `NbdServer::serve_connected` (a process serving its own
     /// `/dev/nbdN` over socketpairs, `attach::local_sockets`).
+    ///
+    /// Its rings pin glibc's mmap and trim thresholds at 128 KiB for the
+    /// whole process ([`volring_ring::IoRing::new`]): without that, an
+    /// idle ring's trim could not give a burst's memory back.
     pub fn start(config: ServerConfig, exports: Arc<Exports>) -> Result<Self, Error> {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
