@@ -26,9 +26,10 @@ use io_uring::types::BufRingEntry;
 const PAGE: usize = 4096;
 /// Heap classes are powers of two from 4 KiB up to 64 MiB.
 const CLASSES: usize = 15;
-/// Classes from this one up (128 KiB) are mappings of their own: the
-/// allocator would keep freed blocks this large (its mmap threshold grows
-/// to the largest block freed), and RSS would never come down.
+/// Classes from this one up (128 KiB) are mappings of their own, unmapped
+/// when freed: a buffer costs exactly its class, and whether its memory
+/// comes back never rests on the allocator's thresholds (glibc raises them
+/// as large blocks are freed; `allocator` pins them for everything else).
 const MAP_CLASS: usize = 5;
 /// Smaller classes are carved from mappings of this size.
 const CHUNK: usize = 1 << 20;
