@@ -399,6 +399,55 @@ fn reads_in_io_uring_workers_read_back_what_was_written() -> Result<(), Failed> 
     check(Vec::<RingSnapshot>::from(&*exports).is_empty(), "a stopped server's rings are still published")
 }
 
+/// The ring thread's calls of `io_uring_enter`, as it last published them
+/// (at its tick, at most 250 ms ago).
+fn ring_enters(s: &Served) -> u64 {
+    Vec::<RingSnapshot>::from(&**s.server().exports()).first().map_or(0, |r| r.enters)
+}
+
+/// A client with one request at a time, on ext4 (where the ring writes
+/// small WRITEs itself): each request costs the ring one kernel entry, the
+/// wait that its reply's send is handed over in and the next request ends.
+/// Before, the send took an enter of its own (submit, reap it at once) and
+/// the sleep another: two per request. The idle poll is off, as on a ring
+/// contended for its CPU, so every gap is a sleep.
+fn a_lone_request_costs_the_ring_one_kernel_entry() -> Result<(), Failed> {
+    const REQUESTS: u64 = 1000;
+    let scratch = Scratch::new();
+    let (_dev, at) = pool(&scratch, "ext4");
+    let s = Served::with_config(&[], |c| {
+        c.threads = 1;
+        c.idle_poll = Duration::ZERO;
+    });
+    let img = at.join("disk.img");
+    std::fs::File::create(&img).and_then(|f| f.set_len(SIZE))?;
+    s.add("disk", &img, false, 0);
+    let mut c = RawClient::connect(&s.socket, "disk", HeaderStyle::Simple, false)?;
+    let block = pattern(9, 0, 4096);
+    let mut write = |i: u64| -> Result<(), Failed> {
+        let r = c.call(cmd::WRITE, 0, (i * 4096) % SIZE, 4096, &block)?;
+        check(r.error == 0, format!("write {i}: error {}", r.error))
+    };
+    for i in 0..20 {
+        write(i)?;
+    }
+    // Two ticks apart, so each count is one the ring published after the
+    // requests before it.
+    std::thread::sleep(Duration::from_millis(600));
+    let before = ring_enters(&s);
+    for i in 0..REQUESTS {
+        write(i)?;
+    }
+    std::thread::sleep(Duration::from_millis(600));
+    let spent = ring_enters(&s) - before;
+    // The ticks in the 1.2 s add one enter or two each.
+    check(
+        spent <= REQUESTS * 3 / 2,
+        format!("{REQUESTS} lone requests cost the ring {spent} kernel entries (one each, and the ticks', expected)"),
+    )?;
+    check(spent >= REQUESTS, format!("{spent} entries for {REQUESTS} requests: the count is not the ring's"))
+}
+
 fn main() {
     let trials = vec![
         Trial::test("nbd_writes::ext4_writes_read_back_identical", ext4_writes_read_back_identical),
@@ -408,6 +457,7 @@ fn main() {
         Trial::test("nbd_writes::large_writes_are_not_copied_out_of_receive_buffers", large_writes_are_not_copied_out_of_receive_buffers),
         Trial::test("nbd_writes::xfs_small_writes_are_written_from_receive_buffers", xfs_small_writes_are_written_from_receive_buffers),
         Trial::test("nbd_writes::ext4_small_writes_are_written_from_receive_buffers", ext4_small_writes_are_written_from_receive_buffers),
+        Trial::test("nbd_writes::a_lone_request_costs_the_ring_one_kernel_entry", a_lone_request_costs_the_ring_one_kernel_entry),
         Trial::test(
             "nbd_writes::reads_in_io_uring_workers_read_back_what_was_written",
             reads_in_io_uring_workers_read_back_what_was_written,

@@ -193,6 +193,15 @@ fn encode_rings(e: &mut DescriptorEncoder<'_>, servers: &[Server]) -> Result<(),
     for (ring, server, r) in &rings {
         ConstCounter::new(r.starved_windows).encode(fam.encode_family(&[("ring", ring.as_str()), ("server", server)])?)?;
     }
+    let mut fam = e.encode_descriptor(
+        "volring_nbd_ring_enters",
+        "Calls of io_uring_enter by an NBD ring thread (submits and waits); per request served, its kernel entries",
+        None,
+        MetricType::Counter,
+    )?;
+    for (ring, server, r) in &rings {
+        ConstCounter::new(r.enters).encode(fam.encode_family(&[("ring", ring.as_str()), ("server", server)])?)?;
+    }
     type Pick = fn(&RingSnapshot) -> i64;
     let gauges: [(&str, &str, Pick); 4] = [
         ("volring_nbd_ring_offloading_reads", "1 while an NBD ring hands its page-cache reads to io_uring's workers", |r| {
@@ -285,6 +294,8 @@ mod tests {
             r#"volring_nbd_ring_idle_polls_total{ring="1",result="found",server="listen"} 0"#,
             r#"volring_nbd_ring_starved_windows_total{ring="0",server="listen"} 0"#,
             r#"volring_nbd_ring_starved_windows_total{ring="1",server="listen"} 7"#,
+            r#"volring_nbd_ring_enters_total{ring="0",server="listen"} 100"#,
+            r#"volring_nbd_ring_enters_total{ring="1",server="listen"} 101"#,
             "# TYPE volring_nbd_ring_offloading_reads gauge",
             r#"volring_nbd_ring_offloading_reads{ring="0",server="listen"} 0"#,
             r#"volring_nbd_ring_offloading_reads{ring="1",server="listen"} 1"#,
@@ -323,6 +334,7 @@ mod tests {
             nice: 0,
             recv_buffers_held: ring as u32,
             recv_buffers_lent: ring as u32,
+            enters: 100 + ring as u64,
         }
     }
 

@@ -32,8 +32,8 @@ use exports::{
     exports_file_reloads_on_sighup, spliced_reads_are_timed_until_sent, tcp_listener, write_zeroes_without_filesystem_help,
 };
 use hostile::{
-    broken_streams_close_only_their_connection, client_that_never_reads_is_bounded, hostile_requests_get_errors,
-    stalled_handshake_is_dropped,
+    a_client_that_reads_late_gets_every_reply, broken_streams_close_only_their_connection, client_that_never_reads_is_bounded,
+    hostile_requests_get_errors, stalled_handshake_is_dropped,
 };
 use memory::{
     hostile_connections_stay_under_the_server_budget, list_flood_in_the_handshake_is_bounded,
@@ -59,6 +59,7 @@ fn main() {
         Trial::test("nbd::broken_streams_close_only_their_connection", broken_streams_close_only_their_connection),
         Trial::test("nbd::stalled_handshake_is_dropped", stalled_handshake_is_dropped),
         Trial::test("nbd::client_that_never_reads_is_bounded", client_that_never_reads_is_bounded),
+        Trial::test("nbd::a_client_that_reads_late_gets_every_reply", a_client_that_reads_late_gets_every_reply),
         Trial::test("nbd::exports_added_and_removed_at_run_time", exports_added_and_removed_at_run_time),
         Trial::test("nbd::block_status_and_sparse_reads", block_status_and_sparse_reads),
         Trial::test("nbd::block_status_is_bounded_per_request", block_status_is_bounded_per_request),

@@ -302,6 +302,8 @@ pub(crate) struct RingCounters {
     /// those of them writes in flight are made from.
     pub(crate) recv_buffers_held: AtomicU32,
     pub(crate) recv_buffers_lent: AtomicU32,
+    /// The ring's calls of `io_uring_enter` (submits and waits) so far.
+    pub(crate) enters: AtomicU64,
 }
 
 impl RingCounters {
@@ -316,6 +318,7 @@ impl RingCounters {
             nice: self.nice.load(Ordering::Relaxed),
             recv_buffers_held: self.recv_buffers_held.load(Ordering::Relaxed),
             recv_buffers_lent: self.recv_buffers_lent.load(Ordering::Relaxed),
+            enters: self.enters.load(Ordering::Relaxed),
         }
     }
 }
@@ -344,6 +347,10 @@ pub struct RingSnapshot {
     /// Of those, the ones writes in flight are made from (small WRITE
     /// payloads written from where they arrived, `server::conn`'s `Lend`).
     pub recv_buffers_lent: u32,
+    /// The ring thread's calls of `io_uring_enter` (each hands queued
+    /// operations to the kernel, waits, or both) since it started: against
+    /// the requests it served, what a request costs in kernel entries.
+    pub enters: u64,
 }
 
 #[cfg(test)]

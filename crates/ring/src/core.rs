@@ -53,6 +53,8 @@ pub(super) struct UringCore<T> {
     /// Completions of backlogged ops cancelled before they reached the
     /// kernel: (user_data, result), delivered at the next reap.
     unsent: Vec<(u64, i32)>,
+    /// Calls of `io_uring_enter` so far (submits and waits).
+    enters: u64,
 }
 
 /// What a ring has waiting, short of waiting for it.
@@ -79,6 +81,7 @@ impl<T> UringCore<T> {
             cap,
             backlog: VecDeque::new(),
             unsent: Vec::new(),
+            enters: 0,
         }
     }
 
@@ -164,6 +167,7 @@ impl<T> UringCore<T> {
                 self.in_kernel += 1;
                 return Ok(());
             }
+            self.enters += 1;
             self.ring.submit()?;
         }
     }
@@ -228,6 +232,7 @@ impl<T> UringCore<T> {
     /// Submits what is queued; waits for `want` completions, at most `timeout`.
     /// Timeouts, signals and a full completion queue are not errors.
     pub(super) fn submit_and_wait(&mut self, want: usize, timeout: Option<Duration>) -> io::Result<()> {
+        self.enters += 1;
         let r = match timeout {
             None => self.ring.submit_and_wait(want),
             Some(t) => {
@@ -236,6 +241,17 @@ impl<T> UringCore<T> {
             }
         };
         quiet(r)
+    }
+
+    /// Calls of `io_uring_enter` so far: what a request costs in kernel
+    /// entries, against the requests served.
+    pub(super) fn enters(&self) -> u64 {
+        self.enters
+    }
+
+    /// Whether entries wait in the submission queue for the next enter.
+    pub(super) fn queued(&mut self) -> bool {
+        !self.ring.submission().is_empty()
     }
 
     /// What is waiting to be reaped, read from the rings' shared memory
@@ -252,6 +268,7 @@ impl<T> UringCore<T> {
 
     /// `submit_with_args` with caller-made arguments (min_wait).
     pub(super) fn submit_with_args(&mut self, want: usize, args: &types::SubmitArgs<'_, '_>) -> io::Result<()> {
+        self.enters += 1;
         quiet(self.ring.submitter().submit_with_args(want, args))
     }
 

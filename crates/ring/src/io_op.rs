@@ -73,8 +73,14 @@ pub enum Op<'a> {
     /// lands where it is written from, without passing through the provided
     /// buffers.
     RecvInto { socket: u32, into: (BufId, usize, usize) },
-    /// Sends `parts` in order with one sendmsg.
-    Send { socket: u32, parts: &'a [(BufId, usize, usize)] },
+    /// Sends `parts` in order with one sendmsg. `at_once`: only what the
+    /// socket takes now (MSG_DONTWAIT), so the op ends during the submit
+    /// that hands it to the kernel, with the bytes sent (maybe fewer than
+    /// asked) or EAGAIN when the socket has no room: a caller that waits
+    /// for the next event can wait past it (see [`IoRingStats::settling`]).
+    /// Queued while the ring has no room (it would wait in the backlog),
+    /// it is an ordinary send.
+    Send { socket: u32, parts: &'a [(BufId, usize, usize)], at_once: bool },
     /// Reads `file` at `offset` into `into`; `in_worker` hands the read to
     /// one of io_uring's worker threads (IOSQE_ASYNC) rather than doing it
     /// inline in the submitting call, even from the page cache: a caller
@@ -143,4 +149,10 @@ pub struct IoRingStats {
     pub recv_counts: [u64; 4],
     /// Times the receive pool was handed to the kernel afresh.
     pub recv_pool_resets: u64,
+    /// Sends queued `at_once` whose completion is not reaped yet: each
+    /// posts it during the next submit (or already did), so a wait for
+    /// `n` events beyond them is a wait for `n + settling` completions.
+    pub settling: usize,
+    /// Calls of `io_uring_enter` since the ring was made.
+    pub enters: u64,
 }

@@ -50,6 +50,8 @@ enum Held {
         bufs: Vec<BufId>,
         iov: Vec<libc::iovec>,
         msg: Box<libc::msghdr>,
+        /// Counted in `IoRing::settling` until it ends.
+        at_once: bool,
     },
     Timeout(
         #[allow(dead_code)] // only kept alive for the kernel
@@ -102,6 +104,8 @@ pub struct IoRing<T: Copy = u64> {
     /// The receive pool's pages went back to the kernel at a trim and no
     /// receive has been armed since (see [`IoRing::trim`]).
     recv_discarded: bool,
+    /// Sends queued `at_once` and not yet reaped ([`IoRingStats::settling`]).
+    settling: usize,
 }
 
 /// Completion slots kept free of the cap on entries in the kernel, beyond
@@ -162,6 +166,7 @@ impl<T: Copy> IoRing<T> {
             recv_lost: false,
             recv_resets: 0,
             recv_discarded: false,
+            settling: 0,
         })
     }
 
@@ -181,6 +186,8 @@ impl<T: Copy> IoRing<T> {
             stale_completions: self.core.ops().stale(),
             recv_counts: self.recv.counts,
             recv_pool_resets: self.recv_resets,
+            settling: self.settling,
+            enters: self.core.enters(),
         }
     }
 
@@ -249,7 +256,7 @@ impl<T: Copy> IoRing<T> {
             Sqe::RecvMulti { socket } => self.recv_multi(token, socket),
             Sqe::RecvOnce { socket, len } => self.recv_once(token, socket, len),
             Sqe::RecvInto { socket, into } => self.recv_into(token, socket, into),
-            Sqe::Send { socket, parts } => self.send(token, socket, parts),
+            Sqe::Send { socket, parts, at_once } => self.send(token, socket, parts, at_once),
             Sqe::Read { file, into, offset, in_worker: false } => self.read(token, file, into, offset),
             Sqe::Read { file, into, offset, in_worker: true } => self.read_async(token, file, into, offset),
             Sqe::Write { file, from, offset, dsync } => self.write(token, file, from, offset, dsync),
@@ -335,8 +342,9 @@ impl<T: Copy> IoRing<T> {
         })
     }
 
-    /// Sends `parts` (buffer, start, end) in order with one sendmsg.
-    fn send(&mut self, token: T, socket: u32, parts: &[BufSlice]) -> io::Result<OpId> {
+    /// Sends `parts` (buffer, start, end) in order with one sendmsg; see
+    /// [`Op::Send`](crate::Op::Send) for `at_once`.
+    fn send(&mut self, token: T, socket: u32, parts: &[BufSlice], at_once: bool) -> io::Result<OpId> {
         let mut iov = self.spare_iov.pop().unwrap_or_default();
         let mut bufs = self.spare_bufs.pop().unwrap_or_default();
         iov.clear();
@@ -356,8 +364,14 @@ impl<T: Copy> IoRing<T> {
         msg.msg_iov = iov.as_mut_ptr();
         msg.msg_iovlen = iov.len();
         let msg_ptr: *const libc::msghdr = &*msg;
-        self.start(token, Held::Send { bufs, iov, msg }, |ud| {
-            opcode::SendMsg::new(types::Fixed(socket), msg_ptr).flags(libc::MSG_NOSIGNAL as u32).build().user_data(ud)
+        // Only straight into the kernel does it end during the next submit.
+        let at_once = at_once && self.core.has_room();
+        let flags = libc::MSG_NOSIGNAL | if at_once { libc::MSG_DONTWAIT } else { 0 };
+        // Counted before it starts: a send that cannot start is released,
+        // which takes it off again.
+        self.settling += usize::from(at_once);
+        self.start(token, Held::Send { bufs, iov, msg, at_once }, |ud| {
+            opcode::SendMsg::new(types::Fixed(socket), msg_ptr).flags(flags as u32).build().user_data(ud)
         })
     }
 
@@ -488,7 +502,11 @@ impl<T: Copy> IoRing<T> {
     /// idle CPU halts (a virtual machine) that wake-up costs more than a
     /// cached 4 KiB read. The caller decides when a short poll pays.
     pub fn poll_for(&mut self, window: Duration) -> io::Result<bool> {
-        self.core.submit_and_wait(0, None)?;
+        // An enter only to hand over what is queued: with nothing queued
+        // the look below costs no system call (task work is seen by its flag).
+        if self.core.queued() {
+            self.core.submit_and_wait(0, None)?;
+        }
         // A poll is short by nature: never past a second.
         let deadline = Instant::now() + window.min(Duration::from_secs(1));
         loop {
@@ -622,7 +640,8 @@ impl<T: Copy> IoRing<T> {
             Held::Recv { .. } => self.armed_recvs -= 1,
             Held::Buf(id) => self.bufs.give_back(id),
             Held::Lent(bid) => self.recv.give_back(bid),
-            Held::Send { mut bufs, iov, msg } => {
+            Held::Send { mut bufs, iov, msg, at_once } => {
+                self.settling -= usize::from(at_once);
                 for id in bufs.drain(..) {
                     self.bufs.give_back(id);
                 }

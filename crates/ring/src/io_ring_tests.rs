@@ -379,3 +379,67 @@ fn an_idle_trim_gives_the_receive_pools_pages_back_only_with_no_receive_armed() 
     ring.trim(0);
     assert_eq!(ring.received(bid, 5).0, [0u8; 5], "re-armed and ended: the pool's pages go back again");
 }
+
+/// A send `at_once` ends in the very enter that hands it to the kernel:
+/// with the bytes sent while the socket has room, then EAGAIN once it is
+/// full (the peer reads nothing). Until it is reaped it counts as
+/// settling. An ordinary send to the full socket waits for room instead,
+/// and ends only when the peer reads.
+#[test]
+fn an_at_once_send_ends_in_the_submit_that_hands_it_over() {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let mut full = false;
+    let mut sent = 0usize;
+    for i in 0..10_000u64 {
+        let buf = ring.buffers().alloc(4096);
+        ring.submit(i, Sqe::Send { socket, parts: &[(buf, 0, 4096)], at_once: true }).unwrap();
+        assert_eq!(ring.stats().settling, 1, "queued at once");
+        ring.submit_and_wait_for(0, None).unwrap();
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        let c = out.iter().find(|c| c.token == i).unwrap_or_else(|| panic!("send {i} did not end in its submit: {out:?}"));
+        assert_eq!(ring.stats().settling, 0, "reaped");
+        ring.buffers().free(buf);
+        if c.result == -libc::EAGAIN {
+            full = true;
+            break;
+        }
+        assert!(c.result > 0, "{c:?}");
+        sent += c.result as usize;
+    }
+    assert!(full && sent > 0, "the socket filled after {sent} bytes");
+
+    let buf = ring.buffers().alloc(4096);
+    ring.submit(u64::MAX, Sqe::Send { socket, parts: &[(buf, 0, 4096)], at_once: false }).unwrap();
+    assert_eq!(ring.stats().settling, 0, "an ordinary send does not settle at once");
+    ring.submit_and_wait_for(0, None).unwrap();
+    let mut out = Vec::new();
+    ring.complete(&mut out);
+    assert!(out.iter().all(|c| c.token != u64::MAX), "it waits for room: {out:?}");
+    let reader = std::thread::spawn(move || {
+        let mut all = vec![0u8; sent + 4096];
+        std::io::Read::read_exact(&mut peer, &mut all).map(|_| peer)
+    });
+    let done = until_ended(&mut ring, u64::MAX);
+    assert_eq!(done.iter().find(|c| c.token == u64::MAX).map(|c| c.result), Some(4096), "{done:?}");
+    let _peer = reader.join().unwrap().expect("the peer read every byte");
+    ring.buffers().free(buf);
+}
+
+/// A poll with nothing queued makes no system call unless the kernel
+/// flags task work (a receive's completion): it only looks at the rings.
+#[test]
+fn a_poll_with_nothing_queued_does_not_enter_the_kernel() {
+    let mut ring = small_ring();
+    let (_peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let op = ring.recv_multi(1, socket).unwrap();
+    ring.submit_and_wait_for(0, None).unwrap();
+    let before = ring.stats().enters;
+    assert!(!ring.poll_for(Duration::from_millis(5)).unwrap(), "nothing was sent");
+    assert_eq!(ring.stats().enters, before, "the poll entered the kernel with nothing to hand over");
+    ring.cancel(op).unwrap();
+    until_ended(&mut ring, 1);
+}

@@ -78,6 +78,12 @@ impl ServerBudget {
         }
     }
 
+    /// Whether only light connections are admitted now: a connection of
+    /// any ring may be waiting for memory to come back.
+    pub(crate) fn under_pressure(&self) -> bool {
+        self.used() > self.pressure()
+    }
+
     /// Above this, only light connections are admitted.
     fn pressure(&self) -> usize {
         self.limit / 4 * 3

@@ -285,6 +285,9 @@ pub(super) struct Conn {
     pub sending: Vec<(BufId, usize, usize)>,
     /// Socket operations not finished: receive, send, splice, shutdown.
     pub socket_ops: u32,
+    /// The last send found the socket full: the next one waits for room
+    /// instead of going `at_once` (see `Output::send_next`).
+    pub socket_full: bool,
     /// What this connection holds against its limits and the server's.
     pub account: Account,
     /// The buffer small replies are appended to while it is last in `out`.
@@ -323,6 +326,7 @@ impl Conn {
             out: Vec::new(),
             sending: Vec::new(),
             socket_ops: 0,
+            socket_full: false,
             account: Account::default(),
             tail: None,
             server_wait: None,

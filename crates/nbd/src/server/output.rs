@@ -4,7 +4,7 @@
 use std::io;
 use std::time::Instant;
 
-use super::conn::{Part, Splicing, Tx};
+use super::conn::{Part, Splicing, State, Tx};
 use super::shared::Shared;
 use super::token::Token;
 use crate::stats::Kind;
@@ -16,10 +16,14 @@ const MAX_SEND_PARTS: usize = 1024;
 /// Small replies are gathered into buffers of this size.
 const SMALL_BUF: usize = 4096;
 
-/// The reply being encoded, before it is copied onto a connection's stream.
+/// The reply being encoded, before it is copied onto a connection's stream,
+/// and the connections whose sends of this loop turn end as they are
+/// handed to the kernel.
 #[derive(Default)]
 pub(super) struct Output {
     pub scratch: Vec<u8>,
+    /// Connections given an `at_once` send this turn (see [`Output::settled`]).
+    pub sent_at_once: Vec<u32>,
 }
 
 impl Output {
@@ -115,8 +119,16 @@ impl Output {
             Part::Buf(b, s, e) => (b, s, e),
             Part::Splice { .. } => unreachable!("counted only buffers"),
         }));
-        match sh.ring.submit(Token::Send(ci), Op::Send { socket: c.socket, parts: &c.sending }) {
+        // Sent at once (MSG_DONTWAIT): it ends in the enter that submits it,
+        // and the ring may sleep past its completion in that same enter
+        // (see `Output::settled`). A socket found full gets a send that
+        // waits for room, so a slow reader costs no retries.
+        let at_once = !c.socket_full;
+        match sh.ring.submit(Token::Send(ci), Op::Send { socket: c.socket, parts: &c.sending, at_once }) {
             Ok(_) => {
+                if at_once {
+                    self.sent_at_once.push(ci);
+                }
                 c.tx = Tx::Sending;
                 c.socket_ops += 1;
                 c.last_send_progress = sh.now;
@@ -185,6 +197,12 @@ impl Output {
         let Some(conn) = sh.conns[ci as usize].as_mut() else { return };
         conn.socket_ops -= 1;
         conn.tx = Tx::Idle;
+        // An at-once send found no room: nothing went, and the same parts
+        // go again in a send that waits (only such a send ends EAGAIN).
+        let full = res == -libc::EAGAIN;
+        let res = if full { 0 } else { res };
+        let asked: usize = conn.sending.iter().map(|(_, s, e)| e - s).sum();
+        conn.socket_full = full || (res >= 0 && (res as usize) < asked);
         let mut sent = res.max(0) as usize;
         if sent > 0 {
             conn.last_send_progress = sh.now;
@@ -220,6 +238,29 @@ impl Output {
         sh.mark(ci);
     }
 
+    /// How many completions the ring may sleep past in its next wait: the
+    /// `at_once` sends it will submit (each ends in that very enter, see
+    /// `IoRingStats::settling`), provided nothing waits on any of them.
+    /// A connection waits on its send when more replies are queued behind
+    /// it, or when it is closing (its shutdown follows the send); a paused
+    /// connection or a starved server waits on the memory a send frees.
+    /// Then it is 0, and the ring wakes for the sends as before.
+    ///
+    /// Why: a lone request's reply would otherwise cost an enter of its
+    /// own (submit, reap the send at once, then enter again to sleep).
+    pub(super) fn settled(&self, sh: &Shared, waiters: usize) -> usize {
+        let settling = sh.ring.stats().settling;
+        if settling == 0 || waiters > 0 || sh.budget.under_pressure() {
+            return 0;
+        }
+        let quiet = |&ci: &u32| sh.conn(ci).is_none_or(|c| c.state == State::Reading && c.out.is_empty());
+        if self.sent_at_once.iter().all(quiet) {
+            settling
+        } else {
+            0
+        }
+    }
+
     /// Encodes a reply without bulk data, counts it and queues it.
     pub(super) fn reply_small(&mut self, sh: &mut Shared, ci: u32, req: &Request, body: ReplyBody<'_>, started: Instant) {
         let ok = matches!(body, ReplyBody::Ack | ReplyBody::Extents { .. } | ReplyBody::Hole { .. });
@@ -247,5 +288,92 @@ fn kind_of(command: u16) -> Kind {
         cmd::TRIM => Kind::Trim,
         cmd::WRITE_ZEROES => Kind::Zero,
         _ => Kind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::server::budget::{Limits, ServerBudget};
+    use crate::server::conn::Conn;
+    use volring_ring::{IoRing, IoRingConfig};
+
+    fn shared() -> Shared {
+        let cfg = IoRingConfig {
+            sq_entries: 16,
+            cq_entries: 32,
+            files: 4,
+            arena_slots: 1,
+            arena_slot_size: 4096,
+            heap_cache: 0,
+            recv_bufs: 4,
+            recv_buf_size: 4096,
+        };
+        let ring = IoRing::new(&cfg).expect("io_uring");
+        Shared::new(ring, Limits { conn_bytes: 1 << 20, conn_requests: 8 }, Arc::new(ServerBudget::new(1 << 20)))
+    }
+
+    /// Hands what is queued to the kernel and reaps the send's completion
+    /// if it ended; `None` if it is still waiting.
+    fn send_result(sh: &mut Shared, ci: u32) -> Option<i32> {
+        sh.ring.submit_and_wait(0, None).expect("submit");
+        let mut cqes = Vec::new();
+        sh.ring.complete(&mut cqes);
+        cqes.iter().find(|c| c.token == Token::Send(ci)).map(|c| c.result)
+    }
+
+    /// A reply sent at once into a full socket ends EAGAIN: nothing of it
+    /// is lost or freed, the connection stays up, and the reply goes again
+    /// in a send that waits for room; when the client reads, it arrives
+    /// whole, after everything that filled the socket.
+    #[test]
+    fn a_reply_that_found_the_socket_full_goes_again_and_waits() {
+        let mut sh = shared();
+        let (mut peer, ours) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let mut filler = 0usize;
+        while let Ok(n) = (&ours).write(&[7u8; 4096]) {
+            filler += n;
+            assert!(filler < 64 << 20, "the socket never filled");
+        }
+        let socket = sh.ring.register_file(ours.as_raw_fd()).unwrap();
+        let ci = sh.insert(Conn::new(socket, sh.now));
+        let mut out = Output::default();
+        out.scratch.extend_from_slice(b"the reply");
+        out.queue_scratch(&mut sh, ci);
+        out.send_next(&mut sh, ci);
+        assert_eq!((out.sent_at_once.as_slice(), sh.ring.stats().settling), (&[ci][..], 1), "the first send goes at once");
+        let res = send_result(&mut sh, ci).expect("an at-once send ends in its submit");
+        assert_eq!(res, -libc::EAGAIN);
+        out.on_send(&mut sh, ci, res);
+        let c = sh.conn(ci).expect("the connection stays");
+        assert!(c.state == State::Reading && c.socket_full && matches!(c.tx, Tx::Idle), "state {:?}", c.state);
+        assert!(matches!(c.out.as_slice(), [Part::Buf(_, 0, 9)]), "the reply is queued again, whole");
+
+        out.sent_at_once.clear();
+        out.send_next(&mut sh, ci);
+        assert!(out.sent_at_once.is_empty() && sh.ring.stats().settling == 0, "the second send waits for room");
+        assert_eq!(send_result(&mut sh, ci), None, "and it does");
+        let reader = std::thread::spawn(move || {
+            let mut all = vec![0u8; filler + 9];
+            peer.read_exact(&mut all).map(|_| all)
+        });
+        let res = (0..100).find_map(|_| {
+            sh.ring.submit_and_wait(1, None).expect("wait");
+            let mut cqes = Vec::new();
+            sh.ring.complete(&mut cqes);
+            cqes.iter().find(|c| c.token == Token::Send(ci)).map(|c| c.result)
+        });
+        assert_eq!(res, Some(9), "the waiting send ends once the client reads");
+        out.on_send(&mut sh, ci, 9);
+        let c = sh.conn(ci).expect("the connection stays");
+        assert!(c.out.is_empty() && !c.socket_full, "sent; the next send goes at once again");
+        let all = reader.join().unwrap().expect("the client read everything");
+        assert!(all[..filler].iter().all(|&b| b == 7) && &all[filler..] == b"the reply");
     }
 }

@@ -115,7 +115,7 @@ impl Worker {
             id: ctx.id,
             sh: Shared::new(ring, limits, ctx.budget),
             rx: Receive::new(ctx.config.ring.recv_bufs),
-            out: Output { scratch: Vec::with_capacity(4096) },
+            out: Output { scratch: Vec::with_capacity(4096), sent_at_once: Vec::new() },
             reqs: Requests::new(ctx.config.offload_reads),
             exports: Attachments::new(ctx.exports, ctx.config.inline_writes),
             accept,
@@ -152,6 +152,8 @@ impl Worker {
             self.reqs.new_turn(self.sh.now);
             cqes.clear();
             self.sh.ring.complete(&mut cqes);
+            // The enter above ended this list's sends; the turn makes its own.
+            self.out.sent_at_once.clear();
             self.diag.turn(&cqes);
             busy = cqes.len() >= BUSY_TURN;
             for c in cqes.drain(..) {
@@ -169,12 +171,16 @@ impl Worker {
 
     /// Nothing to do: polls for a moment if the last idle gap was short
     /// and the ring waits only on its clients (see `idle`), then sleeps
-    /// until a completion comes.
+    /// until a completion comes. A sleep that submits replies sent at once
+    /// sleeps past their completions (see `Output::settled`), unless a poll
+    /// is due once they are reaped: then it wakes for them, as it would
+    /// without them, and the next idle gap is polled.
     fn idle(&mut self) -> io::Result<()> {
         let started = Instant::now();
         let ring = self.sh.ring.stats();
         let own_work = !idle::waits_on_clients(ring.in_flight, ring.armed_recvs, self.accept.armed());
-        let polled = match self.idle.window(self.reqs.contended() || own_work) {
+        let contended = self.reqs.contended();
+        let polled = match self.idle.window(contended || own_work) {
             Some(window) => {
                 let found = self.sh.ring.poll_for(window)?;
                 self.diag.polled(found);
@@ -183,7 +189,8 @@ impl Worker {
             None => false,
         };
         if !polled {
-            self.sh.ring.submit_and_wait(1, None)?;
+            let past = if self.idle.window(contended).is_none() { self.out.settled(&self.sh, self.rx.waiting()) } else { 0 };
+            self.sh.ring.submit_and_wait(1 + past, None)?;
         }
         self.idle.ended(started.elapsed());
         Ok(())
@@ -440,6 +447,7 @@ impl Worker {
         let pool = self.sh.ring.stats();
         c.recv_buffers_held.store(u32::from(pool.recv_taken), Ordering::Relaxed);
         c.recv_buffers_lent.store(u32::from(pool.recv_lent), Ordering::Relaxed);
+        c.enters.store(pool.enters, Ordering::Relaxed);
     }
 
     fn on_tick(&mut self) {
