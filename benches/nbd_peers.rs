@@ -17,7 +17,7 @@
 //! VOLRING_BENCH_POOLS=ext4,xfs puts the image on each of those file
 //! systems (a loop device mounted in a private mount namespace; default:
 //! the temporary directory's own), VOLRING_BENCH_ONLY=reads|writes runs one
-//! half of the workloads, VOLRING_BENCH_PEERS=volring,nbdkit leaves the
+//! half of the workloads (qd1: the two rows at queue depth 1), VOLRING_BENCH_PEERS=volring,nbdkit leaves the
 //! others out. The volring child inherits VOLRING_NBD_* settings.
 //! VOLRING_BENCH_BASELINE=/path/to/an/older/volring adds that binary as
 //! one more peer, "baseline" (served exactly as volring is), for a
@@ -399,6 +399,7 @@ fn main() {
         .filter(|w| match only.as_str() {
             "reads" => !w.rw.contains("write"),
             "writes" => w.rw.contains("write"),
+            "qd1" => w.depth == 1 && w.jobs == 1,
             _ => true,
         })
         .collect();

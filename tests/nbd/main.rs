@@ -33,7 +33,7 @@ use exports::{
 };
 use hostile::{
     a_client_that_reads_late_gets_every_reply, broken_streams_close_only_their_connection, client_that_never_reads_is_bounded,
-    hostile_requests_get_errors, stalled_handshake_is_dropped,
+    hostile_requests_get_errors, stalled_handshake_is_dropped, the_rest_of_a_short_reply_is_sent_at_once,
 };
 use memory::{
     hostile_connections_stay_under_the_server_budget, list_flood_in_the_handshake_is_bounded,
@@ -41,7 +41,7 @@ use memory::{
 };
 use weight::{
     a_deep_connection_takes_two_threads_weight, a_ring_takes_the_weight_of_its_busy_connections, a_rings_workers_take_its_weight,
-    no_ring_weight_keeps_rings_at_their_nice,
+    a_starved_ring_takes_more_than_its_connections_weight, no_ring_weight_keeps_rings_at_their_nice,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -60,6 +60,7 @@ fn main() {
         Trial::test("nbd::stalled_handshake_is_dropped", stalled_handshake_is_dropped),
         Trial::test("nbd::client_that_never_reads_is_bounded", client_that_never_reads_is_bounded),
         Trial::test("nbd::a_client_that_reads_late_gets_every_reply", a_client_that_reads_late_gets_every_reply),
+        Trial::test("nbd::the_rest_of_a_short_reply_is_sent_at_once", the_rest_of_a_short_reply_is_sent_at_once),
         Trial::test("nbd::exports_added_and_removed_at_run_time", exports_added_and_removed_at_run_time),
         Trial::test("nbd::block_status_and_sparse_reads", block_status_and_sparse_reads),
         Trial::test("nbd::block_status_is_bounded_per_request", block_status_is_bounded_per_request),
@@ -75,6 +76,7 @@ fn main() {
         Trial::test("nbd::a_ring_takes_the_weight_of_its_busy_connections", a_ring_takes_the_weight_of_its_busy_connections),
         Trial::test("nbd::a_deep_connection_takes_two_threads_weight", a_deep_connection_takes_two_threads_weight),
         Trial::test("nbd::no_ring_weight_keeps_rings_at_their_nice", no_ring_weight_keeps_rings_at_their_nice),
+        Trial::test("nbd::a_starved_ring_takes_more_than_its_connections_weight", a_starved_ring_takes_more_than_its_connections_weight),
         Trial::test("nbd::a_rings_workers_take_its_weight", a_rings_workers_take_its_weight),
     ];
     common::run_in_private_namespace(trials)

@@ -216,3 +216,71 @@ pub(super) fn no_ring_weight_keeps_rings_at_their_nice() -> Result<(), Failed> {
     check(seen.len() == 2 && seen.iter().all(|&x| x == 0), format!("nices with the rule off: {seen:?}"))?;
     Ok(())
 }
+
+/// Pins every thread of `pid` (the server's rings among them; io_uring
+/// workers started later inherit it from their ring) to CPU 0.
+fn pin_to_cpu0(pid: u32) -> std::io::Result<()> {
+    let mut cpu0 = rustix::thread::CpuSet::new();
+    cpu0.set(0);
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+        let tid = t.file_name().to_str().and_then(|t| t.parse().ok()).and_then(rustix::process::Pid::from_raw);
+        if let Some(tid) = tid {
+            rustix::thread::sched_setaffinity(Some(tid), &cpu0)?;
+        }
+    }
+    Ok(())
+}
+
+/// One client at queue depth 1 is one busy connection: alone it leaves
+/// its ring at nice 0. With the server's rings pinned to a CPU that two
+/// spinners share, the client's ring waits for its CPU most of the time,
+/// and it asks for more (a starved tick: nice -4 or lower; the other ring
+/// stays at 0); once the client stops, both are back at 0.
+pub(super) fn a_starved_ring_takes_more_than_its_connections_weight() -> Result<(), Failed> {
+    let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
+    let server = serve(dir.path(), &[])?;
+    let pid = server.child.id();
+    pin_to_cpu0(pid)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Bounded even if the stop never comes.
+    let until = Instant::now() + Duration::from_secs(60);
+    let spinners: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut cpu0 = rustix::thread::CpuSet::new();
+                cpu0.set(0);
+                let _ = rustix::thread::sched_setaffinity(None, &cpu0);
+                let mut spins = 0u64;
+                while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+                    spins = std::hint::black_box(spins.wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+    let (sock, client_stop) = (server.socket.clone(), stop.clone());
+    let client = std::thread::spawn(move || -> std::io::Result<u64> {
+        let mut c = RawClient::connect(&sock, "disk", HeaderStyle::Structured, false)?;
+        let mut reads = 0u64;
+        while !client_stop.load(Ordering::Relaxed) && Instant::now() < until {
+            let r = c.call(cmd::READ, 0, reads * 4096 % MIB, 4096, &[])?;
+            if r.error != 0 {
+                return Err(std::io::Error::other(format!("READ answered errno {}", r.error)));
+            }
+            reads += 1;
+        }
+        Ok(reads)
+    });
+    let starved = nices_until(pid, Duration::from_secs(20), |n| n.iter().any(|&x| x <= -4));
+    stop.store(true, Ordering::Relaxed);
+    for s in spinners {
+        s.join().map_err(|_| "a spinner panicked")?;
+    }
+    let reads = client.join().map_err(|_| "client panicked")??;
+    check(reads > 0, "the client read")?;
+    // The client's ring asked for more; the other, with no busy
+    // connection, asked for nothing.
+    check(starved.len() == 2 && starved.contains(&0) && starved.iter().any(|&x| (-10..=-4).contains(&x)), format!("nices: {starved:?}"))?;
+    let quiet = nices_until(pid, Duration::from_secs(20), |n| n == [0, 0]);
+    check(quiet == [0, 0], format!("nices once quiet: {quiet:?}"))
+}

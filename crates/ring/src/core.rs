@@ -105,7 +105,6 @@ impl<T> UringCore<T> {
         self.in_kernel < self.cap && self.backlog.is_empty()
     }
 
-    #[cfg(test)]
     /// Entries waiting for room under the cap.
     pub(super) fn backlogged(&self) -> usize {
         self.backlog.len()

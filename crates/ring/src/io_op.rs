@@ -155,4 +155,7 @@ pub struct IoRingStats {
     pub settling: usize,
     /// Calls of `io_uring_enter` since the ring was made.
     pub enters: u64,
+    /// Operations waiting for room under the ring's cap on entries in the
+    /// kernel: they go in as completions are reaped.
+    pub backlogged: usize,
 }

@@ -188,6 +188,7 @@ impl<T: Copy> IoRing<T> {
             recv_pool_resets: self.recv_resets,
             settling: self.settling,
             enters: self.core.enters(),
+            backlogged: self.core.backlogged(),
         }
     }
 

@@ -407,6 +407,9 @@ impl RingInline {
         }
         self.in_workers.retain(|_, &mut counts| counts != (0, 0));
         self.turn += 1;
+        // What was queued has left: the next flush is due after as many
+        // writes again (a lone write a turn never forces one).
+        self.unflushed = 0;
     }
 
     /// A write of export `export` that the workers may do was queued for

@@ -124,9 +124,12 @@ impl Output {
         // (see `Output::settled`). A socket found full gets a send that
         // waits for room, so a slow reader costs no retries.
         let at_once = !c.socket_full;
+        let settling = sh.ring.stats().settling;
         match sh.ring.submit(Token::Send(ci), Op::Send { socket: c.socket, parts: &c.sending, at_once }) {
             Ok(_) => {
-                if at_once {
+                // Only a send the ring took at once (not one queued behind
+                // a full ring as an ordinary send) is on the list.
+                if sh.ring.stats().settling > settling {
                     self.sent_at_once.push(ci);
                 }
                 c.tx = Tx::Sending;
@@ -243,19 +246,24 @@ impl Output {
     /// `IoRingStats::settling`), provided nothing waits on any of them.
     /// A connection waits on its send when more replies are queued behind
     /// it, or when it is closing (its shutdown follows the send); a paused
-    /// connection or a starved server waits on the memory a send frees.
-    /// Then it is 0, and the ring wakes for the sends as before.
+    /// connection or a starved server waits on the memory a send frees, and
+    /// operations backlogged behind the ring's cap on the room the
+    /// completions make. Then it is 0, and the ring wakes for the sends as
+    /// before. A send that goes short is not foreseen: the worker bounds
+    /// the sleep (`SETTLED_SLEEP`).
     ///
     /// Why: a lone request's reply would otherwise cost an enter of its
     /// own (submit, reap the send at once, then enter again to sleep).
     pub(super) fn settled(&self, sh: &Shared, waiters: usize) -> usize {
-        let settling = sh.ring.stats().settling;
-        if settling == 0 || waiters > 0 || sh.budget.under_pressure() {
+        let ring = sh.ring.stats();
+        // Operations waiting for room in the kernel go in only as completions
+        // are reaped: the sends' completions are needed at once.
+        if ring.settling == 0 || ring.backlogged > 0 || waiters > 0 || sh.budget.under_pressure() {
             return 0;
         }
         let quiet = |&ci: &u32| sh.conn(ci).is_none_or(|c| c.state == State::Reading && c.out.is_empty());
         if self.sent_at_once.iter().all(quiet) {
-            settling
+            ring.settling
         } else {
             0
         }
@@ -359,14 +367,18 @@ mod tests {
         out.send_next(&mut sh, ci);
         assert!(out.sent_at_once.is_empty() && sh.ring.stats().settling == 0, "the second send waits for room");
         assert_eq!(send_result(&mut sh, ci), None, "and it does");
+        peer.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
         let reader = std::thread::spawn(move || {
             let mut all = vec![0u8; filler + 9];
             peer.read_exact(&mut all).map(|_| all)
         });
+        // A timer bounds each wait below: its completion comes regardless.
+        sh.ring.submit(Token::Tick, Op::Timeout { after: std::time::Duration::from_secs(10) }).unwrap();
         let res = (0..100).find_map(|_| {
             sh.ring.submit_and_wait(1, None).expect("wait");
             let mut cqes = Vec::new();
             sh.ring.complete(&mut cqes);
+            assert!(cqes.iter().all(|c| c.token != Token::Tick), "the send did not end within 10 s");
             cqes.iter().find(|c| c.token == Token::Send(ci)).map(|c| c.result)
         });
         assert_eq!(res, Some(9), "the waiting send ends once the client reads");

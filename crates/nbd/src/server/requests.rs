@@ -9,7 +9,7 @@ use super::exports::Attachments;
 use super::inline::{in_workers, InlineWrite, RingInline};
 use super::output::Output;
 use super::shared::Shared;
-use super::starve::{at_once, Admitted, OffloadReads, ReadPath, MIN_IN_FLIGHT};
+use super::starve::{at_once, Admitted, OffloadReads, ReadPath, Served, MIN_IN_FLIGHT};
 use super::token::Token;
 use crate::export::{Export, MAX_BLOCK};
 use crate::stats::Kind;
@@ -112,6 +112,11 @@ impl Requests {
     /// Whether the ring thread waits for its CPU (see `starve`).
     pub(super) fn contended(&self) -> bool {
         self.reads.contended()
+    }
+
+    /// How the ring thread was served by its CPU since its last tick.
+    pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
+        self.reads.served_since_tick(now)
     }
 
     /// Windows in which the ring was judged starved of CPU, since it started.

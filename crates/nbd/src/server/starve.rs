@@ -129,6 +129,34 @@ impl std::str::FromStr for OffloadReads {
     }
 }
 
+/// How a ring thread was served by its CPU over one tick: what its weight
+/// follows (see `weight`), beside its busy connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Served {
+    /// Starved ([`starved`]): it waited for its CPU a fifth of the time.
+    Starved,
+    /// Neither: what the weight asked for stays.
+    Between,
+    /// It waited less than a tenth of the time.
+    Well,
+}
+
+impl Served {
+    /// How a span of `wall` time was served in which the thread ran `cpu`
+    /// and waited `delay` runnable but not running. The gap between a
+    /// fifth and a tenth keeps a weight that just ended a starvation from
+    /// being given back at once (and the starvation from coming back).
+    pub(super) fn judge(wall: Duration, cpu: Duration, delay: Duration) -> Self {
+        if starved(wall, cpu, delay) {
+            Served::Starved
+        } else if delay * 10 < wall {
+            Served::Well
+        } else {
+            Served::Between
+        }
+    }
+}
+
 /// Whether a window of `wall` time in which the thread ran `cpu` and
 /// waited `delay` runnable but not running was starved of CPU.
 pub(super) fn starved(wall: Duration, cpu: Duration, delay: Duration) -> bool {
@@ -170,13 +198,30 @@ pub(super) struct ReadPath {
     streak: u32,
     /// Windows judged starved so far (diagnostics and tests).
     pub starved_windows: u64,
+    /// The sample taken at the ring's last tick ([`ReadPath::served_since_tick`]).
+    at_tick: Option<Sample>,
 }
 
 impl ReadPath {
     /// The read path of the calling thread (a ring thread, as it starts).
     pub(super) fn new(setting: OffloadReads) -> Self {
         let stat = File::open("/proc/thread-self/schedstat").ok();
-        ReadPath { setting, stat, window: None, offload_until: None, streak: 0, starved_windows: 0 }
+        ReadPath { setting, stat, window: None, offload_until: None, streak: 0, starved_windows: 0, at_tick: None }
+    }
+
+    /// How the thread was served by its CPU since the last call (the
+    /// ring's last tick), whatever its reads do meanwhile. `Between` when
+    /// there is nothing to compare: the first call, or no schedstat.
+    pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
+        let end = self.sample(now);
+        match (std::mem::replace(&mut self.at_tick, end), end) {
+            (Some(start), Some(end)) => Served::judge(
+                end.at.saturating_duration_since(start.at),
+                end.cpu.saturating_sub(start.cpu),
+                end.delay.saturating_sub(start.delay),
+            ),
+            _ => Served::Between,
+        }
     }
 
     fn sample(&self, now: Instant) -> Option<Sample> {
@@ -307,6 +352,20 @@ mod tests {
         assert!(!starved(20 * MS, Duration::ZERO, Duration::ZERO));
     }
 
+    /// The loaded QD1 ring of the twelfth pass (perf sched: 1,104 ms of
+    /// run delay in 2 s, 498 ms run) was starved; at nice -10 it waited
+    /// 295 ms and ran 678 ms: between, so its weight stays; a quiet ring
+    /// is served well.
+    #[test]
+    fn a_tick_is_starved_between_or_served_well() {
+        assert_eq!(Served::judge(2000 * MS, 498 * MS, 1104 * MS), Served::Starved);
+        assert_eq!(Served::judge(2000 * MS, 678 * MS, 295 * MS), Served::Between);
+        assert_eq!(Served::judge(250 * MS, 100 * MS, 20 * MS), Served::Well);
+        assert_eq!(Served::judge(250 * MS, Duration::ZERO, Duration::ZERO), Served::Well);
+        // Waited a fifth, but ran far longer than it waited: not starved.
+        assert_eq!(Served::judge(250 * MS, 200 * MS, 50 * MS), Served::Between);
+    }
+
     #[test]
     fn schedstat_is_parsed_and_junk_is_refused() {
         assert_eq!(parse_schedstat(b"455797 6134131 2\n"), Some((Duration::from_nanos(455_797), Duration::from_nanos(6_134_131))));
@@ -317,7 +376,7 @@ mod tests {
     }
 
     fn path_at(setting: OffloadReads) -> ReadPath {
-        ReadPath { setting, stat: None, window: None, offload_until: None, streak: 0, starved_windows: 0 }
+        ReadPath { setting, stat: None, window: None, offload_until: None, streak: 0, starved_windows: 0, at_tick: None }
     }
 
     fn sample(at: Instant, cpu_ms: u64, delay_ms: u64) -> Sample {

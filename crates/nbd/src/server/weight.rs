@@ -30,11 +30,32 @@
 //! among its threads, so tenants in other cgroups lose nothing to it. On an
 //! idle CPU the weight changes nothing.
 //!
+//! A ring starved of CPU over a tick asks for more: a boost of
+//! [`MAX_BOOST`] threads' worth on top of its busy connections at once,
+//! held while it waits between a tenth and a fifth of the time, and given
+//! back one thread a tick once it waits less (`starve::Served`). At once,
+//! because a boost doubled tick by tick (1, 2, 4, 8) took a second to
+//! come, and in the bench's rounds of 3 s (each peer in turn, a ring quiet
+//! in between drops its boost) the row spread 167 %. Why: one thread that serves every request of a
+//! client at queue depth 1 runs a little each time and sleeps a little.
+//! It wakes still owing the scheduler for its last run (EEVDF keeps that
+//! lag across a short sleep), so it may not preempt a spinner and waits
+//! for the tick. A thread of nbdkit's pool serves one request in sixteen
+//! and wakes owing nothing. `perf sched` of QD1 writes under two pinned
+//! spinners: the ring waited more than 0.5 ms 355 times in 2 s, 761 ms in
+//! all, at nice 0; 7 times (16.5 ms) at nice -10. With the boost, the
+//! bench's QD1 rows under two spinners ran at 1.22-1.79x nbdkit (0.51-0.87x
+//! before; docs/benchmarks.md, twelfth pass). On an idle CPU a ring is
+//! never starved and nothing changes; a quiet ring (no busy connection)
+//! drops the boost at once.
+//!
 //! Lowering a thread's nice needs CAP_SYS_NICE (or an RLIMIT_NICE that
 //! allows it): a refused level is tried one higher, and the ring remembers
 //! the lowest it was allowed.
 
 use std::io;
+
+use super::starve::Served;
 
 /// The kernel's load weight of nice levels 0 down to -10
 /// (`sched_prio_to_weight` in kernel/sched/core.c); nice 0 is 1024, and
@@ -69,6 +90,10 @@ pub(super) fn threads_for(active: bool, depth: u16) -> usize {
     }
 }
 
+/// The most threads' worth a starved ring adds to its busy connections':
+/// with one connection, the weight of [`LOWEST_NICE`].
+pub(super) const MAX_BOOST: usize = 9;
+
 /// The lowest nice Linux has.
 const MIN_NICE: i32 = -20;
 
@@ -82,14 +107,15 @@ pub(super) enum Weight {
     /// the nice it set last, `floor` the lowest the system has allowed so
     /// far. A refusal raises the floor, so an RLIMIT_NICE that allows a few
     /// levels is used within its range, and going back up (which needs no
-    /// privilege) always works.
-    Following { base: i32, now: i32, floor: i32 },
+    /// privilege) always works. `boost`: threads' worth added while the
+    /// ring is starved of CPU (see the module docs).
+    Following { base: i32, now: i32, floor: i32, boost: usize },
 }
 
 impl Weight {
     pub(super) fn new(on: bool, base: i32) -> Self {
         if on {
-            Weight::Following { base, now: base, floor: MIN_NICE }
+            Weight::Following { base, now: base, floor: MIN_NICE, boost: 0 }
         } else {
             Weight::Off { base }
         }
@@ -104,12 +130,19 @@ impl Weight {
         }
     }
 
-    /// Follows `busy` connections on the calling thread (the ring's own);
+    /// Follows `busy` connections, and how the ring was `served` by its
+    /// CPU since the last tick, on the calling thread (the ring's own);
     /// `set` is the system call, a parameter so the rule is testable. A
     /// refused level is tried one higher, up to where the ring is now.
-    pub(super) fn follow(&mut self, busy: usize, mut set: impl FnMut(i32) -> io::Result<()>) {
-        let Weight::Following { base, now, floor } = self else { return };
-        let mut want = (*base + nice_for(busy)).max(*floor).max(MIN_NICE);
+    pub(super) fn follow(&mut self, busy: usize, served: Served, mut set: impl FnMut(i32) -> io::Result<()>) {
+        let Weight::Following { base, now, floor, boost } = self else { return };
+        *boost = match (busy, served) {
+            (0, _) => 0,
+            (_, Served::Starved) => MAX_BOOST,
+            (_, Served::Well) => boost.saturating_sub(1),
+            (_, Served::Between) => *boost,
+        };
+        let mut want = (*base + nice_for(busy + *boost)).max(*floor).max(MIN_NICE);
         while want != *now {
             match set(want) {
                 Ok(()) => *now = want,
@@ -208,18 +241,18 @@ mod tests {
         let mut calls = Vec::new();
         let mut w = Weight::new(true, 0);
         for busy in [1, 4, 4, 2, 0] {
-            w.follow(busy, |n| {
+            w.follow(busy, Served::Well, |n| {
                 calls.push(n);
                 Ok(())
             });
         }
         assert_eq!(calls, [-6, -3, 0]);
         assert_eq!(w.nice(), 0);
-        w.follow(3, |_| Ok(()));
+        w.follow(3, Served::Well, |_| Ok(()));
         assert_eq!(w.nice(), -4);
 
         let mut off = Weight::new(false, 5);
-        off.follow(8, |_| panic!("the rule is off"));
+        off.follow(8, Served::Well, |_| panic!("the rule is off"));
         assert_eq!(off.nice(), 5);
     }
 
@@ -228,13 +261,13 @@ mod tests {
     #[test]
     fn the_weight_counts_from_the_nice_the_ring_started_with() {
         let mut w = Weight::new(true, 10);
-        w.follow(4, |n| if n == 4 { Ok(()) } else { panic!("set {n}") });
+        w.follow(4, Served::Well, |n| if n == 4 { Ok(()) } else { panic!("set {n}") });
         assert_eq!(w.nice(), 4);
-        w.follow(0, |n| if n == 10 { Ok(()) } else { panic!("set {n}") });
+        w.follow(0, Served::Well, |n| if n == 10 { Ok(()) } else { panic!("set {n}") });
         assert_eq!(w.nice(), 10);
         // Never below Linux's lowest.
         let mut low = Weight::new(true, -15);
-        low.follow(8, |_| Ok(()));
+        low.follow(8, Served::Well, |_| Ok(()));
         assert_eq!(low.nice(), MIN_NICE);
     }
 
@@ -245,24 +278,55 @@ mod tests {
         let allowed = |n: i32| if n >= -4 { Ok(()) } else { Err(io::Error::from_raw_os_error(libc::EACCES)) };
         let mut tried = Vec::new();
         let mut w = Weight::new(true, 0);
-        w.follow(8, |n| {
+        w.follow(8, Served::Well, |n| {
             tried.push(n);
             allowed(n)
         });
         assert_eq!(tried, [-9, -8, -7, -6, -5, -4]);
-        assert_eq!(w, Weight::Following { base: 0, now: -4, floor: -4 });
-        w.follow(0, allowed);
+        assert_eq!(w, Weight::Following { base: 0, now: -4, floor: -4, boost: 0 });
+        w.follow(0, Served::Well, allowed);
         assert_eq!(w.nice(), 0);
         let mut tried = Vec::new();
-        w.follow(4, |n| {
+        w.follow(4, Served::Well, |n| {
             tried.push(n);
             allowed(n)
         });
         assert_eq!((tried, w.nice()), (vec![-4], -4));
         // No privilege at all: the ring stays where it started.
         let mut none = Weight::new(true, 0);
-        none.follow(8, |n| if n < 0 { Err(io::Error::from_raw_os_error(libc::EPERM)) } else { Ok(()) });
-        assert_eq!(none, Weight::Following { base: 0, now: 0, floor: 0 });
-        none.follow(8, |_| panic!("asked below its floor"));
+        none.follow(8, Served::Well, |n| if n < 0 { Err(io::Error::from_raw_os_error(libc::EPERM)) } else { Ok(()) });
+        assert_eq!(none, Weight::Following { base: 0, now: 0, floor: 0, boost: 0 });
+        none.follow(8, Served::Well, |_| panic!("asked below its floor"));
+    }
+
+    /// A starved tick takes the whole boost (one QD1 connection: nice -10);
+    /// a tick between holds it; each well-served tick gives one thread
+    /// back; a ring with no busy connection drops it at once. On a machine
+    /// where the ring is never starved the boost never starts.
+    #[test]
+    fn a_starved_ring_asks_for_more_weight_and_gives_it_back_slowly() {
+        /// The nice after each tick of `ticks` (busy connections, service).
+        fn nices(w: &mut Weight, ticks: &[(usize, Served)]) -> Vec<i32> {
+            ticks
+                .iter()
+                .map(|&(busy, served)| {
+                    w.follow(busy, served, |_| Ok(()));
+                    w.nice()
+                })
+                .collect()
+        }
+        let mut w = Weight::new(true, 0);
+        assert_eq!(nices(&mut w, &[(1, Served::Starved); 2]), [LOWEST_NICE, LOWEST_NICE]);
+        assert_eq!(w, Weight::Following { base: 0, now: LOWEST_NICE, floor: MIN_NICE, boost: MAX_BOOST });
+        let later = [(1, Served::Between), (1, Served::Between), (1, Served::Well), (1, Served::Well), (1, Served::Well)];
+        assert_eq!(nices(&mut w, &later), [LOWEST_NICE, LOWEST_NICE, -9, -9, -8], "held, then a thread a tick");
+        assert_eq!(nices(&mut w, &[(1, Served::Starved)]), [LOWEST_NICE], "starved again: the whole boost");
+        let quiet = [(0, Served::Starved), (1, Served::Well)];
+        assert_eq!(nices(&mut w, &quiet), [0, 0], "no busy connection: no boost, and it starts again from none");
+        let mut quiet = Weight::new(true, 0);
+        for _ in 0..10 {
+            quiet.follow(4, Served::Well, |_| Ok(()));
+        }
+        assert_eq!(quiet.nice(), -6, "never starved: busy connections' weight only");
     }
 }

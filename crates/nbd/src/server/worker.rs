@@ -24,6 +24,7 @@ use super::output::Output;
 use super::receive::Receive;
 use super::requests::Requests;
 use super::shared::{drop_parts, Shared};
+use super::starve::Served;
 use super::token::Token;
 use super::weight::{self, Weight};
 use super::{Command, Control, ServerConfig};
@@ -43,6 +44,14 @@ const BUSY_TURN: usize = 4;
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Rounds of servicing dirty connections in one loop turn.
 const SERVICE_ROUNDS: usize = 8;
+/// The longest a ring sleeps past the completions of its at-once sends
+/// (see `Output::settled`) before it looks at them. Such a send may have
+/// been short, the socket nearly full; the rest of that reply goes only once
+/// the ring has seen it, and io_uring arms no wait for an at-once send.
+/// Without the bound the rest waited for the next event, the tick at worst
+/// (up to 250 ms; the review's trace). A client at queue depth 1 sends its
+/// next request well within it; a longer gap costs one more wake-up.
+const SETTLED_SLEEP: Duration = Duration::from_millis(1);
 /// When the server is starved, a connection holding memory that neither
 /// sent nor received anything for this long may be dropped to make room.
 const EVICT_AFTER: Duration = Duration::from_secs(1);
@@ -172,9 +181,10 @@ impl Worker {
     /// Nothing to do: polls for a moment if the last idle gap was short
     /// and the ring waits only on its clients (see `idle`), then sleeps
     /// until a completion comes. A sleep that submits replies sent at once
-    /// sleeps past their completions (see `Output::settled`), unless a poll
-    /// is due once they are reaped: then it wakes for them, as it would
-    /// without them, and the next idle gap is polled.
+    /// sleeps past their completions (see `Output::settled`), for at most
+    /// [`SETTLED_SLEEP`], unless a poll is due once they are reaped: then it
+    /// wakes for them, as it would without them, and the next idle gap is
+    /// polled.
     fn idle(&mut self) -> io::Result<()> {
         let started = Instant::now();
         let ring = self.sh.ring.stats();
@@ -190,7 +200,10 @@ impl Worker {
         };
         if !polled {
             let past = if self.idle.window(contended).is_none() { self.out.settled(&self.sh, self.rx.waiting()) } else { 0 };
-            self.sh.ring.submit_and_wait(1 + past, None)?;
+            // The bound is io_uring's min_wait (6.12+): it ends the wait
+            // once at least one completion is there, and the sends' are.
+            // Without it the ring waits for one completion, as before.
+            self.sh.ring.submit_and_wait(1 + past, (past > 0).then_some(SETTLED_SLEEP))?;
         }
         self.idle.ended(started.elapsed());
         Ok(())
@@ -485,7 +498,13 @@ impl Worker {
                 self.sh.begin_close(i as u32);
             }
         }
-        self.weight.follow(busy, weight::set_own_nice);
+        // A streak of starved 20 ms windows (`starve`) says so within the
+        // tick, where the tick's own account may still hold quiet time.
+        let served = match self.reqs.served_since_tick(now) {
+            _ if self.reqs.contended() => Served::Starved,
+            served => served,
+        };
+        self.weight.follow(busy, served, weight::set_own_nice);
         self.counters.nice.store(self.weight.nice(), Ordering::Relaxed);
     }
 }
