@@ -217,22 +217,32 @@ pub(super) fn no_ring_weight_keeps_rings_at_their_nice() -> Result<(), Failed> {
     Ok(())
 }
 
-/// Pins every thread of `pid` (the server's rings among them; io_uring
-/// workers started later inherit it from their ring) to CPU 0.
-fn pin_to_cpu0(pid: u32) -> std::io::Result<()> {
-    let mut cpu0 = rustix::thread::CpuSet::new();
-    cpu0.set(0);
+/// The first CPU this test may run on, alone in a set.
+fn first_cpu() -> std::io::Result<rustix::thread::CpuSet> {
+    let mine = rustix::thread::sched_getaffinity(None)?;
+    let first = (0..rustix::thread::CpuSet::MAX_CPU).find(|&c| mine.is_set(c)).unwrap_or(0);
+    let mut one = rustix::thread::CpuSet::new();
+    one.set(first);
+    Ok(one)
+}
+
+/// Pins every thread of `pid` (the server's rings among them) to `cpu`;
+/// a thread that ended meanwhile is skipped.
+fn pin_threads(pid: u32, cpu: &rustix::thread::CpuSet) -> std::io::Result<()> {
     for t in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
         let tid = t.file_name().to_str().and_then(|t| t.parse().ok()).and_then(rustix::process::Pid::from_raw);
         if let Some(tid) = tid {
-            rustix::thread::sched_setaffinity(Some(tid), &cpu0)?;
+            match rustix::thread::sched_setaffinity(Some(tid), cpu) {
+                Ok(()) | Err(rustix::io::Errno::SRCH) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     Ok(())
 }
 
 /// One client at queue depth 1 is one busy connection: alone it leaves
-/// its ring at nice 0. With the server's rings pinned to a CPU that two
+/// its ring at nice 0. With the server's rings pinned to one CPU that two
 /// spinners share, the client's ring waits for its CPU most of the time,
 /// and it asks for more (a starved tick: nice -4 or lower; the other ring
 /// stays at 0); once the client stops, both are back at 0.
@@ -240,7 +250,8 @@ pub(super) fn a_starved_ring_takes_more_than_its_connections_weight() -> Result<
     let dir = tempfile::Builder::new().prefix("volring-nbd-weight-").tempdir()?;
     let server = serve(dir.path(), &[])?;
     let pid = server.child.id();
-    pin_to_cpu0(pid)?;
+    let cpu = first_cpu()?;
+    pin_threads(pid, &cpu)?;
     let stop = Arc::new(AtomicBool::new(false));
     // Bounded even if the stop never comes.
     let until = Instant::now() + Duration::from_secs(60);
@@ -248,9 +259,7 @@ pub(super) fn a_starved_ring_takes_more_than_its_connections_weight() -> Result<
         .map(|_| {
             let stop = stop.clone();
             std::thread::spawn(move || {
-                let mut cpu0 = rustix::thread::CpuSet::new();
-                cpu0.set(0);
-                let _ = rustix::thread::sched_setaffinity(None, &cpu0);
+                let _ = rustix::thread::sched_setaffinity(None, &cpu);
                 let mut spins = 0u64;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < until {
                     spins = std::hint::black_box(spins.wrapping_add(1));

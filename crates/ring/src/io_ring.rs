@@ -130,6 +130,10 @@ impl<T: Copy> IoRing<T> {
         // fewer interruptions of the ring thread. Older kernels get the rest.
         let setup = RingSetup { entries: cfg.sq_entries, cq_entries: Some(cfg.cq_entries), server: true, disabled: true };
         let (ring, _) = setup.build()?;
+        // Known from the ring's features, not only from an EINVAL: an enter
+        // that also submits reports how many it submitted and drops the
+        // error, so a refused min_wait would not wait at all (before 6.12).
+        let no_min_wait = !ring.params().is_feature_min_timeout();
         let core = UringCore::new(ring, CANCEL_WAIT).with_headroom(usize::from(cfg.recv_bufs) + CQ_HEADROOM);
         let probe = core.probe()?;
         if let Some(name) = missing_opcode(|code| probe.is_supported(code)) {
@@ -160,7 +164,7 @@ impl<T: Copy> IoRing<T> {
             spare_bufs: Vec::new(),
             reaped: Vec::with_capacity(1024),
             pipes: PipePool::default(),
-            no_min_wait: false,
+            no_min_wait,
             armed_recvs: 0,
             recv_epoch: 0,
             recv_lost: false,
@@ -527,22 +531,25 @@ impl<T: Copy> IoRing<T> {
     /// Submits what is queued and waits for `want` completions (0: none,
     /// only submit). With `batch`, the wait for all `want` lasts at most
     /// that long: it gathers a burst of requests into one loop turn when
-    /// traffic is heavy (Linux 6.12+; older kernels wait for the first
-    /// completion only). No timeout is passed, so a batch wait may also end
-    /// empty when the window passes (see `Reactor::set_batch_window`, which
-    /// adds one because its rings idle); the server asks for one only
-    /// after a busy turn, where an empty turn costs one more loop.
+    /// traffic is heavy, and bounds a sleep past completions the caller
+    /// does not need at once (the NBD server's at-once sends). It is
+    /// io_uring's min_wait (Linux 6.12+), which with no other timeout ends
+    /// the wait when the window passes; older kernels get an ordinary
+    /// timeout of the window, which does the same. So a batch wait may
+    /// also end empty (see `Reactor::set_batch_window`, which adds one
+    /// because its rings idle); the server asks for one only after a busy
+    /// turn, where an empty turn costs one more loop.
     pub fn submit_and_wait(&mut self, want: usize, batch: Option<Duration>) -> io::Result<()> {
         let Some(min_wait) = batch else { return self.core.submit_and_wait(want, None) };
         if self.no_min_wait {
-            return self.core.submit_and_wait(1, None);
+            return self.core.submit_and_wait(want, Some(min_wait));
         }
         let args = types::SubmitArgs::new().min_wait_usec(min_wait.as_micros().min(u128::from(u32::MAX)) as u32);
         match self.core.submit_with_args(want, &args) {
             Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 self.no_min_wait = true;
-                self.core.submit_and_wait(1, None)
+                self.core.submit_and_wait(want, Some(min_wait))
             }
             Err(e) => Err(e),
         }

@@ -443,3 +443,39 @@ fn a_poll_with_nothing_queued_does_not_enter_the_kernel() {
     ring.cancel(op).unwrap();
     until_ended(&mut ring, 1);
 }
+
+/// A wait with a window, for one completion more than an at-once send
+/// posts, ends when the window passes, with the send's completion there:
+/// with min_wait (Linux 6.12+) and with the ordinary timeout older kernels
+/// get. (Before 6.12 an enter that also submits dropped min_wait's EINVAL
+/// and did not wait at all.) Nothing else comes for seconds: a wait that
+/// did not end at the window would run into the peer's late bytes.
+#[test]
+fn a_wait_with_a_window_ends_when_it_passes_on_every_kernel() {
+    for no_min_wait in [false, true] {
+        let mut ring = small_ring();
+        ring.no_min_wait |= no_min_wait;
+        let (mut peer, ours) = UnixStream::pair().unwrap();
+        let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+        let op = ring.recv_multi(1, socket).unwrap();
+        let buf = ring.buffers().alloc(64);
+        ring.submit(2, Sqe::Send { socket, parts: &[(buf, 0, 64)], at_once: true }).unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = peer.write_all(b"late");
+            peer
+        });
+        let started = std::time::Instant::now();
+        ring.submit_and_wait(2, Some(Duration::from_millis(20))).unwrap();
+        let took = started.elapsed();
+        let mut out = Vec::new();
+        ring.complete(&mut out);
+        assert!(out.iter().any(|c| c.token == 2 && c.result == 64), "the send's completion: {out:?}");
+        assert!(took >= Duration::from_millis(15), "no_min_wait {no_min_wait}: it did not wait ({took:?})");
+        assert!(took < Duration::from_millis(1500), "no_min_wait {no_min_wait}: it waited past the window ({took:?})");
+        let _peer = late.join().unwrap();
+        ring.cancel(op).unwrap();
+        until_ended(&mut ring, 1);
+        ring.buffers().free(buf);
+    }
+}

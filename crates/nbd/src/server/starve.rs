@@ -210,9 +210,14 @@ impl ReadPath {
     }
 
     /// How the thread was served by its CPU since the last call (the
-    /// ring's last tick), whatever its reads do meanwhile. `Between` when
-    /// there is nothing to compare: the first call, or no schedstat.
+    /// ring's last tick). `Between` when there is nothing to compare (the
+    /// first call, or no schedstat) or every read goes to the workers.
     pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
+        // With every read in the workers the ring waits behind its own
+        // workers; that is not contention (as for the windows, above).
+        if self.setting == OffloadReads::Always {
+            return Served::Between;
+        }
         let end = self.sample(now);
         match (std::mem::replace(&mut self.at_tick, end), end) {
             (Some(start), Some(end)) => Served::judge(
@@ -285,6 +290,13 @@ impl ReadPath {
     /// [`OFFLOAD_FOR`] ago (with `Auto`, reads are offloaded meanwhile).
     pub(super) fn contended(&self) -> bool {
         self.streak > 0 || self.offload_until.is_some()
+    }
+
+    /// Whether a streak of starved windows ended less than [`OFFLOAD_FOR`]
+    /// ago: contention, not a hiccup (one starved window, which
+    /// [`ReadPath::contended`] counts too).
+    pub(super) fn starved_spell(&self) -> bool {
+        self.offload_until.is_some()
     }
 
     /// Whether a write the ring would do blocking itself goes to io_uring's

@@ -30,24 +30,32 @@
 //! among its threads, so tenants in other cgroups lose nothing to it. On an
 //! idle CPU the weight changes nothing.
 //!
-//! A ring starved of CPU over a tick asks for more: a boost of
-//! [`MAX_BOOST`] threads' worth on top of its busy connections at once,
-//! held while it waits between a tenth and a fifth of the time, and given
-//! back one thread a tick once it waits less (`starve::Served`). At once,
-//! because a boost doubled tick by tick (1, 2, 4, 8) took a second to
-//! come, and in the bench's rounds of 3 s (each peer in turn, a ring quiet
-//! in between drops its boost) the row spread 167 %. Why: one thread that serves every request of a
-//! client at queue depth 1 runs a little each time and sleeps a little.
-//! It wakes still owing the scheduler for its last run (EEVDF keeps that
-//! lag across a short sleep), so it may not preempt a spinner and waits
-//! for the tick. A thread of nbdkit's pool serves one request in sixteen
-//! and wakes owing nothing. `perf sched` of QD1 writes under two pinned
-//! spinners: the ring waited more than 0.5 ms 355 times in 2 s, 761 ms in
-//! all, at nice 0; 7 times (16.5 ms) at nice -10. With the boost, the
-//! bench's QD1 rows under two spinners ran at 1.22-1.79x nbdkit (0.51-0.87x
-//! before; docs/benchmarks.md, twelfth pass). On an idle CPU a ring is
-//! never starved and nothing changes; a quiet ring (no busy connection)
-//! drops the boost at once.
+//! A ring starved of CPU asks for more than that: a boost of
+//! [`MAX_BOOST`] threads' worth on top of its busy connections, taken at
+//! once on a starved tick (`starve::Served`, or a starved spell of 20 ms
+//! windows), held while it waits between a tenth and a fifth of the time,
+//! and given back one thread a tick once it waits less. Under steady
+//! contention it is held until its connections go quiet (at nice -10 the
+//! QD1 ring still waited about 15 % of the time: between). So a starved
+//! ring takes more than a thread-per-connection server's share; like the
+//! rest of the rule, only against threads of its own cgroup.
+//!
+//! Why: `perf sched` of QD1 writes under two pinned spinners: at nice 0 the
+//! ring waited more than 0.5 ms 355 times in 2 s, 761 ms in all, about 2 ms
+//! each (a spinner runs on until the next tick); at nice -10, 7 times and
+//! 16.5 ms. Our reading, not a trace of the scheduler: a thread that
+//! serves every request of a client runs a little and sleeps a little, and
+//! wakes still owing for its last run (EEVDF keeps that lag across a short
+//! sleep), so it may not preempt a spinner; a thread of nbdkit's pool has
+//! slept through fifteen requests. At once, because a boost doubled tick by
+//! tick took a second to come, and in the bench's rounds of 3 s (a ring
+//! quiet between its rounds drops its boost) xfs QD1 writes stayed at
+//! 0.79x nbdkit. With it the bench's QD1 rows under two spinners ran at
+//! 1.22-1.79x nbdkit, where the build before this pass ran at 0.52-1.01x
+//! in the same run (docs/benchmarks.md, twelfth pass). A ring is judged
+//! starved only when it waits for its CPU; a quiet ring (no busy
+//! connection) drops the boost at once; a boosted ring does not poll
+//! when idle (`idle`), as a contended one does not.
 //!
 //! Lowering a thread's nice needs CAP_SYS_NICE (or an RLIMIT_NICE that
 //! allows it): a refused level is tried one higher, and the ring remembers
@@ -121,6 +129,12 @@ impl Weight {
         }
     }
 
+    /// Whether the ring carries a boost for being starved: it is on a
+    /// contended CPU even when the boost serves it well.
+    pub(super) fn boosted(self) -> bool {
+        matches!(self, Weight::Following { boost, .. } if boost > 0)
+    }
+
     /// The nice the ring thread runs at, as far as this rule knows (what
     /// `/metrics` shows as `volring_nbd_ring_nice`).
     pub(super) fn nice(self) -> i32 {
@@ -151,7 +165,7 @@ impl Weight {
                         tracing::info!(
                             error = %e,
                             nice = want,
-                            "NBD ring cannot take the full weight of its busy connections (needs CAP_SYS_NICE); it goes as low as allowed"
+                            "NBD ring cannot take the full weight it asks for (needs CAP_SYS_NICE); it goes as low as allowed"
                         );
                     }
                     *floor = want + 1;

@@ -189,7 +189,9 @@ impl Worker {
         let started = Instant::now();
         let ring = self.sh.ring.stats();
         let own_work = !idle::waits_on_clients(ring.in_flight, ring.armed_recvs, self.accept.armed());
-        let contended = self.reqs.contended();
+        // A ring boosted for being starved (`weight`) is served now only
+        // because of the boost: it is still on a contended CPU.
+        let contended = self.reqs.contended() || self.weight.boosted();
         let polled = match self.idle.window(contended || own_work) {
             Some(window) => {
                 let found = self.sh.ring.poll_for(window)?;
@@ -200,9 +202,8 @@ impl Worker {
         };
         if !polled {
             let past = if self.idle.window(contended).is_none() { self.out.settled(&self.sh, self.rx.waiting()) } else { 0 };
-            // The bound is io_uring's min_wait (6.12+): it ends the wait
-            // once at least one completion is there, and the sends' are.
-            // Without it the ring waits for one completion, as before.
+            // The bound ends the wait once it passes (min_wait, or an
+            // ordinary timeout before Linux 6.12).
             self.sh.ring.submit_and_wait(1 + past, (past > 0).then_some(SETTLED_SLEEP))?;
         }
         self.idle.ended(started.elapsed());
@@ -498,10 +499,11 @@ impl Worker {
                 self.sh.begin_close(i as u32);
             }
         }
-        // A streak of starved 20 ms windows (`starve`) says so within the
-        // tick, where the tick's own account may still hold quiet time.
+        // A starved spell (a streak of starved 20 ms windows, `starve`)
+        // says so within the tick, where the tick's own account may still
+        // hold quiet time. One starved window is a hiccup, not a spell.
         let served = match self.reqs.served_since_tick(now) {
-            _ if self.reqs.contended() => Served::Starved,
+            _ if self.reqs.starved_spell() => Served::Starved,
             served => served,
         };
         self.weight.follow(busy, served, weight::set_own_nice);
