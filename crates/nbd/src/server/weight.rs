@@ -363,6 +363,8 @@ mod tests {
         assert_eq!(w, Weight::Following { base: 0, now: LOWEST_NICE, floor: MIN_NICE, boost: Boost::On { calm: 0 } });
         assert_eq!(nices(&mut w, &[well, well, well, between, well, well, well]), [LOWEST_NICE; 7], "a tick between restarts the count");
         assert_eq!(nices(&mut w, &[well]), [0], "the fourth calm tick in a row drops it");
+        assert_eq!(nices(&mut w, &[starved, well, well, starved, well, well, well]), [LOWEST_NICE; 7], "a starved tick restarts the count");
+        assert_eq!(nices(&mut w, &[well]), [0]);
         assert_eq!(nices(&mut w, &[well, between]), [0, 0], "off stays off until starved");
         assert_eq!(nices(&mut w, &[starved, (0, Served::Starved), well]), [LOWEST_NICE, 0, 0], "no busy connection: no boost");
         let mut quiet = Weight::new(true, 0);

@@ -189,10 +189,11 @@ impl Worker {
         let started = Instant::now();
         let ring = self.sh.ring.stats();
         let own_work = !idle::waits_on_clients(ring.in_flight, ring.armed_recvs, self.accept.armed());
-        // A ring boosted for being starved (`weight`) polls as any ring its
-        // windows find served: holding its poll back cost it more CPU per
-        // request, not less (23.5 against 19.7 µs per QD1 write, the same
-        // rate, spinners pinned; docs/benchmarks.md, twelfth pass).
+        // A ring boosted for being starved (`weight`) polls as any ring
+        // whose windows are not starved: holding its poll back cost it more
+        // CPU per request, not less (23.5 against 19.7 µs per QD1 write,
+        // spinners pinned, builds that also differed in the boost's
+        // trigger; docs/benchmarks.md, twelfth pass).
         let contended = self.reqs.contended();
         let polled = match self.idle.window(contended || own_work) {
             Some(window) => {
