@@ -66,6 +66,11 @@ impl IdlePoll {
         self.spell = self.spell.saturating_add(bytes);
     }
 
+    /// Whether this ring ever polls (a window of zero: never).
+    pub(super) fn enabled(&self) -> bool {
+        !self.window.is_zero()
+    }
+
     /// How long to poll before the sleep that comes now, if at all.
     /// `held_back`: the ring waits for its CPU (its polling would take CPU
     /// time from whoever shares it), or for its own operations rather than
