@@ -114,11 +114,6 @@ impl Requests {
         self.reads.contended()
     }
 
-    /// Whether the ring is in a starved spell (see `starve`).
-    pub(super) fn starved_spell(&self) -> bool {
-        self.reads.starved_spell()
-    }
-
     /// How the ring thread was served by its CPU since its last tick.
     pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
         self.reads.served_since_tick(now)

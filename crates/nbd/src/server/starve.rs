@@ -210,7 +210,7 @@ impl ReadPath {
     }
 
     /// How the thread was served by its CPU since the last call (the
-    /// ring's last tick). `Between` when there is nothing to compare (the
+    /// ring's last tick); starved in a starved spell. `Between` when there is nothing to compare (the
     /// first call, or no schedstat) or every read goes to the workers.
     pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
         // With every read in the workers the ring waits behind its own
@@ -220,6 +220,9 @@ impl ReadPath {
         }
         let end = self.sample(now);
         match (std::mem::replace(&mut self.at_tick, end), end) {
+            // A starved spell says so within the tick, where the tick's own
+            // account may still hold quiet time; one starved window does not.
+            _ if self.starved_spell() => Served::Starved,
             (Some(start), Some(end)) => Served::judge(
                 end.at.saturating_duration_since(start.at),
                 end.cpu.saturating_sub(start.cpu),
@@ -295,7 +298,7 @@ impl ReadPath {
     /// Whether a streak of starved windows ended less than [`OFFLOAD_FOR`]
     /// ago: contention, not a hiccup (one starved window, which
     /// [`ReadPath::contended`] counts too).
-    pub(super) fn starved_spell(&self) -> bool {
+    fn starved_spell(&self) -> bool {
         self.offload_until.is_some()
     }
 

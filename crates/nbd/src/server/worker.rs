@@ -24,7 +24,6 @@ use super::output::Output;
 use super::receive::Receive;
 use super::requests::Requests;
 use super::shared::{drop_parts, Shared};
-use super::starve::Served;
 use super::token::Token;
 use super::weight::{self, Weight};
 use super::{Command, Control, ServerConfig};
@@ -507,13 +506,7 @@ impl Worker {
                 self.sh.begin_close(i as u32);
             }
         }
-        // A starved spell (a streak of starved 20 ms windows, `starve`)
-        // says so within the tick, where the tick's own account may still
-        // hold quiet time. One starved window is a hiccup, not a spell.
-        let served = match self.reqs.served_since_tick(now) {
-            _ if self.reqs.starved_spell() => Served::Starved,
-            served => served,
-        };
+        let served = self.reqs.served_since_tick(now);
         self.weight.follow(busy, served, weight::set_own_nice);
         self.counters.nice.store(self.weight.nice(), Ordering::Relaxed);
     }
