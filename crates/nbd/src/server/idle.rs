@@ -10,9 +10,9 @@
 //! it sleeps. A gap longer than the window (the client paused, or there is
 //! none) stops the polling until a short gap is seen again, so an idle
 //! ring costs nothing. A ring contended for its CPU (a starved 20 ms
-//! window, `starve`; a ring boosted for being starved whose windows are
-//! served polls) never polls, because its polling would take CPU time
-//! from whatever it shares the CPU with;
+//! window, `starve`) never polls, because its polling would take CPU time
+//! from whatever it shares the CPU with (a ring boosted for being starved,
+//! `weight`, polls again once its windows are served);
 //! nor does one waiting for its own operations rather than for a request,
 //! nor one whose last busy spell moved more than [`SMALL_SPELL`] through
 //! its sockets: against a 1 MiB request the wake-up is noise, and a ring

@@ -210,8 +210,9 @@ impl ReadPath {
     }
 
     /// How the thread was served by its CPU since the last call (the
-    /// ring's last tick); starved in a starved spell. `Between` when there is nothing to compare (the
-    /// first call, or no schedstat) or every read goes to the workers.
+    /// ring's last tick); starved in a starved spell. `Between` when there
+    /// is nothing to compare (the first call, or no schedstat) or every
+    /// read goes to the workers.
     pub(super) fn served_since_tick(&mut self, now: Instant) -> Served {
         // With every read in the workers the ring waits behind its own
         // workers; that is not contention (as for the windows, above).
