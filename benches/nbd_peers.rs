@@ -212,6 +212,10 @@ struct Sample {
     rate: f64,
     /// Server CPU seconds per operation.
     cpu: f64,
+    /// fio's CPU seconds per operation: what the server's way of
+    /// answering costs its client (a reply read in two receives, a send
+    /// cut short more often).
+    client_cpu: f64,
     /// Completion latency percentiles 99 and 99.9, µs.
     p99: f64,
     p999: f64,
@@ -219,6 +223,7 @@ struct Sample {
 
 fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
     let cpu_before = cpu_seconds(peer.child.id());
+    let client_before = children_cpu_seconds();
     let uri = format!("nbd+unix:///disk?socket={}", peer.socket.display());
     let out = Command::new("taskset")
         .args(["-c", placement().1, "fio", "--name=bench", "--ioengine=nbd", "--output-format=json", "--time_based", "--group_reporting"])
@@ -237,12 +242,25 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
     let v: serde_json::Value =
         serde_json::from_str(json).unwrap_or_else(|e| panic!("fio output ({e}): {text}\n{}", String::from_utf8_lossy(&out.stderr)));
     let cpu = cpu_seconds(peer.child.id()) - cpu_before;
+    let client_cpu = children_cpu_seconds() - client_before;
     let dir = if w.rw.contains("write") { "write" } else { "read" };
     let job = &v["jobs"][0][dir];
     let ops = job["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
     let rate = if w.bandwidth { job["bw_bytes"].as_f64().unwrap_or(0.0) } else { job["iops"].as_f64().unwrap_or(0.0) };
     let pct = |p: &str| job["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1e3;
-    Sample { rate, cpu: cpu / ops, p99: pct("99.000000"), p999: pct("99.900000") }
+    Sample { rate, cpu: cpu / ops, client_cpu: client_cpu / ops, p99: pct("99.000000"), p999: pct("99.900000") }
+}
+
+/// CPU seconds of every child reaped so far, theirs included (cutime and
+/// cstime of /proc/self/stat): fio, whose job processes are its children,
+/// is the only child reaped while a round runs; the servers and spinners
+/// are reaped at the end.
+fn children_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
+    // cutime and cstime are fields 16 and 17 of the line, 14 and 15 after ") ".
+    (f.get(13).copied().unwrap_or(0) + f.get(14).copied().unwrap_or(0)) as f64 / 100.0
 }
 
 /// CPUs of the servers and of fio: apart by default; both on CPUs 0-1
@@ -483,6 +501,7 @@ fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Pa
 fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loads: &[f64]) {
     let pick = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(|s| median(s.iter().map(f).collect())).collect() };
     let (med, cpu, p99, p999) = (pick(|s| s.rate), pick(|s| s.cpu), pick(|s| s.p99), pick(|s| s.p999));
+    let client = pick(|s| s.client_cpu);
     let (lo, hi) = loads.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
     println!("{} ({pool}): load average {lo:.1}-{hi:.1}", w.label);
     for (i, p) in peers.iter().enumerate() {
@@ -491,10 +510,11 @@ fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loa
         let spread = if med[i] > 0.0 { (rhi - rlo) / med[i] * 100.0 } else { 0.0 };
         let tail = if w.depth == 1 && w.jobs == 1 { format!("  p99 {:.0} µs  p99.9 {:.0} µs", p99[i], p999[i]) } else { String::new() };
         println!(
-            "  {:<16} {:<16} server CPU {:.2} µs/op  (rounds spread {spread:.0}%){tail}",
+            "  {:<16} {:<16} server CPU {:.2} µs/op  client {:.2}  (rounds spread {spread:.0}%){tail}",
             p.name,
             show(med[i], w.bandwidth),
-            cpu[i] * 1e6
+            cpu[i] * 1e6,
+            client[i] * 1e6
         );
     }
     let ratios: Vec<String> = peers.iter().zip(&med).skip(1).map(|(p, m)| format!("volring/{} {:.2}x", p.name, med[0] / m)).collect();

@@ -25,7 +25,7 @@ use nbd_support::{pattern, run, ChildServer, ChildSpec, RawClient, Rng, ServePro
 
 use clients::{
     acked_flush_survives_kill9, block_path_through_nbdfuse, nbdcopy_both_ways_multi_conn, nbdinfo_shows_every_feature, qemu_io_patterns,
-    random_workload_then_compare,
+    random_workload_then_compare, structured_acks_are_simple_replies,
 };
 use exports::{
     block_status_and_sparse_reads, block_status_is_bounded_per_request, direct_io_export, exports_added_and_removed_at_run_time,
@@ -52,6 +52,7 @@ fn main() {
         Trial::test("nbd::nbdinfo_shows_every_feature", nbdinfo_shows_every_feature),
         Trial::test("nbd::qemu_io_patterns", qemu_io_patterns),
         Trial::test("nbd::random_workload_then_compare", random_workload_then_compare),
+        Trial::test("nbd::structured_acks_are_simple_replies", structured_acks_are_simple_replies),
         Trial::test("nbd::nbdcopy_both_ways_multi_conn", nbdcopy_both_ways_multi_conn),
         Trial::test("nbd::block_path_through_nbdfuse", block_path_through_nbdfuse),
         Trial::test("nbd::acked_flush_survives_kill9", acked_flush_survives_kill9),

@@ -176,6 +176,8 @@ pub struct Reply {
     /// (length, flags) of a BLOCK_STATUS reply.
     pub extents: Vec<(u64, u32)>,
     pub holes: u32,
+    /// The reply came as a simple reply (16 bytes, no chunks).
+    pub simple: bool,
 }
 
 /// A raw client: does the handshake, then sends and reads whatever it is told.
@@ -265,12 +267,25 @@ impl RawClient {
 
     /// Reads one whole reply (every chunk of a structured one). `read_len`
     /// is the length of the READ it answers (simple replies carry no length).
+    /// With structured replies the server may answer anything but a READ
+    /// with a simple reply, so the first 16 bytes say which came (as
+    /// libnbd reads them); extended headers allow only extended replies.
     pub fn reply(&mut self, read_len: Option<usize>) -> std::io::Result<Reply> {
         let mut r = Reply::default();
-        if self.style == HeaderStyle::Simple {
-            let mut h = [0u8; 16];
-            self.s.read_exact(&mut h)?;
-            assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), wire::SIMPLE_REPLY_MAGIC);
+        let extended = self.style == HeaderStyle::Extended;
+        let mut first = [0u8; 16];
+        self.s.read_exact(&mut first)?;
+        let magic = u32::from_be_bytes(first[..4].try_into().unwrap());
+        let expected = match self.style {
+            HeaderStyle::Simple => wire::SIMPLE_REPLY_MAGIC,
+            HeaderStyle::Structured if magic == wire::SIMPLE_REPLY_MAGIC && read_len.is_none() => wire::SIMPLE_REPLY_MAGIC,
+            HeaderStyle::Structured => wire::STRUCTURED_REPLY_MAGIC,
+            HeaderStyle::Extended => wire::EXTENDED_REPLY_MAGIC,
+        };
+        assert_eq!(magic, expected, "reply magic for {:?} (a READ: {})", self.style, read_len.is_some());
+        if magic == wire::SIMPLE_REPLY_MAGIC {
+            let h = first;
+            r.simple = true;
             r.error = u32::from_be_bytes(h[4..8].try_into().unwrap());
             r.cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
             if r.error == 0 {
@@ -281,10 +296,10 @@ impl RawClient {
             }
             return Ok(r);
         }
-        let extended = self.style == HeaderStyle::Extended;
+        let mut h = first.to_vec();
         loop {
-            let mut h = vec![0u8; if extended { 32 } else { 20 }];
-            self.s.read_exact(&mut h)?;
+            h.resize(if extended { 32 } else { 20 }, 0);
+            self.s.read_exact(&mut h[16..])?;
             let flags = u16::from_be_bytes(h[4..6].try_into().unwrap());
             let kind = u16::from_be_bytes(h[6..8].try_into().unwrap());
             r.cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
@@ -322,6 +337,9 @@ impl RawClient {
             if flags & wire::chunk::FLAG_DONE != 0 {
                 return Ok(r);
             }
+            h.resize(16, 0);
+            self.s.read_exact(&mut h)?;
+            assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), expected, "every chunk of a reply has its magic");
         }
     }
 

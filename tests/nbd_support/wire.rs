@@ -12,6 +12,8 @@ pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 /// The one metadata context the server offers.
 pub const BASE_ALLOCATION: &str = "base:allocation";
@@ -51,6 +53,7 @@ pub mod cmd {
     pub const DISC: u16 = 2;
     pub const FLUSH: u16 = 3;
     pub const TRIM: u16 = 4;
+    pub const CACHE: u16 = 5;
     pub const WRITE_ZEROES: u16 = 6;
     pub const BLOCK_STATUS: u16 = 7;
 }
