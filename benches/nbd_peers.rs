@@ -214,8 +214,12 @@ struct Sample {
     cpu: f64,
     /// fio's CPU seconds per operation: what the server's way of
     /// answering costs its client (a reply read in two receives, a send
-    /// cut short more often).
+    /// cut short more often). Where fio is not busy (QD1) it mostly
+    /// follows the latency: a client that waits longer per request pays
+    /// more for its sleeps and wake-ups, so read it with `client_cpus`.
     client_cpu: f64,
+    /// fio's CPU seconds per second of the run.
+    client_cpus: f64,
     /// Completion latency percentiles 99 and 99.9, µs.
     p99: f64,
     p999: f64,
@@ -248,7 +252,8 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
     let ops = job["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
     let rate = if w.bandwidth { job["bw_bytes"].as_f64().unwrap_or(0.0) } else { job["iops"].as_f64().unwrap_or(0.0) };
     let pct = |p: &str| job["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1e3;
-    Sample { rate, cpu: cpu / ops, client_cpu: client_cpu / ops, p99: pct("99.000000"), p999: pct("99.900000") }
+    let client_cpus = client_cpu / secs as f64;
+    Sample { rate, cpu: cpu / ops, client_cpu: client_cpu / ops, client_cpus, p99: pct("99.000000"), p999: pct("99.900000") }
 }
 
 /// CPU seconds of every child reaped so far, theirs included (cutime and
@@ -501,7 +506,7 @@ fn compare(pool: &str, names: &[&'static str], workloads: &[&Workload], dir: &Pa
 fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loads: &[f64]) {
     let pick = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(|s| median(s.iter().map(f).collect())).collect() };
     let (med, cpu, p99, p999) = (pick(|s| s.rate), pick(|s| s.cpu), pick(|s| s.p99), pick(|s| s.p999));
-    let client = pick(|s| s.client_cpu);
+    let (client, client_cpus) = (pick(|s| s.client_cpu), pick(|s| s.client_cpus));
     let (lo, hi) = loads.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
     println!("{} ({pool}): load average {lo:.1}-{hi:.1}", w.label);
     for (i, p) in peers.iter().enumerate() {
@@ -510,11 +515,12 @@ fn report(pool: &str, w: &Workload, peers: &[Peer], samples: &[Vec<Sample>], loa
         let spread = if med[i] > 0.0 { (rhi - rlo) / med[i] * 100.0 } else { 0.0 };
         let tail = if w.depth == 1 && w.jobs == 1 { format!("  p99 {:.0} µs  p99.9 {:.0} µs", p99[i], p999[i]) } else { String::new() };
         println!(
-            "  {:<16} {:<16} server CPU {:.2} µs/op  client {:.2}  (rounds spread {spread:.0}%){tail}",
+            "  {:<16} {:<16} server CPU {:.2} µs/op  client {:.2} µs/op ({:.2} CPUs)  (rounds spread {spread:.0}%){tail}",
             p.name,
             show(med[i], w.bandwidth),
             cpu[i] * 1e6,
-            client[i] * 1e6
+            client[i] * 1e6,
+            client_cpus[i]
         );
     }
     let ratios: Vec<String> = peers.iter().zip(&med).skip(1).map(|(p, m)| format!("volring/{} {:.2}x", p.name, med[0] / m)).collect();

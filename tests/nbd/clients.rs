@@ -174,7 +174,11 @@ pub(super) fn structured_acks_are_simple_replies() -> Result<(), Failed> {
         // Past the end: an error, with a message where the style carries one.
         let e = c.call(cmd::WRITE, 0, 8 * MIB, 512, &[0u8; 512])?;
         check(e.error != 0 && e.simple == (style == HeaderStyle::Simple), format!("{style:?}: error reply {e:?}"))?;
-        c.call(cmd::DISC, 0, 0, 0, &[]).ok();
+        // Nothing follows the last reply: a stray byte would show here.
+        c.send(cmd::DISC, 0, 0, 0, &[])?;
+        let mut rest = Vec::new();
+        std::io::Read::read_to_end(&mut c.s, &mut rest)?;
+        check(rest.is_empty(), format!("{style:?}: {} bytes after the last reply", rest.len()))?;
     }
     Ok(())
 }

@@ -277,10 +277,11 @@ impl Output {
         let style = match sh.conn(ci).map_or(wire::HeaderStyle::Simple, |c| c.style()) {
             // With structured replies the spec allows a simple reply to
             // anything but a READ, and a payload-less ack loses nothing by
-            // it. libnbd receives a reply's first 16 bytes and then, if the
-            // magic says structured, the rest: a structured ack cost its
-            // clients a second recv per WRITE (1.82 against 0.92 per 1 MiB
-            // write with nbdkit, which acks simply; docs/benchmarks.md).
+            // it. libnbd without extended headers (before 1.18, Debian
+            // 12's 1.14) receives a reply's first 16 bytes and then, if the
+            // magic says structured, the rest: a structured ack cost it a
+            // second recv per WRITE (1.74-1.81 per 1 MiB write, against
+            // nbdkit's simple acks 0.90-0.95; docs/benchmarks.md).
             wire::HeaderStyle::Structured if matches!(body, ReplyBody::Ack) && req.kind != cmd::READ => wire::HeaderStyle::Simple,
             style => style,
         };
