@@ -213,8 +213,8 @@ struct Sample {
     /// Server CPU seconds per operation.
     cpu: f64,
     /// fio's CPU seconds per operation: what the server's way of
-    /// answering costs its client (a reply read in two receives, a send
-    /// cut short more often). Where fio is not busy (QD1) it mostly
+    /// answering costs its client (a reply read in two receives, say).
+    /// Where fio is not busy (QD1) it mostly
     /// follows the latency: a client that waits longer per request pays
     /// more for its sleeps and wake-ups, so read it with `client_cpus`.
     client_cpu: f64,
