@@ -197,13 +197,20 @@ fn warm(img: &Path) {
 
 /// CPU time (user + system, all threads) a process has used, in seconds.
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start at ") ".
+    // utime and stime are fields 14 and 15 of the line.
+    stat_seconds(&format!("/proc/{pid}/stat"), 14, 15)
+}
+
+/// The sum of two clock-tick fields of a /proc stat line (numbered as in
+/// proc(5)), in seconds.
+fn stat_seconds(path: &str, a: usize, b: usize) -> f64 {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at ") ",
+    // with field 3.
     let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
     let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
-    let ticks = 100.0; // USER_HZ on Linux
-                       // utime and stime are fields 14 and 15 of the line, 12 and 13 after ") ".
-    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / ticks
+    let field = |n: usize| f.get(n - 3).copied().unwrap_or(0);
+    (field(a) + field(b)) as f64 / 100.0 // USER_HZ on Linux
 }
 
 /// One fio run.
@@ -214,9 +221,9 @@ struct Sample {
     cpu: f64,
     /// fio's CPU seconds per operation: what the server's way of
     /// answering costs its client (a reply read in two receives, say).
-    /// Where fio is not busy (QD1) it mostly
-    /// follows the latency: a client that waits longer per request pays
-    /// more for its sleeps and wake-ups, so read it with `client_cpus`.
+    /// Where fio is not busy (QD1) it mostly follows the latency: a client
+    /// that waits longer per request pays more for its sleeps and
+    /// wake-ups, so read it with `client_cpus`.
     client_cpu: f64,
     /// fio's CPU seconds per second of the run.
     client_cpus: f64,
@@ -261,11 +268,7 @@ fn fio(peer: &Peer, w: &Workload, secs: u64) -> Sample {
 /// is the only child reaped while a round runs; the servers and spinners
 /// are reaped at the end.
 fn children_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
-    // cutime and cstime are fields 16 and 17 of the line, 14 and 15 after ") ".
-    (f.get(13).copied().unwrap_or(0) + f.get(14).copied().unwrap_or(0)) as f64 / 100.0
+    stat_seconds("/proc/self/stat", 16, 17)
 }
 
 /// CPUs of the servers and of fio: apart by default; both on CPUs 0-1

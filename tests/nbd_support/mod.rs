@@ -284,10 +284,9 @@ impl RawClient {
         };
         assert_eq!(magic, expected, "reply magic for {:?} (a READ: {})", self.style, read_len.is_some());
         if magic == wire::SIMPLE_REPLY_MAGIC {
-            let h = first;
             r.simple = true;
-            r.error = u32::from_be_bytes(h[4..8].try_into().unwrap());
-            r.cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+            r.error = u32::from_be_bytes(first[4..8].try_into().unwrap());
+            r.cookie = u64::from_be_bytes(first[8..16].try_into().unwrap());
             if r.error == 0 {
                 if let Some(n) = read_len {
                     r.data = vec![0; n];
