@@ -497,32 +497,42 @@ impl<T: Copy> IoRing<T> {
 
     /// Submits what is queued, then polls for up to `window` (at most a
     /// second) for work instead of sleeping: true when a completion is
-    /// ready to reap. Between
-    /// looks it yields its CPU, so a task that shares the CPU (a client on
-    /// the same core) runs rather than waits for the poll to end. Task work
-    /// the kernel queued for this thread is run as soon as it is seen (the
-    /// ring flags it: see `RingSetup`, which asks for `TASKRUN_FLAG`).
+    /// ready to reap. Between looks it yields its CPU, so a task that
+    /// shares the CPU (a client on the same core) runs rather than waits
+    /// for the poll to end. Task work the kernel queued for this thread is
+    /// run as soon as it is seen (the ring flags it: see `RingSetup`, which
+    /// asks for `TASKRUN_FLAG`). With `most` longer than `window`, each run
+    /// of task work (a MSG_WAITALL receive took the bytes that had arrived
+    /// and is not done yet) starts the window again, up to `most` in all.
     ///
     /// Why: a ring that sleeps is woken by the next request, and where an
     /// idle CPU halts (a virtual machine) that wake-up costs more than a
-    /// cached 4 KiB read. The caller decides when a short poll pays.
-    pub fn poll_for(&mut self, window: Duration) -> io::Result<bool> {
+    /// cached 4 KiB read. While a large payload streams in, each arrival is
+    /// only task work, never a completion, so a window that did not start
+    /// again would end in the middle of the stream and the ring would sleep
+    /// through the rest of it. The caller decides when a poll pays.
+    pub fn poll_for(&mut self, window: Duration, most: Duration) -> io::Result<bool> {
         // An enter only to hand over what is queued: with nothing queued
         // the look below costs no system call (task work is seen by its flag).
         if self.core.queued() {
             self.core.submit_and_wait(0, None)?;
         }
         // A poll is short by nature: never past a second.
-        let deadline = Instant::now() + window.min(Duration::from_secs(1));
+        let start = Instant::now();
+        let end = start + most.max(window).min(Duration::from_secs(1));
+        let mut deadline = start + window;
         loop {
             match self.core.pending() {
                 Pending::Completions => return Ok(true),
                 // An enter without a wait runs it (the flag makes the
                 // submitter add GETEVENTS).
-                Pending::TaskWork => self.core.submit_and_wait(0, None)?,
+                Pending::TaskWork => {
+                    self.core.submit_and_wait(0, None)?;
+                    deadline = Instant::now() + window;
+                }
                 Pending::Nothing => std::thread::yield_now(),
             }
-            if Instant::now() >= deadline {
+            if Instant::now() >= deadline.min(end) {
                 return Ok(self.core.pending() == Pending::Completions);
             }
         }

@@ -239,6 +239,51 @@ fn a_read_in_a_worker_reads_the_file() {
     }
 }
 
+/// Sends `pieces` pieces of `piece` bytes to a MSG_WAITALL receive of
+/// them all, one every `gap`, while `poll` runs; returns what it returned
+/// and whether the receive then ends with every byte in place.
+fn poll_a_trickled_payload(piece: usize, pieces: usize, gap: Duration, poll: impl FnOnce(&mut IoRing) -> bool) -> (bool, bool) {
+    let mut ring = small_ring();
+    let (mut peer, ours) = UnixStream::pair().unwrap();
+    let socket = ring.register_file(ours.as_raw_fd()).unwrap();
+    let buf = ring.buffers().alloc(piece * pieces);
+    ring.submit(1, Sqe::RecvInto { socket, into: (buf, 0, piece * pieces) }).unwrap();
+    let writer = std::thread::spawn(move || {
+        for i in 0..pieces {
+            if i > 0 {
+                std::thread::sleep(gap);
+            }
+            peer.write_all(&vec![i as u8; piece]).unwrap();
+        }
+        peer
+    });
+    let found = poll(&mut ring);
+    let _peer = writer.join().unwrap();
+    let done = until_ended(&mut ring, 1);
+    let whole = done.iter().any(|c| c.token == 1 && c.result == (piece * pieces) as i32)
+        && ring.buffers().get(buf).expect("given back").chunks(piece).enumerate().all(|(i, p)| p.iter().all(|&b| b == i as u8));
+    (found, whole)
+}
+
+/// While a MSG_WAITALL receive takes a payload piece by piece, each piece
+/// is task work, not a completion: a plain poll runs out between pieces
+/// when they come slower than its window in all, and a poll whose window
+/// starts again at each piece lasts until the payload is whole, for at most
+/// the time it was given. Eight pieces 100 ms apart take at least 700 ms:
+/// past the 400 ms window, and past the 500 ms limit of the last case by
+/// 200 ms; each gap is 300 ms inside the window.
+#[test]
+fn a_poll_restarted_by_each_arrival_lasts_as_long_as_the_bytes_keep_coming() {
+    const WINDOW: Duration = Duration::from_millis(400);
+    const GAP: Duration = Duration::from_millis(100);
+    let (found, whole) = poll_a_trickled_payload(1024, 8, GAP, |r| r.poll_for(WINDOW, Duration::from_secs(1)).unwrap());
+    assert!(found && whole, "the poll lasted until the payload was whole: {found} {whole}");
+    let (found, whole) = poll_a_trickled_payload(1024, 8, GAP, |r| r.poll_for(WINDOW, WINDOW).unwrap());
+    assert!(!found && whole, "a plain poll ran out before the last piece: {found} {whole}");
+    let (found, whole) = poll_a_trickled_payload(1024, 8, GAP, |r| r.poll_for(WINDOW, Duration::from_millis(500)).unwrap());
+    assert!(!found && whole, "a poll ends at its limit however steadily bytes come: {found} {whole}");
+}
+
 /// A poll sees a request that arrives while it polls. With DEFER_TASKRUN
 /// the bytes become a completion only when the ring's own thread runs the
 /// task work the socket's wake-up queued; the poll sees that work through
@@ -252,12 +297,12 @@ fn a_poll_finds_a_receive_that_arrives_while_it_polls() {
     let socket = ring.register_file(ours.as_raw_fd()).unwrap();
     let op = ring.recv_multi(1, socket).unwrap();
     let started = std::time::Instant::now();
-    assert!(!ring.poll_for(Duration::from_millis(5)).unwrap(), "nothing was sent: the poll runs out");
+    assert!(!ring.poll_for(Duration::from_millis(5), Duration::ZERO).unwrap(), "nothing was sent: the poll runs out");
     let took = started.elapsed();
     assert!(took >= Duration::from_millis(5), "the poll ran its whole window: {took:?}");
     assert!(took < Duration::from_secs(5), "and then stopped: {took:?}");
     let started = std::time::Instant::now();
-    assert!(!ring.poll_for(Duration::from_secs(3600)).unwrap(), "a window past a second is cut to one");
+    assert!(!ring.poll_for(Duration::from_secs(3600), Duration::ZERO).unwrap(), "a window past a second is cut to one");
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
 
     let writer = std::thread::spawn(move || {
@@ -265,7 +310,7 @@ fn a_poll_finds_a_receive_that_arrives_while_it_polls() {
         peer.write_all(b"ping").unwrap();
         peer
     });
-    let found = ring.poll_for(Duration::from_secs(10)).unwrap();
+    let found = ring.poll_for(Duration::from_secs(10), Duration::ZERO).unwrap();
     let _peer = writer.join().unwrap();
     assert!(found, "the bytes arrived while the ring polled");
     let mut out = Vec::new();
@@ -438,7 +483,7 @@ fn a_poll_with_nothing_queued_does_not_enter_the_kernel() {
     let op = ring.recv_multi(1, socket).unwrap();
     ring.submit_and_wait_for(0, None).unwrap();
     let before = ring.stats().enters;
-    assert!(!ring.poll_for(Duration::from_millis(5)).unwrap(), "nothing was sent");
+    assert!(!ring.poll_for(Duration::from_millis(5), Duration::ZERO).unwrap(), "nothing was sent");
     assert_eq!(ring.stats().enters, before, "the poll entered the kernel with nothing to hand over");
     ring.cancel(op).unwrap();
     until_ended(&mut ring, 1);

@@ -18,6 +18,24 @@
 //! its sockets: against a 1 MiB request the wake-up is noise, and a ring
 //! that polled between 1 MiB reads at queue depth 8 spent 1.87x the CPU
 //! per read for the same throughput (the client's copying set the pace).
+//!
+//! A large WRITE's payload is the exception: while one is being received
+//! directly (`direct`), the ring polls for as long as its bytes keep
+//! coming, the window starting again at each arrival, for at most
+//! [`STREAM_MOST`]. A poll that ends without the payload (a pause longer
+//! than the window, or the limit) is the last until a payload received
+//! directly is complete, so a client trickling a payload costs the ring
+//! one such poll per payload, not a CPU. Without it the ring and its client take
+//! turns: a client may have only its send buffer (about 214 KiB here) in
+//! the socket, fills it in about 20 µs while the sleeping ring is still
+//! being woken (an idle CPU of this virtual machine takes about 20 µs to
+//! wake, as the ftrace of one run showed), and sleeps; the ring drains it
+//! and sleeps; and each of the five turns of a 1 MiB payload pays both
+//! wake-ups. Awake, the ring takes the bytes as they come and the client
+//! never finds the socket full: 1 MiB writes at queue depth 8 went from
+//! 4.1k to 7.2-7.5k a second against the floor server's 5.0k, for about
+//! the same server CPU per write (docs/benchmarks.md, fifteenth pass). A
+//! ring contended for its CPU does not poll here either.
 
 use std::time::Duration;
 
@@ -32,6 +50,12 @@ pub(super) const SMALL_SPELL: u64 = 256 << 10;
 
 /// The longest window a ring takes (longer ones are cut to it).
 const MAX_WINDOW: Duration = Duration::from_millis(10);
+
+/// The longest one poll during a large payload runs, however steadily its
+/// bytes come (a client trickling them would otherwise keep it going):
+/// past it the ring sleeps as any other, and polls again after its next
+/// wake-up.
+pub(super) const STREAM_MOST: Duration = Duration::from_millis(1);
 
 /// Operations a server ring always has in flight beside its receives and
 /// accepts: the mailbox's poll and the tick.
@@ -53,12 +77,15 @@ pub(super) struct IdlePoll {
     armed: bool,
     /// Socket bytes moved since the last idle gap ended.
     spell: u64,
+    /// The count of payloads received directly when a poll for one ended
+    /// without it: no such poll again until the count moves on.
+    stream_missed: Option<u64>,
 }
 
 impl IdlePoll {
     /// `window` zero: never poll.
     pub(super) fn new(window: Duration) -> Self {
-        IdlePoll { window: window.min(MAX_WINDOW), armed: false, spell: 0 }
+        IdlePoll { window: window.min(MAX_WINDOW), armed: false, spell: 0, stream_missed: None }
     }
 
     /// A completion moved `bytes` through a client's socket.
@@ -77,6 +104,27 @@ impl IdlePoll {
     /// its clients (a send the client drains at its own pace).
     pub(super) fn window(&self, held_back: bool) -> Option<Duration> {
         (self.armed && !held_back && self.spell <= SMALL_SPELL && !self.window.is_zero()).then_some(self.window)
+    }
+
+    /// How long to poll, window after window while bytes keep coming,
+    /// before the sleep that comes now when a large WRITE's payload is
+    /// being received directly (`streaming`: the count of payloads
+    /// received directly so far); never for a `contended` ring, with the
+    /// poll off, or after a poll that missed until a payload completes.
+    /// The last spell's size and gap do not matter: the payload's next
+    /// bytes are on their way.
+    pub(super) fn stream_window(&self, streaming: Option<u64>, contended: bool) -> Option<Duration> {
+        let missed = streaming.is_some() && streaming == self.stream_missed;
+        (streaming.is_some() && !missed && !contended && !self.window.is_zero()).then_some(self.window)
+    }
+
+    /// A poll for a payload (`streaming` as for [`IdlePoll::stream_window`])
+    /// ended; without a completion (`found` false) it was the last one
+    /// until a payload completes.
+    pub(super) fn stream_polled(&mut self, streaming: Option<u64>, found: bool) {
+        if !found {
+            self.stream_missed = streaming;
+        }
     }
 
     /// An idle gap ended after `gap` (the poll and the sleep together): a
@@ -136,6 +184,31 @@ mod tests {
         assert!(waits_on_clients(5, 2, 1), "ring 0 with two idle connections");
         assert!(!waits_on_clients(6, 2, 1), "and one send or file operation of its own");
         assert!(!waits_on_clients(3, 0, 0), "a connection's payload receive is not a multishot one");
+    }
+
+    #[test]
+    fn a_payload_on_its_way_is_polled_after_any_spell_or_gap() {
+        let mut p = IdlePoll::new(50 * US);
+        p.ended(2_000_000 * US);
+        p.moved(1 << 20);
+        assert_eq!(p.window(false), None, "a long gap and a large spell: the idle rule sleeps");
+        assert_eq!(p.stream_window(Some(0), false), Some(50 * US), "but a payload still coming is polled for");
+        assert_eq!(p.stream_window(None, false), None, "nothing on its way: the idle rule decides");
+        assert_eq!(p.stream_window(Some(0), true), None, "a contended ring never polls");
+        assert_eq!(IdlePoll::new(Duration::ZERO).stream_window(Some(0), false), None, "the poll is off");
+    }
+
+    #[test]
+    fn a_poll_that_missed_its_payload_is_the_last_until_one_completes() {
+        let mut p = IdlePoll::new(50 * US);
+        p.stream_polled(Some(3), true);
+        assert_eq!(p.stream_window(Some(3), false), Some(50 * US), "a poll that ended in a completion: poll again");
+        p.stream_polled(Some(3), false);
+        assert_eq!(p.stream_window(Some(3), false), None, "a pause or a trickle: sleep through the rest");
+        p.ended(10 * US);
+        assert_eq!(p.stream_window(Some(3), false), None, "however the ring woke");
+        assert_eq!(p.stream_window(Some(4), false), Some(50 * US), "a payload completed: the next one is polled for");
+        assert_eq!(p.stream_window(None, false), None);
     }
 
     #[test]

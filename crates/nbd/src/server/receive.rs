@@ -46,12 +46,24 @@ pub(super) struct Receive {
     /// quarter of the pool. Past it payloads are copied out, so connections
     /// whose writes hang never keep the pool from receiving.
     lend_cap: u16,
+    /// Direct receives of a payload in flight.
+    direct_armed: usize,
+    /// Payloads whose last bytes a direct receive took, since the ring began.
+    direct_done: u64,
 }
 
 impl Receive {
     /// The receiving state of a ring whose receive pool has `pool` buffers.
     pub(super) fn new(pool: u16) -> Self {
-        Receive { recovering: false, direct: true, waiters: Vec::new(), waiters_seen: 0, lend_cap: pool / 4 }
+        Receive {
+            recovering: false,
+            direct: true,
+            waiters: Vec::new(),
+            waiters_seen: 0,
+            lend_cap: pool / 4,
+            direct_armed: 0,
+            direct_done: 0,
+        }
     }
 
     pub(super) fn recovering(&self) -> bool {
@@ -60,6 +72,13 @@ impl Receive {
 
     pub(super) fn direct(&self) -> bool {
         self.direct
+    }
+
+    /// While a large WRITE's payload is being received directly, the
+    /// count of payloads so received to the end (it moves on as each one
+    /// completes); None when no payload is on its way.
+    pub(super) fn streaming(&self) -> Option<u64> {
+        (self.direct_armed > 0).then_some(self.direct_done)
     }
 
     pub(super) fn waiting(&self) -> usize {
@@ -265,6 +284,7 @@ impl Receive {
         ci: u32,
         res: i32,
     ) {
+        self.direct_armed -= 1;
         let Some(c) = sh.conns[ci as usize].as_mut() else { return };
         c.rx = Rx::Idle;
         c.socket_ops -= 1;
@@ -276,6 +296,7 @@ impl Receive {
                 let Some(p) = c.payload.as_mut() else { return };
                 p.filled += n as usize;
                 if p.filled >= p.req.length as usize {
+                    self.direct_done += 1;
                     let p = c.payload.take().expect("checked above");
                     sh.active = true;
                     reqs.take_parsed(sh, out, exports, ci, Parsed::Write(p));
@@ -325,6 +346,9 @@ impl Receive {
                 };
                 match armed {
                     Ok(rx) => {
+                        if matches!(rx, Rx::Direct(_)) {
+                            self.direct_armed += 1;
+                        }
                         c.rx = rx;
                         c.socket_ops += 1;
                         return true;

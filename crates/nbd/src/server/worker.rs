@@ -177,7 +177,8 @@ impl Worker {
         }
     }
 
-    /// Nothing to do: polls for a moment if the last idle gap was short
+    /// Nothing to do: polls for as long as the bytes of a large WRITE's
+    /// payload keep coming, or for a moment if the last idle gap was short
     /// and the ring waits only on its clients (see `idle`), then sleeps
     /// until a completion comes. A ring that would not poll (contended for
     /// its CPU, or with the poll off) sleeps past the completions of the
@@ -194,9 +195,21 @@ impl Worker {
         // spinners pinned, builds that also differed in the boost's
         // trigger; docs/benchmarks.md, twelfth pass).
         let contended = self.reqs.contended();
+        // A large WRITE's payload on its way in: polled while its bytes
+        // keep coming, so the ring and its client stream (see `idle`).
+        let streaming = self.rx.streaming();
+        if let Some(window) = self.idle.stream_window(streaming, contended) {
+            let found = self.sh.ring.poll_for(window, idle::STREAM_MOST)?;
+            self.diag.polled(found);
+            self.idle.stream_polled(streaming, found);
+            if found {
+                self.idle.ended(started.elapsed());
+                return Ok(());
+            }
+        }
         let polled = match self.idle.window(contended || own_work) {
             Some(window) => {
-                let found = self.sh.ring.poll_for(window)?;
+                let found = self.sh.ring.poll_for(window, window)?;
                 self.diag.polled(found);
                 found
             }
