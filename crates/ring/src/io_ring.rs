@@ -504,6 +504,9 @@ impl<T: Copy> IoRing<T> {
     /// asks for `TASKRUN_FLAG`). With `most` longer than `window`, each run
     /// of task work (a MSG_WAITALL receive took the bytes that had arrived
     /// and is not done yet) starts the window again, up to `most` in all.
+    /// That needs DEFER_TASKRUN (Linux 6.1): before it the kernel runs such
+    /// work on its own, on the way out of the poll's yields, and the window
+    /// is not started again.
     ///
     /// Why: a ring that sleeps is woken by the next request, and where an
     /// idle CPU halts (a virtual machine) that wake-up costs more than a
@@ -518,6 +521,7 @@ impl<T: Copy> IoRing<T> {
             self.core.submit_and_wait(0, None)?;
         }
         // A poll is short by nature: never past a second.
+        let window = window.min(Duration::from_secs(1));
         let start = Instant::now();
         let end = start + most.max(window).min(Duration::from_secs(1));
         let mut deadline = start + window;

@@ -20,24 +20,28 @@
 //! per read for the same throughput (the client's copying set the pace).
 //!
 //! A large WRITE's payload is the exception: while one is being received
-//! directly (`direct`), the ring polls for as long as its bytes keep
+//! directly (`direct`), the ring polls even with its own operations in
+//! flight and after a large spell, for as long as the payload's bytes keep
 //! coming, the window starting again at each arrival, for at most
-//! [`STREAM_MOST`]. A poll that ends without the payload (a pause longer
-//! than the window, or the limit) is the last until a payload received
-//! directly is complete, so a client trickling a payload costs the ring
-//! one such poll per payload, not a CPU. Without it the ring and its client take
-//! turns: a client may have only its send buffer (about 214 KiB here) in
-//! the socket, fills it in about 20 µs while the sleeping ring is still
-//! being woken (an idle CPU of this virtual machine takes about 20 µs to
-//! wake, as the ftrace of one run showed), and sleeps; the ring drains it
-//! and sleeps; and each of the five turns of a 1 MiB payload pays both
-//! wake-ups. Awake, the ring takes the bytes as they come and the client
-//! never finds the socket full: 1 MiB writes at queue depth 8 went from
-//! 4.1k to 7.2-7.5k a second against the floor server's 5.0k, for about
-//! the same server CPU per write (docs/benchmarks.md, fifteenth pass). A
-//! ring contended for its CPU does not poll here either.
+//! [`MAX_STREAM_POLL`] at a time. A poll that ends without any completion
+//! (a pause longer than the window, or the limit) is the last until a
+//! payload received directly completes, and none is made once
+//! [`STREAM_STALL`] passed without one completing (other connections'
+//! completions may keep ending the polls early), so a client trickling a
+//! payload or stopping halfway costs the ring a few polls, not a CPU.
+//! Without it the ring and its client take turns: a client may have only
+//! its send buffer (about 214 KiB here) in the socket, fills it in about
+//! 20 µs while the sleeping ring is still being woken (an idle CPU of this
+//! virtual machine takes about 20 µs to wake, as the ftrace of one run
+//! showed), and sleeps; the ring drains it and sleeps; and each of the five
+//! turns of a 1 MiB payload pays both wake-ups. Awake, the ring takes the bytes as they come and the client
+//! never finds the socket full: pinned, 1 MiB writes at queue depth 8 on
+//! xfs went from 4.36 to 7.27 GB/s (the floor server: 5.88) at 0.95x the
+//! server CPU per write; unpinned the same row gained 1.19x for 1.27x the
+//! CPU per write (docs/benchmarks.md, fifteenth pass). A ring contended
+//! for its CPU does not poll here either.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The default window: a little longer than the gap a client at queue
 /// depth 1 leaves on this kind of machine (30-40 µs between a reply and the
@@ -52,10 +56,16 @@ pub(super) const SMALL_SPELL: u64 = 256 << 10;
 const MAX_WINDOW: Duration = Duration::from_millis(10);
 
 /// The longest one poll during a large payload runs, however steadily its
-/// bytes come (a client trickling them would otherwise keep it going):
-/// past it the ring sleeps as any other, and polls again after its next
-/// wake-up.
-pub(super) const STREAM_MOST: Duration = Duration::from_millis(1);
+/// bytes come (a client trickling them would otherwise keep it going): a
+/// poll that reaches it ends without a completion, so it is the last until
+/// a payload completes.
+pub(super) const MAX_STREAM_POLL: Duration = Duration::from_millis(1);
+
+/// No poll for a payload once this long passed without a payload received
+/// directly completing: a 1 MiB payload streams in within a fraction of a
+/// millisecond, and a client that stopped halfway is not polled for while
+/// other connections' completions keep ending the polls early.
+pub(super) const STREAM_STALL: Duration = Duration::from_millis(5);
 
 /// Operations a server ring always has in flight beside its receives and
 /// accepts: the mailbox's poll and the tick.
@@ -78,14 +88,16 @@ pub(super) struct IdlePoll {
     /// Socket bytes moved since the last idle gap ended.
     spell: u64,
     /// The count of payloads received directly when a poll for one ended
-    /// without it: no such poll again until the count moves on.
+    /// without a completion: no such poll again until the count moves on.
     stream_missed: Option<u64>,
+    /// That count as last seen, and when it was first seen at that value.
+    stream_seen: Option<(u64, Instant)>,
 }
 
 impl IdlePoll {
     /// `window` zero: never poll.
     pub(super) fn new(window: Duration) -> Self {
-        IdlePoll { window: window.min(MAX_WINDOW), armed: false, spell: 0, stream_missed: None }
+        IdlePoll { window: window.min(MAX_WINDOW), armed: false, spell: 0, stream_missed: None, stream_seen: None }
     }
 
     /// A completion moved `bytes` through a client's socket.
@@ -106,16 +118,26 @@ impl IdlePoll {
         (self.armed && !held_back && self.spell <= SMALL_SPELL && !self.window.is_zero()).then_some(self.window)
     }
 
-    /// How long to poll, window after window while bytes keep coming,
-    /// before the sleep that comes now when a large WRITE's payload is
-    /// being received directly (`streaming`: the count of payloads
-    /// received directly so far); never for a `contended` ring, with the
-    /// poll off, or after a poll that missed until a payload completes.
-    /// The last spell's size and gap do not matter: the payload's next
-    /// bytes are on their way.
-    pub(super) fn stream_window(&self, streaming: Option<u64>, contended: bool) -> Option<Duration> {
-        let missed = streaming.is_some() && streaming == self.stream_missed;
-        (streaming.is_some() && !missed && !contended && !self.window.is_zero()).then_some(self.window)
+    /// How long to poll, window after window while bytes keep coming (at
+    /// most [`MAX_STREAM_POLL`] in all), before the sleep that comes at
+    /// `now` when a large WRITE's payload is being received directly
+    /// (`streaming`: the count of payloads received directly so far);
+    /// never for a `contended` ring, with the poll off, after a poll that
+    /// missed until a payload completes, or [`STREAM_STALL`] after the last
+    /// one did. The last spell's size and gap do not matter: the payload's
+    /// next bytes are on their way.
+    pub(super) fn stream_window(&mut self, streaming: Option<u64>, contended: bool, now: Instant) -> Option<Duration> {
+        let done = streaming?;
+        let since = match self.stream_seen {
+            Some((seen, since)) if seen == done => since,
+            _ => {
+                self.stream_seen = Some((done, now));
+                now
+            }
+        };
+        let stalled = now.saturating_duration_since(since) > STREAM_STALL;
+        let missed = self.stream_missed == Some(done);
+        (!missed && !stalled && !contended && !self.window.is_zero()).then_some(self.window.min(MAX_STREAM_POLL))
     }
 
     /// A poll for a payload (`streaming` as for [`IdlePoll::stream_window`])
@@ -188,27 +210,45 @@ mod tests {
 
     #[test]
     fn a_payload_on_its_way_is_polled_after_any_spell_or_gap() {
+        let now = Instant::now();
         let mut p = IdlePoll::new(50 * US);
         p.ended(2_000_000 * US);
         p.moved(1 << 20);
         assert_eq!(p.window(false), None, "a long gap and a large spell: the idle rule sleeps");
-        assert_eq!(p.stream_window(Some(0), false), Some(50 * US), "but a payload still coming is polled for");
-        assert_eq!(p.stream_window(None, false), None, "nothing on its way: the idle rule decides");
-        assert_eq!(p.stream_window(Some(0), true), None, "a contended ring never polls");
-        assert_eq!(IdlePoll::new(Duration::ZERO).stream_window(Some(0), false), None, "the poll is off");
+        assert_eq!(p.stream_window(Some(0), false, now), Some(50 * US), "but a payload still coming is polled for");
+        assert_eq!(p.stream_window(None, false, now), None, "nothing on its way: the idle rule decides");
+        assert_eq!(p.stream_window(Some(0), true, now), None, "a contended ring never polls");
+        assert_eq!(IdlePoll::new(Duration::ZERO).stream_window(Some(0), false, now), None, "the poll is off");
+        let mut long = IdlePoll::new(MAX_WINDOW);
+        assert_eq!(long.stream_window(Some(0), false, now), Some(MAX_STREAM_POLL), "a window past the limit is cut to it");
     }
 
     #[test]
     fn a_poll_that_missed_its_payload_is_the_last_until_one_completes() {
+        let now = Instant::now();
         let mut p = IdlePoll::new(50 * US);
         p.stream_polled(Some(3), true);
-        assert_eq!(p.stream_window(Some(3), false), Some(50 * US), "a poll that ended in a completion: poll again");
+        assert_eq!(p.stream_window(Some(3), false, now), Some(50 * US), "a poll that ended in a completion: poll again");
         p.stream_polled(Some(3), false);
-        assert_eq!(p.stream_window(Some(3), false), None, "a pause or a trickle: sleep through the rest");
+        assert_eq!(p.stream_window(Some(3), false, now), None, "a pause or a trickle: sleep through the rest");
         p.ended(10 * US);
-        assert_eq!(p.stream_window(Some(3), false), None, "however the ring woke");
-        assert_eq!(p.stream_window(Some(4), false), Some(50 * US), "a payload completed: the next one is polled for");
-        assert_eq!(p.stream_window(None, false), None);
+        assert_eq!(p.stream_window(Some(3), false, now), None, "however the ring woke");
+        assert_eq!(p.stream_window(Some(4), false, now), Some(50 * US), "a payload completed: the next one is polled for");
+        assert_eq!(p.stream_window(None, false, now), None);
+    }
+
+    #[test]
+    fn a_payload_that_stalls_is_not_polled_for_while_other_work_ends_the_polls() {
+        let start = Instant::now();
+        let mut p = IdlePoll::new(50 * US);
+        assert!(p.stream_window(Some(7), false, start).is_some());
+        p.stream_polled(Some(7), true);
+        let later = start + STREAM_STALL;
+        assert!(p.stream_window(Some(7), false, later).is_some(), "up to the mark, polls that found other work go on");
+        let past = later + US;
+        assert_eq!(p.stream_window(Some(7), false, past), None, "no payload completed for that long: sleep");
+        assert!(p.stream_window(Some(8), false, past).is_some(), "one completed: poll again");
+        assert_eq!(p.stream_window(Some(8), false, past + STREAM_STALL + US), None, "measured from that completion");
     }
 
     #[test]

@@ -198,8 +198,9 @@ impl Worker {
         // A large WRITE's payload on its way in: polled while its bytes
         // keep coming, so the ring and its client stream (see `idle`).
         let streaming = self.rx.streaming();
-        if let Some(window) = self.idle.stream_window(streaming, contended) {
-            let found = self.sh.ring.poll_for(window, idle::STREAM_MOST)?;
+        let stream_window = self.idle.stream_window(streaming, contended, started);
+        if let Some(window) = stream_window {
+            let found = self.sh.ring.poll_for(window, idle::MAX_STREAM_POLL)?;
             self.diag.polled(found);
             self.idle.stream_polled(streaming, found);
             if found {
@@ -207,7 +208,8 @@ impl Worker {
                 return Ok(());
             }
         }
-        let polled = match self.idle.window(contended || own_work) {
+        // After a poll for a payload that found nothing, the ring sleeps.
+        let polled = match self.idle.window(contended || own_work).filter(|_| stream_window.is_none()) {
             Some(window) => {
                 let found = self.sh.ring.poll_for(window, window)?;
                 self.diag.polled(found);
