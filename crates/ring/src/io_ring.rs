@@ -498,22 +498,18 @@ impl<T: Copy> IoRing<T> {
     /// Submits what is queued, then polls for up to `window` (at most a
     /// second) for work instead of sleeping: true when a completion is
     /// ready to reap. Between looks it yields its CPU, so a task that
-    /// shares the CPU (a client on the same core) runs rather than waits
-    /// for the poll to end. Task work the kernel queued for this thread is
-    /// run as soon as it is seen (the ring flags it: see `RingSetup`, which
-    /// asks for `TASKRUN_FLAG`). With `most` longer than `window`, each run
-    /// of task work (a MSG_WAITALL receive took the bytes that had arrived
-    /// and is not done yet) starts the window again, up to `most` in all.
-    /// That needs DEFER_TASKRUN (Linux 6.1): before it the kernel runs such
-    /// work on its own, on the way out of the poll's yields, and the window
-    /// is not started again.
+    /// shares the CPU (a client on the same core) runs rather than waits.
+    /// Task work the kernel queued for this thread is run as soon as it is
+    /// seen (the ring flags it: see `RingSetup`, which asks for
+    /// `TASKRUN_FLAG`), and with `most` longer than `window` each such run
+    /// (a MSG_WAITALL receive took what had arrived and is not done)
+    /// starts the window again, up to `most` in all: a streaming payload
+    /// is only task work until it is whole. That needs DEFER_TASKRUN
+    /// (Linux 6.1); before it the kernel runs the work on its own.
     ///
     /// Why: a ring that sleeps is woken by the next request, and where an
     /// idle CPU halts (a virtual machine) that wake-up costs more than a
-    /// cached 4 KiB read. While a large payload streams in, each arrival is
-    /// only task work, never a completion, so a window that did not start
-    /// again would end in the middle of the stream and the ring would sleep
-    /// through the rest of it. The caller decides when a poll pays.
+    /// cached 4 KiB read. The caller decides when a poll pays.
     pub fn poll_for(&mut self, window: Duration, most: Duration) -> io::Result<bool> {
         // An enter only to hand over what is queued: with nothing queued
         // the look below costs no system call (task work is seen by its flag).

@@ -34,12 +34,12 @@
 //! 20 µs while the sleeping ring is still being woken (an idle CPU of this
 //! virtual machine takes about 20 µs to wake, as the ftrace of one run
 //! showed), and sleeps; the ring drains it and sleeps; and each of the five
-//! turns of a 1 MiB payload pays both wake-ups. Awake, the ring takes the bytes as they come and the client
-//! never finds the socket full: pinned, 1 MiB writes at queue depth 8 on
-//! xfs went from 4.36 to 7.27 GB/s (the floor server: 5.88) at 0.95x the
-//! server CPU per write; unpinned the same row gained 1.19x for 1.27x the
-//! CPU per write (docs/benchmarks.md, fifteenth pass). A ring contended
-//! for its CPU does not poll here either.
+//! turns of a 1 MiB payload pays both wake-ups. Awake, the ring takes the
+//! bytes as they come and the client never finds the socket full: pinned,
+//! 1 MiB writes at queue depth 8 on xfs went from 4.36 to 7.27 GB/s (the
+//! floor server: 5.88) at 0.95x the server CPU per write; unpinned the same
+//! row gained 1.19x for 1.27x the CPU per write (docs/benchmarks.md,
+//! fifteenth pass). A ring contended for its CPU does not poll here either.
 
 use std::time::{Duration, Instant};
 
