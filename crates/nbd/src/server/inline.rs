@@ -5,14 +5,16 @@
 //! takes it without blocking (RWF_NOWAIT). xfs does; ext4 answers
 //! EOPNOTSUPP, so io_uring passes every write to an io-wq worker — one
 //! thread hand-off per write, and writes to one file served one after
-//! another. For such a file a small write is cheaper as a plain blocking
-//! `pwritev2` on the ring thread: it usually only copies into the page
-//! cache. Per export and ring:
+//! another. For such a file a write up to a large request's size is
+//! cheaper as a plain blocking `pwritev2` on the ring thread: it usually
+//! only copies into the page cache. Per export and ring:
 //!
 //! - the first write is tried with RWF_NOWAIT; if the file system takes it,
 //!   every write goes through the ring (where it completes inline anyway);
 //! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
-//!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here;
+//!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here,
+//!   those over [`STAMP_MAX`] only while no other connection of the ring
+//!   sent requests lately (`InlineWrite::shared`);
 //! - EAGAIN alone is weak evidence: xfs answers it whenever the write would
 //!   wait (dirty-page throttling, or the inode lock held by an io-wq worker
 //!   that waits there), and those answers come in streaks as long as the
@@ -85,8 +87,23 @@ use crate::export::Export;
 use crate::wire::{cmd, cmd_flags as cf, Request};
 use crate::Error;
 
-/// Largest write done blocking on the ring thread.
-pub(super) const INLINE_MAX: u64 = 64 * 1024;
+/// Largest write done blocking on the ring thread for a file system that
+/// refuses RWF_NOWAIT: a request of the kernel nbd client's default
+/// largest size (1,280 KiB) is within it. Such a write holds the ring for
+/// its copy into the page cache (150-200 µs per MiB on ext4 here), as an
+/// RWF_NOWAIT write through the ring holds it on xfs. Through a worker it
+/// cost a hand-off and the worker's share of the ring's CPU, and the ring,
+/// contended by its own worker, did not poll while the next payload
+/// streamed in: pinned, 1 MiB writes at queue depth 8 on ext4 went from
+/// 3.6-4.0k to 4.4-4.6k a second, with 0.1 context switches per write
+/// against 4 (docs/benchmarks.md, sixteenth pass).
+pub(super) const INLINE_MAX: u64 = 2 << 20;
+/// Largest write through the ring done blocking here for the file's time
+/// stamp (see [`WritePath::route_ring`]), beyond which one may be left to
+/// io_uring's workers ([`in_workers`]), and the largest done blocking here
+/// while another connection of the ring sends requests
+/// ([`InlineWrite::shared`]).
+pub(super) const STAMP_MAX: u64 = 64 * 1024;
 /// A blocking write slower than this that slept turns inline writes off.
 pub(super) const SLOW: Duration = Duration::from_millis(1);
 /// How long writes go back to the ring after a slow one.
@@ -136,7 +153,7 @@ enum Mode {
     Ring,
     /// Inline writes are turned off: io_uring does every one.
     Off,
-    /// Small writes are done blocking on the ring thread.
+    /// Writes up to [`INLINE_MAX`] are done blocking on the ring thread.
     Inline,
     /// Inline, and a write was handed out to be tried with RWF_NOWAIT again;
     /// until its answer comes, the next write is tried too.
@@ -237,7 +254,7 @@ impl WritePath {
     /// the inode's lock (and sleep in dirty-page throttling with it), and
     /// the ring thread would wait for it.
     fn route_ring(&mut self, len: u64, now: Instant) -> Route {
-        if len > INLINE_MAX || self.workers_write {
+        if len > STAMP_MAX || self.workers_write {
             return Route::Ring;
         }
         if let Some(until) = self.stamp_backoff {
@@ -320,7 +337,7 @@ impl WritePath {
         true
     }
 
-    /// Whether small writes are being done on the ring thread now.
+    /// Whether writes up to [`INLINE_MAX`] are being done on the ring thread now.
     #[cfg(test)]
     pub(super) fn inline_now(&self) -> bool {
         self.mode == Mode::Inline
@@ -396,6 +413,14 @@ pub(super) struct InlineWrite<'a> {
     /// once: a preempted write of it does not back off
     /// ([`WritePath::blocking_done`]).
     pub lone: bool,
+    /// Another connection of the ring sent requests lately (`Senders`): a
+    /// write over [`STAMP_MAX`] is left to io_uring's workers. Done here it
+    /// would hold the ring for its copy (150-200 µs per MiB on ext4), and
+    /// a 4 KiB reader at queue depth 1 beside a 1 MiB writer, one ring on
+    /// one CPU, lost a quarter of its reads; a worker is a thread the
+    /// scheduler preempts for the ring when that reader's request comes
+    /// (docs/benchmarks.md, sixteenth pass).
+    pub shared: bool,
 }
 
 impl RingInline {
@@ -467,8 +492,11 @@ impl RingInline {
                 return None;
             }
             if changed {
-                tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; small ones on the ring thread");
+                tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; up to 2 MiB on the ring thread");
             }
+        }
+        if len > STAMP_MAX && w.shared {
+            return None;
         }
         // A ring path's time stamp is written here even then: through the
         // ring it would take the turn's writes to the workers with it, and
@@ -517,7 +545,7 @@ impl RingInline {
 /// counting those would keep the stamps that prevent them off.)
 pub(super) fn in_workers(r: &Request) -> bool {
     match r.kind {
-        cmd::WRITE => r.length > INLINE_MAX || r.has(cf::FUA),
+        cmd::WRITE => r.length > STAMP_MAX || r.has(cf::FUA),
         cmd::WRITE_ZEROES | cmd::TRIM => true,
         _ => false,
     }

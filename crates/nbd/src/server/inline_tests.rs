@@ -20,7 +20,27 @@ fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
 
 /// A plain (not FUA) write of `data` at `offset` to `export`'s file.
 fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, offload: bool) -> InlineWrite<'a> {
-    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false }
+    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false, shared: false }
+}
+
+/// A large write is done here only while no other connection of the ring
+/// sent requests lately (`Senders`): done here, its copy holds that
+/// connection's requests back; a small one is done here either way.
+#[test]
+fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    let mut ring = RingInline::default();
+    let (large, small) = (vec![5u8; 1 << 20], [6u8; 4096]);
+    let shared = |data, shared| InlineWrite { shared, ..write_of(&export, data, 0, false) };
+    assert_eq!(ring.write(&mut p, shared(&large, true), now), None, "shared: through the ring");
+    assert_eq!(ring.write(&mut p, shared(&small, true), now), Some(4096), "a small one stays here");
+    assert_eq!(ring.write(&mut p, shared(&large, false), now), Some(1 << 20), "alone: done here");
+    assert_eq!(export.stats.snapshot("a").inline_writes, 2);
+    assert_eq!(std::fs::read(dir.path().join("img")).unwrap(), large);
 }
 
 /// A write the path would do blocking here goes to the ring instead
@@ -69,6 +89,25 @@ fn eopnotsupp_makes_small_writes_inline_and_large_or_fua_ones_ring() {
     assert_eq!(p.route(INLINE_MAX, false, now), Route::Blocking);
     assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
     assert_eq!(p.route(4096, true, now), Route::Ring);
+}
+
+/// A 1 MiB write (or one of the kernel nbd client's 1,280 KiB) to a file
+/// system that refuses RWF_NOWAIT is done here too, refused try included:
+/// handed to a worker it cost a hand-off per write, and the ring, contended
+/// by that worker, stopped polling while the next payload streamed in.
+#[test]
+fn a_large_write_to_a_file_system_that_blocks_is_done_here() {
+    let now = Instant::now();
+    let mut p = WritePath::new(InlineWrites::Auto);
+    assert_eq!(p.route(1 << 20, false, now), Route::Nowait);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    assert_eq!(p.refused(1 << 20), Route::Blocking, "the refused try itself is written here");
+    assert_eq!(p.route(1 << 20, false, now), Route::Blocking);
+    assert_eq!(p.route(1280 << 10, false, now), Route::Blocking);
+    assert_eq!(p.route(1 << 20, true, now), Route::Ring, "a durable one waits on the device");
+    // A ring path's large writes stay with io_uring, stamp or not.
+    let mut ring = ring_path(4_000_000, false);
+    assert_eq!(ring.route(1 << 20, false, now), Route::Ring);
 }
 
 #[test]
@@ -315,8 +354,8 @@ fn an_unanswered_try_is_asked_again_and_fua_writes_do_not_count() {
     p.nowait_done(Err(Errno::IO));
     assert!(p.inline_now());
     assert_eq!(p.gap, 2 * FIRST_GAP);
-    // ...and a large write refused still goes through the ring.
-    assert_eq!(p.refused(1 << 20), Route::Ring);
+    // ...and a write over the largest refused still goes through the ring.
+    assert_eq!(p.refused(INLINE_MAX + 1), Route::Ring);
     assert_eq!(p.refused(4096), Route::Blocking);
 }
 
@@ -373,10 +412,10 @@ fn the_first_write_of_a_tick_is_done_here() {
     let mut p = ring_path(4_000_000, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     assert_eq!(p.route(4096, false, now), Route::Ring);
-    assert_eq!(p.route(INLINE_MAX, false, now), Route::Ring);
+    assert_eq!(p.route(STAMP_MAX, false, now), Route::Ring);
     // The next tick: a large or FUA write does not take the stamp...
     p.clock(Reading { coarse: 8_000_000, near_tick: false }, false);
-    assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+    assert_eq!(p.route(STAMP_MAX + 1, false, now), Route::Ring);
     assert_eq!(p.route(4096, true, now), Route::Ring);
     // ...the next small one does, once.
     assert_eq!(p.route(4096, false, now), Route::Blocking);
@@ -396,7 +435,7 @@ fn every_write_near_the_tick_is_done_here() {
     for _ in 0..5 {
         assert_eq!(p.route(4096, false, now), Route::Blocking);
     }
-    assert_eq!(p.route(INLINE_MAX + 1, false, now), Route::Ring);
+    assert_eq!(p.route(STAMP_MAX + 1, false, now), Route::Ring);
     p.clock(Reading { coarse: 8_000_000, near_tick: false }, false);
     assert_eq!(p.route(4096, false, now), Route::Blocking);
     assert_eq!(p.route(4096, false, now), Route::Ring);

@@ -117,6 +117,7 @@ impl Receive {
             return;
         };
         let n = c.result.max(0) as usize;
+        sh.senders.saw(ci);
         let conn = sh.conns[ci as usize].as_mut().expect("checked above");
         conn.last_activity = sh.now;
         let serving = matches!(conn.phase, Phase::Serving { .. });

@@ -35,6 +35,43 @@ pub(super) struct Shared {
     pub active: bool,
     /// Each export's counters of this batch, folded after it.
     pub stats: HashMap<u64, (Arc<Export>, Pending)>,
+    /// Which connections sent requests lately.
+    pub senders: Senders,
+}
+
+/// Which connections sent request bytes lately, as far as a large write
+/// needs to know (`inline::InlineWrite::shared`): in constant time, however
+/// many connections the ring has.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Senders {
+    /// The first connection that sent since the last tick.
+    first: Option<u32>,
+    /// Another one sent since the last tick too.
+    several: bool,
+    /// Several sent between the two ticks before.
+    several_before: bool,
+}
+
+impl Senders {
+    /// Connection `ci` sent request bytes.
+    pub(super) fn saw(&mut self, ci: u32) {
+        match self.first {
+            None => self.first = Some(ci),
+            Some(first) if first != ci => self.several = true,
+            Some(_) => {}
+        }
+    }
+
+    /// Whether a connection other than `ci` sent since the tick before the
+    /// last one (or may have: several sent then).
+    pub(super) fn others_than(&self, ci: u32) -> bool {
+        self.several || self.several_before || self.first.is_some_and(|first| first != ci)
+    }
+
+    /// A tick: what was seen since the last one becomes the past.
+    pub(super) fn tick(&mut self) {
+        *self = Senders { first: None, several: false, several_before: self.several };
+    }
 }
 
 impl Shared {
@@ -51,6 +88,7 @@ impl Shared {
             now: Instant::now(),
             active: false,
             stats: HashMap::new(),
+            senders: Senders::default(),
         }
     }
 
@@ -203,5 +241,31 @@ pub(super) fn drop_parts(c: &mut Conn, bufs: &mut Buffers, budget: &ServerBudget
             }
             Part::Splice { len, .. } => c.account.release(budget, len as usize, 0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Senders;
+
+    #[test]
+    fn a_writer_alone_is_alone_until_another_connection_sends() {
+        let mut s = Senders::default();
+        assert!(!s.others_than(3), "nobody sent");
+        s.saw(3);
+        s.saw(3);
+        assert!(!s.others_than(3), "only the writer sent");
+        assert!(s.others_than(4), "for another connection, the writer is the other");
+        s.saw(7);
+        assert!(s.others_than(3), "a reader sent too");
+        s.tick();
+        assert!(s.others_than(3), "a tick later, the reader is still counted: it sent in the last period");
+        s.saw(3);
+        assert!(s.others_than(3));
+        s.tick();
+        s.saw(3);
+        assert!(!s.others_than(3), "a whole period with the writer alone: alone again");
+        s.saw(9);
+        assert!(s.others_than(3), "at once when another sends");
     }
 }

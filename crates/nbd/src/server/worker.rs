@@ -521,6 +521,7 @@ impl Worker {
                 self.sh.begin_close(i as u32);
             }
         }
+        self.sh.senders.tick();
         let served = self.reqs.served_since_tick(now);
         self.weight.follow(busy, served, weight::set_own_nice);
         self.counters.nice.store(self.weight.nice(), Ordering::Relaxed);
