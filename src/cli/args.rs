@@ -14,9 +14,9 @@ pub(crate) struct NbdTuning {
     /// 32 MiB of buffers of its own, outside --nbd-max-server-bytes.
     #[arg(long, env = "VOLRING_NBD_THREADS", default_value_t = 0)]
     pub(crate) nbd_threads: usize,
-    /// Small buffered writes on the ring thread when the pool's file system
-    /// would hand each one to an io_uring worker (ext4): auto probes each
-    /// export, off sends every write through io_uring.
+    /// Buffered writes of up to 2 MiB on the ring thread when the pool's
+    /// file system would hand each one to an io_uring worker (ext4): auto
+    /// probes each export, off sends every write through io_uring.
     #[arg(long, env = "VOLRING_NBD_INLINE_WRITES", default_value = "auto")]
     pub(crate) nbd_inline_writes: volring_nbd::InlineWrites,
     /// Page-cache reads in io_uring's worker threads when a ring thread is

@@ -14,7 +14,8 @@
 //! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
 //!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here,
 //!   those over [`STAMP_MAX`] only while no other connection of the ring
-//!   sent requests lately (`InlineWrite::shared`);
+//!   sent requests lately and the ring was not starved of CPU lately
+//!   (`InlineWrite::large_out`);
 //! - EAGAIN alone is weak evidence: xfs answers it whenever the write would
 //!   wait (dirty-page throttling, or the inode lock held by an io-wq worker
 //!   that waits there), and those answers come in streaks as long as the
@@ -88,21 +89,31 @@ use crate::wire::{cmd, cmd_flags as cf, Request};
 use crate::Error;
 
 /// Largest write done blocking on the ring thread for a file system that
-/// refuses RWF_NOWAIT: a request of the kernel nbd client's default
-/// largest size (1,280 KiB) is within it. Such a write holds the ring for
-/// its copy into the page cache (150-200 µs per MiB on ext4 here), as an
-/// RWF_NOWAIT write through the ring holds it on xfs. Through a worker it
-/// cost a hand-off and the worker's share of the ring's CPU, and the ring,
-/// contended by its own worker, did not poll while the next payload
-/// streamed in: pinned, 1 MiB writes at queue depth 8 on ext4 went from
-/// 3.6-4.0k to 4.4-4.6k a second, with 0.1 context switches per write
-/// against 4 (docs/benchmarks.md, sixteenth pass).
+/// refuses RWF_NOWAIT (ext4, or any that [`PROBES`] EAGAINs sent inline): a
+/// request of the kernel nbd client's default largest size (1,280 KiB) is
+/// within it. Such a write holds the ring for its copy into the page cache
+/// (150-200 µs per MiB on ext4 here), as an RWF_NOWAIT write through the
+/// ring holds it on xfs. Through a worker it cost a hand-off and the
+/// worker's share of the ring's CPU, and the ring, contended by its own
+/// worker, did not poll while the next payload streamed in: pinned, 1 MiB
+/// writes at queue depth 8 on ext4 went from 3.6-4.0k to 4.4-4.6k a second,
+/// with 0.1 context switches per write against 4. But beside another
+/// client the copy holds that client's requests back: a 4 KiB reader at
+/// queue depth 1, one ring on one CPU, lost a quarter of its reads; and on
+/// a CPU contended by two spinners the ring alone did 0.82-0.91x the
+/// writes it did with a worker, a thread with a CPU share of its own whose
+/// copy overlaps the ring's receive of the next payload. So a write over
+/// [`STAMP_MAX`] is done here only while its connection is the ring's lone
+/// sender and the ring was not starved lately ([`InlineWrite::large_out`]);
+/// otherwise it goes to a worker, which the scheduler also preempts for
+/// the ring when another client's request comes (docs/benchmarks.md,
+/// sixteenth pass).
 pub(super) const INLINE_MAX: u64 = 2 << 20;
 /// Largest write through the ring done blocking here for the file's time
 /// stamp (see [`WritePath::route_ring`]), beyond which one may be left to
 /// io_uring's workers ([`in_workers`]), and the largest done blocking here
-/// while another connection of the ring sends requests
-/// ([`InlineWrite::shared`]).
+/// while another connection of the ring sends requests or the ring is
+/// starved ([`InlineWrite::large_out`]).
 pub(super) const STAMP_MAX: u64 = 64 * 1024;
 /// A blocking write slower than this that slept turns inline writes off.
 pub(super) const SLOW: Duration = Duration::from_millis(1);
@@ -177,7 +188,9 @@ pub(super) enum Route {
 #[derive(Debug, Clone)]
 pub(super) struct WritePath {
     mode: Mode,
-    /// Writes routed inline since the file system last refused one.
+    /// Writes routed inline since the file system last refused one
+    /// (counted as routed even when the ring then left one to a worker:
+    /// `large_out`, or `offload`).
     since_refusal: u32,
     /// Writes to route inline before trying RWF_NOWAIT again: as many as
     /// the probe's tries when it gives up, doubled by every refusal after,
@@ -413,14 +426,11 @@ pub(super) struct InlineWrite<'a> {
     /// once: a preempted write of it does not back off
     /// ([`WritePath::blocking_done`]).
     pub lone: bool,
-    /// Another connection of the ring sent requests lately (`Senders`): a
-    /// write over [`STAMP_MAX`] is left to io_uring's workers. Done here it
-    /// would hold the ring for its copy (150-200 µs per MiB on ext4), and
-    /// a 4 KiB reader at queue depth 1 beside a 1 MiB writer, one ring on
-    /// one CPU, lost a quarter of its reads; a worker is a thread the
-    /// scheduler preempts for the ring when that reader's request comes
-    /// (docs/benchmarks.md, sixteenth pass).
-    pub shared: bool,
+    /// A write over [`STAMP_MAX`] is left to io_uring's workers: another
+    /// connection of the ring sent requests since the tick before last
+    /// (`Senders`), or the ring was starved of CPU lately
+    /// (`starve::ReadPath::contended`); see [`INLINE_MAX`].
+    pub large_out: bool,
 }
 
 impl RingInline {
@@ -492,10 +502,10 @@ impl RingInline {
                 return None;
             }
             if changed {
-                tracing::debug!(export = %w.export.name, "NBD writes: the file system blocks on them; up to 2 MiB on the ring thread");
+                tracing::debug!(export = %w.export.name, up_to = INLINE_MAX, "NBD writes: the file system blocks on them; on the ring thread");
             }
         }
-        if len > STAMP_MAX && w.shared {
+        if len > STAMP_MAX && w.large_out {
             return None;
         }
         // A ring path's time stamp is written here even then: through the
@@ -537,9 +547,8 @@ impl RingInline {
 }
 
 /// Whether io_uring's workers may do request `r`'s writing, holding the
-/// file's inode lock for as long as it takes: writes too large for the
-/// ring thread or durable ones (io_uring tries a large buffered one
-/// RWF_NOWAIT first), and the zeroing and trimming `fallocate`s. Counted
+/// file's inode lock for as long as it takes: writes over [`STAMP_MAX`]
+/// or durable ones (io_uring tries a large buffered one RWF_NOWAIT first), and the zeroing and trimming `fallocate`s. Counted
 /// whatever the file's mode, which only keeps more stamps off. (A small
 /// write refused RWF_NOWAIT goes to a worker too, but it is short, and
 /// counting those would keep the stamps that prevent them off.)

@@ -20,14 +20,15 @@ fn export_in(dir: &std::path::Path) -> std::sync::Arc<crate::export::Export> {
 
 /// A plain (not FUA) write of `data` at `offset` to `export`'s file.
 fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, offload: bool) -> InlineWrite<'a> {
-    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false, shared: false }
+    InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false, large_out: false }
 }
 
 /// A large write is done here only while no other connection of the ring
-/// sent requests lately (`Senders`): done here, its copy holds that
-/// connection's requests back; a small one is done here either way.
+/// sent requests lately (`Senders`) and the ring was not starved: done
+/// here, its copy holds another connection's requests back, and a starved
+/// ring gains a worker's CPU share; a small one is done here either way.
 #[test]
-fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared() {
+fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared_or_starved() {
     let dir = tempfile::tempdir().unwrap();
     let export = export_in(dir.path());
     let now = Instant::now();
@@ -35,10 +36,10 @@ fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared() {
     p.nowait_done(Err(Errno::OPNOTSUPP));
     let mut ring = RingInline::default();
     let (large, small) = (vec![5u8; 1 << 20], [6u8; 4096]);
-    let shared = |data, shared| InlineWrite { shared, ..write_of(&export, data, 0, false) };
-    assert_eq!(ring.write(&mut p, shared(&large, true), now), None, "shared: through the ring");
-    assert_eq!(ring.write(&mut p, shared(&small, true), now), Some(4096), "a small one stays here");
-    assert_eq!(ring.write(&mut p, shared(&large, false), now), Some(1 << 20), "alone: done here");
+    let large_out = |data, large_out| InlineWrite { large_out, ..write_of(&export, data, 0, false) };
+    assert_eq!(ring.write(&mut p, large_out(&large, true), now), None, "shared or starved: through the ring");
+    assert_eq!(ring.write(&mut p, large_out(&small, true), now), Some(4096), "a small one stays here");
+    assert_eq!(ring.write(&mut p, large_out(&large, false), now), Some(1 << 20), "alone and served: done here");
     assert_eq!(export.stats.snapshot("a").inline_writes, 2);
     assert_eq!(std::fs::read(dir.path().join("img")).unwrap(), large);
 }

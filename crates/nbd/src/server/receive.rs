@@ -292,6 +292,7 @@ impl Receive {
         sh.mark(ci);
         match res {
             n if n > 0 => {
+                sh.senders.saw(ci);
                 let c = sh.conns[ci as usize].as_mut().expect("checked above");
                 c.last_activity = sh.now;
                 let Some(p) = c.payload.as_mut() else { return };
@@ -318,6 +319,9 @@ impl Receive {
         let Some(c) = sh.conns[ci as usize].as_mut() else { return };
         if matches!(c.phase, Phase::Serving { .. }) {
             let rest = std::mem::take(&mut c.inbuf);
+            if !rest.is_empty() {
+                sh.senders.saw(ci);
+            }
             c.sync_inbuf(&sh.budget);
             self.pump(sh, out, reqs, exports, ci, &Source::Owned(rest));
         } else {

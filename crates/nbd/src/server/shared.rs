@@ -44,33 +44,47 @@ pub(super) struct Shared {
 /// many connections the ring has.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Senders {
-    /// The first connection that sent since the last tick.
+    /// Since the last tick.
+    now: Period,
+    /// Between the two ticks before.
+    before: Period,
+}
+
+/// The connections that sent in one period between ticks.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Period {
+    /// The first one.
     first: Option<u32>,
-    /// Another one sent since the last tick too.
+    /// Another one sent too.
     several: bool,
-    /// Several sent between the two ticks before.
-    several_before: bool,
+}
+
+impl Period {
+    fn other_than(self, ci: u32) -> bool {
+        self.several || self.first.is_some_and(|first| first != ci)
+    }
 }
 
 impl Senders {
-    /// Connection `ci` sent request bytes.
+    /// Connection `ci` sent request bytes (a header, a payload's part, or
+    /// requests held while it was paused).
     pub(super) fn saw(&mut self, ci: u32) {
-        match self.first {
-            None => self.first = Some(ci),
-            Some(first) if first != ci => self.several = true,
+        match self.now.first {
+            None => self.now.first = Some(ci),
+            Some(first) if first != ci => self.now.several = true,
             Some(_) => {}
         }
     }
 
     /// Whether a connection other than `ci` sent since the tick before the
-    /// last one (or may have: several sent then).
+    /// last one.
     pub(super) fn others_than(&self, ci: u32) -> bool {
-        self.several || self.several_before || self.first.is_some_and(|first| first != ci)
+        self.now.other_than(ci) || self.before.other_than(ci)
     }
 
-    /// A tick: what was seen since the last one becomes the past.
+    /// A tick: what was seen since the last one becomes the period before.
     pub(super) fn tick(&mut self) {
-        *self = Senders { first: None, several: false, several_before: self.several };
+        *self = Senders { now: Period::default(), before: self.now };
     }
 }
 
@@ -267,5 +281,16 @@ mod tests {
         assert!(!s.others_than(3), "a whole period with the writer alone: alone again");
         s.saw(9);
         assert!(s.others_than(3), "at once when another sends");
+    }
+
+    #[test]
+    fn a_lone_sender_of_the_period_before_still_counts() {
+        let mut s = Senders::default();
+        s.saw(7);
+        s.tick();
+        s.saw(3);
+        assert!(s.others_than(3), "the reader sent alone in the period before: it may still wait");
+        s.tick();
+        assert!(!s.others_than(3), "two ticks without it: gone");
     }
 }
