@@ -99,7 +99,7 @@ use crate::Error;
 /// writes at queue depth 8 on ext4 went from 3.6-4.0k to 4.4-4.6k a second,
 /// with 0.1-1.5 context switches per write against 3.7-5.0. Beside another
 /// client the copy holds that client's requests back: a 4 KiB reader at
-/// queue depth 1, one ring on one CPU, lost a quarter of its reads; and on
+/// queue depth 1, one ring on one CPU, lost a fifth of its reads; and on
 /// a CPU contended by two spinners the ring alone did 0.83-0.91x the
 /// writes it did with a worker, a thread with a CPU share of its own whose
 /// copy overlaps the ring's receive of the next payload. So a write over
