@@ -14,8 +14,8 @@
 //! - if it answers EOPNOTSUPP, or EAGAIN [`PROBES`] times in a row and never
 //!   succeeds, writes of at most [`INLINE_MAX`] are done blocking here,
 //!   those over [`STAMP_MAX`] only while no other connection of the ring
-//!   sent requests lately and the ring was not starved of CPU lately
-//!   (`InlineWrite::large_out`);
+//!   sent requests lately and the ring is not in a spell of being starved
+//!   of CPU (`InlineWrite::large_out`);
 //! - EAGAIN alone is weak evidence: xfs answers it whenever the write would
 //!   wait (dirty-page throttling, or the inode lock held by an io-wq worker
 //!   that waits there), and those answers come in streaks as long as the
@@ -99,12 +99,13 @@ use crate::Error;
 /// writes at queue depth 8 on ext4 went from 3.6-4.0k to 4.4-4.6k a second,
 /// with 0.1-1.5 context switches per write against 3.7-5.0. Beside another
 /// client the copy holds that client's requests back: a 4 KiB reader at
-/// queue depth 1, one ring on one CPU, lost a fifth of its reads; and on
-/// a CPU contended by two spinners the ring alone did 0.83-0.91x the
-/// writes it did with a worker, a thread with a CPU share of its own whose
-/// copy overlaps the ring's receive of the next payload. So a write over
-/// [`STAMP_MAX`] is done here only while its connection is the ring's lone
-/// sender and the ring was not starved lately ([`InlineWrite::large_out`]);
+/// queue depth 1, one ring on one CPU, did 0.84-0.90x the reads it did
+/// beside the worker path; and on a CPU contended by two spinners the ring
+/// alone did 0.83-0.91x the writes it did with a worker, a thread with a
+/// CPU share of its own whose copy overlaps the ring's receive of the next
+/// payload. So a write over [`STAMP_MAX`] is done here only while its
+/// connection is the ring's lone sender and the ring is not in a starved
+/// spell ([`InlineWrite::large_out`]);
 /// otherwise it goes to a worker, which the scheduler also preempts for
 /// the ring when another client's request comes (docs/benchmarks.md,
 /// sixteenth pass).
@@ -112,8 +113,8 @@ pub(super) const INLINE_MAX: u64 = 2 << 20;
 /// Largest write through the ring done blocking here for the file's time
 /// stamp (see [`WritePath::route_ring`]), beyond which one may be left to
 /// io_uring's workers ([`in_workers`]), and the largest done blocking here
-/// while another connection of the ring sends requests or the ring is
-/// starved ([`InlineWrite::large_out`]).
+/// while another connection of the ring sends requests or the ring is in a
+/// starved spell ([`InlineWrite::large_out`]).
 pub(super) const STAMP_MAX: u64 = 64 * 1024;
 /// A blocking write slower than this that slept turns inline writes off.
 pub(super) const SLOW: Duration = Duration::from_millis(1);
@@ -428,8 +429,8 @@ pub(super) struct InlineWrite<'a> {
     pub lone: bool,
     /// A write over [`STAMP_MAX`] is left to io_uring's workers: another
     /// connection of the ring sent requests since the tick before last
-    /// (`Senders`), or the ring was starved of CPU lately
-    /// (`starve::ReadPath::contended`); see [`INLINE_MAX`].
+    /// (`Senders`), or the ring is in a spell of being starved of CPU
+    /// (`starve::ReadPath::starved_spell`); see [`INLINE_MAX`].
     pub large_out: bool,
 }
 
@@ -548,8 +549,9 @@ impl RingInline {
 
 /// Whether io_uring's workers may do request `r`'s writing, holding the
 /// file's inode lock for as long as it takes: writes over [`STAMP_MAX`]
-/// or durable ones (io_uring tries a large buffered one RWF_NOWAIT first), and the zeroing and trimming `fallocate`s. Counted
-/// whatever the file's mode, which only keeps more stamps off. (A small
+/// or durable ones (io_uring tries a large buffered one RWF_NOWAIT first),
+/// and the zeroing and trimming `fallocate`s. Counted whatever the file's
+/// mode, which only keeps more stamps off. (A small
 /// write refused RWF_NOWAIT goes to a worker too, but it is short, and
 /// counting those would keep the stamps that prevent them off.)
 pub(super) fn in_workers(r: &Request) -> bool {

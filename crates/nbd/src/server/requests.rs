@@ -262,7 +262,7 @@ impl Requests {
         };
         let serving = at_once(self.table.len() - self.free.len(), self.admitted, depth);
         let (offload, lone) = (self.reads.offload_writes(serving), serving < MIN_IN_FLIGHT);
-        let large_out = sh.senders.others_than(ci) || self.reads.contended();
+        let large_out = sh.senders.others_than(ci) || self.reads.starved_spell();
         let w = InlineWrite { export: &export, fd, data, offset: r.req.offset, fua: r.req.has(cf::FUA), offload, lone, large_out };
         let Some(res) = self.inline.write(path, w, sh.now) else { return false };
         self.on_done(sh, out, ri, res);

@@ -40,7 +40,7 @@ pub(super) struct Shared {
 }
 
 /// Which connections sent request bytes lately, as far as a large write
-/// needs to know (`inline::InlineWrite::shared`): in constant time, however
+/// needs to know (`inline::InlineWrite::large_out`): in constant time, however
 /// many connections the ring has.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Senders {

@@ -298,8 +298,11 @@ impl ReadPath {
 
     /// Whether a streak of starved windows ended less than [`OFFLOAD_FOR`]
     /// ago: contention, not a hiccup (one starved window, which
-    /// [`ReadPath::contended`] counts too).
-    fn starved_spell(&self) -> bool {
+    /// [`ReadPath::contended`] counts too). Large writes go to io_uring's
+    /// workers meanwhile (`inline::InlineWrite::large_out`): after a mere
+    /// hiccup, a pinned ring's own worker would starve the windows that
+    /// follow and make one.
+    pub(super) fn starved_spell(&self) -> bool {
         self.offload_until.is_some()
     }
 
