@@ -23,18 +23,24 @@ fn write_of<'a>(export: &'a crate::export::Export, data: &'a [u8], offset: u64, 
     InlineWrite { export, fd: std::os::fd::AsFd::as_fd(export.file()), data, offset, fua: false, offload, lone: false, large_out: false }
 }
 
+/// An export in a fresh directory whose file system refused RWF_NOWAIT
+/// (as ext4 does), its write path, and a ring's side of inline writes.
+fn refusing_export() -> (tempfile::TempDir, std::sync::Arc<crate::export::Export>, WritePath, RingInline) {
+    let dir = tempfile::tempdir().unwrap();
+    let export = export_in(dir.path());
+    let mut p = WritePath::new(InlineWrites::Auto);
+    p.nowait_done(Err(Errno::OPNOTSUPP));
+    (dir, export, p, RingInline::default())
+}
+
 /// A large write is done here only while no other connection of the ring
 /// sent requests lately (`Senders`) and the ring was not starved: done
 /// here, its copy holds another connection's requests back, and a starved
 /// ring gains a worker's CPU share; a small one is done here either way.
 #[test]
 fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared_or_starved() {
-    let dir = tempfile::tempdir().unwrap();
-    let export = export_in(dir.path());
+    let (dir, export, mut p, mut ring) = refusing_export();
     let now = Instant::now();
-    let mut p = WritePath::new(InlineWrites::Auto);
-    p.nowait_done(Err(Errno::OPNOTSUPP));
-    let mut ring = RingInline::default();
     let (large, small) = (vec![5u8; 1 << 20], [6u8; 4096]);
     let large_out = |data, large_out| InlineWrite { large_out, ..write_of(&export, data, 0, false) };
     assert_eq!(ring.write(&mut p, large_out(&large, true), now), None, "shared or starved: through the ring");
@@ -49,12 +55,8 @@ fn a_large_write_is_left_to_the_workers_while_the_ring_is_shared_or_starved() {
 /// (`starve::ReadPath::offload_writes`), and is done here again after.
 #[test]
 fn a_starved_ring_leaves_blocking_writes_to_the_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    let export = export_in(dir.path());
+    let (dir, export, mut p, mut ring) = refusing_export();
     let now = Instant::now();
-    let mut p = WritePath::new(InlineWrites::Auto);
-    p.nowait_done(Err(Errno::OPNOTSUPP));
-    let mut ring = RingInline::default();
     let data = [7u8; 4096];
     let write = |offload| write_of(&export, &data, 0, offload);
     assert_eq!(ring.write(&mut p, write(true), now), None, "offloaded: through the ring");
